@@ -1,0 +1,40 @@
+# Two commands do all set-up on a fresh machine: `make run` and `make test`.
+# Both are idempotent: stamps skip work that is already done.
+PYTHON ?= python3
+VENV   := .venv
+PY     := $(VENV)/bin/python
+STAMP  := $(VENV)/.stamp
+
+.PHONY: run test lint typecheck unit bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+
+# Runtime install: the project and its dependencies.
+$(STAMP)-run: pyproject.toml | $(PY)
+	$(PY) -m pip install --quiet -e .
+	touch $@
+
+# Test install: runtime + test-only packages + the Debian packages the tests drive.
+$(STAMP)-test: pyproject.toml scripts/install-system-deps.sh | $(PY)
+	bash scripts/install-system-deps.sh
+	$(PY) -m pip install --quiet -e '.[test]'
+	touch $@
+
+run: $(STAMP)-run
+	$(VENV)/bin/mqlog serve -c config/broker.toml
+
+lint: $(STAMP)-test
+	$(VENV)/bin/ruff check broker spark_sink tests bench examples
+	$(VENV)/bin/mypy
+
+test: $(STAMP)-test lint
+	$(PY) -m pytest -q
+
+bench: $(STAMP)-test
+	$(PY) -m bench.codec
+	$(PY) -m bench.commitlog
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
