@@ -16,15 +16,29 @@ SHARE_PREFIX = "$share/"
 #: The spec allows 65,535 bytes of UTF-8; brokers apply a smaller configured limit on top.
 MAX_TOPIC_BYTES = 65535
 
+#: A str of at most this many characters cannot exceed MAX_TOPIC_BYTES in UTF-8 (4 bytes per
+#: code point at most), so the common short topic skips the encode.
+_MAX_CHARS_WITHOUT_ENCODE = MAX_TOPIC_BYTES // 4
+
+
+def _too_long(text: str) -> bool:
+    """[MQTT-4.7.3-3] topic names and filters encode to at most 65,535 bytes of UTF-8."""
+    return len(text) > _MAX_CHARS_WITHOUT_ENCODE and (
+        len(text.encode("utf-8", "surrogatepass")) > MAX_TOPIC_BYTES
+    )
+
 
 def validate_topic_name(topic: str) -> None:
     """Raise :class:`TopicNameInvalid` unless ``topic`` is a valid PUBLISH topic name.
 
     [MQTT-4.7.3-1] at least one character; [MQTT-3.3.2-2] no wildcard characters;
-    [MQTT-4.7.3-2] no U+0000 (the codec already rejects it in every UTF-8 string).
+    [MQTT-4.7.3-2] no U+0000 (the codec already rejects it in every UTF-8 string);
+    [MQTT-4.7.3-3] at most 65,535 bytes of UTF-8.
     """
     if not topic:
         raise TopicNameInvalid("topic name must not be empty [MQTT-4.7.3-1]")
+    if _too_long(topic):
+        raise TopicNameInvalid("topic name longer than 65,535 bytes [MQTT-4.7.3-3]")
     if "+" in topic or "#" in topic:
         raise TopicNameInvalid(f"topic name {topic!r} contains a wildcard [MQTT-3.3.2-2]")
     if "\x00" in topic:
@@ -38,9 +52,12 @@ def validate_topic_filter(topic_filter: str) -> None:
     [MQTT-4.7.1-3] ``+`` must occupy a whole level; [MQTT-4.7.3-1] not empty.
     A shared filter ``$share/<group>/<filter>`` needs a non-empty group without wildcards
     or ``/`` and a valid non-empty filter after it [MQTT-4.8.2-1], [MQTT-4.8.2-2].
+    [MQTT-4.7.3-3] at most 65,535 bytes of UTF-8.
     """
     if not topic_filter:
         raise TopicFilterInvalid("topic filter must not be empty [MQTT-4.7.3-1]")
+    if _too_long(topic_filter):
+        raise TopicFilterInvalid("topic filter longer than 65,535 bytes [MQTT-4.7.3-3]")
     if "\x00" in topic_filter:
         raise TopicFilterInvalid("topic filter contains U+0000 [MQTT-4.7.3-2]")
     if topic_filter.startswith(SHARE_PREFIX):
