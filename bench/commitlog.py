@@ -1,0 +1,290 @@
+"""Commit log throughput against the disk it writes to (``python -m bench.commitlog``).
+
+Append throughput of :class:`SegmentedLog` for 64-byte and 1 KiB payloads, batches of 1, 100
+and 1,000 records, under each fsync policy; sequential read throughput; and, in the same run on
+the same file system, ``dd`` writing as many bytes as the reference cell (1 KiB payloads,
+batches of 1,000, fsync=interval) with and without ``conv=fdatasync``: the physical reference,
+so the headline figure is a ratio.
+
+Each append cell runs until it has written ``--bytes-cap`` bytes or spent ``--time-cap``
+seconds, whichever comes first (fsync=always with batches of 1 is disk-latency bound). Timing
+includes the final ``flush()`` for ``always`` and ``interval`` (the data is only as durable as
+its policy promises once that returns); ``never`` is timed up to the last ``append`` return.
+``interval`` cells call ``flush_if_due()`` after each append, as the partition owner's loop does.
+
+Targets: 1 KiB batched appends at fsync=interval >= 70% of dd's bandwidth with fdatasync;
+sequential reads >= 1,000,000 records/s. Output: a table, then one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import orjson
+from broker.commitlog.log import SegmentedLog
+
+from broker.commitlog.config import FsyncPolicy, LogConfig
+from broker.commitlog.record import Record
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS_DIR = ROOT / "bench" / "results"
+PAYLOAD_SIZES = (64, 1024)
+BATCH_SIZES = (1, 100, 1000)
+POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
+REFERENCE = (1024, 1000, "interval")
+TARGET_DD_RATIO = 0.70
+TARGET_READ_RECORDS_S = 1_000_000
+MIB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class AppendResult:
+    payload: int
+    batch: int
+    fsync: str
+    records: int
+    seconds: float
+    payload_bytes: int
+    disk_bytes: int  # size of the .log files written (records + framing)
+
+    @property
+    def records_s(self) -> float:
+        return self.records / self.seconds
+
+    @property
+    def disk_mb_s(self) -> float:
+        return self.disk_bytes / self.seconds / 1e6
+
+    @property
+    def payload_mb_s(self) -> float:
+        return self.payload_bytes / self.seconds / 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class ReadResult:
+    payload: int
+    records: int
+    seconds: float
+
+    @property
+    def records_s(self) -> float:
+        return self.records / self.seconds
+
+    @property
+    def payload_mb_s(self) -> float:
+        return self.records * self.payload / self.seconds / 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class DdResult:
+    fdatasync: bool
+    bytes: int
+    seconds: float
+
+    @property
+    def mb_s(self) -> float:
+        return self.bytes / self.seconds / 1e6
+
+
+def make_batch(payload: int, batch: int) -> list[Record]:
+    now_ms = int(time.time() * 1000)
+    body = os.urandom(payload)
+    return [
+        Record(
+            offset=0,
+            timestamp=now_ms,
+            topic=f"devices/dev-{i % 100:04d}/telemetry",
+            payload=body,
+            qos=1,
+            client_id=f"dev-{i % 100:04d}",
+        )
+        for i in range(batch)
+    ]
+
+
+def log_bytes(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.glob("*.log"))
+
+
+def run_append(
+    directory: Path, payload: int, batch: int, policy: FsyncPolicy, time_cap: float, bytes_cap: int
+) -> AppendResult:
+    config = LogConfig(fsync=policy, fsync_interval_ms=1000, retention_ms=None)
+    records = make_batch(payload, batch)
+    appends_cap = max(1, bytes_cap // (payload * batch))
+    log = SegmentedLog.open(directory, config)
+    appends = 0
+    try:
+        append = log.append
+        flush_if_due = log.flush_if_due
+        interval = policy == "interval"
+        start = time.perf_counter()
+        deadline = start + time_cap
+        while appends < appends_cap:
+            append(records)
+            if interval:
+                flush_if_due()
+            appends += 1
+            if appends % 16 == 0 or batch >= 100:
+                if time.perf_counter() > deadline:
+                    break
+        if policy != "never":
+            log.flush()
+        seconds = time.perf_counter() - start
+    finally:
+        log.close()
+    n = appends * batch
+    return AppendResult(payload, batch, policy, n, seconds, n * payload, log_bytes(directory))
+
+
+def run_read(directory: Path, payload: int, time_cap: float) -> ReadResult:
+    config = LogConfig(fsync="never", retention_ms=None)
+    log = SegmentedLog.open(directory, config)
+    try:
+        read = log.read
+        end = log.end_offset
+        offset = log.log_start_offset
+        count = 0
+        start = time.perf_counter()
+        deadline = start + time_cap
+        while offset < end:
+            chunk = read(offset, 1000, 1 << 20)
+            count += len(chunk)
+            offset = chunk[-1].offset + 1
+            if time.perf_counter() > deadline:
+                break
+        seconds = time.perf_counter() - start
+    finally:
+        log.close()
+    return ReadResult(payload, count, seconds)
+
+
+_DD_RE = re.compile(r"^(\d+) bytes .* copied, ([0-9.,e-]+) s", re.MULTILINE)
+
+
+def run_dd(directory: Path, mib: int, fdatasync: bool) -> DdResult:
+    target = directory / "dd.out"
+    cmd = ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}"]
+    if fdatasync:
+        cmd.append("conv=fdatasync")
+    start = time.perf_counter()
+    done = subprocess.run(cmd, capture_output=True, text=True, check=True)
+    wall = time.perf_counter() - start
+    target.unlink()
+    m = _DD_RE.search(done.stderr)
+    if m:  # dd's own figure excludes process start-up
+        return DdResult(fdatasync, int(m.group(1)), float(m.group(2).replace(",", ".")))
+    return DdResult(fdatasync, mib * MIB, wall)
+
+
+def table(appends: list[AppendResult], reads: list[ReadResult], dds: list[DdResult]) -> str:
+    lines = [
+        f"{'payload':>7} {'batch':>5} {'fsync':>8} {'records':>10} {'s':>6} "
+        f"{'records/s':>11} {'disk MB/s':>9} {'payload MB/s':>12}"
+    ]
+    for a in appends:
+        lines.append(
+            f"{a.payload:>7} {a.batch:>5} {a.fsync:>8} {a.records:>10} {a.seconds:>6.2f} "
+            f"{a.records_s:>11,.0f} {a.disk_mb_s:>9.1f} {a.payload_mb_s:>12.1f}"
+        )
+    lines.append("")
+    lines.append(f"{'read':>7} {'':>5} {'':>8} {'records':>10} {'s':>6} {'records/s':>11}")
+    for r in reads:
+        lines.append(
+            f"{r.payload:>7} {'':>5} {'':>8} {r.records:>10} {r.seconds:>6.2f} "
+            f"{r.records_s:>11,.0f}"
+        )
+    lines.append("")
+    for d in dds:
+        mode = "conv=fdatasync" if d.fdatasync else "no sync"
+        lines.append(f"dd bs=1M {d.bytes / MIB:>6.0f} MiB {mode:<15} {d.mb_s:>9.1f} MB/s")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.commitlog", description=__doc__)
+    parser.add_argument("--time-cap", type=float, default=1.5, help="seconds per append cell")
+    parser.add_argument("--bytes-cap", type=int, default=256, help="payload MiB per cell")
+    parser.add_argument("--read-cap", type=float, default=3.0, help="seconds per read run")
+    parser.add_argument("--dir", type=Path, default=RESULTS_DIR, help="parent of the data dir")
+    args = parser.parse_args(argv)
+
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="commitlog-", dir=args.dir))
+    appends: list[AppendResult] = []
+    reads: list[ReadResult] = []
+    dds: list[DdResult] = []
+    try:
+        keep = {(p, 1000, "never") for p in PAYLOAD_SIZES}  # read back afterwards
+        for payload in PAYLOAD_SIZES:
+            for batch in BATCH_SIZES:
+                for policy in POLICIES:
+                    d = work / f"{payload}-{batch}-{policy}"
+                    res = run_append(d, payload, batch, policy, args.time_cap, args.bytes_cap * MIB)
+                    appends.append(res)
+                    print(
+                        f"  append {payload:>5} B x {batch:>4} {policy:>8}: "
+                        f"{res.records_s:>11,.0f} records/s {res.disk_mb_s:>7.1f} MB/s",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    if (payload, batch, policy) == REFERENCE:
+                        mib = max(1, -(-res.disk_bytes // MIB))
+                        dds = [run_dd(work, mib, True), run_dd(work, mib, False)]
+                    if (payload, batch, policy) not in keep:
+                        shutil.rmtree(d)
+        for payload in PAYLOAD_SIZES:
+            reads.append(run_read(work / f"{payload}-1000-never", payload, args.read_cap))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    ref = next(a for a in appends if (a.payload, a.batch, a.fsync) == REFERENCE)
+    dd_sync = next(d for d in dds if d.fdatasync)
+    dd_nosync = next(d for d in dds if not d.fdatasync)
+    ratio = ref.disk_mb_s / dd_sync.mb_s
+    read_64 = next(r for r in reads if r.payload == 64)
+    print(table(appends, reads, dds))
+    print()
+    print(
+        f"1 KiB x 1000 fsync=interval vs dd conv=fdatasync: {ratio:.0%} "
+        f"(target >= {TARGET_DD_RATIO:.0%}); vs dd without sync: "
+        f"{ref.disk_mb_s / dd_nosync.mb_s:.0%}"
+    )
+    print(
+        f"sequential read, 64 B records: {read_64.records_s:,.0f} records/s "
+        f"(target >= {TARGET_READ_RECORDS_S:,})"
+    )
+    summary = {
+        "bench": "commitlog",
+        "appends": [
+            asdict(a) | {"records_s": a.records_s, "disk_mb_s": a.disk_mb_s} for a in appends
+        ],
+        "reads": [asdict(r) | {"records_s": r.records_s} for r in reads],
+        "dd": [asdict(d) | {"mb_s": d.mb_s} for d in dds],
+        "interval_1k_x1000_mb_s": ref.disk_mb_s,
+        "dd_fdatasync_mb_s": dd_sync.mb_s,
+        "dd_nosync_mb_s": dd_nosync.mb_s,
+        "ratio_vs_dd_fdatasync": ratio,
+        "ratio_vs_dd_nosync": ref.disk_mb_s / dd_nosync.mb_s,
+        "read_records_s": read_64.records_s,
+        "read_1k_records_s": next(r for r in reads if r.payload == 1024).records_s,
+        "targets_met": {
+            "dd_ratio": ratio >= TARGET_DD_RATIO,
+            "read_records_s": read_64.records_s >= TARGET_READ_RECORDS_S,
+        },
+    }
+    print(orjson.dumps(summary).decode())
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
