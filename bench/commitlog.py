@@ -134,9 +134,8 @@ def run_append(
             if interval:
                 flush_if_due()
             appends += 1
-            if appends % 16 == 0 or batch >= 100:
-                if time.perf_counter() > deadline:
-                    break
+            if (appends % 16 == 0 or batch >= 100) and time.perf_counter() > deadline:
+                break
         if policy != "never":
             log.flush()
         seconds = time.perf_counter() - start
