@@ -1,0 +1,368 @@
+"""MQTT encoder: packets out as bytes, for protocol levels 3 (3.1), 4 (3.1.1) and 5 (5.0).
+
+``encode(packet, version)`` handles every packet type; ``encode_publish(...)`` is the hot-path
+form used when delivering messages and builds the bytes without a ``Publish`` object.
+
+Invariants:
+
+* The output is always a packet the receiving side decodes back to an equal packet, with
+  two documented exceptions forced by 3.1.1 having fewer fields: ``properties`` are not
+  sent at levels 3/4 (so a 5.0 message can be delivered to a 3.1.1 subscriber as is), and a
+  3.1.1 UNSUBACK carries no reason codes (s3.11).
+* Anything the spec forbids us to send raises :class:`LocalProtocolError` (a bug on our
+  side), e.g. QoS 3, a missing packet id on QoS > 0 [MQTT-2.2.1-3], a packet id on QoS 0
+  [MQTT-2.2.1-2], DUP on QoS 0 [MQTT-3.3.1-2], AUTH at level 4, a reason code the packet
+  type does not define, a property the packet type does not allow.
+* The shortest form the spec allows is used: 5.0 PUBACK/PUBREC/PUBREL/PUBCOMP, DISCONNECT and
+  AUTH omit a 0x00 reason code and an empty property block (s3.4.2.1, s3.14.2.1, s3.15.2.1),
+  and lengths use the fewest Variable Byte Integer bytes [MQTT-1.5.5-1].
+
+Pure functions; safe from any thread.
+"""
+
+from __future__ import annotations
+
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from broker.mqtt.errors import LocalProtocolError
+from broker.mqtt.packets import (
+    REASON_CODES_V5,
+    REASON_CODES_V311,
+    Auth,
+    ConnAck,
+    Connect,
+    Disconnect,
+    Packet,
+    PingReq,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    UnsubAck,
+    Unsubscribe,
+)
+from broker.mqtt.properties import (
+    MAX_VBI,
+    WILL_PROPERTIES,
+    PropertyId,
+    encode_binary,
+    encode_properties,
+    encode_utf8,
+    encode_vbi,
+)
+
+__all__ = ["encode", "encode_publish"]
+
+_U16 = struct.Struct(">H").pack
+_HEAD2 = struct.Struct(">BB").pack
+_HEAD2_U16 = struct.Struct(">BBH").pack
+_NO_PROPS = b"\x00"
+_VERSIONS = (3, 4, 5)
+_TOPIC_ALIAS = PropertyId.TOPIC_ALIAS
+
+
+def _check_version(version: int) -> None:
+    if version not in _VERSIONS:
+        raise LocalProtocolError(f"unsupported MQTT protocol version {version!r}")
+
+
+def _frame(first: int, body: bytes) -> bytes:
+    """Prefix ``body`` with the fixed header: type/flags byte and remaining length (s2.1)."""
+    size = len(body)
+    if size < 0x80:
+        return _HEAD2(first, size) + body
+    if size > MAX_VBI:
+        raise LocalProtocolError(f"packet body of {size} bytes exceeds {MAX_VBI}")
+    return bytes((first,)) + encode_vbi(size) + body
+
+
+def _u16(value: Any, what: str) -> bytes:
+    if not isinstance(value, int) or not 0 <= value <= 0xFFFF:
+        raise LocalProtocolError(f"{what} must be 0..65535, got {value!r}")
+    return _U16(value)
+
+
+def _packet_id(value: Any, what: str) -> bytes:
+    """Packet ids are 1..65535 [MQTT-2.2.1-3]."""
+    if not isinstance(value, int) or not 0 < value <= 0xFFFF:
+        raise LocalProtocolError(f"{what} packet id must be 1..65535, got {value!r}")
+    return _U16(value)
+
+
+def _reason(ptype: int, code: int, version: int, what: str) -> int:
+    table = REASON_CODES_V5 if version == 5 else REASON_CODES_V311
+    allowed = table.get(ptype)
+    if allowed is None:
+        if code:
+            raise LocalProtocolError(f"{what} has no reason code before MQTT 5.0")
+        return 0
+    if code not in allowed:
+        raise LocalProtocolError(f"{what} reason code {code!r} is not defined for it")
+    return code
+
+
+def _qos(value: Any, what: str) -> int:
+    if value not in (0, 1, 2) or isinstance(value, bool):
+        raise LocalProtocolError(f"{what} QoS must be 0, 1 or 2, got {value!r}")
+    return int(value)
+
+
+# --------------------------------------------------------------------------- per packet
+
+
+def _encode_connect(packet: Connect, version: int) -> bytes:
+    level = packet.protocol_level
+    if level != version:
+        raise LocalProtocolError(f"CONNECT protocol_level {level} encoded as version {version}")
+    expected_name = "MQIsdp" if level == 3 else "MQTT"
+    if packet.protocol_name != expected_name:
+        raise LocalProtocolError(f"CONNECT level {level} needs protocol name {expected_name!r}")
+    v5 = version == 5
+    flags = 0x02 if packet.clean_start else 0
+    will = packet.will
+    if will is not None:
+        flags |= 0x04 | (_qos(will.qos, "will") << 3) | (0x20 if will.retain else 0)
+    if packet.username is not None:
+        flags |= 0x80
+    if packet.password is not None:
+        if packet.username is None and not v5:
+            raise LocalProtocolError("CONNECT password without username [MQTT-3.1.2-22]")
+        flags |= 0x40
+    parts = [encode_utf8(expected_name), bytes((level, flags)), _u16(packet.keepalive, "keepalive")]
+    if v5:
+        parts.append(encode_properties(packet.properties, 1))
+    parts.append(encode_utf8(packet.client_id))
+    if will is not None:
+        if v5:
+            parts.append(encode_properties(will.properties, WILL_PROPERTIES))
+        parts.append(encode_utf8(will.topic))
+        parts.append(encode_binary(will.payload))
+    if packet.username is not None:
+        parts.append(encode_utf8(packet.username))
+    if packet.password is not None:
+        parts.append(encode_binary(packet.password))
+    return _frame(0x10, b"".join(parts))
+
+
+def _encode_connack(packet: ConnAck, version: int) -> bytes:
+    code = _reason(2, packet.reason_code, version, "CONNACK")
+    body = bytes((1 if packet.session_present else 0, code))
+    if version == 5:
+        body += encode_properties(packet.properties, 2)
+    return _frame(0x20, body)
+
+
+def _encode_publish_packet(packet: Publish, version: int) -> bytes:
+    return encode_publish(
+        packet.topic,
+        packet.payload,
+        packet.qos,
+        packet.retain,
+        packet.dup,
+        packet.packet_id,
+        packet.properties,
+        version,
+    )
+
+
+def _ack(first: int, ptype: int, what: str, packet: PubAck | PubRec | PubRel | PubComp,
+         version: int) -> bytes:  # fmt: skip
+    body = _packet_id(packet.packet_id, what)
+    code = _reason(ptype, packet.reason_code, version, what)
+    if version == 5 and (code or packet.properties):
+        body += bytes((code,))
+        if packet.properties:
+            body += encode_properties(packet.properties, ptype)
+    return _frame(first, body)
+
+
+def _encode_puback(packet: PubAck, version: int) -> bytes:
+    return _ack(0x40, 4, "PUBACK", packet, version)
+
+
+def _encode_pubrec(packet: PubRec, version: int) -> bytes:
+    return _ack(0x50, 5, "PUBREC", packet, version)
+
+
+def _encode_pubrel(packet: PubRel, version: int) -> bytes:
+    return _ack(0x62, 6, "PUBREL", packet, version)
+
+
+def _encode_pubcomp(packet: PubComp, version: int) -> bytes:
+    return _ack(0x70, 7, "PUBCOMP", packet, version)
+
+
+def _encode_subscribe(packet: Subscribe, version: int) -> bytes:
+    if not packet.subscriptions:
+        raise LocalProtocolError("SUBSCRIBE needs at least one topic filter [MQTT-3.8.3-3]")
+    parts = [_packet_id(packet.packet_id, "SUBSCRIBE")]
+    if version == 5:
+        parts.append(encode_properties(packet.properties, 8))
+    for sub in packet.subscriptions:
+        opts = _qos(sub.qos, "subscription")
+        if version == 5:
+            if sub.retain_handling not in (0, 1, 2):
+                raise LocalProtocolError(f"retain handling must be 0..2: {sub.retain_handling}")
+            opts |= (
+                (0x04 if sub.no_local else 0)
+                | (0x08 if sub.retain_as_published else 0)
+                | (sub.retain_handling << 4)
+            )
+        elif sub.no_local or sub.retain_as_published or sub.retain_handling:
+            raise LocalProtocolError("subscription options beyond QoS need MQTT 5.0")
+        parts.append(encode_utf8(sub.topic_filter))
+        parts.append(bytes((opts,)))
+    return _frame(0x82, b"".join(parts))
+
+
+def _encode_suback(packet: SubAck, version: int) -> bytes:
+    body = _packet_id(packet.packet_id, "SUBACK")
+    if version == 5:
+        body += encode_properties(packet.properties, 9)
+    codes = [_reason(9, code, version, "SUBACK") for code in packet.reason_codes]
+    return _frame(0x90, body + bytes(codes))
+
+
+def _encode_unsubscribe(packet: Unsubscribe, version: int) -> bytes:
+    if not packet.topic_filters:
+        raise LocalProtocolError("UNSUBSCRIBE needs at least one topic filter [MQTT-3.10.3-2]")
+    parts = [_packet_id(packet.packet_id, "UNSUBSCRIBE")]
+    if version == 5:
+        parts.append(encode_properties(packet.properties, 10))
+    parts.extend(encode_utf8(topic_filter) for topic_filter in packet.topic_filters)
+    return _frame(0xA2, b"".join(parts))
+
+
+def _encode_unsuback(packet: UnsubAck, version: int) -> bytes:
+    body = _packet_id(packet.packet_id, "UNSUBACK")
+    if version == 5:
+        body += encode_properties(packet.properties, 11)
+        body += bytes(_reason(11, code, 5, "UNSUBACK") for code in packet.reason_codes)
+    return _frame(0xB0, body)
+
+
+def _encode_pingreq(packet: PingReq, version: int) -> bytes:
+    return b"\xc0\x00"
+
+
+def _encode_pingresp(packet: PingResp, version: int) -> bytes:
+    return b"\xd0\x00"
+
+
+def _reason_and_props(first: int, ptype: int, what: str, packet: Disconnect | Auth) -> bytes:
+    code = _reason(ptype, packet.reason_code, 5, what)
+    if not packet.properties:
+        return _frame(first, bytes((code,)) if code else b"")
+    return _frame(first, bytes((code,)) + encode_properties(packet.properties, ptype))
+
+
+def _encode_disconnect(packet: Disconnect, version: int) -> bytes:
+    if version != 5:
+        _reason(14, packet.reason_code, version, "DISCONNECT")
+        return b"\xe0\x00"
+    return _reason_and_props(0xE0, 14, "DISCONNECT", packet)
+
+
+def _encode_auth(packet: Auth, version: int) -> bytes:
+    if version != 5:
+        raise LocalProtocolError("AUTH exists only in MQTT 5.0")
+    return _reason_and_props(0xF0, 15, "AUTH", packet)
+
+
+_ENCODERS: dict[type, Callable[[Any, int], bytes]] = {
+    Connect: _encode_connect,
+    ConnAck: _encode_connack,
+    Publish: _encode_publish_packet,
+    PubAck: _encode_puback,
+    PubRec: _encode_pubrec,
+    PubRel: _encode_pubrel,
+    PubComp: _encode_pubcomp,
+    Subscribe: _encode_subscribe,
+    SubAck: _encode_suback,
+    Unsubscribe: _encode_unsubscribe,
+    UnsubAck: _encode_unsuback,
+    PingReq: _encode_pingreq,
+    PingResp: _encode_pingresp,
+    Disconnect: _encode_disconnect,
+    Auth: _encode_auth,
+}
+
+
+def encode(packet: Packet, version: int) -> bytes:
+    """The wire bytes of ``packet`` for protocol level ``version`` (3, 4 or 5)."""
+    encoder = _ENCODERS.get(type(packet))
+    if encoder is None:
+        raise LocalProtocolError(f"not an MQTT packet: {packet!r}")
+    _check_version(version)
+    return encoder(packet, version)
+
+
+def encode_publish(
+    topic: str,
+    payload: bytes | bytearray | memoryview,
+    qos: int,
+    retain: bool,
+    dup: bool,
+    packet_id: int | None,
+    properties: dict[int, Any] | None,
+    version: int,
+) -> bytes:
+    """PUBLISH bytes (s3.3) without building a :class:`Publish`; the delivery hot path.
+
+    ``properties`` are sent only at level 5. An empty ``topic`` is allowed only at level 5
+    with a TOPIC_ALIAS property (s3.3.2.3.4) [MQTT-4.7.3-1].
+    """
+    try:
+        topic_bytes = topic.encode("utf-8")
+    except (AttributeError, UnicodeEncodeError):
+        raise LocalProtocolError(f"PUBLISH topic {topic!r} is not encodable UTF-8") from None
+    topic_len = len(topic_bytes)
+    if topic_len > 0xFFFF or "\x00" in topic:
+        raise LocalProtocolError("PUBLISH topic longer than 65,535 bytes or contains U+0000")
+    if type(payload) is not bytes:
+        if not isinstance(payload, bytearray | memoryview):
+            raise LocalProtocolError(f"PUBLISH payload must be bytes, got {type(payload)}")
+        payload = bytes(payload)
+    if qos == 1 or qos == 2:
+        if type(packet_id) is not int or not 0 < packet_id <= 0xFFFF:
+            raise LocalProtocolError(f"PUBLISH QoS {qos} needs a packet id 1..65535")
+        first = 0x30 | (qos << 1)
+        size = 4 + topic_len
+        tail = _U16(packet_id)
+    elif qos == 0 and not isinstance(qos, bool):
+        if packet_id is not None or dup:
+            raise LocalProtocolError("PUBLISH QoS 0 has no packet id or DUP [MQTT-3.3.1-2]")
+        first = 0x30
+        size = 2 + topic_len
+        tail = b""
+    else:
+        raise LocalProtocolError(f"PUBLISH QoS must be 0, 1 or 2, got {qos!r}")
+    if retain:
+        first |= 0x01
+    if dup:
+        first |= 0x08
+    if version == 5:
+        props = encode_properties(properties, 3) if properties else _NO_PROPS
+        if not topic_len and not (properties and _TOPIC_ALIAS in properties):
+            raise LocalProtocolError("empty PUBLISH topic without TOPIC_ALIAS [MQTT-4.7.3-1]")
+        tail += props
+        size += len(props)
+    elif version == 4 or version == 3:
+        if not topic_len:
+            raise LocalProtocolError("empty PUBLISH topic [MQTT-4.7.3-1]")
+    else:
+        raise LocalProtocolError(f"unsupported MQTT protocol version {version!r}")
+    size += len(payload)
+    if size < 0x80:
+        return b"".join((_HEAD2_U16(first, size, topic_len), topic_bytes, tail, payload))
+    if size > MAX_VBI:
+        raise LocalProtocolError(f"PUBLISH of {size} bytes exceeds {MAX_VBI}")
+    return b"".join(
+        (bytes((first,)), encode_vbi(size), _U16(topic_len), topic_bytes, tail, payload)
+    )
