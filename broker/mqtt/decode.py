@@ -64,8 +64,8 @@ from broker.mqtt.packets import (
 from broker.mqtt.properties import (
     MAX_VBI,
     WILL_PROPERTIES,
-    decode_properties,
     read_binary,
+    read_property_block,
     read_utf8,
 )
 
@@ -143,13 +143,13 @@ def _decode_connect(buf: bytes, pos: int, end: int, version: int) -> Connect:
         raise MalformedPacket("CONNECT password without username [MQTT-3.1.2-22]")
     props: dict[int, Any] = {}
     if level == 5:
-        props, pos = decode_properties(buf, pos, end, 1)
+        props, pos = read_property_block(buf, pos, end, 1)
     client_id, pos = read_utf8(buf, pos, end)
     will = None
     if will_flag:
         will_props: dict[int, Any] = {}
         if level == 5:
-            will_props, pos = decode_properties(buf, pos, end, WILL_PROPERTIES)
+            will_props, pos = read_property_block(buf, pos, end, WILL_PROPERTIES)
         will_topic, pos = read_utf8(buf, pos, end)
         will_payload, pos = read_binary(buf, pos, end)
         will = Will(will_topic, will_payload, will_qos, will_retain, will_props)
@@ -175,7 +175,7 @@ def _decode_connack(buf: bytes, pos: int, end: int, version: int) -> ConnAck:
     pos += 2
     props: dict[int, Any] = {}
     if version == 5:
-        props, pos = decode_properties(buf, pos, end, 2)
+        props, pos = read_property_block(buf, pos, end, 2)
     if pos != end:
         raise _trailing("CONNACK")
     return ConnAck(bool(ack_flags), code, props)
@@ -198,7 +198,7 @@ def _ack_fields(
     pos += 1
     if pos == end:
         return pid, code, {}
-    props, pos = decode_properties(buf, pos, end, ptype)
+    props, pos = read_property_block(buf, pos, end, ptype)
     if pos != end:
         raise _trailing(what)
     return pid, code, props
@@ -225,7 +225,7 @@ def _decode_subscribe(buf: bytes, pos: int, end: int, version: int) -> Subscribe
     pos += 2
     props: dict[int, Any] = {}
     if version == 5:
-        props, pos = decode_properties(buf, pos, end, 8)
+        props, pos = read_property_block(buf, pos, end, 8)
     subs: list[Subscription] = []
     while pos < end:
         topic_filter, pos = read_utf8(buf, pos, end)
@@ -259,7 +259,7 @@ def _decode_suback(buf: bytes, pos: int, end: int, version: int) -> SubAck:
     pos += 2
     props: dict[int, Any] = {}
     if version == 5:
-        props, pos = decode_properties(buf, pos, end, 9)
+        props, pos = read_property_block(buf, pos, end, 9)
     codes = [_check_reason(9, code, version, "SUBACK") for code in buf[pos:end]]
     return SubAck(pid, codes, props)
 
@@ -269,7 +269,7 @@ def _decode_unsubscribe(buf: bytes, pos: int, end: int, version: int) -> Unsubsc
     pos += 2
     props: dict[int, Any] = {}
     if version == 5:
-        props, pos = decode_properties(buf, pos, end, 10)
+        props, pos = read_property_block(buf, pos, end, 10)
     filters: list[str] = []
     while pos < end:
         topic_filter, pos = read_utf8(buf, pos, end)
@@ -286,7 +286,7 @@ def _decode_unsuback(buf: bytes, pos: int, end: int, version: int) -> UnsubAck:
         if pos != end:
             raise _trailing("UNSUBACK")
         return UnsubAck(pid, [], {})
-    props, pos = decode_properties(buf, pos, end, 11)
+    props, pos = read_property_block(buf, pos, end, 11)
     codes = [_check_reason(11, code, 5, "UNSUBACK") for code in buf[pos:end]]
     return UnsubAck(pid, codes, props)
 
@@ -318,7 +318,7 @@ def _reason_and_props(
     pos += 1
     if pos == end:
         return code, {}
-    props, pos = decode_properties(buf, pos, end, ptype)
+    props, pos = read_property_block(buf, pos, end, ptype)
     if pos != end:
         raise _trailing(what)
     return code, props
@@ -337,7 +337,7 @@ def _decode_auth(buf: bytes, pos: int, end: int, version: int) -> Auth:
 
 
 def _decode_publish_props(buf: bytes, pos: int, end: int) -> tuple[dict[int, Any], int]:
-    return decode_properties(buf, pos, end, 3)
+    return read_property_block(buf, pos, end, 3)
 
 
 _BODY_DECODERS: dict[int, Any] = {

@@ -52,7 +52,7 @@ from broker.mqtt.properties import (
     WILL_PROPERTIES,
     PropertyId,
     encode_binary,
-    encode_properties,
+    encode_property_block,
     encode_utf8,
     encode_vbi,
 )
@@ -136,11 +136,11 @@ def _encode_connect(packet: Connect, version: int) -> bytes:
         flags |= 0x40
     parts = [encode_utf8(expected_name), bytes((level, flags)), _u16(packet.keepalive, "keepalive")]
     if v5:
-        parts.append(encode_properties(packet.properties, 1))
+        parts.append(encode_property_block(packet.properties, 1))
     parts.append(encode_utf8(packet.client_id))
     if will is not None:
         if v5:
-            parts.append(encode_properties(will.properties, WILL_PROPERTIES))
+            parts.append(encode_property_block(will.properties, WILL_PROPERTIES))
         parts.append(encode_utf8(will.topic))
         parts.append(encode_binary(will.payload))
     if packet.username is not None:
@@ -154,7 +154,7 @@ def _encode_connack(packet: ConnAck, version: int) -> bytes:
     code = _reason(2, packet.reason_code, version, "CONNACK")
     body = bytes((1 if packet.session_present else 0, code))
     if version == 5:
-        body += encode_properties(packet.properties, 2)
+        body += encode_property_block(packet.properties, 2)
     return _frame(0x20, body)
 
 
@@ -178,7 +178,7 @@ def _ack(first: int, ptype: int, what: str, packet: PubAck | PubRec | PubRel | P
     if version == 5 and (code or packet.properties):
         body += bytes((code,))
         if packet.properties:
-            body += encode_properties(packet.properties, ptype)
+            body += encode_property_block(packet.properties, ptype)
     return _frame(first, body)
 
 
@@ -203,7 +203,7 @@ def _encode_subscribe(packet: Subscribe, version: int) -> bytes:
         raise LocalProtocolError("SUBSCRIBE needs at least one topic filter [MQTT-3.8.3-3]")
     parts = [_packet_id(packet.packet_id, "SUBSCRIBE")]
     if version == 5:
-        parts.append(encode_properties(packet.properties, 8))
+        parts.append(encode_property_block(packet.properties, 8))
     for sub in packet.subscriptions:
         opts = _qos(sub.qos, "subscription")
         if version == 5:
@@ -224,7 +224,7 @@ def _encode_subscribe(packet: Subscribe, version: int) -> bytes:
 def _encode_suback(packet: SubAck, version: int) -> bytes:
     body = _packet_id(packet.packet_id, "SUBACK")
     if version == 5:
-        body += encode_properties(packet.properties, 9)
+        body += encode_property_block(packet.properties, 9)
     codes = [_reason(9, code, version, "SUBACK") for code in packet.reason_codes]
     return _frame(0x90, body + bytes(codes))
 
@@ -234,7 +234,7 @@ def _encode_unsubscribe(packet: Unsubscribe, version: int) -> bytes:
         raise LocalProtocolError("UNSUBSCRIBE needs at least one topic filter [MQTT-3.10.3-2]")
     parts = [_packet_id(packet.packet_id, "UNSUBSCRIBE")]
     if version == 5:
-        parts.append(encode_properties(packet.properties, 10))
+        parts.append(encode_property_block(packet.properties, 10))
     parts.extend(encode_utf8(topic_filter) for topic_filter in packet.topic_filters)
     return _frame(0xA2, b"".join(parts))
 
@@ -242,7 +242,7 @@ def _encode_unsubscribe(packet: Unsubscribe, version: int) -> bytes:
 def _encode_unsuback(packet: UnsubAck, version: int) -> bytes:
     body = _packet_id(packet.packet_id, "UNSUBACK")
     if version == 5:
-        body += encode_properties(packet.properties, 11)
+        body += encode_property_block(packet.properties, 11)
         body += bytes(_reason(11, code, 5, "UNSUBACK") for code in packet.reason_codes)
     return _frame(0xB0, body)
 
@@ -259,7 +259,7 @@ def _reason_and_props(first: int, ptype: int, what: str, packet: Disconnect | Au
     code = _reason(ptype, packet.reason_code, 5, what)
     if not packet.properties:
         return _frame(first, bytes((code,)) if code else b"")
-    return _frame(first, bytes((code,)) + encode_properties(packet.properties, ptype))
+    return _frame(first, bytes((code,)) + encode_property_block(packet.properties, ptype))
 
 
 def _encode_disconnect(packet: Disconnect, version: int) -> bytes:
@@ -348,7 +348,7 @@ def encode_publish(
     if dup:
         first |= 0x08
     if version == 5:
-        props = encode_properties(properties, 3) if properties else _NO_PROPS
+        props = encode_property_block(properties, 3) if properties else _NO_PROPS
         if not topic_len and not (properties and _TOPIC_ALIAS in properties):
             raise LocalProtocolError("empty PUBLISH topic without TOPIC_ALIAS [MQTT-4.7.3-1]")
         tail += props

@@ -10,9 +10,14 @@ A decoded property set is a ``dict[int, Any]`` keyed by :class:`PropertyId`:
 
 Decoding checks, in this order for each property: the identifier is known (else Malformed
 Packet: its length cannot be known), it is allowed in this packet type (Table 2-4; else
-Protocol Error), its value fits inside the property block (else Malformed Packet), it is not
-a forbidden repeat (else Protocol Error), and its value is one the spec allows (e.g. Receive
-Maximum 0, Payload Format Indicator 2: Protocol Error).
+Malformed Packet, as s2.2.2.2 says), its value fits inside the property block (else Malformed
+Packet), it is not a forbidden repeat (else Protocol Error), and its value is one the spec
+allows (e.g. Receive Maximum 0, Payload Format Indicator 2: Protocol Error).
+
+Two forms exist: the *property block* of a packet (Variable Byte Integer length first,
+:func:`read_property_block` / :func:`encode_property_block`, checked against the packet
+type) and the *blob* stored in commit-log records (no length prefix, no packet-type check,
+:func:`decode_properties` / :func:`encode_properties`).
 
 Encoding applies the same rules and raises :class:`LocalProtocolError`, because sending such a
 packet would be our bug.
@@ -37,9 +42,11 @@ __all__ = [
     "decode_properties",
     "encode_binary",
     "encode_properties",
+    "encode_property_block",
     "encode_utf8",
     "encode_vbi",
     "read_binary",
+    "read_property_block",
     "read_utf8",
     "read_vbi",
 ]
@@ -265,10 +272,10 @@ def read_binary(buf: bytes | bytearray, pos: int, end: int) -> tuple[bytes, int]
     return bytes(buf[start:stop]), stop
 
 
-def decode_properties(
+def read_property_block(
     buf: bytes | bytearray, pos: int, end: int, context: int
 ) -> tuple[dict[int, Any], int]:
-    """Decode a property block (length + properties) at ``pos`` for packet type ``context``.
+    """Decode a packet's property block (length + properties) at ``pos`` for ``context``.
 
     ``context`` is the packet type number, or :data:`WILL_PROPERTIES`. Returns the property
     dict and the position just after the block. The block must fit in ``end``.
@@ -283,6 +290,25 @@ def decode_properties(
     block_end = pos + length
     if block_end > end:
         raise MalformedPacket("property block runs past the end of the packet")
+    return _read_properties(buf, pos, block_end, context), block_end
+
+
+def decode_properties(data: bytes | bytearray | memoryview) -> dict[int, Any]:
+    """Decode a property list stored without its length prefix (a commit-log record's blob).
+
+    The inverse of :func:`encode_properties`. No packet-type check (the properties were
+    validated when the packet was received); repeats follow PUBLISH rules. Raises
+    :class:`MalformedPacket` on bad input.
+    """
+    if isinstance(data, memoryview):
+        data = data.tobytes()
+    return _read_properties(data, 0, len(data), None)
+
+
+def _read_properties(
+    buf: bytes | bytearray, pos: int, block_end: int, context: int | None
+) -> dict[int, Any]:
+    """The properties in ``buf[pos:block_end]``; ``context`` None skips the Table 2-4 check."""
     props: dict[int, Any] = {}
     while pos < block_end:
         spec = _SPEC.get(buf[pos])
@@ -290,8 +316,10 @@ def decode_properties(
             raise MalformedPacket(f"unknown property identifier 0x{buf[pos]:02X}")
         pid, kind, allowed = spec
         pos += 1
-        if context not in allowed:
-            raise ProtocolError(f"property {pid.name} is not allowed in this packet")
+        if context is not None and context not in allowed:
+            # s2.2.2.2: "A Control Packet which contains an Identifier which is not valid
+            # for its packet type ... is a Malformed Packet."
+            raise MalformedPacket(f"property {pid.name} is not allowed in this packet")
         value: Any
         if kind == _BYTE:
             if pos >= block_end:
@@ -332,7 +360,7 @@ def decode_properties(
             ids = props.get(pid)
             if ids is None:
                 props[pid] = [value]
-            elif context == _PUBLISH:
+            elif context is None or context == _PUBLISH:
                 ids.append(value)
             else:
                 raise ProtocolError("SUBSCRIPTION_IDENTIFIER included more than once")
@@ -340,7 +368,7 @@ def decode_properties(
             raise ProtocolError(f"property {pid.name} included more than once")
         else:
             props[pid] = value
-    return props, block_end
+    return props
 
 
 # --------------------------------------------------------------------------- writers
@@ -407,20 +435,35 @@ def _encode_int(pid: PropertyId, kind: int, value: Any) -> bytes:
     return int(value).to_bytes({_BYTE: 1, _U16: 2, _U32: 4}[kind], "big")
 
 
-def encode_properties(props: dict[int, Any], context: int) -> bytes:
-    """Encode a property block (Variable Byte Integer length + properties) for ``context``.
+def encode_property_block(props: dict[int, Any], context: int) -> bytes:
+    """Encode a packet's property block (Variable Byte Integer length + properties).
 
-    An empty dict encodes as the single byte ``0x00``.
+    ``context`` is the packet type number or :data:`WILL_PROPERTIES`. An empty dict encodes
+    as the single byte ``0x00``.
     """
     if not props:
         return b"\x00"
+    out = _write_properties(props, context)
+    return encode_vbi(len(out)) + out
+
+
+def encode_properties(props: dict[int, Any]) -> bytes:
+    """Encode a property list WITHOUT its length prefix (a commit-log record's blob).
+
+    The inverse of :func:`decode_properties`; ``b""`` for an empty dict. Values are checked
+    as for a packet, but not which packet type may carry them.
+    """
+    return bytes(_write_properties(props, None)) if props else b""
+
+
+def _write_properties(props: dict[int, Any], context: int | None) -> bytearray:
     out = bytearray()
     for key, value in props.items():
         spec = _SPEC.get(key)
         if spec is None:
             raise LocalProtocolError(f"unknown property identifier {key!r}")
         pid, kind, allowed = spec
-        if context not in allowed:
+        if context is not None and context not in allowed:
             raise LocalProtocolError(f"property {pid.name} is not allowed in this packet")
         head = bytes((pid,))
         if kind == _PAIR:
@@ -438,10 +481,10 @@ def encode_properties(props: dict[int, Any], context: int) -> bytes:
             ids = [value] if isinstance(value, int) else value
             if not isinstance(ids, list | tuple) or not ids:
                 raise LocalProtocolError("SUBSCRIPTION_IDENTIFIER needs a non-empty list of ints")
-            if len(ids) > 1 and context != _PUBLISH:
+            if len(ids) > 1 and context not in (None, _PUBLISH):
                 raise LocalProtocolError("only PUBLISH may carry several subscription ids")
             for one in ids:
                 out += head + _encode_int(pid, kind, one)
         else:
             out += head + _encode_int(pid, kind, value)
-    return encode_vbi(len(out)) + out
+    return out
