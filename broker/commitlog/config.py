@@ -1,0 +1,81 @@
+"""Configuration of a partition log and of a stream, as frozen dataclasses.
+
+Units: bytes for ``*_bytes``, milliseconds for ``*_ms``. ``None`` retention means "keep
+forever" / "no size limit". Values are validated once, at construction, and raise
+:class:`~broker.commitlog.errors.LogConfigError` naming the field; ``broker/config.py`` parses
+the TOML and names the file.
+
+Immutable; safe to share between threads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal, get_args
+
+from broker.commitlog.errors import LogConfigError
+
+FsyncPolicy = Literal["always", "interval", "never"]
+FSYNC_POLICIES: tuple[str, ...] = get_args(FsyncPolicy)
+
+#: Positions inside a segment are stored as unsigned 32-bit integers in the offset index, and a
+#: segment never grows past ``segment_bytes`` (except for a single batch larger than it, which
+#: gets a segment of its own and still starts at position 0).
+MAX_SEGMENT_BYTES = (1 << 31) - 1
+
+
+@dataclass(frozen=True, slots=True)
+class LogConfig:
+    """Per-partition log settings (Kafka names: segment.bytes, segment.ms, ...)."""
+
+    segment_bytes: int = 64 * 1024 * 1024
+    segment_ms: int = 7 * 24 * 3600 * 1000
+    index_interval_bytes: int = 4096
+    fsync: FsyncPolicy = "interval"
+    fsync_interval_ms: int = 1000
+    retention_ms: int | None = 7 * 24 * 3600 * 1000
+    retention_bytes: int | None = None
+    compacted: bool = False
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.segment_bytes <= MAX_SEGMENT_BYTES:
+            raise LogConfigError(
+                f"segment_bytes must be in [1, {MAX_SEGMENT_BYTES}], got {self.segment_bytes}"
+            )
+        if self.segment_ms <= 0:
+            raise LogConfigError(f"segment_ms must be > 0, got {self.segment_ms}")
+        if self.index_interval_bytes < 0:
+            raise LogConfigError(
+                f"index_interval_bytes must be >= 0, got {self.index_interval_bytes}"
+            )
+        if self.fsync not in FSYNC_POLICIES:
+            raise LogConfigError(f"fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}")
+        if self.fsync_interval_ms <= 0:
+            raise LogConfigError(f"fsync_interval_ms must be > 0, got {self.fsync_interval_ms}")
+        if self.retention_ms is not None and self.retention_ms < 0:
+            raise LogConfigError(f"retention_ms must be >= 0 or None, got {self.retention_ms}")
+        if self.retention_bytes is not None and self.retention_bytes < 0:
+            raise LogConfigError(
+                f"retention_bytes must be >= 0 or None, got {self.retention_bytes}"
+            )
+
+
+@dataclass(frozen=True, slots=True)
+class StreamSpec:
+    """A named log with ``partitions`` partitions, selected by MQTT topic filters.
+
+    ``topic_filters`` is empty for the internal streams and for ``default``.
+    """
+
+    name: str
+    topic_filters: tuple[str, ...]
+    partitions: int = 1
+    log: LogConfig = field(default_factory=LogConfig)
+
+    def __post_init__(self) -> None:
+        if not self.name or "/" in self.name or self.name in (".", ".."):
+            raise LogConfigError(f"stream name {self.name!r} must be a non-empty path segment")
+        if self.partitions < 1:
+            raise LogConfigError(
+                f"stream {self.name!r}: partitions must be >= 1, got {self.partitions}"
+            )

@@ -1,0 +1,455 @@
+"""The partition log: an ordered list of segments (Kafka's ``Log`` / laminarmq's
+``SegmentedLog``).
+
+Directory ``DATA/<stream>/<partition>/`` holds ``<20-digit base offset>.log|.index|.timeindex``.
+Invariants:
+
+* offsets are logical record numbers from 0, assigned on append, never reused: segment base
+  offsets strictly increase and each segment starts at or after the previous one's
+  ``next_offset`` (compaction may leave gaps, which reads skip);
+* the last segment is the *active* one, the only one appended to; it is never deleted by
+  retention. ``end_offset`` (log end offset) is its ``next_offset``; ``log_start_offset`` is
+  the first segment's base offset;
+* a new segment is rolled before an append that would take the active segment past
+  ``segment_bytes``, or once ``segment_ms`` passed since its first append (Kafka semantics);
+* fsync policy ``always``: append returns after fdatasync; ``interval``: the owner calls
+  :meth:`flush_if_due`, and roll/close fsync; ``never``: only an explicit :meth:`flush`;
+* recovery at :meth:`open`: without the clean-shutdown marker the active segment is scanned
+  and its indexes rebuilt; any segment with a missing or inconsistent index is rebuilt too;
+  a torn or corrupt tail is truncated at the last intact batch and later segments are
+  deleted, everything reported on logger ``broker.commitlog``.
+
+Threads: append, read, offset_for_time, flush, roll and close are called from the owner's
+event loop thread; enforce_retention and compact may run concurrently on the cleaner thread.
+``_lock`` guards the segment list and the active segment; ``_cleaner_lock`` serialises the
+cleaner's operations with each other and with close. The cleaner reads closed segments without
+``_lock`` (they are immutable) and takes it only to swap or drop segments.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from bisect import bisect_right
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from broker.commitlog.batch import encode_batch
+from broker.commitlog.cleaner import (
+    build_offset_map,
+    cleaned_batches,
+    count_removable,
+    retention_victims,
+)
+from broker.commitlog.config import LogConfig
+from broker.commitlog.errors import (
+    CommitLogError,
+    LogClosed,
+    LogIOError,
+    OffsetOutOfRange,
+)
+from broker.commitlog.record import Record
+from broker.commitlog.segment import (
+    CLEANED_SUFFIX,
+    INDEX_SUFFIX,
+    LOG_SUFFIX,
+    TIMEINDEX_SUFFIX,
+    TMP_SUFFIX,
+    Segment,
+    write_segment,
+)
+
+logger = logging.getLogger("broker.commitlog")
+
+#: Present in a partition directory only between a clean close and the next open.
+CLEAN_SHUTDOWN_FILE = ".clean_shutdown"
+#: Relative offsets are stored on 32 bits in the index: a segment spans fewer offsets.
+MAX_SEGMENT_OFFSETS = 0xFFFFFFFF
+_SEGMENT_SUFFIXES = (LOG_SUFFIX, INDEX_SUFFIX, TIMEINDEX_SUFFIX)
+
+
+def fsync_directory(path: Path) -> None:
+    """Persist directory entries (new, renamed or removed files)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _parse_base_offset(name: str) -> tuple[int, str] | None:
+    stem, dot, suffix = name.partition(".")
+    if not dot or len(stem) != 20 or not stem.isdigit():
+        return None
+    return int(stem), "." + suffix
+
+
+class SegmentedLog:
+    """One partition's log; see the module docstring. Create with :meth:`open`."""
+
+    def __init__(self, directory: Path, config: LogConfig, clock: Callable[[], float],
+                 segments: list[Segment]) -> None:
+        self.directory = directory
+        self.config = config
+        self._clock = clock
+        self._segments = segments
+        self._bases = [segment.base_offset for segment in segments]
+        self._lock = threading.Lock()
+        self._cleaner_lock = threading.Lock()
+        self._closed = False
+        self._fsync_always = config.fsync == "always"
+        self._sync_on_roll = config.fsync != "never"
+        self._last_flush_ms = self._now_ms()
+        self._compacted_at_end = -1
+
+    # ------------------------------------------------------------------------- open
+    @classmethod
+    def open(cls, directory: Path, config: LogConfig, *,
+             clock: Callable[[], float] = time.time) -> SegmentedLog:
+        """Open (creating if needed) and recover the log in ``directory``.
+
+        Raises :class:`LogIOError` (permission denied, disk full...), :class:`UnsupportedFormat`
+        (a batch of a newer format) or :class:`CommitLogError` (overlapping segments).
+        """
+        directory = Path(directory)
+        now_ms = int(clock() * 1000)
+        try:
+            directory.mkdir(parents=True, exist_ok=True)
+            names = os.listdir(directory)
+        except OSError as exc:
+            raise LogIOError(directory, "open log directory", exc) from exc
+        marker = directory / CLEAN_SHUTDOWN_FILE
+        clean = CLEAN_SHUTDOWN_FILE in names
+        bases = cls._tidy_directory(directory, names)
+        segments: list[Segment] = []
+        try:
+            for i, base in enumerate(bases):
+                is_active = i == len(bases) - 1
+                segment, truncated = Segment.open(directory, base, config, now_ms,
+                                                  recover=is_active and not clean)
+                if segments and base < segments[-1].next_offset:
+                    segment.close()
+                    raise CommitLogError(
+                        f"{segment.log_path}: base offset {base} overlaps the previous segment "
+                        f"ending at offset {segments[-1].next_offset - 1}"
+                    )
+                segments.append(segment)
+                if truncated and not is_active:
+                    cls._drop_after_truncation(directory, segment, bases[i + 1:])
+                    break
+            if not segments:
+                segments.append(Segment.create(directory, 0, config, now_ms))
+            if clean:
+                marker.unlink()
+                fsync_directory(directory)
+        except OSError as exc:
+            for segment in segments:
+                segment.close()
+            raise LogIOError(directory, "open log", exc) from exc
+        except BaseException:
+            for segment in segments:
+                segment.close()
+            raise
+        return cls(directory, config, clock, segments)
+
+    @staticmethod
+    def _tidy_directory(directory: Path, names: list[str]) -> list[int]:
+        """Remove leftovers of interrupted writes; return the segment base offsets, sorted."""
+        parsed = [(name, _parse_base_offset(name)) for name in names]
+        bases = sorted({p[0] for _name, p in parsed if p is not None and p[1] == LOG_SUFFIX})
+        known = set(bases)
+        for name, p in parsed:
+            if p is None:
+                continue
+            base, suffix = p
+            leftover = suffix.endswith((CLEANED_SUFFIX, TMP_SUFFIX))
+            orphan = suffix in _SEGMENT_SUFFIXES and base not in known
+            if leftover or orphan:
+                logger.info("%s: removing leftover file", directory / name)
+                try:
+                    (directory / name).unlink()
+                except OSError as exc:
+                    raise LogIOError(directory / name, "remove leftover file", exc) from exc
+        return bases
+
+    @staticmethod
+    def _drop_after_truncation(directory: Path, truncated: Segment, later: list[int]) -> None:
+        """A closed segment lost its tail: later segments no longer continue it."""
+        for base in later:
+            logger.warning(
+                "%s: deleting segment %d after the truncated segment %s (log end offset %d)",
+                directory, base, truncated.log_path.name, truncated.next_offset,
+            )
+            for suffix in (INDEX_SUFFIX, TIMEINDEX_SUFFIX, LOG_SUFFIX):
+                (directory / f"{base:020d}{suffix}").unlink(missing_ok=True)
+
+    # ------------------------------------------------------------------- properties
+    def _now_ms(self) -> int:
+        return int(self._clock() * 1000)
+
+    @property
+    def end_offset(self) -> int:
+        """Log end offset: the offset the next appended record gets."""
+        return self._segments[-1].next_offset
+
+    @property
+    def log_start_offset(self) -> int:
+        """Earliest offset still retained (the first segment's base offset)."""
+        return self._segments[0].base_offset
+
+    @property
+    def segments(self) -> list[int]:
+        """Base offsets of the segments, oldest first (the last is the active segment)."""
+        with self._lock:
+            return list(self._bases)
+
+    @property
+    def size(self) -> int:
+        """Total bytes of the ``.log`` files."""
+        with self._lock:
+            return sum(segment.size for segment in self._segments)
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise LogClosed(f"{self.directory}: log is closed")
+
+    # ----------------------------------------------------------------------- append
+    def append(self, records: Sequence[Record], *, leader_epoch: int = 0) -> int:
+        """Append ``records`` as one batch (one ``write()``); return the first offset.
+
+        Record offsets passed in are ignored. An empty sequence appends nothing and returns
+        :attr:`end_offset`. Raises :class:`LogIOError` after rolling the file back, or
+        :class:`~broker.commitlog.errors.InvalidRecord`; the log is unchanged on error.
+        """
+        with self._lock:
+            self._check_open()
+            active = self._segments[-1]
+            base = active.next_offset
+            if not records:
+                return base
+            batch = encode_batch(base, records, leader_epoch=leader_epoch)
+            now_ms = self._now_ms()
+            if active.size and (
+                active.size + len(batch) > self.config.segment_bytes
+                or now_ms - active.rolling_base_ms > self.config.segment_ms
+                or base + len(records) - active.base_offset > MAX_SEGMENT_OFFSETS
+            ):
+                self._roll_locked(now_ms)
+                active = self._segments[-1]
+            first = not active.size
+            active.append(batch, fsync=self._fsync_always)
+            if first:
+                active.rolling_base_ms = now_ms
+            return base
+
+    def roll(self) -> None:
+        """Close the active segment and start a new one at :attr:`end_offset`.
+
+        A no-op when the active segment is empty (it already starts at the end offset).
+        """
+        with self._lock:
+            self._check_open()
+            if self._segments[-1].size:
+                self._roll_locked(self._now_ms())
+
+    def _roll_locked(self, now_ms: int) -> None:
+        old = self._segments[-1]
+        sync = self._sync_on_roll
+        old.persist_indexes(fsync=sync)
+        if sync:
+            old.flush()
+        new = Segment.create(self.directory, old.next_offset, self.config, now_ms)
+        if sync:
+            try:
+                fsync_directory(self.directory)
+            except OSError as exc:
+                new.delete()
+                raise LogIOError(self.directory, "fsync log directory", exc) from exc
+        self._segments.append(new)
+        self._bases.append(new.base_offset)
+        logger.debug("%s: rolled new segment %s", self.directory, new.log_path.name)
+
+    # ------------------------------------------------------------------------ reads
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
+        """Records with offset >= ``offset`` in order, at most ``max_records`` and about
+        ``max_bytes`` of encoded records (at least one record when one exists).
+
+        ``[]`` when ``offset == end_offset``; :class:`OffsetOutOfRange` when ``offset`` is
+        below :attr:`log_start_offset` or beyond :attr:`end_offset`.
+        """
+        with self._lock:
+            self._check_open()
+            segments = self._segments
+            end = segments[-1].next_offset
+            start = segments[0].base_offset
+            if offset < start or offset > end:
+                raise OffsetOutOfRange(offset, start, end)
+            out: list[Record] = []
+            if offset == end or max_records <= 0:
+                return out
+            i = bisect_right(self._bases, offset) - 1
+            for segment in segments[i:]:
+                max_bytes, stopped = segment.read_into(out, offset, max_records, max_bytes)
+                if stopped:
+                    break
+            return out
+
+    def offset_for_time(self, timestamp_ms: int) -> int:
+        """First offset whose record timestamp is >= ``timestamp_ms``, else :attr:`end_offset`."""
+        with self._lock:
+            self._check_open()
+            for segment in self._segments:
+                if segment.max_timestamp >= timestamp_ms:
+                    found = segment.offset_for_time(timestamp_ms)
+                    if found is not None:
+                        return found
+            return self._segments[-1].next_offset
+
+    # ------------------------------------------------------------------- durability
+    def flush(self) -> None:
+        """fsync every segment with unsynced appends now; raises :class:`LogIOError`."""
+        with self._lock:
+            self._check_open()
+            self._flush_locked()
+
+    def _flush_locked(self) -> None:
+        for segment in self._segments:
+            segment.flush()
+        self._last_flush_ms = self._now_ms()
+
+    def flush_if_due(self, now_ms: int | None = None) -> bool:
+        """fsync=interval: flush if appends are unsynced and ``fsync_interval_ms`` passed since
+        the last flush. Returns whether it flushed; always False for the other policies."""
+        if self.config.fsync != "interval":
+            return False
+        with self._lock:
+            self._check_open()
+            now = self._now_ms() if now_ms is None else now_ms
+            if (now - self._last_flush_ms < self.config.fsync_interval_ms
+                    or not self._segments[-1].dirty):
+                return False
+            for segment in self._segments:
+                segment.flush()
+            self._last_flush_ms = now
+            return True
+
+    # -------------------------------------------------------------- cleaner thread
+    def enforce_retention(self, now_ms: int | None = None) -> int:
+        """Delete closed segments past ``retention_ms`` / ``retention_bytes`` (see
+        :mod:`broker.commitlog.cleaner`); return how many. Safe from the cleaner thread."""
+        with self._cleaner_lock:
+            now = self._now_ms() if now_ms is None else now_ms
+            with self._lock:
+                self._check_open()
+                count = retention_victims(self._segments, now, self.config.retention_ms,
+                                          self.config.retention_bytes)
+                victims = self._segments[:count]
+                del self._segments[:count]
+                del self._bases[:count]
+            for segment in victims:
+                logger.info("%s: retention deletes segment %s (offsets %d..%d, %d bytes)",
+                            self.directory, segment.log_path.name, segment.base_offset,
+                            segment.next_offset - 1, segment.size)
+                segment.delete()
+            return count
+
+    def compact(self) -> int:
+        """Compacted logs: rewrite closed segments keeping the latest record per topic;
+        tombstones are dropped; offsets are kept. Returns the number of records removed.
+        Safe from the cleaner thread."""
+        if not self.config.compacted:
+            raise CommitLogError(f"{self.directory}: compact() on a log that is not compacted")
+        with self._cleaner_lock:
+            with self._lock:
+                self._check_open()
+                segments = list(self._segments)
+                active = segments[-1]
+                active_end = active.size
+                if active.next_offset == self._compacted_at_end or len(segments) < 2:
+                    return 0
+            latest = build_offset_map([(s, s.size) for s in segments[:-1]]
+                                      + [(active, active_end)])
+            removed = 0
+            for segment in segments[:-1]:
+                removable = count_removable(segment, latest)
+                if removable:
+                    self._replace_cleaned(segment, latest, first=segment is segments[0])
+                    removed += removable
+            self._compacted_at_end = active.next_offset
+            if removed:
+                logger.info("%s: compaction removed %d records", self.directory, removed)
+            return removed
+
+    def _replace_cleaned(self, segment: Segment, latest: dict[str, int], *,
+                         first: bool) -> None:
+        """Write the cleaned copy of ``segment`` and swap it in (crash-safe order: old indexes
+        removed, log renamed over, new indexes renamed in; a missing index is rebuilt)."""
+        sync = self._sync_on_roll
+        cleaned = write_segment(self.directory, segment.base_offset, self.config,
+                                cleaned_batches(segment, latest), CLEANED_SUFFIX, fsync=sync)
+        with self._lock:
+            position = self._segments.index(segment)
+            if cleaned.size == 0 and not first:
+                del self._segments[position]
+                del self._bases[position]
+                cleaned.delete()
+                segment.delete()
+                return
+            try:
+                segment.index_path.unlink(missing_ok=True)
+                segment.timeindex_path.unlink(missing_ok=True)
+                os.replace(cleaned.log_path, segment.log_path)
+                os.replace(cleaned.index_path, segment.index_path)
+                os.replace(cleaned.timeindex_path, segment.timeindex_path)
+                if sync:
+                    fsync_directory(self.directory)
+            except OSError as exc:
+                cleaned.close()
+                raise LogIOError(segment.log_path, "swap in compacted segment", exc) from exc
+            cleaned.log_path = segment.log_path
+            cleaned.index_path = cleaned.offset_index.path = segment.index_path
+            cleaned.timeindex_path = cleaned.time_index.path = segment.timeindex_path
+            cleaned.rolling_base_ms = segment.rolling_base_ms
+            self._segments[position] = cleaned
+            segment.close()
+
+    # ------------------------------------------------------------------------ close
+    def close(self) -> None:
+        """Flush (unless fsync=never), persist the active indexes, write the clean-shutdown
+        marker and close the files. Idempotent."""
+        with self._cleaner_lock, self._lock:
+            if self._closed:
+                return
+            self._closed = True
+            sync = self._sync_on_roll
+            try:
+                for segment in self._segments:
+                    segment.persist_indexes(fsync=sync)
+                    if sync:
+                        segment.flush()
+                marker = self.directory / CLEAN_SHUTDOWN_FILE
+                try:
+                    marker.touch()
+                    if sync:
+                        fsync_directory(self.directory)
+                except OSError as exc:
+                    raise LogIOError(marker, "write clean-shutdown marker", exc) from exc
+            finally:
+                for segment in self._segments:
+                    segment.close()
+
+    def __enter__(self) -> SegmentedLog:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return (f"SegmentedLog({str(self.directory)!r}, log_start_offset="
+                f"{self.log_start_offset}, end_offset={self.end_offset})")

@@ -1,0 +1,503 @@
+"""One log segment: ``<base>.log`` plus its sparse ``.index`` and ``.timeindex`` (Kafka's
+``LogSegment``).
+
+Files are named by the segment's base offset, zero-padded to 20 digits. The ``.log`` file is a
+sequence of record batches (:mod:`broker.commitlog.batch`); ``size`` bytes of it are valid and
+immutable once written. Invariants:
+
+* batches are contiguous from position 0 to ``size``; base offsets strictly increase, the first
+  is >= ``base_offset``, and ``next_offset`` is one past the last record (``base_offset`` when
+  empty); compaction may leave gaps between offsets, never reorders them;
+* ``max_timestamp`` is the largest record timestamp in the segment (-1 when empty);
+* an index entry is added before a batch once more than ``index_interval_bytes`` were appended
+  since the previous entry, so rebuilding an index from the ``.log`` yields the same entries;
+* only the log's active (last) segment is appended to; one ``append`` is one ``write()`` on a
+  file descriptor opened with ``O_APPEND``; a failed append truncates the file back to its
+  previous size before the error propagates.
+
+Reads use ``os.pread`` on the same cached descriptor (no shared file position) and keep the last
+buffer read, so a sequential consumer costs one syscall per chunk, not per record or batch.
+
+Threads: a segment is guarded by its :class:`~broker.commitlog.log.SegmentedLog`'s lock.
+Closed segments are immutable, so the cleaner thread may scan them without the lock while the
+owner's loop appends to the active segment.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+
+from broker.commitlog.batch import (
+    BATCH_HEADER,
+    BATCH_HEADER_SIZE,
+    RECORD_HEADER_SIZE,
+    decode_batch,
+    decode_into,
+    read_header,
+    validate_batch,
+)
+from broker.commitlog.config import LogConfig
+from broker.commitlog.errors import (
+    CorruptIndex,
+    CorruptRecordBatch,
+    LogIOError,
+)
+from broker.commitlog.index import OffsetIndex, TimeIndex
+from broker.commitlog.record import Record
+
+logger = logging.getLogger("broker.commitlog")
+
+LOG_SUFFIX = ".log"
+INDEX_SUFFIX = ".index"
+TIMEINDEX_SUFFIX = ".timeindex"
+#: Suffix of the files a compaction writes before swapping them in.
+CLEANED_SUFFIX = ".cleaned"
+#: Suffix of index files being written (see :func:`broker.commitlog.index._write_atomically`).
+TMP_SUFFIX = ".tmp"
+
+#: Smallest ``pread`` of a read (bytes); larger reads are sized from the request's limits.
+READ_CHUNK_MIN = 16 * 1024
+#: ``pread`` size of recovery scans and cleaner scans (bytes).
+SCAN_CHUNK = 1 << 20
+
+_OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
+_MIN_BATCH = BATCH_HEADER_SIZE + RECORD_HEADER_SIZE
+
+
+def file_name(base_offset: int, suffix: str) -> str:
+    """``00000000000000000042.log`` for base offset 42 and suffix ``.log``."""
+    return f"{base_offset:020d}{suffix}"
+
+
+def _fsync_data(fd: int) -> None:
+    """fdatasync where it exists: it also persists the file size, which is all we need."""
+    if hasattr(os, "fdatasync"):
+        os.fdatasync(fd)
+    else:  # pragma: no cover - macOS
+        os.fsync(fd)
+
+
+class Segment:
+    """A segment of a partition log; see the module docstring for invariants."""
+
+    __slots__ = (
+        "_broken",
+        "_bytes_since_index",
+        "_cache_buf",
+        "_cache_pos",
+        "_dirty",
+        "_fd",
+        "_hint_offset",
+        "_hint_pos",
+        "base_offset",
+        "config",
+        "directory",
+        "index_path",
+        "log_path",
+        "max_timestamp",
+        "next_offset",
+        "offset_index",
+        "rolling_base_ms",
+        "size",
+        "time_index",
+        "timeindex_path",
+    )
+
+    def __init__(self, directory: Path, base_offset: int, config: LogConfig, fd: int,
+                 size: int, rolling_base_ms: int) -> None:
+        self.directory = directory
+        self.base_offset = base_offset
+        self.config = config
+        self.log_path = directory / file_name(base_offset, LOG_SUFFIX)
+        self.index_path = directory / file_name(base_offset, INDEX_SUFFIX)
+        self.timeindex_path = directory / file_name(base_offset, TIMEINDEX_SUFFIX)
+        self._fd = fd
+        self.size = size
+        self.next_offset = base_offset
+        self.max_timestamp = -1
+        #: ms timestamp the segment_ms roll deadline counts from: creation time of a new
+        #: segment, first batch's timestamp of a reopened one.
+        self.rolling_base_ms = rolling_base_ms
+        self.offset_index = OffsetIndex(self.index_path, base_offset)
+        self.time_index = TimeIndex(self.timeindex_path, base_offset)
+        self._bytes_since_index = 0
+        self._dirty = False
+        self._broken: OSError | None = None
+        self._hint_offset = -1
+        self._hint_pos = 0
+        self._cache_buf = b""
+        self._cache_pos = 0
+
+    # ----------------------------------------------------------------- open / create
+    @classmethod
+    def create(cls, directory: Path, base_offset: int, config: LogConfig,
+               now_ms: int) -> Segment:
+        """Create an empty segment; raises :class:`LogIOError` (e.g. EACCES, ENOSPC, EEXIST)."""
+        path = directory / file_name(base_offset, LOG_SUFFIX)
+        try:
+            fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_EXCL, 0o644)
+        except OSError as exc:
+            raise LogIOError(path, "create segment", exc) from exc
+        return cls(directory, base_offset, config, fd, 0, now_ms)
+
+    @classmethod
+    def open(cls, directory: Path, base_offset: int, config: LogConfig, now_ms: int, *,
+             recover: bool) -> tuple[Segment, int]:
+        """Open an existing segment; return it and the number of bytes recovery truncated.
+
+        With ``recover`` the whole ``.log`` is scanned and both indexes rebuilt. Otherwise the
+        indexes are loaded and checked (sanity check plus a scan of the batches after the last
+        index entry); any inconsistency falls back to a full recovery.
+        Raises :class:`LogIOError` or :class:`~broker.commitlog.errors.UnsupportedFormat`.
+        """
+        path = directory / file_name(base_offset, LOG_SUFFIX)
+        try:
+            fd = os.open(path, _OPEN_FLAGS)
+            size = os.fstat(fd).st_size
+        except OSError as exc:
+            raise LogIOError(path, "open segment", exc) from exc
+        seg = cls(directory, base_offset, config, fd, size, now_ms)
+        try:
+            if not recover:
+                try:
+                    seg._load_indexes()
+                    seg._read_rolling_base(now_ms)
+                    return seg, 0
+                except (CorruptIndex, CorruptRecordBatch, FileNotFoundError) as exc:
+                    logger.info("%s: rebuilding indexes: %s", path, exc)
+            truncated = seg.recover()
+            seg._read_rolling_base(now_ms)
+        except OSError as exc:
+            seg.close()
+            raise LogIOError(path, "recover segment", exc) from exc
+        except BaseException:
+            seg.close()
+            raise
+        return seg, truncated
+
+    def _read_rolling_base(self, now_ms: int) -> None:
+        if self.size >= BATCH_HEADER_SIZE:
+            head = os.pread(self._fd, BATCH_HEADER_SIZE, 0)
+            self.rolling_base_ms = read_header(head).max_timestamp
+        else:
+            self.rolling_base_ms = now_ms
+
+    def _load_indexes(self) -> None:
+        """Load both indexes and verify the batches after the last offset-index entry."""
+        offset_index = OffsetIndex.load(self.index_path, self.base_offset, self.size)
+        last_offset, pos = offset_index.last_entry()
+        if len(offset_index):
+            head = os.pread(self._fd, BATCH_HEADER_SIZE, pos)
+            if len(head) < BATCH_HEADER_SIZE or read_header(head).base_offset != last_offset:
+                raise CorruptIndex(self.index_path, f"entry ({last_offset}, {pos}) points "
+                                                    "at no batch with that base offset")
+        self.offset_index = offset_index
+        self.next_offset = self.base_offset
+        end, reason = self._scan(pos, last_offset, build=False)
+        if reason is not None:
+            raise CorruptRecordBatch(reason, end, self.log_path)
+        self._bytes_since_index = self.size - pos
+        tail_max = self.max_timestamp
+        self.time_index = TimeIndex.load(self.timeindex_path, self.base_offset, self.next_offset)
+        self.max_timestamp = max(tail_max, self.time_index.last_timestamp())
+
+    def recover(self) -> int:
+        """Scan the whole ``.log``, rebuild the indexes, truncate at the first bad batch.
+
+        Returns the number of bytes truncated (0 when the segment was intact) and logs what was
+        cut on logger ``broker.commitlog``.
+        """
+        self.offset_index = OffsetIndex(self.index_path, self.base_offset)
+        self.time_index = TimeIndex(self.timeindex_path, self.base_offset)
+        self.next_offset = self.base_offset
+        self.max_timestamp = -1
+        self._bytes_since_index = 0
+        self._drop_read_state()
+        end, reason = self._scan(0, self.base_offset, build=True)
+        truncated = self.size - end
+        if truncated:
+            logger.warning(
+                "%s: truncating %d bytes at position %d (%s); log end offset is now %d",
+                self.log_path, truncated, end, reason, self.next_offset,
+            )
+            os.ftruncate(self._fd, end)
+            _fsync_data(self._fd)
+            self.size = end
+        return truncated
+
+    def _scan(self, pos: int, min_base: int, *, build: bool) -> tuple[int, str | None]:
+        """Validate batches from ``pos`` to :attr:`size`, updating offsets and timestamps.
+
+        Returns the end of the last valid batch and, if scanning stopped early, why.
+        """
+        end = self.size
+        buf = b""
+        buf_pos = pos
+        while pos < end:
+            avail = end - pos
+            if avail < BATCH_HEADER_SIZE:
+                return pos, f"torn batch header ({avail} bytes)"
+            rel = pos - buf_pos
+            if len(buf) - rel < BATCH_HEADER_SIZE:
+                buf = os.pread(self._fd, min(avail, SCAN_CHUNK), pos)
+                buf_pos, rel = pos, 0
+            length = BATCH_HEADER.unpack_from(buf, rel)[1]
+            if length < _MIN_BATCH:
+                return pos, f"batch length {length} too small"
+            if length > avail:
+                return pos, f"torn batch: length {length}, {avail} bytes left in file"
+            if len(buf) - rel < length:
+                buf = os.pread(self._fd, max(length, min(avail, SCAN_CHUNK)), pos)
+                buf_pos, rel = pos, 0
+            try:
+                h = validate_batch(buf, rel, min_base, path=self.log_path, position=pos)
+            except CorruptRecordBatch as exc:
+                return pos, exc.reason
+            if build:
+                self._index_batch(h.base_offset, h.last_offset, h.max_timestamp, pos, length)
+            elif h.max_timestamp > self.max_timestamp:
+                self.max_timestamp = h.max_timestamp
+            self.next_offset = min_base = h.next_offset
+            pos += length
+        return pos, None
+
+    # ----------------------------------------------------------------------- append
+    def append(self, batch: bytearray | bytes, *, fsync: bool) -> None:
+        """Append one encoded batch with one ``write()``; fdatasync it when ``fsync``.
+
+        On an OS error the file is truncated back to its previous size and
+        :class:`LogIOError` is raised; the segment's state is unchanged.
+        """
+        if self._broken is not None:
+            raise LogIOError(self.log_path, "append to segment (a failed append could not be "
+                             "rolled back; reopen the log to recover)", self._broken)
+        (base, _len, _m, _a, _r, _e, lod, _c, _ft, max_ts,
+         _crc) = BATCH_HEADER.unpack_from(batch, 0)
+        pos = self.size
+        length = len(batch)
+        fd = self._fd
+        try:
+            written = os.write(fd, batch)
+            if written != length:
+                view = memoryview(batch)
+                while written < length:
+                    written += os.write(fd, view[written:])
+            if fsync:
+                _fsync_data(fd)
+        except OSError as exc:
+            self._roll_back(pos, exc)
+            raise LogIOError(self.log_path, "append to segment", exc) from exc
+        self.size = pos + length
+        self._index_batch(base, base + lod, max_ts, pos, length)
+        self.next_offset = base + lod + 1
+        if not fsync:
+            self._dirty = True
+
+    def _roll_back(self, size: int, cause: OSError) -> None:
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError as exc:
+            logger.error("%s: cannot truncate back to %d bytes after a failed append (%s): "
+                         "segment refuses appends until the log is reopened",
+                         self.log_path, size, exc)
+            self._broken = cause
+
+    def _index_batch(self, base: int, last: int, max_ts: int, pos: int, length: int) -> None:
+        if max_ts > self.max_timestamp:
+            self.max_timestamp = max_ts
+        if self._bytes_since_index >= self.config.index_interval_bytes and (
+            pos > 0 or not len(self.offset_index)
+        ):
+            self.offset_index.append(base, pos)
+            self.time_index.maybe_append(self.max_timestamp, last)
+            self._bytes_since_index = 0
+        self._bytes_since_index += length
+
+    # ------------------------------------------------------------------------ reads
+    def read_into(self, out: list[Record], offset: int, max_records: int,
+                  max_bytes: int) -> tuple[int, bool]:
+        """Append records with offset >= ``offset`` to ``out`` within the limits.
+
+        Returns the remaining byte budget and whether a limit stopped the read (False: the
+        segment was read to its end). The read hot path: one ``pread`` per chunk.
+        """
+        if offset >= self.next_offset:
+            return max_bytes, False
+        end = self.size
+        # A sequential consumer asks for the offset right after its previous read: start at
+        # the remembered position instead of the index entry (saves the scan to the offset).
+        hinted = offset == self._hint_offset
+        pos = self._hint_pos if hinted else self.offset_index.lookup(offset)[1]
+        buf = self._cache_buf
+        buf_pos = self._cache_pos
+        n = len(buf)
+        if not buf_pos <= pos < buf_pos + n:
+            buf, buf_pos, n = b"", pos, 0
+        p = pos - buf_pos
+        avg = self.size // max(1, self.next_offset - self.base_offset) + 1
+        unpack_header = BATCH_HEADER.unpack_from
+        try:
+            while buf_pos + p < end:
+                if n - p >= BATCH_HEADER_SIZE:
+                    base, length, _m, _a, _r, _e, lod = unpack_header(buf, p)[:7]
+                    if length < _MIN_BATCH:
+                        raise CorruptRecordBatch(f"batch length {length} too small",
+                                                 buf_pos + p, self.log_path)
+                    if length <= n - p:
+                        if base + lod >= offset:
+                            max_bytes, stop = decode_into(buf, p, out, offset, max_records,
+                                                          max_bytes)
+                            if stop >= 0:
+                                self._hint_offset, self._hint_pos = stop, buf_pos + p
+                                return max_bytes, True
+                            if len(out) >= max_records or max_bytes <= 0:
+                                self._hint_offset = out[-1].offset + 1
+                                self._hint_pos = buf_pos + p + length
+                                return max_bytes, True
+                        p += length
+                        continue
+                    need = length
+                else:
+                    need = BATCH_HEADER_SIZE
+                at = buf_pos + p
+                want = min(max_bytes, (max_records - len(out)) * avg) + avg + BATCH_HEADER_SIZE
+                buf = os.pread(self._fd, min(end - at, max(need, want, READ_CHUNK_MIN)), at)
+                buf_pos, p, n = at, 0, len(buf)
+                if n < need:
+                    raise CorruptRecordBatch(f"short read: {n} of {need} bytes", at,
+                                             self.log_path)
+            return max_bytes, False
+        finally:
+            self._cache_buf, self._cache_pos = buf, buf_pos
+
+    def iter_batches(self, pos: int = 0,
+                     end: int | None = None) -> Iterator[tuple[bytes, int, int]]:
+        """Yield ``(buffer, offset_in_buffer, file_position)`` for each batch from ``pos``.
+
+        Batches are trusted (written or recovered by this process); ``end`` defaults to the
+        current :attr:`size`, so a scan started on the cleaner thread sees a fixed prefix.
+        """
+        stop = self.size if end is None else end
+        buf = b""
+        buf_pos = pos
+        while pos < stop:
+            rel = pos - buf_pos
+            if len(buf) - rel < BATCH_HEADER_SIZE:
+                buf = os.pread(self._fd, min(stop - pos, SCAN_CHUNK), pos)
+                buf_pos, rel = pos, 0
+                if len(buf) < BATCH_HEADER_SIZE:
+                    raise CorruptRecordBatch("short read of a batch header", pos, self.log_path)
+            length = BATCH_HEADER.unpack_from(buf, rel)[1]
+            if length < _MIN_BATCH:
+                raise CorruptRecordBatch(f"batch length {length} too small", pos, self.log_path)
+            if len(buf) - rel < length:
+                buf = os.pread(self._fd, max(length, min(stop - pos, SCAN_CHUNK)), pos)
+                buf_pos, rel = pos, 0
+                if len(buf) < length:
+                    raise CorruptRecordBatch("short read of a batch", pos, self.log_path)
+            yield buf, rel, pos
+            pos += length
+
+    def iter_records(self, end: int | None = None) -> Iterator[Record]:
+        """Every record of the segment in offset order (cleaner, tests, tools)."""
+        for buf, rel, _pos in self.iter_batches(0, end):
+            yield from decode_batch(buf, rel)
+
+    def offset_for_time(self, timestamp: int) -> int | None:
+        """First offset whose record timestamp is >= ``timestamp`` (ms), None if none here."""
+        if self.max_timestamp < timestamp:
+            return None
+        before = self.time_index.lookup_before(timestamp)
+        start = self.base_offset if before is None else before + 1
+        pos = self.offset_index.lookup(start)[1]
+        for buf, rel, _pos in self.iter_batches(pos):
+            h = read_header(buf, rel)
+            if h.last_offset < start or h.max_timestamp < timestamp:
+                continue
+            for record in decode_batch(buf, rel):
+                if record.offset >= start and record.timestamp >= timestamp:
+                    return record.offset
+        return None  # pragma: no cover - max_timestamp guarantees a match
+
+    # --------------------------------------------------------------- durability
+    @property
+    def dirty(self) -> bool:
+        """True when appended data has not been fsynced yet."""
+        return self._dirty
+
+    def flush(self) -> None:
+        """fdatasync the ``.log`` if it has unsynced appends; raises :class:`LogIOError`."""
+        if self._dirty:
+            try:
+                _fsync_data(self._fd)
+            except OSError as exc:
+                raise LogIOError(self.log_path, "fsync segment", exc) from exc
+            self._dirty = False
+
+    def persist_indexes(self, *, fsync: bool) -> None:
+        """Write ``.index`` and ``.timeindex`` (atomically) if they changed."""
+        for index in (self.offset_index, self.time_index):
+            try:
+                index.write(fsync=fsync)
+            except OSError as exc:
+                raise LogIOError(index.path, "write index", exc) from exc
+
+    def _drop_read_state(self) -> None:
+        self._hint_offset = -1
+        self._hint_pos = 0
+        self._cache_buf = b""
+        self._cache_pos = 0
+
+    def close(self) -> None:
+        """Close the file descriptor (idempotent); does not flush."""
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        self._drop_read_state()
+
+    @property
+    def closed(self) -> bool:
+        return self._fd < 0
+
+    def delete(self) -> None:
+        """Close and remove the segment's files, indexes first so a crash never leaves an
+        index without its log."""
+        self.close()
+        for path in (self.index_path, self.timeindex_path, self.log_path):
+            path.unlink(missing_ok=True)
+
+    def __repr__(self) -> str:
+        return (f"Segment(base_offset={self.base_offset}, next_offset={self.next_offset}, "
+                f"size={self.size})")
+
+
+def write_segment(directory: Path, base_offset: int, config: LogConfig,
+                  batches: Iterable[bytes | bytearray], suffix: str, *, fsync: bool) -> Segment:
+    """Write a new segment from encoded batches to ``<base><.log|.index|.timeindex><suffix>``.
+
+    Used by compaction: the files are complete (and fsynced when ``fsync``) before the caller
+    renames them into place. Returns the segment, open on the suffixed ``.log`` file.
+    """
+    path = directory / (file_name(base_offset, LOG_SUFFIX) + suffix)
+    try:
+        fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_TRUNC, 0o644)
+    except OSError as exc:
+        raise LogIOError(path, "create cleaned segment", exc) from exc
+    seg = Segment(directory, base_offset, config, fd, 0, 0)
+    seg.log_path = path
+    seg.offset_index.path = seg.index_path = seg.index_path.with_name(seg.index_path.name + suffix)
+    seg.time_index.path = seg.timeindex_path = seg.timeindex_path.with_name(
+        seg.timeindex_path.name + suffix)
+    try:
+        for batch in batches:
+            seg.append(batch, fsync=False)
+        if fsync:
+            seg.flush()
+        seg.persist_indexes(fsync=fsync)
+    except BaseException:
+        seg.delete()
+        raise
+    return seg

@@ -1,0 +1,159 @@
+"""Streams registry: which stream and partition an MQTT topic goes to, and the open logs.
+
+``DATA/<stream>/<partition>/`` is one :class:`SegmentedLog`. A topic belongs to the first
+stream spec (in configuration order) with a matching topic filter, else to ``default``; its
+partition is ``crc32(utf-8 topic) % partitions`` so one topic keeps its order. The internal
+compacted streams ``$retained`` (key: topic) and ``$sessions`` (key: client id) always exist
+(1 partition, compacted, kept forever) unless the configuration defines them.
+
+``DATA/FORMAT`` holds the on-disk format version (:data:`broker.commitlog.batch.MAGIC`): it is
+written when the directory is new, and a newer version raises :class:`UnsupportedFormat`.
+
+Threads: ``stream_for`` / ``partition_for`` are pure lookups (a bounded cache); ``log`` opens
+a partition on first use under a lock, so the loop thread and the cleaner may both call it.
+Each log's append/read must still come from its owner's loop thread.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+import zlib
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+from broker.commitlog.batch import MAGIC
+from broker.commitlog.config import LogConfig, StreamSpec
+from broker.commitlog.errors import CommitLogError, LogConfigError, LogIOError, UnsupportedFormat
+from broker.commitlog.log import SegmentedLog
+from broker.mqtt.topics import topic_matches
+
+FORMAT_FILE = "FORMAT"
+DEFAULT_STREAM = "default"
+RETAINED_STREAM = "$retained"
+SESSIONS_STREAM = "$sessions"
+#: Settings of the internal keyed streams: compacted, never deleted by age or size.
+INTERNAL_LOG = LogConfig(retention_ms=None, retention_bytes=None, compacted=True)
+#: Entries of the topic -> stream cache before it is cleared (bounds memory with many topics).
+TOPIC_CACHE_SIZE = 65536
+
+
+def check_format(data_dir: Path) -> int:
+    """Create ``DATA/FORMAT`` if missing; raise :class:`UnsupportedFormat` if it is newer.
+
+    Returns the version found (or written).
+    """
+    path = data_dir / FORMAT_FILE
+    try:
+        data_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            text = path.read_text(encoding="ascii").strip()
+        except FileNotFoundError:
+            tmp = path.with_name(FORMAT_FILE + ".tmp")
+            tmp.write_text(f"{MAGIC}\n", encoding="ascii")
+            os.replace(tmp, path)
+            return MAGIC
+    except OSError as exc:
+        raise LogIOError(path, "read or create the format file", exc) from exc
+    except UnicodeDecodeError as exc:
+        raise CommitLogError(f"{path}: not a format version file") from exc
+    if not text.isdigit():
+        raise CommitLogError(f"{path}: invalid format version {text!r}")
+    version = int(text)
+    if version > MAGIC:
+        raise UnsupportedFormat(path, version, MAGIC)
+    return version
+
+
+class Streams:
+    """The data directory's streams and their partition logs (opened on first use)."""
+
+    def __init__(self, data_dir: Path, specs: Sequence[StreamSpec], *,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.data_dir = Path(data_dir)
+        self._clock = clock
+        by_name: dict[str, StreamSpec] = {}
+        for spec in specs:
+            if spec.name in by_name:
+                raise LogConfigError(f"stream {spec.name!r} is defined twice")
+            by_name[spec.name] = spec
+        for name in (RETAINED_STREAM, SESSIONS_STREAM):
+            by_name.setdefault(name, StreamSpec(name, (), 1, INTERNAL_LOG))
+        by_name.setdefault(DEFAULT_STREAM, StreamSpec(DEFAULT_STREAM, ()))
+        self.specs: dict[str, StreamSpec] = by_name
+        self._routes = [(f, spec) for spec in specs for f in spec.topic_filters]
+        self._default = by_name[DEFAULT_STREAM]
+        self._topic_cache: dict[str, StreamSpec] = {}
+        self._logs: dict[tuple[str, int], SegmentedLog] = {}
+        self._lock = threading.Lock()
+        self._closed = False
+        self.format_version = check_format(self.data_dir)
+
+    def stream_for(self, topic: str) -> StreamSpec:
+        """The first spec (in configuration order) with a filter matching ``topic``, else
+        ``default``."""
+        spec = self._topic_cache.get(topic)
+        if spec is None:
+            spec = next((s for f, s in self._routes if topic_matches(f, topic)), self._default)
+            if len(self._topic_cache) >= TOPIC_CACHE_SIZE:
+                self._topic_cache.clear()
+            self._topic_cache[topic] = spec
+        return spec
+
+    def partition_for(self, topic: str) -> tuple[str, int]:
+        """``(stream name, crc32(utf-8 topic) % partitions)``."""
+        spec = self.stream_for(topic)
+        return spec.name, zlib.crc32(topic.encode()) % spec.partitions
+
+    def log(self, stream: str, partition: int) -> SegmentedLog:
+        """The log of ``stream``/``partition``, opened (and recovered) on first use."""
+        key = (stream, partition)
+        log = self._logs.get(key)
+        if log is not None:
+            return log
+        spec = self.specs.get(stream)
+        if spec is None:
+            raise CommitLogError(f"unknown stream {stream!r}")
+        if not 0 <= partition < spec.partitions:
+            raise CommitLogError(
+                f"stream {stream!r} has partitions 0..{spec.partitions - 1}, not {partition}"
+            )
+        with self._lock:
+            if self._closed:
+                raise CommitLogError(f"{self.data_dir}: streams are closed")
+            log = self._logs.get(key)
+            if log is None:
+                log = SegmentedLog.open(self.partition_dir(stream, partition), spec.log,
+                                        clock=self._clock)
+                self._logs[key] = log
+            return log
+
+    def partition_dir(self, stream: str, partition: int) -> Path:
+        return self.data_dir / stream / str(partition)
+
+    def open_logs(self) -> dict[tuple[str, int], SegmentedLog]:
+        """Snapshot of the logs opened so far, keyed by (stream, partition)."""
+        with self._lock:
+            return dict(self._logs)
+
+    def close(self) -> None:
+        """Close every open log (idempotent). Stop a :class:`LogCleaner` first."""
+        with self._lock:
+            self._closed = True
+            logs = list(self._logs.values())
+            self._logs.clear()
+        errors: list[CommitLogError] = []
+        for log in logs:
+            try:
+                log.close()
+            except CommitLogError as exc:
+                errors.append(exc)
+        if errors:
+            raise errors[0]
+
+    def __enter__(self) -> Streams:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
