@@ -218,7 +218,7 @@ PROPERTY_TABLE: dict[PropertyId, tuple[Any, set[str]]] = {
             "DISCONNECT",
             "AUTH",
         },
-    ),  # fmt: skip
+    ),
     P.RECEIVE_MAXIMUM: (65535, {"CONNECT", "CONNACK"}),
     P.TOPIC_ALIAS_MAXIMUM: (10, {"CONNECT", "CONNACK"}),
     P.TOPIC_ALIAS: (7, {"PUBLISH"}),
@@ -242,7 +242,7 @@ PROPERTY_TABLE: dict[PropertyId, tuple[Any, set[str]]] = {
             "DISCONNECT",
             "AUTH",
         },
-    ),  # fmt: skip
+    ),
     P.MAXIMUM_PACKET_SIZE: (1 << 20, {"CONNECT", "CONNACK"}),
     P.WILDCARD_SUBSCRIPTION_AVAILABLE: (1, {"CONNACK"}),
     P.SUBSCRIPTION_IDENTIFIER_AVAILABLE: (0, {"CONNACK"}),
