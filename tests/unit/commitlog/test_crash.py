@@ -17,8 +17,12 @@ import random
 from collections.abc import Iterator
 from pathlib import Path
 
+import hypothesis.strategies as st
 import pytest
+from hypothesis import given, settings
+
 from broker.commitlog.config import LogConfig
+from broker.commitlog.index import OffsetIndex, TimeIndex
 from broker.commitlog.log import SegmentedLog
 from broker.commitlog.record import Record
 
@@ -75,7 +79,12 @@ def segment_file(directory: Path, base: int, suffix: str) -> Path:
 
 
 class Written:
-    """A closed log on disk with known batches, and where its last batch lies in the file."""
+    """A log on disk with known batches, and where its last batch lies in the active segment.
+
+    Two images of the directory are kept: ``crash`` (taken while the log was open, after a
+    flush: what a crash leaves, no clean-shutdown state, indexes of the active segment possibly
+    not written yet) and ``clean`` (after ``close()``). The directory is left clean.
+    """
 
     def __init__(self, directory: Path, batches: list[list[Record]], config: LogConfig) -> None:
         self.directory = directory
@@ -91,13 +100,18 @@ class Written:
             base = log.append(batch)
             self.bases.append(base)
             self.records.extend(with_offsets(batch, base))
+        log.flush()
         if log.segments[-1] != self.active:  # the last append rolled: it starts a segment
             self.active = log.segments[-1]
             self.last_start = 0
+        self.crash = snapshot(directory)
         log.close()
-        self.last_end = segment_file(directory, self.active, ".log").stat().st_size
-        assert self.last_end > self.last_start
-        self.files = snapshot(directory)
+        self.clean = snapshot(directory)
+        self.last_end = len(self.crash[self.log_name])
+        assert self.last_end == len(self.clean[self.log_name]) > self.last_start
+
+    def image(self, kind: str) -> dict[str, bytes]:
+        return dict(self.crash if kind == "crash" else self.clean)
 
     @property
     def log_name(self) -> str:
@@ -124,11 +138,15 @@ def written(tmp_path: Path) -> Written:
     return Written(tmp_path / "p0", batches, CONFIG)
 
 
-def test_truncate_every_byte_of_last_batch(written: Written) -> None:
+IMAGES = ["crash", "clean"]
+
+
+@pytest.mark.parametrize("image", IMAGES)
+def test_truncate_every_byte_of_last_batch(written: Written, image: str) -> None:
     last = len(written.bases) - 1
-    log_bytes = written.files[written.log_name]
+    log_bytes = written.crash[written.log_name]
     for cut in range(written.last_start, written.last_end):
-        files = dict(written.files)
+        files = written.image(image)
         files[written.log_name] = log_bytes[:cut]
         restore(written.directory, files)
         written.expect_recovered_to(last)
@@ -141,13 +159,14 @@ def bit_positions(start: int, end: int) -> Iterator[tuple[int, int]]:
         yield pos, (pos * 5 + 3) % 8
 
 
-def test_flip_bits_in_last_batch(written: Written) -> None:
+@pytest.mark.parametrize("image", IMAGES)
+def test_flip_bits_in_last_batch(written: Written, image: str) -> None:
     last = len(written.bases) - 1
-    log_bytes = written.files[written.log_name]
+    log_bytes = written.crash[written.log_name]
     for pos, bit in bit_positions(written.last_start, written.last_end):
         damaged = bytearray(log_bytes)
         damaged[pos] ^= 1 << bit
-        files = dict(written.files)
+        files = written.image(image)
         files[written.log_name] = bytes(damaged)
         restore(written.directory, files)
         try:
@@ -159,9 +178,9 @@ def test_flip_bits_in_last_batch(written: Written) -> None:
 
 
 def test_corrupt_middle_batch_truncates_from_there(written: Written) -> None:
-    # A corrupt batch in the middle of the active segment: nothing after it can be trusted
-    # (positions and offsets follow from it), so recovery truncates from that batch on.
-    files = dict(written.files)
+    # After a crash, a corrupt batch in the middle of the active segment: nothing after it can
+    # be trusted (positions and offsets follow from it), so recovery truncates from there on.
+    files = written.image("crash")
     damaged = bytearray(files[written.log_name])
     damaged[len(damaged) // 2] ^= 0x10
     files[written.log_name] = bytes(damaged)
@@ -177,7 +196,7 @@ def test_corrupt_middle_batch_truncates_from_there(written: Written) -> None:
 
 def test_zero_filled_tail_is_dropped(written: Written) -> None:
     # What a crash can leave after a size-extending write: the new length, but zero pages.
-    files = dict(written.files)
+    files = written.image("crash")
     files[written.log_name] += b"\x00" * 300
     restore(written.directory, files)
     log = SegmentedLog.open(written.directory, written.config)
@@ -204,7 +223,7 @@ def many_segments(tmp_path: Path) -> Written:
         batches.append(make_batch(seq, n, payload_size=rng.randint(0, 60)))
         seq += n
     w = Written(tmp_path / "p1", batches, MULTI_SEGMENT)
-    assert len({int(name[:20]) for name in w.files}) >= 4, "want several segments"
+    assert len({name[:20] for name in w.clean if name.endswith(".log")}) >= 4, "few segments"
     return w
 
 
@@ -223,6 +242,68 @@ def check_lookups(log: SegmentedLog, records: list[Record], rng: random.Random) 
         i = bisect.bisect_left(stamps, ts)
         expected = offsets[i] if i < len(offsets) else log.end_offset
         assert log.offset_for_time(ts) == expected, ts
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=st.integers(0, 1 << 40),
+    steps=st.lists(st.tuples(st.integers(1, 500), st.integers(1, 5000)), max_size=60),
+    probes=st.lists(st.integers(-10, 40_000), max_size=40),
+)
+def test_offset_index_floor_lookup(
+    tmp_path_factory: pytest.TempPathFactory,
+    base: int,
+    steps: list[tuple[int, int]],
+    probes: list[int],
+) -> None:
+    path = tmp_path_factory.mktemp("idx") / "x.index"
+    index = OffsetIndex(path, base)
+    keys: list[int] = []
+    positions: list[int] = []
+    o, p = base, 0
+    for do, dp in steps:
+        o, p = o + do, p + dp
+        index.append(o, p)
+        keys.append(o)
+        positions.append(p)
+    index.write(fsync=False)
+    loaded = OffsetIndex.load(path, base, p + 1)
+    for probe in [*probes, *keys, *(k - 1 for k in keys)]:
+        target = base + probe if probe < 30_000 else (keys[-1] if keys else base) + probe
+        i = bisect.bisect_right(keys, target) - 1
+        expected = (keys[i], positions[i]) if i >= 0 else (base, 0)
+        assert index.lookup(target) == expected
+        assert loaded.lookup(target) == expected
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    base=st.integers(0, 1 << 40),
+    stamps=st.lists(st.integers(T0_MS - 50, T0_MS + 50), max_size=60),
+    probes=st.lists(st.integers(T0_MS - 60, T0_MS + 60), max_size=40),
+)
+def test_time_index_lookup_before(
+    tmp_path_factory: pytest.TempPathFactory, base: int, stamps: list[int], probes: list[int]
+) -> None:
+    # One record per offset with out-of-order timestamps; the index keeps the max so far.
+    path = tmp_path_factory.mktemp("tidx") / "x.timeindex"
+    index = TimeIndex(path, base)
+    entry_ts: list[int] = []
+    entry_off: list[int] = []
+    for i, ts in enumerate(stamps):
+        index.maybe_append(ts, base + i)
+        if not entry_ts or ts > entry_ts[-1]:
+            entry_ts.append(ts)
+            entry_off.append(base + i)
+    index.write(fsync=False)
+    loaded = TimeIndex.load(path, base, base + len(stamps))
+    for probe in [*probes, *stamps]:
+        i = bisect.bisect_left(entry_ts, probe) - 1  # last entry with timestamp < probe
+        expected = entry_off[i] if i >= 0 else None
+        assert index.lookup_before(probe) == expected
+        assert loaded.lookup_before(probe) == expected
+        if expected is not None:  # the promise that makes the lookup safe
+            assert all(t < probe for t in stamps[: expected - base + 1])
 
 
 def index_files(directory: Path) -> list[Path]:
@@ -281,11 +362,13 @@ def garbage(kind: str, original: bytes, rng: random.Random) -> bytes:
 GARBAGE_KINDS = ["random", "random-longer", "ff", "half", "zeros"]
 
 
+@pytest.mark.parametrize("image", IMAGES)
 @pytest.mark.parametrize("kind", GARBAGE_KINDS)
-def test_garbage_active_indexes(many_segments: Written, kind: str) -> None:
+def test_garbage_active_indexes(many_segments: Written, kind: str, image: str) -> None:
     # After a crash the active segment's index files may hold anything.
     rng = random.Random(kind)
     d = many_segments.directory
+    restore(d, many_segments.image(image))
     for suffix in (".index", ".timeindex"):
         p = segment_file(d, many_segments.active, suffix)
         p.write_bytes(garbage(kind, p.read_bytes() if p.exists() else b"", rng))
@@ -337,7 +420,7 @@ def test_offset_for_time_with_clock_stepping_back(tmp_path: Path) -> None:
 
 
 def test_truncation_is_logged(written: Written, caplog: pytest.LogCaptureFixture) -> None:
-    files = dict(written.files)
+    files = written.image("crash")
     files[written.log_name] = files[written.log_name][: written.last_end - 3]
     restore(written.directory, files)
     with caplog.at_level("INFO", logger="broker.commitlog"):
