@@ -121,3 +121,28 @@ def topic_matches(topic_filter: str, topic: str) -> bool:
         if f != "+" and f != t_levels[i]:
             return False
     return len(f_levels) == n_t
+
+
+def filters_overlap(a: str, b: str) -> bool:
+    """True if some topic name could match both (non-shared, valid) filters ``a`` and ``b``.
+
+    Used to find which streams a subscription can receive from without listing topics.
+    A filter starting with a wildcard matches no ``$`` topic [MQTT-4.7.2-1], so it overlaps a
+    filter whose first level is a literal ``$...`` only if that one is never matched, i.e. not.
+    """
+    a_levels = a.split("/")
+    b_levels = b.split("/")
+    a_dollar = a_levels[0][:1] == "$"
+    b_dollar = b_levels[0][:1] == "$"
+    if (a_dollar and b_levels[0] in ("+", "#")) or (b_dollar and a_levels[0] in ("+", "#")):
+        return False
+    for x, y in zip(a_levels, b_levels, strict=False):
+        if x == "#" or y == "#":
+            return True
+        if x != "+" and y != "+" and x != y:
+            return False
+    if len(a_levels) == len(b_levels):
+        return True
+    longer = a_levels if len(a_levels) > len(b_levels) else b_levels
+    # "a" and "a/#" overlap on topic "a" (s4.7.1.2); anything else longer needs a '#'.
+    return len(longer) == min(len(a_levels), len(b_levels)) + 1 and longer[-1] == "#"

@@ -1,0 +1,313 @@
+"""Broker configuration: `config/broker.toml` parsed once into frozen dataclasses.
+
+Every key has a default, so an empty file runs a single node. Unknown sections and keys are
+errors (a typo must not silently fall back to a default), and every error is a
+:class:`ConfigError` naming the key and the file. Command-line overrides (``--port`` ...) are
+applied with :func:`dataclasses.replace` after parsing, so they go through no second parser.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import tomllib
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from broker.commitlog.config import FsyncPolicy, LogConfig, StreamSpec
+from broker.mqtt.errors import TopicFilterInvalid
+from broker.mqtt.topics import validate_topic_filter
+
+T = TypeVar("T")
+
+MAX_PACKET_SIZE_LIMIT = 268_435_455  # the largest remaining length plus header MQTT allows
+_DURATION_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000,
+                      "w": 604_800_000}
+_DURATION_RE = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)\s*$")
+_SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3,
+               "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
+_STREAM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
+
+
+class ConfigError(Exception):
+    """A configuration value is missing, unknown or invalid. The message names key and file."""
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    host: str = "0.0.0.0"
+    port: int = 1883
+
+
+@dataclass(frozen=True, slots=True)
+class RouterConfig:
+    workers: int = 1                      # 0 = one worker per core
+    max_connections: int = 100_000
+    max_packet_size: int = 1024 * 1024    # bytes, checked from the fixed header
+    max_inflight: int = 100               # QoS 1/2 deliveries in flight per client
+    max_queued_bytes: int = 8 * 1024 * 1024   # per-connection output buffer before pausing
+    max_topic_length: int = 1024          # bytes of UTF-8
+    max_topic_levels: int = 32
+    keepalive_min: int = 0                # seconds; 0 = a client may disable keepalive
+    keepalive_max: int = 65_535           # seconds; longer requests are clamped (5.0: announced)
+    session_expiry_max: int = 7 * 86_400  # seconds
+    slow_qos0_policy: str = "drop"        # "drop" or "disconnect" when a QoS 0 reader lags
+    max_lag_records: int = 100_000        # QoS 0 lag before the policy applies
+
+
+@dataclass(frozen=True, slots=True)
+class CommitLogSettings:
+    data_dir: Path = Path("data")
+    defaults: LogConfig = field(default_factory=LogConfig)
+
+
+@dataclass(frozen=True, slots=True)
+class HttpConfig:
+    enabled: bool = True
+    host: str = "127.0.0.1"
+    port: int = 8080
+
+
+@dataclass(frozen=True, slots=True)
+class Config:
+    path: Path | None = None
+    server: ServerConfig = field(default_factory=ServerConfig)
+    router: RouterConfig = field(default_factory=RouterConfig)
+    commitlog: CommitLogSettings = field(default_factory=CommitLogSettings)
+    streams: tuple[StreamSpec, ...] = ()
+    http: HttpConfig = field(default_factory=HttpConfig)
+
+    def stream_specs(self) -> list[StreamSpec]:
+        """User streams, plus ``default`` (from the [commitlog] defaults) unless defined."""
+        specs = list(self.streams)
+        if not any(s.name == "default" for s in specs):
+            specs.append(StreamSpec("default", (), 1, self.commitlog.defaults))
+        return specs
+
+    def worker_count(self) -> int:
+        """Workers to run: the configured number, or one per core when 0."""
+        return self.router.workers or (os.cpu_count() or 1)
+
+
+def parse_duration_ms(value: Any, key: str, source: str) -> int:
+    """``"7d"``, ``"500ms"``, ``"2h"`` or an integer of milliseconds, to milliseconds."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = _DURATION_RE.match(value)
+        if m:
+            return int(m.group(1)) * _DURATION_UNITS_MS[m.group(2)]
+    raise ConfigError(
+        f"{source}: {key} = {value!r} is not a duration (e.g. 500ms, 30s, 7d, or milliseconds)"
+    )
+
+
+def parse_size(value: Any, key: str, source: str) -> int:
+    """``"64MiB"``, ``"1GB"`` or an integer of bytes, to bytes."""
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
+        return value
+    if isinstance(value, str):
+        m = _SIZE_RE.match(value)
+        if m and m.group(2).lower() in _SIZE_UNITS:
+            return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
+    raise ConfigError(f"{source}: {key} = {value!r} is not a size (e.g. 64MiB, 1GB, or bytes)")
+
+
+class _Section:
+    """Typed access to one TOML table that remembers which keys were read.
+
+    :meth:`finish` then rejects every key nobody asked for, naming it.
+    """
+
+    def __init__(self, table: Mapping[str, Any], name: str, source: str) -> None:
+        if not isinstance(table, Mapping):
+            raise ConfigError(f"{source}: [{name}] must be a table")
+        self.table = table
+        self.name = name
+        self.source = source
+        self.seen: set[str] = set()
+
+    def key(self, key: str) -> str:
+        return f"{self.name}.{key}" if self.name else key
+
+    def get(self, key: str, default: T, check: Callable[[Any], bool], what: str) -> T:
+        self.seen.add(key)
+        if key not in self.table:
+            return default
+        value = self.table[key]
+        if not check(value):
+            raise ConfigError(f"{self.source}: {self.key(key)} = {value!r} must be {what}")
+        return value
+
+    def integer(self, key: str, default: int, lo: int = 0, hi: int | None = None) -> int:
+        def ok(v: Any) -> bool:
+            return (isinstance(v, int) and not isinstance(v, bool) and v >= lo
+                    and (hi is None or v <= hi))
+        what = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
+        return self.get(key, default, ok, what)
+
+    def boolean(self, key: str, default: bool) -> bool:
+        return self.get(key, default, lambda v: isinstance(v, bool), "true or false")
+
+    def string(self, key: str, default: str, choices: tuple[str, ...] = ()) -> str:
+        what = "one of " + ", ".join(repr(c) for c in choices) if choices else "a string"
+        return self.get(key, default,
+                        lambda v: isinstance(v, str) and (not choices or v in choices), what)
+
+    def duration(self, key: str, default: int | None) -> int | None:
+        self.seen.add(key)
+        if key not in self.table:
+            return default
+        value = self.table[key]
+        if value in ("forever", "none", -1):
+            return None
+        return parse_duration_ms(value, self.key(key), self.source)
+
+    def size(self, key: str, default: int | None) -> int | None:
+        self.seen.add(key)
+        if key not in self.table:
+            return default
+        value = self.table[key]
+        if value in ("unlimited", "none", -1):
+            return None
+        return parse_size(value, self.key(key), self.source)
+
+    def finish(self) -> None:
+        for key in self.table:
+            if key not in self.seen:
+                raise ConfigError(f"{self.source}: unknown key {self.key(key)!r}")
+
+
+def _log_config(sec: _Section, base: LogConfig) -> LogConfig:
+    """Read the per-log keys shared by [commitlog] and each [[streams]] entry."""
+    segment_bytes = sec.size("segment_bytes", base.segment_bytes)
+    segment_ms = sec.duration("segment_age", base.segment_ms)
+    fsync_interval = sec.duration("fsync_interval", base.fsync_interval_ms)
+    fsync: FsyncPolicy = sec.string(  # type: ignore[assignment]
+        "fsync", base.fsync, ("always", "interval", "never"))
+    if not segment_bytes or segment_bytes < 1024:
+        raise ConfigError(f"{sec.source}: {sec.key('segment_bytes')} must be at least 1KiB")
+    if segment_ms is None or segment_ms <= 0:
+        raise ConfigError(f"{sec.source}: {sec.key('segment_age')} must be a positive duration")
+    if fsync_interval is None or fsync_interval <= 0:
+        raise ConfigError(f"{sec.source}: {sec.key('fsync_interval')} must be positive")
+    return LogConfig(
+        segment_bytes=segment_bytes,
+        segment_ms=segment_ms,
+        index_interval_bytes=sec.integer("index_interval_bytes", base.index_interval_bytes, lo=1),
+        fsync=fsync,
+        fsync_interval_ms=fsync_interval,
+        retention_ms=sec.duration("retention", base.retention_ms),
+        retention_bytes=sec.size("retention_bytes", base.retention_bytes),
+        compacted=base.compacted,
+    )
+
+
+def _stream(table: Any, i: int, source: str, defaults: LogConfig) -> StreamSpec:
+    sec = _Section(table, f"streams[{i}]", source)
+    name = sec.string("name", "")
+    if not _STREAM_NAME_RE.match(name):
+        raise ConfigError(
+            f"{source}: {sec.key('name')} = {name!r} must be 1-128 of A-Z a-z 0-9 _ . -"
+        )
+    sec.name = f"streams[{name}]"
+    filters: Any = sec.get(
+        "topic_filter", None,
+        lambda v: isinstance(v, str)
+        or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+        "a topic filter or a list of them",
+    )
+    if filters is None:
+        filters = [] if name == "default" else None
+    if filters is None:
+        raise ConfigError(f"{source}: {sec.key('topic_filter')} is required")
+    if isinstance(filters, str):
+        filters = [filters]
+    for f in filters:
+        try:
+            validate_topic_filter(f)
+        except TopicFilterInvalid as e:
+            raise ConfigError(f"{source}: {sec.key('topic_filter')}: {e}") from None
+        if f.startswith("$share/"):
+            raise ConfigError(f"{source}: {sec.key('topic_filter')} cannot be a shared filter")
+    partitions = sec.integer("partitions", 1, lo=1, hi=4096)
+    log = _log_config(sec, defaults)
+    sec.finish()
+    return StreamSpec(name=name, topic_filters=tuple(filters), partitions=partitions, log=log)
+
+
+_SERVER = ServerConfig()
+_HTTP = HttpConfig()
+
+
+def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
+    """Build a :class:`Config` from a parsed TOML document; ``source`` names it in errors."""
+    for key in data:
+        if key not in ("server", "router", "commitlog", "streams", "http"):
+            raise ConfigError(f"{source}: unknown section [{key}]")
+
+    s = _Section(data.get("server", {}), "server", source)
+    server = ServerConfig(host=s.string("host", _SERVER.host),
+                          port=s.integer("port", _SERVER.port, hi=65535))
+    s.finish()
+
+    r = _Section(data.get("router", {}), "router", source)
+    d = RouterConfig()
+    router = RouterConfig(
+        workers=r.integer("workers", d.workers, hi=256),
+        max_connections=r.integer("max_connections", d.max_connections, lo=1),
+        max_packet_size=r.integer("max_packet_size", d.max_packet_size, lo=64,
+                              hi=MAX_PACKET_SIZE_LIMIT),
+        max_inflight=r.integer("max_inflight", d.max_inflight, lo=1, hi=65535),
+        max_queued_bytes=r.size("max_queued_bytes", d.max_queued_bytes) or d.max_queued_bytes,
+        max_topic_length=r.integer("max_topic_length", d.max_topic_length, lo=1, hi=65535),
+        max_topic_levels=r.integer("max_topic_levels", d.max_topic_levels, lo=1),
+        keepalive_min=r.integer("keepalive_min", d.keepalive_min, hi=65535),
+        keepalive_max=r.integer("keepalive_max", d.keepalive_max, lo=1, hi=65535),
+        session_expiry_max=r.integer("session_expiry_max", d.session_expiry_max),
+        slow_qos0_policy=r.string("slow_qos0_policy", d.slow_qos0_policy, ("drop", "disconnect")),
+        max_lag_records=r.integer("max_lag_records", d.max_lag_records, lo=1),
+    )
+    if router.keepalive_min > router.keepalive_max:
+        raise ConfigError(f"{source}: router.keepalive_min is larger than router.keepalive_max")
+    r.finish()
+
+    c = _Section(data.get("commitlog", {}), "commitlog", source)
+    data_dir = Path(c.string("data_dir", str(CommitLogSettings().data_dir)))
+    defaults = _log_config(c, LogConfig())
+    c.finish()
+    commitlog = CommitLogSettings(data_dir=data_dir, defaults=defaults)
+
+    raw_streams = data.get("streams", [])
+    if not isinstance(raw_streams, list):
+        raise ConfigError(f"{source}: streams must be an array of tables ([[streams]])")
+    streams = tuple(_stream(t, i, source, defaults) for i, t in enumerate(raw_streams))
+    names = [st.name for st in streams]
+    for name in names:
+        if names.count(name) > 1:
+            raise ConfigError(f"{source}: stream {name!r} is defined twice")
+
+    h = _Section(data.get("http", {}), "http", source)
+    http = HttpConfig(enabled=h.boolean("enabled", _HTTP.enabled),
+                      host=h.string("host", _HTTP.host),
+                      port=h.integer("port", _HTTP.port, hi=65535))
+    h.finish()
+    return Config(server=server, router=router, commitlog=commitlog, streams=streams, http=http)
+
+
+def load_config(path: str | os.PathLike[str]) -> Config:
+    """Read and parse a TOML config file. Relative ``data_dir`` is resolved from the CWD."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise ConfigError(f"{p}: cannot read config file: {e.strerror}") from None
+    try:
+        data = tomllib.loads(raw.decode("utf-8"))
+    except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+        raise ConfigError(f"{p}: not valid TOML: {e}") from None
+    return dataclasses.replace(parse_config(data, str(p)), path=p)

@@ -1,0 +1,179 @@
+"""Server side of one MQTT network connection, sans-IO: bytes in, validated packets out.
+
+This owns what the spec scopes to a *network connection* and nothing else: the decoder, the
+protocol version, topic aliases in both directions [MQTT-3.3.2-7], and the client's announced
+limits (receive maximum, maximum packet size, topic alias maximum). Session state
+(subscriptions, offsets, in-flight packets) belongs to the router, so this object can be thrown
+away with its socket.
+
+Errors are raised as :class:`~broker.mqtt.errors.MQTTError` with their reason code; turning them
+into a CONNACK / DISCONNECT and a close is the transport's job. No asyncio, no sockets.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from typing import Any
+
+from broker.mqtt.decode import Decoder
+from broker.mqtt.encode import encode, encode_publish
+from broker.mqtt.errors import MQTTError, ProtocolError, TopicNameInvalid
+from broker.mqtt.packets import (
+    Auth,
+    Connect,
+    Disconnect,
+    Packet,
+    PingReq,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    Subscribe,
+    Unsubscribe,
+)
+from broker.mqtt.properties import PropertyId
+from broker.mqtt.reason_codes import ReasonCode
+from broker.mqtt.topics import validate_topic_name
+
+#: Packets a client may send to a server (s2.1.2 "Direction of flow").
+_CLIENT_TO_SERVER = (Publish, PubAck, PubRec, PubRel, PubComp, Subscribe, Unsubscribe, PingReq,
+                     Disconnect, Auth)
+
+
+class TopicAliasInvalid(MQTTError):
+    """A topic alias of 0 or above the maximum we announced [MQTT-3.3.2-9], [MQTT-3.3.2-10]."""
+
+    reason_code = ReasonCode.TOPIC_ALIAS_INVALID
+
+
+class ServerConnection:
+    """Protocol state of one client connection as seen by the server.
+
+    Invariant: :attr:`version` is ``None`` until the CONNECT has been decoded; every packet
+    returned by :meth:`receive_data` after it has a resolved topic (no inbound alias left).
+    """
+
+    __slots__ = ("_decoder", "client_max_packet_size", "client_receive_maximum",
+                 "client_topic_alias_maximum", "connect", "inbound_aliases", "max_topic_length",
+                 "max_topic_levels", "outbound_aliases", "topic_alias_maximum", "version")
+
+    def __init__(self, *, max_packet_size: int, topic_alias_maximum: int = 0,
+                 max_topic_length: int = 65535, max_topic_levels: int = 1 << 16) -> None:
+        self._decoder = Decoder(max_packet_size=max_packet_size)
+        self.version: int | None = None
+        self.connect: Connect | None = None
+        self.topic_alias_maximum = topic_alias_maximum  # what we accept from the client
+        self.max_topic_length = max_topic_length
+        self.max_topic_levels = max_topic_levels
+        self.inbound_aliases: dict[int, str] = {}
+        self.outbound_aliases: dict[str, int] = {}
+        self.client_topic_alias_maximum = 0
+        self.client_receive_maximum = 65535
+        self.client_max_packet_size: int | None = None
+
+    # ---------------------------------------------------------------- inbound
+
+    def receive_data(self, data: bytes) -> list[Packet]:
+        """Decode every complete packet in ``data`` plus what was buffered before.
+
+        Raises MQTTError for the first violation; packets decoded before it in the same
+        call are lost with the connection, which is what the spec asks [MQTT-4.13.1-1].
+        """
+        self._decoder.feed(data)
+        out: list[Packet] = []
+        for packet in self._decoder.packets():
+            if type(packet) is Publish:
+                packet = self._inbound_publish(packet)
+            elif self.connect is None:
+                # The decoder guarantees the first packet is a CONNECT [MQTT-3.1.0-1].
+                assert isinstance(packet, Connect)
+                self._on_connect(packet)
+            elif isinstance(packet, Connect):
+                raise ProtocolError("second CONNECT on one connection [MQTT-3.1.0-2]")
+            elif not isinstance(packet, _CLIENT_TO_SERVER):
+                raise ProtocolError(f"{type(packet).__name__} is not sent by clients")
+            elif isinstance(packet, Auth) and self.version != 5:
+                raise ProtocolError("AUTH exists only in MQTT 5")
+            out.append(packet)
+        return out
+
+    def _on_connect(self, packet: Connect) -> None:
+        self.connect = packet
+        self.version = packet.protocol_level
+        props = packet.properties
+        if props:
+            self.client_topic_alias_maximum = props.get(PropertyId.TOPIC_ALIAS_MAXIMUM, 0)
+            rm = props.get(PropertyId.RECEIVE_MAXIMUM, 65535)
+            if rm == 0:
+                raise ProtocolError("receive maximum of 0 is a protocol error (s3.1.2.11.3)")
+            self.client_receive_maximum = rm
+            mps = props.get(PropertyId.MAXIMUM_PACKET_SIZE)
+            if mps == 0:
+                raise ProtocolError("maximum packet size of 0 (s3.1.2.11.4)")
+            self.client_max_packet_size = mps
+
+    def _inbound_publish(self, packet: Publish) -> Publish:
+        if self.connect is None:
+            raise ProtocolError("PUBLISH before CONNECT [MQTT-3.1.0-1]")
+        props = packet.properties
+        if props and PropertyId.TOPIC_ALIAS in props:
+            alias = props[PropertyId.TOPIC_ALIAS]
+            if alias == 0 or alias > self.topic_alias_maximum:
+                raise TopicAliasInvalid(
+                    f"topic alias {alias} outside 1..{self.topic_alias_maximum} [MQTT-3.3.2-9]"
+                )
+            if packet.topic:
+                self.inbound_aliases[alias] = packet.topic
+            else:
+                topic = self.inbound_aliases.get(alias)
+                if topic is None:
+                    raise ProtocolError(f"topic alias {alias} was never set (s3.3.2.3.4)")
+                packet = replace(packet, topic=topic)
+            packet = replace(
+                packet,
+                properties={k: v for k, v in props.items() if k != PropertyId.TOPIC_ALIAS},
+            )
+        topic = packet.topic
+        if len(topic) > self.max_topic_length or "+" in topic or "#" in topic or not topic:
+            validate_topic_name(topic)  # raises with the precise reason
+            if len(topic.encode()) > self.max_topic_length:
+                raise TopicNameInvalid(f"topic longer than {self.max_topic_length} bytes")
+        if topic.count("/") >= self.max_topic_levels:
+            raise TopicNameInvalid(f"topic has more than {self.max_topic_levels} levels")
+        return packet
+
+    # ---------------------------------------------------------------- outbound
+
+    def send(self, packet: Packet) -> bytes:
+        """Encode a packet for this client's protocol version."""
+        assert self.version is not None
+        return encode(packet, self.version)
+
+    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
+                     packet_id: int | None, properties: dict[int, Any] | None) -> bytes | None:
+        """Encode a PUBLISH, using an outbound topic alias when the client allows them.
+
+        Returns ``None`` when the packet would exceed the client's maximum packet size: the
+        server must not send it and treats it as delivered [MQTT-3.1.2-25].
+        """
+        version = self.version
+        assert version is not None
+        if self.client_topic_alias_maximum and version == 5:
+            alias = self.outbound_aliases.get(topic)
+            props = dict(properties) if properties else {}
+            if alias is not None:
+                props[PropertyId.TOPIC_ALIAS] = alias
+                data = encode_publish("", payload, qos, retain, dup, packet_id, props, version)
+            else:
+                if len(self.outbound_aliases) < self.client_topic_alias_maximum:
+                    alias = len(self.outbound_aliases) + 1
+                    self.outbound_aliases[topic] = alias
+                    props[PropertyId.TOPIC_ALIAS] = alias
+                data = encode_publish(topic, payload, qos, retain, dup, packet_id, props, version)
+        else:
+            data = encode_publish(topic, payload, qos, retain, dup, packet_id, properties or None,
+                                  version)
+        if self.client_max_packet_size is not None and len(data) > self.client_max_packet_size:
+            return None
+        return data

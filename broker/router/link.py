@@ -1,0 +1,34 @@
+"""What the router needs from a client connection (rumqttd's "link").
+
+The router talks to connections only through this interface, so it stays synchronous,
+free of sockets, and testable with a recording fake.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+from broker.mqtt.packets import Packet
+
+
+class Link(Protocol):
+    """One live network connection of a client. Called from the router's loop thread."""
+
+    client_id: str
+    version: int
+
+    def send(self, packet: Packet) -> None:
+        """Queue a packet; bytes leave at the end of this loop iteration."""
+
+    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
+                     packet_id: int | None, properties: dict[int, Any] | None) -> bool:
+        """Queue a PUBLISH; False if it exceeded the client's maximum packet size and was
+        discarded as the spec requires [MQTT-3.1.2-25]."""
+        ...
+
+    def can_write(self) -> bool:
+        """True while the output buffer is below its high-water mark."""
+        ...
+
+    def close(self, reason_code: int | None = None, reason: str = "") -> None:
+        """Send DISCONNECT (5.0, when a reason code is given) and close the connection."""

@@ -1,0 +1,947 @@
+"""The router: sessions, subscriptions, offsets and QoS flows over the partition logs.
+
+Connections are stateless (the rumqttd design): they hand the router validated packets and
+the router answers through their :class:`~broker.router.link.Link`. The router is synchronous
+logic with an injected clock; I/O lives at the edges (the transport writes bytes, the log
+writes files).
+
+Data path, per event-loop iteration:
+
+1. ``publish`` turns each PUBLISH into a :class:`Record` gathered by its partition;
+2. ``flush`` (scheduled once per iteration) appends each partition's batch with one write,
+   then acknowledges publishers (PUBACK / PUBREC only after the append [MQTT-4.3.2-2]) and
+   wakes the consumers reading that partition;
+3. a consumer reads from its cursor: from memory when caught up, from the log when behind,
+   and stops when its client has no send quota or its output buffer is full, to resume when
+   the client acknowledges or the buffer drains. One slow client therefore costs nothing to
+   publishers or to other subscribers.
+
+Partition ownership: this router writes only the partitions it owns (all of them with one
+worker). Every partition's state is reached through :meth:`Router.partition`, the one place a
+multi-worker build changes.
+
+Called only from the owning event loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import orjson
+
+from broker.commitlog import OffsetOutOfRange, Record, Streams
+from broker.config import RouterConfig
+from broker.mqtt.errors import ProtocolError, TopicFilterInvalid
+from broker.mqtt.packets import (
+    ConnAck,
+    Connect,
+    Disconnect,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    SubAck,
+    Subscribe,
+    UnsubAck,
+    Unsubscribe,
+)
+from broker.mqtt.properties import PropertyId, decode_properties, encode_properties
+from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ReasonCode
+from broker.mqtt.topics import (
+    filters_overlap,
+    is_wildcard,
+    parse_shared,
+    topic_matches,
+    validate_topic_filter,
+)
+from broker.router.link import Link
+from broker.router.partition import Partition
+from broker.router.replay import ReplayStart, is_replay, parse_replay
+from broker.router.session import (
+    MAIN,
+    Consumer,
+    Inflight,
+    PartitionKey,
+    Session,
+    SharedGroup,
+    Subscription,
+)
+
+log = logging.getLogger("broker.router")
+
+RETAINED_STREAM = "$retained"
+SESSIONS_STREAM = "$sessions"
+#: Session expiry of 0xFFFFFFFF means "never" (s3.1.2.11.2).
+EXPIRY_NEVER = 0xFFFFFFFF
+#: Topic aliases a client may use towards us (announced in CONNACK, s3.2.2.3.8).
+TOPIC_ALIAS_MAXIMUM = 64
+_USER = PropertyId.USER_PROPERTY
+_RETAINED: PartitionKey = (RETAINED_STREAM, 0)
+_SESSIONS: PartitionKey = (SESSIONS_STREAM, 0)
+
+
+class Router:
+    """Owns every session and partition of one worker. See the module docstring."""
+
+    def __init__(self, streams: Streams, config: RouterConfig, *,
+                 schedule: Callable[[Callable[[], None]], Any],
+                 clock: Callable[[], float] = time.time,
+                 monotonic: Callable[[], float] = time.monotonic) -> None:
+        self.streams = streams
+        self.config = config
+        self._schedule = schedule
+        self.clock = clock
+        self.monotonic = monotonic
+        self.sessions: dict[str, Session] = {}
+        self.groups: dict[str, SharedGroup] = {}
+        self.partitions: dict[PartitionKey, Partition] = {}
+        self.retained: dict[str, Record] = {}  # topic -> record in $retained (with its offset)
+        self.connections = 0
+        self._dirty: dict[PartitionKey, Partition] = {}
+        self._flush_scheduled = False
+        self._groups_dirty = False
+        self.dropped = 0  # QoS 0 records skipped by the slow-subscriber policy
+        self._load_retained()
+        self._load_sessions()
+
+    # ================================================================ partitions
+
+    def partition(self, key: PartitionKey) -> Partition:
+        part = self.partitions.get(key)
+        if part is None:
+            part = self.partitions[key] = Partition(key, self.streams.log(*key))
+        return part
+
+    def _keys_for_filter(self, plain: str) -> list[PartitionKey]:
+        """Partitions a (non-shared, non-replay) filter can receive records from."""
+        if not is_wildcard(plain):
+            return [self.streams.partition_for(plain)]
+        keys: list[PartitionKey] = []
+        for spec in self.streams.specs.values():
+            if spec.name.startswith("$"):
+                continue
+            if spec.name == "default" or any(filters_overlap(f, plain)
+                                             for f in spec.topic_filters):
+                keys.extend((spec.name, p) for p in range(spec.partitions))
+        return keys
+
+    def _enqueue(self, record: Record, ack: Callable[[int | None], None] | None,
+                 key: PartitionKey | None = None) -> None:
+        """Gather a record for the next group commit; ``key`` defaults to its topic's."""
+        if key is None:
+            key = self.streams.partition_for(record.topic)
+        part = self.partition(key)
+        part.add(record, ack)
+        self._dirty[key] = part
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._schedule(self.flush)
+
+    def flush(self) -> None:
+        """Group commit: append every gathered batch, acknowledge, wake consumers."""
+        self._flush_scheduled = False
+        while self._dirty:
+            dirty, self._dirty = self._dirty, {}
+            for key, part in dirty.items():
+                try:
+                    part.commit()
+                except Exception:
+                    log.exception("append to %s/%d failed; its publishers get an error", *key)
+                    continue
+                self._wake(part)
+
+    def _wake(self, part: Partition) -> None:
+        for watcher in list(part.watchers):
+            if watcher[0] == "s":
+                session = self.sessions.get(watcher[1])
+                consumer = session.consumers.get(watcher[2]) if session else None
+                if session is None or consumer is None or session.link is None:
+                    continue
+                self._pump(session, consumer, part.key)
+            else:
+                group = self.groups.get(watcher[1])
+                if group is not None:
+                    self._pump_group(group)
+
+    # ================================================================ connect
+
+    def connect(self, link: Link, packet: Connect) -> tuple[Session, int] | None:
+        """Handle CONNECT: answer CONNACK, resume or create the session.
+
+        Returns the session and the keepalive to enforce, or None when refused (the CONNACK
+        with the reason was sent and the link should close) [MQTT-3.2.2-7].
+        """
+        version = packet.protocol_level
+        props = packet.properties
+        cfg = self.config
+        if version == 5 and PropertyId.AUTHENTICATION_METHOD in props:
+            # Enhanced authentication (s4.12) with a method we do not offer.
+            self._refuse(link, version, ReasonCode.BAD_AUTHENTICATION_METHOD)
+            return None
+        if self.connections >= cfg.max_connections:
+            self._refuse(link, version, ReasonCode.SERVER_BUSY)
+            return None
+        client_id = packet.client_id
+        assigned = None
+        if not client_id:
+            if version < 5 and not packet.clean_start:
+                self._refuse(link, version, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID)
+                return None
+            client_id = assigned = "mqlog-" + uuid.uuid4().hex  # [MQTT-3.1.3-6]
+        if version == 5:
+            expiry = props.get(PropertyId.SESSION_EXPIRY_INTERVAL, 0)
+        else:
+            expiry = 0 if packet.clean_start else EXPIRY_NEVER
+        expiry = min(expiry, cfg.session_expiry_max)
+
+        existing = self.sessions.get(client_id)
+        if existing is not None and existing.link is not None:
+            old = existing.link
+            self.connection_lost(existing, old, graceful=False)
+            old.close(ReasonCode.SESSION_TAKEN_OVER, "another connection took the session")
+            existing = self.sessions.get(client_id)  # may have ended with the old connection
+        if existing is not None and packet.clean_start:
+            self._end_session(existing)  # [MQTT-3.1.2-4]
+            existing = None
+        session_present = existing is not None  # [MQTT-3.2.2-2], [MQTT-3.2.2-3]
+        session = existing or Session(client_id)
+        self.sessions[client_id] = session
+        session.version = version
+        session.persistent = expiry > 0
+        session.expiry_interval = expiry
+        session.will = packet.will
+        session.will_due = None  # a new connection cancels a delayed will [MQTT-3.1.3-9]
+        session.link = link
+        session.disconnected_at = None
+        session.receive_maximum = props.get(PropertyId.RECEIVE_MAXIMUM, 65535)
+        session.request_problem_information = bool(
+            props.get(PropertyId.REQUEST_PROBLEM_INFORMATION, 1))
+        session.dirty = session.persistent
+        link.client_id = client_id
+        self.connections += 1
+
+        keepalive = packet.keepalive
+        if keepalive > cfg.keepalive_max or (keepalive < cfg.keepalive_min and version == 5):
+            keepalive = max(cfg.keepalive_min, min(keepalive, cfg.keepalive_max))
+        ack_props: dict[int, Any] = {}
+        if version == 5:
+            ack_props[PropertyId.RECEIVE_MAXIMUM] = cfg.max_inflight
+            ack_props[PropertyId.MAXIMUM_PACKET_SIZE] = cfg.max_packet_size
+            ack_props[PropertyId.TOPIC_ALIAS_MAXIMUM] = TOPIC_ALIAS_MAXIMUM
+            if assigned is not None:
+                ack_props[PropertyId.ASSIGNED_CLIENT_IDENTIFIER] = assigned
+            if keepalive != packet.keepalive:
+                ack_props[PropertyId.SERVER_KEEP_ALIVE] = keepalive  # [MQTT-3.2.2-21]
+            if expiry != props.get(PropertyId.SESSION_EXPIRY_INTERVAL, 0):
+                ack_props[PropertyId.SESSION_EXPIRY_INTERVAL] = expiry
+            if props.get(PropertyId.REQUEST_RESPONSE_INFORMATION):
+                ack_props[PropertyId.RESPONSE_INFORMATION] = f"mqlog/response/{client_id}"
+        link.send(ConnAck(session_present, ReasonCode.SUCCESS, ack_props))
+        for key in session.shared:
+            self._join_group(session, key)
+        self._resend_inflight(session)
+        self._pump_session(session)
+        return session, keepalive
+
+    def _refuse(self, link: Link, version: int, reason: int) -> None:
+        """Answer CONNACK with ``reason`` (3.1.1: its return code); the caller closes."""
+        code = reason if version == 5 else CONNACK_311_FOR_REASON.get(reason, 3)
+        link.send(ConnAck(False, code))
+
+    # ================================================================ disconnect & will
+
+    def disconnect(self, session: Session, packet: Disconnect) -> None:
+        """A DISCONNECT from the client: the will is dropped unless asked for (0x04)."""
+        new_expiry = packet.properties.get(PropertyId.SESSION_EXPIRY_INTERVAL)
+        if new_expiry is not None:
+            if session.expiry_interval == 0 and new_expiry != 0:
+                raise ProtocolError("session expiry set on DISCONNECT after 0 [MQTT-3.14.2-2]")
+            session.expiry_interval = min(new_expiry, self.config.session_expiry_max)
+            session.persistent = session.expiry_interval > 0
+        if packet.reason_code != ReasonCode.DISCONNECT_WITH_WILL_MESSAGE:
+            session.will = None  # [MQTT-3.1.2-10]
+
+    def connection_lost(self, session: Session, link: Link, *, graceful: bool) -> None:
+        """The link of ``session`` closed. Publishes or schedules the will unless graceful."""
+        if session.link is not link:
+            return  # taken over already
+        session.link = None
+        self.connections -= 1
+        session.disconnected_at = self.clock()
+        will = session.will
+        if will is not None and not graceful:
+            delay = will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0)
+            if delay and session.expiry_interval > 0:
+                session.will_due = self.monotonic() + min(delay, session.expiry_interval)
+            else:
+                self._publish_will(session)
+        elif graceful:
+            session.will = None
+        for key in list(session.shared):
+            self._leave_group(session, key)
+        if session.expiry_interval == 0:
+            self._end_session(session)
+        else:
+            session.dirty = True
+            self._persist(session)
+
+    def _publish_will(self, session: Session) -> None:
+        will = session.will
+        session.will = None
+        session.will_due = None
+        if will is None:
+            return
+        props = {k: v for k, v in will.properties.items() if k != PropertyId.WILL_DELAY_INTERVAL}
+        self._store_publish(session.client_id, will.topic, will.payload, will.qos, will.retain,
+                            props, None)
+
+    def _end_session(self, session: Session) -> None:
+        """The session ends: its will goes out now if still pending, its state is deleted."""
+        if session.will_due is not None:
+            self._publish_will(session)
+        for full in list(session.shared):
+            self._leave_group(session, full, orphan_inflight=True)
+            del session.shared[full]
+        for consumer in session.consumers.values():
+            for key in consumer.cursors:
+                part = self.partitions.get(key)
+                if part is not None:
+                    part.watchers.discard(("s", session.client_id, consumer.name))
+        if self.sessions.get(session.client_id) is session:
+            del self.sessions[session.client_id]
+        if session.persistent or session.dirty:
+            self._enqueue(Record(-1, self._now_ms(), session.client_id, b""), None, _SESSIONS)
+
+    def tick(self) -> None:
+        """Run timers: delayed wills, session expiry, persisting positions. Call every ~1 s."""
+        mono = self.monotonic()
+        now = self.clock()
+        for session in list(self.sessions.values()):
+            if session.link is None:
+                if session.will_due is not None and session.will_due <= mono:
+                    self._publish_will(session)
+                if (session.expiry_interval != EXPIRY_NEVER and session.disconnected_at
+                        is not None and session.disconnected_at + session.expiry_interval <= now):
+                    self._end_session(session)
+                    continue
+            if session.dirty and session.persistent:
+                self._persist(session)
+        if self._groups_dirty:
+            self._persist_groups()
+
+    # ================================================================ publish
+
+    def publish(self, session: Session, packet: Publish) -> None:
+        """Store a client's PUBLISH; the ack goes out once it is in the log."""
+        qos = packet.qos
+        pid = packet.packet_id
+        link = session.link
+        assert link is not None
+        if qos == 2 and pid in session.incoming_qos2:
+            # A resend of a QoS 2 message we already stored: acknowledge, do not store again
+            # (s4.3.3, exactly once); if it is still being appended the PUBREC follows then.
+            if pid not in session.pending_qos2:
+                link.send(PubRec(pid))
+            return
+        ack: Callable[[int | None], None] | None = None
+        if qos == 1:
+            ack = _Ack(self, session, link, PubAck, pid)  # type: ignore[arg-type]
+        elif qos == 2:
+            session.incoming_qos2.add(pid)  # type: ignore[arg-type]
+            session.pending_qos2.add(pid)  # type: ignore[arg-type]
+            session.dirty = session.persistent
+            ack = _Ack(self, session, link, PubRec, pid)  # type: ignore[arg-type]
+        self._store_publish(session.client_id, packet.topic, packet.payload, qos, packet.retain,
+                            packet.properties, ack)
+
+    def _store_publish(self, client_id: str, topic: str, payload: bytes, qos: int,
+                       retain: bool, properties: dict[int, Any],
+                       ack: Callable[[int | None], None] | None) -> None:
+        blob = encode_properties(properties) if properties else b""
+        record = Record(-1, self._now_ms(), topic, payload, qos, retain, client_id, blob)
+        self._enqueue(record, ack)
+        if retain:
+            # [MQTT-3.3.1-5] store it; an empty payload removes it [MQTT-3.3.1-10].
+            self._enqueue(record, _RetainedCommitted(self, record), _RETAINED)
+
+    def _now_ms(self) -> int:
+        return int(self.clock() * 1000)
+
+    # ================================================================ acknowledgements
+
+    def puback(self, session: Session, packet_id: int) -> None:
+        entry = session.inflight.get(packet_id)
+        if entry is not None and entry.qos == 1:
+            del session.inflight[packet_id]
+            session.dirty = session.persistent
+            self._pump_session(session)
+
+    def pubrec(self, session: Session, packet_id: int, reason_code: int) -> None:
+        entry = session.inflight.get(packet_id)
+        link = session.link
+        assert link is not None
+        if entry is None or entry.qos != 2:
+            if session.version == 5:
+                link.send(PubRel(packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+            return
+        if reason_code >= 0x80:
+            # The receiver refused the message: the flow ends here (s4.3.3).
+            del session.inflight[packet_id]
+            self._pump_session(session)
+            return
+        entry.released = True
+        session.dirty = session.persistent
+        link.send(PubRel(packet_id))
+
+    def pubrel(self, session: Session, packet_id: int) -> None:
+        link = session.link
+        assert link is not None
+        if packet_id in session.incoming_qos2:
+            if packet_id in session.pending_qos2:
+                return  # not stored yet: the client resends PUBREL after our PUBREC
+            session.incoming_qos2.discard(packet_id)
+            session.dirty = session.persistent
+            link.send(PubComp(packet_id))
+        elif session.version == 5:
+            link.send(PubComp(packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
+        else:
+            link.send(PubComp(packet_id))
+
+    def pubcomp(self, session: Session, packet_id: int) -> None:
+        entry = session.inflight.get(packet_id)
+        if entry is not None and entry.qos == 2 and entry.released:
+            del session.inflight[packet_id]
+            session.dirty = session.persistent
+            self._pump_session(session)
+
+    # ================================================================ subscribe
+
+    def subscribe(self, session: Session, packet: Subscribe) -> None:
+        link = session.link
+        assert link is not None
+        ids = packet.properties.get(PropertyId.SUBSCRIPTION_IDENTIFIER)
+        sub_id = ids[0] if ids else None
+        codes: list[int] = []
+        for req in packet.subscriptions:
+            try:
+                codes.append(self._subscribe_one(session, req, sub_id))
+            except TopicFilterInvalid as e:
+                log.info("%s: SUBSCRIBE %r refused: %s", session.client_id, req.topic_filter, e)
+                codes.append(e.reason_code if session.version == 5 else 0x80)
+        session.dirty = session.persistent
+        link.send(SubAck(packet.packet_id, codes))
+        self._persist(session)
+        self._pump_session(session)
+
+    def _subscribe_one(self, session: Session, req: Any, sub_id: int | None) -> int:
+        full = req.topic_filter
+        if len(full.encode()) > self.config.max_topic_length:
+            raise TopicFilterInvalid(f"longer than {self.config.max_topic_length} bytes")
+        if full.count("/") >= self.config.max_topic_levels + 2:
+            raise TopicFilterInvalid(f"more than {self.config.max_topic_levels} levels")
+        sub = Subscription(full, req.qos, req.no_local, req.retain_as_published,
+                           req.retain_handling, sub_id)
+        if is_replay(full):
+            start, plain = parse_replay(full, self._now_ms())
+            sub.topic_filter = plain
+            consumer = Consumer(full, annotate=True)
+            consumer.subscriptions[plain] = sub
+            self._drop_consumer(session, full)
+            session.consumers[full] = consumer
+            for key in self._keys_for_filter(plain):
+                consumer.cursors[key] = self._start_offset(key, start)
+                self.partition(key).watchers.add(("s", session.client_id, full))
+            return req.qos
+        validate_topic_filter(full)
+        group, plain = parse_shared(full)
+        if group is not None:
+            if req.no_local:
+                raise ProtocolError("no local on a shared subscription [MQTT-3.8.3-4]")
+            sub.topic_filter = plain
+            session.shared[full] = sub
+            self._join_group(session, full)
+            return req.qos  # no retained messages for shared subscriptions (s4.8.2)
+        consumer = session.main
+        existed = plain in consumer.subscriptions
+        consumer.subscriptions[plain] = sub  # replaces an identical filter [MQTT-3.8.4-3]
+        consumer.match_cache.clear()
+        for key in self._keys_for_filter(plain):
+            if key not in consumer.cursors:
+                consumer.cursors[key] = self.partition(key).end_offset
+                self.partition(key).watchers.add(("s", session.client_id, MAIN))
+        # Retained messages (s3.3.1.3): handling 0 always, 1 only for a new subscription.
+        if req.retain_handling == 0 or (req.retain_handling == 1 and not existed):
+            self._queue_retained(session, sub)
+        return req.qos
+
+    def _start_offset(self, key: PartitionKey, start: ReplayStart) -> int:
+        plog = self.partition(key).log
+        first, end = plog.log_start_offset, plog.end_offset
+        if start.kind == "earliest":
+            return first
+        if start.kind == "latest":
+            return end
+        if start.kind == "offset":
+            return min(max(start.offset, first), end)
+        if start.kind == "offsets":
+            for p, off in start.offsets:
+                if p == key[1]:
+                    return min(max(off, first), end)
+            return first
+        return max(plog.offset_for_time(start.timestamp_ms), first)
+
+    def _queue_retained(self, session: Session, sub: Subscription) -> None:
+        for topic, rec in self.retained.items():
+            if topic_matches(sub.topic_filter, topic):
+                ids = [sub.identifier] if sub.identifier else []
+                session.pending_retained.append((rec.offset, min(rec.qos, sub.qos), ids))
+
+    def unsubscribe(self, session: Session, packet: Unsubscribe) -> None:
+        link = session.link
+        assert link is not None
+        codes: list[int] = []
+        for full in packet.topic_filters:
+            found = False
+            if full in session.consumers and full != MAIN:
+                self._drop_consumer(session, full)
+                found = True
+            elif full in session.shared:
+                self._leave_group(session, full)
+                del session.shared[full]
+                found = True
+            else:
+                consumer = session.main
+                if consumer.subscriptions.pop(full, None) is not None:
+                    found = True
+                    consumer.match_cache.clear()
+                    self._retarget(session, consumer)
+            codes.append(ReasonCode.SUCCESS if found else ReasonCode.NO_SUBSCRIPTION_EXISTED)
+        session.dirty = session.persistent
+        link.send(UnsubAck(packet.packet_id, codes if session.version == 5 else []))
+        self._persist(session)
+
+    def _retarget(self, session: Session, consumer: Consumer) -> None:
+        """Drop cursors of partitions no subscription of ``consumer`` reads any more."""
+        keep: set[PartitionKey] = set()
+        for sub in consumer.subscriptions.values():
+            keep.update(self._keys_for_filter(sub.topic_filter))
+        for key in list(consumer.cursors):
+            if key not in keep:
+                del consumer.cursors[key]
+                self.partition(key).watchers.discard(("s", session.client_id, consumer.name))
+
+    def _drop_consumer(self, session: Session, name: str) -> None:
+        consumer = session.consumers.pop(name, None)
+        if consumer is not None:
+            for key in consumer.cursors:
+                self.partition(key).watchers.discard(("s", session.client_id, name))
+
+    # ================================================================ shared groups
+
+    def _join_group(self, session: Session, full: str) -> None:
+        group = self.groups.get(full)
+        if group is None:
+            name, plain = parse_shared(full)
+            assert name is not None
+            consumer = Consumer(full, group=name)
+            consumer.subscriptions[plain] = Subscription(plain, 2)
+            group = self.groups[full] = SharedGroup(name, plain, consumer)
+            for key in self._keys_for_filter(plain):
+                consumer.cursors[key] = self.partition(key).end_offset
+                self.partition(key).watchers.add(("g", full))
+            self._groups_dirty = True
+        if session.client_id not in group.members and session.link is not None:
+            group.members.append(session.client_id)
+
+    def _leave_group(self, session: Session, full: str, *, orphan_inflight: bool = False) -> None:
+        """Remove a member. Its unacknowledged deliveries go to other members when the
+        session is ending (s4.8.2); a persistent session keeps them for its return."""
+        group = self.groups.get(full)
+        if group is None:
+            return
+        if session.client_id in group.members:
+            group.members.remove(session.client_id)
+        if orphan_inflight or not session.persistent:
+            for pid, entry in list(session.inflight.items()):
+                if entry.group == full:
+                    group.orphans.append((entry.key, entry.offset))
+                    del session.inflight[pid]
+        if group.orphans and group.members:
+            self._pump_group(group)
+
+    def _pump_group(self, group: SharedGroup) -> None:
+        """Spread the group's records over members that can take them, round robin."""
+        sub = group.consumer.subscriptions[group.topic_filter]
+        while group.orphans:
+            key, offset = group.orphans[0]
+            member = self._group_member(group, 2)
+            if member is None:
+                return
+            group.orphans.popleft()
+            recs = self._read_exact(key, offset)
+            if recs is not None:
+                self._deliver(member, recs, key, min(recs.qos, sub.qos), False, [],
+                              False, group.consumer.name, group=group.consumer.name)
+        for key in list(group.consumer.cursors):
+            part = self.partition(key)
+            cursor = group.consumer.cursors[key]
+            while cursor < part.end_offset:
+                records = self._read(part, cursor)
+                if records is None:
+                    cursor = part.log.log_start_offset
+                    continue
+                for rec in records:
+                    if not topic_matches(group.topic_filter, rec.topic):
+                        cursor = rec.offset + 1
+                        continue
+                    member = self._group_member(group, rec.qos)
+                    if member is None:
+                        group.consumer.cursors[key] = cursor
+                        self._groups_dirty = True
+                        return
+                    self._deliver(member, rec, key, min(rec.qos, sub.qos), False, [], False,
+                                  group.consumer.name, group=group.consumer.name)
+                    cursor = rec.offset + 1
+            group.consumer.cursors[key] = cursor
+            self._groups_dirty = True
+
+    def _group_member(self, group: SharedGroup, qos: int) -> Session | None:
+        n = len(group.members)
+        for i in range(n):
+            idx = (group.next_member + i) % n
+            session = self.sessions.get(group.members[idx])
+            if session is not None and self._can_send(session, qos):
+                group.next_member = idx + 1
+                return session
+        return None
+
+    # ================================================================ delivery
+
+    def _can_send(self, session: Session, qos: int) -> bool:
+        link = session.link
+        if link is None or not link.can_write():
+            return False
+        return qos == 0 or len(session.inflight) < min(session.receive_maximum,
+                                                        self.config.max_inflight)
+
+    def _pump_session(self, session: Session) -> None:
+        """Send what ``session`` can take now: retained first, then each consumer's records."""
+        if session.link is None:
+            return
+        self._send_retained(session)
+        for consumer in list(session.consumers.values()):
+            for key in list(consumer.cursors):
+                self._pump(session, consumer, key)
+        for full in session.shared:
+            group = self.groups.get(full)
+            if group is not None:
+                self._pump_group(group)
+
+    def _send_retained(self, session: Session) -> None:
+        pending = session.pending_retained
+        key = _RETAINED
+        while pending:
+            offset, qos, ids = pending[0]
+            if not self._can_send(session, qos):
+                return
+            pending.popleft()
+            rec = self._read_exact(key, offset)
+            if rec is not None and rec.payload:
+                self._deliver(session, rec, key, qos, True, ids, False, MAIN)  # [MQTT-3.3.1-8]
+
+    def _read(self, part: Partition, offset: int) -> list[Record] | None:
+        """Records from ``offset``; None if retention deleted it (caller skips forward)."""
+        try:
+            return part.read(offset)
+        except OffsetOutOfRange:
+            log.warning("%s/%d: offset %d was deleted by retention; skipping to %d",
+                        *part.key, offset, part.log.log_start_offset)
+            return None
+
+    def _read_exact(self, key: PartitionKey, offset: int) -> Record | None:
+        part = self.partition(key)
+        try:
+            recs = part.read(offset, 1)
+        except OffsetOutOfRange:
+            return None
+        if recs and recs[0].offset == offset:
+            return recs[0]
+        return None
+
+    def _pump(self, session: Session, consumer: Consumer, key: PartitionKey) -> None:
+        part = self.partition(key)
+        cursor = consumer.cursors[key]
+        end = part.end_offset
+        if cursor >= end:
+            return
+        link = session.link
+        if link is None:
+            return
+        if end - cursor > self.config.max_lag_records and self._qos0_only(consumer):
+            if not self._slow_qos0(session, consumer, key, end - cursor):
+                return
+            cursor = consumer.cursors[key]
+        client_id = session.client_id
+        version = session.version
+        cache = consumer.match_cache
+        quota = min(session.receive_maximum, self.config.max_inflight)
+        inflight = session.inflight
+        annotate = consumer.annotate
+        while cursor < end:
+            if not link.can_write():
+                break
+            records = self._read(part, cursor)
+            if records is None:
+                cursor = part.log.log_start_offset
+                continue
+            if not records:
+                break
+            for rec in records:
+                topic = rec.topic
+                match = cache.get(topic, _MISS)
+                if match is _MISS:
+                    match = cache[topic] = self._match(consumer, topic)
+                    if len(cache) > 10_000:
+                        cache.clear()
+                if match is None:
+                    cursor = rec.offset + 1
+                    continue
+                qos, ids, no_local_all, rap = match
+                if no_local_all and rec.client_id == client_id:
+                    cursor = rec.offset + 1  # [MQTT-3.8.3-3]
+                    continue
+                if rec.qos < qos:
+                    qos = rec.qos  # [MQTT-3.8.4-8] the minimum of both
+                if qos and len(inflight) >= quota:
+                    consumer.cursors[key] = cursor
+                    return
+                self._deliver(session, rec, key, qos, rec.retain and rap,
+                              ids if version == 5 else (), annotate, consumer.name)
+                cursor = rec.offset + 1
+                if not link.can_write():
+                    break
+            if session.link is not link:
+                break
+        consumer.cursors[key] = cursor
+        session.dirty = session.persistent
+
+    def _qos0_only(self, consumer: Consumer) -> bool:
+        return all(s.qos == 0 for s in consumer.subscriptions.values())
+
+    def _slow_qos0(self, session: Session, consumer: Consumer, key: PartitionKey,
+                   lag: int) -> bool:
+        """Apply ``slow_qos0_policy`` to a QoS 0 reader too far behind. True to go on."""
+        if self.config.slow_qos0_policy == "disconnect":
+            log.info("%s: %d records behind on %s/%d; disconnecting (slow_qos0_policy)",
+                     session.client_id, lag, *key)
+            link = session.link
+            assert link is not None
+            self.connection_lost(session, link, graceful=False)
+            link.close(ReasonCode.QUOTA_EXCEEDED, "subscriber too far behind")
+            return False
+        end = self.partition(key).end_offset
+        skip = lag - self.config.max_lag_records // 2
+        self.dropped += skip
+        consumer.cursors[key] = end - self.config.max_lag_records // 2
+        return True
+
+    def _match(self, consumer: Consumer, topic: str) -> tuple[int, list[int], bool, bool] | None:
+        """Overlapping subscriptions deliver once at the highest QoS, with every matching
+        subscription identifier [MQTT-3.3.4-2], [MQTT-3.3.4-3]."""
+        qos = -1
+        ids: list[int] = []
+        no_local_all = True
+        rap = False
+        for sub in consumer.subscriptions.values():
+            if topic_matches(sub.topic_filter, topic):
+                if sub.qos > qos:
+                    qos = sub.qos
+                if sub.identifier:
+                    ids.append(sub.identifier)
+                no_local_all = no_local_all and sub.no_local
+                rap = rap or sub.retain_as_published
+        if qos < 0:
+            return None
+        return qos, ids, no_local_all, rap
+
+    def _deliver(self, session: Session, rec: Record, key: PartitionKey, qos: int,
+                 retain: bool, ids: Iterable[int], annotate: bool, consumer: str, *,
+                 group: str | None = None, dup: bool = False,
+                 packet_id: int | None = None) -> None:
+        link = session.link
+        assert link is not None
+        props: dict[int, Any] | None = None
+        if rec.properties:
+            props = decode_properties(rec.properties)
+            expiry = props.get(PropertyId.MESSAGE_EXPIRY_INTERVAL)
+            if expiry is not None:
+                elapsed = (self._now_ms() - rec.timestamp) // 1000
+                if elapsed >= expiry:
+                    return  # expired: not delivered (s3.3.2.3.3)
+                props[PropertyId.MESSAGE_EXPIRY_INTERVAL] = expiry - elapsed  # [MQTT-3.3.2-6]
+        if session.version == 5:
+            if ids:
+                props = props or {}
+                props[PropertyId.SUBSCRIPTION_IDENTIFIER] = list(ids)
+            if annotate:
+                props = props or {}
+                user = list(props.get(_USER, ()))
+                user.append(("mqlog-partition", str(key[1])))
+                user.append(("mqlog-offset", str(rec.offset)))
+                props[_USER] = user
+        else:
+            props = None
+        if qos:
+            if packet_id is None:
+                packet_id = session.allocate_packet_id()
+                session.inflight[packet_id] = Inflight(key, rec.offset, qos, retain, False,
+                                                       group, consumer)
+        else:
+            packet_id = None
+        sent = link.send_publish(rec.topic, rec.payload, qos, retain, dup, packet_id, props)
+        if not sent and packet_id is not None:
+            session.inflight.pop(packet_id, None)  # too large: counts as delivered
+
+    def _resend_inflight(self, session: Session) -> None:
+        """On session resume, resend unacknowledged deliveries with DUP [MQTT-4.4.0-1]."""
+        link = session.link
+        assert link is not None
+        for pid, entry in list(session.inflight.items()):
+            if entry.released:
+                link.send(PubRel(pid))
+                continue
+            rec = self._read_exact(entry.key, entry.offset)
+            if rec is None:
+                del session.inflight[pid]  # gone by retention: nothing left to deliver
+                continue
+            self._deliver(session, rec, entry.key, entry.qos, entry.retain, (), False,
+                          entry.consumer, group=entry.group, dup=True, packet_id=pid)
+
+    # ================================================================ persistence
+
+    def _persist(self, session: Session) -> None:
+        """Write the session's state to the compacted ``$sessions`` stream."""
+        if not session.persistent:
+            return
+        session.dirty = False
+        state = session.to_state()
+        payload = orjson.dumps(state)
+        self._enqueue(Record(-1, self._now_ms(), session.client_id, payload), None, _SESSIONS)
+
+    def _persist_groups(self) -> None:
+        self._groups_dirty = False
+        for full, group in self.groups.items():
+            cursors = [[k[0], k[1], off] for k, off in group.consumer.cursors.items()]
+            self._enqueue(Record(-1, self._now_ms(), full, orjson.dumps({"cursors": cursors})),
+                          None, _SESSIONS)
+
+    def close(self) -> None:
+        """Persist every session and flush: called on shutdown."""
+        for session in self.sessions.values():
+            if session.persistent:
+                if session.link is not None:
+                    session.disconnected_at = self.clock()
+                self._persist(session)
+        self._persist_groups()
+        self.flush()
+
+    def _load_retained(self) -> None:
+        for rec in _read_all(self, _RETAINED):
+            if rec.payload:
+                self.retained[rec.topic] = rec
+            else:
+                self.retained.pop(rec.topic, None)
+
+    def _load_sessions(self) -> None:
+        states: dict[str, bytes] = {}
+        for rec in _read_all(self, _SESSIONS):
+            states[rec.topic] = rec.payload
+        now = self.clock()
+        for client_id, payload in states.items():
+            if not payload:
+                continue
+            state = orjson.loads(payload)
+            if client_id.startswith("$share/"):
+                name, plain = parse_shared(client_id)
+                assert name is not None
+                consumer = Consumer(client_id, group=name)
+                consumer.subscriptions[plain] = Subscription(plain, 2)
+                for stream, p, off in state["cursors"]:
+                    consumer.cursors[(stream, p)] = off
+                    self.partition((stream, p)).watchers.add(("g", client_id))
+                self.groups[client_id] = SharedGroup(name, plain, consumer)
+                continue
+            session = Session.from_state(client_id, state)
+            if session.disconnected_at is None:
+                session.disconnected_at = now
+            self.sessions[client_id] = session
+            for consumer in session.consumers.values():
+                for key in consumer.cursors:
+                    self.partition(key).watchers.add(("s", client_id, consumer.name))
+
+
+_MISS: Any = object()
+
+
+def _read_all(router: Router, key: PartitionKey) -> Iterable[Record]:
+    part = router.partition(key)
+    offset = part.log.log_start_offset
+    while offset < part.end_offset:
+        recs = part.log.read(offset, max_records=1000)
+        if not recs:
+            break
+        yield from recs
+        offset = recs[-1].offset + 1
+
+
+class _Ack:
+    """Acknowledge a client's QoS 1/2 PUBLISH once its record is in the log."""
+
+    __slots__ = ("cls", "link", "packet_id", "router", "session")
+
+    def __init__(self, router: Router, session: Session, link: Link, cls: type,
+                 packet_id: int) -> None:
+        self.router = router
+        self.session = session
+        self.link = link
+        self.cls = cls
+        self.packet_id = packet_id
+
+    def __call__(self, offset: int | None) -> None:
+        session = self.session
+        pid = self.packet_id
+        if self.cls is PubRec:
+            session.pending_qos2.discard(pid)
+            if offset is None:
+                session.incoming_qos2.discard(pid)
+        if session.link is not self.link:
+            return  # the client reconnected or left; it resends and is answered then
+        if offset is not None:
+            self.link.send(self.cls(pid))
+        elif session.version == 5:
+            self.link.send(self.cls(pid, ReasonCode.UNSPECIFIED_ERROR))
+        else:
+            self.link.close()  # 3.1.1 has no negative acknowledgement
+
+
+class _RetainedCommitted:
+    """Update the retained index once the record is in ``$retained``."""
+
+    __slots__ = ("record", "router")
+
+    def __init__(self, router: Router, record: Record) -> None:
+        self.router = router
+        self.record = record
+
+    def __call__(self, offset: int | None) -> None:
+        if offset is None:
+            return
+        if self.record.payload:
+            self.router.retained[self.record.topic] = self.record._replace(offset=offset)
+        else:
+            self.router.retained.pop(self.record.topic, None)

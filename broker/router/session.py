@@ -1,0 +1,188 @@
+"""Session state owned by the router: subscriptions, log positions, in-flight deliveries.
+
+A subscriber is a set of positions in the log, not a queue: nothing is copied per subscriber.
+Three kinds of :class:`Consumer` hold positions (one cursor per partition):
+
+- a session's *main* consumer serves all its ordinary subscriptions, so overlapping
+  subscriptions see each record once and get it at the highest matching QoS [MQTT-3.3.4-2];
+- each ``$replay/<from>/<filter>`` subscription is a consumer of its own, starting where asked;
+- each shared subscription group ``$share/<group>/<filter>`` is one consumer whose records are
+  spread over the group's member sessions (like a Kafka consumer group).
+
+All of it is plain data, touched only by the owning router's event loop thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from broker.mqtt.packets import Will
+    from broker.router.link import Link
+
+PartitionKey = tuple[str, int]  # (stream name, partition number)
+
+#: Main-consumer name; replay consumers are named by their full ``$replay/...`` filter.
+MAIN = ""
+
+
+@dataclass(slots=True)
+class Subscription:
+    """One subscription of a session (s3.8.3.1 options), without ``$share``/``$replay``."""
+
+    topic_filter: str
+    qos: int
+    no_local: bool = False
+    retain_as_published: bool = False
+    retain_handling: int = 0
+    identifier: int | None = None
+
+
+@dataclass(slots=True)
+class Consumer:
+    """Positions in partitions plus the filters that select records there.
+
+    Invariant: ``cursors[k]`` is the next offset of partition ``k`` not yet examined; records
+    below it were delivered (or put in flight) or did not match.
+    """
+
+    name: str
+    subscriptions: dict[str, Subscription] = field(default_factory=dict)
+    cursors: dict[PartitionKey, int] = field(default_factory=dict)
+    #: For replay consumers: add mqlog-partition / mqlog-offset user properties (5.0).
+    annotate: bool = False
+    #: Shared group name (None for main and replay consumers).
+    group: str | None = None
+    #: Cache: topic -> (qos, subscription ids, no_local, retain_as_published) or None.
+    match_cache: dict[str, tuple[int, list[int], bool, bool] | None] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class Inflight:
+    """A QoS 1/2 delivery to a client, awaiting PUBACK (QoS 1) or PUBREC/PUBCOMP (QoS 2).
+
+    ``released`` is True once PUBREC came and PUBREL was sent (s4.3.3). The record itself
+    stays in the log and is re-read by (partition, offset) for redelivery.
+    """
+
+    key: PartitionKey
+    offset: int
+    qos: int
+    retain: bool = False
+    released: bool = False
+    group: str | None = None  # shared group the record was taken from
+    consumer: str = MAIN
+
+
+@dataclass(slots=True)
+class SharedGroup:
+    """``$share/<name>/<filter>`` subscribers: one consumer, records spread over members."""
+
+    name: str
+    topic_filter: str
+    consumer: Consumer
+    members: list[str] = field(default_factory=list)  # client ids, round-robin order
+    next_member: int = 0
+    #: Deliveries taken back from members that left before acknowledging them.
+    orphans: deque[tuple[PartitionKey, int]] = field(default_factory=deque)
+
+
+@dataclass(slots=True)
+class Session:
+    """Everything the broker keeps for one client id, online or not."""
+
+    client_id: str
+    version: int = 4
+    persistent: bool = False
+    expiry_interval: int = 0  # seconds after disconnect; 0xFFFFFFFF never expires
+    consumers: dict[str, Consumer] = field(default_factory=dict)
+    #: Shared-subscription keys this session is a member of -> its subscription options.
+    shared: dict[str, Subscription] = field(default_factory=dict)
+    inflight: dict[int, Inflight] = field(default_factory=dict)
+    #: QoS 2 packet ids received and PUBREC'd, awaiting PUBREL (duplicate detection, s4.3.3).
+    incoming_qos2: set[int] = field(default_factory=set)
+    #: Of those, the ones whose record is not appended yet (PUBREC still to come).
+    pending_qos2: set[int] = field(default_factory=set)
+    #: Retained messages due on subscribe, not yet sent: (record offset in $retained, qos,
+    #: subscription ids).
+    pending_retained: deque[tuple[int, int, list[int]]] = field(default_factory=deque)
+    will: Will | None = None
+    will_due: float | None = None  # monotonic seconds at which to publish the will
+    link: Link | None = None
+    disconnected_at: float | None = None  # wall seconds, for expiry
+    receive_maximum: int = 65535  # the client's (s3.1.2.11.3), bounds our QoS>0 sends
+    request_problem_information: bool = True
+    next_packet_id: int = 1
+    dirty: bool = False  # persisted state changed since last written
+
+    @property
+    def main(self) -> Consumer:
+        consumer = self.consumers.get(MAIN)
+        if consumer is None:
+            consumer = self.consumers[MAIN] = Consumer(MAIN)
+        return consumer
+
+    def allocate_packet_id(self) -> int:
+        """A packet id not in use by an in-flight delivery [MQTT-2.2.1-3]."""
+        pid = self.next_packet_id
+        inflight = self.inflight
+        while pid in inflight:
+            pid = pid + 1 if pid < 65535 else 1
+        self.next_packet_id = pid + 1 if pid < 65535 else 1
+        return pid
+
+    def to_state(self) -> dict[str, Any]:
+        """The persisted form, written to the ``$sessions`` stream (JSON)."""
+        return {
+            "v": 1,
+            "version": self.version,
+            "expiry": self.expiry_interval,
+            "disconnected_at": self.disconnected_at,
+            "consumers": {
+                name: {
+                    "subs": [_sub_state(s) for s in c.subscriptions.values()],
+                    "cursors": [[k[0], k[1], off] for k, off in c.cursors.items()],
+                    "annotate": c.annotate,
+                }
+                for name, c in self.consumers.items()
+            },
+            "shared": {key: _sub_state(s) for key, s in self.shared.items()},
+            "inflight": [
+                [pid, f.key[0], f.key[1], f.offset, f.qos, f.retain, f.released, f.group,
+                 f.consumer]
+                for pid, f in self.inflight.items()
+            ],
+            "incoming_qos2": sorted(self.incoming_qos2),
+            "next_packet_id": self.next_packet_id,
+        }
+
+    @classmethod
+    def from_state(cls, client_id: str, state: dict[str, Any]) -> Session:
+        s = cls(client_id=client_id, version=state["version"], persistent=True,
+                expiry_interval=state["expiry"], disconnected_at=state.get("disconnected_at"))
+        for name, c in state["consumers"].items():
+            consumer = Consumer(name, annotate=c.get("annotate", False))
+            for sub in c["subs"]:
+                consumer.subscriptions[sub["filter"]] = _sub_from_state(sub)
+            for stream, part, off in c["cursors"]:
+                consumer.cursors[(stream, part)] = off
+            s.consumers[name] = consumer
+        s.shared = {key: _sub_from_state(sub) for key, sub in state.get("shared", {}).items()}
+        for pid, stream, part, off, qos, retain, released, group, consumer_name in state[
+                "inflight"]:
+            s.inflight[pid] = Inflight((stream, part), off, qos, retain, released, group,
+                                       consumer_name)
+        s.incoming_qos2 = set(state.get("incoming_qos2", ()))
+        s.next_packet_id = state.get("next_packet_id", 1)
+        return s
+
+
+def _sub_state(s: Subscription) -> dict[str, Any]:
+    return {"filter": s.topic_filter, "qos": s.qos, "nl": s.no_local,
+            "rap": s.retain_as_published, "rh": s.retain_handling, "id": s.identifier}
+
+
+def _sub_from_state(d: dict[str, Any]) -> Subscription:
+    return Subscription(d["filter"], d["qos"], d["nl"], d["rap"], d["rh"], d["id"])

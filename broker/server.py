@@ -1,0 +1,105 @@
+"""One broker worker: listeners, the router, timers, and orderly shutdown.
+
+Owns the event loop's periodic work (keepalive checks, router timers, fsync on interval,
+retention) and the output coalescing: connections that queued bytes during an iteration are
+flushed once at its end.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+from typing import Any
+
+from broker.commitlog import LogCleaner, Streams
+from broker.config import Config
+from broker.mqtt.reason_codes import ReasonCode
+from broker.router.router import Router
+from broker.transport import MQTTProtocol
+
+log = logging.getLogger("broker.server")
+
+#: Seconds between timer runs (keepalive, wills, session expiry, interval fsync).
+TICK_SECONDS = 0.5
+
+
+class Server:
+    """A single-worker broker bound to the current event loop."""
+
+    def __init__(self, config: Config, *, monotonic: Callable[[], float] = time.monotonic,
+                 clock: Callable[[], float] = time.time) -> None:
+        self.config = config
+        self.monotonic = monotonic
+        self.loop = asyncio.get_running_loop()
+        self.streams = Streams(config.commitlog.data_dir, config.stream_specs(), clock=clock)
+        self.router = Router(self.streams, config.router, schedule=self.loop.call_soon,
+                             clock=clock, monotonic=monotonic)
+        self.links: set[MQTTProtocol] = set()
+        self._flush_pending: list[MQTTProtocol] = []
+        self._listeners: list[asyncio.Server] = []
+        self._timer: asyncio.Task[None] | None = None
+        self._cleaner = LogCleaner(self.streams)
+        self.stopped = asyncio.Event()
+
+    async def start(self) -> list[str]:
+        """Open the listeners; returns one description per listener."""
+        cfg = self.config.server
+        server = await self.loop.create_server(
+            lambda: MQTTProtocol(self), cfg.host, cfg.port, reuse_port=True, backlog=4096)
+        self._listeners.append(server)
+        ready = []
+        for sock in server.sockets:
+            host, port = sock.getsockname()[:2]
+            ready.append(f"mqtt://{host}:{port}")
+        self._timer = self.loop.create_task(self._run_timers())
+        self._cleaner.start()
+        return ready
+
+    def want_flush(self, link: MQTTProtocol) -> None:
+        """``link`` queued output: flush it at the end of this iteration."""
+        if not self._flush_pending:
+            self.loop.call_soon(self._flush_links)
+        self._flush_pending.append(link)
+
+    def _flush_links(self) -> None:
+        pending, self._flush_pending = self._flush_pending, []
+        for link in pending:
+            link.flush_output()
+
+    async def _run_timers(self) -> None:
+        while True:
+            await asyncio.sleep(TICK_SECONDS)
+            try:
+                now = self.monotonic()
+                for link in list(self.links):
+                    if link.keepalive_expired(now):
+                        log.info("%s (%s): keepalive expired", link.client_id or "-", link.peer)
+                        link.close(ReasonCode.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
+                self.router.tick()
+                for part in list(self.router.partitions.values()):
+                    part.log.flush_if_due()
+            except Exception:
+                log.exception("bug in the broker timers")
+
+    async def stop(self) -> None:
+        """Stop accepting, close connections, persist sessions, flush and fsync the logs."""
+        for server in self._listeners:
+            server.close()
+        if self._timer is not None:
+            self._timer.cancel()
+        for link in list(self.links):
+            link.close(ReasonCode.SERVER_SHUTTING_DOWN, "server shutting down")
+        self._flush_links()
+        await asyncio.sleep(0)  # let connection_lost callbacks run
+        self._cleaner.stop()
+        self.router.close()
+        self._flush_links()
+        self.streams.close()
+        for server in self._listeners:
+            await server.wait_closed()
+        self.stopped.set()
+
+    def describe(self) -> dict[str, Any]:
+        return {"connections": len(self.links), "sessions": len(self.router.sessions)}

@@ -1,0 +1,251 @@
+"""MQTT over TCP: a thin asyncio Protocol between a socket and the sans-IO connection.
+
+Bytes in go to :class:`~broker.mqtt.connection.ServerConnection`, validated packets go to the
+router; the router answers through this object's :class:`~broker.router.link.Link` methods.
+Output is coalesced: whatever the router queues for a connection during one event-loop
+iteration leaves in one ``transport.write``.
+
+Errors are translated here and only here (CONVENTIONS habit 4): an
+:class:`~broker.mqtt.errors.MQTTError` closes this one connection with its reason code
+(a CONNACK before the session exists, a DISCONNECT for 5.0 after it, a plain close for 3.1.1);
+any other exception is a bug, logged with its traceback, and also closes just this connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+from typing import TYPE_CHECKING, Any
+
+from broker.mqtt.connection import ServerConnection
+from broker.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
+from broker.mqtt.packets import (
+    Auth,
+    ConnAck,
+    Connect,
+    Disconnect,
+    Packet,
+    PingReq,
+    PingResp,
+    PubAck,
+    PubComp,
+    Publish,
+    PubRec,
+    PubRel,
+    Subscribe,
+    Unsubscribe,
+)
+from broker.mqtt.properties import PropertyId
+from broker.mqtt.reason_codes import ConnackReturnCode311, ReasonCode
+
+if TYPE_CHECKING:
+    from broker.router.router import Router
+    from broker.router.session import Session
+    from broker.server import Server
+
+log = logging.getLogger("broker.transport")
+
+#: Output bytes queued in the kernel-side transport buffer before we stop feeding a client.
+WRITE_HIGH_WATER = 1 << 20
+#: Seconds a new connection has to send its CONNECT (s3.1.4: the server may close it).
+CONNECT_TIMEOUT = 10.0
+
+
+class MQTTProtocol(asyncio.Protocol):
+    """One client connection. Implements :class:`broker.router.link.Link`."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
+        self.router: Router = server.router
+        cfg = server.config.router
+        self.conn = ServerConnection(
+            max_packet_size=cfg.max_packet_size,
+            topic_alias_maximum=64,
+            max_topic_length=cfg.max_topic_length,
+            max_topic_levels=cfg.max_topic_levels,
+        )
+        self.transport: asyncio.Transport | None = None
+        self.session: Session | None = None
+        self.client_id = ""
+        self.version = 4
+        self.keepalive = 0
+        self.last_received = server.monotonic()
+        self.connected_at = self.last_received
+        self.peer = "?"
+        self._out: list[bytes] = []
+        self._out_bytes = 0
+        self._paused = False
+        self._closing = False
+        self._graceful = False
+        self._high_water = min(cfg.max_queued_bytes, WRITE_HIGH_WATER)
+
+    # ---------------------------------------------------------------- asyncio callbacks
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's is not a subclass
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        peer = transport.get_extra_info("peername")
+        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        transport.set_write_buffer_limits(high=self._high_water)
+        self.server.links.add(self)
+
+    def data_received(self, data: bytes) -> None:
+        if self._closing:
+            return
+        self.last_received = self.server.monotonic()
+        try:
+            packets = self.conn.receive_data(data)
+            for packet in packets:
+                self._handle(packet)
+                if self._closing:
+                    return
+        except MQTTError as e:
+            self._protocol_error(e)
+        except Exception:
+            log.exception("bug while serving %s (%s); closing that connection",
+                          self.client_id or "?", self.peer)
+            self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.server.links.discard(self)
+        self._closing = True
+        session = self.session
+        if session is not None:
+            self.session = None
+            try:
+                self.router.connection_lost(session, self, graceful=self._graceful)
+            except Exception:
+                log.exception("bug while closing session %s", self.client_id)
+
+    def pause_writing(self) -> None:
+        self._paused = True
+
+    def resume_writing(self) -> None:
+        self._paused = False
+        if self.session is not None and not self._closing:
+            self.router._pump_session(self.session)
+
+    # ---------------------------------------------------------------- dispatch
+
+    def _handle(self, packet: Packet) -> None:
+        kind = type(packet)
+        session = self.session
+        if kind is Publish:
+            self.router.publish(session, packet)  # type: ignore[arg-type]
+        elif kind is PubAck:
+            self.router.puback(session, packet.packet_id)  # type: ignore[arg-type, union-attr]
+        elif kind is PubRec:
+            self.router.pubrec(session, packet.packet_id,  # type: ignore[arg-type, union-attr]
+                               packet.reason_code)  # type: ignore[union-attr]
+        elif kind is PubRel:
+            self.router.pubrel(session, packet.packet_id)  # type: ignore[arg-type, union-attr]
+        elif kind is PubComp:
+            self.router.pubcomp(session, packet.packet_id)  # type: ignore[arg-type, union-attr]
+        elif kind is Subscribe:
+            self.router.subscribe(session, packet)  # type: ignore[arg-type]
+        elif kind is Unsubscribe:
+            self.router.unsubscribe(session, packet)  # type: ignore[arg-type]
+        elif kind is PingReq:
+            self.send(PingResp())  # [MQTT-3.12.4-1]
+        elif kind is Connect:
+            self._on_connect(packet)  # type: ignore[arg-type]
+        elif kind is Disconnect:
+            self.router.disconnect(session, packet)  # type: ignore[arg-type]
+            self._graceful = packet.reason_code != ReasonCode.DISCONNECT_WITH_WILL_MESSAGE  # type: ignore[union-attr]
+            self._closing = True
+            self._flush_and_close()  # [MQTT-3.14.4-1]
+        elif kind is Auth:
+            # No enhanced authentication method was agreed on CONNECT (s4.12).
+            raise ProtocolError("AUTH without an authentication method")
+
+    def _on_connect(self, packet: Connect) -> None:
+        self.version = packet.protocol_level
+        result = self.router.connect(self, packet)
+        if result is None:
+            self._closing = True
+            self._flush_and_close()  # refused: CONNACK sent [MQTT-3.2.2-7]
+            return
+        self.session, self.keepalive = result
+
+    # ---------------------------------------------------------------- errors
+
+    def _protocol_error(self, error: MQTTError) -> None:
+        log.info("%s (%s): %s (reason 0x%02X); closing", self.client_id or "-", self.peer,
+                 error.message, error.reason_code)
+        if self.session is None:
+            if isinstance(error, UnsupportedProtocolVersion) or self.conn.version is None:
+                # [MQTT-3.1.2-2]: answer an unknown level with the 3.1.1 return code 0x01.
+                if isinstance(error, UnsupportedProtocolVersion):
+                    self._write(b"\x20\x02\x00" + bytes(
+                        [ConnackReturnCode311.UNACCEPTABLE_PROTOCOL_VERSION]))
+            elif self.conn.version == 5:
+                self._write(self.conn.send(ConnAck(False, error.reason_code)))
+            self._closing = True
+            self._flush_and_close()
+            return
+        self.close(error.reason_code, error.message)
+
+    # ---------------------------------------------------------------- Link
+
+    def send(self, packet: Packet) -> None:
+        self._write(self.conn.send(packet))
+
+    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
+                     packet_id: int | None, properties: dict[int, Any] | None) -> bool:
+        data = self.conn.send_publish(topic, payload, qos, retain, dup, packet_id, properties)
+        if data is None:
+            return False
+        self._write(data)
+        return True
+
+    def can_write(self) -> bool:
+        return not self._paused and not self._closing and self._out_bytes < self._high_water
+
+    def close(self, reason_code: int | None = None, reason: str = "") -> None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if (reason_code is not None and self.version == 5 and self.session is not None
+                and not self._closing):
+            props: dict[int, Any] = {}
+            if reason and self._problem_info():
+                props[PropertyId.REASON_STRING] = reason
+            self._write(self.conn.send(Disconnect(reason_code, props)))
+        self._closing = True
+        self._flush_and_close()
+
+    def _problem_info(self) -> bool:
+        return self.session is None or self.session.request_problem_information
+
+    # ---------------------------------------------------------------- output
+
+    def _write(self, data: bytes) -> None:
+        if not self._out:
+            self.server.want_flush(self)
+        self._out.append(data)
+        self._out_bytes += len(data)
+
+    def flush_output(self) -> None:
+        """Write everything queued this iteration in one call (called by the server)."""
+        out = self._out
+        if not out:
+            return
+        self._out = []
+        self._out_bytes = 0
+        transport = self.transport
+        if transport is None or transport.is_closing():
+            return
+        transport.write(out[0] if len(out) == 1 else b"".join(out))
+
+    def _flush_and_close(self) -> None:
+        self.flush_output()
+        if self.transport is not None:
+            self.transport.close()
+
+    def keepalive_expired(self, now: float) -> bool:
+        """[MQTT-3.1.2-24]: nothing received for 1.5 x keepalive; or no CONNECT in time."""
+        if self.session is None:
+            return now - self.connected_at > CONNECT_TIMEOUT
+        return self.keepalive > 0 and now - self.last_received > 1.5 * self.keepalive

@@ -1,0 +1,156 @@
+"""Fixtures that run the real broker process (``mqlog serve``) for black-box tests.
+
+Each test gets its own broker on a free port with its own data directory; the process is
+stopped (SIGTERM, then SIGKILL if it hangs) when the test ends.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+READY = "listening on mqtt://"
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class BrokerProcess:
+    """A broker child process; restartable on the same port and data directory."""
+
+    def __init__(self, tmp: Path, config: str = "", fsync: str = "interval") -> None:
+        self.host = "127.0.0.1"
+        self.port = free_port()
+        tmp.mkdir(parents=True, exist_ok=True)
+        self.data_dir = tmp / "data"
+        self.config_path = tmp / "broker.toml"
+        self.config_path.write_text(
+            f'[server]\nhost = "127.0.0.1"\nport = {self.port}\n'
+            f'[commitlog]\ndata_dir = "{self.data_dir}"\nfsync = "{fsync}"\n' + config
+        )
+        self.log_path = tmp / "broker.log"
+        self.proc: subprocess.Popen[bytes] | None = None
+        self.output: list[str] = []
+
+    def start(self, timeout: float = 20.0) -> None:
+        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "broker.cli", "serve", "-c", str(self.config_path)],
+            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+        log.close()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            text = self.log_path.read_text(errors="replace")
+            if text.count(READY) > sum(line.count(READY) for line in self.output):
+                self.output.append(text)
+                return
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{text}")
+            time.sleep(0.05)
+        raise RuntimeError(f"broker not ready after {timeout}s:\n{self.log_path.read_text()}")
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """SIGTERM and wait: the clean shutdown path."""
+        proc = self.proc
+        if proc is None or proc.poll() is not None:
+            return proc.returncode if proc else 0
+        proc.send_signal(signal.SIGTERM)
+        try:
+            return proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            raise RuntimeError(f"broker did not stop on SIGTERM:\n{self.log()}") from None
+
+    def kill(self) -> None:
+        """SIGKILL: the crash path."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def restart(self) -> None:
+        self.stop()
+        self.start()
+
+    def log(self) -> str:
+        return self.log_path.read_text(errors="replace")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+
+BrokerFactory = Callable[..., BrokerProcess]
+
+
+@pytest.fixture
+def broker_factory(tmp_path: Path) -> Iterator[BrokerFactory]:
+    """``broker_factory(config="extra toml", fsync="always", start=True)``."""
+    started: list[BrokerProcess] = []
+
+    def make(config: str = "", fsync: str = "interval", start: bool = True) -> BrokerProcess:
+        b = BrokerProcess(tmp_path / f"b{len(started)}", config, fsync)
+        started.append(b)
+        if start:
+            b.start()
+        return b
+
+    yield make
+    for b in started:
+        try:
+            b.stop()
+        except RuntimeError:
+            b.kill()
+            raise
+
+
+@pytest.fixture
+def broker(broker_factory: BrokerFactory) -> BrokerProcess:
+    return broker_factory()
+
+
+def raw_connect(port: int, timeout: float = 5.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
+
+
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def recv_until_closed(s: socket.socket, timeout: float = 5.0) -> bytes:
+    """Everything the broker sends until it closes the connection (or the timeout)."""
+    s.settimeout(timeout)
+    buf = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                return buf
+            buf += chunk
+    except TimeoutError:
+        raise AssertionError(f"connection not closed within {timeout}s; got {buf.hex()}") \
+            from None
+    except ConnectionResetError:
+        return buf
+
