@@ -436,9 +436,11 @@ class Decoder:
         except MQTTError as exc:
             self._error = exc
             raise
-        except (IndexError, ValueError, OverflowError) as exc:
-            # Every read above is bounds-checked against the packet end, so this is a
-            # missed check; the bytes still came from the peer, so report them as malformed.
+        except (LookupError, ValueError, TypeError, ArithmeticError) as exc:
+            # Every read is bounds-checked against the packet end, so reaching this is a
+            # missed check in the codec. The bytes still came from the peer and the contract
+            # is that only MQTTError escapes, so report them as malformed; the original
+            # exception stays attached as __cause__ for the log.
             err = MalformedPacket(f"malformed packet ({type(exc).__name__}: {exc})")
             self._error = err
             raise err from exc

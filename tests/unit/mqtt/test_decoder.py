@@ -6,6 +6,8 @@ checked against the spec, not against itself.
 
 from __future__ import annotations
 
+from typing import Any
+
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -47,7 +49,7 @@ CONNECT_BY_VERSION = {3: CONNECT_V3, 4: CONNECT_V4, 5: CONNECT_V5}
 
 def session(version: int) -> list[Packet]:
     """What a client sends in a typical session, CONNECT first."""
-    props = {P.USER_PROPERTY: [("k", "v")]} if version == 5 else {}
+    props: dict[int, Any] = {P.USER_PROPERTY: [("k", "v")]} if version == 5 else {}
     name = "MQIsdp" if version == 3 else "MQTT"
     packets: list[Packet] = [
         Connect("client", version, name, True, 30, Will("will", b"w", 1, False), "u", b"p"),
