@@ -112,46 +112,41 @@ def encode_batch(
     max_ts = first_ts
     pack = RECORD_HEADER.pack
     parts: list[bytes] = [bytes(BATCH_HEADER_SIZE)]
-    append = parts.append
+    extend = parts.extend
     delta = 0
-    last_delta = -1
     try:
-        for i, r in enumerate(records):
-            ts = r.timestamp
-            if ts > max_ts:
-                max_ts = ts
-            if keep_offsets:
+        if keep_offsets:
+            last_delta = -1
+            for r in records:
                 delta = r.offset - base_offset
                 if delta <= last_delta:
                     raise InvalidRecord(
                         f"record offsets must increase from {base_offset}: got {r.offset}"
                     )
                 last_delta = delta
-            else:
-                delta = i
-            topic = r.topic.encode()
-            client_id = r.client_id.encode()
-            props = r.properties
-            payload = r.payload
-            append(
-                pack(
-                    delta,
-                    ts - first_ts,
-                    r.qos,
-                    RETAIN_FLAG if r.retain else 0,
-                    len(topic),
-                    len(client_id),
-                    len(props),
-                    len(payload),
-                )
-            )
-            append(topic)
-            append(client_id)
-            append(props)
-            append(payload)
+                ts = r.timestamp
+                if ts > max_ts:
+                    max_ts = ts
+                topic = r.topic.encode()
+                client_id = r.client_id.encode()
+                extend((pack(delta, ts - first_ts, r.qos, r.retain, len(topic), len(client_id),
+                             len(r.properties), len(r.payload)),
+                        topic, client_id, r.properties, r.payload))
+        else:
+            # The append hot path: tuple unpacking and one extend per record.
+            for _offset, ts, topic_str, payload, qos, retain, client_str, props in records:
+                if ts > max_ts:
+                    max_ts = ts
+                topic = topic_str.encode()
+                client_id = client_str.encode()
+                extend((pack(delta, ts - first_ts, qos, retain, len(topic), len(client_id),
+                             len(props), len(payload)),
+                        topic, client_id, props, payload))
+                delta += 1
+            delta -= 1
     except struct.error as exc:
-        raise InvalidRecord(f"record {records[i]!r:.200} does not fit the format: {exc}") from exc
-    except (AttributeError, TypeError) as exc:
+        raise InvalidRecord(f"a record does not fit the format: {exc}") from exc
+    except (AttributeError, TypeError, ValueError) as exc:
         raise InvalidRecord(f"not a valid record: {exc}") from exc
     buf = bytearray().join(parts)
     length = len(buf)
