@@ -795,11 +795,65 @@ def test_all_vectors_in_one_stream() -> None:
         (Publish("a", b"", qos=3, packet_id=1), 4, "[MQTT-3.3.1-4] QoS 3"),
         (Publish("a", b"", qos=1), 4, "[MQTT-2.2.1-3] QoS 1 needs a packet identifier"),
         (Publish("a", b"", qos=2), 5, "[MQTT-2.2.1-3] QoS 2 needs a packet identifier"),
+        (Publish("a", b"", qos=1, packet_id=0), 4, "[MQTT-2.2.1-3] non-zero packet identifier"),
+        (Publish("a", b"", packet_id=5), 4, "[MQTT-2.2.1-2] no packet identifier at QoS 0"),
+        (Publish("a", b"", dup=True), 4, "[MQTT-3.3.1-2] DUP must be 0 at QoS 0"),
+        (PubAck(65536), 4, "s2.2.1 packet identifiers are 16-bit"),
+        (PubAck(1, 0x10), 4, "3.1.1 s3.4: PUBACK has no reason code before 5.0"),
+        (Subscribe(0, [Subscription("a")]), 4, "[MQTT-2.2.1-3]"),
+        (Subscribe(1, []), 4, "[MQTT-3.8.3-3] at least one topic filter"),
+        (Unsubscribe(1, []), 5, "[MQTT-3.10.3-2] at least one topic filter"),
+        (Subscribe(1, [Subscription("a", 3)]), 4, "[MQTT-3-8.3-4] QoS 3"),
+        (Subscribe(1, [Subscription("a", 1, no_local=True)]), 4, "3.1.1: reserved option bits"),
+        (Subscribe(1, [Subscription("a", 1, retain_handling=3)]), 5, "s3.8.3.1 retain handling 3"),
+        (Connect("c", 4, password=b"x"), 4, "3.1.1 [MQTT-3.1.2-22] password needs user name"),
+        (Connect("c", 4, will=Will("w", b"", 3)), 4, "[MQTT-3.1.2-14] Will QoS 3"),
+        (Connect("c", 4, keepalive=65536), 4, "s3.1.2.10 keep alive is two bytes"),
+        (Connect("c", 5, password=b"x" * 65536), 5, "s1.5.6 binary data at most 65,535 bytes"),
+        (ConnAck(False, 0x87), 4, "3.1.1 s3.2.2.3 return codes are 0..5"),
+        (Publish("a" * 65536, b""), 4, "[MQTT-4.7.3-3] / s1.5.4 at most 65,535 bytes"),
+        (Publish("a\x00", b""), 4, "[MQTT-1.5.4-2] no U+0000"),
+        (Publish("a\ud800", b""), 4, "[MQTT-1.5.4-1] no surrogates"),
+        (Publish("a", b"", properties={0x11: 1}), 5, "s2.2.2.2 property not valid in PUBLISH"),
+        (Publish("a", b"", properties={0x7F: 1}), 5, "s2.2.2.2 unknown property"),
+        (Publish("a", b"", properties={0x01: 300}), 5, "s2.2.2.2 a byte property"),
+        (Publish("a", b"", properties={0x03: 5}), 5, "s2.2.2.2 value of the wrong type"),
+        (Connect("c", 5, properties={0x21: 70000}), 5, "s3.1.2.11.3 two-byte integer"),
+        (
+            Subscribe(1, [Subscription("a")], {0x0B: [268_435_456]}),
+            5,
+            "s1.5.5 VBI at most 268,435,455",
+        ),
+        (Subscribe(1, [Subscription("a")], {0x0B: [0]}), 5, "s3.8.2.1.2 not 0"),
+        (PingReq(), 6, "no protocol level 6"),
     ],
 )
 def test_encode_refuses(packet: Packet, version: int, why: str) -> None:
     with pytest.raises(LocalProtocolError):
         encode(packet, version)
+
+
+def test_311_encodes_no_properties() -> None:
+    """codec_api.md: packets of versions 3/4 encode no properties (3.1.1 has none)."""
+    assert encode(Publish("a", b"x", properties={P.PAYLOAD_FORMAT_INDICATOR: 1}), 4) == (
+        bytes.fromhex("30 04 00 01 61 78")
+    )
+
+
+def test_second_connect_decodes() -> None:
+    """codec_api.md: a second CONNECT decodes; the connection layer rejects it
+    ([MQTT-3.1.0-2] is a connection-state rule, not a framing one)."""
+    dec = _server(4)
+    dec.feed(bytes.fromhex(CONNECT_HEX[4]))
+    assert dec.packets() == [Connect("abc", 4, keepalive=60)]
+
+
+def test_empty_feed_needs_more_data() -> None:
+    dec = Decoder()
+    dec.feed(b"")
+    assert dec.next_packet() is None
+    assert dec.packets() == []
+    assert dec.version is None
 
 
 # --------------------------------------------------------------------------- malformed input
@@ -813,6 +867,7 @@ class Bad:
     error: type[MQTTError]
     spec: str
     side: str = SERVER
+    reason: int | None = None  # when the spec asks for another code than the class default
 
 
 BAD: list[Bad] = [
@@ -900,6 +955,73 @@ BAD: list[Bad] = [
         "5.0 s3.8.2.1.2: Protocol Error to include it more than once"),
     Bad("property-length-beyond-packet", 5, "30 06  00 01 61  0A 01 01", MalformedPacket,
         "5.0 s2.2.2.1 / s4.13: lengths disagree"),
+    Bad(
+        "property-value-receive-maximum-0",
+        None,
+        "10 13  00 04 4D 51 54 54  05  02  00 3C  03 21 00 00  00 03 61 62 63",
+        ProtocolError,
+        "5.0 s3.1.2.11.3: Protocol Error for the Receive Maximum to have the value 0",
+    ),
+    Bad(
+        "property-value-maximum-packet-size-0",
+        None,
+        "10 15  00 04 4D 51 54 54  05  02  00 3C  05 27 00 00 00 00  00 03 61 62 63",
+        ProtocolError,
+        "5.0 s3.1.2.11.4: Protocol Error to include a Maximum Packet Size of zero",
+    ),
+    Bad(
+        "property-value-request-problem-information-2",
+        None,
+        "10 12  00 04 4D 51 54 54  05  02  00 3C  02 17 02  00 03 61 62 63",
+        ProtocolError,
+        "5.0 s3.1.2.11.7: Protocol Error to have a value other than 0 or 1",
+    ),
+    Bad(
+        "property-value-subscription-identifier-0",
+        5,
+        "82 09  00 01  02 0B 00  00 01 61 00",
+        ProtocolError,
+        "5.0 s3.8.2.1.2: Protocol Error if the Subscription Identifier has a value of 0",
+    ),
+    Bad(
+        "property-value-topic-alias-0",
+        5,
+        "30 08  00 01 61  03 23 00 00  78",
+        ProtocolError,
+        "5.0 s3.3.4: a Topic Alias value of 0 ... is a Protocol Error, the receiver uses "
+        "DISCONNECT with Reason Code 0x94 (Topic Alias invalid)",
+        reason=ReasonCode.TOPIC_ALIAS_INVALID,
+    ),
+    # -- CONNECT structure
+    Bad(
+        "connect-311-password-without-username",
+        None,
+        "10 13  00 04 4D 51 54 54  04  42  00 3C  00 03 61 62 63  00 02 70 77",
+        MalformedPacket,
+        "3.1.1 [MQTT-3.1.2-22] password flag requires the user name flag",
+    ),
+    Bad(
+        "connect-trailing-byte",
+        None,
+        "10 10  00 04 4D 51 54 54  04  02  00 3C  00 03 61 62 63  00",
+        MalformedPacket,
+        "3.1.1 s3.1.3: the payload is exactly the fields the flags announce",
+    ),
+    Bad(
+        "connect-will-topic-missing",
+        None,
+        "10 0F  00 04 4D 51 54 54  04  06  00 3C  00 03 61 62 63",
+        MalformedPacket,
+        "3.1.1 [MQTT-3.1.2-9] will flag set: Will Topic and Will Message must be present",
+    ),
+    Bad(
+        "connack-reserved-ack-flags",
+        4,
+        "20 02  02 00",
+        MalformedPacket,
+        "3.1.1 / 5.0 [MQTT-3.2.2-1] bits 7-1 of the acknowledge flags are reserved, 0",
+        CLIENT,
+    ),
     # -- PUBLISH header
     Bad("publish-qos-3", 4, "36 07  00 03 61 2F 62  00 01", MalformedPacket,
         "3.1.1 [MQTT-3.3.1-4] / 5.0 [MQTT-3.3.1-4] QoS bits 11"),
@@ -965,7 +1087,8 @@ def test_malformed(b: Bad) -> None:
         _drain(dec)
     err = info.value
     assert type(err) is b.error, f"{b.spec}: expected {b.error.__name__}, got {err!r}"
-    assert err.reason_code == b.error.reason_code, b.spec
+    expected_reason = b.reason if b.reason is not None else b.error.reason_code
+    assert err.reason_code == expected_reason, f"{b.spec}: reason code {err.reason_code:#x}"
     # After an error the decoder is dead: the same error again [contract].
     with pytest.raises(b.error):
         dec.next_packet()
