@@ -109,7 +109,7 @@ def _with_magic(buf: bytearray, magic: int) -> bytearray:
 
 def test_newer_magic_with_valid_crc_is_unsupported_format() -> None:
     future = _with_magic(encode_batch(0, [rec(0)]), MAGIC + 1)
-    with pytest.raises(UnsupportedFormat, match="segment.log") as info:
+    with pytest.raises(UnsupportedFormat, match=r"segment\.log") as info:
         validate_batch(future, 0, 0, path="segment.log")
     assert info.value.found == MAGIC + 1
 

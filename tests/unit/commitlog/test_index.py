@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -96,7 +97,7 @@ def test_time_lookup_before(steps: list[tuple[int, int]], target: int) -> None:
         if len(index) > before:
             accepted.append((timestamp, offset))
     # only strictly increasing timestamps are kept
-    assert all(a[0] < b[0] for a, b in zip(accepted, accepted[1:], strict=False))
+    assert all(a[0] < b[0] for a, b in pairwise(accepted))
     assert index.entries() == accepted
     assert index.lookup_before(target) == time_reference(accepted, target)
 

@@ -1,0 +1,382 @@
+"""SegmentedLog: append/read, limits, time lookup, roll, reopen/recovery, fsync policies,
+out-of-range reads and failed-append rollback. A fake clock drives every time decision."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import threading
+from pathlib import Path
+
+import pytest
+
+from broker.commitlog import (
+    CommitLogError,
+    InvalidRecord,
+    LogClosed,
+    LogConfig,
+    LogIOError,
+    OffsetOutOfRange,
+    Record,
+    SegmentedLog,
+)
+from broker.commitlog.log import CLEAN_SHUTDOWN_FILE
+
+
+class FakeClock:
+    def __init__(self, now_ms: int = 1_700_000_000_000) -> None:
+        self.now_ms = now_ms
+
+    def __call__(self) -> float:
+        return self.now_ms / 1000
+
+    def advance(self, ms: int) -> None:
+        self.now_ms += ms
+
+
+def recs(n: int, ts: int = 1000, size: int = 50, topic: str = "dev/{i}") -> list[Record]:
+    return [Record(0, ts + i, topic.format(i=i), bytes([i % 256]) * size, i % 3, i % 2 == 0,
+                   f"c{i}", b"\x26\x00") for i in range(n)]
+
+
+def open_log(path: Path, clock: FakeClock | None = None, **kw: object) -> SegmentedLog:
+    config = LogConfig(**{"segment_bytes": 4096, "index_interval_bytes": 512, **kw})  # type: ignore[arg-type]
+    return SegmentedLog.open(path, config, clock=clock or FakeClock())
+
+
+def offsets(records: list[Record]) -> list[int]:
+    return [r.offset for r in records]
+
+
+def test_append_returns_first_offset_and_reads_back(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    assert (log.log_start_offset, log.end_offset) == (0, 0)
+    assert log.read(0) == []
+    assert log.append(recs(3)) == 0
+    assert log.append(recs(2, ts=5000)) == 3
+    assert log.append([]) == 5
+    got = log.read(0)
+    assert offsets(got) == [0, 1, 2, 3, 4]
+    assert got[0] == recs(3)[0]._replace(offset=0)
+    assert got[4].timestamp == 5001 and got[4].client_id == "c1"
+    log.close()
+
+
+def test_reads_across_segments_from_any_offset(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    for _ in range(40):
+        log.append(recs(5))
+    assert len(log.segments) > 3
+    assert log.segments[0] == 0 and log.segments == sorted(log.segments)
+    for start in range(0, 201, 3):
+        assert offsets(log.read(start, 10_000)) == list(range(start, 200))
+    # a sequential consumer in small steps sees every record once
+    seen, offset = [], 0
+    while offset < log.end_offset:
+        chunk = log.read(offset, max_records=7)
+        seen += offsets(chunk)
+        offset = chunk[-1].offset + 1
+    assert seen == list(range(200))
+    log.close()
+
+
+def test_read_limits(tmp_path: Path) -> None:
+    log = open_log(tmp_path, segment_bytes=1 << 20)
+    log.append(recs(10, size=100))
+    assert offsets(log.read(2, max_records=3)) == [2, 3, 4]
+    one = 26 + len("dev/0") + len("c0") + 2 + 100
+    assert offsets(log.read(0, max_bytes=one * 3)) == [0, 1, 2]
+    assert offsets(log.read(0, max_bytes=1)) == [0]  # always at least one record
+    log.append(recs(1, size=10_000))
+    assert offsets(log.read(10, max_bytes=10)) == [10]
+    log.close()
+
+
+def test_out_of_range(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    log.append(recs(4))
+    with pytest.raises(OffsetOutOfRange) as info:
+        log.read(5)
+    assert (info.value.offset, info.value.log_start_offset, info.value.end_offset) == (5, 0, 4)
+    assert "[0, 4]" in str(info.value)
+    with pytest.raises(OffsetOutOfRange):
+        log.read(-1)
+    log.close()
+
+
+def test_offset_for_time(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    for b in range(30):
+        log.append(recs(4, ts=10_000 + b * 100))  # timestamps 10000+100b .. +3
+    assert log.offset_for_time(0) == 0
+    assert log.offset_for_time(10_002) == 2
+    assert log.offset_for_time(10_004) == 4
+    assert log.offset_for_time(12_050) == 84
+    assert log.offset_for_time(99_999) == log.end_offset == 120
+    log.close()
+
+
+def test_roll_by_size_keeps_segments_under_segment_bytes(tmp_path: Path) -> None:
+    log = open_log(tmp_path, segment_bytes=2000)
+    for _ in range(30):
+        log.append(recs(3))
+    sizes = [os.path.getsize(tmp_path / f"{b:020d}.log") for b in log.segments]
+    assert all(0 < s <= 2000 for s in sizes)
+    log.append(recs(1, size=5000))  # bigger than a segment: gets one of its own
+    assert os.path.getsize(tmp_path / f"{log.segments[-1]:020d}.log") > 2000
+    log.close()
+
+
+def test_roll_by_time_with_fake_clock(tmp_path: Path) -> None:
+    clock = FakeClock()
+    log = open_log(tmp_path, clock, segment_bytes=1 << 20, segment_ms=60_000)
+    log.append(recs(1))
+    clock.advance(60_000)
+    log.append(recs(1))
+    assert log.segments == [0]
+    clock.advance(1)
+    log.append(recs(1))
+    assert log.segments == [0, 2]
+    log.close()
+
+
+def test_explicit_roll(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    log.roll()  # empty active segment: nothing to roll
+    assert log.segments == [0]
+    log.append(recs(2))
+    log.roll()
+    assert log.segments == [0, 2]
+    assert (tmp_path / f"{0:020d}.index").exists()
+    assert log.append(recs(1)) == 2
+    log.close()
+
+
+def test_reopen_after_clean_close(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    for _ in range(20):
+        log.append(recs(5))
+    segments = log.segments
+    log.close()
+    assert (tmp_path / CLEAN_SHUTDOWN_FILE).exists()
+    log = open_log(tmp_path)
+    assert not (tmp_path / CLEAN_SHUTDOWN_FILE).exists()
+    assert log.segments == segments and log.end_offset == 100
+    assert offsets(log.read(37, 1000)) == list(range(37, 100))
+    assert log.append(recs(1)) == 100
+    log.close()
+
+
+def test_unclean_reopen_truncates_torn_tail(tmp_path: Path,
+                                           caplog: pytest.LogCaptureFixture) -> None:
+    log = open_log(tmp_path, segment_bytes=1 << 20)
+    log.append(recs(5))
+    log.append(recs(5))
+    active = tmp_path / f"{0:020d}.log"
+    good = os.path.getsize(active)
+    with open(active, "ab") as f:  # a torn third batch
+        f.write(b"\x0a" + b"\x00" * 30)
+    del log  # no close: unclean shutdown
+    with caplog.at_level(logging.WARNING, logger="broker.commitlog"):
+        log = open_log(tmp_path, segment_bytes=1 << 20)
+    assert log.end_offset == 10 and os.path.getsize(active) == good
+    assert "truncating 31 bytes" in caplog.text
+    assert log.append(recs(1)) == 10
+    log.close()
+
+
+def test_unclean_reopen_rebuilds_active_index(tmp_path: Path) -> None:
+    log = open_log(tmp_path, segment_bytes=1 << 20, index_interval_bytes=100)
+    for _ in range(10):
+        log.append(recs(3))
+    (tmp_path / f"{0:020d}.index").write_bytes(b"\xff" * 8)  # garbage, never trusted
+    log2 = open_log(tmp_path, segment_bytes=1 << 20, index_interval_bytes=100)
+    assert offsets(log2.read(13, 5)) == [13, 14, 15, 16, 17]
+    log2.close()
+
+
+def test_corrupt_closed_segment_drops_later_segments(tmp_path: Path) -> None:
+    log = open_log(tmp_path, segment_bytes=1000)
+    for _ in range(12):
+        log.append(recs(3))
+    segments = log.segments
+    assert len(segments) >= 3
+    log.close()
+    second = tmp_path / f"{segments[1]:020d}.log"
+    data = bytearray(second.read_bytes())
+    data[-3] ^= 0xFF  # bit flip in the last batch of a closed segment
+    second.write_bytes(data)
+    log = open_log(tmp_path, segment_bytes=1000)
+    assert log.segments == segments[:2]
+    assert log.end_offset < segments[2]
+    assert offsets(log.read(0, 1000)) == list(range(log.end_offset))
+    log.close()
+
+
+@pytest.mark.parametrize("policy", ["always", "interval", "never"])
+def test_fsync_policies(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str) -> None:
+    calls: list[int] = []
+    real = os.fdatasync
+
+    def counting(fd: int) -> None:
+        calls.append(fd)
+        real(fd)
+
+    monkeypatch.setattr(os, "fdatasync", counting)
+    clock = FakeClock()
+    log = open_log(tmp_path, clock, fsync=policy, fsync_interval_ms=1000)
+    calls.clear()
+    log.append(recs(2))
+    log.append(recs(2))
+    assert len(calls) == (2 if policy == "always" else 0)
+    calls.clear()
+    due = log.flush_if_due()
+    assert not due and not calls  # interval not elapsed yet (or not the interval policy)
+    clock.advance(1000)
+    due = log.flush_if_due()
+    assert due == (policy == "interval")
+    assert len(calls) == (1 if policy == "interval" else 0)
+    assert log.flush_if_due(clock.now_ms + 5000) is False  # nothing unsynced
+    calls.clear()
+    log.append(recs(1))
+    log.flush()
+    assert len(calls) == 1  # by the append (always) or by the flush (the others)
+    log.close()
+
+
+def test_failed_append_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = open_log(tmp_path, segment_bytes=1 << 20)
+    log.append(recs(3))
+    path = tmp_path / f"{0:020d}.log"
+    size = os.path.getsize(path)
+    real_write = os.write
+    failures = {"left": 1}
+
+    def partial_then_enospc(fd: int, data: bytes) -> int:
+        if failures["left"] and len(data) > 100:
+            failures["left"] -= 1
+            real_write(fd, memoryview(data)[:100])
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", partial_then_enospc)
+    with pytest.raises(LogIOError, match="No space left") as info:
+        log.append(recs(4))
+    assert str(path) in str(info.value) and info.value.disk_full
+    assert os.path.getsize(path) == size and log.end_offset == 3
+    assert log.append(recs(2)) == 3  # the next append succeeds
+    assert offsets(log.read(0)) == [0, 1, 2, 3, 4]
+    log.close()
+    log = open_log(tmp_path, segment_bytes=1 << 20)
+    assert log.end_offset == 5
+    log.close()
+
+
+def test_failed_fsync_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = open_log(tmp_path, fsync="always")
+    log.append(recs(1))
+
+    def eio(fd: int) -> None:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(os, "fdatasync", eio)
+    with pytest.raises(LogIOError, match="Input/output error"):
+        log.append(recs(2))
+    monkeypatch.undo()
+    assert log.end_offset == 1 and offsets(log.read(0)) == [0]
+    log.close()
+
+
+def test_roll_failure_leaves_log_usable(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    log = open_log(tmp_path, segment_bytes=600)
+    log.append(recs(3))
+    real_open = os.open
+
+    def deny_create(path: object, flags: int, *args: int) -> int:
+        if flags & os.O_CREAT and str(path).endswith(".log"):
+            raise PermissionError(errno.EACCES, "Permission denied", str(path))
+        return real_open(path, flags, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", deny_create)
+    with pytest.raises(LogIOError, match="Permission denied"):
+        log.append(recs(3))  # needs a new segment
+    monkeypatch.undo()
+    assert log.segments == [0] and log.end_offset == 3
+    assert log.append(recs(3)) == 3
+    log.close()
+
+
+def test_permission_denied_at_open_names_the_path(tmp_path: Path,
+                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+    def deny(path: object) -> list[str]:
+        raise PermissionError(errno.EACCES, "Permission denied", str(path))
+
+    monkeypatch.setattr(os, "listdir", deny)
+    with pytest.raises(LogIOError, match="Permission denied") as info:
+        open_log(tmp_path / "p")
+    assert info.value.path == tmp_path / "p"
+
+
+def test_invalid_record_leaves_log_unchanged(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    with pytest.raises(InvalidRecord):
+        log.append([Record(0, 1, "t" * 70_000, b"")])
+    assert log.end_offset == 0
+    log.close()
+
+
+def test_closed_log_refuses_operations(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    log.close()
+    log.close()
+    with pytest.raises(LogClosed):
+        log.append(recs(1))
+    with pytest.raises(LogClosed):
+        log.read(0)
+    assert isinstance(LogClosed("x"), CommitLogError)
+
+
+def test_leftovers_of_interrupted_writes_are_removed(tmp_path: Path) -> None:
+    log = open_log(tmp_path)
+    log.append(recs(2))
+    log.close()
+    for name in (f"{0:020d}.log.cleaned", f"{0:020d}.index.tmp", f"{999:020d}.index"):
+        (tmp_path / name).write_bytes(b"junk")
+    log = open_log(tmp_path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [
+        f"{0:020d}{suffix}" for suffix in (".index", ".log", ".timeindex")
+    ]
+    assert log.end_offset == 2
+    log.close()
+
+
+def test_retention_thread_races_reader_and_appender(tmp_path: Path) -> None:
+    clock = FakeClock()
+    log = open_log(tmp_path, clock, segment_bytes=800, retention_bytes=3000, retention_ms=None)
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def cleaner() -> None:
+        try:
+            while not stop.is_set():
+                log.enforce_retention()
+        except BaseException as exc:  # pragma: no cover - reported below
+            errors.append(exc)
+
+    thread = threading.Thread(target=cleaner)
+    thread.start()
+    try:
+        for _ in range(300):
+            log.append(recs(2))
+            try:
+                got = log.read(max(log.log_start_offset, log.end_offset - 10))
+            except OffsetOutOfRange:
+                continue  # retention moved the start between the two calls
+            assert offsets(got) == list(range(got[0].offset, log.end_offset))
+    finally:
+        stop.set()
+        thread.join()
+    assert not errors
+    assert log.log_start_offset > 0 and log.end_offset == 600
+    log.close()
