@@ -34,6 +34,7 @@ from enum import IntEnum
 from typing import Any
 
 from broker.mqtt.errors import LocalProtocolError, MalformedPacket, ProtocolError
+from broker.mqtt.reason_codes import ReasonCode
 
 __all__ = [
     "MAX_VBI",
@@ -355,6 +356,10 @@ def _read_properties(
             if value > 1:
                 raise ProtocolError(f"property {pid.name} must be 0 or 1, got {value}")
         elif value == 0 and pid in _NONZERO:
+            if pid == _P.TOPIC_ALIAS:
+                # s3.3.4: "A Topic Alias value of 0 ... is a Protocol Error, the receiver uses
+                # DISCONNECT with Reason Code of 0x94 (Topic Alias invalid)".
+                raise ProtocolError("TOPIC_ALIAS 0 [MQTT-3.3.2-8]", ReasonCode.TOPIC_ALIAS_INVALID)
             raise ProtocolError(f"property {pid.name} must not be 0")
         if pid == _P.SUBSCRIPTION_IDENTIFIER:
             ids = props.get(pid)

@@ -312,7 +312,6 @@ MALFORMED: list[tuple[str, int, bytes, type[MQTTError]]] = [
     ("v5-sub-id-0", 5, body(0x82, b"\x00\x01\x02\x0b\x00" + S + b"\x00"), ProtocolError),
     ("v5-sub-id-5-bytes", 5, body(0x30, S + b"\x06\x0b\xff\xff\xff\xff\x01"), MalformedPacket),
     ("v5-payload-format-2", 5, body(0x30, S + b"\x02\x01\x02"), ProtocolError),
-    ("v5-topic-alias-0", 5, body(0x30, S + b"\x03\x23\x00\x00"), ProtocolError),
     ("v5-user-property-half", 5, body(0x30, S + b"\x04\x26\x00\x01k"), MalformedPacket),
     ("v5-connack-no-properties", 5, b"\x20\x02\x00\x00", MalformedPacket),
     ("v5-disconnect-trailing", 5, b"\xe0\x03\x00\x00\x00", MalformedPacket),
@@ -349,6 +348,15 @@ def test_malformed(version: int, data: bytes, error: type[MQTTError]) -> None:
         dec.packets()
     assert type(info.value) is error
     assert info.value.reason_code == error.reason_code
+
+
+def test_topic_alias_0_is_topic_alias_invalid() -> None:
+    """s3.3.4: Topic Alias 0 is a Protocol Error answered with 0x94 (Topic Alias invalid)."""
+    dec = Decoder(version=5)
+    dec.feed(body(0x30, S + b"\x03\x23\x00\x00"))
+    with pytest.raises(ProtocolError) as info:
+        dec.packets()
+    assert info.value.reason_code == ReasonCode.TOPIC_ALIAS_INVALID
 
 
 def test_v5_puback_forms() -> None:
