@@ -102,7 +102,7 @@ class SegmentedLog:
         self._fsync_always = config.fsync == "always"
         self._sync_on_roll = config.fsync != "never"
         self._last_flush_ms = self._now_ms()
-        self._compacted_at_end = -1
+        self._compacted_state = (-1, -1)
 
     # ------------------------------------------------------------------------- open
     @classmethod
@@ -371,7 +371,9 @@ class SegmentedLog:
                 segments = list(self._segments)
                 active = segments[-1]
                 active_end = active.size
-                if active.next_offset == self._compacted_at_end or len(segments) < 2:
+                # Nothing new to compact: no record appended and no segment rolled since.
+                state = (active.base_offset, active.next_offset)
+                if state == self._compacted_state or len(segments) < 2:
                     return 0
             latest = build_offset_map([(s, s.size) for s in segments[:-1]]
                                       + [(active, active_end)])
@@ -381,7 +383,7 @@ class SegmentedLog:
                 if removable:
                     self._replace_cleaned(segment, latest, first=segment is segments[0])
                     removed += removable
-            self._compacted_at_end = active.next_offset
+            self._compacted_state = state
             if removed:
                 logger.info("%s: compaction removed %d records", self.directory, removed)
             return removed

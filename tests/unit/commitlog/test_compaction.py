@@ -94,3 +94,15 @@ def test_interrupted_swap_is_recovered(tmp_path: Path) -> None:
     assert not list(tmp_path.glob("*.cleaned"))
     log.close()
     assert (tmp_path / f"{0:020d}.index").exists()  # rebuilt and written back
+
+
+def test_roll_alone_makes_the_log_dirty_again(tmp_path: Path) -> None:
+    log = SegmentedLog.open(tmp_path, COMPACTED)
+    put(log, ("a", b""))
+    log.roll()
+    put(log, ("a", b""))
+    assert log.compact() == 1  # the first tombstone, superseded by the active one
+    log.roll()  # the second tombstone is now in a closed segment
+    assert log.compact() == 1
+    assert contents(log) == []
+    log.close()
