@@ -16,6 +16,7 @@ with a random one on decode (flagged by ``client_id_is_random``).
 from __future__ import annotations
 
 import asyncio
+import os
 from typing import Any
 
 import pytest
@@ -64,8 +65,11 @@ from tests.unit.mqtt.test_golden import CONNECT_HEX
 
 AmqttPacket = MQTTPacket[Any, Any, Any]
 
+#: Raise for a deeper local run: MQLOG_ORACLE_EXAMPLES=5000 pytest <this file>
 ORACLE = settings(
-    max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow]
+    max_examples=int(os.environ.get("MQLOG_ORACLE_EXAMPLES", "150")),
+    deadline=None,
+    suppress_health_check=[HealthCheck.too_slow],
 )
 
 # --------------------------------------------------------------------------- amqtt plumbing
