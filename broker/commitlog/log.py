@@ -294,11 +294,12 @@ class SegmentedLog:
             if offset == end or max_records <= 0:
                 return out
             i = bisect_right(self._bases, offset) - 1
-            for segment in segments[i:]:
-                max_bytes, stopped = segment.read_into(out, offset, max_records, max_bytes)
-                if stopped:
-                    break
-            return out
+            last = len(segments) - 1
+            while True:
+                max_bytes, stopped = segments[i].read_into(out, offset, max_records, max_bytes)
+                if stopped or i == last:
+                    return out
+                i += 1
 
     def offset_for_time(self, timestamp_ms: int) -> int:
         """First offset whose record timestamp is >= ``timestamp_ms``, else :attr:`end_offset`."""

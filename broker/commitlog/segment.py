@@ -363,7 +363,9 @@ class Segment:
                 else:
                     need = BATCH_HEADER_SIZE
                 at = buf_pos + p
-                want = min(max_bytes, (max_records - len(out)) * avg) + avg + BATCH_HEADER_SIZE
+                # Read ahead twice the expected need: the buffer is kept for the next
+                # sequential read, so the surplus is not wasted.
+                want = 2 * min(max_bytes, (max_records - len(out)) * avg) + BATCH_HEADER_SIZE
                 buf = os.pread(self._fd, min(end - at, max(need, want, READ_CHUNK_MIN)), at)
                 buf_pos, p, n = at, 0, len(buf)
                 if n < need:

@@ -380,3 +380,28 @@ def test_retention_thread_races_reader_and_appender(tmp_path: Path) -> None:
     assert not errors
     assert log.log_start_offset > 0 and log.end_offset == 600
     log.close()
+
+
+def test_newer_batch_format_raises_unsupported_format(tmp_path: Path) -> None:
+    import struct
+    import zlib
+
+    from broker.commitlog import UnsupportedFormat
+    from broker.commitlog.batch import BATCH_HEADER_SIZE, CRC_OFFSET, MAGIC, encode_batch
+
+    log = open_log(tmp_path)
+    log.append(recs(1))
+    log.close()
+    future = encode_batch(1, recs(1))
+    future[12] = MAGIC + 1
+    view = memoryview(future)
+    struct.pack_into("<I", future, CRC_OFFSET,
+                     zlib.crc32(view[BATCH_HEADER_SIZE:], zlib.crc32(view[:CRC_OFFSET])))
+    view.release()
+    active = tmp_path / f"{0:020d}.log"
+    with open(active, "ab") as f:
+        f.write(future)
+    (tmp_path / CLEAN_SHUTDOWN_FILE).unlink()
+    with pytest.raises(UnsupportedFormat, match=str(active)):
+        open_log(tmp_path)
+    assert active.stat().st_size > 0  # never truncated away
