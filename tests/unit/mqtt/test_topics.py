@@ -18,6 +18,7 @@ from broker.mqtt.errors import MQTTError, TopicFilterInvalid, TopicNameInvalid
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import (
     MAX_TOPIC_BYTES,
+    filters_overlap,
     is_wildcard,
     parse_shared,
     topic_matches,
@@ -335,3 +336,68 @@ def test_validators_raise_only_their_error(text: str) -> None:
         assert text and "+" not in text and "#" not in text and "\x00" not in text
     with contextlib.suppress(TopicFilterInvalid):
         validate_topic_filter(text)
+
+
+# --------------------------------------------------------------------------- filter overlap
+#
+# filters_overlap(a, b) decides which streams a subscription can receive from (router): a false
+# "no" would silently lose messages. Reference: search every topic of at most len + 1 levels
+# over the filters' own literal levels plus fresh ones; a witness topic, if one exists, can
+# always be found in that universe ('+' takes a fresh level, '#' takes nothing or one level).
+
+
+def reference_overlap(a: str, b: str) -> bool:
+    literals = {lvl for f in (a, b) for lvl in f.split("/") if lvl not in ("+", "#")}
+    alphabet = sorted(literals | {"q", "$q", ""})
+    depth = max(len(a.split("/")), len(b.split("/"))) + 1
+    frontier = [[lvl] for lvl in alphabet]
+    for _ in range(depth):
+        nxt = []
+        for levels in frontier:
+            topic = "/".join(levels)
+            if topic and reference_matches(a, topic) and reference_matches(b, topic):
+                return True
+            nxt.extend([*levels, lvl] for lvl in alphabet)
+        frontier = nxt
+    return False
+
+
+_SMALL_LEVEL = st.sampled_from(["a", "b", "", "$a", "+"])
+
+
+@st.composite
+def _small_filter(draw: st.DrawFn) -> str:
+    levels = draw(st.lists(_SMALL_LEVEL, min_size=1, max_size=3))
+    if draw(st.booleans()):
+        levels.append("#")
+    return "/".join(levels) or "#"
+
+
+@pytest.mark.parametrize(
+    ("a", "b", "expected"),
+    [
+        ("sport/#", "sport", True),  # s4.7.1.2: '#' includes the parent level
+        ("sport/+", "sport", False),
+        ("#", "$SYS/x", False),  # [MQTT-4.7.2-1]
+        ("+/x", "$SYS/x", False),
+        ("$SYS/#", "$SYS", True),
+        ("a/b/#", "a", False),
+        ("a/+", "+/b", True),
+        ("a/+/c", "a/b", False),
+        ("+", "+/+", False),
+        ("#", "+/+", True),
+        ("a/#", "a/b/c/d", True),
+    ],
+)
+def test_filters_overlap_examples(a: str, b: str, expected: bool) -> None:
+    assert filters_overlap(a, b) is expected
+    assert filters_overlap(b, a) is expected
+    assert reference_overlap(a, b) is expected
+
+
+@settings(max_examples=150, deadline=None)
+@given(_small_filter(), _small_filter())
+def test_filters_overlap_agrees_with_exhaustive_reference(a: str, b: str) -> None:
+    validate_topic_filter(a)
+    validate_topic_filter(b)
+    assert filters_overlap(a, b) is reference_overlap(a, b)
