@@ -3,6 +3,10 @@
 ``mqlog serve -c config/broker.toml [--port N] [--http-port N] [--data-dir DIR] [--workers N]``
 runs the broker; command-line values take precedence over the file. It logs one line per
 listener when ready and stops cleanly on SIGTERM / SIGINT.
+
+``mqlog streams [--broker URL]`` and ``mqlog offsets [--broker URL]`` ask a running broker's
+HTTP admin API (default ``http://127.0.0.1:8080``) and print tables: streams with their
+partitions and high-water marks; each persistent session's and shared group's position and lag.
 """
 
 from __future__ import annotations
@@ -13,7 +17,13 @@ import dataclasses
 import logging
 import signal
 import sys
+import urllib.error
+import urllib.parse
+import urllib.request
 from pathlib import Path
+from typing import Any
+
+import orjson
 
 from broker.commitlog import CommitLogError
 from broker.config import Config, ConfigError, load_config
@@ -67,6 +77,95 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+DEFAULT_BROKER = "http://127.0.0.1:8080"
+
+
+class BrokerUnreachable(Exception):
+    """The admin HTTP API could not be reached or answered with an error."""
+
+
+def _get(broker: str, path: str) -> Any:
+    """GET ``path`` from the broker's admin API and decode the JSON body."""
+    url = broker.rstrip("/") + path
+    try:
+        with urllib.request.urlopen(url, timeout=10) as resp:
+            return orjson.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        raise BrokerUnreachable(f"{url}: HTTP {e.code} {e.reason}") from None
+    except (urllib.error.URLError, OSError) as e:
+        reason = getattr(e, "reason", e)
+        raise BrokerUnreachable(
+            f"cannot reach the broker's HTTP API at {broker} ({reason}); is `mqlog serve` "
+            "running with [http] enabled, and is --broker right?") from None
+    except orjson.JSONDecodeError:
+        raise BrokerUnreachable(f"{url}: the answer is not JSON; is it an mqlog broker?") \
+            from None
+
+
+def _table(headers: list[str], rows: list[list[Any]]) -> str:
+    """Left-aligned text columns; numbers right-aligned."""
+    cells = [[str(c) for c in row] for row in rows]
+    widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
+    numeric = [all(isinstance(row[i], int) for row in rows) and bool(rows)
+               for i in range(len(headers))]
+
+    def line(values: list[str]) -> str:
+        return "  ".join(v.rjust(w) if num else v.ljust(w)
+                         for v, w, num in zip(values, widths, numeric, strict=True)).rstrip()
+
+    return "\n".join([line(headers), *(line(r) for r in cells)])
+
+
+def cmd_streams(args: argparse.Namespace) -> int:
+    streams = _get(args.broker, "/api/v1/streams")["streams"]
+    rows = []
+    for st in streams:
+        cfg = st["config"]
+        retention = cfg.get("retention_ms")
+        rows.append([st["name"], st["partitions"], ",".join(st["topic_filters"]) or "-",
+                     f"{retention // 1000}s" if retention is not None else "forever",
+                     cfg.get("fsync", "-")])
+    print(_table(["STREAM", "PARTITIONS", "TOPIC FILTERS", "RETENTION", "FSYNC"], rows))
+    print()
+    rows = []
+    for st in streams:
+        parts = _get(args.broker, f"/api/v1/streams/{urllib.parse.quote(st['name'])}"
+                                  "/partitions")["partitions"]
+        for p in parts:
+            rows.append([st["name"], p["partition"], p["earliest_offset"],
+                         p["high_water_mark"], p["high_water_mark"] - p["earliest_offset"]])
+    print(_table(["STREAM", "PARTITION", "EARLIEST", "HIGH-WATER", "RECORDS"], rows))
+    return 0
+
+
+def cmd_offsets(args: argparse.Namespace) -> int:
+    data = _get(args.broker, "/api/v1/sessions")
+    rows: list[list[Any]] = []
+    for s in data["sessions"]:
+        state = "connected" if s["connected"] else "offline"
+        if not s["positions"]:
+            rows.append([s["client_id"], state, "-", "-", "-", "-", "-", "-"])
+        for p in s["positions"]:
+            rows.append([s["client_id"], state, p["consumer"], p["stream"], p["partition"],
+                         p["offset"], p["high_water_mark"], p["lag"]])
+    print(f"sessions ({len(data['sessions'])} persistent)")
+    print(_table(["CLIENT", "STATE", "CONSUMER", "STREAM", "PARTITION", "OFFSET", "HIGH-WATER",
+                  "LAG"], rows))
+    groups = data.get("shared_groups", [])
+    if groups:
+        rows = []
+        for g in groups:
+            members = ",".join(g["members"]) or "-"
+            for p in g["positions"]:
+                rows.append([g["subscription"], members, p["stream"], p["partition"],
+                             p["offset"], p["high_water_mark"], p["lag"]])
+        print()
+        print(f"shared groups ({len(groups)})")
+        print(_table(["GROUP", "MEMBERS", "STREAM", "PARTITION", "OFFSET", "HIGH-WATER", "LAG"],
+                     rows))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mqlog", description="MQTT broker on a commit log")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -78,6 +177,13 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--data-dir", help="log directory (overrides commitlog.data_dir)")
     serve.add_argument("--workers", type=int, help="worker processes (overrides router.workers)")
     serve.set_defaults(func=cmd_serve)
+    for name, func, text in (
+            ("streams", cmd_streams, "list streams, partitions and high-water marks"),
+            ("offsets", cmd_offsets, "each persistent session's position and lag")):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("--broker", default=DEFAULT_BROKER,
+                         help=f"the broker's HTTP API (default {DEFAULT_BROKER})")
+        cmd.set_defaults(func=func)
     return parser
 
 
@@ -90,6 +196,9 @@ def main(argv: list[str] | None = None) -> int:
     except (ConfigError, CommitLogError) as e:
         log.error("%s", e)
         return 2
+    except BrokerUnreachable as e:
+        print(f"mqlog {args.command}: error: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

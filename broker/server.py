@@ -15,6 +15,7 @@ from typing import Any
 
 from broker.commitlog import LogCleaner, Streams
 from broker.config import Config
+from broker.http_api import HttpApi
 from broker.mqtt.reason_codes import ReasonCode
 from broker.router.router import Router
 from broker.transport import MQTTProtocol
@@ -41,6 +42,8 @@ class Server:
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
         self._cleaner = LogCleaner(self.streams)
+        #: The admin HTTP API ([http]); it logs its own "listening on http://..." line.
+        self.http = HttpApi(self, config.http) if config.http.enabled else None
         self.stopped = asyncio.Event()
 
     async def start(self) -> list[str]:
@@ -55,6 +58,8 @@ class Server:
             ready.append(f"mqtt://{host}:{port}")
         self._timer = self.loop.create_task(self._run_timers())
         self._cleaner.start()
+        if self.http is not None:
+            await self.http.start()
         return ready
 
     def want_flush(self, link: MQTTProtocol) -> None:
@@ -87,6 +92,8 @@ class Server:
         """Stop accepting, close connections, persist sessions, flush and fsync the logs."""
         for server in self._listeners:
             server.close()
+        if self.http is not None:
+            await self.http.stop()
         if self._timer is not None:
             self._timer.cancel()
         for link in list(self.links):

@@ -18,7 +18,8 @@ import logging
 import socket
 from typing import TYPE_CHECKING, Any
 
-from broker.mqtt.connection import ServerConnection
+from broker.mqtt.connection import ServerConnection, keepalive_expired
+from broker.mqtt.encode import encode
 from broker.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
 from broker.mqtt.packets import (
     Auth,
@@ -48,8 +49,6 @@ log = logging.getLogger("broker.transport")
 
 #: Output bytes queued in the kernel-side transport buffer before we stop feeding a client.
 WRITE_HIGH_WATER = 1 << 20
-#: Seconds a new connection has to send its CONNECT (s3.1.4: the server may close it).
-CONNECT_TIMEOUT = 10.0
 
 
 class MQTTProtocol(asyncio.Protocol):
@@ -64,7 +63,10 @@ class MQTTProtocol(asyncio.Protocol):
             topic_alias_maximum=64,
             max_topic_length=cfg.max_topic_length,
             max_topic_levels=cfg.max_topic_levels,
+            receive_maximum=cfg.max_inflight,  # announced in CONNACK by the router
         )
+        # s3.1.4: a server may close a connection that sends no CONNECT in reasonable time.
+        self.connect_timeout = float(cfg.connect_timeout)
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self.client_id = ""
@@ -89,7 +91,7 @@ class MQTTProtocol(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        transport.set_write_buffer_limits(high=self._high_water)
+        transport.set_write_buffer_limits(high=self._high_water)  # type: ignore[attr-defined]
         self.server.links.add(self)
 
     def data_received(self, data: bytes) -> None:
@@ -176,13 +178,21 @@ class MQTTProtocol(asyncio.Protocol):
         log.info("%s (%s): %s (reason 0x%02X); closing", self.client_id or "-", self.peer,
                  error.message, error.reason_code)
         if self.session is None:
-            if isinstance(error, UnsupportedProtocolVersion) or self.conn.version is None:
-                # [MQTT-3.1.2-2]: answer an unknown level with the 3.1.1 return code 0x01.
-                if isinstance(error, UnsupportedProtocolVersion):
+            level = self.conn.requested_level
+            if isinstance(error, UnsupportedProtocolVersion):
+                # [MQTT-3.1.2-2]: an unsupported level is refused, then the connection closed.
+                # A client asking for level 5 or above reads the 5.0 CONNACK (reason 0x84);
+                # older ones the 3.1.1 form with return code 0x01 (3.1.1 s3.1.2.2).
+                if level is not None and level >= 5:
+                    self._write(encode(ConnAck(False, error.reason_code), 5))
+                else:
                     self._write(b"\x20\x02\x00" + bytes(
                         [ConnackReturnCode311.UNACCEPTABLE_PROTOCOL_VERSION]))
-            elif self.conn.version == 5:
-                self._write(self.conn.send(ConnAck(False, error.reason_code)))
+            elif level == 5:
+                # A 5.0 CONNECT we cannot accept (malformed, bad property...): CONNACK with
+                # the reason code (s3.2.2.2), then close [MQTT-3.2.2-7]. 3.1.1 has no code
+                # for these and is simply closed (3.1.1 s4.8).
+                self._write(encode(ConnAck(False, error.reason_code), 5))
             self._closing = True
             self._flush_and_close()
             return
@@ -247,5 +257,5 @@ class MQTTProtocol(asyncio.Protocol):
     def keepalive_expired(self, now: float) -> bool:
         """[MQTT-3.1.2-24]: nothing received for 1.5 x keepalive; or no CONNECT in time."""
         if self.session is None:
-            return now - self.connected_at > CONNECT_TIMEOUT
-        return self.keepalive > 0 and now - self.last_received > 1.5 * self.keepalive
+            return now - self.connected_at > self.connect_timeout
+        return keepalive_expired(self.keepalive, self.last_received, now)

@@ -33,12 +33,14 @@ class BrokerProcess:
     def __init__(self, tmp: Path, config: str = "", fsync: str = "interval") -> None:
         self.host = "127.0.0.1"
         self.port = free_port()
+        self.http_port = free_port()  # [http] admin API; its own port so brokers never clash
         tmp.mkdir(parents=True, exist_ok=True)
         self.data_dir = tmp / "data"
         self.config_path = tmp / "broker.toml"
         self.config_path.write_text(
             f'[server]\nhost = "127.0.0.1"\nport = {self.port}\n'
-            f'[commitlog]\ndata_dir = "{self.data_dir}"\nfsync = "{fsync}"\n' + config
+            f'[commitlog]\ndata_dir = "{self.data_dir}"\nfsync = "{fsync}"\n'
+            f'[http]\nhost = "127.0.0.1"\nport = {self.http_port}\n' + config
         )
         self.log_path = tmp / "broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
@@ -81,6 +83,10 @@ class BrokerProcess:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+
+    @property
+    def http_url(self) -> str:
+        return f"http://{self.host}:{self.http_port}"
 
     def restart(self) -> None:
         self.stop()

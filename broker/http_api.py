@@ -1,0 +1,161 @@
+"""The broker's HTTP admin API (aiohttp), served on the broker's own event loop.
+
+Routes (JSON bodies, encoded with orjson):
+
+- ``GET /healthz``: ``{"status": "ok", ...}`` while the broker serves;
+- ``GET /api/v1/streams``: every stream with its partition count and log configuration;
+- ``GET /api/v1/streams/<stream>/partitions``: per partition, the earliest retained offset
+  (``log_start_offset``) and the high-water mark (``end_offset``: every offset below it is
+  committed);
+- ``GET /api/v1/sessions``: each persistent session (client id, connected or not, its
+  subscriptions, per consumer and partition its position and lag behind the high-water mark,
+  in-flight deliveries), and each shared-subscription group with its positions and members.
+
+The handlers only read router and log state; they run on the loop that owns the router, so no
+locking is needed, and none of them blocks (a log's offsets are in memory). A stream's logs are
+opened on first use, exactly as a subscriber would open them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import TYPE_CHECKING, Any
+
+import orjson
+from aiohttp import web
+
+from broker.commitlog import SegmentedLog, StreamSpec
+from broker.router.session import MAIN, Consumer, Session, SharedGroup
+
+if TYPE_CHECKING:
+    from broker.config import HttpConfig
+    from broker.server import Server
+
+log = logging.getLogger("broker.http")
+
+API = "/api/v1"
+
+
+def _json(data: Any, status: int = 200) -> web.Response:
+    return web.Response(body=orjson.dumps(data), status=status, content_type="application/json")
+
+
+def _error(status: int, message: str) -> web.Response:
+    return _json({"error": message}, status)
+
+
+class HttpApi:
+    """The admin HTTP listener of one broker. Started and stopped by :class:`Server`."""
+
+    def __init__(self, server: Server, config: HttpConfig) -> None:
+        self.server = server
+        self.config = config
+        self.app = web.Application()
+        self.app.add_routes([
+            web.get("/healthz", self.healthz),
+            web.get(f"{API}/streams", self.streams),
+            web.get(f"{API}/streams/{{stream}}/partitions", self.partitions),
+            web.get(f"{API}/sessions", self.sessions),
+        ])
+        self._runner: web.AppRunner | None = None
+        self.url = ""
+
+    async def start(self) -> str:
+        """Bind the listener; logs and returns ``http://host:port`` (the bound port)."""
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port,
+                           reuse_address=True)
+        await site.start()
+        host, port = self.config.host, self.config.port
+        if self._runner.addresses:  # the bound address (port 0 picks a free one)
+            host, port = self._runner.addresses[0][:2]
+        self.url = f"http://{host}:{port}"
+        log.info("listening on %s", self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+
+    # ---------------------------------------------------------------- handlers
+
+    async def healthz(self, request: web.Request) -> web.Response:
+        return _json({"status": "ok", **self.server.describe()})
+
+    async def streams(self, request: web.Request) -> web.Response:
+        specs = self.server.streams.specs
+        return _json({"streams": [_stream_info(spec) for spec in specs.values()]})
+
+    async def partitions(self, request: web.Request) -> web.Response:
+        name = request.match_info["stream"]
+        spec = self.server.streams.specs.get(name)
+        if spec is None:
+            return _error(404, f"no stream named {name!r}")
+        parts = []
+        for p in range(spec.partitions):
+            plog = self.server.streams.log(name, p)
+            parts.append({"partition": p, **_offsets(plog)})
+        return _json({"stream": name, "partitions": parts})
+
+    async def sessions(self, request: web.Request) -> web.Response:
+        router = self.server.router
+        sessions = [self._session_info(s) for s in sorted(router.sessions.values(),
+                                                           key=lambda s: s.client_id)
+                    if s.persistent]
+        groups = [self._group_info(key, g) for key, g in sorted(router.groups.items())]
+        return _json({"sessions": sessions, "shared_groups": groups})
+
+    # ---------------------------------------------------------------- views
+
+    def _positions(self, consumer: Consumer) -> list[dict[str, Any]]:
+        """Per partition: the consumer's next offset, the high-water mark and the lag."""
+        out = []
+        for (stream, p), offset in sorted(consumer.cursors.items()):
+            hwm = self.server.streams.log(stream, p).end_offset
+            out.append({"stream": stream, "partition": p, "offset": offset,
+                        "high_water_mark": hwm, "lag": max(0, hwm - offset)})
+        return out
+
+    def _session_info(self, session: Session) -> dict[str, Any]:
+        subscriptions: list[dict[str, Any]] = []
+        positions: list[dict[str, Any]] = []
+        for name, consumer in sorted(session.consumers.items()):
+            for sub in consumer.subscriptions.values():
+                # Replay consumers are named by the full $replay/... filter they came from.
+                subscriptions.append({"filter": name if name != MAIN else sub.topic_filter,
+                                      "qos": sub.qos})
+            for pos in self._positions(consumer):
+                positions.append({"consumer": name or "main", **pos})
+        for full, sub in sorted(session.shared.items()):
+            subscriptions.append({"filter": full, "qos": sub.qos})
+        return {
+            "client_id": session.client_id,
+            "connected": session.link is not None,
+            "protocol_version": session.version,
+            "expiry_interval": session.expiry_interval,
+            "subscriptions": subscriptions,
+            "positions": positions,
+            "inflight": len(session.inflight),
+        }
+
+    def _group_info(self, key: str, group: SharedGroup) -> dict[str, Any]:
+        return {"group": group.name, "filter": group.topic_filter, "subscription": key,
+                "members": list(group.members), "orphans": len(group.orphans),
+                "positions": self._positions(group.consumer)}
+
+
+def _offsets(plog: SegmentedLog) -> dict[str, int]:
+    return {"earliest_offset": plog.log_start_offset, "high_water_mark": plog.end_offset}
+
+
+def _stream_info(spec: StreamSpec) -> dict[str, Any]:
+    return {
+        "name": spec.name,
+        "internal": spec.name.startswith("$"),
+        "topic_filters": list(spec.topic_filters),
+        "partitions": spec.partitions,
+        "config": dataclasses.asdict(spec.log),
+    }
