@@ -18,25 +18,34 @@ Batch header, 48 bytes (``BATCH_HEADER``, struct ``<qIBBHiIIqqI``)::
      36  8   max_timestamp      largest record timestamp in the batch (ms)
      44  4   crc                zlib.crc32 over bytes [0, 44) then [48, batch_length)
 
-The CRC covers every byte of the batch except itself, header included. Records follow, each a
-26-byte header (``RECORD_HEADER``, struct ``<IqBBHHII``) and four variable fields::
+The CRC covers every byte of the batch except itself, header included. The body starts with a
+string table holding each distinct topic and client id of the batch once (MQTT batches repeat a
+few topics and publishers many times, so records stay small and decoding a record decodes no
+string)::
+
+      0  4   string_count
+      4  ..  string_count times: 2-byte length + UTF-8 bytes
+
+Records follow, each a 30-byte header (``RECORD_HEADER``, struct ``<IqBBIIII``) and two
+variable fields::
 
       0  4   offset_delta       record offset minus base_offset (strictly increasing)
       4  8   timestamp_delta    record timestamp minus first_timestamp (ms, signed)
      12  1   qos
      13  1   flags              bit 0: retain
-     14  2   topic_length       UTF-8 bytes
-     16  2   client_id_length   UTF-8 bytes
-     18  4   properties_length
-     22  4   payload_length
-     26  ..  topic, client_id, properties, payload
+     14  4   topic_index        index of the topic in the string table
+     18  4   client_id_index    index of the client id in the string table
+     22  4   properties_length
+     26  4   payload_length
+     30  ..  properties, payload
 
 Invariants of a valid batch: ``record_count >= 1``; offset deltas strictly increase and the
 last equals ``last_offset_delta`` (compaction leaves gaps, so ``last_offset_delta >=
-record_count - 1``); record sizes add up to ``batch_length - 48``; the CRC matches.
+record_count - 1``); string indexes lie inside the table; the table and the records fill
+exactly ``batch_length - 48`` bytes; the CRC matches.
 
-Decoding is the read hot path: one ``struct.unpack_from`` per record and slices of one buffer,
-no per-record syscall. Pure functions on buffers, no I/O; safe from any thread.
+Decoding is the read hot path: one ``struct.unpack_from`` per record, two list lookups and one
+slice of one buffer; no per-record syscall. Pure functions on buffers, no I/O; safe from any thread.
 """
 
 from __future__ import annotations
@@ -56,8 +65,11 @@ MAGIC = 1
 BATCH_HEADER = struct.Struct("<qIBBHiIIqqI")
 BATCH_HEADER_SIZE = BATCH_HEADER.size  # 48
 CRC_OFFSET = 44
-RECORD_HEADER = struct.Struct("<IqBBHHII")
-RECORD_HEADER_SIZE = RECORD_HEADER.size  # 26
+RECORD_HEADER = struct.Struct("<IqBBIIII")
+RECORD_HEADER_SIZE = RECORD_HEADER.size  # 30
+_COUNT = struct.Struct("<I")
+_STRLEN = struct.Struct("<H")
+MAX_STRING_BYTES = 0xFFFF
 RETAIN_FLAG = 0x01
 
 _CRC = struct.Struct("<I")
@@ -89,7 +101,7 @@ class BatchHeader(NamedTuple):
         return self.base_offset + self.last_offset_delta + 1
 
 
-assert BATCH_HEADER_SIZE == 48 and RECORD_HEADER_SIZE == 26  # layout documented above
+assert BATCH_HEADER_SIZE == 48 and RECORD_HEADER_SIZE == 30  # layout documented above
 
 
 def encode_batch(
@@ -111,7 +123,9 @@ def encode_batch(
     first_ts = records[0].timestamp
     max_ts = first_ts
     pack = RECORD_HEADER.pack
-    parts: list[bytes] = [bytes(BATCH_HEADER_SIZE)]
+    strings: dict[str, int] = {}
+    intern = strings.setdefault
+    parts: list[bytes] = []
     extend = parts.extend
     delta = 0
     try:
@@ -127,27 +141,31 @@ def encode_batch(
                 ts = r.timestamp
                 if ts > max_ts:
                     max_ts = ts
-                topic = r.topic.encode()
-                client_id = r.client_id.encode()
-                extend((pack(delta, ts - first_ts, r.qos, r.retain, len(topic), len(client_id),
+                extend((pack(delta, ts - first_ts, r.qos, r.retain,
+                             intern(r.topic, len(strings)), intern(r.client_id, len(strings)),
                              len(r.properties), len(r.payload)),
-                        topic, client_id, r.properties, r.payload))
+                        r.properties, r.payload))
         else:
-            # The append hot path: tuple unpacking and one extend per record.
-            for _offset, ts, topic_str, payload, qos, retain, client_str, props in records:
+            # The append hot path: tuple unpacking, two dict lookups and one extend per record.
+            for _offset, ts, topic, payload, qos, retain, client_id, props in records:
                 if ts > max_ts:
                     max_ts = ts
-                topic = topic_str.encode()
-                client_id = client_str.encode()
-                extend((pack(delta, ts - first_ts, qos, retain, len(topic), len(client_id),
-                             len(props), len(payload)),
-                        topic, client_id, props, payload))
+                extend((pack(delta, ts - first_ts, qos, retain, intern(topic, len(strings)),
+                             intern(client_id, len(strings)), len(props), len(payload)),
+                        props, payload))
                 delta += 1
             delta -= 1
+        table = [bytes(BATCH_HEADER_SIZE), _COUNT.pack(len(strings))]
+        for string in strings:
+            encoded = string.encode()
+            table.append(_STRLEN.pack(len(encoded)))
+            table.append(encoded)
     except struct.error as exc:
         raise InvalidRecord(f"a record does not fit the format: {exc}") from exc
     except (AttributeError, TypeError, ValueError) as exc:
         raise InvalidRecord(f"not a valid record: {exc}") from exc
+    table.extend(parts)
+    parts = table
     buf = bytearray().join(parts)
     length = len(buf)
     if length > 0xFFFFFFFF:
@@ -218,21 +236,46 @@ def validate_batch(
             f"record count {h.record_count} inconsistent with last offset delta "
             f"{h.last_offset_delta}", where, path,
         )
-    unpack = RECORD_HEADER.unpack_from
-    p = pos + BATCH_HEADER_SIZE
     end = pos + length
+    try:
+        _strings, p = _read_table(buf, pos + BATCH_HEADER_SIZE, end)
+    except (struct.error, UnicodeDecodeError, ValueError) as exc:
+        raise CorruptRecordBatch(f"bad string table: {exc}", where, path) from None
+    table_size = len(_strings)
+    unpack = RECORD_HEADER.unpack_from
     last = -1
     for _ in range(h.record_count):
         if end - p < RECORD_HEADER_SIZE:
             raise CorruptRecordBatch("record header past the batch end", where, path)
-        d, _td, _q, _f, tl, cl, pl, yl = unpack(buf, p)
+        d, _td, _q, _f, ti, ci, pl, yl = unpack(buf, p)
         if d <= last:
             raise CorruptRecordBatch("record offset deltas not increasing", where, path)
+        if ti >= table_size or ci >= table_size:
+            raise CorruptRecordBatch("string index outside the table", where, path)
         last = d
-        p += RECORD_HEADER_SIZE + tl + cl + pl + yl
+        p += RECORD_HEADER_SIZE + pl + yl
     if p != end or last != h.last_offset_delta:
         raise CorruptRecordBatch("record sizes do not add up to the batch length", where, path)
     return h
+
+
+def _read_table(buf: bytes | bytearray | memoryview, p: int, end: int) -> tuple[list[str], int]:
+    """Decode the string table at ``p``; return it and the position of the first record."""
+    (count,) = _COUNT.unpack_from(buf, p)
+    p += 4
+    if count > end - p:
+        raise ValueError(f"{count} strings cannot fit")
+    unpack = _STRLEN.unpack_from
+    strings: list[str] = []
+    for _ in range(count):
+        (n,) = unpack(buf, p)
+        p += 2
+        q = p + n
+        if q > end:
+            raise ValueError("string past the batch end")
+        strings.append(str(buf[p:q], "utf-8"))
+        p = q
+    return strings, p
 
 
 def decode_batch(buf: bytes | bytearray | memoryview, pos: int = 0) -> list[Record]:
@@ -253,7 +296,8 @@ def decode_into(
     """Append to ``out`` the records of the batch at ``pos`` whose offset is ``>= min_offset``.
 
     Stops before a record when ``out`` holds ``max_records`` records, or when the record's
-    encoded size exceeds the remaining ``max_bytes`` budget and ``out`` is not empty (a read
+    size (its 30-byte header, properties and payload; the batch's shared strings are not
+    counted per record) exceeds the remaining ``max_bytes`` budget and ``out`` is not empty (a read
     always returns at least one record). Returns ``(bytes_left, stop_offset)``: the remaining
     byte budget and the offset of the first record not returned because a limit was hit, or -1
     when the batch was consumed to its end. The hot path of :meth:`SegmentedLog.read`: a batch
@@ -261,25 +305,17 @@ def decode_into(
     """
     (base, length, _magic, _attrs, _res, _epoch, _lod, count, first_ts, _max_ts,
      _crc) = BATCH_HEADER.unpack_from(buf, pos)
+    strings, p = _read_table(buf, pos + BATCH_HEADER_SIZE, pos + length)
     unpack = RECORD_HEADER.unpack_from
     add = out.append
     new = _new_record
     rec_cls = Record
     flag = _RETAIN
-    p = pos + BATCH_HEADER_SIZE
     body = length - BATCH_HEADER_SIZE
     if min_offset <= base and body <= max_bytes and count <= max_records - len(out):
         for _ in range(count):
-            d, td, qos, flags, tl, cl, pl, yl = unpack(buf, p)
+            d, td, qos, flags, ti, ci, pl, yl = unpack(buf, p)
             p += RECORD_HEADER_SIZE
-            q = p + tl
-            topic = buf[p:q].decode()
-            if cl:
-                p = q + cl
-                client_id = buf[q:p].decode()
-            else:
-                p = q
-                client_id = ""
             if pl:
                 q = p + pl
                 props = buf[p:q]
@@ -287,29 +323,25 @@ def decode_into(
                 q = p
                 props = b""
             p = q + yl
-            add(new(rec_cls, (base + d, first_ts + td, topic, buf[q:p], qos, flag[flags & 1],
-                              client_id, props)))
+            add(new(rec_cls, (base + d, first_ts + td, strings[ti], buf[q:p], qos,
+                              flag[flags & 1], strings[ci], props)))
         return max_bytes - body, -1
     n = len(out)
     for _ in range(count):
-        d, td, qos, flags, tl, cl, pl, yl = unpack(buf, p)
+        d, td, qos, flags, ti, ci, pl, yl = unpack(buf, p)
         offset = base + d
-        size = RECORD_HEADER_SIZE + tl + cl + pl + yl
+        size = RECORD_HEADER_SIZE + pl + yl
         if offset < min_offset:
             p += size
             continue
         if n >= max_records or (size > max_bytes and n):
             return max_bytes, offset
         p += RECORD_HEADER_SIZE
-        q = p + tl
-        topic = buf[p:q].decode()
-        p = q + cl
-        client_id = buf[q:p].decode() if cl else ""
         q = p + pl
         props = buf[p:q] if pl else b""
         p = q + yl
-        add(new(rec_cls, (offset, first_ts + td, topic, buf[q:p], qos, flag[flags & 1],
-                          client_id, props)))
+        add(new(rec_cls, (offset, first_ts + td, strings[ti], buf[q:p], qos, flag[flags & 1],
+                          strings[ci], props)))
         n += 1
         max_bytes -= size
     return max_bytes, -1

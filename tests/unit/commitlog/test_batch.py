@@ -10,6 +10,7 @@ from broker.commitlog.batch import (
     BATCH_HEADER_SIZE,
     CRC_OFFSET,
     MAGIC,
+    RECORD_HEADER_SIZE,
     decode_batch,
     decode_into,
     encode_batch,
@@ -120,7 +121,7 @@ def test_decode_into_respects_min_offset_and_limits() -> None:
     left, stop = decode_into(buf, 0, out, 102, 2, 1 << 20)
     assert [r.offset for r in out] == [102, 103] and stop == 104
     out = []
-    size = len(decode_batch(buf)[0].topic) + 10 + 26
+    size = RECORD_HEADER_SIZE + 10
     left, stop = decode_into(buf, 0, out, 0, 100, size * 2)
     assert [r.offset for r in out] == [100, 101] and stop == 102 and left == 0
     out = []
@@ -134,3 +135,14 @@ def test_header_layout_is_stable() -> None:
     assert struct.unpack_from("<qI", buf, 0) == (1, len(buf))
     assert buf[12] == MAGIC
     assert read_header(buf).leader_epoch == 9
+
+
+def test_topics_and_client_ids_are_stored_once_per_batch() -> None:
+    one = len(encode_batch(0, [rec(0, topic="devices/42/telemetry", client_id="dev-42")]))
+    many = len(encode_batch(0, [rec(0, topic="devices/42/telemetry", client_id="dev-42")] * 100))
+    record = RECORD_HEADER_SIZE + len(rec(0).payload)
+    assert many - one == 99 * record
+    decoded = decode_batch(encode_batch(0, [rec(i % 3, client_id=f"c{i % 2}") for i in range(9)]))
+    assert [(r.topic, r.client_id) for r in decoded] == [
+        (f"t/{i % 3}", f"c{i % 2}") for i in range(9)
+    ]

@@ -21,6 +21,7 @@ from broker.commitlog import (
     Record,
     SegmentedLog,
 )
+from broker.commitlog.batch import RECORD_HEADER_SIZE
 from broker.commitlog.log import CLEAN_SHUTDOWN_FILE
 
 
@@ -85,7 +86,7 @@ def test_read_limits(tmp_path: Path) -> None:
     log = open_log(tmp_path, segment_bytes=1 << 20)
     log.append(recs(10, size=100))
     assert offsets(log.read(2, max_records=3)) == [2, 3, 4]
-    one = 26 + len("dev/0") + len("c0") + 2 + 100
+    one = RECORD_HEADER_SIZE + 2 + 100  # record header, properties, payload
     assert offsets(log.read(0, max_bytes=one * 3)) == [0, 1, 2]
     assert offsets(log.read(0, max_bytes=1)) == [0]  # always at least one record
     log.append(recs(1, size=10_000))
