@@ -105,6 +105,8 @@ class Router:
         self._dirty: dict[PartitionKey, Partition] = {}
         self._flush_scheduled = False
         self._groups_dirty = False
+        #: Sessions to write to $sessions before this flush's acknowledgements go out.
+        self._persist_due: dict[str, Session] = {}
         self.dropped = 0  # QoS 0 records skipped by the slow-subscriber policy
         self._load_retained()
         self._load_sessions()
@@ -154,6 +156,16 @@ class Router:
                     log.exception("append to %s/%d failed; its publishers get an error", *key)
                     continue
                 self._wake(part)
+            if self._persist_due:
+                # Written in this same flush (the loop goes round again for $sessions), so
+                # before the acknowledgements queued above leave at the end of the iteration.
+                due, self._persist_due = self._persist_due, {}
+                for session in due.values():
+                    self._persist(session)
+
+    def _persist_before_acks(self, session: Session) -> None:
+        """Persist ``session`` within the current group commit (see :meth:`flush`)."""
+        self._persist_due[session.client_id] = session
 
     def _wake(self, part: Partition) -> None:
         for watcher in list(part.watchers):
@@ -344,8 +356,10 @@ class Router:
         assert link is not None
         if qos == 2 and pid in session.incoming_qos2:
             # A resend of a QoS 2 message we already stored: acknowledge, do not store again
-            # (s4.3.3, exactly once); if it is still being appended the PUBREC follows then.
-            if pid not in session.pending_qos2:
+            # [MQTT-4.3.3-9]; if it is still being appended, its PUBREC follows the append.
+            if pid in session.pending_qos2:
+                session.pending_qos2[pid] += 1
+            else:
                 link.send(PubRec(pid))
             return
         ack: Callable[[int | None], None] | None = None
@@ -353,7 +367,7 @@ class Router:
             ack = _Ack(self, session, link, PubAck, pid)  # type: ignore[arg-type]
         elif qos == 2:
             session.incoming_qos2.add(pid)  # type: ignore[arg-type]
-            session.pending_qos2.add(pid)  # type: ignore[arg-type]
+            session.pending_qos2[pid] = 0  # type: ignore[index]
             session.dirty = session.persistent
             ack = _Ack(self, session, link, PubRec, pid)  # type: ignore[arg-type]
         self._store_publish(session.client_id, packet.topic, packet.payload, qos, packet.retain,
@@ -405,8 +419,12 @@ class Router:
             if packet_id in session.pending_qos2:
                 return  # not stored yet: the client resends PUBREL after our PUBREC
             session.incoming_qos2.discard(packet_id)
-            session.dirty = session.persistent
-            link.send(PubComp(packet_id))
+            if session.persistent:
+                # Forget the id durably before PUBCOMP frees it for reuse [MQTT-4.3.3-9]:
+                # a stale id after a crash would swallow the client's next message.
+                self._persist(session, _Ack(self, session, link, PubComp, packet_id))
+            else:
+                link.send(PubComp(packet_id))
         elif session.version == 5:
             link.send(PubComp(packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
         else:
@@ -824,14 +842,16 @@ class Router:
 
     # ================================================================ persistence
 
-    def _persist(self, session: Session) -> None:
-        """Write the session's state to the compacted ``$sessions`` stream."""
+    def _persist(self, session: Session,
+                 ack: Callable[[int | None], None] | None = None) -> None:
+        """Write the session's state to the compacted ``$sessions`` stream; ``ack`` is
+        called once it is in the log."""
         if not session.persistent:
             return
         session.dirty = False
         state = session.to_state()
         payload = orjson.dumps(state)
-        self._enqueue(Record(-1, self._now_ms(), session.client_id, payload), None, _SESSIONS)
+        self._enqueue(Record(-1, self._now_ms(), session.client_id, payload), ack, _SESSIONS)
 
     def _persist_groups(self) -> None:
         self._groups_dirty = False
@@ -900,7 +920,8 @@ def _read_all(router: Router, key: PartitionKey) -> Iterable[Record]:
 
 
 class _Ack:
-    """Acknowledge a client's QoS 1/2 PUBLISH once its record is in the log."""
+    """Acknowledge a client's QoS 1/2 PUBLISH (or PUBREL) once its record (or its session
+    state) is in the log."""
 
     __slots__ = ("cls", "link", "packet_id", "router", "session")
 
@@ -915,18 +936,29 @@ class _Ack:
     def __call__(self, offset: int | None) -> None:
         session = self.session
         pid = self.packet_id
+        resends = 0
         if self.cls is PubRec:
-            session.pending_qos2.discard(pid)
+            resends = session.pending_qos2.pop(pid, 0)
             if offset is None:
                 session.incoming_qos2.discard(pid)
+            elif session.persistent:
+                # The packet id must be known as received before the PUBREC can leave, also
+                # across a crash, or a resend after restart would be stored twice (s4.3.3):
+                # the session is written in this same group commit, before output is flushed.
+                self.router._persist_before_acks(session)
         if session.link is not self.link:
-            return  # the client reconnected or left; it resends and is answered then
+            # The client reconnected meanwhile; resends it made there are answered there.
+            if offset is not None and resends and session.link is not None:
+                for _ in range(resends):
+                    session.link.send(self.cls(pid))
+            return
         if offset is not None:
-            self.link.send(self.cls(pid))
-        elif session.version == 5:
+            for _ in range(1 + resends):  # one PUBREC per PUBLISH received [MQTT-4.3.3-9]
+                self.link.send(self.cls(pid))
+        elif session.version == 5 and self.cls is not PubComp:
             self.link.send(self.cls(pid, ReasonCode.UNSPECIFIED_ERROR))
         else:
-            self.link.close()  # 3.1.1 has no negative acknowledgement
+            self.link.close()  # 3.1.1 (and PUBCOMP) have no negative acknowledgement
 
 
 class _RetainedCommitted:

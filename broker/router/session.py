@@ -103,8 +103,9 @@ class Session:
     inflight: dict[int, Inflight] = field(default_factory=dict)
     #: QoS 2 packet ids received and PUBREC'd, awaiting PUBREL (duplicate detection, s4.3.3).
     incoming_qos2: set[int] = field(default_factory=set)
-    #: Of those, the ones whose record is not appended yet (PUBREC still to come).
-    pending_qos2: set[int] = field(default_factory=set)
+    #: Of those, the ones whose record is not appended yet (PUBREC still to come), with the
+    #: number of resends received meanwhile: each PUBLISH gets its own PUBREC [MQTT-4.3.3-9].
+    pending_qos2: dict[int, int] = field(default_factory=dict)
     #: Retained messages due on subscribe, not yet sent: (record offset in $retained, qos,
     #: subscription ids).
     pending_retained: deque[tuple[int, int, list[int]]] = field(default_factory=deque)
