@@ -529,7 +529,9 @@ class Router:
                 self._drop_consumer(session, full)
                 found = True
             elif full in session.shared:
-                self._leave_group(session, full)
+                # Its unacknowledged deliveries go back to the group: the session is no
+                # longer a member to redeliver them to.
+                self._leave_group(session, full, orphan_inflight=True)
                 del session.shared[full]
                 found = True
             else:
@@ -593,18 +595,24 @@ class Router:
             self._pump_group(group)
 
     def _pump_group(self, group: SharedGroup) -> None:
-        """Spread the group's records over members that can take them, round robin."""
-        sub = group.consumer.subscriptions[group.topic_filter]
+        """Spread the group's records over members that can take them, round robin.
+
+        Each record goes to exactly one member, at the minimum of its QoS and that member's
+        subscription QoS [MQTT-3.8.4-8], never as retained (s4.8.2).
+        """
+        full = group.consumer.name
         while group.orphans:
             key, offset = group.orphans[0]
-            member = self._group_member(group, 2)
-            if member is None:
+            rec = self._read_exact(key, offset)
+            if rec is None:
+                group.orphans.popleft()  # deleted by retention: nothing left to redeliver
+                continue
+            chosen = self._group_member(group, rec.qos)
+            if chosen is None:
                 return
             group.orphans.popleft()
-            recs = self._read_exact(key, offset)
-            if recs is not None:
-                self._deliver(member, recs, key, min(recs.qos, sub.qos), False, [],
-                              False, group.consumer.name, group=group.consumer.name)
+            member, qos, ids = chosen
+            self._deliver(member, rec, key, qos, False, ids, False, full, group=full)
         for key in list(group.consumer.cursors):
             part = self.partition(key)
             cursor = group.consumer.cursors[key]
@@ -617,25 +625,33 @@ class Router:
                     if not topic_matches(group.topic_filter, rec.topic):
                         cursor = rec.offset + 1
                         continue
-                    member = self._group_member(group, rec.qos)
-                    if member is None:
+                    chosen = self._group_member(group, rec.qos)
+                    if chosen is None:
                         group.consumer.cursors[key] = cursor
                         self._groups_dirty = True
                         return
-                    self._deliver(member, rec, key, min(rec.qos, sub.qos), False, [], False,
-                                  group.consumer.name, group=group.consumer.name)
+                    member, qos, ids = chosen
+                    self._deliver(member, rec, key, qos, False, ids, False, full, group=full)
                     cursor = rec.offset + 1
             group.consumer.cursors[key] = cursor
             self._groups_dirty = True
 
-    def _group_member(self, group: SharedGroup, qos: int) -> Session | None:
+    def _group_member(self, group: SharedGroup,
+                      rec_qos: int) -> tuple[Session, int, list[int]] | None:
+        """The next member, round robin, that can take a record of ``rec_qos`` now: with the
+        QoS it gets it at and its subscription identifier (5.0); None if none can."""
         n = len(group.members)
         for i in range(n):
             idx = (group.next_member + i) % n
             session = self.sessions.get(group.members[idx])
-            if session is not None and self._can_send(session, qos):
+            if session is None:
+                continue
+            sub = session.shared.get(group.consumer.name)
+            qos = min(rec_qos, sub.qos) if sub is not None else rec_qos
+            if self._can_send(session, qos):
                 group.next_member = idx + 1
-                return session
+                ids = [sub.identifier] if sub is not None and sub.identifier else []
+                return session, qos, ids if session.version == 5 else []
         return None
 
     # ================================================================ delivery
