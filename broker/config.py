@@ -54,6 +54,7 @@ class RouterConfig:
     max_topic_levels: int = 32
     keepalive_min: int = 0                # seconds; 0 = a client may disable keepalive
     keepalive_max: int = 65_535           # seconds; longer requests are clamped (5.0: announced)
+    connect_timeout: int = 10             # seconds a new connection has to send its CONNECT
     session_expiry_max: int = 7 * 86_400  # seconds
     slow_qos0_policy: str = "drop"        # "drop" or "disconnect" when a QoS 0 reader lags
     max_lag_records: int = 100_000        # QoS 0 lag before the policy applies
@@ -268,6 +269,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
         max_topic_levels=r.integer("max_topic_levels", d.max_topic_levels, lo=1),
         keepalive_min=r.integer("keepalive_min", d.keepalive_min, hi=65535),
         keepalive_max=r.integer("keepalive_max", d.keepalive_max, lo=1, hi=65535),
+        connect_timeout=r.integer("connect_timeout", d.connect_timeout, lo=1, hi=3600),
         session_expiry_max=r.integer("session_expiry_max", d.session_expiry_max),
         slow_qos0_policy=r.string("slow_qos0_policy", d.slow_qos0_policy, ("drop", "disconnect")),
         max_lag_records=r.integer("max_lag_records", d.max_lag_records, lo=1),

@@ -47,6 +47,34 @@ class TopicAliasInvalid(MQTTError):
     reason_code = ReasonCode.TOPIC_ALIAS_INVALID
 
 
+def keepalive_expired(keepalive: int, last_received: float, now: float) -> bool:
+    """True when a connection with ``keepalive`` seconds must be closed at time ``now``.
+
+    [MQTT-3.1.2-24]: the server closes the connection if it receives no control packet
+    within one and a half times the Keep Alive; 0 turns the mechanism off (s3.1.2.10).
+    Times are seconds of one monotonic clock, injected so tests can drive it.
+    """
+    return keepalive > 0 and now - last_received > 1.5 * keepalive
+
+
+def _connect_level(head: bytes) -> int | None:
+    """The protocol level byte of a (possibly refused) CONNECT from its first bytes.
+
+    Used only to choose the form of the refusal CONNACK for an unsupported protocol; None
+    when ``head`` is too short or is not a CONNECT.
+    """
+    if len(head) < 2 or head[0] != 0x10:
+        return None
+    pos = 1
+    while pos < len(head) and head[pos] & 0x80 and pos < 4:
+        pos += 1
+    pos += 1  # past the last remaining-length byte
+    if pos + 2 > len(head):
+        return None
+    pos += 2 + ((head[pos] << 8) | head[pos + 1])  # protocol name
+    return head[pos] if pos < len(head) else None
+
+
 class ServerConnection:
     """Protocol state of one client connection as seen by the server.
 
@@ -54,18 +82,26 @@ class ServerConnection:
     returned by :meth:`receive_data` after it has a resolved topic (no inbound alias left).
     """
 
-    __slots__ = ("_decoder", "client_max_packet_size", "client_receive_maximum",
-                 "client_topic_alias_maximum", "connect", "inbound_aliases", "max_topic_length",
-                 "max_topic_levels", "outbound_aliases", "topic_alias_maximum", "version")
+    __slots__ = ("_decoder", "_head", "client_max_packet_size", "client_receive_maximum",
+                 "client_topic_alias_maximum", "connect", "inbound_aliases", "inbound_unacked",
+                 "max_topic_length", "max_topic_levels", "outbound_aliases", "receive_maximum",
+                 "topic_alias_maximum", "version")
 
     def __init__(self, *, max_packet_size: int, topic_alias_maximum: int = 0,
-                 max_topic_length: int = 65535, max_topic_levels: int = 1 << 16) -> None:
+                 max_topic_length: int = 65535, max_topic_levels: int = 1 << 16,
+                 receive_maximum: int = 65535) -> None:
         self._decoder = Decoder(max_packet_size=max_packet_size)
+        self._head = b""  # first bytes until the CONNECT is decoded (see requested_level)
         self.version: int | None = None
         self.connect: Connect | None = None
         self.topic_alias_maximum = topic_alias_maximum  # what we accept from the client
         self.max_topic_length = max_topic_length
         self.max_topic_levels = max_topic_levels
+        # Receive Maximum we announce (5.0): QoS 1/2 PUBLISHes the client may have unacked.
+        self.receive_maximum = receive_maximum
+        # Packet ids of the client's QoS 1/2 PUBLISHes not yet answered by PUBACK, PUBCOMP
+        # or a PUBREC >= 0x80 on this connection (s4.9 flow control).
+        self.inbound_unacked: set[int] = set()
         self.inbound_aliases: dict[int, str] = {}
         self.outbound_aliases: dict[str, int] = {}
         self.client_topic_alias_maximum = 0
@@ -80,6 +116,8 @@ class ServerConnection:
         Raises MQTTError for the first violation; packets decoded before it in the same
         call are lost with the connection, which is what the spec asks [MQTT-4.13.1-1].
         """
+        if self.connect is None and len(self._head) < 64:
+            self._head += data[: 64 - len(self._head)]
         self._decoder.feed(data)
         out: list[Packet] = []
         for packet in self._decoder.packets():
@@ -98,7 +136,15 @@ class ServerConnection:
             out.append(packet)
         return out
 
+    @property
+    def requested_level(self) -> int | None:
+        """Protocol level the client asked for: known even when the CONNECT was refused."""
+        if self.version is not None:
+            return self.version
+        return _connect_level(self._head)
+
     def _on_connect(self, packet: Connect) -> None:
+        self._head = b""
         self.connect = packet
         self.version = packet.protocol_level
         props = packet.properties
@@ -135,12 +181,25 @@ class ServerConnection:
                 properties={k: v for k, v in props.items() if k != PropertyId.TOPIC_ALIAS},
             )
         topic = packet.topic
-        if len(topic) > self.max_topic_length or "+" in topic or "#" in topic or not topic:
+        # A code point is at most 4 bytes of UTF-8: encode only topics that may be too long.
+        if (len(topic) * 4 > self.max_topic_length or "+" in topic or "#" in topic
+                or not topic):
             validate_topic_name(topic)  # raises with the precise reason
             if len(topic.encode()) > self.max_topic_length:
                 raise TopicNameInvalid(f"topic longer than {self.max_topic_length} bytes")
         if topic.count("/") >= self.max_topic_levels:
             raise TopicNameInvalid(f"topic has more than {self.max_topic_levels} levels")
+        if packet.qos and self.version == 5:
+            pid = packet.packet_id
+            unacked = self.inbound_unacked
+            if pid not in unacked:  # a QoS 2 resend of an unfinished id is not a new one
+                if len(unacked) >= self.receive_maximum:
+                    # [MQTT-3.3.4-7] the client must respect our Receive Maximum; s3.3.4:
+                    # exceeding it is answered with DISCONNECT 0x93.
+                    raise ProtocolError(
+                        f"more than {self.receive_maximum} unacknowledged QoS 1/2 PUBLISHes",
+                        ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)
+                unacked.add(pid)  # type: ignore[arg-type]  # QoS > 0 has an id
         return packet
 
     # ---------------------------------------------------------------- outbound
@@ -148,6 +207,12 @@ class ServerConnection:
     def send(self, packet: Packet) -> bytes:
         """Encode a packet for this client's protocol version."""
         assert self.version is not None
+        kind = type(packet)
+        if isinstance(packet, (PubAck, PubComp, PubRec)) and (
+                kind is not PubRec or packet.reason_code >= 0x80):
+            # The client's send quota for this id comes back (s4.9): after PUBACK, PUBCOMP,
+            # or a PUBREC refusing the message (reason code >= 0x80).
+            self.inbound_unacked.discard(packet.packet_id)
         return encode(packet, self.version)
 
     def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
@@ -166,11 +231,16 @@ class ServerConnection:
                 props[PropertyId.TOPIC_ALIAS] = alias
                 data = encode_publish("", payload, qos, retain, dup, packet_id, props, version)
             else:
+                new_alias = None
                 if len(self.outbound_aliases) < self.client_topic_alias_maximum:
-                    alias = len(self.outbound_aliases) + 1
-                    self.outbound_aliases[topic] = alias
-                    props[PropertyId.TOPIC_ALIAS] = alias
+                    new_alias = len(self.outbound_aliases) + 1
+                    props[PropertyId.TOPIC_ALIAS] = new_alias
                 data = encode_publish(topic, payload, qos, retain, dup, packet_id, props, version)
+                # The mapping exists for the client only once a PUBLISH carrying both topic
+                # and alias reached it: one skipped for its size [MQTT-3.1.2-25] set nothing.
+                if new_alias is not None and (self.client_max_packet_size is None
+                                              or len(data) <= self.client_max_packet_size):
+                    self.outbound_aliases[topic] = new_alias
         else:
             data = encode_publish(topic, payload, qos, retain, dup, packet_id, properties or None,
                                   version)

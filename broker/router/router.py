@@ -195,8 +195,16 @@ class Router:
             # Enhanced authentication (s4.12) with a method we do not offer.
             self._refuse(link, version, ReasonCode.BAD_AUTHENTICATION_METHOD)
             return None
-        if self.connections >= cfg.max_connections:
+        current = self.sessions.get(packet.client_id) if packet.client_id else None
+        if self.connections >= cfg.max_connections and (current is None or current.link is None):
+            # A takeover replaces a connection, so it is let in even at the limit.
             self._refuse(link, version, ReasonCode.SERVER_BUSY)
+            return None
+        if version < 5 and not cfg.keepalive_min <= packet.keepalive <= cfg.keepalive_max:
+            # 3.1.1 has no Server Keep Alive to tell a client a clamped value, and enforcing
+            # one it does not know would disconnect it while it behaves; so, as mosquitto
+            # does, refuse with "identifier rejected" (3.1.1 s3.2.2.3 has no better code).
+            self._refuse(link, version, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID)
             return None
         client_id = packet.client_id
         assigned = None
@@ -460,12 +468,11 @@ class Router:
         full = req.topic_filter
         if len(full.encode()) > self.config.max_topic_length:
             raise TopicFilterInvalid(f"longer than {self.config.max_topic_length} bytes")
-        if full.count("/") >= self.config.max_topic_levels + 2:
-            raise TopicFilterInvalid(f"more than {self.config.max_topic_levels} levels")
         sub = Subscription(full, req.qos, req.no_local, req.retain_as_published,
                            req.retain_handling, sub_id)
         if is_replay(full):
             start, plain = parse_replay(full, self._now_ms())
+            self._check_levels(plain)
             sub.topic_filter = plain
             consumer = Consumer(full, annotate=True)
             consumer.subscriptions[plain] = sub
@@ -477,6 +484,7 @@ class Router:
             return req.qos
         validate_topic_filter(full)
         group, plain = parse_shared(full)
+        self._check_levels(plain)
         if group is not None:
             if req.no_local:
                 raise ProtocolError("no local on a shared subscription [MQTT-3.8.3-4]")
@@ -496,6 +504,11 @@ class Router:
         if req.retain_handling == 0 or (req.retain_handling == 1 and not existed):
             self._queue_retained(session, sub)
         return req.qos
+
+    def _check_levels(self, plain: str) -> None:
+        """``max_topic_levels`` applies to the filter itself, not a $share/$replay prefix."""
+        if plain.count("/") >= self.config.max_topic_levels:
+            raise TopicFilterInvalid(f"more than {self.config.max_topic_levels} levels")
 
     def _start_offset(self, key: PartitionKey, start: ReplayStart) -> int:
         plog = self.partition(key).log
