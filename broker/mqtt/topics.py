@@ -144,5 +144,10 @@ def filters_overlap(a: str, b: str) -> bool:
     if len(a_levels) == len(b_levels):
         return True
     longer = a_levels if len(a_levels) > len(b_levels) else b_levels
+    shorter = min(len(a_levels), len(b_levels))
     # "a" and "a/#" overlap on topic "a" (s4.7.1.2); anything else longer needs a '#'.
-    return len(longer) == min(len(a_levels), len(b_levels)) + 1 and longer[-1] == "#"
+    if len(longer) != shorter + 1 or longer[-1] != "#":
+        return False
+    # That witness is the shorter filter's levels. One empty level ("/#" against "+" or "")
+    # would be the empty topic, which is no topic name [MQTT-4.7.3-1].
+    return shorter > 1 or "" not in (a_levels[0], b_levels[0])

@@ -387,6 +387,9 @@ def _small_filter(draw: st.DrawFn) -> str:
         ("+", "+/+", False),
         ("#", "+/+", True),
         ("a/#", "a/b/c/d", True),
+        ("/#", "+", False),  # the only common "topic" would be "", not a topic [MQTT-4.7.3-1]
+        ("/#", "/", True),
+        ("+/#", "+", True),
     ],
 )
 def test_filters_overlap_examples(a: str, b: str, expected: bool) -> None:
