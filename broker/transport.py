@@ -251,7 +251,13 @@ class MQTTProtocol(asyncio.Protocol):
 
     def _flush_and_close(self) -> None:
         self.flush_output()
-        if self.transport is not None:
+        if self.transport is None:
+            return
+        if self._paused:
+            # The peer is not reading (its window and our buffer are full): a graceful close
+            # would wait for it forever, holding the socket and the buffered bytes. Reset.
+            self.transport.abort()
+        else:
             self.transport.close()
 
     def keepalive_expired(self, now: float) -> bool:
