@@ -458,6 +458,20 @@ V5: list[Vector] = [
         "5.0 s3.3.2: topic, property length 0, payload",
     ),
     Vector(
+        "publish-5-qos0-retain-user-property",
+        5,
+        "31 0F  00 03 61 2F 62  07 26 00 01 6B 00 01 76  68 69",
+        Publish("a/b", b"hi", retain=True, properties={P.USER_PROPERTY: [("k", "v")]}),
+        "5.0 s3.3.2.3.7 User Property at QoS 0",
+    ),
+    Vector(
+        "publish-5-qos2-no-properties",
+        5,
+        "34 08  00 01 61  00 05  00  78 79",
+        Publish("a", b"xy", qos=2, packet_id=5),
+        "5.0 s3.3.2: topic, packet identifier, property length 0",
+    ),
+    Vector(
         "publish-5-qos1-properties",
         5,
         _h(
