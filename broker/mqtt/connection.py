@@ -181,6 +181,10 @@ class ServerConnection:
                 properties={k: v for k, v in props.items() if k != PropertyId.TOPIC_ALIAS},
             )
         topic = packet.topic
+        if not topic and self.version == 5:
+            # s3.3.2.1: "It is a Protocol Error if the Topic Name is zero length and there is
+            # no Topic Alias" (an alias was resolved above). 3.1.1: invalid name, below.
+            raise ProtocolError("empty topic name without a topic alias (s3.3.2.1)")
         # A code point is at most 4 bytes of UTF-8: encode only topics that may be too long.
         if (len(topic) * 4 > self.max_topic_length or "+" in topic or "#" in topic
                 or not topic):
