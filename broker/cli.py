@@ -116,15 +116,24 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
     return "\n".join([line(headers), *(line(r) for r in cells)])
 
 
+def _duration(ms: int | None) -> str:
+    """Milliseconds in the config's own units: 604800000 -> "7d"; None -> "forever"."""
+    if ms is None:
+        return "forever"
+    for unit, size in (("w", 604_800_000), ("d", 86_400_000), ("h", 3_600_000),
+                       ("m", 60_000), ("s", 1000)):
+        if ms and ms % size == 0:
+            return f"{ms // size}{unit}"
+    return f"{ms}ms"
+
+
 def cmd_streams(args: argparse.Namespace) -> int:
     streams = _get(args.broker, "/api/v1/streams")["streams"]
     rows = []
     for st in streams:
         cfg = st["config"]
-        retention = cfg.get("retention_ms")
         rows.append([st["name"], st["partitions"], ",".join(st["topic_filters"]) or "-",
-                     f"{retention // 1000}s" if retention is not None else "forever",
-                     cfg.get("fsync", "-")])
+                     _duration(cfg.get("retention_ms")), cfg.get("fsync", "-")])
     print(_table(["STREAM", "PARTITIONS", "TOPIC FILTERS", "RETENTION", "FSYNC"], rows))
     print()
     rows = []

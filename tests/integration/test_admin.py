@@ -74,7 +74,7 @@ def test_streams_and_partitions_follow_publishes(broker_factory: BrokerFactory) 
 
     out = mqlog("streams", "--broker", broker.http_url)
     assert out.returncode == 0, out.stderr
-    assert rows(out.stdout, "telemetry")[0][:2] == ["telemetry", "4"]
+    assert rows(out.stdout, "telemetry")[0][:4] == ["telemetry", "4", "devices/#", "2h"]
     table = {int(r[1]): int(r[3]) for r in rows(out.stdout, "telemetry")[1:]}
     assert table == {p["partition"]: p["high_water_mark"] for p in parts}
     pub.disconnect()
