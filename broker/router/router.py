@@ -829,7 +829,13 @@ class Router:
             if expiry is not None:
                 elapsed = (self._now_ms() - rec.timestamp) // 1000
                 if elapsed >= expiry:
-                    return  # expired: not delivered (s3.3.2.3.3)
+                    # Expired: not delivered [MQTT-3.3.2-5]. A resend (packet_id given) also
+                    # frees its packet id, or it would hold a slot of the quota forever
+                    # (mosquitto does the same).
+                    if packet_id is not None and packet_id in session.inflight:
+                        del session.inflight[packet_id]
+                        session.dirty = session.persistent
+                    return
                 props[PropertyId.MESSAGE_EXPIRY_INTERVAL] = expiry - elapsed  # [MQTT-3.3.2-6]
         if session.version == 5:
             if ids:

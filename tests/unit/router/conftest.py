@@ -1,0 +1,166 @@
+"""A router on a real log in a temporary directory, driven without sockets or sleeping.
+
+:class:`FakeLink` records what the router sends; :class:`Clock` is both the wall clock and
+the monotonic clock, moved by hand; scheduled callbacks (the group commit) run when a test
+calls :meth:`Harness.run`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from broker.commitlog import Streams
+from broker.commitlog.config import LogConfig, StreamSpec
+from broker.config import RouterConfig
+from broker.mqtt.packets import (
+    Connect,
+    Disconnect,
+    Packet,
+    Publish,
+    Subscribe,
+    Subscription,
+    Will,
+)
+from broker.mqtt.properties import PropertyId
+from broker.router.router import Router
+from broker.router.session import Session
+
+
+@dataclass
+class Sent:
+    """A PUBLISH as the router handed it to the link."""
+
+    topic: str
+    payload: bytes
+    qos: int
+    retain: bool
+    dup: bool
+    packet_id: int | None
+    properties: dict[int, Any] | None
+
+
+@dataclass
+class FakeLink:
+    """Implements broker.router.link.Link by recording calls."""
+
+    client_id: str = ""
+    version: int = 4
+    packets: list[Packet] = field(default_factory=list)
+    publishes: list[Sent] = field(default_factory=list)
+    closed: int | bool | None = False
+    writable: bool = True
+
+    def send(self, packet: Packet) -> None:
+        self.packets.append(packet)
+
+    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
+                     packet_id: int | None, properties: dict[int, Any] | None) -> bool:
+        self.publishes.append(Sent(topic, payload, qos, retain, dup, packet_id, properties))
+        return True
+
+    def can_write(self) -> bool:
+        return self.writable
+
+    def close(self, reason_code: int | None = None, reason: str = "") -> None:
+        self.closed = reason_code
+
+    def of(self, kind: type) -> list[Any]:
+        return [p for p in self.packets if type(p) is kind]
+
+    def take(self) -> list[Sent]:
+        out, self.publishes = self.publishes, []
+        return out
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 1_700_000_000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+class Harness:
+    def __init__(self, data: Path, config: RouterConfig | None = None) -> None:
+        self.data = data
+        self.config = config or RouterConfig()
+        self.clock = Clock()
+        self.open()
+
+    def open(self) -> None:
+        self.scheduled: list[Callable[[], None]] = []
+        self.streams = Streams(self.data, [StreamSpec("default", (), 1, LogConfig(fsync="never"))],
+                               clock=self.clock)
+        self.router = Router(self.streams, self.config, schedule=self.scheduled.append,
+                             clock=self.clock, monotonic=self.clock)
+
+    def restart(self) -> None:
+        """A clean shutdown and a new router over the same data directory."""
+        self.router.close()
+        self.streams.close()
+        self.open()
+
+    def run(self) -> None:
+        """Run the scheduled group commits (the end of an event-loop iteration)."""
+        while self.scheduled:
+            self.scheduled.pop(0)()
+
+    def connect(self, client_id: str, version: int = 5, *, clean: bool = True,
+                expiry: int | None = None, will: Will | None = None,
+                receive_maximum: int | None = None) -> tuple[FakeLink, Session]:
+        props: dict[int, Any] = {}
+        if expiry is not None:
+            props[PropertyId.SESSION_EXPIRY_INTERVAL] = expiry
+        if receive_maximum is not None:
+            props[PropertyId.RECEIVE_MAXIMUM] = receive_maximum
+        link = FakeLink(client_id, version)
+        result = self.router.connect(link, Connect(client_id, version, clean_start=clean,
+                                                   keepalive=60, will=will, properties=props))
+        assert result is not None
+        self.run()
+        return link, result[0]
+
+    def subscribe(self, session: Session, topic_filter: str, qos: int) -> None:
+        self.router.subscribe(session, Subscribe(1, [Subscription(topic_filter, qos)]))
+        self.run()
+
+    def publish(self, session: Session, topic: str, payload: bytes, qos: int = 0,
+                packet_id: int | None = None, *, dup: bool = False, retain: bool = False,
+                properties: dict[int, Any] | None = None) -> None:
+        self.router.publish(session, Publish(topic, payload, qos, retain, dup, packet_id,
+                                             properties or {}))
+
+    def drop(self, session: Session, link: FakeLink) -> None:
+        """The network connection closed without DISCONNECT."""
+        self.router.connection_lost(session, link, graceful=False)
+        self.run()
+
+    def disconnect(self, session: Session, link: FakeLink, reason: int = 0) -> None:
+        self.router.disconnect(session, Disconnect(reason))
+        self.router.connection_lost(session, link, graceful=reason != 0x04)
+        self.run()
+
+    def tick(self, seconds: float) -> None:
+        self.clock.advance(seconds)
+        self.router.tick()
+        self.run()
+
+    def log_payloads(self, topic: str) -> list[bytes]:
+        key = self.streams.partition_for(topic)
+        log = self.streams.log(*key)
+        return [r.payload for r in log.read(log.log_start_offset, 10_000) if r.topic == topic]
+
+
+@pytest.fixture
+def h(tmp_path: Path) -> Iterator[Harness]:
+    harness = Harness(tmp_path / "data")
+    yield harness
+    harness.streams.close()

@@ -1,0 +1,181 @@
+"""QoS flows in the router: QoS 2 duplicate detection, in-flight quota, packet ids."""
+
+from __future__ import annotations
+
+from broker.config import RouterConfig
+from broker.mqtt.packets import PubAck, PubComp, PubRec, PubRel
+from broker.mqtt.properties import PropertyId
+from broker.router.session import Inflight, Session
+from tests.unit.router.conftest import Harness
+
+
+def test_qos2_duplicate_is_stored_once_and_acknowledged_each_time(h: Harness) -> None:
+    link, s = h.connect("p", 5, expiry=60)
+    h.publish(s, "a/b", b"x", 2, 7)
+    h.publish(s, "a/b", b"x", 2, 7, dup=True)  # resent before the append finished
+    assert link.of(PubRec) == []  # no PUBREC before the record is in the log
+    h.run()
+    assert [p.packet_id for p in link.of(PubRec)] == [7, 7]  # [MQTT-4.3.3-9]
+    h.publish(s, "a/b", b"x", 2, 7, dup=True)  # resent after the append
+    assert [p.packet_id for p in link.of(PubRec)] == [7, 7, 7]
+    assert h.log_payloads("a/b") == [b"x"]
+
+
+def test_qos2_duplicate_across_reconnect_and_restart(h: Harness) -> None:
+    link, s = h.connect("p", 5, expiry=60)
+    h.publish(s, "a/b", b"x", 2, 7)
+    h.run()
+    h.drop(s, link)
+    h.restart()
+    link, s = h.connect("p", 5, clean=False, expiry=60)
+    h.publish(s, "a/b", b"x", 2, 7, dup=True)
+    h.run()
+    assert [p.packet_id for p in link.of(PubRec)] == [7]
+    h.router.pubrel(s, 7)
+    h.run()
+    assert [p.packet_id for p in link.of(PubComp)] == [7]
+    h.publish(s, "a/b", b"y", 2, 7)  # the id is free again: a new message
+    h.run()
+    assert h.log_payloads("a/b") == [b"x", b"y"]
+
+
+def test_pubrec_waits_for_the_session_state_in_the_same_commit(h: Harness) -> None:
+    """A persistent publisher's received id is in $sessions before PUBREC is sent, so a
+    crash after PUBREC cannot turn the resend into a second copy."""
+    link, s = h.connect("p", 5, expiry=60)
+    h.publish(s, "a/b", b"x", 2, 9)
+    h.run()
+    assert link.of(PubRec)
+    sessions = h.streams.log("$sessions", 0)
+    last = sessions.read(sessions.log_start_offset, 10_000)[-1]
+    assert b'"incoming_qos2":[9]' in last.payload
+    h.router.pubrel(s, 9)
+    assert link.of(PubComp) == []  # waits for the state without the id
+    h.run()
+    assert link.of(PubComp)
+    last = sessions.read(sessions.log_start_offset, 10_000)[-1]
+    assert b'"incoming_qos2":[]' in last.payload
+
+
+def test_pubrel_for_unknown_id(h: Harness) -> None:
+    link, s = h.connect("p", 5)
+    h.router.pubrel(s, 3)
+    (comp,) = link.of(PubComp)
+    assert (comp.packet_id, comp.reason_code) == (3, 0x92)  # Packet Identifier not found
+
+
+def test_receive_maximum_bounds_inflight(h: Harness) -> None:
+    link, s = h.connect("sub", 5, receive_maximum=3)
+    h.subscribe(s, "t/#", 1)
+    _, p = h.connect("pub", 5)
+    for i in range(10):
+        h.publish(p, "t/1", f"m{i}".encode(), 1, i + 1)
+    h.run()
+    sent = link.take()
+    assert [x.payload for x in sent] == [b"m0", b"m1", b"m2"]  # [MQTT-3.3.4-9]
+    h.router.puback(s, sent[0].packet_id)  # type: ignore[arg-type]
+    assert [x.payload for x in link.take()] == [b"m3"]
+    for x in sent[1:]:
+        h.router.puback(s, x.packet_id)  # type: ignore[arg-type]
+    assert [x.payload for x in link.take()] == [b"m4", b"m5"]
+
+
+def test_server_inflight_limit_applies_below_receive_maximum(tmp_path: object) -> None:
+    from pathlib import Path
+
+    h = Harness(Path(str(tmp_path)) / "d", RouterConfig(max_inflight=2))
+    link, s = h.connect("sub", 5)  # receive maximum 65535
+    h.subscribe(s, "t/#", 2)
+    _, p = h.connect("pub", 5)
+    for i in range(5):
+        h.publish(p, "t/1", f"m{i}".encode(), 2, i + 1)
+    h.run()
+    sent = link.take()
+    assert len(sent) == 2
+    h.router.pubrec(s, sent[0].packet_id, 0)  # type: ignore[arg-type]
+    assert link.take() == []  # PUBREC'd but not complete: still counts (s4.9)
+    assert [p.packet_id for p in link.of(PubRel)] == [sent[0].packet_id]
+    h.router.pubcomp(s, sent[0].packet_id)  # type: ignore[arg-type]
+    assert [x.payload for x in link.take()] == [b"m2"]
+    h.streams.close()
+
+
+def test_qos0_is_not_bounded_by_the_quota(h: Harness) -> None:
+    link, s = h.connect("sub", 5, receive_maximum=1)
+    h.subscribe(s, "t/#", 0)
+    _, p = h.connect("pub", 5)
+    for _ in range(5):
+        h.publish(p, "t/1", b"q0", 0)
+    h.run()
+    assert len(link.take()) == 5
+
+
+def test_packet_ids_skip_those_in_flight_and_wrap() -> None:
+    s = Session("x")
+    s.next_packet_id = 65534
+    s.inflight[65535] = Inflight(("default", 0), 0, 1)
+    s.inflight[1] = Inflight(("default", 0), 1, 1)
+    assert s.allocate_packet_id() == 65534
+    assert s.allocate_packet_id() == 2  # 65535 and 1 are in use; 0 is never used
+    assert s.allocate_packet_id() == 3
+
+
+def test_packet_ids_are_unique_among_inflight(h: Harness) -> None:
+    link, s = h.connect("sub", 5)
+    h.subscribe(s, "t/#", 1)
+    _, p = h.connect("pub", 5)
+    for i in range(50):
+        h.publish(p, "t/1", b"x", 1, i + 1)
+    h.run()
+    ids = [x.packet_id for x in link.take()]
+    assert len(set(ids)) == 50 and all(ids)  # [MQTT-2.2.1-3]
+
+
+def test_unacked_deliveries_resent_with_dup_after_restart(h: Harness) -> None:
+    link, s = h.connect("sub", 4, clean=False)
+    h.subscribe(s, "t/#", 2)
+    _, p = h.connect("pub", 4)
+    h.publish(p, "t/1", b"a", 1, 1)
+    h.publish(p, "t/1", b"b", 2, 2)
+    h.run()
+    a, b = link.take()
+    h.router.pubrec(s, b.packet_id, 0)  # type: ignore[arg-type]
+    h.drop(s, link)
+    h.restart()
+    link, s = h.connect("sub", 4, clean=False)
+    (again,) = link.take()
+    assert (again.payload, again.packet_id, again.dup) == (b"a", a.packet_id, True)
+    assert [r.packet_id for r in link.of(PubRel)] == [b.packet_id]  # [MQTT-4.4.0-1]
+    h.router.puback(s, a.packet_id)  # type: ignore[arg-type]
+    h.router.pubcomp(s, b.packet_id)  # type: ignore[arg-type]
+    assert s.inflight == {}
+
+
+def test_expired_inflight_delivery_is_dropped_and_frees_its_id(h: Harness) -> None:
+    """An unacknowledged delivery whose message expired while the client was away is not
+    resent [MQTT-3.3.2-5], and its packet id no longer counts against the quota."""
+    link, s = h.connect("sub", 5, expiry=600, receive_maximum=1)
+    h.subscribe(s, "t/#", 1)
+    _, p = h.connect("pub", 5)
+    h.publish(p, "t/1", b"short", 1, 1, properties={PropertyId.MESSAGE_EXPIRY_INTERVAL: 5})
+    h.publish(p, "t/1", b"long", 1, 2)
+    h.run()
+    assert [x.payload for x in link.take()] == [b"short"]  # quota 1
+    h.drop(s, link)
+    h.tick(10)
+    link, s = h.connect("sub", 5, clean=False, expiry=600, receive_maximum=1)
+    (nxt,) = link.take()
+    assert (nxt.payload, nxt.dup) == (b"long", False)
+    assert list(s.inflight) == [nxt.packet_id]
+
+
+def test_puback_for_wrong_id_is_ignored(h: Harness) -> None:
+    link, s = h.connect("sub", 5)
+    h.subscribe(s, "t/#", 1)
+    _, p = h.connect("pub", 5)
+    h.publish(p, "t/1", b"x", 1, 1)
+    h.run()
+    (x,) = link.take()
+    h.router.puback(s, (x.packet_id or 0) + 1)
+    assert list(s.inflight) == [x.packet_id]
+    assert not link.of(PubAck)

@@ -1,0 +1,59 @@
+"""Session lifetime on a fake clock: expiry, clean start, resume, restart (s4.1)."""
+
+from __future__ import annotations
+
+from broker.mqtt.packets import ConnAck
+from tests.unit.router.conftest import Harness
+
+
+def test_session_expires_after_its_interval(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=10)
+    h.subscribe(s, "t/#", 1)
+    h.drop(s, link)
+    h.tick(9.5)
+    assert "a" in h.router.sessions
+    h.tick(1)
+    assert "a" not in h.router.sessions
+    link, s = h.connect("a", 5, clean=False, expiry=10)
+    assert link.of(ConnAck)[0].session_present is False  # [MQTT-3.2.2-3]
+
+
+def test_expiry_zero_ends_with_the_connection(h: Harness) -> None:
+    link, s = h.connect("a", 5)
+    h.drop(s, link)
+    assert "a" not in h.router.sessions
+
+
+def test_expired_session_is_gone_after_restart_too(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=10)
+    h.subscribe(s, "t/#", 1)
+    h.drop(s, link)
+    h.restart()
+    assert "a" in h.router.sessions  # loaded from $sessions
+    h.tick(11)  # the interval counts from the disconnect, across the restart
+    assert "a" not in h.router.sessions
+    h.restart()
+    assert "a" not in h.router.sessions  # the tombstone was written
+
+
+def test_resume_delivers_what_was_published_while_away(h: Harness) -> None:
+    link, s = h.connect("sub", 4, clean=False)
+    h.subscribe(s, "t/#", 1)
+    h.drop(s, link)
+    _, p = h.connect("pub", 4)
+    for i in range(5):
+        h.publish(p, "t/1", f"m{i}".encode(), 1, i + 1)
+    h.run()
+    h.restart()
+    link, s = h.connect("sub", 4, clean=False)
+    assert link.of(ConnAck)[0].session_present is True
+    assert [x.payload for x in link.take()] == [f"m{i}".encode() for i in range(5)]
+
+
+def test_clean_start_discards_state(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=100)
+    h.subscribe(s, "t/#", 1)
+    h.drop(s, link)
+    link, s = h.connect("a", 5, clean=True, expiry=100)
+    assert link.of(ConnAck)[0].session_present is False  # [MQTT-3.1.2-4]
+    assert not s.main.subscriptions

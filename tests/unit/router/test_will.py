@@ -1,0 +1,90 @@
+"""Will messages and will delay, on a fake clock (s3.1.2.5, s3.1.3.2.2)."""
+
+from __future__ import annotations
+
+from broker.mqtt.packets import Will
+from broker.mqtt.properties import PropertyId
+from tests.unit.router.conftest import Harness
+
+
+def delayed_will(delay: int, payload: bytes = b"gone") -> Will:
+    return Will("will/x", payload, 1, False, {PropertyId.WILL_DELAY_INTERVAL: delay})
+
+
+def test_will_published_on_abnormal_close_not_on_disconnect(h: Harness) -> None:
+    link, s = h.connect("a", 4, will=Will("will/x", b"a gone", 1))
+    h.drop(s, link)
+    assert h.log_payloads("will/x") == [b"a gone"]
+    link, s = h.connect("b", 4, will=Will("will/x", b"b gone", 1))
+    h.disconnect(s, link)  # [MQTT-3.1.2-10]
+    assert h.log_payloads("will/x") == [b"a gone"]
+    link, s = h.connect("c", 5, will=Will("will/x", b"c gone", 1))
+    h.disconnect(s, link, 0x04)  # Disconnect with Will Message
+    assert h.log_payloads("will/x") == [b"a gone", b"c gone"]
+
+
+def test_will_delay_property_is_not_forwarded(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=60, will=delayed_will(1))
+    h.drop(s, link)
+    h.tick(1.0)
+    key = h.streams.partition_for("will/x")
+    (rec,) = h.streams.log(*key).read(0)
+    assert b"\x18" not in rec.properties  # Will Delay Interval belongs to the will only
+
+
+def test_will_delay_waits_then_publishes(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=60, will=delayed_will(5))
+    h.drop(s, link)
+    h.tick(4.9)
+    assert h.log_payloads("will/x") == []
+    h.tick(0.2)
+    assert h.log_payloads("will/x") == [b"gone"]
+    h.tick(10)
+    assert h.log_payloads("will/x") == [b"gone"]  # once
+    assert "a" in h.router.sessions  # the session lives on until its own expiry
+
+
+def test_reconnect_within_delay_cancels_the_will(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=60, will=delayed_will(5))
+    h.drop(s, link)
+    h.tick(3)
+    link, s = h.connect("a", 5, clean=False, expiry=60)  # [MQTT-3.1.3-9]
+    h.tick(10)
+    h.drop(s, link)  # the new connection has no will
+    h.tick(10)
+    assert h.log_payloads("will/x") == []
+
+
+def test_session_end_before_delay_publishes_the_will(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=2, will=delayed_will(100))
+    h.drop(s, link)
+    h.tick(1)
+    assert h.log_payloads("will/x") == []
+    h.tick(1.5)
+    assert h.log_payloads("will/x") == [b"gone"]
+    assert "a" not in h.router.sessions
+
+
+def test_zero_expiry_publishes_a_delayed_will_at_once(h: Harness) -> None:
+    link, s = h.connect("a", 5, will=delayed_will(100))  # session ends with the connection
+    h.drop(s, link)
+    assert h.log_payloads("will/x") == [b"gone"]
+
+
+def test_retained_will_is_stored_as_retained(h: Harness) -> None:
+    link, s = h.connect("a", 4, will=Will("status/a", b"offline", 1, True))
+    h.drop(s, link)
+    assert h.router.retained["status/a"].payload == b"offline"
+    sub_link, sub = h.connect("late", 4)
+    h.subscribe(sub, "status/#", 1)
+    (p,) = sub_link.take()
+    assert (p.topic, p.payload, p.retain) == ("status/a", b"offline", True)
+
+
+def test_takeover_publishes_the_old_will_and_keeps_the_new(h: Harness) -> None:
+    old, _ = h.connect("a", 5, expiry=60, will=Will("will/x", b"first", 1))
+    new, s = h.connect("a", 5, clean=False, expiry=60, will=Will("will/x", b"second", 1))
+    assert old.closed == 0x8E  # Session taken over
+    assert h.log_payloads("will/x") == [b"first"]
+    h.drop(s, new)
+    assert h.log_payloads("will/x") == [b"first", b"second"]
