@@ -30,9 +30,9 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import orjson
-from broker.commitlog.log import SegmentedLog
 
 from broker.commitlog.config import FsyncPolicy, LogConfig
+from broker.commitlog.log import SegmentedLog
 from broker.commitlog.record import Record
 
 ROOT = Path(__file__).resolve().parents[1]
