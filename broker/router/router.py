@@ -884,7 +884,7 @@ class Router:
         if not session.persistent:
             return
         session.dirty = False
-        state = session.to_state()
+        state = session.to_state(self.monotonic())
         payload = orjson.dumps(state)
         self._enqueue(Record(-1, self._now_ms(), session.client_id, payload), ack, _SESSIONS)
 
@@ -934,6 +934,15 @@ class Router:
             session = Session.from_state(client_id, state)
             if session.disconnected_at is None:
                 session.disconnected_at = now
+            if session.will is not None:
+                # A will still pending at shutdown keeps its remaining delay; one of a client
+                # that was connected when the broker died is due as for an abnormal close,
+                # deferred to this start as s3.1.2.5 allows. tick() publishes it.
+                left = state.get("will_left")
+                if left is None:
+                    left = min(session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0),
+                               session.expiry_interval)
+                session.will_due = self.monotonic() + left
             self.sessions[client_id] = session
             for consumer in session.consumers.values():
                 for key in consumer.cursors:

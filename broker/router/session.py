@@ -14,12 +14,15 @@ All of it is plain data, touched only by the owning router's event loop thread.
 
 from __future__ import annotations
 
+import base64
 from collections import deque
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from broker.mqtt.packets import Will
+from broker.mqtt.properties import decode_properties, encode_properties
+
 if TYPE_CHECKING:
-    from broker.mqtt.packets import Will
     from broker.router.link import Link
 
 PartitionKey = tuple[str, int]  # (stream name, partition number)
@@ -134,9 +137,20 @@ class Session:
         self.next_packet_id = pid + 1 if pid < 65535 else 1
         return pid
 
-    def to_state(self) -> dict[str, Any]:
-        """The persisted form, written to the ``$sessions`` stream (JSON)."""
+    def to_state(self, monotonic_now: float = 0.0) -> dict[str, Any]:
+        """The persisted form, written to the ``$sessions`` stream (JSON).
+
+        The will is kept too, so a restart or crash does not lose it (s3.1.2.5: the server
+        may defer it to the next start); ``will_left`` is the delay still to run, in seconds,
+        or None while the client is connected.
+        """
+        will = self.will
         return {
+            "will": None if will is None else [
+                will.topic, base64.b64encode(will.payload).decode(), will.qos, will.retain,
+                base64.b64encode(encode_properties(will.properties)).decode()],
+            "will_left": None if self.will_due is None else max(
+                0.0, self.will_due - monotonic_now),
             "v": 1,
             "version": self.version,
             "expiry": self.expiry_interval,
@@ -177,6 +191,11 @@ class Session:
                                        consumer_name)
         s.incoming_qos2 = set(state.get("incoming_qos2", ()))
         s.next_packet_id = state.get("next_packet_id", 1)
+        will = state.get("will")
+        if will is not None:
+            topic, payload, qos, retain, props = will
+            s.will = Will(topic, base64.b64decode(payload), qos, retain,
+                          decode_properties(base64.b64decode(props)))
         return s
 
 

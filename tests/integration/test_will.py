@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.integration.clients import V5, V311, Client
-from tests.integration.conftest import BrokerProcess
+from tests.integration.conftest import BrokerFactory, BrokerProcess
 from tests.integration.rawclient import RawClient
 
 VERSIONS = [pytest.param(4, id="v311"), pytest.param(5, id="v5")]
@@ -166,3 +166,35 @@ def test_will_on_takeover_of_connection_with_will(broker: BrokerProcess) -> None
     second.close()
     (m2,) = w.expect(1)
     assert m2.payload == b"second gone"
+
+
+def test_will_of_client_connected_when_broker_is_killed_comes_after_restart(
+        broker_factory: BrokerFactory) -> None:
+    """s3.1.2.5: the server may defer a will to its next start; it must not lose it."""
+    broker = broker_factory(fsync="always")
+    c = RawClient(broker.port, 5)
+    c.connect("dev1", clean=False, session_expiry=600, will=WILL)
+    c.subscribe("x/#", 1)  # a round trip after CONNECT; the session is written by the tick
+    deadline = time.monotonic() + 5
+    while "dev1" not in (broker.data_dir / "$sessions" / "0").joinpath(
+            "00000000000000000000.log").read_bytes().decode("latin-1"):
+        assert time.monotonic() < deadline, "session never written"
+        time.sleep(0.05)
+    broker.kill()
+    c.close()
+    broker.start()
+    w = watch(broker.port, "$replay/earliest/will/#")
+    (m,) = w.expect(1, timeout=5)
+    assert (m.topic, m.payload) == ("will/dev1", b"dev1 gone")
+
+
+def test_delayed_will_pending_at_shutdown_is_published_after_restart(
+        broker_factory: BrokerFactory) -> None:
+    broker = broker_factory()
+    c = RawClient(broker.port, 5)
+    c.connect("dev1", clean=False, session_expiry=600, will=WILL, will_delay=1)
+    c.close()
+    broker.restart()  # well within the delay
+    w = watch(broker.port, "$replay/earliest/will/#")
+    (m,) = w.expect(1, timeout=5)
+    assert m.payload == b"dev1 gone"

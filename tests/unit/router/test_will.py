@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from broker.mqtt.packets import Will
-from broker.mqtt.properties import PropertyId
+from broker.mqtt.properties import PropertyId, decode_properties
 from tests.unit.router.conftest import Harness
 
 
@@ -88,3 +88,46 @@ def test_takeover_publishes_the_old_will_and_keeps_the_new(h: Harness) -> None:
     assert h.log_payloads("will/x") == [b"first"]
     h.drop(s, new)
     assert h.log_payloads("will/x") == [b"first", b"second"]
+
+
+def test_delayed_will_survives_a_restart_with_its_remaining_delay(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=60, will=delayed_will(10, b"after restart"))
+    h.drop(s, link)
+    h.tick(4)
+    h.restart()
+    h.tick(5)
+    assert h.log_payloads("will/x") == []
+    h.tick(1.5)
+    assert h.log_payloads("will/x") == [b"after restart"]
+
+
+def test_will_of_a_client_connected_at_a_crash_is_published_after_restart(h: Harness) -> None:
+    """The session was written while connected (as the tick does); then the broker died."""
+    will = Will("will/x", b"crashed", 1, False, {PropertyId.USER_PROPERTY: [("k", "v")]})
+    h.connect("a", 5, expiry=60, will=will)
+    h.tick(0.5)  # the periodic persist of the connected session
+    h.streams.close()  # no router.close(): nothing else is written
+    h.open()
+    h.tick(0.5)
+    key = h.streams.partition_for("will/x")
+    (rec,) = h.streams.log(*key).read(0)
+    assert rec.payload == b"crashed"
+    assert decode_properties(rec.properties)[PropertyId.USER_PROPERTY] == [("k", "v")]
+    assert h.log_payloads("will/x") == [b"crashed"]
+
+
+def test_reconnect_after_restart_cancels_a_pending_delayed_will(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=60, will=delayed_will(10))
+    h.drop(s, link)
+    h.restart()
+    h.connect("a", 5, clean=False, expiry=60)
+    h.tick(20)
+    assert h.log_payloads("will/x") == []
+
+
+def test_no_will_after_restart_when_it_was_disconnected_normally(h: Harness) -> None:
+    link, s = h.connect("a", 5, expiry=60, will=delayed_will(0))
+    h.disconnect(s, link)
+    h.restart()
+    h.tick(1)
+    assert h.log_payloads("will/x") == []
