@@ -1,0 +1,160 @@
+"""broker/config.py: every bad value is a ConfigError naming the key and the file."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from broker.config import ConfigError, RouterConfig, load_config, parse_config
+
+ROOT = Path(__file__).resolve().parents[2]
+SHIPPED = ROOT / "config" / "broker.toml"
+
+
+def write(tmp_path: Path, text: str) -> Path:
+    p = tmp_path / "broker.toml"
+    p.write_text(text)
+    return p
+
+
+def error_for(tmp_path: Path, text: str) -> str:
+    p = write(tmp_path, text)
+    with pytest.raises(ConfigError) as info:
+        load_config(p)
+    message = str(info.value)
+    assert str(p) in message, message  # always names the file
+    return message
+
+
+# ------------------------------------------------------------------ the shipped file
+
+def test_shipped_config_parses_to_the_defaults() -> None:
+    cfg = load_config(SHIPPED)
+    # The file documents every [router] key with its default value.
+    assert cfg.router == RouterConfig()
+    assert cfg.server.port == 1883 and cfg.http.port == 8080
+    assert [s.name for s in cfg.streams] == ["telemetry"]
+    assert cfg.streams[0].topic_filters == ("devices/#",)
+    assert cfg.streams[0].partitions == 4
+
+
+def test_shipped_config_shows_every_router_key() -> None:
+    text = SHIPPED.read_text()
+    section = text.split("[router]", 1)[1].split("\n[", 1)[0]
+    keys = set(re.findall(r"^(\w+)\s*=", section, re.M))
+    assert keys == {f.name for f in dataclasses.fields(RouterConfig)}
+
+
+@pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(RouterConfig)])
+def test_every_router_key_is_used_by_the_broker(name: str) -> None:
+    """A key nobody reads is a promise nobody keeps: each must be read outside config.py."""
+    users = [p for p in (ROOT / "broker").rglob("*.py")
+             if p.name != "config.py" and re.search(rf"\.{name}\b", p.read_text())]
+    assert users, f"router.{name} is parsed but never used"
+
+
+def test_empty_file_gives_defaults(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, ""))
+    assert cfg.router == RouterConfig()
+    assert [s.name for s in cfg.stream_specs()] == ["default"]
+
+
+def test_values_are_read(tmp_path: Path) -> None:
+    cfg = load_config(write(tmp_path, (
+        "[router]\nmax_connections = 3\nmax_packet_size = 2048\nkeepalive_max = 30\n"
+        'connect_timeout = 5\nmax_queued_bytes = "2MiB"\n'
+        '[commitlog]\nsegment_bytes = "1MiB"\nsegment_age = "2h"\nretention = "forever"\n'
+        'fsync_interval = "250ms"\n')))
+    r = cfg.router
+    assert (r.max_connections, r.max_packet_size, r.keepalive_max, r.connect_timeout,
+            r.max_queued_bytes) == (3, 2048, 30, 5, 2 * 1024 * 1024)
+    d = cfg.commitlog.defaults
+    assert (d.segment_bytes, d.segment_ms, d.retention_ms, d.fsync_interval_ms) == (
+        1024 * 1024, 2 * 3_600_000, None, 250)
+
+
+# ------------------------------------------------------------------ errors
+
+@pytest.mark.parametrize(("text", "key"), [
+    pytest.param("[router]\nmax_conections = 3\n", "router.max_conections", id="unknown-key"),
+    pytest.param("[routr]\n", "[routr]", id="unknown-section"),
+    pytest.param('[router]\nworkers = "2"\n', "router.workers", id="string-for-int"),
+    pytest.param("[router]\nmax_inflight = true\n", "router.max_inflight", id="bool-for-int"),
+    pytest.param("[router]\nmax_inflight = 1.5\n", "router.max_inflight", id="float-for-int"),
+    pytest.param("[router]\nmax_packet_size = 10\n", "router.max_packet_size", id="too-small"),
+    pytest.param("[router]\nmax_inflight = 70000\n", "router.max_inflight", id="too-large"),
+    pytest.param("[router]\nmax_connections = 0\n", "router.max_connections", id="zero"),
+    pytest.param("[router]\nconnect_timeout = 0\n", "router.connect_timeout", id="timeout-0"),
+    pytest.param('[router]\nslow_qos0_policy = "block"\n', "router.slow_qos0_policy",
+                 id="bad-choice"),
+    pytest.param("[router]\nkeepalive_min = 20\nkeepalive_max = 10\n", "router.keepalive_min",
+                 id="keepalive-min-over-max"),
+    pytest.param('[router]\nmax_queued_bytes = "8 MeB"\n', "router.max_queued_bytes",
+                 id="bad-size"),
+    pytest.param('[commitlog]\nsegment_bytes = "lots"\n', "commitlog.segment_bytes",
+                 id="bad-size-word"),
+    pytest.param('[commitlog]\nsegment_age = "7 days"\n', "commitlog.segment_age",
+                 id="bad-duration"),
+    pytest.param("[commitlog]\nsegment_age = -5\n", "commitlog.segment_age",
+                 id="negative-duration"),
+    pytest.param('[commitlog]\nfsync = "sometimes"\n', "commitlog.fsync", id="bad-fsync"),
+    pytest.param("[server]\nport = 70000\n", "server.port", id="port-range"),
+    pytest.param('[http]\nenabled = "yes"\n', "http.enabled", id="string-for-bool"),
+    pytest.param('router = 5\n', "[router]", id="section-not-table"),
+    pytest.param('[[streams]]\nname = "a"\ntopic_filter = "x/#"\n'
+                 '[[streams]]\nname = "a"\ntopic_filter = "y/#"\n', "'a'",
+                 id="duplicate-stream"),
+    pytest.param('[[streams]]\nname = "s"\ntopic_filter = "a/#/b"\n',
+                 "streams[s].topic_filter", id="bad-topic-filter"),
+    pytest.param('[[streams]]\nname = "s"\ntopic_filter = ["ok/#", "a+"]\n',
+                 "streams[s].topic_filter", id="bad-filter-in-list"),
+    pytest.param('[[streams]]\nname = "s"\ntopic_filter = "$share/g/a"\n',
+                 "streams[s].topic_filter", id="shared-filter"),
+    pytest.param('[[streams]]\nname = "s"\n', "streams[s].topic_filter",
+                 id="missing-topic-filter"),
+    pytest.param('[[streams]]\nname = "bad name"\ntopic_filter = "a"\n', "streams[0].name",
+                 id="bad-stream-name"),
+    pytest.param('[[streams]]\nname = "s"\ntopic_filter = "a"\npartitions = 0\n',
+                 "streams[s].partitions", id="zero-partitions"),
+    pytest.param('[[streams]]\nname = "s"\ntopic_filter = "a"\nretension = "1d"\n',
+                 "streams[s].retension", id="unknown-stream-key"),
+    pytest.param("streams = 3\n", "streams", id="streams-not-array"),
+])
+def test_bad_value_names_key_and_file(tmp_path: Path, text: str, key: str) -> None:
+    assert key in error_for(tmp_path, text)
+
+
+def test_invalid_toml_names_the_file(tmp_path: Path) -> None:
+    assert "not valid TOML" in error_for(tmp_path, "[router\nworkers = 1\n")
+    assert "not valid TOML" in error_for(tmp_path, "[router]\nworkers = 1\nworkers = 1\n")
+
+
+def test_missing_file(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "absent.toml")
+
+
+def test_parse_config_source_name() -> None:
+    with pytest.raises(ConfigError, match=r"^<mine>: unknown key 'router.nope'"):
+        parse_config({"router": {"nope": 1}}, "<mine>")
+
+
+# ------------------------------------------------------------------ mqlog serve
+
+@pytest.mark.parametrize(("text", "key"), [
+    pytest.param('[router]\nmax_inflight = "many"\n', "router.max_inflight", id="bad-value"),
+    pytest.param("[router]\nworkers = 2\n", "router.workers", id="workers-unsupported"),
+])
+def test_serve_with_bad_config_exits_nonzero(tmp_path: Path, text: str, key: str) -> None:
+    p = write(tmp_path, text)
+    proc = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "-c", str(p),
+                           "--data-dir", str(tmp_path / "data")],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    assert proc.returncode != 0
+    assert key in proc.stderr and str(p) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr
