@@ -239,3 +239,27 @@ def test_mosquitto_sub_members(broker: BrokerProcess) -> None:
     finally:
         for s in subs:
             s.stop()
+
+
+def test_persistent_member_keeps_unacked_until_its_session_expires(
+        broker: BrokerProcess) -> None:
+    # A persistent member that drops keeps what it held (it may come back for it, s4.8.2);
+    # once its session expires, those messages go to another member.
+    p = Client(broker.port, "p", V5, clean=False, session_expiry=300, manual_ack=True)
+    q = Client(broker.port, "q", V5)
+    for c in (p, q):
+        assert c.connect() == 0
+        assert c.subscribe(GROUP, qos=1) == [1]
+    sent = publish_all(broker.port, 20)
+    held, _ = drain([p, q], len(sent))
+    assert held
+    p.drop()
+    p = Client(broker.port, "p", V5, clean=False, session_expiry=1, manual_ack=True)
+    assert p.connect() == 0 and p.session_present
+    (again,) = drain([p], len(held))  # resent to it, with DUP [MQTT-4.4.0-1]
+    assert sorted(m.payload for m in again) == sorted(m.payload for m in held)
+    assert all(m.dup for m in again)
+    quiet([q])
+    p.drop()  # still unacknowledged; its session now expires after 1 s
+    (redelivered,) = drain([q], len(held), timeout=10)
+    assert sorted(m.payload for m in redelivered) == sorted(m.payload for m in held)
