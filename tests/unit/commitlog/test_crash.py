@@ -4,10 +4,13 @@ The tests know nothing of the batch format. They learn where the last batch star
 size of the active ``.log`` before and after the last append, damage the bytes in between, and
 check that recovery keeps every intact batch and nothing else: ``end_offset`` is the last
 batch's base offset, every earlier record reads back unchanged, and the next append continues
-from there. Index files are the log's cache: deleting or garbling them must not change any
+from there. Damage is applied to two images of the directory: a *crash* image (copied while the
+log was open: no clean-shutdown state, active indexes possibly never written) and a *clean* one
+(after close). Index files are the log's cache: deleting or garbling them must not change any
 answer, and they come back.
 
-Index lookups are checked against a bisect reference (floor lookup over the sorted keys).
+Index lookups are checked against a bisect reference (floor lookup over the sorted keys),
+through the log's public API and directly on ``OffsetIndex`` / ``TimeIndex`` (internal API).
 """
 
 from __future__ import annotations
