@@ -93,6 +93,16 @@ def test_bad_connect_flags_close_311(mb: BrokerProcess, flags: int) -> None:
     assert refused(mb.port, data) == b""  # 3.1.1: no CONNACK code for it, just close
 
 
+def test_password_without_username(mb: BrokerProcess) -> None:
+    # flags 0x42: password, clean; payload: client id 'pw', password 00 02 'pw'
+    pw = bytes.fromhex("0002") + b"pw"
+    assert refused(mb.port, pkt(0x10, connect311("pw", flags=0x42)[2:] + pw)) == b""
+    # 5.0 allows a password without a user name (s3.1.2.9)
+    s, body = open_session(mb.port, pkt(0x10, connect5("pw5", flags=0x42)[2:] + pw))
+    assert connack5(body)[:2] == (0, 0)
+    s.close()
+
+
 def test_reserved_flag_5_gets_connack_malformed(mb: BrokerProcess) -> None:
     out = refused(mb.port, connect5("flags5", flags=0x03))
     assert out == bytes.fromhex("20030081" "00")  # CONNACK 0x81, then close

@@ -6,6 +6,7 @@ max_inflight as Receive Maximum: test_mqtt5.py.)
 
 from __future__ import annotations
 
+import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,6 +61,12 @@ def test_max_connections(broker_factory: BrokerFactory) -> None:
     out, _ = wait_closed(s)
     assert out[0] == 0x20 and connack5(out[2:])[:2] == (0, 0x89)
     s.close()
+    # Real clients see the refusal too.
+    for version, words in [("mqttv311", "unavailable"), ("mqttv5", "busy")]:
+        proc = subprocess.run(["mosquitto_pub", "-h", "127.0.0.1", "-p", str(b.port), "-t",
+                               "mc/y", "-m", "no", "-V", version], capture_output=True,
+                              text=True, timeout=15)
+        assert proc.returncode != 0 and words in proc.stderr.lower(), proc.stderr
     # A takeover replaces a connection: allowed at the limit [MQTT-3.1.4-3].
     again = Client(b.port, "c2", V311)
     assert again.connect() == 0

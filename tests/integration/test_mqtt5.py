@@ -14,7 +14,7 @@ import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from tests.integration.clients import V5, Client
+from tests.integration.clients import V5, Client, mosquitto_pub, mosquitto_sub
 from tests.integration.conftest import BrokerProcess
 from tests.integration.handbuilt import (
     connack5,
@@ -293,6 +293,24 @@ def test_properties_on_raw_socket(mb: BrokerProcess) -> None:
     assert (topic, payload) == ("pr/x", b"hello")
     assert got == {0x01: 1, 0x03: "text/plain", 0x26: [("a", "b")]}
     s.close()
+
+
+def test_properties_with_mosquitto_clients(mb: BrokerProcess) -> None:
+    # A retained message is delivered on SUBSCRIBE, so mosquitto_sub needs no start-up wait.
+    props = ["-D", "publish", "user-property", "k", "v",
+             "-D", "publish", "content-type", "text/plain",
+             "-D", "publish", "response-topic", "mq/reply",
+             "-D", "publish", "correlation-data", "abc",
+             "-D", "publish", "payload-format-indicator", "1",
+             "-D", "publish", "message-expiry-interval", "100"]
+    mosquitto_pub(mb.port, "mq/a", "hi", 1, "-r", *props, version="mqttv5")
+    (line,) = mosquitto_sub(mb.port, "mq/#", 1, "-F", "%t|%C|%R|%D|%F|%P|%S|%E|%p",
+                            "-D", "subscribe", "subscription-identifier", "42",
+                            version="mqttv5")
+    fields = line.split("|")
+    assert fields[:7] == ["mq/a", "text/plain", "mq/reply", "abc", "1", "k:v", "42"]
+    assert 98 <= int(fields[7]) <= 100 and fields[8] == "hi"
+    mosquitto_pub(mb.port, "mq/a", "", 1, "-r", version="mqttv5")  # clear the retained one
 
 
 # ------------------------------------------------------------------ problem / response info
