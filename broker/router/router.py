@@ -164,7 +164,11 @@ class Router:
                     self._persist(session)
 
     def _persist_before_acks(self, session: Session) -> None:
-        """Persist ``session`` within the current group commit (see :meth:`flush`)."""
+        """Persist ``session`` within the current group commit (see :meth:`flush`).
+
+        Output queued during :meth:`flush` leaves after it returns, so what is sent there
+        follows the state; outside a flush, the state follows in the next one.
+        """
         self._persist_due[session.client_id] = session
 
     def _wake(self, part: Partition) -> None:
@@ -854,6 +858,11 @@ class Router:
                 packet_id = session.allocate_packet_id()
                 session.inflight[packet_id] = Inflight(key, rec.offset, qos, retain, False,
                                                        group, consumer)
+                if qos == 2 and session.persistent:
+                    # Exactly once across a crash: were this delivery (its packet id and the
+                    # advanced cursor) lost, the record would go out again under a new packet
+                    # id and the client could not tell it is a duplicate (s4.3.3).
+                    self._persist_before_acks(session)
         else:
             packet_id = None
         sent = link.send_publish(rec.topic, rec.payload, qos, retain, dup, packet_id, props)

@@ -179,3 +179,19 @@ def test_puback_for_wrong_id_is_ignored(h: Harness) -> None:
     h.router.puback(s, (x.packet_id or 0) + 1)
     assert list(s.inflight) == [x.packet_id]
     assert not link.of(PubAck)
+
+
+def test_qos2_delivery_is_persisted_in_the_same_commit(h: Harness) -> None:
+    """A QoS 2 delivery's packet id and cursor are in $sessions before the PUBLISH leaves,
+    so after a crash it is resent with DUP and the same id, not sent again as new."""
+    link, s = h.connect("sub", 5, expiry=600)
+    h.subscribe(s, "t/#", 2)
+    _, p = h.connect("pub", 5)
+    h.publish(p, "t/1", b"once", 2, 1)
+    h.run()
+    (first,) = link.take()
+    h.streams.close()  # crash: no close(), no tick
+    h.open()
+    link, s = h.connect("sub", 5, clean=False, expiry=600)
+    (again,) = link.take()
+    assert (again.payload, again.packet_id, again.dup) == (b"once", first.packet_id, True)
