@@ -170,6 +170,9 @@ class Router:
         follows the state; outside a flush, the state follows in the next one.
         """
         self._persist_due[session.client_id] = session
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._schedule(self.flush)
 
     def _wake(self, part: Partition) -> None:
         for watcher in list(part.watchers):
