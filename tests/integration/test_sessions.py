@@ -6,11 +6,13 @@ Expiry Interval keeps it for that long after the connection closes (s3.1.2.11.2)
 
 from __future__ import annotations
 
+import subprocess
+
 import pytest
 from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
-from tests.integration.clients import V5, V311, Client
+from tests.integration.clients import V5, V311, Client, mosquitto_pub, mosquitto_sub
 from tests.integration.conftest import BrokerProcess
 from tests.integration.rawclient import DISCONNECT, RawClient
 
@@ -225,3 +227,20 @@ def test_takeover_v311_closes_the_first_connection(broker: BrokerProcess) -> Non
     assert d.payload == b"for the second"
     second.disconnect()
     pub.disconnect()
+
+
+@pytest.mark.parametrize("version", ["mqttv311", "mqttv5"])
+def test_mosquitto_sub_persistent_session(broker: BrokerProcess, version: str) -> None:
+    """mosquitto_sub -c: subscribe and leave, messages published with mosquitto_pub while
+    it is away, then the same client id gets them on its return, across a restart too."""
+    ident = ["-c", "-i", "mosq-persist", "-q", "1"]
+    if version == "mqttv5":
+        ident += ["-x", "600"]
+    subprocess.run(["mosquitto_sub", "-h", "127.0.0.1", "-p", str(broker.port), "-t", "mosq/#",
+                    "-E", "-V", version, *ident], check=True, timeout=15)  # -E: exit on SUBACK
+    for i in range(3):
+        mosquitto_pub(broker.port, "mosq/a", f"v{i}", 1, version=version)
+    broker.restart()
+    mosquitto_pub(broker.port, "mosq/a", "v3", 1, version=version)
+    lines = mosquitto_sub(broker.port, "mosq/#", 4, *ident, version=version)
+    assert lines == [f"mosq/a v{i}" for i in range(4)]
