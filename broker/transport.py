@@ -22,11 +22,13 @@ from broker.mqtt.connection import ServerConnection, keepalive_expired
 from broker.mqtt.encode import encode
 from broker.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
 from broker.mqtt.packets import (
+    REASON_CODES_V5,
     Auth,
     ConnAck,
     Connect,
     Disconnect,
     Packet,
+    PacketType,
     PingReq,
     PingResp,
     PubAck,
@@ -39,6 +41,7 @@ from broker.mqtt.packets import (
 )
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ConnackReturnCode311, ReasonCode
+from broker.router.router import TOPIC_ALIAS_MAXIMUM
 
 if TYPE_CHECKING:
     from broker.router.router import Router
@@ -60,7 +63,7 @@ class MQTTProtocol(asyncio.Protocol):
         cfg = server.config.router
         self.conn = ServerConnection(
             max_packet_size=cfg.max_packet_size,
-            topic_alias_maximum=64,
+            topic_alias_maximum=TOPIC_ALIAS_MAXIMUM,  # the value the CONNACK announces
             max_topic_length=cfg.max_topic_length,
             max_topic_levels=cfg.max_topic_levels,
             receive_maximum=cfg.max_inflight,  # announced in CONNACK by the router
@@ -191,8 +194,13 @@ class MQTTProtocol(asyncio.Protocol):
             elif level == 5:
                 # A 5.0 CONNECT we cannot accept (malformed, bad property...): CONNACK with
                 # the reason code (s3.2.2.2), then close [MQTT-3.2.2-7]. 3.1.1 has no code
-                # for these and is simply closed (3.1.1 s4.8).
-                self._write(encode(ConnAck(False, error.reason_code), 5))
+                # for these and is simply closed (3.1.1 s4.8). An error in a packet that came
+                # in the same read as the CONNECT may have a code CONNACK cannot carry
+                # (0x93, 0x94...): it is reported as the Protocol Error it is.
+                code = error.reason_code
+                if code not in REASON_CODES_V5[PacketType.CONNACK]:
+                    code = ReasonCode.PROTOCOL_ERROR
+                self._write(encode(ConnAck(False, code), 5))
             self._closing = True
             self._flush_and_close()
             return

@@ -201,6 +201,28 @@ def test_bad_first_packet(mb: BrokerProcess, bystander: Client, data: str,
     assert bystander.expect(1)[0].payload == b"yes"
 
 
+@pytest.mark.parametrize(("bad", "answer"), [
+    # PUBLISH 'a' with Topic Alias 0: 0x94 cannot be a CONNACK code -> 0x82
+    pytest.param("3008000161032300007a", "2003008200", id="alias-0"),
+    # PUBLISH to 'a/+': 0x90 is a CONNACK code (Topic Name invalid)
+    pytest.param("300700036 12f2b007a".replace(" ", ""), "2003009000", id="wildcard"),
+    # PUBLISH with QoS 3
+    pytest.param("3606000161000100", "2003008100", id="qos-3"),
+])
+def test_bad_packet_in_the_connect_segment(mb: BrokerProcess, bystander: Client, bad: str,
+                                           answer: str) -> None:
+    """CONNECT and a bad packet in one write: the CONNECT is not answered with success, the
+    refusal carries a code valid for CONNACK (s3.2.2.2), and the connection is closed."""
+    s = raw_connect(mb.port)
+    s.sendall(connect5("same-segment") + bytes.fromhex(bad))
+    out, _ = wait_closed(s)
+    assert out.hex() == answer
+    s.close()
+    bystander.publish("by/alive", "yes", qos=1)
+    assert bystander.expect(1)[0].payload == b"yes"
+    assert "Traceback" not in mb.log()
+
+
 def test_split_packets_are_reassembled(mb: BrokerProcess, bystander: Client) -> None:
     """Valid input arriving one byte at a time is not an error (need-more-data)."""
     s = raw_connect(mb.port)
