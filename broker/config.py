@@ -241,6 +241,13 @@ def _stream(table: Any, i: int, source: str, defaults: LogConfig) -> StreamSpec:
     return StreamSpec(name=name, topic_filters=tuple(filters), partitions=partitions, log=log)
 
 
+def _positive(value: int | None, key: str, source: str) -> int:
+    """A size that must be bounded and non-zero (a per-connection buffer cannot be either)."""
+    if not value:
+        raise ConfigError(f"{source}: {key} must be a positive size (e.g. 8MiB)")
+    return value
+
+
 _SERVER = ServerConfig()
 _HTTP = HttpConfig()
 
@@ -264,7 +271,8 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
         max_packet_size=r.integer("max_packet_size", d.max_packet_size, lo=64,
                               hi=MAX_PACKET_SIZE_LIMIT),
         max_inflight=r.integer("max_inflight", d.max_inflight, lo=1, hi=65535),
-        max_queued_bytes=r.size("max_queued_bytes", d.max_queued_bytes) or d.max_queued_bytes,
+        max_queued_bytes=_positive(r.size("max_queued_bytes", d.max_queued_bytes),
+                                   r.key("max_queued_bytes"), source),
         max_topic_length=r.integer("max_topic_length", d.max_topic_length, lo=1, hi=65535),
         max_topic_levels=r.integer("max_topic_levels", d.max_topic_levels, lo=1),
         keepalive_min=r.integer("keepalive_min", d.keepalive_min, hi=65535),
