@@ -158,6 +158,12 @@ class ServerConnection:
             if mps == 0:
                 raise ProtocolError("maximum packet size of 0 (s3.1.2.11.4)")
             self.client_max_packet_size = mps
+        will = packet.will
+        if will is not None:
+            # The will is published to its topic later: it must be a valid topic name
+            # within our limits now (s3.1.3.3, [MQTT-4.7.1-1]), or the CONNECT is refused.
+            self._check_topic(will.topic)
+            self._check_response_topic(will.properties)
 
     def _inbound_publish(self, packet: Publish) -> Publish:
         if self.connect is None:
@@ -185,14 +191,13 @@ class ServerConnection:
             # s3.3.2.1: "It is a Protocol Error if the Topic Name is zero length and there is
             # no Topic Alias" (an alias was resolved above). 3.1.1: invalid name, below.
             raise ProtocolError("empty topic name without a topic alias (s3.3.2.1)")
-        # A code point is at most 4 bytes of UTF-8: encode only topics that may be too long.
-        if (len(topic) * 4 > self.max_topic_length or "+" in topic or "#" in topic
-                or not topic):
-            validate_topic_name(topic)  # raises with the precise reason
-            if len(topic.encode()) > self.max_topic_length:
-                raise TopicNameInvalid(f"topic longer than {self.max_topic_length} bytes")
-        if topic.count("/") >= self.max_topic_levels:
-            raise TopicNameInvalid(f"topic has more than {self.max_topic_levels} levels")
+        self._check_topic(topic)
+        if props:
+            if PropertyId.SUBSCRIPTION_IDENTIFIER in props:
+                # [MQTT-3.3.4-6]: only a server puts Subscription Identifiers in a PUBLISH;
+                # stored, it would reach subscribers as if it were theirs.
+                raise ProtocolError("PUBLISH from a client with a subscription identifier")
+            self._check_response_topic(props)
         if packet.qos and self.version == 5:
             pid = packet.packet_id
             unacked = self.inbound_unacked
@@ -205,6 +210,27 @@ class ServerConnection:
                         ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)
                 unacked.add(pid)  # type: ignore[arg-type]  # QoS > 0 has an id
         return packet
+
+    def _check_topic(self, topic: str) -> None:
+        """A topic name to publish to: valid (s4.7) and within the configured limits."""
+        # A code point is at most 4 bytes of UTF-8: encode only topics that may be too long.
+        if (len(topic) * 4 > self.max_topic_length or "+" in topic or "#" in topic
+                or not topic):
+            validate_topic_name(topic)  # raises with the precise reason
+            if len(topic.encode()) > self.max_topic_length:
+                raise TopicNameInvalid(f"topic longer than {self.max_topic_length} bytes")
+        if topic.count("/") >= self.max_topic_levels:
+            raise TopicNameInvalid(f"topic has more than {self.max_topic_levels} levels")
+
+    @staticmethod
+    def _check_response_topic(props: dict[int, Any]) -> None:
+        """A Response Topic is a topic name: no wildcards [MQTT-3.3.2-14] (a will's: s3.1.3.2.5)."""
+        response = props.get(PropertyId.RESPONSE_TOPIC)
+        if response is not None:
+            try:
+                validate_topic_name(response)
+            except MQTTError as e:
+                raise ProtocolError(f"response topic: {e.message}") from None
 
     # ---------------------------------------------------------------- outbound
 

@@ -108,6 +108,25 @@ def test_reserved_flag_5_gets_connack_malformed(mb: BrokerProcess) -> None:
     assert out == bytes.fromhex("20030081" "00")  # CONNACK 0x81, then close
 
 
+@pytest.mark.parametrize(("will", "answer5"), [
+    pytest.param("0003612f23" "0001" "78", "2003009000", id="will-topic-wildcard"),
+    pytest.param("0000" "0001" "78", "2003009000", id="will-topic-empty"),
+])
+def test_invalid_will_topic_refused(mb: BrokerProcess, will: str, answer5: str) -> None:
+    # flags 0x06: will flag, clean; a will published later must have a valid topic name
+    w = bytes.fromhex(will)
+    assert refused(mb.port, pkt(0x10, connect311("badwill", flags=0x06)[2:] + w)) == b""
+    out = refused(mb.port, pkt(0x10, connect5("badwill", flags=0x06)[2:] + b"\x00" + w))
+    assert out.hex() == answer5  # CONNACK 0x90 Topic Name invalid
+
+
+def test_will_response_topic_with_wildcard_refused(mb: BrokerProcess) -> None:
+    # will properties: 08 0001 '#' (Response Topic); will topic 'a', payload 'x'
+    w = bytes.fromhex("04" "08000123" "000161" "000178")
+    out = refused(mb.port, pkt(0x10, connect5("badresp", flags=0x06)[2:] + w))
+    assert out.hex() == "2003008200"
+
+
 def test_will_flag_consistency_accepted(mb: BrokerProcess) -> None:
     # flags 0x2e: will retain, will QoS 1, will flag, clean; will topic 'w', payload 'x'
     body = connect311("willok", flags=0x2E)[2:] + bytes.fromhex("0001" "77" "0001" "78")

@@ -138,6 +138,28 @@ def test_bad_packet_closes_only_that_connection(mb: BrokerProcess, bystander: Cl
     bystander.expect_none(0.1)
 
 
+@pytest.mark.parametrize(("bad", "code"), [
+    # PUBLISH 'a' with Subscription Identifier 1 (0b 01): only servers send it [MQTT-3.3.4-6]
+    pytest.param("3007 0001 61 02 0b01 78", 0x82, id="publish-with-subscription-id"),
+    # PUBLISH 'a' with Response Topic '#' (08 0001 23) [MQTT-3.3.2-14]
+    pytest.param("3009 0001 61 04 08000123 78", 0x82, id="response-topic-wildcard"),
+    # PUBLISH 'a' with Topic Alias 3 and Topic Alias 3 again: duplicate property
+    pytest.param("300b 0001 61 06 230003 230003 78", 0x82, id="duplicate-property"),
+    # PUBLISH 'a' with property id 0x11 (Session Expiry: not a PUBLISH property, s2.2.2.2)
+    pytest.param("300a 0001 61 05 110000000a 78", 0x81, id="property-not-for-publish"),
+])
+def test_bad_publish_properties_5(mb: BrokerProcess, bystander: Client, bad: str,
+                                  code: int) -> None:
+    s = _bad_session(mb, 5, "badprops")
+    s.sendall(bytes.fromhex(bad.replace(" ", "")))
+    out, _ = wait_closed(s)
+    assert disconnect5(out[0], out[2:])[0] == code, out.hex()
+    s.close()
+    bystander.publish("by/after", "a", qos=1)
+    assert sorted(m.payload for m in bystander.expect(2)) == [b"a", b"acked"]
+    bystander.expect_none(0.1)  # nothing from the refused PUBLISH reached a subscriber
+
+
 @pytest.mark.parametrize("version", [4, 5])
 def test_packet_over_max_size_refused_from_its_header(mb: BrokerProcess, bystander: Client,
                                                       version: int) -> None:

@@ -261,3 +261,34 @@ def test_too_large_for_client_is_skipped_and_sets_no_alias() -> None:
     assert data is not None and len(data) <= 32
     p = decode_out(data)
     assert (p.topic, p.properties.get(0x23)) == ("big", 1)  # the client learns it now
+
+
+# ------------------------------------------------------------------ properties and wills
+
+def test_client_publish_with_subscription_identifier() -> None:
+    # [MQTT-3.3.4-6]
+    assert code_of(conn5(), publish("t", props=bytes.fromhex("0b01"))) == 0x82
+
+
+def test_response_topic_must_be_a_topic_name() -> None:
+    assert code_of(conn5(), publish("t", props=bytes.fromhex("0800012b"))) == 0x82
+    (p,) = conn5().receive_data(publish("t", props=bytes.fromhex("080001 61".replace(" ", ""))))
+    assert isinstance(p, Publish) and p.properties == {0x08: "a"}
+
+
+@pytest.mark.parametrize("topic", ["a/#", "+", ""])
+def test_will_topic_must_be_a_topic_name(topic: str) -> None:
+    t = topic.encode()
+    body = (bytes.fromhex("00044d5154540406003c") + b"\x00\x01c" + len(t).to_bytes(2, "big")
+            + t + b"\x00\x01x")
+    c = ServerConnection(max_packet_size=1 << 20)
+    with pytest.raises(TopicNameInvalid):
+        c.receive_data(b"\x10" + varint(len(body)) + body)
+
+
+def test_will_topic_limits() -> None:
+    body = (bytes.fromhex("00044d5154540406003c") + b"\x00\x01c" + b"\x00\x07a/b/c/d"
+            + b"\x00\x01x")
+    c = ServerConnection(max_packet_size=1 << 20, max_topic_levels=3)
+    with pytest.raises(TopicNameInvalid):
+        c.receive_data(b"\x10" + varint(len(body)) + body)
