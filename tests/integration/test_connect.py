@@ -234,6 +234,39 @@ def test_disconnect_with_will_reason_publishes_will(mb: BrokerProcess) -> None:
     watcher.disconnect()
 
 
+def test_disconnect_cannot_set_expiry_after_zero(mb: BrokerProcess) -> None:
+    s, _ = open_session(mb.port, connect5("exp0"))  # Session Expiry 0 (absent)
+    # DISCONNECT 0x00 with Session Expiry Interval 16 (11 00000010) [MQTT-3.14.2-2]
+    s.sendall(bytes.fromhex("e007" "00" "05" "1100000010"))
+    out, _ = wait_closed(s)
+    assert disconnect5(out[0], out[2:])[0] == 0x82
+    s.close()
+    s, _ = open_session(mb.port, connect5("exp10", props=bytes.fromhex("110000000a")))
+    s.sendall(bytes.fromhex("e007" "00" "05" "1100000010"))  # 10 -> 16 is allowed
+    assert wait_closed(s)[0] == b""  # the server sends nothing back [MQTT-3.14.4-1]
+    s.close()
+
+
+def test_disconnect_with_invalid_reason_code(mb: BrokerProcess) -> None:
+    s, _ = open_session(mb.port, connect5("badcode"))
+    s.sendall(bytes.fromhex("e00105"))  # 0x05 is no DISCONNECT reason code (s3.14.2.1)
+    out, _ = wait_closed(s)
+    assert disconnect5(out[0], out[2:])[0] in (0x81, 0x82)
+    s.close()
+
+
+def test_shutdown_sends_0x8b(broker_factory: BrokerFactory) -> None:
+    b = broker_factory()
+    s5, _ = open_session(b.port, connect5("bye5"))
+    s4, _ = open_session(b.port, connect311("bye4"))
+    assert b.stop() == 0
+    out, _ = wait_closed(s5)
+    assert disconnect5(out[0], out[2:])[0] == 0x8B  # Server shutting down
+    assert wait_closed(s4)[0] == b""
+    s5.close()
+    s4.close()
+
+
 def test_paho_disconnect_with_reason_code(mb: BrokerProcess) -> None:
     from paho.mqtt.reasoncodes import ReasonCode as PahoReason
 
