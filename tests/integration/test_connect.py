@@ -209,6 +209,18 @@ def test_takeover_311_closes_old_connection(mb: BrokerProcess) -> None:
     old.close()
 
 
+def test_takeover_5_sends_0x8e_to_old_connection(mb: BrokerProcess) -> None:
+    old, _ = open_session(mb.port, connect5("take5"))
+    new, ack = open_session(mb.port, connect5("take5"))
+    assert connack5(ack)[:2] == (0, 0)  # clean start: no session present
+    out, _ = wait_closed(old)
+    assert disconnect5(out[0], out[2:])[0] == 0x8E  # Session taken over [MQTT-3.1.4-3]
+    new.sendall(bytes.fromhex("c000"))
+    assert read_packet(new) == (0xD0, b"")
+    new.close()
+    old.close()
+
+
 # ------------------------------------------------------------------ DISCONNECT
 
 def test_disconnect_with_will_reason_publishes_will(mb: BrokerProcess) -> None:
