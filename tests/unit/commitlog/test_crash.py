@@ -430,3 +430,29 @@ def test_truncation_is_logged(written: Written, caplog: pytest.LogCaptureFixture
         log = SegmentedLog.open(written.directory, written.config)
         log.close()
     assert any(rec.name.startswith("broker.commitlog") for rec in caplog.records)
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="commitlog_bugs.md #2: a reopened segment counts segment_ms from its first record's "
+    "timestamp, a live one from the wall clock, so each restart rolls",
+)
+@pytest.mark.parametrize("image", IMAGES)
+def test_reopened_active_segment_keeps_taking_appends(tmp_path: Path, image: str) -> None:
+    # Recovery hands back the same active segment: a restart alone never rolls it, whatever
+    # the records' timestamps (here older than segment_ms, as replayed or imported data are).
+    d = tmp_path / "p3"
+    log = SegmentedLog.open(d, CONFIG)
+    log.append(make_batch(0, 2))
+    log.flush()
+    crash = snapshot(d)
+    log.close()
+    if image == "crash":
+        restore(d, crash)
+    for i in range(3):
+        log = SegmentedLog.open(d, CONFIG)
+        try:
+            log.append(make_batch(10 * (i + 1), 1))
+            assert log.segments == [0], f"restart {i} rolled: {log.segments}"
+        finally:
+            log.close()
