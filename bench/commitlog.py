@@ -12,6 +12,9 @@ includes the final ``flush()`` for ``always`` and ``interval`` (the data is only
 its policy promises once that returns); ``never`` is timed up to the last ``append`` return.
 ``interval`` cells call ``flush_if_due()`` after each append, as the partition owner's loop does.
 
+``--runs N`` repeats the whole matrix and reports, per cell, the median run; the dd ratio is
+the median of the per-run ratios (log and dd paired within a run).
+
 Targets: 1 KiB batched appends at fsync=interval >= 70% of dd's bandwidth with fdatasync;
 sequential reads >= 1,000,000 records/s. Output: a table, then one JSON line.
 """
@@ -26,8 +29,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import TypeVar
 
 import orjson
 
@@ -44,6 +49,7 @@ REFERENCE = (1024, 1000, "interval")
 TARGET_DD_RATIO = 0.70
 TARGET_READ_RECORDS_S = 1_000_000
 MIB = 1 << 20
+T = TypeVar("T")
 
 
 @dataclass(frozen=True, slots=True)
@@ -209,14 +215,28 @@ def table(appends: list[AppendResult], reads: list[ReadResult], dds: list[DdResu
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.commitlog", description=__doc__)
-    parser.add_argument("--time-cap", type=float, default=1.5, help="seconds per append cell")
-    parser.add_argument("--bytes-cap", type=int, default=256, help="payload MiB per cell")
-    parser.add_argument("--read-cap", type=float, default=3.0, help="seconds per read run")
-    parser.add_argument("--dir", type=Path, default=RESULTS_DIR, help="parent of the data dir")
-    args = parser.parse_args(argv)
+@dataclass(frozen=True, slots=True)
+class Run:
+    appends: list[AppendResult]
+    reads: list[ReadResult]
+    dd_sync: DdResult
+    dd_nosync: DdResult
 
+    @property
+    def reference(self) -> AppendResult:
+        return next(a for a in self.appends if (a.payload, a.batch, a.fsync) == REFERENCE)
+
+    @property
+    def dd_ratio(self) -> float:
+        """The reference cell's bandwidth over dd's (with fdatasync), measured in this run."""
+        return self.reference.disk_mb_s / self.dd_sync.mb_s
+
+    def read_records_s(self, payload: int) -> float:
+        return next(r for r in self.reads if r.payload == payload).records_s
+
+
+def run_once(args: argparse.Namespace) -> Run:
+    """The whole matrix once, in a fresh data dir under ``args.dir`` (removed afterwards)."""
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="commitlog-", dir=args.dir))
     appends: list[AppendResult] = []
@@ -237,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
                         flush=True,
                     )
                     if (payload, batch, policy) == REFERENCE:
+                        # Right after the reference cell, as many bytes, same file system.
                         mib = max(1, -(-res.disk_bytes // MIB))
                         dds = [run_dd(work, mib, True), run_dd(work, mib, False)]
                     if (payload, batch, policy) not in keep:
@@ -245,40 +266,79 @@ def main(argv: list[str] | None = None) -> int:
             reads.append(run_read(work / f"{payload}-1000-never", payload, args.read_cap))
     finally:
         shutil.rmtree(work, ignore_errors=True)
+    return Run(appends, reads, dds[0], dds[1])
 
-    ref = next(a for a in appends if (a.payload, a.batch, a.fsync) == REFERENCE)
-    dd_sync = next(d for d in dds if d.fdatasync)
-    dd_nosync = next(d for d in dds if not d.fdatasync)
-    ratio = ref.disk_mb_s / dd_sync.mb_s
-    read_64 = next(r for r in reads if r.payload == 64)
-    print(table(appends, reads, dds))
+
+def median_run(runs: list[Run]) -> Run:
+    """Per cell, the run with the median throughput (the lower middle one for even counts)."""
+
+    def pick(items: list[T], key: Callable[[T], float]) -> T:
+        return sorted(items, key=key)[(len(items) - 1) // 2]
+
+    return Run(
+        [
+            pick([r.appends[i] for r in runs], lambda a: a.records_s)
+            for i in range(len(runs[0].appends))
+        ],
+        [
+            pick([r.reads[i] for r in runs], lambda x: x.records_s)
+            for i in range(len(runs[0].reads))
+        ],
+        pick([r.dd_sync for r in runs], lambda d: d.mb_s),
+        pick([r.dd_nosync for r in runs], lambda d: d.mb_s),
+    )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m bench.commitlog", description=__doc__)
+    parser.add_argument("--time-cap", type=float, default=1.5, help="seconds per append cell")
+    parser.add_argument("--bytes-cap", type=int, default=256, help="payload MiB per cell")
+    parser.add_argument("--read-cap", type=float, default=3.0, help="seconds per read run")
+    parser.add_argument("--runs", type=int, default=1, help="repeat; report medians")
+    parser.add_argument("--dir", type=Path, default=RESULTS_DIR, help="parent of the data dir")
+    args = parser.parse_args(argv)
+
+    runs = [run_once(args) for _ in range(max(1, args.runs))]
+    med = median_run(runs)
+    # The ratio pairs the log and dd of the same run; its median is over runs.
+    ratios = sorted(r.dd_ratio for r in runs)
+    ratio = ratios[(len(ratios) - 1) // 2]
+    nosync_ratios = sorted(r.reference.disk_mb_s / r.dd_nosync.mb_s for r in runs)
+    nosync_ratio = nosync_ratios[(len(nosync_ratios) - 1) // 2]
+    read_64 = med.read_records_s(64)
+
+    if len(runs) > 1:
+        print(f"medians of {len(runs)} runs")
+    print(table(med.appends, med.reads, [med.dd_sync, med.dd_nosync]))
     print()
     print(
         f"1 KiB x 1000 fsync=interval vs dd conv=fdatasync: {ratio:.0%} "
-        f"(target >= {TARGET_DD_RATIO:.0%}); vs dd without sync: "
-        f"{ref.disk_mb_s / dd_nosync.mb_s:.0%}"
+        f"(target >= {TARGET_DD_RATIO:.0%}); vs dd without sync: {nosync_ratio:.0%}"
     )
     print(
-        f"sequential read, 64 B records: {read_64.records_s:,.0f} records/s "
+        f"sequential read, 64 B records: {read_64:,.0f} records/s "
         f"(target >= {TARGET_READ_RECORDS_S:,})"
     )
     summary = {
         "bench": "commitlog",
+        "runs": len(runs),
         "appends": [
-            asdict(a) | {"records_s": a.records_s, "disk_mb_s": a.disk_mb_s} for a in appends
+            asdict(a) | {"records_s": a.records_s, "disk_mb_s": a.disk_mb_s} for a in med.appends
         ],
-        "reads": [asdict(r) | {"records_s": r.records_s} for r in reads],
-        "dd": [asdict(d) | {"mb_s": d.mb_s} for d in dds],
-        "interval_1k_x1000_mb_s": ref.disk_mb_s,
-        "dd_fdatasync_mb_s": dd_sync.mb_s,
-        "dd_nosync_mb_s": dd_nosync.mb_s,
+        "reads": [asdict(r) | {"records_s": r.records_s} for r in med.reads],
+        "dd": [asdict(d) | {"mb_s": d.mb_s} for d in (med.dd_sync, med.dd_nosync)],
+        "interval_1k_x1000_mb_s": med.reference.disk_mb_s,
+        "dd_fdatasync_mb_s": med.dd_sync.mb_s,
+        "dd_nosync_mb_s": med.dd_nosync.mb_s,
         "ratio_vs_dd_fdatasync": ratio,
-        "ratio_vs_dd_nosync": ref.disk_mb_s / dd_nosync.mb_s,
-        "read_records_s": read_64.records_s,
-        "read_1k_records_s": next(r for r in reads if r.payload == 1024).records_s,
+        "ratio_vs_dd_fdatasync_per_run": [r.dd_ratio for r in runs],
+        "ratio_vs_dd_nosync": nosync_ratio,
+        "read_records_s": read_64,
+        "read_records_s_per_run": [r.read_records_s(64) for r in runs],
+        "read_1k_records_s": med.read_records_s(1024),
         "targets_met": {
             "dd_ratio": ratio >= TARGET_DD_RATIO,
-            "read_records_s": read_64.records_s >= TARGET_READ_RECORDS_S,
+            "read_records_s": read_64 >= TARGET_READ_RECORDS_S,
         },
     }
     print(orjson.dumps(summary).decode())
