@@ -22,6 +22,7 @@ sequential reads >= 1,000,000 records/s. Output: a table, then one JSON line.
 from __future__ import annotations
 
 import argparse
+import gc
 import os
 import re
 import shutil
@@ -119,6 +120,13 @@ def make_batch(payload: int, batch: int) -> list[Record]:
 
 def log_bytes(directory: Path) -> int:
     return sum(p.stat().st_size for p in directory.glob("*.log"))
+
+
+def settle() -> None:
+    """Untimed: write back every dirty page (so no cell pays for the previous one's data or
+    shares the CPUs with the kernel's flusher threads) and collect garbage."""
+    os.sync()
+    gc.collect()
 
 
 def run_append(
@@ -248,6 +256,7 @@ def run_once(args: argparse.Namespace) -> Run:
             for batch in BATCH_SIZES:
                 for policy in POLICIES:
                     d = work / f"{payload}-{batch}-{policy}"
+                    settle()
                     res = run_append(d, payload, batch, policy, args.time_cap, args.bytes_cap * MIB)
                     appends.append(res)
                     print(
@@ -259,10 +268,14 @@ def run_once(args: argparse.Namespace) -> Run:
                     if (payload, batch, policy) == REFERENCE:
                         # Right after the reference cell, as many bytes, same file system.
                         mib = max(1, -(-res.disk_bytes // MIB))
-                        dds = [run_dd(work, mib, True), run_dd(work, mib, False)]
+                        settle()
+                        dd_sync = run_dd(work, mib, True)
+                        settle()
+                        dds = [dd_sync, run_dd(work, mib, False)]
                     if (payload, batch, policy) not in keep:
                         shutil.rmtree(d)
         for payload in PAYLOAD_SIZES:
+            settle()
             reads.append(run_read(work / f"{payload}-1000-never", payload, args.read_cap))
     finally:
         shutil.rmtree(work, ignore_errors=True)
