@@ -222,14 +222,8 @@ def test_receive_maximum_with_paho_publishers(mb: BrokerProcess) -> None:
     assert [m.payload for m in msgs] == [str(i).encode() for i in range(30)]
     assert pub.disconnects.empty()
     pub.disconnect()
-    # paho does not read Receive Maximum from CONNACK (it keeps 20 in flight by default):
-    # a burst over our maximum is answered with DISCONNECT 0x93 (s3.3.4).
-    greedy = Client(mb.port, "rm-paho-greedy", V5)
-    assert greedy.connect() == 0
-    for i in range(20):
-        greedy.publish("rmp/b", str(i), qos=1, wait=False)
-    assert greedy.disconnects.get(timeout=5) == 0x93
-    greedy.paho.loop_stop()
+    # (paho ignores Receive Maximum from CONNACK and keeps 20 in flight; whether a burst
+    # exceeds ours depends on timing, so the 0x93 answer is tested on a raw socket above.)
     sub.disconnect()
 
 
