@@ -27,6 +27,7 @@ import orjson
 
 from broker.commitlog import CommitLogError
 from broker.config import Config, ConfigError, load_config
+from broker.server import ServeError, Server
 
 log = logging.getLogger("mqlog")
 
@@ -46,14 +47,18 @@ def _apply_overrides(cfg: Config, args: argparse.Namespace) -> Config:
 
 
 async def _serve(cfg: Config) -> None:
-    from broker.server import Server
 
     server = Server(cfg)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    for listener in await server.start():
+    try:
+        listeners = await server.start()
+    except OSError as e:
+        await server.stop()
+        raise ServeError(f"cannot listen: {e}") from None
+    for listener in listeners:
         log.info("listening on %s", listener)
     await stop.wait()
     log.info("stopping: closing connections, persisting sessions, flushing logs")
@@ -202,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return int(args.func(args))
-    except (ConfigError, CommitLogError) as e:
+    except (ConfigError, CommitLogError, ServeError) as e:
         log.error("%s", e)
         return 2
     except BrokerUnreachable as e:

@@ -8,9 +8,12 @@ flushed once at its end.
 from __future__ import annotations
 
 import asyncio
+import fcntl
 import logging
+import os
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from broker.commitlog import LogCleaner, Streams
@@ -26,6 +29,30 @@ log = logging.getLogger("broker.server")
 TICK_SECONDS = 0.5
 
 
+class ServeError(Exception):
+    """The broker cannot start: the message says why and names the path or address."""
+
+
+def lock_data_dir(data_dir: Path) -> int:
+    """Take an exclusive lock on ``DATA/.lock`` so two brokers never write one log.
+
+    Returns the open descriptor (the lock lives as long as it); raises :class:`ServeError`.
+    """
+    path = Path(data_dir) / ".lock"
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as e:
+        raise ServeError(f"{path}: cannot create the data directory lock: {e.strerror}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise ServeError(f"{data_dir}: data directory is in use by another mqlog process") \
+            from None
+    return fd
+
+
 class Server:
     """A single-worker broker bound to the current event loop."""
 
@@ -34,6 +61,7 @@ class Server:
         self.config = config
         self.monotonic = monotonic
         self.loop = asyncio.get_running_loop()
+        self._lock_fd = lock_data_dir(config.commitlog.data_dir)
         self.streams = Streams(config.commitlog.data_dir, config.stream_specs(), clock=clock)
         self.router = Router(self.streams, config.router, schedule=self.loop.call_soon,
                              clock=clock, monotonic=monotonic)
@@ -49,8 +77,10 @@ class Server:
     async def start(self) -> list[str]:
         """Open the listeners; returns one description per listener."""
         cfg = self.config.server
+        # No SO_REUSEPORT while one process serves a data directory: a second broker on the
+        # same port must fail to bind, not silently share the clients.
         server = await self.loop.create_server(
-            lambda: MQTTProtocol(self), cfg.host, cfg.port, reuse_port=True, backlog=4096)
+            lambda: MQTTProtocol(self), cfg.host, cfg.port, backlog=4096)
         self._listeners.append(server)
         ready = []
         for sock in server.sockets:
@@ -106,6 +136,7 @@ class Server:
         self.streams.close()
         for server in self._listeners:
             await server.wait_closed()
+        os.close(self._lock_fd)
         self.stopped.set()
 
     def describe(self) -> dict[str, Any]:

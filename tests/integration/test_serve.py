@@ -1,0 +1,40 @@
+"""`mqlog serve` start-up failures: each is one clear line and a non-zero exit, no traceback."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.integration.conftest import ROOT, BrokerFactory, free_port
+
+
+def _serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "broker.cli", "serve", "-c", str(config), *args],
+                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+
+
+def test_second_broker_on_the_same_data_dir_is_refused(broker_factory: BrokerFactory) -> None:
+    first = broker_factory()
+    out = _serve(first.config_path, "--port", str(free_port()), "--http-port", str(free_port()))
+    assert out.returncode == 2
+    assert "data directory is in use by another mqlog process" in out.stderr
+    assert str(first.data_dir) in out.stderr
+    assert "Traceback" not in out.stderr
+    assert first.alive()
+
+
+def test_port_in_use_is_a_clear_error(broker_factory: BrokerFactory, tmp_path: Path) -> None:
+    b = broker_factory(start=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _serve(b.config_path, "--port", str(port))
+    assert out.returncode == 2
+    assert "cannot listen" in out.stderr and "address already in use" in out.stderr
+    assert "Traceback" not in out.stderr
+    # The lock was released: the same data directory serves normally afterwards.
+    b.start()
+    assert b.alive()
