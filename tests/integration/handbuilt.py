@@ -13,21 +13,8 @@ import time
 from typing import Any
 
 from tests.integration.conftest import raw_connect, recv_exactly
-
-
-def varint(n: int) -> bytes:
-    """Variable Byte Integer (s1.5.5)."""
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
-
-
-def pkt(first: int, body: bytes) -> bytes:
-    """Fixed header byte + remaining length + body."""
-    return bytes([first]) + varint(len(body)) + body
+from tests.integration.rawclient import packet as pkt
+from tests.integration.rawclient import varint
 
 
 def mqtt_str(s: str | bytes) -> bytes:
