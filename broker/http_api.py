@@ -7,6 +7,8 @@ Routes (JSON bodies, encoded with orjson):
 - ``GET /api/v1/streams/<stream>/partitions``: per partition, the earliest retained offset
   (``log_start_offset``) and the high-water mark (``end_offset``: every offset below it is
   committed);
+- ``GET /api/v1/streams/<stream>/partitions/<p>/records`` and ``.../offset``: the fetch API
+  (records as Arrow or JSON, offset by timestamp), see :mod:`broker.fetch_api`;
 - ``GET /api/v1/sessions``: each persistent session (client id, connected or not, its
   subscriptions, per consumer and partition its position and lag behind the high-water mark,
   in-flight deliveries), and each shared-subscription group with its positions and members.
@@ -26,6 +28,7 @@ import orjson
 from aiohttp import web
 
 from broker.commitlog import SegmentedLog, StreamSpec
+from broker.fetch_api import FetchApi
 from broker.router.session import MAIN, Consumer, Session, SharedGroup
 
 if TYPE_CHECKING:
@@ -57,6 +60,7 @@ class HttpApi:
             web.get(f"{API}/streams", self.streams),
             web.get(f"{API}/streams/{{stream}}/partitions", self.partitions),
             web.get(f"{API}/sessions", self.sessions),
+            *FetchApi(server).routes(),
         ])
         self._runner: web.AppRunner | None = None
         self.url = ""

@@ -1,0 +1,114 @@
+"""Log records as Arrow record batches and JSON: the wire format of the HTTP fetch API.
+
+The Arrow schema is the contract shared with the Spark data source (DESIGN.md "Spark"):
+``stream string, partition int32, offset int64, timestamp timestamp[us, UTC], topic string,
+payload binary, qos int32, retain bool, client_id string, properties map<string, string>``.
+Types are exact (``string``, never ``large_string``) so Spark takes the batches as they are.
+
+``properties`` flattens the record's MQTT 5 properties into strings: each user property
+(``0x26``) under its own name (the first value wins when a name repeats, as a map keeps one
+value per key), and each other property under ``mqtt.<name>`` in lower case
+(``mqtt.content_type``, ``mqtt.message_expiry_interval``, ...); binary values
+(correlation data) are hex. A record without properties has an empty map.
+
+Pure functions over immutable :class:`~broker.commitlog.Record` tuples: safe to call from any
+thread (the HTTP API encodes in a worker thread, off the broker's loop).
+"""
+
+from __future__ import annotations
+
+import base64
+from collections.abc import Sequence
+from typing import Any
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from broker.commitlog import Record
+from broker.mqtt.properties import PropertyId, decode_properties
+
+PROPERTIES_TYPE = pa.map_(pa.string(), pa.string())
+
+SCHEMA = pa.schema([
+    pa.field("stream", pa.string(), nullable=False),
+    pa.field("partition", pa.int32(), nullable=False),
+    pa.field("offset", pa.int64(), nullable=False),
+    pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
+    pa.field("topic", pa.string(), nullable=False),
+    pa.field("payload", pa.binary(), nullable=False),
+    pa.field("qos", pa.int32(), nullable=False),
+    pa.field("retain", pa.bool_(), nullable=False),
+    pa.field("client_id", pa.string(), nullable=False),
+    pa.field("properties", PROPERTIES_TYPE, nullable=False),
+])
+
+#: Arrow IPC stream media type (https://www.iana.org/assignments/media-types/).
+ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
+
+_NAMES: dict[int, str] = {int(pid): f"mqtt.{pid.name.lower()}" for pid in PropertyId}
+
+
+def property_pairs(blob: bytes) -> list[tuple[str, str]]:
+    """The properties of one record as ``(key, value)`` string pairs with unique keys."""
+    if not blob:
+        return []
+    out: dict[str, str] = {}
+    for pid, value in decode_properties(blob).items():
+        if pid == PropertyId.USER_PROPERTY:
+            for name, text in value:
+                out.setdefault(name, text)
+        elif isinstance(value, bytes | bytearray):
+            out.setdefault(_NAMES[pid], bytes(value).hex())
+        elif isinstance(value, list):  # subscription identifiers
+            out.setdefault(_NAMES[pid], ",".join(str(v) for v in value))
+        else:
+            out.setdefault(_NAMES[pid], str(value))
+    return list(out.items())
+
+
+def to_record_batch(stream: str, partition: int, records: Sequence[Record]) -> pa.RecordBatch:
+    """One Arrow record batch (schema :data:`SCHEMA`) holding ``records`` in order."""
+    n = len(records)
+    if n == 0:
+        return pa.record_batch([pa.array([], f.type) for f in SCHEMA], schema=SCHEMA)
+    offsets, timestamps, topics, payloads, qos, retain, client_ids, props = zip(
+        *records, strict=True)
+    millis = pa.array(timestamps, pa.int64())
+    columns = [
+        pa.array([stream] * n, pa.string()),
+        pa.array([partition] * n, pa.int32()),
+        pa.array(offsets, pa.int64()),
+        pc.multiply(millis, 1000).cast(pa.timestamp("us", tz="UTC")),
+        pa.array(topics, pa.string()),
+        pa.array(payloads, pa.binary()),
+        pa.array(qos, pa.int32()),
+        pa.array(retain, pa.bool_()),
+        pa.array(client_ids, pa.string()),
+        pa.array([property_pairs(p) if p else () for p in props], PROPERTIES_TYPE),
+    ]
+    return pa.record_batch(columns, schema=SCHEMA)
+
+
+def to_ipc_stream(batch: pa.RecordBatch) -> bytes:
+    """``batch`` as an Arrow IPC stream (schema, the batch, end-of-stream marker)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, SCHEMA) as writer:
+        if batch.num_rows:
+            writer.write_batch(batch)
+    return bytes(sink.getvalue())
+
+
+def to_json_record(stream: str, partition: int, record: Record) -> dict[str, Any]:
+    """One record as a JSON object: timestamp in epoch milliseconds, payload in base64."""
+    return {
+        "stream": stream,
+        "partition": partition,
+        "offset": record.offset,
+        "timestamp": record.timestamp,
+        "topic": record.topic,
+        "payload": base64.b64encode(record.payload).decode("ascii"),
+        "qos": record.qos,
+        "retain": record.retain,
+        "client_id": record.client_id,
+        "properties": dict(property_pairs(record.properties)),
+    }
