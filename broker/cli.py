@@ -4,6 +4,10 @@
 runs the broker; command-line values take precedence over the file. It logs one line per
 listener when ready and stops cleanly on SIGTERM / SIGINT.
 
+``mqlog spark-drain --broker URL [--stream S] --output DIR --checkpoint DIR [--once]`` drains
+streams into Parquet partitioned by date with Spark, exactly once (:mod:`spark_sink.drain`;
+PySpark is imported only by this command).
+
 ``mqlog streams [--broker URL]`` and ``mqlog offsets [--broker URL]`` ask a running broker's
 HTTP admin API (default ``http://127.0.0.1:8080``) and print tables: streams with their
 partitions and high-water marks; each persistent session's and shared group's position and lag.
@@ -180,6 +184,12 @@ def cmd_offsets(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_spark_drain(args: argparse.Namespace) -> int:
+    from spark_sink.drain import run_cli  # lazy: only this command loads PySpark
+
+    return run_cli(args)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mqlog", description="MQTT broker on a commit log")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -198,6 +208,21 @@ def build_parser() -> argparse.ArgumentParser:
         cmd.add_argument("--broker", default=DEFAULT_BROKER,
                          help=f"the broker's HTTP API (default {DEFAULT_BROKER})")
         cmd.set_defaults(func=func)
+    drain = sub.add_parser("spark-drain", help="drain streams into Parquet with Spark")
+    drain.add_argument("--broker", default=DEFAULT_BROKER,
+                       help=f"the broker's HTTP API (default {DEFAULT_BROKER})")
+    drain.add_argument("--stream", action="append",
+                       help="a stream to drain (repeatable; default: every user stream)")
+    drain.add_argument("--output", required=True, help="Parquet output directory")
+    drain.add_argument("--checkpoint", required=True, help="Spark checkpoint directory")
+    drain.add_argument("--once", action="store_true",
+                       help="drain what the broker holds now and exit (Trigger.AvailableNow)")
+    drain.add_argument("--trigger-interval", default="10 seconds",
+                       help="micro-batch interval without --once (default: 10 seconds)")
+    drain.add_argument("--max-records-per-trigger", type=int,
+                       help="at most this many records per micro-batch")
+    drain.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    drain.set_defaults(func=cmd_spark_drain)
     return parser
 
 

@@ -3,7 +3,8 @@
 The Arrow schema is the contract shared with the Spark data source (DESIGN.md "Spark"):
 ``stream string, partition int32, offset int64, timestamp timestamp[us, UTC], topic string,
 payload binary, qos int32, retain bool, client_id string, properties map<string, string>``.
-Types are exact (``string``, never ``large_string``) so Spark takes the batches as they are.
+Types are exact (``string``, never ``large_string``) and fields nullable (as Spark's schema
+declares them, though no value is ever null) so Spark takes the batches as they are.
 
 ``properties`` flattens the record's MQTT 5 properties into strings: each user property
 (``0x26``) under its own name (the first value wins when a name repeats, as a map keeps one
@@ -30,16 +31,16 @@ from broker.mqtt.properties import PropertyId, decode_properties
 PROPERTIES_TYPE = pa.map_(pa.string(), pa.string())
 
 SCHEMA = pa.schema([
-    pa.field("stream", pa.string(), nullable=False),
-    pa.field("partition", pa.int32(), nullable=False),
-    pa.field("offset", pa.int64(), nullable=False),
-    pa.field("timestamp", pa.timestamp("us", tz="UTC"), nullable=False),
-    pa.field("topic", pa.string(), nullable=False),
-    pa.field("payload", pa.binary(), nullable=False),
-    pa.field("qos", pa.int32(), nullable=False),
-    pa.field("retain", pa.bool_(), nullable=False),
-    pa.field("client_id", pa.string(), nullable=False),
-    pa.field("properties", PROPERTIES_TYPE, nullable=False),
+    pa.field("stream", pa.string()),
+    pa.field("partition", pa.int32()),
+    pa.field("offset", pa.int64()),
+    pa.field("timestamp", pa.timestamp("us", tz="UTC")),
+    pa.field("topic", pa.string()),
+    pa.field("payload", pa.binary()),
+    pa.field("qos", pa.int32()),
+    pa.field("retain", pa.bool_()),
+    pa.field("client_id", pa.string()),
+    pa.field("properties", PROPERTIES_TYPE),
 ])
 
 #: Arrow IPC stream media type (https://www.iana.org/assignments/media-types/).

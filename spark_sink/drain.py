@@ -1,0 +1,164 @@
+"""The drain job: stream a broker's records into Parquet, exactly once, partitioned by date.
+
+``mqlog spark-drain --broker URL [--stream S] --output DIR --checkpoint DIR [--once]``.
+
+A Structured Streaming query from the ``mqlog`` source (every user stream unless ``--stream``
+names some) to the Parquet file sink, partitioned by ``date`` (the record's UTC date); every
+source column is kept, so ``stream``, ``partition`` and ``offset`` identify each row.
+Exactly-once across restarts and crashes comes from the two logs in the checkpoint and the
+sink: the offsets of micro-batch N are written before it runs and its files are listed in
+``OUTPUT/_spark_metadata`` only when it commits, so a killed run re-runs batch N with the same
+offsets and readers of the sink (Spark) never see files of an uncommitted attempt. Read the
+output with ``spark.read.parquet(OUTPUT)`` (which honours ``_spark_metadata``), not by listing
+files. ``--once`` uses ``Trigger.AvailableNow``: it drains what the broker holds at start and
+exits.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from spark_sink.client import BrokerClient, MqlogSourceError
+
+if TYPE_CHECKING:
+    from pyspark.sql import SparkSession
+    from pyspark.sql.streaming import StreamingQuery
+
+#: Quiet, small-machine defaults for a local session (overridable with ``extra``).
+LOCAL_CONF = {
+    "spark.ui.enabled": "false",
+    "spark.ui.showConsoleProgress": "false",
+    "spark.sql.shuffle.partitions": "2",
+    "spark.sql.session.timeZone": "UTC",
+    "spark.driver.memory": "1g",
+    "spark.sql.sources.partitionOverwriteMode": "dynamic",
+    "spark.python.worker.reuse": "true",
+    "spark.sql.streaming.noDataMicroBatches.enabled": "false",
+}
+
+
+def java_home() -> str | None:
+    """``JAVA_HOME`` as set, or derived from the ``java`` on ``PATH``; None without Java."""
+    if os.environ.get("JAVA_HOME"):
+        return os.environ["JAVA_HOME"]
+    java = shutil.which("java")
+    if java is None:
+        return None
+    return str(Path(os.path.realpath(java)).parent.parent)
+
+
+def spark_session(master: str = "local[2]", app: str = "mqlog",
+                  extra: dict[str, str] | None = None) -> SparkSession:
+    """A SparkSession with the ``mqlog`` source registered; workers use this interpreter."""
+    home = java_home()
+    if home is None:
+        raise MqlogSourceError("Spark needs Java 17: no `java` on PATH and JAVA_HOME unset "
+                               "(Debian: apt-get install openjdk-17-jre-headless)")
+    os.environ.setdefault("JAVA_HOME", home)
+    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
+    os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
+    from pyspark.sql import SparkSession
+
+    from spark_sink import register
+
+    builder = SparkSession.builder.master(master).appName(app)
+    for key, value in {**LOCAL_CONF, **(extra or {})}.items():
+        builder = builder.config(key, value)
+    spark = builder.getOrCreate()
+    spark.sparkContext.setLogLevel("ERROR")
+    register(spark)
+    return spark
+
+
+def resolve_streams(broker: str, streams: list[str] | None) -> list[str]:
+    """The streams to drain: those given (checked to exist), else every user stream."""
+    with BrokerClient(broker) as client:
+        known = client.user_streams()
+    if not streams:
+        if not known:
+            raise MqlogSourceError(f"broker {broker} has no user streams to drain")
+        return known
+    unknown = [s for s in streams if s not in known]
+    if unknown:
+        raise MqlogSourceError(f"unknown stream(s) {', '.join(map(repr, unknown))} on broker "
+                               f"{broker}; streams: {', '.join(known) or 'none'}")
+    return streams
+
+
+def start_drain(spark: SparkSession, broker: str, output: str, checkpoint: str, *,
+                streams: list[str] | None = None, once: bool = False,
+                trigger_interval: str = "10 seconds",
+                max_records_per_trigger: int | None = None) -> StreamingQuery:
+    """Start the drain query; the caller waits on it (``awaitTermination``)."""
+    from pyspark.sql import functions as F
+
+    names = resolve_streams(broker, streams)
+    reader = (spark.readStream.format("mqlog").option("broker", broker)
+              .option("stream", ",".join(names)).option("startingOffsets", "earliest"))
+    if max_records_per_trigger is not None:
+        reader = reader.option("maxRecordsPerTrigger", str(max_records_per_trigger))
+    df = reader.load().withColumn("date", F.to_date(F.col("timestamp")))
+    writer = (df.writeStream.format("parquet").option("path", output)
+              .option("checkpointLocation", checkpoint).partitionBy("date")
+              .queryName("mqlog_drain"))
+    writer = writer.trigger(availableNow=True) if once else \
+        writer.trigger(processingTime=trigger_interval)
+    return writer.start()
+
+
+_OUR_ERROR = re.compile(r"(?:spark_sink\.\w+\.)?(?:MqlogSourceError|BrokerUnavailable|"
+                        r"UnknownStream|OffsetOutOfRange|DataLoss|OptionError): (.+)")
+
+
+def error_message(e: BaseException) -> str:
+    """The useful line of a Spark error raised by the data source: our own message when the
+    Python traceback carries one, else the error's first line."""
+    text = str(e).strip()
+    found = _OUR_ERROR.search(text)
+    if found:
+        return found.group(1).strip()
+    return text.splitlines()[0] if text else type(e).__name__
+
+
+def run_cli(args: argparse.Namespace) -> int:
+    """``mqlog spark-drain``: run the drain until it finishes (``--once``) or SIGTERM/SIGINT."""
+    try:
+        streams = resolve_streams(args.broker, args.stream)
+        spark = spark_session(master=args.master, app="mqlog-spark-drain")
+    except MqlogSourceError as e:
+        print(f"mqlog spark-drain: error: {e}", file=sys.stderr)
+        return 1
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    try:
+        query = start_drain(spark, args.broker, args.output, args.checkpoint, streams=streams,
+                            once=args.once, trigger_interval=args.trigger_interval,
+                            max_records_per_trigger=args.max_records_per_trigger)
+        print(f"mqlog spark-drain: draining {', '.join(streams)} from {args.broker} into "
+              f"{args.output}", file=sys.stderr, flush=True)
+        while query.isActive and not stop.is_set():
+            query.awaitTermination(1)
+        if query.isActive:
+            query.stop()
+        failure = query.exception()
+        if failure is not None:
+            raise failure
+        progress = query.recentProgress
+        rows = sum(p.numInputRows for p in progress)
+        print(f"mqlog spark-drain: stopped after {len(progress)} micro-batch(es), "
+              f"{rows} record(s)", file=sys.stderr, flush=True)
+        return 0
+    except Exception as e:  # Spark wraps the source's errors: show the source's message
+        print(f"mqlog spark-drain: error: {error_message(e)}", file=sys.stderr)
+        return 1
+    finally:
+        spark.stop()
