@@ -11,7 +11,9 @@ Invariants:
   retention. ``end_offset`` (log end offset) is its ``next_offset``; ``log_start_offset`` is
   the first segment's base offset;
 * a new segment is rolled before an append that would take the active segment past
-  ``segment_bytes``, or once ``segment_ms`` passed since its first append (Kafka semantics);
+  ``segment_bytes``, or once ``segment_ms`` passed on the wall clock since its first append
+  (since the open, for a segment reopened with data): record timestamps play no part, so a
+  restart alone never rolls;
 * fsync policy ``always``: append returns after fdatasync; ``interval``: the owner calls
   :meth:`flush_if_due`, and roll/close fsync; ``never``: only an explicit :meth:`flush`;
 * recovery at :meth:`open`: without the clean-shutdown marker the active segment is scanned

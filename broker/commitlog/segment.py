@@ -33,7 +33,7 @@ from pathlib import Path
 from broker.commitlog.batch import (
     BATCH_HEADER,
     BATCH_HEADER_SIZE,
-    RECORD_HEADER_SIZE,
+    MIN_BATCH_SIZE,
     decode_batch,
     decode_into,
     read_header,
@@ -64,7 +64,6 @@ READ_CHUNK_MIN = 16 * 1024
 SCAN_CHUNK = 1 << 20
 
 _OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
-_MIN_BATCH = BATCH_HEADER_SIZE + RECORD_HEADER_SIZE
 
 
 def file_name(base_offset: int, suffix: str) -> str:
@@ -118,8 +117,10 @@ class Segment:
         self.size = size
         self.next_offset = base_offset
         self.max_timestamp = -1
-        #: ms timestamp the segment_ms roll deadline counts from: creation time of a new
-        #: segment, first batch's timestamp of a reopened one.
+        #: Wall-clock ms the segment_ms roll deadline counts from: the first append to a new
+        #: segment, the open of a reopened one. Never a record timestamp: records may carry
+        #: any clock (replayed or imported data, devices), and a restart alone must not roll
+        #: (commitlog_bugs.md #2). A reopened segment thus gets a fresh segment_ms.
         self.rolling_base_ms = rolling_base_ms
         self.offset_index = OffsetIndex(self.index_path, base_offset)
         self.time_index = TimeIndex(self.timeindex_path, base_offset)
@@ -164,12 +165,10 @@ class Segment:
             if not recover:
                 try:
                     seg._load_indexes()
-                    seg._read_rolling_base(now_ms)
                     return seg, 0
                 except (CorruptIndex, CorruptRecordBatch, FileNotFoundError) as exc:
                     logger.info("%s: rebuilding indexes: %s", path, exc)
             truncated = seg.recover()
-            seg._read_rolling_base(now_ms)
         except OSError as exc:
             seg.close()
             raise LogIOError(path, "recover segment", exc) from exc
@@ -177,13 +176,6 @@ class Segment:
             seg.close()
             raise
         return seg, truncated
-
-    def _read_rolling_base(self, now_ms: int) -> None:
-        if self.size >= BATCH_HEADER_SIZE:
-            head = os.pread(self._fd, BATCH_HEADER_SIZE, 0)
-            self.rolling_base_ms = read_header(head).max_timestamp
-        else:
-            self.rolling_base_ms = now_ms
 
     def _load_indexes(self) -> None:
         """Load both indexes and verify the batches after the last offset-index entry."""
@@ -245,7 +237,7 @@ class Segment:
                 buf = os.pread(self._fd, min(avail, SCAN_CHUNK), pos)
                 buf_pos, rel = pos, 0
             length = BATCH_HEADER.unpack_from(buf, rel)[1]
-            if length < _MIN_BATCH:
+            if length < MIN_BATCH_SIZE:
                 return pos, f"batch length {length} too small"
             if length > avail:
                 return pos, f"torn batch: length {length}, {avail} bytes left in file"
@@ -343,7 +335,7 @@ class Segment:
             while buf_pos + p < end:
                 if n - p >= BATCH_HEADER_SIZE:
                     base, length, _m, _a, _r, _e, lod = unpack_header(buf, p)[:7]
-                    if length < _MIN_BATCH:
+                    if length < MIN_BATCH_SIZE:
                         raise CorruptRecordBatch(f"batch length {length} too small",
                                                  buf_pos + p, self.log_path)
                     if length <= n - p:
@@ -393,7 +385,7 @@ class Segment:
                 if len(buf) < BATCH_HEADER_SIZE:
                     raise CorruptRecordBatch("short read of a batch header", pos, self.log_path)
             length = BATCH_HEADER.unpack_from(buf, rel)[1]
-            if length < _MIN_BATCH:
+            if length < MIN_BATCH_SIZE:
                 raise CorruptRecordBatch(f"batch length {length} too small", pos, self.log_path)
             if len(buf) - rel < length:
                 buf = os.pread(self._fd, max(length, min(stop - pos, SCAN_CHUNK)), pos)

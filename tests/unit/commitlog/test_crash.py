@@ -432,11 +432,6 @@ def test_truncation_is_logged(written: Written, caplog: pytest.LogCaptureFixture
     assert any(rec.name.startswith("broker.commitlog") for rec in caplog.records)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="commitlog_bugs.md #2: a reopened segment counts segment_ms from its first record's "
-    "timestamp, a live one from the wall clock, so each restart rolls",
-)
 @pytest.mark.parametrize("image", IMAGES)
 def test_reopened_active_segment_keeps_taking_appends(tmp_path: Path, image: str) -> None:
     # Recovery hands back the same active segment: a restart alone never rolls it, whatever

@@ -21,7 +21,7 @@ from broker.commitlog import (
     Record,
     SegmentedLog,
 )
-from broker.commitlog.batch import RECORD_HEADER_SIZE
+from broker.commitlog.batch import RECORD_FIXED_SIZE
 from broker.commitlog.log import CLEAN_SHUTDOWN_FILE
 
 
@@ -86,7 +86,7 @@ def test_read_limits(tmp_path: Path) -> None:
     log = open_log(tmp_path, segment_bytes=1 << 20)
     log.append(recs(10, size=100))
     assert offsets(log.read(2, max_records=3)) == [2, 3, 4]
-    one = RECORD_HEADER_SIZE + 2 + 100  # record header, properties, payload
+    one = RECORD_FIXED_SIZE + 2 + 100  # record header, properties, payload
     assert offsets(log.read(0, max_bytes=one * 3)) == [0, 1, 2]
     assert offsets(log.read(0, max_bytes=1)) == [0]  # always at least one record
     log.append(recs(1, size=10_000))
@@ -138,6 +138,24 @@ def test_roll_by_time_with_fake_clock(tmp_path: Path) -> None:
     assert log.segments == [0]
     clock.advance(1)
     log.append(recs(1))
+    assert log.segments == [0, 2]
+    log.close()
+
+
+def test_reopened_segment_counts_segment_ms_from_the_open(tmp_path: Path) -> None:
+    # commitlog_bugs.md #2: record timestamps (here far in the past) never decide a roll; a
+    # reopened segment's age restarts at the open, on the wall clock.
+    clock = FakeClock()
+    log = open_log(tmp_path, clock, segment_bytes=1 << 20, segment_ms=60_000)
+    log.append(recs(1, ts=0))
+    log.close()
+    clock.advance(50_000)
+    log = open_log(tmp_path, clock, segment_bytes=1 << 20, segment_ms=60_000)
+    clock.advance(60_000)
+    log.append(recs(1, ts=0))
+    assert log.segments == [0]
+    clock.advance(1)
+    log.append(recs(1, ts=0))
     assert log.segments == [0, 2]
     log.close()
 
