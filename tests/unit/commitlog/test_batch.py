@@ -191,13 +191,23 @@ _records = st.lists(
         properties=st.one_of(st.just(b""), st.binary(max_size=10)),
     ),
     min_size=1,
-    max_size=30,
+    max_size=40,
 )
 
 
+def _maybe_equal_sizes(records: list[Record], equal: bool) -> list[Record]:
+    """With ``equal``, every payload gets the first one's size (decode_into's fast path)."""
+    if not equal:
+        return records
+    size = len(records[0].payload)
+    return [r._replace(payload=(r.payload * (size + 1))[:size] or bytes(size)) for r in records]
+
+
 @settings(max_examples=300, deadline=None)
-@given(records=_records, base=st.integers(0, 2**62), epoch=st.integers(0, 2**31 - 1))
-def test_round_trip_property(records: list[Record], base: int, epoch: int) -> None:
+@given(records=_records, base=st.integers(0, 2**62), epoch=st.integers(0, 2**31 - 1),
+       equal=st.booleans())
+def test_round_trip_property(records: list[Record], base: int, epoch: int, equal: bool) -> None:
+    records = _maybe_equal_sizes(records, equal)
     buf = encode_batch(base, records, leader_epoch=epoch)
     h = validate_batch(bytes(buf), 0, base)
     assert (h.base_offset, h.batch_length, h.record_count) == (base, len(buf), len(records))
@@ -211,7 +221,7 @@ def test_round_trip_property(records: list[Record], base: int, epoch: int) -> No
 
 
 @settings(max_examples=200, deadline=None)
-@given(records=_records, gaps=st.lists(st.integers(1, 1000), min_size=30, max_size=30),
+@given(records=_records, gaps=st.lists(st.integers(1, 1000), min_size=40, max_size=40),
        base=st.integers(0, 2**40))
 def test_keep_offsets_round_trip_property(records: list[Record], gaps: list[int],
                                           base: int) -> None:
@@ -239,9 +249,11 @@ def _reference_decode_into(records: list[Record], out: list[Record], min_offset:
 
 
 @settings(max_examples=400, deadline=None)
-@given(records=_records, gapped=st.booleans(), have=st.integers(0, 3), data=st.data())
-def test_decode_into_matches_reference(records: list[Record], gapped: bool, have: int,
-                                       data: st.DataObject) -> None:
+@given(records=_records, gapped=st.booleans(), equal=st.booleans(), have=st.integers(0, 3),
+       data=st.data())
+def test_decode_into_matches_reference(records: list[Record], gapped: bool, equal: bool,
+                                       have: int, data: st.DataObject) -> None:
+    records = _maybe_equal_sizes(records, equal)
     base = 100
     if gapped:
         records = [r._replace(offset=base + 3 * i) for i, r in enumerate(records)]
@@ -260,3 +272,20 @@ def test_decode_into_matches_reference(records: list[Record], gapped: bool, have
     got = decode_into(padded, 5, out, min_offset, max_records, max_bytes)
     assert got == _reference_decode_into(records, expected, min_offset, max_records, max_bytes)
     assert out == expected
+
+
+@pytest.mark.parametrize("gapped", [False, True])
+def test_decode_into_equal_size_payloads_matches_reference(gapped: bool) -> None:
+    # Batches of equal-size payloads are cut by one struct call: every window of one.
+    records = [rec(i, payload=bytes([i]) * 7, offset=100 + (5 * i if gapped else i))
+               for i in range(60)]
+    buf = bytes(encode_batch(100, records, keep_offsets=True))
+    for min_offset in (0, 101, 120, 150):
+        for max_records in (1, 17, 40, 100):
+            for max_bytes in (1, 500, 1 << 20):
+                out: list[Record] = []
+                expected: list[Record] = []
+                got = decode_into(buf, 0, out, min_offset, max_records, max_bytes)
+                assert got == _reference_decode_into(records, expected, min_offset,
+                                                     max_records, max_bytes)
+                assert out == expected
