@@ -140,6 +140,13 @@ def read_range(part: OffsetRangePartition) -> Iterator[pa.RecordBatch]:
             offset = fetched.next_offset
 
 
+def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
+    # With no ranges to read, Spark still runs one task with a placeholder partition.
+    if not isinstance(partition, OffsetRangePartition):
+        return iter(())
+    return read_range(partition)
+
+
 # ------------------------------------------------------------------------------ planning
 def _resolve(client: BrokerClient, opts: SourceOptions, stream: str,
              parts: list[PartitionOffsets], spec: str | Positions, *,
@@ -264,8 +271,7 @@ class MqlogBatchReader(DataSourceReader):
         return split_ranges(opts, ranges)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, OffsetRangePartition)
-        return read_range(partition)
+        return _read(partition)
 
 
 class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
@@ -343,8 +349,7 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return split_ranges(self.opts, ranges)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
-        assert isinstance(partition, OffsetRangePartition)
-        return read_range(partition)
+        return _read(partition)
 
     def commit(self, end: dict) -> None:
         """Nothing to release: the broker keeps records until retention, not until read."""

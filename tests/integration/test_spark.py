@@ -1,0 +1,315 @@
+"""The ``mqlog`` Spark data source and ``mqlog spark-drain`` against a real broker process,
+with a real local SparkSession (local[2]) shared by the module.
+
+One broker serves the module; each test uses its own stream (selected by topic prefix), so
+tests do not see each other's records. Offsets are checked against what was published: every
+record exactly once, in order, nothing else.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
+
+from broker.commitlog import LogConfig, Record, Streams, StreamSpec
+from spark_sink.drain import error_message, spark_session
+from tests.integration.clients import V5, Client
+from tests.integration.conftest import ROOT, BrokerProcess, free_port
+
+pytestmark = pytest.mark.spark
+
+STREAMS = "".join(
+    f'[[streams]]\nname = "{name}"\ntopic_filter = ["{name}/#"]\npartitions = {parts}\n{extra}'
+    for name, parts, extra in (
+        ("batch", 2, ""), ("flow", 2, ""), ("crash", 2, ""), ("limit", 2, ""),
+        ("old", 1, 'segment_bytes = "1KiB"\nretention = "forever"\n'),
+    ))
+OLD_RECORDS = 200
+
+Published = dict[str, list[tuple[bytes, dict[str, str]]]]  # topic -> [(payload, properties)]
+
+
+@pytest.fixture(scope="module")
+def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(tmp_path_factory.mktemp("broker"), STREAMS)
+    # Stream "old" lost its first segments to retention before the broker started.
+    small = LogConfig(segment_bytes=1024, retention_bytes=4096)
+    with Streams(b.data_dir, [StreamSpec("old", ("old/#",), 1, small)]) as streams:
+        plog = streams.log("old", 0)
+        for i in range(OLD_RECORDS):
+            plog.append([Record(0, 1_700_000_000_000 + i, "old/a", b"%d" % i)])
+        plog.enforce_retention()
+    b.start()
+    yield b
+    b.stop()
+
+
+@pytest.fixture(scope="module")
+def spark() -> Iterator[Any]:
+    os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
+    session = spark_session(extra={"spark.driver.memory": "768m",
+                                   "spark.sql.streaming.minBatchesToRetain": "5"})
+    yield session
+    session.stop()
+
+
+def publish(broker: BrokerProcess, stream: str, n: int, start: int = 0,
+            topics: int = 4, with_properties: bool = False) -> Published:
+    """``n`` QoS 1 publishes over ``topics`` topics of ``stream``, all acknowledged
+    (committed) on return; returns what was sent per topic, in order."""
+    client = Client(broker.port, f"pub-{stream}", V5)
+    assert client.connect() == 0
+    sent: Published = defaultdict(list)
+    infos = []
+    for i in range(start, start + n):
+        topic = f"{stream}/dev{i % topics}/telemetry"
+        payload = b'{"seq": %d}' % i + bytes([i % 256])
+        props = None
+        expected: dict[str, str] = {}
+        if with_properties and i % 2 == 0:
+            props = Properties(PacketTypes.PUBLISH)
+            props.UserProperty = [("seq", str(i))]
+            props.ContentType = "application/json"
+            expected = {"seq": str(i), "mqtt.content_type": "application/json"}
+        infos.append(client.paho.publish(topic, payload, 1, properties=props))
+        sent[topic].append((payload, expected))
+    for info in infos:
+        info.wait_for_publish(timeout=10)
+        assert info.is_published()
+    client.disconnect()
+    return sent
+
+
+def read(spark: Any, broker: BrokerProcess, stream: str, **options: str) -> list[Any]:
+    reader = spark.read.format("mqlog").option("broker", broker.http_url) \
+        .option("stream", stream)
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    return reader.load().orderBy("partition", "offset").collect()
+
+
+def offsets_by_partition(rows: list[Any]) -> dict[int, list[int]]:
+    out: dict[int, list[int]] = defaultdict(list)
+    for r in rows:
+        out[r["partition"]].append(r["offset"])
+    return {p: sorted(o) for p, o in out.items()}
+
+
+def assert_exactly_once(rows: list[Any], sent: Published) -> None:
+    """Every published record once, per topic in publish order, offsets without gaps."""
+    by_topic: dict[str, list[tuple[int, int, bytes]]] = defaultdict(list)
+    for r in rows:
+        by_topic[r["topic"]].append((r["partition"], r["offset"], bytes(r["payload"])))
+    assert set(by_topic) == set(sent)
+    for topic, got in by_topic.items():
+        got.sort()
+        assert [p for _, _, p in got] == [p for p, _ in sent[topic]], topic
+    for p, offs in offsets_by_partition(rows).items():
+        assert offs == list(range(len(offs))), f"partition {p}: gaps or duplicates"
+
+
+# ------------------------------------------------------------------------------ batch
+def test_batch_read_equals_what_was_published(spark: Any, broker: BrokerProcess) -> None:
+    sent = publish(broker, "batch", 120, with_properties=True)
+    rows = read(spark, broker, "batch")
+    assert len(rows) == 120
+    assert_exactly_once(rows, sent)
+    for r in rows:
+        assert r["stream"] == "batch" and r["qos"] == 1 and r["retain"] is False
+        assert r["client_id"] == "pub-batch"
+        index = [p for p, _ in sent[r["topic"]]].index(bytes(r["payload"]))
+        assert dict(r["properties"]) == sent[r["topic"]][index][1]
+    schema = spark.read.format("mqlog").option("broker", broker.http_url) \
+        .option("stream", "batch").load().schema.simpleString()
+    assert schema == ("struct<stream:string,partition:int,offset:bigint,timestamp:timestamp,"
+                      "topic:string,payload:binary,qos:int,retain:boolean,client_id:string,"
+                      "properties:map<string,string>>")
+
+    # An offset range: [5, 20) of partition 0, [3, high-water mark) of partition 1.
+    hwm = {p: len(o) for p, o in offsets_by_partition(rows).items()}
+    ranged = read(spark, broker, "batch", startingOffsets='{"0": 5, "1": 3}',
+                  endingOffsets='{"batch": {"0": 20, "1": -1}}')
+    assert offsets_by_partition(ranged) == {0: list(range(5, 20)), 1: list(range(3, hwm[1]))}
+    expected = {(r["partition"], r["offset"]): bytes(r["payload"]) for r in rows}
+    assert all(expected[(r["partition"], r["offset"])] == bytes(r["payload"]) for r in ranged)
+
+    filtered = read(spark, broker, "batch", topicFilter="batch/+/telemetry",
+                    startingOffsets="latest")
+    assert filtered == []
+    one = read(spark, broker, "batch", topicFilter="batch/dev1/#")
+    assert [bytes(r["payload"]) for r in sorted(one, key=lambda r: r["offset"])] == \
+        [p for p, _ in sent["batch/dev1/telemetry"]]
+
+    # startingTimestamp: each partition from its first record at or after the time.
+    cut = sorted(rows, key=lambda r: r["timestamp"])[60]["timestamp"]
+    ms = round(cut.timestamp() * 1000)  # naive local time, as PySpark returns timestamps
+    later = read(spark, broker, "batch", startingTimestamp=str(ms))
+    assert {(r["partition"], r["offset"]) for r in later} == \
+        {(r["partition"], r["offset"]) for r in rows if r["timestamp"] >= cut}
+
+
+def test_bad_input_gives_clear_errors(spark: Any, broker: BrokerProcess) -> None:
+    def error(**options: str) -> str:
+        stream = options.pop("stream", "batch")
+        url = options.pop("broker", broker.http_url)
+        with pytest.raises(Exception) as info:
+            reader = spark.read.format("mqlog").option("broker", url).option("stream", stream)
+            for key, value in options.items():
+                reader = reader.option(key, value)
+            reader.load().collect()
+        return error_message(info.value)
+
+    assert "no stream named 'nope'" in error(stream="nope")
+    assert "streams: " in error(stream="nope")
+    down = f"http://127.0.0.1:{free_port()}"
+    assert "cannot reach the mqlog broker's HTTP API at " + down in error(broker=down)
+    assert "is out of range: valid offsets are [0, " in error(startingOffsets='{"0": 100000}')
+    assert "names partition(s) [7]" in error(startingOffsets='{"7": 0}')
+    assert "option 'startingOffsets'" in error(startingOffsets="yesterday")
+    assert "option 'maxRecordsPerTrigger' must be > 0" in error(maxRecordsPerTrigger="0")
+    assert "not a valid MQTT topic filter" in error(topicFilter="a/#/b")
+    assert "option 'broker' must be the broker's HTTP API" in error(broker="localhost:1")
+
+
+def test_data_deleted_by_retention(spark: Any, broker: BrokerProcess) -> None:
+    """Offsets below the earliest retained one: an error naming the range, or with
+    failOnDataLoss=false the read skips forward to the earliest offset."""
+    part = next(iter(read(spark, broker, "old", startingOffsets="earliest")), None)
+    assert part is not None
+    earliest = part["offset"]
+    assert earliest > 0
+    message = ""
+    with pytest.raises(Exception) as info:
+        read(spark, broker, "old", startingOffsets='{"0": 0}')
+    message = error_message(info.value)
+    assert f"valid offsets are [{earliest}, {OLD_RECORDS}]" in message
+    assert "failOnDataLoss=false" in message
+    rows = read(spark, broker, "old", startingOffsets='{"0": 0}', failOnDataLoss="false")
+    assert [r["offset"] for r in rows] == list(range(earliest, OLD_RECORDS))
+    assert [bytes(r["payload"]) for r in rows] == [b"%d" % i for i in range(earliest,
+                                                                           OLD_RECORDS)]
+
+
+# ------------------------------------------------------------------------------ streaming
+def drain_in_process(spark: Any, broker: BrokerProcess, stream: str, out: Path,
+                     checkpoint: Path, **options: str) -> Any:
+    """One Trigger.AvailableNow run of the stream into Parquet; returns the finished query."""
+    reader = spark.readStream.format("mqlog").option("broker", broker.http_url) \
+        .option("stream", stream).option("startingOffsets", "earliest")
+    for key, value in options.items():
+        reader = reader.option(key, value)
+    query = (reader.load().writeStream.format("parquet").option("path", str(out))
+             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+    assert query.awaitTermination(120), "AvailableNow query did not finish"
+    assert query.exception() is None
+    return query
+
+
+def test_streaming_restarts_append_without_duplicates_or_gaps(
+        spark: Any, broker: BrokerProcess, tmp_path: Path) -> None:
+    out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
+    sent: Published = defaultdict(list)
+    total = 0
+    for run, n in enumerate((90, 70, 0, 40)):
+        for topic, items in publish(broker, "flow", n, start=total).items():
+            sent[topic] += items
+        total += n
+        query = drain_in_process(spark, broker, "flow", out, checkpoint)
+        new_rows = sum(p["numInputRows"] for p in query.recentProgress)
+        assert new_rows == n, f"run {run} read {new_rows} records, {n} were new"
+        rows = spark.read.parquet(str(out)).collect()
+        assert len(rows) == total
+        assert_exactly_once(rows, sent)
+
+    # A continuous query (processing-time trigger) picks up records published while it runs.
+    reader = spark.readStream.format("mqlog").option("broker", broker.http_url) \
+        .option("stream", "flow")
+    query = (reader.load().writeStream.format("parquet").option("path", str(out))
+             .option("checkpointLocation", str(checkpoint))
+             .trigger(processingTime="200 milliseconds").start())
+    try:
+        for topic, items in publish(broker, "flow", 30, start=total).items():
+            sent[topic] += items
+        total += 30
+        deadline = time.monotonic() + 60
+        while spark.read.parquet(str(out)).count() < total:
+            assert time.monotonic() < deadline, "continuous query did not catch up"
+            query.awaitTermination(1)
+    finally:
+        query.stop()
+    assert_exactly_once(spark.read.parquet(str(out)).collect(), sent)
+
+
+def test_max_records_per_trigger_bounds_each_micro_batch(
+        spark: Any, broker: BrokerProcess, tmp_path: Path) -> None:
+    sent = publish(broker, "limit", 250)
+    query = drain_in_process(spark, broker, "limit", tmp_path / "out", tmp_path / "cp",
+                             maxRecordsPerTrigger="60")
+    sizes = [p["numInputRows"] for p in query.recentProgress]
+    assert sizes == [60, 60, 60, 60, 10]
+    assert_exactly_once(spark.read.parquet(str(tmp_path / "out")).collect(), sent)
+
+
+# ------------------------------------------------------------------------------ drain job
+def drain_command(broker: BrokerProcess, out: Path, checkpoint: Path, *extra: str
+                  ) -> list[str]:
+    return [sys.executable, "-m", "broker.cli", "spark-drain", "--broker", broker.http_url,
+            "--output", str(out), "--checkpoint", str(checkpoint), *extra]
+
+
+def test_drain_survives_sigkill_mid_batch_exactly_once(
+        spark: Any, broker: BrokerProcess, tmp_path: Path) -> None:
+    """SIGKILL the drain's driver (Python and its JVM) while a micro-batch is in flight
+    (its offsets logged, its commit not), restart it: every record exactly once."""
+    sent = publish(broker, "crash", 6000)
+    out, checkpoint = tmp_path / "out", tmp_path / "cp"
+    env = {**os.environ, "SPARK_LOCAL_IP": "127.0.0.1"}
+    cmd = drain_command(broker, out, checkpoint, "--stream", "crash", "--once",
+                        "--max-records-per-trigger", "1500")
+    proc = subprocess.Popen(cmd, cwd=ROOT, env=env, start_new_session=True,
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        # Batch 1 in flight: offsets/1 written, commits/1 not yet.
+        deadline = time.monotonic() + 120
+        while not ((checkpoint / "offsets" / "1").exists()
+                   and not (checkpoint / "commits" / "1").exists()):
+            assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
+            assert time.monotonic() < deadline, "the drain never started batch 1"
+            time.sleep(0.01)
+        os.killpg(proc.pid, signal.SIGKILL)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    assert not (checkpoint / "commits" / "3").exists()  # killed before the drain finished
+    partial = spark.read.parquet(str(out)).count()
+    assert partial < 6000
+
+    done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=180)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert "stopped after" in done.stderr
+    rows = spark.read.parquet(str(out)).collect()
+    assert len(rows) == 6000
+    assert_exactly_once(rows, sent)
+    dates = {p.name for p in out.iterdir() if p.name.startswith("date=")}
+    assert dates == {f"date={r['date']}" for r in rows}
+    assert {"stream", "partition", "offset", "payload", "date"} <= set(rows[0].asDict())
+
+
+def test_drain_unknown_stream_is_a_clear_error(broker: BrokerProcess, tmp_path: Path) -> None:
+    done = subprocess.run(drain_command(broker, tmp_path / "o", tmp_path / "c", "--stream",
+                                        "nope", "--once"),
+                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 1
+    assert "unknown stream(s) 'nope'" in done.stderr and "batch" in done.stderr
