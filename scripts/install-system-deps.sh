@@ -4,6 +4,7 @@ set -euo pipefail
 need=()
 command -v mosquitto_sub >/dev/null 2>&1 || need+=(mosquitto-clients)
 command -v mosquitto >/dev/null 2>&1 || need+=(mosquitto)
+command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)  # PySpark (Spark tests)
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
         echo "missing Debian packages: ${need[*]} (run as root or install them)" >&2

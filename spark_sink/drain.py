@@ -96,12 +96,16 @@ def resolve_streams(broker: str, streams: list[str] | None) -> list[str]:
 def start_drain(spark: SparkSession, broker: str, output: str, checkpoint: str, *,
                 streams: list[str] | None = None, once: bool = False,
                 trigger_interval: str = "10 seconds",
-                max_records_per_trigger: int | None = None) -> StreamingQuery:
-    """Start the drain query; the caller waits on it (``awaitTermination``)."""
+                max_records_per_trigger: int | None = None,
+                source_format: str = "mqlog") -> StreamingQuery:
+    """Start the drain query; the caller waits on it (``awaitTermination``).
+
+    ``source_format`` names a registered data source with the ``mqlog`` options and schema
+    (the benchmark drains through a tuple-returning variant for reference)."""
     from pyspark.sql import functions as F
 
     names = resolve_streams(broker, streams)
-    reader = (spark.readStream.format("mqlog").option("broker", broker)
+    reader = (spark.readStream.format(source_format).option("broker", broker)
               .option("stream", ",".join(names)).option("startingOffsets", "earliest"))
     if max_records_per_trigger is not None:
         reader = reader.option("maxRecordsPerTrigger", str(max_records_per_trigger))
