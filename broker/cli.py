@@ -194,6 +194,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mqlog", description="MQTT broker on a commit log")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
+    sub.add_parser("bench", add_help=False,
+                   help="mqlog vs Mosquitto side by side (bench/mqtt_bench.py; see --help)")
     serve = sub.add_parser("serve", help="run the broker")
     serve.add_argument("-c", "--config", default="config/broker.toml", help="TOML config file")
     serve.add_argument("--port", type=int, help="MQTT TCP port (overrides server.port)")
@@ -226,7 +228,25 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+def cmd_bench(argv: list[str]) -> int:
+    """``mqlog bench [...]``: bench/mqtt_bench.py (a source checkout's; not in the wheel).
+
+    Imported only here: it needs numpy and matplotlib (the ``bench`` extra) and Mosquitto.
+    """
+    root = Path(__file__).resolve().parent.parent
+    if not (root / "bench" / "mqtt_bench.py").is_file():
+        print("mqlog bench: needs a source checkout (bench/mqtt_bench.py)", file=sys.stderr)
+        return 2
+    sys.path.insert(0, str(root))
+    from bench.mqtt_bench import main as bench_main
+
+    return bench_main(argv)
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["bench"]:  # its own options: `mqlog bench --help`
+        return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
                         format="%(asctime)s %(levelname)s %(name)s: %(message)s")
