@@ -8,6 +8,11 @@ listener when ready and stops cleanly on SIGTERM / SIGINT.
 streams into Parquet partitioned by date with Spark, exactly once (:mod:`spark_sink.drain`;
 PySpark is imported only by this command).
 
+``mqlog passwd FILE USER [--password P] [-D]`` adds, changes or deletes (``-D``) a user in a
+password file of scrypt hashes (like mosquitto_passwd). The password is prompted twice on a
+terminal, else read as one line from stdin (scripts); ``--password`` is visible to other
+local users in the process list, so prefer stdin.
+
 ``mqlog streams [--broker URL]`` and ``mqlog offsets [--broker URL]`` ask a running broker's
 HTTP admin API (default ``http://127.0.0.1:8080``) and print tables: streams with their
 partitions and high-water marks; each persistent session's and shared group's position and lag.
@@ -18,9 +23,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import dataclasses
+import getpass
 import logging
 import signal
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -29,6 +36,13 @@ from typing import Any
 
 import orjson
 
+from broker.auth import (
+    AuthFileError,
+    hash_password,
+    read_password_file,
+    valid_user_name,
+    write_password_file,
+)
 from broker.commitlog import CommitLogError
 from broker.config import Config, ConfigError, load_config
 from broker.server import ServeError, Server
@@ -190,6 +204,70 @@ def cmd_spark_drain(args: argparse.Namespace) -> int:
     return run_cli(args)
 
 
+class PasswdError(Exception):
+    """`mqlog passwd` cannot do what was asked; the message says why."""
+
+
+def _read_new_password(args: argparse.Namespace) -> str:
+    if args.password is not None:
+        password = str(args.password)
+    elif sys.stdin.isatty():
+        password = getpass.getpass("Password: ")
+        if getpass.getpass("Reenter password: ") != password:
+            raise PasswdError("passwords do not match")
+    else:
+        password = sys.stdin.readline().rstrip("\r\n")
+    if not password:
+        raise PasswdError("empty password")
+    if len(password.encode()) > 65535:
+        raise PasswdError("password longer than 65535 bytes (MQTT's limit)")
+    return password
+
+
+def cmd_passwd(args: argparse.Namespace) -> int:
+    path = Path(args.file)
+    user = args.user
+    if not valid_user_name(user):
+        raise PasswdError(f"invalid user name {user!r} (no ':' or white space, 1-256 chars)")
+    users = read_password_file(path) if path.exists() else {}
+    if args.delete:
+        if user not in users:
+            raise PasswdError(f"{path}: no user {user!r}")
+        del users[user]
+        write_password_file(path, users)
+        print(f"{path}: deleted {user}", file=sys.stderr)
+        return 0
+    users[user] = hash_password(_read_new_password(args))
+    write_password_file(path, users)
+    return 0
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line (orjson): ts (UTC), level, logger, msg, and exc if any."""
+
+    converter = time.gmtime  # type: ignore[assignment]  # the stub types it loosely
+
+    def format(self, record: logging.LogRecord) -> str:
+        event: dict[str, Any] = {
+            "ts": self.formatTime(record, "%Y-%m-%dT%H:%M:%S") + f".{int(record.msecs):03d}Z",
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            event["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(event).decode()
+
+
+def _configure_logging(level: str, fmt: str) -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    logging.basicConfig(level=level.upper(), handlers=[handler])
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mqlog", description="MQTT broker on a commit log")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
@@ -202,7 +280,15 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--http-port", type=int, help="HTTP port (overrides http.port)")
     serve.add_argument("--data-dir", help="log directory (overrides commitlog.data_dir)")
     serve.add_argument("--workers", type=int, help="worker processes (overrides router.workers)")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text",
+                       help="text lines, or one JSON object per line")
     serve.set_defaults(func=cmd_serve)
+    passwd = sub.add_parser("passwd", help="add, change or delete a user in a password file")
+    passwd.add_argument("file", help="password file (created if missing)")
+    passwd.add_argument("user", help="user name")
+    passwd.add_argument("-D", "--delete", action="store_true", help="delete the user")
+    passwd.add_argument("--password", help="the password (else prompted, or read from stdin)")
+    passwd.set_defaults(func=cmd_passwd)
     for name, func, text in (
             ("streams", cmd_streams, "list streams, partitions and high-water marks"),
             ("offsets", cmd_offsets, "each persistent session's position and lag")):
@@ -248,14 +334,13 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own options: `mqlog bench --help`
         return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=args.log_level.upper(), stream=sys.stderr,
-                        format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    _configure_logging(args.log_level, getattr(args, "log_format", "text"))
     try:
         return int(args.func(args))
     except (ConfigError, CommitLogError, ServeError) as e:
         log.error("%s", e)
         return 2
-    except BrokerUnreachable as e:
+    except (BrokerUnreachable, PasswdError, AuthFileError) as e:
         print(f"mqlog {args.command}: error: {e}", file=sys.stderr)
         return 1
 

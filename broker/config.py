@@ -41,6 +41,24 @@ class ConfigError(Exception):
 class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 1883
+    tls_port: int = 0                     # MQTT over TLS (8883 by convention); 0 = off
+    certfile: Path | None = None          # server certificate chain (PEM)
+    keyfile: Path | None = None           # its private key (PEM)
+    cafile: Path | None = None            # CAs that sign client certificates (PEM)
+    require_certificate: bool = False     # TLS clients must present a certificate from cafile
+    ws_port: int = 0                      # MQTT over WebSocket (8083 by convention); 0 = off
+    sys_interval: int = 10_000            # ms between $SYS/broker/... updates; 0 = off
+
+
+@dataclass(frozen=True, slots=True)
+class AuthConfig:
+    allow_anonymous: bool = True          # clients without a user name may connect
+    password_file: Path | None = None     # `mqlog passwd FILE USER`; None = names not checked
+    acl_file: Path | None = None          # mosquitto-style ACL; None = everything allowed
+    use_identity_as_username: bool = False  # TLS: the client certificate's CN is the user
+    max_failures: int = 5                 # failed logins per address within failure_window ...
+    failure_window: int = 60_000          # ms
+    lockout: int = 60_000                 # ... refuse that address for this long (ms)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,6 +99,7 @@ class Config:
     commitlog: CommitLogSettings = field(default_factory=CommitLogSettings)
     streams: tuple[StreamSpec, ...] = ()
     http: HttpConfig = field(default_factory=HttpConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
 
     def stream_specs(self) -> list[StreamSpec]:
         """User streams, plus ``default`` (from the [commitlog] defaults) unless defined."""
@@ -248,6 +267,12 @@ def _positive(value: int | None, key: str, source: str) -> int:
     return value
 
 
+def _path(sec: _Section, key: str) -> Path | None:
+    """An optional file path; "" means unset."""
+    value = sec.string(key, "")
+    return Path(value) if value else None
+
+
 _SERVER = ServerConfig()
 _HTTP = HttpConfig()
 
@@ -255,13 +280,40 @@ _HTTP = HttpConfig()
 def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
     """Build a :class:`Config` from a parsed TOML document; ``source`` names it in errors."""
     for key in data:
-        if key not in ("server", "router", "commitlog", "streams", "http"):
+        if key not in ("server", "router", "commitlog", "streams", "http", "auth"):
             raise ConfigError(f"{source}: unknown section [{key}]")
 
     s = _Section(data.get("server", {}), "server", source)
     server = ServerConfig(host=s.string("host", _SERVER.host),
-                          port=s.integer("port", _SERVER.port, hi=65535))
+                          port=s.integer("port", _SERVER.port, hi=65535),
+                          tls_port=s.integer("tls_port", _SERVER.tls_port, hi=65535),
+                          certfile=_path(s, "certfile"), keyfile=_path(s, "keyfile"),
+                          cafile=_path(s, "cafile"),
+                          require_certificate=s.boolean("require_certificate",
+                                                        _SERVER.require_certificate),
+                          ws_port=s.integer("ws_port", _SERVER.ws_port, hi=65535),
+                          sys_interval=s.duration("sys_interval", _SERVER.sys_interval) or 0)
+    if server.tls_port and (server.certfile is None or server.keyfile is None):
+        raise ConfigError(f"{source}: server.tls_port is set: server.certfile and "
+                          "server.keyfile are required")
+    if server.require_certificate and server.cafile is None:
+        raise ConfigError(f"{source}: server.require_certificate needs server.cafile "
+                          "(the CA that signs client certificates)")
     s.finish()
+
+    a = _Section(data.get("auth", {}), "auth", source)
+    da = AuthConfig()
+    auth = AuthConfig(
+        allow_anonymous=a.boolean("allow_anonymous", da.allow_anonymous),
+        password_file=_path(a, "password_file"),
+        acl_file=_path(a, "acl_file"),
+        use_identity_as_username=a.boolean("use_identity_as_username",
+                                           da.use_identity_as_username),
+        max_failures=a.integer("max_failures", da.max_failures, lo=1),
+        failure_window=a.duration("failure_window", da.failure_window) or da.failure_window,
+        lockout=a.duration("lockout", da.lockout) or 0,
+    )
+    a.finish()
 
     r = _Section(data.get("router", {}), "router", source)
     d = RouterConfig()
@@ -306,7 +358,8 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
                       host=h.string("host", _HTTP.host),
                       port=h.integer("port", _HTTP.port, hi=65535))
     h.finish()
-    return Config(server=server, router=router, commitlog=commitlog, streams=streams, http=http)
+    return Config(server=server, router=router, commitlog=commitlog, streams=streams, http=http,
+                  auth=auth)
 
 
 def load_config(path: str | os.PathLike[str]) -> Config:

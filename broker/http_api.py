@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from broker.commitlog import SegmentedLog, StreamSpec
 from broker.fetch_api import FetchApi
@@ -57,6 +58,7 @@ class HttpApi:
         self.app = web.Application()
         self.app.add_routes([
             web.get("/healthz", self.healthz),
+            web.get("/metrics", self.metrics),
             web.get(f"{API}/streams", self.streams),
             web.get(f"{API}/streams/{{stream}}/partitions", self.partitions),
             web.get(f"{API}/sessions", self.sessions),
@@ -87,7 +89,17 @@ class HttpApi:
     # ---------------------------------------------------------------- handlers
 
     async def healthz(self, request: web.Request) -> web.Response:
-        return _json({"status": "ok", **self.server.describe()})
+        """200 ``{"status": "ok", "ready": true}`` while every listener serves; 503 while
+        starting or shutting down (a load balancer stops sending clients)."""
+        info = self.server.describe()
+        if not info["ready"]:
+            return _json({"status": "unavailable", **info}, 503)
+        return _json({"status": "ok", **info})
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        """Prometheus text exposition (see broker/metrics.py)."""
+        return web.Response(body=self.server.metrics.exposition(),
+                            headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def streams(self, request: web.Request) -> web.Response:
         specs = self.server.streams.specs

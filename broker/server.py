@@ -16,12 +16,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from broker.auth import AuthFileError, AuthService
 from broker.commitlog import LogCleaner, Streams
 from broker.config import Config
 from broker.http_api import HttpApi
+from broker.metrics import BrokerCollector, Metrics
 from broker.mqtt.reason_codes import ReasonCode
 from broker.router.router import Router
+from broker.sys_topics import SYS_SPEC, SysPublisher
+from broker.tls_transport import TLSConfigError, TLSProtocol, server_context
 from broker.transport import MQTTProtocol
+from broker.ws_transport import WebSocketListener
 
 log = logging.getLogger("broker.server")
 
@@ -61,10 +66,24 @@ class Server:
         self.config = config
         self.monotonic = monotonic
         self.loop = asyncio.get_running_loop()
+        try:
+            self.auth = AuthService(config.auth, monotonic)
+            self.tls_context = (server_context(config.server) if config.server.tls_port
+                                else None)
+        except (AuthFileError, TLSConfigError) as e:
+            raise ServeError(str(e)) from None
+        self.metrics = Metrics()
+        #: True from "listening" until shutdown begins (GET /healthz answers 503 otherwise).
+        self.ready = False
         self._lock_fd = lock_data_dir(config.commitlog.data_dir)
-        self.streams = Streams(config.commitlog.data_dir, config.stream_specs(), clock=clock)
+        # $SYS topics first: their own internal stream, whatever the user's filters say.
+        self.streams = Streams(config.commitlog.data_dir, [SYS_SPEC, *config.stream_specs()],
+                               clock=clock)
         self.router = Router(self.streams, config.router, schedule=self.loop.call_soon,
                              clock=clock, monotonic=monotonic)
+        self.router.acl = self.auth.acl
+        self.router.on_sync_append = self.metrics.fsync_seconds.observe
+        self.metrics.registry.register(BrokerCollector(self))
         self.links: set[MQTTProtocol] = set()
         self._flush_pending: list[MQTTProtocol] = []
         self._listeners: list[asyncio.Server] = []
@@ -72,6 +91,10 @@ class Server:
         self._cleaner = LogCleaner(self.streams)
         #: The admin HTTP API ([http]); it logs its own "listening on http://..." line.
         self.http = HttpApi(self, config.http) if config.http.enabled else None
+        self.websocket = (WebSocketListener(self, config.server.host, config.server.ws_port)
+                          if config.server.ws_port else None)
+        self.sys = (SysPublisher(self, config.server.sys_interval / 1000)
+                    if config.server.sys_interval else None)
         self.stopped = asyncio.Event()
 
     async def start(self) -> list[str]:
@@ -86,10 +109,27 @@ class Server:
         for sock in server.sockets:
             host, port = sock.getsockname()[:2]
             ready.append(f"mqtt://{host}:{port}")
+        if self.tls_context is not None:
+            context = self.tls_context
+            tls = await self.loop.create_server(
+                lambda: TLSProtocol(self, context), cfg.host, cfg.tls_port, backlog=4096)
+            self._listeners.append(tls)
+            for sock in tls.sockets:
+                host, port = sock.getsockname()[:2]
+                ready.append(f"mqtts://{host}:{port}")
+        if self.websocket is not None:
+            ready.append(await self.websocket.start())
         self._timer = self.loop.create_task(self._run_timers())
         self._cleaner.start()
+        if self.sys is not None:
+            self.sys.start()
         if self.http is not None:
             await self.http.start()
+        auth = self.config.auth
+        log.info("auth: anonymous %s, password file %s, acl file %s",
+                 "ALLOWED" if auth.allow_anonymous else "refused",
+                 auth.password_file or "none", auth.acl_file or "none (all topics allowed)")
+        self.ready = True
         return ready
 
     def want_flush(self, link: MQTTProtocol) -> None:
@@ -113,15 +153,23 @@ class Server:
                         log.info("%s (%s): keepalive expired", link.client_id or "-", link.peer)
                         link.close(ReasonCode.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
                 self.router.tick()
+                observe = self.metrics.fsync_seconds.observe
                 for part in list(self.router.partitions.values()):
-                    part.log.flush_if_due()
+                    started = time.perf_counter()
+                    if part.log.flush_if_due():
+                        observe(time.perf_counter() - started)
             except Exception:
                 log.exception("bug in the broker timers")
 
     async def stop(self) -> None:
         """Stop accepting, close connections, persist sessions, flush and fsync the logs."""
+        self.ready = False
         for server in self._listeners:
             server.close()
+        if self.sys is not None:
+            self.sys.stop()
+        if self.websocket is not None:
+            await self.websocket.stop()
         if self.http is not None:
             await self.http.stop()
         if self._timer is not None:
@@ -136,8 +184,10 @@ class Server:
         self.streams.close()
         for server in self._listeners:
             await server.wait_closed()
+        self.auth.close()
         os.close(self._lock_fd)
         self.stopped.set()
 
     def describe(self) -> dict[str, Any]:
-        return {"connections": len(self.links), "sessions": len(self.router.sessions)}
+        return {"ready": self.ready, "connections": len(self.links),
+                "sessions": len(self.router.sessions)}

@@ -9,6 +9,12 @@ Errors are translated here and only here (CONVENTIONS habit 4): an
 :class:`~broker.mqtt.errors.MQTTError` closes this one connection with its reason code
 (a CONNACK before the session exists, a DISCONNECT for 5.0 after it, a plain close for 3.1.1);
 any other exception is a bug, logged with its traceback, and also closes just this connection.
+
+One implementation serves every listener: plain TCP uses it directly, TLS
+(:mod:`broker.tls_transport`) and WebSocket (:mod:`broker.ws_transport`) hand it a transport
+adapter that carries the same MQTT bytes. Logins (:mod:`broker.auth`) that need a password
+check run scrypt in a worker thread; packets arriving meanwhile are held and processed, in
+order, once the CONNECT is answered.
 """
 
 from __future__ import annotations
@@ -16,8 +22,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
+from broker.auth import LoginResult, PendingLogin
 from broker.mqtt.connection import ServerConnection, keepalive_expired
 from broker.mqtt.encode import encode
 from broker.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
@@ -40,7 +48,7 @@ from broker.mqtt.packets import (
     Unsubscribe,
 )
 from broker.mqtt.properties import PropertyId
-from broker.mqtt.reason_codes import ConnackReturnCode311, ReasonCode
+from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ConnackReturnCode311, ReasonCode
 from broker.router.router import TOPIC_ALIAS_MAXIMUM
 
 if TYPE_CHECKING:
@@ -52,14 +60,21 @@ log = logging.getLogger("broker.transport")
 
 #: Output bytes queued in the kernel-side transport buffer before we stop feeding a client.
 WRITE_HIGH_WATER = 1 << 20
+#: First byte of a TLS record carrying a handshake (a ClientHello), RFC 8446 s5.1.
+TLS_HANDSHAKE_BYTE = 0x16
 
 
 class MQTTProtocol(asyncio.Protocol):
     """One client connection. Implements :class:`broker.router.link.Link`."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Server, *, tls: bool = False) -> None:
         self.server = server
         self.router: Router = server.router
+        self.metrics = server.metrics
+        #: Came in over the TLS listener (then ``tls_identity`` is the certificate's CN).
+        self.tls = tls
+        self.tls_identity: str | None = None
+        self.username: str | None = None
         cfg = server.config.router
         self.conn = ServerConnection(
             max_packet_size=cfg.max_packet_size,
@@ -78,6 +93,12 @@ class MQTTProtocol(asyncio.Protocol):
         self.last_received = server.monotonic()
         self.connected_at = self.last_received
         self.peer = "?"
+        self.peer_host = "?"
+        #: A password check is running: input is held in arrival order until it ends.
+        self._authorizing = False
+        self._held: list[Packet] = []
+        self._held_data: list[bytes] = []
+        self._fresh = True  # nothing received yet (a TLS ClientHello is recognised then)
         self._out: list[bytes] = []
         self._out_bytes = 0
         self._paused = False
@@ -94,18 +115,38 @@ class MQTTProtocol(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        self.peer_host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         transport.set_write_buffer_limits(high=self._high_water)  # type: ignore[attr-defined]
         self.server.links.add(self)
+        self.metrics.connections_opened += 1
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return
         self.last_received = self.server.monotonic()
+        self.metrics.bytes_in += len(data)
+        if self._authorizing:
+            self._held_data.append(data)
+            return
+        if self._fresh:
+            self._fresh = False
+            if data[0] == TLS_HANDSHAKE_BYTE and not self.tls:
+                # 0x16 is no valid MQTT first byte (CONNECT with reserved flags 0110).
+                self._wrong_protocol()
+                return
+        self._receive(data, None)
+
+    def _receive(self, data: bytes | None, packets: list[Packet] | None) -> None:
+        """Decode ``data`` (or take already decoded ``packets``) and dispatch, in order."""
         try:
-            packets = self.conn.receive_data(data)
-            for packet in packets:
+            if packets is None:
+                packets = self.conn.receive_data(data or b"")
+            for i, packet in enumerate(packets):
                 self._handle(packet)
                 if self._closing:
+                    return
+                if self._authorizing:
+                    self._held.extend(packets[i + 1:])
                     return
         except MQTTError as e:
             self._protocol_error(e)
@@ -114,8 +155,19 @@ class MQTTProtocol(asyncio.Protocol):
                           self.client_id or "?", self.peer)
             self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
 
+    def _wrong_protocol(self) -> None:
+        tls_port = self.server.config.server.tls_port
+        hint = f"; MQTT over TLS is on port {tls_port}" if tls_port else \
+            " and this broker has no TLS listener ([server] tls_port)"
+        log.warning("%s: TLS handshake (ClientHello) on the plain MQTT port; closing%s",
+                    self.peer, hint)
+        self._closing = True
+        self._flush_and_close()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self.server.links.discard(self)
+        if self in self.server.links:
+            self.server.links.discard(self)
+            self.metrics.connections_closed += 1
         self._closing = True
         session = self.session
         if session is not None:
@@ -139,6 +191,7 @@ class MQTTProtocol(asyncio.Protocol):
         kind = type(packet)
         session = self.session
         if kind is Publish:
+            self.metrics.messages_in[packet.qos] += 1  # type: ignore[union-attr]
             self.router.publish(session, packet)  # type: ignore[arg-type]
         elif kind is PubAck:
             self.router.puback(session, packet.packet_id)  # type: ignore[arg-type, union-attr]
@@ -168,7 +221,68 @@ class MQTTProtocol(asyncio.Protocol):
 
     def _on_connect(self, packet: Connect) -> None:
         self.version = packet.protocol_level
-        result = self.router.connect(self, packet)
+        if self.version == 5 and PropertyId.AUTHENTICATION_METHOD in packet.properties:
+            # Enhanced authentication (s4.12): the router refuses the method (0x8C).
+            self._connect_router(packet)
+            return
+        decision = self.server.auth.precheck(
+            self.peer_host, packet.username, packet.password,
+            tls_identity=self.tls_identity, tls=self.tls)
+        if isinstance(decision, PendingLogin):
+            # scrypt takes tens of ms: verify in a worker thread, answer when it is done.
+            self._authorizing = True
+            future = self.server.auth.executor.submit(decision.run)
+            loop = self.server.loop
+
+            def done(f: Future[bool]) -> None:  # runs in the worker thread
+                if not loop.is_closed():
+                    loop.call_soon_threadsafe(self._login_verified, packet, decision, f)
+
+            future.add_done_callback(done)
+            return
+        self._login_decided(packet, decision)
+
+    def _login_verified(self, packet: Connect, pending: PendingLogin,
+                        future: Future[bool]) -> None:
+        """Back on the loop with the scrypt answer: finish the CONNECT, replay held input."""
+        self._authorizing = False
+        if self._closing:
+            return  # the client went away meanwhile
+        try:
+            ok = future.result()
+        except Exception:
+            log.exception("bug while verifying the password of %s (%s)",
+                          packet.username, self.peer)
+            ok = False
+        result = self.server.auth.complete(self.peer_host, pending, ok)
+        try:
+            self._login_decided(packet, result)
+        except Exception:
+            log.exception("bug while connecting %s (%s); closing that connection",
+                          packet.client_id or "?", self.peer)
+            self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
+            return
+        held, self._held = self._held, []
+        if held and not self._closing:
+            self._receive(None, held)
+        while self._held_data and not self._closing and not self._authorizing:
+            self._receive(self._held_data.pop(0), None)
+
+    def _login_decided(self, packet: Connect, result: LoginResult) -> None:
+        if result.reason:
+            log.info("%s (%s): login refused: %s (reason 0x%02X)", packet.client_id or "-",
+                     self.peer, result.message, result.reason)
+            code = (result.reason if self.version == 5
+                    else CONNACK_311_FOR_REASON.get(result.reason, 5))
+            self.send(ConnAck(False, code))
+            self._closing = True
+            self._flush_and_close()  # [MQTT-3.2.2-7]
+            return
+        self.username = result.username
+        self._connect_router(packet)
+
+    def _connect_router(self, packet: Connect) -> None:
+        result = self.router.connect(self, packet, username=self.username)
         if result is None:
             self._closing = True
             self._flush_and_close()  # refused: CONNACK sent [MQTT-3.2.2-7]
@@ -215,7 +329,9 @@ class MQTTProtocol(asyncio.Protocol):
                      packet_id: int | None, properties: dict[int, Any] | None) -> bool:
         data = self.conn.send_publish(topic, payload, qos, retain, dup, packet_id, properties)
         if data is None:
+            self.metrics.oversize_dropped += 1
             return False
+        self.metrics.messages_out[qos] += 1
         self._write(data)
         return True
 
@@ -255,7 +371,9 @@ class MQTTProtocol(asyncio.Protocol):
         transport = self.transport
         if transport is None or transport.is_closing():
             return
-        transport.write(out[0] if len(out) == 1 else b"".join(out))
+        data = out[0] if len(out) == 1 else b"".join(out)
+        self.metrics.bytes_out += len(data)
+        transport.write(data)
 
     def _flush_and_close(self) -> None:
         self.flush_output()

@@ -33,6 +33,7 @@ from typing import Any
 
 import orjson
 
+from broker.auth import Acl, Authorizer
 from broker.commitlog import OffsetOutOfRange, Record, Streams
 from broker.config import RouterConfig
 from broker.mqtt.errors import ProtocolError, TopicFilterInvalid
@@ -108,6 +109,15 @@ class Router:
         #: Sessions to write to $sessions before this flush's acknowledgements go out.
         self._persist_due: dict[str, Session] = {}
         self.dropped = 0  # QoS 0 records skipped by the slow-subscriber policy
+        #: The ACL ([auth] acl_file); None allows everything. Set by the server.
+        self.acl: Acl | None = None
+        #: Per client id: its resolved ACL, from CONNECT until its session ends.
+        self._authz: dict[str, Authorizer] = {}
+        self.acl_denied = 0       # PUBLISHes dropped and subscriptions refused by the ACL
+        self.log_appends = 0      # batches appended (one write each)
+        self.records_appended = 0
+        #: Called with the seconds an fsync=always append (write + fdatasync) took.
+        self.on_sync_append: Callable[[float], None] | None = None
         self._load_retained()
         self._load_sessions()
 
@@ -125,8 +135,8 @@ class Router:
             return [self.streams.partition_for(plain)]
         keys: list[PartitionKey] = []
         for spec in self.streams.specs.values():
-            if spec.name.startswith("$"):
-                continue
+            if spec.name.startswith("$") and not spec.topic_filters:
+                continue  # compacted broker state ($retained, $sessions), not messages
             if spec.name == "default" or any(filters_overlap(f, plain)
                                              for f in spec.topic_filters):
                 keys.extend((spec.name, p) for p in range(spec.partitions))
@@ -150,8 +160,15 @@ class Router:
         while self._dirty:
             dirty, self._dirty = self._dirty, {}
             for key, part in dirty.items():
+                self.log_appends += 1
+                self.records_appended += len(part.pending)
                 try:
-                    part.commit()
+                    if self.on_sync_append is not None and part.log.config.fsync == "always":
+                        started = time.perf_counter()
+                        part.commit()
+                        self.on_sync_append(time.perf_counter() - started)
+                    else:
+                        part.commit()
                 except Exception:
                     log.exception("append to %s/%d failed; its publishers get an error", *key)
                     continue
@@ -189,8 +206,12 @@ class Router:
 
     # ================================================================ connect
 
-    def connect(self, link: Link, packet: Connect) -> tuple[Session, int] | None:
+    def connect(self, link: Link, packet: Connect,
+                username: str | None = None) -> tuple[Session, int] | None:
         """Handle CONNECT: answer CONNACK, resume or create the session.
+
+        ``username`` is the authenticated identity (the transport checked the password or
+        took the TLS certificate's CN); it selects the client's ACL rules.
 
         Returns the session and the keepalive to enforce, or None when refused (the CONNACK
         with the reason was sent and the link should close) [MQTT-3.2.2-7].
@@ -251,6 +272,10 @@ class Router:
         session.dirty = session.persistent
         link.client_id = client_id
         self.connections += 1
+        if self.acl is not None:
+            self._authz[client_id] = Authorizer(self.acl.rules_for(username, client_id))
+            for consumer in session.consumers.values():
+                consumer.match_cache.clear()  # read rights may differ from the last login
 
         keepalive = packet.keepalive
         if keepalive > cfg.keepalive_max or (keepalive < cfg.keepalive_min and version == 5):
@@ -323,6 +348,9 @@ class Router:
         session.will_due = None
         if will is None:
             return
+        if not self._may_publish(session.client_id, will.topic):
+            log.info("%s: will to %r dropped: not authorized", session.client_id, will.topic)
+            return
         props = {k: v for k, v in will.properties.items() if k != PropertyId.WILL_DELAY_INTERVAL}
         self._store_publish(session.client_id, will.topic, will.payload, will.qos, will.retain,
                             props, None)
@@ -341,6 +369,7 @@ class Router:
                     part.watchers.discard(("s", session.client_id, consumer.name))
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+            self._authz.pop(session.client_id, None)
         if session.persistent or session.dirty:
             self._enqueue(Record(-1, self._now_ms(), session.client_id, b""), None, _SESSIONS)
 
@@ -369,6 +398,9 @@ class Router:
         pid = packet.packet_id
         link = session.link
         assert link is not None
+        if not self._may_publish(session.client_id, packet.topic):
+            self._deny_publish(session, link, packet)
+            return
         if qos == 2 and pid in session.incoming_qos2:
             # A resend of a QoS 2 message we already stored: acknowledge, do not store again
             # [MQTT-4.3.3-9]; if it is still being appended, its PUBREC follows the append.
@@ -387,6 +419,35 @@ class Router:
             ack = _Ack(self, session, link, PubRec, pid)  # type: ignore[arg-type]
         self._store_publish(session.client_id, packet.topic, packet.payload, qos, packet.retain,
                             packet.properties, ack)
+
+    def _may_publish(self, client_id: str, topic: str) -> bool:
+        """Clients never write ``$SYS/...`` (the broker's own); else the ACL decides.
+        A session restored from the log after a restart has no login yet: anonymous rules."""
+        if topic.startswith("$SYS/"):
+            return False
+        if self.acl is None:
+            return True
+        authz = self._authz.get(client_id)
+        if authz is None:
+            authz = self._authz[client_id] = Authorizer(self.acl.rules_for(None, client_id))
+        return authz.can_write(topic)
+
+    def _deny_publish(self, session: Session, link: Link, packet: Publish) -> None:
+        """A PUBLISH the client may not make is not stored. 5.0 tells it (0x87, s3.4.2.1);
+        3.1.1 has no negative ack, so it is acknowledged as usual, as mosquitto does."""
+        self.acl_denied += 1
+        log.info("%s: PUBLISH to %r denied by the ACL", session.client_id, packet.topic)
+        code = ReasonCode.NOT_AUTHORIZED if session.version == 5 else 0
+        if packet.qos == 1:
+            link.send(PubAck(packet.packet_id, code))  # type: ignore[arg-type]
+        elif packet.qos == 2:
+            # 3.1.1: the PUBREL that follows finds no stored id and gets its PUBCOMP.
+            link.send(PubRec(packet.packet_id, code))  # type: ignore[arg-type]
+
+    def publish_broker(self, topic: str, payload: bytes) -> None:
+        """A retained QoS 0 message of the broker itself (``$SYS/...``), stored and
+        delivered like a client's."""
+        self._store_publish("", topic, payload, 0, True, {}, None)
 
     def _store_publish(self, client_id: str, topic: str, payload: bytes, qos: int,
                        retain: bool, properties: dict[int, Any],
@@ -480,6 +541,8 @@ class Router:
         if is_replay(full):
             start, plain = parse_replay(full, self._now_ms())
             self._check_levels(plain)
+            if not self._may_subscribe(session, full, plain):
+                return self._denied_code(session)
             sub.topic_filter = plain
             consumer = Consumer(full, annotate=True)
             consumer.subscriptions[plain] = sub
@@ -492,6 +555,8 @@ class Router:
         validate_topic_filter(full)
         group, plain = parse_shared(full)
         self._check_levels(plain)
+        if not self._may_subscribe(session, full, plain):
+            return self._denied_code(session)
         if group is not None:
             if req.no_local:
                 raise ProtocolError("no local on a shared subscription [MQTT-3.8.3-4]")
@@ -511,6 +576,21 @@ class Router:
         if req.retain_handling == 0 or (req.retain_handling == 1 and not existed):
             self._queue_retained(session, sub)
         return req.qos
+
+    def _may_subscribe(self, session: Session, full: str, plain: str) -> bool:
+        """The ACL on the filter itself: after ``$replay/<from>/`` or ``$share/<group>/``."""
+        if self.acl is None:
+            return True
+        authz = self._authz.get(session.client_id)
+        if authz is not None and authz.can_subscribe(plain):
+            return True
+        self.acl_denied += 1
+        log.info("%s: SUBSCRIBE %r denied by the ACL", session.client_id, full)
+        return False
+
+    @staticmethod
+    def _denied_code(session: Session) -> int:
+        return ReasonCode.NOT_AUTHORIZED if session.version == 5 else 0x80  # [MQTT-3.9.3-1]
 
     def _check_levels(self, plain: str) -> None:
         """``max_topic_levels`` applies to the filter itself, not a $share/$replay prefix."""
@@ -534,8 +614,10 @@ class Router:
         return max(plog.offset_for_time(start.timestamp_ms), first)
 
     def _queue_retained(self, session: Session, sub: Subscription) -> None:
+        authz = self._authz.get(session.client_id) if self.acl is not None else None
         for topic, rec in self.retained.items():
-            if topic_matches(sub.topic_filter, topic):
+            if topic_matches(sub.topic_filter, topic) and (
+                    authz is None or authz.can_read(topic)):
                 ids = [sub.identifier] if sub.identifier else []
                 session.pending_retained.append((rec.offset, min(rec.qos, sub.qos), ids))
 
@@ -746,6 +828,8 @@ class Router:
         quota = min(session.receive_maximum, self.config.max_inflight)
         inflight = session.inflight
         annotate = consumer.annotate
+        # A deny rule that only overlaps a subscription applies per topic (cached with it).
+        authz = self._authz.get(client_id) if self.acl is not None else None
         while cursor < end:
             if not link.can_write():
                 break
@@ -759,7 +843,10 @@ class Router:
                 topic = rec.topic
                 match = cache.get(topic, _MISS)
                 if match is _MISS:
-                    match = cache[topic] = self._match(consumer, topic)
+                    match = self._match(consumer, topic)
+                    if match is not None and authz is not None and not authz.can_read(topic):
+                        match = None
+                    cache[topic] = match
                     if len(cache) > 10_000:
                         cache.clear()
                 if match is None:

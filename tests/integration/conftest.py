@@ -30,7 +30,8 @@ def free_port() -> int:
 class BrokerProcess:
     """A broker child process; restartable on the same port and data directory."""
 
-    def __init__(self, tmp: Path, config: str = "", fsync: str = "interval") -> None:
+    def __init__(self, tmp: Path, config: str = "", fsync: str = "interval",
+                 server: str = "") -> None:
         self.host = "127.0.0.1"
         self.port = free_port()
         self.http_port = free_port()  # [http] admin API; its own port so brokers never clash
@@ -38,7 +39,7 @@ class BrokerProcess:
         self.data_dir = tmp / "data"
         self.config_path = tmp / "broker.toml"
         self.config_path.write_text(
-            f'[server]\nhost = "127.0.0.1"\nport = {self.port}\n'
+            f'[server]\nhost = "127.0.0.1"\nport = {self.port}\n{server}'
             f'[commitlog]\ndata_dir = "{self.data_dir}"\nfsync = "{fsync}"\n'
             f'[http]\nhost = "127.0.0.1"\nport = {self.http_port}\n' + config
         )
@@ -104,11 +105,13 @@ BrokerFactory = Callable[..., BrokerProcess]
 
 @pytest.fixture
 def broker_factory(tmp_path: Path) -> Iterator[BrokerFactory]:
-    """``broker_factory(config="extra toml", fsync="always", start=True)``."""
+    """``broker_factory(config="extra toml", fsync="always", start=True, server="...")``;
+    ``server`` adds keys to the [server] section (which holds host and port already)."""
     started: list[BrokerProcess] = []
 
-    def make(config: str = "", fsync: str = "interval", start: bool = True) -> BrokerProcess:
-        b = BrokerProcess(tmp_path / f"b{len(started)}", config, fsync)
+    def make(config: str = "", fsync: str = "interval", start: bool = True,
+             server: str = "") -> BrokerProcess:
+        b = BrokerProcess(tmp_path / f"b{len(started)}", config, fsync, server)
         started.append(b)
         if start:
             b.start()

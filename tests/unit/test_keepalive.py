@@ -11,7 +11,9 @@ from typing import Any
 
 import pytest
 
+from broker.auth import AuthService
 from broker.config import Config, RouterConfig
+from broker.metrics import Metrics
 from broker.mqtt.connection import keepalive_expired
 from broker.transport import MQTTProtocol
 
@@ -28,7 +30,7 @@ class FakeRouter:
     def __init__(self) -> None:
         self.connects: list[Any] = []
 
-    def connect(self, link: Any, packet: Any) -> tuple[object, int]:
+    def connect(self, link: Any, packet: Any, username: str | None = None) -> tuple[object, int]:
         self.connects.append(packet)
         return object(), packet.keepalive
 
@@ -39,6 +41,8 @@ class FakeServer:
         self.config = Config(router=dataclasses.replace(RouterConfig(),
                                                         connect_timeout=connect_timeout))
         self.router = FakeRouter()
+        self.metrics = Metrics()
+        self.auth = AuthService(self.config.auth, clock)  # anonymous: no thread needed
         self.links: set[Any] = set()
         self.flushed: list[Any] = []
 

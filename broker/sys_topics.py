@@ -1,0 +1,109 @@
+"""The usual ``$SYS/broker/...`` topics, published by the broker itself as retained messages.
+
+Every ``[server] sys_interval`` the values below are computed; those that changed since the
+last round (and the uptime, always) are published through the router like any message, so
+they are in the log (the internal stream ``$sys``), retained, and delivered to subscribers of
+``$SYS/#`` (a ``#`` filter does not match them [MQTT-4.7.2-1]). Clients cannot publish to
+``$SYS/`` themselves.
+
+===================================  ==============================================
+``$SYS/broker/version``              ``mqlog <version>``
+``$SYS/broker/uptime``               ``<seconds> seconds``
+``$SYS/broker/clients/connected``    clients with an accepted CONNECT
+``$SYS/broker/clients/total``        sessions, connected or persistent offline
+``$SYS/broker/messages/received``    PUBLISH packets received from clients
+``$SYS/broker/messages/sent``        PUBLISH packets sent to clients
+``$SYS/broker/messages/dropped``     not stored (ACL) or not delivered (slow, oversize)
+``$SYS/broker/bytes/received``       bytes received from clients
+``$SYS/broker/bytes/sent``           bytes sent to clients
+``$SYS/broker/subscriptions/count``  subscriptions over all sessions
+``$SYS/broker/retained messages/count``  retained messages
+===================================  ==============================================
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from importlib import metadata
+from typing import TYPE_CHECKING
+
+from broker.commitlog import LogConfig, StreamSpec
+from broker.metrics import count_subscriptions
+
+if TYPE_CHECKING:
+    from broker.server import Server
+
+log = logging.getLogger("broker.sys")
+
+PREFIX = "$SYS/broker/"
+#: The internal stream ``$SYS/...`` topics are written to, kept out of the user's streams:
+#: small segments, an hour of history, no fsync (the values are recomputed anyway).
+SYS_STREAM = "$sys"
+SYS_SPEC = StreamSpec(SYS_STREAM, ("$SYS/#",), 1,
+                      LogConfig(segment_bytes=1 << 20, segment_ms=3_600_000,
+                                retention_ms=3_600_000, fsync="never"))
+
+
+def broker_version() -> str:
+    try:
+        return metadata.version("mqlog")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def sys_values(server: Server) -> dict[str, str]:
+    m = server.metrics
+    router = server.router
+    return {
+        "version": f"mqlog {broker_version()}",
+        "uptime": f"{int(time.time() - m.started)} seconds",
+        "clients/connected": str(router.connections),
+        "clients/total": str(len(router.sessions)),
+        "messages/received": str(sum(m.messages_in)),
+        "messages/sent": str(sum(m.messages_out)),
+        "messages/dropped": str(router.dropped + router.acl_denied + m.oversize_dropped),
+        "bytes/received": str(m.bytes_in),
+        "bytes/sent": str(m.bytes_out),
+        "subscriptions/count": str(count_subscriptions(server)),
+        "retained messages/count": str(len(router.retained)),
+    }
+
+
+class SysPublisher:
+    """Publishes changed ``$SYS`` values every ``interval`` seconds while started."""
+
+    def __init__(self, server: Server, interval: float) -> None:
+        self.server = server
+        self.interval = interval
+        self._last: dict[str, str] = {}
+        self._task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.publish_once()
+        self._task = self.server.loop.create_task(self._run())
+
+    def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            self._task = None
+
+    def publish_once(self) -> int:
+        """Publish what changed; returns how many topics were published."""
+        published = 0
+        for name, value in sys_values(self.server).items():
+            if self._last.get(name) == value and name != "uptime":
+                continue
+            self._last[name] = value
+            self.server.router.publish_broker(PREFIX + name, value.encode())
+            published += 1
+        return published
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(self.interval)
+            try:
+                self.publish_once()
+            except Exception:
+                log.exception("bug while publishing $SYS topics")
