@@ -76,8 +76,8 @@ def to_record_batch(stream: str, partition: int, records: Sequence[Record]) -> p
         *records, strict=True)
     millis = pa.array(timestamps, pa.int64())
     columns = [
-        pa.array([stream] * n, pa.string()),
-        pa.array([partition] * n, pa.int32()),
+        pa.repeat(pa.scalar(stream, pa.string()), n),
+        pa.repeat(pa.scalar(partition, pa.int32()), n),
         pa.array(offsets, pa.int64()),
         pc.multiply(millis, 1000).cast(pa.timestamp("us", tz="UTC")),
         pa.array(topics, pa.string()),
@@ -85,9 +85,19 @@ def to_record_batch(stream: str, partition: int, records: Sequence[Record]) -> p
         pa.array(qos, pa.int32()),
         pa.array(retain, pa.bool_()),
         pa.array(client_ids, pa.string()),
-        pa.array([property_pairs(p) if p else () for p in props], PROPERTIES_TYPE),
+        _properties_column(props),
     ]
     return pa.record_batch(columns, schema=SCHEMA)
+
+
+def _properties_column(blobs: Sequence[bytes]) -> pa.Array:
+    if not any(blobs):  # the common case (MQTT 3.1.1 telemetry): n empty maps, built directly
+        return pa.MapArray.from_arrays(pa.repeat(pa.scalar(0, pa.int32()), len(blobs) + 1),
+                                       _NO_STRINGS, _NO_STRINGS)
+    return pa.array([property_pairs(p) if p else () for p in blobs], PROPERTIES_TYPE)
+
+
+_NO_STRINGS = pa.array([], pa.string())
 
 
 def to_ipc_stream(batch: pa.RecordBatch) -> bytes:

@@ -42,6 +42,9 @@ LOCAL_CONF = {
     "spark.sql.sources.partitionOverwriteMode": "dynamic",
     "spark.python.worker.reuse": "true",
     "spark.sql.streaming.noDataMicroBatches.enabled": "false",
+    # The file sink writes up to this many date partitions at once per task instead of
+    # sorting every micro-batch by date first (a batch spans one or two dates).
+    "spark.sql.maxConcurrentOutputWriters": "4",
 }
 
 

@@ -344,6 +344,11 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
 
     def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
         begin, stop = from_spark(start), from_spark(end)
+        if any(p not in begin.get(s, {}) for s, parts in stop.items() for p in parts):
+            # A partition new since the previous batch starts where latestOffset started it.
+            for stream, current in self._partitions().items():
+                for p in current:
+                    begin.setdefault(stream, {}).setdefault(p.partition, p.earliest_offset)
         ranges = [(stream, p, begin.get(stream, {}).get(p, 0), o)
                   for stream, parts in stop.items() for p, o in sorted(parts.items())]
         return split_ranges(self.opts, ranges)
