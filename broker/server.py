@@ -168,8 +168,6 @@ class Server:
             server.close()
         if self.sys is not None:
             self.sys.stop()
-        if self.websocket is not None:
-            await self.websocket.stop()
         if self.http is not None:
             await self.http.stop()
         if self._timer is not None:
@@ -177,6 +175,9 @@ class Server:
         for link in list(self.links):
             link.close(ReasonCode.SERVER_SHUTTING_DOWN, "server shutting down")
         self._flush_links()
+        if self.websocket is not None:
+            # After the DISCONNECTs above were queued: each WebSocket sends its own and closes.
+            await self.websocket.stop()
         await asyncio.sleep(0)  # let connection_lost callbacks run
         self._cleaner.stop()
         self.router.close()

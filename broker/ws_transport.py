@@ -30,6 +30,8 @@ log = logging.getLogger("broker.websocket")
 #: Subprotocol a client must offer and the server selects [MQTT-6.0.0-3], [MQTT-6.0.0-4].
 SUBPROTOCOL = "mqtt"
 PATHS = ("/mqtt", "/")
+#: How long a shutdown waits for WebSocket clients to finish the closing handshake.
+SHUTDOWN_SECONDS = 5.0
 
 
 class WebSocketCarrier(Carrier):
@@ -102,7 +104,8 @@ class WebSocketListener:
         self._sockets: set[web.WebSocketResponse] = set()
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
+        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
+                                     shutdown_timeout=SHUTDOWN_SECONDS)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
         await site.start()

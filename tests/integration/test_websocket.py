@@ -119,3 +119,14 @@ async def _plain_get(port: int) -> int:
 def test_plain_http_request_is_refused(broker_factory: BrokerFactory) -> None:
     _, port = ws_broker(broker_factory)
     assert asyncio.run(_plain_get(port)) == 400
+
+
+def test_shutdown_disconnects_websocket_clients(broker_factory: BrokerFactory) -> None:
+    broker, port = ws_broker(broker_factory)
+    c = ws_client(port, "ws-bye", V5)
+    assert c.connect() == 0
+    started = time.monotonic()
+    assert broker.stop() == 0
+    assert time.monotonic() - started < 5, "the WebSocket did not hold the shutdown"
+    assert c.disconnects.get(timeout=5) == 0x8B, "server shutting down"
+    c.paho.loop_stop()
