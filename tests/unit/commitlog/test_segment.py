@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 import logging
 import os
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -151,3 +152,48 @@ def test_delete_removes_all_files(tmp_path: Path) -> None:
     seg.persist_indexes(fsync=False)
     seg.delete()
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("policy", ["interval", "never"])
+def test_interval_policy_starts_writeback_every_writeback_bytes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str
+) -> None:
+    from broker.commitlog import segment as segment_module
+
+    calls: list[tuple[int, int, int]] = []
+
+    def record(fd: int, start: int, length: int, flags: int) -> int:
+        assert flags == 2  # SYNC_FILE_RANGE_WRITE: start the writes, do not wait
+        calls.append((fd, start, length))
+        return 0
+
+    monkeypatch.setattr(segment_module, "WRITEBACK_BYTES", 1000)
+    monkeypatch.setattr(segment_module, "_sync_file_range", record)
+    config = LogConfig(fsync=policy)  # type: ignore[arg-type]
+    seg = Segment.create(tmp_path, 0, config, now_ms=0)
+    size = len(batch(0, 4))
+    for i in range(12):
+        seg.append(batch(4 * i, 4), fsync=False)
+    if policy == "never":
+        assert calls == []
+    else:
+        # Contiguous ranges from 0, each at least WRITEBACK_BYTES, none past the data.
+        assert calls and calls[0][1] == 0
+        assert all(start == prev + length for (_fd, prev, length), (_f, start, _l)
+                   in pairwise(calls))
+        assert all(length >= 1000 for _fd, _start, length in calls)
+        assert calls[-1][1] + calls[-1][2] <= seg.size == 12 * size
+        seg.flush()  # everything is synced: the next range starts at the end
+        seg.append(batch(48, 4), fsync=False)
+        end = seg.size
+        while seg.size - end < 1000:
+            seg.append(batch(seg.next_offset, 4), fsync=False)
+        assert calls[-1][1] == 12 * size
+    seg.close()
+
+
+def test_writeback_hint_is_available_on_linux() -> None:
+    from broker.commitlog import segment as segment_module
+
+    if os.uname().sysname == "Linux":
+        assert segment_module._sync_file_range is not None
