@@ -115,7 +115,7 @@ class Broker:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGINT if self.name == "mqlog" else signal.SIGTERM)
+            self.proc.send_signal(signal.SIGINT if isinstance(self, Mqlog) else signal.SIGTERM)
             try:
                 self.proc.wait(30)
             except subprocess.TimeoutExpired:
@@ -126,19 +126,23 @@ class Broker:
 class Mqlog(Broker):
     name = "mqlog"
 
-    def __init__(self, tmp: Path, profile: Path | None = None) -> None:
+    def __init__(self, tmp: Path, profile: Path | None = None, src: Path = REPO,
+                 name: str = "mqlog") -> None:
         super().__init__(tmp)
         self.profile = profile
+        self.src = src
+        self.name = name
 
     def start(self) -> None:
-        data = self.tmp / "mqlog-data"
+        data = self.tmp / f"{self.name}-data"
         cmd = [sys.executable, "-m", "broker.cli", "--log-level", "WARNING", "serve",
-               "-c", str(REPO / "config" / "broker.toml"), "--port", str(self.port),
+               "-c", str(self.src / "config" / "broker.toml"), "--port", str(self.port),
                "--http-port", str(free_port()), "--data-dir", str(data)]
         if self.profile is not None:
             spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
             cmd = [spy, "record", "-r", "250", "-f", "raw", "-o", str(self.profile), "--", *cmd]
-        self.proc = subprocess.Popen(cmd, cwd=REPO)
+        env = {**os.environ, "PYTHONPATH": str(self.src)}
+        self.proc = subprocess.Popen(cmd, cwd=self.src, env=env)
         wait_port(self.port, self.proc)
         self.pid = self.proc.pid
         if self.profile is not None:  # the broker is py-spy's child
@@ -388,20 +392,20 @@ def replay(broker: Broker, quick: bool, tag: str, run: int) -> list[Figure]:
     prefix = f"replay{run % 10}"
     wild = f"{prefix}/+/telemetry"
     sub_id = f"{tag}-replayer"
-    if broker.name == "mosquitto":
-        _persistent_subscribe(broker.port, sub_id, wild)
+    if isinstance(broker, Mosquitto):
+        _persistent_subscribe(broker.port, f"{sub_id}-0", wild)  # the id the sub role uses
     pubs = [{"role": "pub", "id": f"{tag}-load{i}", "first": first, "count": count, "qos": 1,
              "prefix": prefix, "n": total // n_pubs, "mode": "window", "window": 100}
             for i, (first, count) in enumerate(split(n_pubs, 2))]
     load = run_load(broker, [], pubs)
     figs = []
-    for qos in (1, 0) if broker.name == "mqlog" else (1,):
+    for qos in (1, 0) if isinstance(broker, Mqlog) else (1,):
         spec: dict[str, Any]
-        if broker.name == "mqlog":
+        if isinstance(broker, Mqlog):
             spec = {"filter": f"$replay/earliest/{wild}", "sub_qos": qos, "clean": True}
         else:
             spec = {"filter": None, "sub_qos": 1, "clean": False}
-        subs = [{"role": "sub", "id": sub_id if broker.name == "mosquitto"
+        subs = [{"role": "sub", "id": sub_id if isinstance(broker, Mosquitto)
                  else f"{sub_id}{qos}", "count": 1, "qos": qos, "n_pubs": n_pubs,
                  "connect_on_go": True, **spec}]
         m = run_load(broker, subs, [], expected=load["acked"])
@@ -523,7 +527,7 @@ LOWER_BETTER = {"fleet", "fleet_p50", "fleet_p99", "fleet_rss", "storm_mem", "la
 
 
 def run_scenario(name: str, broker: Broker, quick: bool, run: int) -> list[Figure]:
-    tag = f"{name}-r{run}-{broker.name[:4]}"
+    tag = f"{name}-r{run}-{broker.name}"
     if name in ("fanin0", "fanin1"):
         return [fanin(broker, int(name[-1]), quick, tag)]
     if name in ("fanout0", "fanout1"):
@@ -550,6 +554,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--brokers", default="mqlog,mosquitto")
     ap.add_argument("--profile", help="run mqlog under py-spy, raw samples to this file")
     ap.add_argument("--chart", help="PNG path (default bench/results/mqtt_bench.png)")
+    ap.add_argument("--baseline", metavar="DIR",
+                    help="also run the mqlog of another checkout (as mqlog-base), for A/B")
     args = ap.parse_args(argv)
     scenarios = [s for s in args.scenario.split(",") if s]
     for s in scenarios:
@@ -564,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
         brokers.append(Mqlog(tmp, Path(args.profile).resolve() if args.profile else None))
     if "mosquitto" in names:
         brokers.append(Mosquitto(tmp))
+    if args.baseline:
+        brokers.append(Mqlog(tmp, src=Path(args.baseline).resolve(), name="mqlog-base"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
     print(f"# {started}  load {load_avg()}  cpus {os.cpu_count()}  quick={args.quick} "
           f"runs={args.runs}", flush=True)

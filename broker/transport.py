@@ -102,6 +102,7 @@ class MQTTProtocol(asyncio.Protocol):
         self._out: list[bytes] = []
         self._out_bytes = 0
         self._paused = False
+        self._acked = False
         self._closing = False
         self._graceful = False
         self._high_water = min(cfg.max_queued_bytes, WRITE_HIGH_WATER)
@@ -148,6 +149,11 @@ class MQTTProtocol(asyncio.Protocol):
                 if self._authorizing:
                     self._held.extend(packets[i + 1:])
                     return
+            if self._acked:
+                # One pump for all the PUBACKs of this read, not one per PUBACK.
+                self._acked = False
+                if self.session is not None:
+                    self.router._pump_session(self.session)
         except MQTTError as e:
             self._protocol_error(e)
         except Exception:
@@ -194,7 +200,9 @@ class MQTTProtocol(asyncio.Protocol):
             self.metrics.messages_in[packet.qos] += 1  # type: ignore[union-attr]
             self.router.publish(session, packet)  # type: ignore[arg-type]
         elif kind is PubAck:
-            self.router.puback(session, packet.packet_id)  # type: ignore[arg-type, union-attr]
+            self.router.puback(session, packet.packet_id,  # type: ignore[arg-type, union-attr]
+                               pump=False)
+            self._acked = True  # the freed quota is used once per read, in _receive
         elif kind is PubRec:
             self.router.pubrec(session, packet.packet_id,  # type: ignore[arg-type, union-attr]
                                packet.reason_code)  # type: ignore[union-attr]
@@ -366,6 +374,7 @@ class MQTTProtocol(asyncio.Protocol):
         out = self._out
         if not out:
             return
+        full = self._out_bytes >= self._high_water
         self._out = []
         self._out_bytes = 0
         transport = self.transport
@@ -374,6 +383,11 @@ class MQTTProtocol(asyncio.Protocol):
         data = out[0] if len(out) == 1 else b"".join(out)
         self.metrics.bytes_out += len(data)
         transport.write(data)
+        if full and not self._paused and self.session is not None and not self._closing:
+            # The router stopped feeding this client because this iteration's output reached
+            # the high-water mark (can_write), not because the socket is full: nothing else
+            # would wake it (no resume_writing), so it reads on now.
+            self.router._pump_session(self.session)
 
     def _flush_and_close(self) -> None:
         self.flush_output()

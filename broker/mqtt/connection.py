@@ -37,6 +37,13 @@ from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import validate_topic_name
 
 #: Packets a client may send to a server (s2.1.2 "Direction of flow").
+#: QoS 0 PUBLISH bytes shared by every connection (same topic, payload, retain flag and
+#: protocol level -> same bytes): a record fanned out to N subscribers is encoded once. Bounded
+#: by entries and by payload size (at most ~4 MiB held); cleared when full.
+SHARED_QOS0_ENTRIES = 4096
+SHARED_QOS0_MAX_PAYLOAD = 1024
+_shared_qos0: dict[tuple[str, bytes, bool, int], bytes] = {}
+
 _CLIENT_TO_SERVER = (Publish, PubAck, PubRec, PubRel, PubComp, Subscribe, Unsubscribe, PingReq,
                      Disconnect, Auth)
 
@@ -271,6 +278,15 @@ class ServerConnection:
                 if new_alias is not None and (self.client_max_packet_size is None
                                               or len(data) <= self.client_max_packet_size):
                     self.outbound_aliases[topic] = new_alias
+        elif qos == 0 and not properties and len(payload) <= SHARED_QOS0_MAX_PAYLOAD:
+            # The same QoS 0 bytes go to every subscriber of a record: encode them once.
+            key = (topic, payload, retain, version)
+            data = _shared_qos0.get(key)  # type: ignore[assignment]
+            if data is None:
+                if len(_shared_qos0) >= SHARED_QOS0_ENTRIES:
+                    _shared_qos0.clear()
+                data = _shared_qos0[key] = encode_publish(topic, payload, 0, retain, False,
+                                                          None, None, version)
         else:
             data = encode_publish(topic, payload, qos, retain, dup, packet_id, properties or None,
                                   version)

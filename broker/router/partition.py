@@ -15,8 +15,11 @@ from typing import Any
 
 from broker.commitlog import Record, SegmentedLog
 
-#: Records kept in memory per partition for caught-up subscribers.
-TAIL_RECORDS = 4096
+#: Records kept in memory per partition for caught-up subscribers (one iteration of a busy
+#: fan-in appends tens of thousands: a smaller tail sends its subscriber to the log) ...
+TAIL_RECORDS = 16384
+#: ... and at most about this many payload bytes (large messages keep fewer records).
+TAIL_BYTES = 16 << 20
 #: Records read from the log per call for a lagging subscriber.
 READ_BATCH = 512
 
@@ -24,7 +27,8 @@ READ_BATCH = 512
 class Partition:
     """Single-writer view of one partition log, with group commit."""
 
-    __slots__ = ("acks", "key", "log", "pending", "tail", "tail_base", "watchers")
+    __slots__ = ("acks", "key", "log", "pending", "read_ahead", "read_base", "tail",
+                 "tail_base", "tail_bytes", "watchers")
 
     def __init__(self, key: tuple[str, int], log: SegmentedLog) -> None:
         self.key = key
@@ -34,8 +38,13 @@ class Partition:
         self.acks: list[Callable[[int | None], None] | None] = []
         self.tail: list[Record] = []
         self.tail_base = log.end_offset
+        self.tail_bytes = 0  # payload bytes in tail
         #: Who reads this partition: ("s", client_id, consumer name) or ("g", group key).
         self.watchers: set[tuple[Any, ...]] = set()
+        #: The last batch read from the log (for a subscriber behind the tail), so a reader
+        #: that takes a few records per call (its send quota) decodes each batch once.
+        self.read_ahead: list[Record] = []
+        self.read_base = 0
 
     @property
     def end_offset(self) -> int:
@@ -62,20 +71,35 @@ class Partition:
                     ack(None)
             raise
         end = self.log.end_offset
-        stored = [r._replace(offset=first + i) for i, r in enumerate(records)]
+        new = tuple.__new__  # Record(offset, *rest) without _replace's per-field work
+        stored = [new(Record, (first + i, *r[1:])) for i, r in enumerate(records)]
+        added = sum([len(r[3]) for r in records])
         if self.tail and self.tail_base + len(self.tail) == first:
             self.tail.extend(stored)
-            if len(self.tail) > TAIL_RECORDS:
-                drop = len(self.tail) - TAIL_RECORDS
-                del self.tail[:drop]
-                self.tail_base += drop
+            self.tail_bytes += added
         else:
-            self.tail = stored[-TAIL_RECORDS:]
-            self.tail_base = end - len(self.tail)
+            self.tail = stored
+            self.tail_base = first
+            self.tail_bytes = added
+        self._trim_tail()
         for i, ack in enumerate(acks):
             if ack is not None:
                 ack(first + i)
         return first, end
+
+    def _trim_tail(self) -> None:
+        """Keep at most TAIL_RECORDS records and about TAIL_BYTES of payload in memory."""
+        tail = self.tail
+        drop = max(0, len(tail) - TAIL_RECORDS)
+        if not drop and self.tail_bytes <= TAIL_BYTES:
+            return
+        left = self.tail_bytes - sum([len(r[3]) for r in tail[:drop]])
+        while left > TAIL_BYTES and drop < len(tail) - 1:
+            left -= len(tail[drop][3])
+            drop += 1
+        del tail[:drop]
+        self.tail_base += drop
+        self.tail_bytes = left
 
     def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
         """Committed records from ``offset``: from memory when caught up, else from the log.
@@ -86,4 +110,12 @@ class Partition:
         if self.tail and offset >= base:
             i = offset - base
             return self.tail[i:i + max_records]
-        return self.log.read(offset, max_records=max_records)
+        ahead = self.read_ahead
+        i = offset - self.read_base
+        if ahead and 0 <= i < len(ahead) and ahead[i].offset == offset:
+            return ahead[i:i + max_records]
+        records = self.log.read(offset, max_records=max_records)
+        if max_records >= READ_BATCH and records and records[0].offset == offset:
+            self.read_ahead = records
+            self.read_base = offset
+        return records

@@ -82,6 +82,8 @@ EXPIRY_NEVER = 0xFFFFFFFF
 #: Topic aliases a client may use towards us (announced in CONNACK, s3.2.2.3.8).
 TOPIC_ALIAS_MAXIMUM = 64
 _USER = PropertyId.USER_PROPERTY
+#: Topics whose partition is remembered by the publish path (cleared when full).
+TOPIC_KEY_CACHE = 100_000
 _RETAINED: PartitionKey = (RETAINED_STREAM, 0)
 _SESSIONS: PartitionKey = (SESSIONS_STREAM, 0)
 
@@ -108,6 +110,7 @@ class Router:
         self._groups_dirty = False
         #: Sessions to write to $sessions before this flush's acknowledgements go out.
         self._persist_due: dict[str, Session] = {}
+        self._topic_keys: dict[str, PartitionKey] = {}
         self.dropped = 0  # QoS 0 records skipped by the slow-subscriber policy
         #: The ACL ([auth] acl_file); None allows everything. Set by the server.
         self.acl: Acl | None = None
@@ -146,7 +149,13 @@ class Router:
                  key: PartitionKey | None = None) -> None:
         """Gather a record for the next group commit; ``key`` defaults to its topic's."""
         if key is None:
-            key = self.streams.partition_for(record.topic)
+            # Topic -> partition is fixed for the process (streams do not change at run
+            # time); the crc32 and the stream lookup are paid once per topic.
+            key = self._topic_keys.get(record.topic)
+            if key is None:
+                if len(self._topic_keys) >= TOPIC_KEY_CACHE:
+                    self._topic_keys.clear()
+                key = self._topic_keys[record.topic] = self.streams.partition_for(record.topic)
         part = self.partition(key)
         part.add(record, ack)
         self._dirty[key] = part
@@ -464,12 +473,15 @@ class Router:
 
     # ================================================================ acknowledgements
 
-    def puback(self, session: Session, packet_id: int) -> None:
+    def puback(self, session: Session, packet_id: int, *, pump: bool = True) -> None:
+        """A delivery is acknowledged; ``pump=False`` when the caller sends what the freed
+        quota allows itself, once for a whole read of PUBACKs."""
         entry = session.inflight.get(packet_id)
         if entry is not None and entry.qos == 1:
             del session.inflight[packet_id]
             session.dirty = session.persistent
-            self._pump_session(session)
+            if pump:
+                self._pump_session(session)
 
     def pubrec(self, session: Session, packet_id: int, reason_code: int) -> None:
         entry = session.inflight.get(packet_id)
