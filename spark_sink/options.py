@@ -12,7 +12,8 @@ Names follow Spark's Kafka source (DESIGN.md "Spark"):
 - ``endingOffsets`` (batch only): ``latest`` (default) | JSON as above (``-1`` latest);
 - ``startingTimestamp``: epoch milliseconds; each partition starts at its first record at or
   after that time (takes precedence over ``startingOffsets``);
-- ``maxRecordsPerTrigger``: at most this many records per micro-batch (admission control);
+- ``maxRecordsPerTrigger``: at most this many log records per micro-batch (admission
+  control; counted before ``topicFilter``, as offsets are);
 - ``failOnDataLoss``: ``true`` (default) fails a query whose next offset was deleted by
   retention; ``false`` skips forward to the earliest retained offset with a warning;
 - ``maxRecordsPerFetch``: records per HTTP fetch (default 10000, the broker's cap).
