@@ -65,7 +65,7 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 MOSQUITTO = "/usr/sbin/mosquitto"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-ALL = ["fanin0", "fanin1", "fanout0", "fanout1", "fleet", "storm", "latency", "replay"]
+ALL = ["storm", "fanin0", "fanin1", "fanout0", "fanout1", "fleet", "latency", "replay"]
 MP = mp.get_context("fork")
 
 

@@ -60,6 +60,10 @@ log = logging.getLogger("broker.transport")
 
 #: Output bytes queued in the kernel-side transport buffer before we stop feeding a client.
 WRITE_HIGH_WATER = 1 << 20
+#: Output bytes the router may queue for one client per event-loop iteration. The rest follows
+#: after this iteration's writes (flush_output pumps again), so a burst to many subscribers is
+#: written as it is encoded rather than all at the end of one long iteration.
+OUTPUT_PER_ITERATION = 256 << 10
 #: First byte of a TLS record carrying a handshake (a ClientHello), RFC 8446 s5.1.
 TLS_HANDSHAKE_BYTE = 0x16
 
@@ -106,6 +110,7 @@ class MQTTProtocol(asyncio.Protocol):
         self._closing = False
         self._graceful = False
         self._high_water = min(cfg.max_queued_bytes, WRITE_HIGH_WATER)
+        self._budget = min(self._high_water, OUTPUT_PER_ITERATION)
 
     # ---------------------------------------------------------------- asyncio callbacks
 
@@ -344,7 +349,7 @@ class MQTTProtocol(asyncio.Protocol):
         return True
 
     def can_write(self) -> bool:
-        return not self._paused and not self._closing and self._out_bytes < self._high_water
+        return not self._paused and not self._closing and self._out_bytes < self._budget
 
     def close(self, reason_code: int | None = None, reason: str = "") -> None:
         if self.transport is None or self.transport.is_closing():
@@ -374,7 +379,7 @@ class MQTTProtocol(asyncio.Protocol):
         out = self._out
         if not out:
             return
-        full = self._out_bytes >= self._high_water
+        full = self._out_bytes >= self._budget
         self._out = []
         self._out_bytes = 0
         transport = self.transport
@@ -385,8 +390,8 @@ class MQTTProtocol(asyncio.Protocol):
         transport.write(data)
         if full and not self._paused and self.session is not None and not self._closing:
             # The router stopped feeding this client because this iteration's output reached
-            # the high-water mark (can_write), not because the socket is full: nothing else
-            # would wake it (no resume_writing), so it reads on now.
+            # its budget (can_write), not because the socket is full: nothing else would
+            # wake it (no resume_writing), so it reads on now (written next iteration).
             self.router._pump_session(self.session)
 
     def _flush_and_close(self) -> None:
