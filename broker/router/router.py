@@ -721,9 +721,12 @@ class Router:
             if rec is None:
                 group.orphans.popleft()  # deleted by retention: nothing left to redeliver
                 continue
-            chosen = self._group_member(group, rec.qos)
+            chosen = self._group_member(group, rec.qos, rec.topic)
             if chosen is None:
-                return
+                if self._group_may_read(group, rec.topic):
+                    return
+                group.orphans.popleft()  # no member may read it (ACL): drop, do not block
+                continue
             group.orphans.popleft()
             member, qos, ids = chosen
             self._deliver(member, rec, key, qos, False, ids, False, full, group=full)
@@ -739,7 +742,10 @@ class Router:
                     if not topic_matches(group.topic_filter, rec.topic):
                         cursor = rec.offset + 1
                         continue
-                    chosen = self._group_member(group, rec.qos)
+                    chosen = self._group_member(group, rec.qos, rec.topic)
+                    if chosen is None and not self._group_may_read(group, rec.topic):
+                        cursor = rec.offset + 1  # no member may read it (ACL): skip it
+                        continue
                     if chosen is None:
                         group.consumer.cursors[key] = cursor
                         self._groups_dirty = True
@@ -750,15 +756,32 @@ class Router:
             group.consumer.cursors[key] = cursor
             self._groups_dirty = True
 
-    def _group_member(self, group: SharedGroup,
-                      rec_qos: int) -> tuple[Session, int, list[int]] | None:
-        """The next member, round robin, that can take a record of ``rec_qos`` now: with the
-        QoS it gets it at and its subscription identifier (5.0); None if none can."""
+    def _may_read(self, session: Session, topic: str) -> bool:
+        """The ACL's read rule for ``topic`` (a deny inside an allowed filter applies)."""
+        if self.acl is None:
+            return True
+        authz = self._authz.get(session.client_id)
+        return authz is None or authz.can_read(topic)
+
+    def _group_may_read(self, group: SharedGroup, topic: str) -> bool:
+        """False only when the group has members and the ACL lets none of them read
+        ``topic``: then the record is skipped. With no members the group keeps its
+        position for the next one, as a consumer group does."""
+        if self.acl is None or not group.members:
+            return True
+        sessions = (self.sessions.get(cid) for cid in group.members)
+        return any(s is not None and self._may_read(s, topic) for s in sessions)
+
+    def _group_member(self, group: SharedGroup, rec_qos: int,
+                      topic: str) -> tuple[Session, int, list[int]] | None:
+        """The next member, round robin, that may read ``topic`` and can take a record of
+        ``rec_qos`` now: with the QoS it gets it at and its subscription identifier (5.0);
+        None if none can."""
         n = len(group.members)
         for i in range(n):
             idx = (group.next_member + i) % n
             session = self.sessions.get(group.members[idx])
-            if session is None:
+            if session is None or not self._may_read(session, topic):
                 continue
             sub = session.shared.get(group.consumer.name)
             qos = min(rec_qos, sub.qos) if sub is not None else rec_qos

@@ -175,6 +175,21 @@ def test_shared_subscriptions_checked_on_the_inner_filter(acl_broker: BrokerProc
         c.disconnect()
 
 
+def test_deny_rule_inside_an_allowed_shared_subscription(acl_broker: BrokerProcess) -> None:
+    # alice may read alice/# but not alice/secret/#: as a shared-group member she must not
+    # get alice/secret/... either, and such a record must not block the group.
+    alice = user(acl_broker, "alice", V5)
+    assert alice.subscribe("$share/g/alice/#", 1) == [GRANTED_QOS1]
+    carol = user(acl_broker, "carol")
+    carol.publish("alice/secret/key", "hidden", qos=1)
+    carol.publish("alice/open", "seen", qos=1)
+    (msg,) = alice.expect(1)
+    assert (msg.topic, msg.payload) == ("alice/open", b"seen")
+    alice.expect_none(0.3)
+    for c in (alice, carol):
+        c.disconnect()
+
+
 def test_client_id_pattern(acl_broker: BrokerProcess) -> None:
     dev = user(acl_broker, None, V5, client_id="dev1")
     assert dev.subscribe("clients/dev1/#", 1) == [GRANTED_QOS1]
