@@ -853,7 +853,10 @@ class Router:
         link = session.link
         if link is None:
             return
-        if end - cursor > self.config.max_lag_records and self._qos0_only(consumer):
+        # The slow-subscriber policy is for live subscriptions that fell behind; a $replay
+        # asked for the history (its reads are paced by the socket, the log is the buffer).
+        if (end - cursor > self.config.max_lag_records and consumer.name == MAIN
+                and self._qos0_only(consumer)):
             if not self._slow_qos0(session, consumer, key, end - cursor):
                 return
             cursor = consumer.cursors[key]

@@ -18,7 +18,7 @@ from typing import Any
 
 import orjson
 
-from tests.integration.clients import Client
+from tests.integration.clients import Client, mosquitto_sub
 from tests.integration.conftest import BrokerFactory, BrokerProcess
 
 PAYLOAD = 4000  # bytes: more than the kernel buffers of a stalled socket (~4 MB) hold
@@ -269,3 +269,19 @@ def test_slow_qos0_policy_disconnect(broker_factory: BrokerFactory) -> None:
     finally:
         stalled.close()
     pub.disconnect()
+
+
+def test_qos0_replay_is_not_cut_by_the_slow_policy(broker_factory: BrokerFactory) -> None:
+    # A $replay asks for the history: it is paced by its socket, the log is its buffer, so
+    # the slow-subscriber policy (for live subscriptions) must not drop any of it.
+    broker = broker_factory(config="[router]\nslow_qos0_policy = \"drop\"\n"
+                                   "max_lag_records = 200\n")
+    pub = Client(broker.port, "pub")
+    pub.paho.max_inflight_messages_set(200)
+    assert pub.connect() == 0
+    for i in range(N):
+        pub.publish("hist/t", payload(i), qos=1, wait=False)
+    wait_until(lambda: len(pub.published) >= N, 30, "publishes acknowledged")
+    pub.disconnect()
+    lines = mosquitto_sub(broker.port, "$replay/earliest/hist/#", N)  # QoS 0, the default
+    assert [int(line.split()[1][:8]) for line in lines] == list(range(N))
