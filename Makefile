@@ -5,7 +5,7 @@ VENV   := .venv
 PY     := $(VENV)/bin/python
 STAMP  := $(VENV)/.stamp
 
-.PHONY: run test lint typecheck unit bench clean
+.PHONY: run test lint bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -32,9 +32,13 @@ lint: $(STAMP)-test
 test: $(STAMP)-test lint
 	$(PY) -m pytest -q
 
+# On demand, not in CI: each benchmark runs its reference in the same run.
 bench: $(STAMP)-test
+	$(PY) -m pip install --quiet -e '.[test,bench]'
 	$(PY) -m bench.codec
 	$(PY) -m bench.commitlog
+	$(PY) -m bench.mqtt_bench
+	$(PY) -m bench.spark_drain
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
