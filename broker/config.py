@@ -113,14 +113,21 @@ class Config:
         return self.router.workers or (os.cpu_count() or 1)
 
 
+def duration_ms(text: str) -> int | None:
+    """``"7d"``, ``"500ms"``, ``"2h"`` (units ms, s, m, h, d, w) to milliseconds; None if
+    ``text`` is not such a duration. Shared by the config and ``$replay/time:-<duration>``."""
+    m = _DURATION_RE.match(text)
+    return int(m.group(1)) * _DURATION_UNITS_MS[m.group(2)] if m else None
+
+
 def parse_duration_ms(value: Any, key: str, source: str) -> int:
     """``"7d"``, ``"500ms"``, ``"2h"`` or an integer of milliseconds, to milliseconds."""
     if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
         return value
     if isinstance(value, str):
-        m = _DURATION_RE.match(value)
-        if m:
-            return int(m.group(1)) * _DURATION_UNITS_MS[m.group(2)]
+        ms = duration_ms(value)
+        if ms is not None:
+            return ms
     raise ConfigError(
         f"{source}: {key} = {value!r} is not a duration (e.g. 500ms, 30s, 7d, or milliseconds)"
     )

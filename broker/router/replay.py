@@ -13,17 +13,14 @@ Pure parsing; the router turns a :class:`ReplayStart` into cursors.
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 from datetime import datetime
 
+from broker.config import duration_ms
 from broker.mqtt.errors import TopicFilterInvalid
 from broker.mqtt.topics import validate_topic_filter
 
 REPLAY_PREFIX = "$replay/"
-_DURATION_RE = re.compile(r"^(\d+)(ms|s|m|h|d|w)$")
-_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000,
-             "w": 604_800_000}
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,10 +82,10 @@ def _parse_from(spec: str, now_ms: int, whole: str) -> ReplayStart:
 
 def _parse_time(value: str, now_ms: int) -> int:
     if value.startswith("-"):
-        m = _DURATION_RE.match(value[1:])
-        if not m:
+        ago = duration_ms(value[1:])
+        if ago is None:
             raise ValueError(value)
-        return now_ms - int(m.group(1)) * _UNITS_MS[m.group(2)]
+        return now_ms - ago
     if value.isdigit():
         return int(value)
     dt = datetime.fromisoformat(value.replace("Z", "+00:00").replace("z", "+00:00"))
