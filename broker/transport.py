@@ -158,7 +158,7 @@ class MQTTProtocol(asyncio.Protocol):
                 # One pump for all the PUBACKs of this read, not one per PUBACK.
                 self._acked = False
                 if self.session is not None:
-                    self.router._pump_session(self.session)
+                    self.router.pump_session(self.session)
         except MQTTError as e:
             self._protocol_error(e)
         except Exception:
@@ -194,7 +194,7 @@ class MQTTProtocol(asyncio.Protocol):
     def resume_writing(self) -> None:
         self._paused = False
         if self.session is not None and not self._closing:
-            self.router._pump_session(self.session)
+            self.router.pump_session(self.session)
 
     # ---------------------------------------------------------------- dispatch
 
@@ -392,7 +392,7 @@ class MQTTProtocol(asyncio.Protocol):
             # The router stopped feeding this client because this iteration's output reached
             # its budget (can_write), not because the socket is full: nothing else would
             # wake it (no resume_writing), so it reads on now (written next iteration).
-            self.router._pump_session(self.session)
+            self.router.pump_session(self.session)
 
     def _flush_and_close(self) -> None:
         self.flush_output()

@@ -306,7 +306,7 @@ class Router:
         for key in session.shared:
             self._join_group(session, key)
         self._resend_inflight(session)
-        self._pump_session(session)
+        self.pump_session(session)
         return session, keepalive
 
     def _refuse(self, link: Link, version: int, reason: int) -> None:
@@ -481,7 +481,7 @@ class Router:
             del session.inflight[packet_id]
             session.dirty = session.persistent
             if pump:
-                self._pump_session(session)
+                self.pump_session(session)
 
     def pubrec(self, session: Session, packet_id: int, reason_code: int) -> None:
         entry = session.inflight.get(packet_id)
@@ -494,7 +494,7 @@ class Router:
         if reason_code >= 0x80:
             # The receiver refused the message: the flow ends here (s4.3.3).
             del session.inflight[packet_id]
-            self._pump_session(session)
+            self.pump_session(session)
             return
         entry.released = True
         session.dirty = session.persistent
@@ -523,7 +523,7 @@ class Router:
         if entry is not None and entry.qos == 2 and entry.released:
             del session.inflight[packet_id]
             session.dirty = session.persistent
-            self._pump_session(session)
+            self.pump_session(session)
 
     # ================================================================ subscribe
 
@@ -542,7 +542,7 @@ class Router:
         session.dirty = session.persistent
         link.send(SubAck(packet.packet_id, codes))
         self._persist(session)
-        self._pump_session(session)
+        self.pump_session(session)
 
     def _subscribe_one(self, session: Session, req: Any, sub_id: int | None) -> int:
         full = req.topic_filter
@@ -800,8 +800,11 @@ class Router:
         return qos == 0 or len(session.inflight) < min(session.receive_maximum,
                                                         self.config.max_inflight)
 
-    def _pump_session(self, session: Session) -> None:
-        """Send what ``session`` can take now: retained first, then each consumer's records."""
+    def pump_session(self, session: Session) -> None:
+        """Send what ``session`` can take now: retained first, then each consumer's records.
+
+        Also the router's input for "this link can take more": called by the transport when
+        its output drained, or once after a read that carried acknowledgements."""
         if session.link is None:
             return
         self._send_retained(session)
