@@ -1,0 +1,212 @@
+"""A read-only view of a partition log that another process writes (a follower reader).
+
+With several workers, each partition has one owning process that appends to it
+(:class:`~broker.commitlog.log.SegmentedLog`); the others read the same files to feed their
+subscribers (DESIGN.md: "a subscriber on another core is fed from the log the owner wrote,
+after the owner announces the new high-water mark"). This view never writes, never recovers
+and never trusts more of a file than the owner announced:
+
+* the owner tells the reader its high-water mark (:meth:`LogReader.advance`) only after the
+  ``write()`` of the batches below it returned, so every batch whose base offset is below the
+  announced :attr:`end_offset` is complete in the page cache; a reader stops at the first
+  batch at or past it (that one may still be in the middle of its write);
+* segments appear (roll) and disappear (retention, compaction's swap) under it: the directory
+  is listed again when an offset is not in the segments known, and a descriptor that was open
+  keeps reading the file it opened (a deleted segment stays readable until closed);
+* positions are found through an in-memory sparse index the reader builds as it scans
+  (the owner's ``.index`` files are rewritten only on flush and may lag).
+
+Called from one thread (its worker's event loop).
+"""
+
+from __future__ import annotations
+
+import os
+from bisect import bisect_right
+from pathlib import Path
+
+from broker.commitlog.batch import BATCH_HEADER, BATCH_HEADER_SIZE, MIN_BATCH_SIZE, decode_into
+from broker.commitlog.config import LogConfig
+from broker.commitlog.errors import CorruptRecordBatch, LogIOError, OffsetOutOfRange
+from broker.commitlog.record import Record
+from broker.commitlog.segment import LOG_SUFFIX, READ_CHUNK_MIN
+
+#: Bytes scanned between two entries of the reader's own index.
+INDEX_INTERVAL = 64 << 10
+#: Bytes per record assumed when sizing a read (a 64-byte telemetry record takes ~110).
+AVERAGE_RECORD = 256
+
+
+class _SegmentView:
+    """One ``.log`` file opened read-only, with the positions of the batches seen so far."""
+
+    __slots__ = ("base", "fd", "offsets", "path", "positions")
+
+    def __init__(self, path: Path, base: int) -> None:
+        self.path = path
+        self.base = base
+        self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+        self.offsets = [base]  # batch base offsets, every INDEX_INTERVAL bytes
+        self.positions = [0]
+
+    def read_into(self, out: list[Record], offset: int, end: int, max_records: int,
+                  max_bytes: int) -> tuple[int, bool]:
+        """Like :meth:`Segment.read_into`, bounded by the announced ``end`` offset.
+
+        Returns the byte budget left and whether the read is over (a limit, or ``end``,
+        was reached); False means the file ended first and the next segment follows.
+        """
+        i = bisect_right(self.offsets, offset) - 1
+        pos = self.positions[i]
+        last_indexed = pos
+        want = max(READ_CHUNK_MIN, min(2 * max_bytes, max_records * AVERAGE_RECORD))
+        while True:
+            buf = os.pread(self.fd, want, pos)
+            p, n = 0, len(buf)
+            while n - p >= BATCH_HEADER_SIZE:
+                base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, p)[:7]
+                if base >= end:
+                    return max_bytes, True  # not announced yet: maybe still being written
+                if length < MIN_BATCH_SIZE:
+                    raise CorruptRecordBatch(f"batch length {length} too small", pos + p,
+                                             self.path)
+                if length > n - p:
+                    if p:
+                        break  # read again from this batch
+                    buf = os.pread(self.fd, length, pos)
+                    n = len(buf)
+                    if n < length:
+                        raise CorruptRecordBatch(f"short read: {n} of {length} bytes of a "
+                                                 "batch below the high-water mark", pos, self.path)
+                    continue
+                if pos + p - last_indexed >= INDEX_INTERVAL and base > self.offsets[-1]:
+                    self.offsets.append(base)
+                    self.positions.append(pos + p)
+                    last_indexed = pos + p
+                if base + last_delta >= offset:
+                    max_bytes, stop = decode_into(buf, p, out, offset, max_records, max_bytes)
+                    if stop >= 0 or len(out) >= max_records or max_bytes <= 0:
+                        return max_bytes, True
+                p += length
+            if p == 0:
+                return max_bytes, False  # end of the file: the next segment follows
+            pos += p
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+class LogReader:
+    """Read-only :class:`SegmentedLog` look-alike for a log owned by another process.
+
+    Offers what a subscriber's reads need: :meth:`read`, :attr:`end_offset` (the announced
+    high-water mark), :attr:`log_start_offset`, :meth:`offset_for_time`. ``config`` is the
+    stream's (callers look at its fsync policy); nothing here writes.
+    """
+
+    def __init__(self, directory: Path, config: LogConfig, end_offset: int = 0) -> None:
+        self.directory = Path(directory)
+        self.config = config
+        self._end = end_offset
+        self._segments: list[_SegmentView] = []
+        self._bases: list[int] = []
+        self._refresh()
+
+    @property
+    def end_offset(self) -> int:
+        """The owner's last announced high-water mark: every offset below it is readable."""
+        return self._end
+
+    @property
+    def log_start_offset(self) -> int:
+        """Earliest offset still on disk (as of the last directory listing)."""
+        return self._bases[0] if self._bases else self._end
+
+    def advance(self, end_offset: int, start_offset: int | None = None) -> None:
+        """The owner announced its high-water mark (marks only move forward) and, when
+        given, its earliest retained offset: segments retention deleted are let go."""
+        if end_offset > self._end:
+            self._end = end_offset
+        if start_offset is not None and self._bases and start_offset > self._bases[0]:
+            self._refresh()
+
+    def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
+        """Records from ``offset`` below :attr:`end_offset`, as :meth:`SegmentedLog.read`.
+
+        Raises :class:`OffsetOutOfRange` below the earliest retained offset or past the mark.
+        """
+        end = self._end
+        if offset > end:
+            raise OffsetOutOfRange(offset, self.log_start_offset, end)
+        out: list[Record] = []
+        if offset == end or max_records <= 0:
+            return out
+        if not self._bases or offset < self._bases[0]:
+            self._refresh()  # retention may have moved the start; or the first segment is new
+            if not self._bases or offset < self._bases[0]:
+                raise OffsetOutOfRange(offset, self.log_start_offset, end)
+        i = bisect_right(self._bases, offset) - 1
+        try:
+            while True:
+                max_bytes, done = self._segments[i].read_into(out, offset, end, max_records,
+                                                              max_bytes)
+                if done:
+                    return out
+                if i == len(self._segments) - 1:
+                    # The owner rolled: the next segment is new to us (and retention may have
+                    # dropped older ones, so find our place again by base offset).
+                    base = self._bases[i]
+                    self._refresh()
+                    i = bisect_right(self._bases, base) - 1
+                    if i == len(self._segments) - 1:
+                        return out
+                i += 1
+        except OSError as exc:
+            raise LogIOError(self._segments[i].path, "read segment", exc) from exc
+
+    def offset_for_time(self, timestamp_ms: int) -> int:
+        """First offset whose timestamp is >= ``timestamp_ms``, else :attr:`end_offset`
+        (a scan: used when a ``$replay/time:...`` subscription starts)."""
+        offset = self.log_start_offset
+        while offset < self._end:
+            records = self.read(offset, max_records=4096)
+            if not records:
+                break
+            for record in records:
+                if record.timestamp >= timestamp_ms:
+                    return record.offset
+            offset = records[-1].offset + 1
+        return self._end
+
+    def _refresh(self) -> None:
+        """List the directory again: open new segments, close deleted ones."""
+        try:
+            names = os.listdir(self.directory)
+        except FileNotFoundError:
+            names = []
+        except OSError as exc:
+            raise LogIOError(self.directory, "list log directory", exc) from exc
+        bases = sorted(int(name[:-len(LOG_SUFFIX)]) for name in names
+                       if name.endswith(LOG_SUFFIX) and name[:-len(LOG_SUFFIX)].isdigit())
+        known = {view.base: view for view in self._segments}
+        views: list[_SegmentView] = []
+        for base in bases:
+            view = known.pop(base, None)
+            if view is None:
+                try:
+                    view = _SegmentView(self.directory / f"{base:020d}{LOG_SUFFIX}", base)
+                except FileNotFoundError:
+                    continue  # deleted between the listing and the open
+                except OSError as exc:
+                    raise LogIOError(self.directory, "open segment", exc) from exc
+            views.append(view)
+        for view in known.values():
+            view.close()
+        self._segments = views
+        self._bases = [view.base for view in views]
+
+    def close(self) -> None:
+        for view in self._segments:
+            view.close()
+        self._segments = []
+        self._bases = []

@@ -1,0 +1,126 @@
+"""LogReader: a read-only view of a log another process appends to, checked against the
+writer's own reads."""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from broker.commitlog import LogConfig, OffsetOutOfRange, Record, SegmentedLog
+from broker.commitlog.reader import LogReader
+
+SMALL = LogConfig(segment_bytes=4096, index_interval_bytes=512, fsync="never",
+                  retention_ms=None)
+
+
+def records(n: int, start: int = 0, size: int = 40) -> list[Record]:
+    return [Record(-1, 1_000 + start + i, f"devices/{(start + i) % 7}/t", os.urandom(size),
+                   (start + i) % 3, False, "c", b"") for i in range(n)]
+
+
+def test_reads_match_the_writer_across_rolls(tmp_path: Path) -> None:
+    rng = random.Random(7)
+    with SegmentedLog.open(tmp_path, SMALL) as log:
+        for i in range(60):
+            log.append(records(rng.randint(1, 30), i * 30, rng.choice([10, 100, 700])))
+        reader = LogReader(tmp_path, SMALL, log.end_offset)
+        assert len(log.segments) > 10
+        for _ in range(300):
+            offset = rng.randrange(log.end_offset + 1)
+            limit = rng.choice([1, 7, 100, 5000])
+            max_bytes = rng.choice([100, 4096, 1 << 20])
+            got = reader.read(offset, limit, max_bytes)
+            assert got == log.read(offset, limit, max_bytes)
+        reader.close()
+
+
+def test_nothing_past_the_announced_mark_is_read(tmp_path: Path) -> None:
+    with SegmentedLog.open(tmp_path, SMALL) as log:
+        log.append(records(5))
+        reader = LogReader(tmp_path, SMALL, log.end_offset)
+        log.append(records(5, 5))  # written, not announced yet
+        assert [r.offset for r in reader.read(0, 100)] == [0, 1, 2, 3, 4]
+        assert reader.read(5) == []
+        with pytest.raises(OffsetOutOfRange):
+            reader.read(6)
+        reader.advance(log.end_offset)
+        reader.advance(3)  # marks never go back
+        assert [r.offset for r in reader.read(3, 100)] == list(range(3, 10))
+        reader.close()
+
+
+def test_a_batch_being_written_past_the_mark_is_not_touched(tmp_path: Path) -> None:
+    with SegmentedLog.open(tmp_path, SMALL) as log:
+        log.append(records(3))
+        end = log.end_offset
+        active = tmp_path / f"{log.segments[-1]:020d}.log"
+    # The owner is in the middle of its next write: a header claiming more than is there.
+    good = active.read_bytes()
+    active.write_bytes(good + good[:30])
+    reader = LogReader(tmp_path, SMALL, end)
+    assert [r.offset for r in reader.read(0, 100)] == [0, 1, 2]
+    reader.close()
+
+
+def test_new_segments_and_retention_are_followed(tmp_path: Path) -> None:
+    config = LogConfig(segment_bytes=4096, index_interval_bytes=512, fsync="never",
+                       retention_ms=None, retention_bytes=20_000)
+    with SegmentedLog.open(tmp_path, config) as log:
+        log.append(records(20, size=200))
+        reader = LogReader(tmp_path, config, log.end_offset)
+        assert len(reader.read(0, 1000)) == 20
+        for i in range(10):
+            log.append(records(20, 20 + 20 * i, size=200))  # rolls several times
+        reader.advance(log.end_offset)
+        assert reader.read(20, 1000, 1 << 30) == log.read(20, 1000, 1 << 30)
+        # Retention deletes the oldest segments; once the owner says so, reading there
+        # reports the range (the files it still had open are let go).
+        assert log.enforce_retention() > 0
+        reader.advance(log.end_offset, log.log_start_offset)
+        assert reader.log_start_offset == log.log_start_offset > 0
+        with pytest.raises(OffsetOutOfRange):
+            reader.read(0)
+        start = log.log_start_offset
+        assert reader.read(start, 1000, 1 << 30) == log.read(start, 1000, 1 << 30)
+        reader.close()
+
+
+def test_offset_for_time(tmp_path: Path) -> None:
+    with SegmentedLog.open(tmp_path, SMALL) as log:
+        log.append(records(100))
+        reader = LogReader(tmp_path, SMALL, log.end_offset)
+        for ts in (0, 1_000, 1_050, 1_099, 5_000):
+            assert reader.offset_for_time(ts) == log.offset_for_time(ts)
+        reader.close()
+
+
+def test_an_empty_or_missing_directory_reads_nothing(tmp_path: Path) -> None:
+    reader = LogReader(tmp_path / "nothing-yet", SMALL)
+    assert reader.end_offset == reader.log_start_offset == 0
+    assert reader.read(0) == []
+
+
+@settings(max_examples=40, deadline=None)
+@given(batches=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+       reads=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 200)), max_size=20))
+def test_sequential_and_random_reads_agree_with_the_writer(tmp_path_factory: pytest.TempPathFactory,
+                                                           batches: list[int],
+                                                           reads: list[tuple[int, int]]) -> None:
+    path = tmp_path_factory.mktemp("log")
+    with SegmentedLog.open(path, SMALL) as log:
+        reader = LogReader(path, SMALL)
+        at = 0
+        for n in batches:
+            log.append(records(n, at))
+            at += n
+            reader.advance(log.end_offset)
+            assert reader.read(at - n, 1000, 1 << 30) == log.read(at - n, 1000, 1 << 30)
+        for offset, limit in reads:
+            offset = min(offset, log.end_offset)
+            assert reader.read(offset, limit) == log.read(offset, limit)
+        reader.close()
