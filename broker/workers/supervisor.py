@@ -116,13 +116,10 @@ class Supervisor:
     def _claim_ports(self, config: Config) -> Config:
         """Check every MQTT listener's port is free; pick and reserve one for port 0."""
         server = config.server
-        ports = {}
-        for name in ("port", "tls_port", "ws_port"):
-            port = getattr(server, name)
-            if port == 0 and name != "port":
-                continue  # that listener is off
-            ports[name] = self._claim(server.host, port)
-        return replace(config, server=replace(server, **ports))
+        port = self._claim(server.host, server.port)
+        tls = self._claim(server.host, server.tls_port) if server.tls_port else 0
+        ws = self._claim(server.host, server.ws_port) if server.ws_port else 0  # 0: off
+        return replace(config, server=replace(server, port=port, tls_port=tls, ws_port=ws))
 
     def _claim(self, host: str, port: int) -> int:
         family = socket.AF_INET6 if ":" in host else socket.AF_INET
