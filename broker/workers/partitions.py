@@ -1,0 +1,281 @@
+"""Partitions across workers: each has one owner, which alone appends to it.
+
+On the owner a partition is an :class:`OwnedPartition`: a router
+:class:`~broker.router.partition.Partition` that, after each group commit, announces its new
+high-water mark (and earliest offset) to every peer. Elsewhere it is a
+:class:`RemotePartition`: publishes gathered during an iteration are forwarded to the owner
+as one record batch (the commit log's own encoding, checksum included) and their
+acknowledgements wait for the owner's reply, which comes only after its append (so a
+PUBACK still follows the append [MQTT-4.3.2-2]); reads go to the files the owner wrote,
+through a :class:`~broker.commitlog.reader.LogReader` that never reads past the announced mark.
+
+Frames (see :mod:`broker.workers.mesh`): ``FORWARD`` is a request whose body is the partition
+key and a record batch, answered with the first offset given (-1: the append failed);
+``APPENDED`` is a notification of ``(key, earliest offset, high-water mark)``, sent to every
+peer after every commit, so each worker knows every partition's mark; ``MARKS`` asks a peer for
+the marks of all it owns (a worker asks each peer once when it starts, before it serves: a
+subscription made then starts from the true end, not from 0).
+
+Called only from the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections.abc import Callable
+from typing import Any
+
+from broker.commitlog import LogConfig, Record, SegmentedLog
+from broker.commitlog.batch import decode_batch, encode_batch
+from broker.commitlog.reader import LogReader
+from broker.router.partition import READ_BATCH, Partition
+from broker.workers.mesh import FIRST_USER_KIND, Mesh, PeerDown
+
+log = logging.getLogger("broker.workers")
+
+FORWARD = FIRST_USER_KIND
+APPENDED = FIRST_USER_KIND + 1
+MARKS = FIRST_USER_KIND + 2
+#: Kinds from here on are free for the other worker services.
+NEXT_KIND = FIRST_USER_KIND + 3
+
+_KEY = struct.Struct("<HI")  # stream name length, partition; the name follows
+_OFFSET = struct.Struct("<q")
+_MARKS = struct.Struct("<qq")
+
+Key = tuple[str, int]
+Ack = Callable[[int | None], None]
+
+
+def pack_key(key: Key) -> bytes:
+    name = key[0].encode()
+    return _KEY.pack(len(name), key[1]) + name
+
+
+def unpack_key(body: memoryview | bytes, pos: int = 0) -> tuple[Key, int]:
+    """The key at ``pos`` and the position after it."""
+    size, partition = _KEY.unpack_from(body, pos)
+    start = pos + _KEY.size
+    return (bytes(body[start:start + size]).decode(), partition), start + size
+
+
+class OwnedPartition(Partition):
+    """A partition this worker owns: a router partition that announces each commit."""
+
+    __slots__ = ("announce",)
+
+    def __init__(self, key: Key, log: SegmentedLog,
+                 announce: Callable[[OwnedPartition], None]) -> None:
+        super().__init__(key, log)
+        self.announce = announce
+
+    def commit(self) -> tuple[int, int]:
+        try:
+            return super().commit()
+        finally:
+            # Also after a failed append: peers must not wait on a mark that did not move,
+            # but one that did (an earlier batch) is worth telling.
+            self.announce(self)
+
+
+class RemotePartition:
+    """A partition another worker owns, as this worker's router sees it.
+
+    Offers the router what :class:`Partition` does: ``add`` / ``commit`` (here: forward),
+    ``read`` and ``end_offset`` (from the owner's files, up to its announced mark),
+    ``watchers`` and ``log``.
+    """
+
+    __slots__ = ("acks", "forward", "key", "log", "owner", "pending", "read_ahead", "read_base",
+                 "watchers")
+
+    def __init__(self, key: Key, reader: LogReader, owner: int,
+                 forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None]
+                 ) -> None:
+        self.key = key
+        self.log = reader
+        self.owner = owner
+        self.forward = forward
+        self.pending: list[Record] = []
+        self.acks: list[Ack | None] = []
+        self.watchers: set[tuple[Any, ...]] = set()
+        self.read_ahead: list[Record] = []
+        self.read_base = 0
+
+    @property
+    def end_offset(self) -> int:
+        """The owner's last announced high-water mark."""
+        return self.log.end_offset
+
+    def add(self, record: Record, ack: Ack | None) -> None:
+        self.pending.append(record)
+        self.acks.append(ack)
+
+    def commit(self) -> tuple[int, int]:
+        """Forward the gathered batch to the owner; acknowledgements follow its reply."""
+        records, acks = self.pending, self.acks
+        self.pending, self.acks = [], []
+        if records:
+            self.forward(self, records, acks)
+        end = self.log.end_offset
+        return end, end
+
+    def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
+        """Records from ``offset`` below the announced mark; OffsetOutOfRange below the
+        earliest one. A batch read for a reader taking a few records per call is kept."""
+        ahead = self.read_ahead
+        i = offset - self.read_base
+        if ahead and 0 <= i < len(ahead) and ahead[i].offset == offset:
+            return ahead[i:i + max_records]
+        records = self.log.read(offset, max_records=max(max_records, READ_BATCH))
+        self.read_ahead = records
+        self.read_base = offset
+        return records[:max_records]
+
+
+class PartitionService:
+    """One worker's side of partition ownership: makes the router's partition objects,
+    forwards, answers forwards, announces and follows high-water marks.
+
+    ``enqueue(key, records, ack)`` appends records to an owned partition through the router's
+    group commit (``ack`` is called with the first offset, or None); ``wake(partition)``
+    tells the router a remote partition moved (``on_moved(key, old_end, partition)`` runs
+    first, for the streams whose every change matters to the worker, such as retained
+    messages).
+    """
+
+    def __init__(self, worker: int, count: int, owner_of: Callable[[Key, int], int],
+                 directory_of: Callable[[Key], Any], config_of: Callable[[Key], LogConfig]
+                 ) -> None:
+        self.worker = worker
+        self.count = count
+        self.owner_of = owner_of
+        self.directory_of = directory_of
+        self.config_of = config_of
+        self.mesh: Mesh | None = None
+        self.enqueue: Callable[[Key, list[Record], Ack], None] | None = None
+        self.wake: Callable[[Any], None] | None = None
+        self.on_moved: Callable[[Key, int, RemotePartition], None] | None = None
+        #: The partitions this worker owns (opened at start, so MARKS can answer for all).
+        self.owned: dict[Key, OwnedPartition] = {}
+        self.remote: dict[Key, RemotePartition] = {}
+        #: Every other worker's partitions: (earliest offset, high-water mark) as announced.
+        self.marks: dict[Key, tuple[int, int]] = {}
+        self.forwarded = 0  # records sent to their owner
+        self.received = 0   # records appended for a peer
+
+    def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
+        return {FORWARD: self._on_forward, APPENDED: self._on_appended, MARKS: self._on_marks}
+
+    def owns(self, key: Key) -> bool:
+        return self.owner_of(key, self.count) == self.worker
+
+    def make(self, key: Key, open_log: Callable[[Key], SegmentedLog]) -> Partition | Any:
+        """The router's partition object for ``key``: owned or remote."""
+        owner = self.owner_of(key, self.count)
+        if owner == self.worker:
+            owned = self.owned[key] = OwnedPartition(key, open_log(key), self._announce)
+            return owned
+        start, end = self.marks.get(key, (0, 0))
+        reader = LogReader(self.directory_of(key), self.config_of(key), end)
+        reader.advance(end, start)
+        part = self.remote[key] = RemotePartition(key, reader, owner, self._forward)
+        return part
+
+    async def sync_marks(self) -> None:
+        """Learn the marks of every peer's partitions (at start, before serving)."""
+        assert self.mesh is not None
+        for peer in list(self.mesh.peers):
+            body = await self.mesh.call(peer, MARKS)
+            pos = 0
+            while pos < len(body):
+                key, pos = unpack_key(body, pos)
+                self._moved(key, *_MARKS.unpack_from(body, pos))
+                pos += _MARKS.size
+
+    # ------------------------------------------------------------ owner side
+
+    def _announce(self, part: OwnedPartition) -> None:
+        if self.mesh is not None:
+            self.mesh.broadcast(APPENDED, _pack_marks(part))
+
+    def _on_marks(self, peer: int, request: int, body: memoryview) -> None:
+        assert self.mesh is not None
+        self.mesh.reply(peer, request, b"".join(map(_pack_marks, self.owned.values())))
+
+    def _on_forward(self, peer: int, request: int, body: memoryview) -> None:
+        key, pos = unpack_key(body)
+        mesh = self.mesh
+        assert mesh is not None and self.enqueue is not None
+        if not self.owns(key):
+            log.error("worker %d: peer %d forwarded to %s/%d, which it does not own",
+                      self.worker, peer, *key)
+            mesh.reply(peer, request, _OFFSET.pack(-1))
+            return
+        records = decode_batch(bytes(body[pos:]))
+        self.received += len(records)
+
+        def answer(first: int | None) -> None:
+            mesh.reply(peer, request, _OFFSET.pack(-1 if first is None else first))
+
+        self.enqueue(key, records, answer)
+
+    # ------------------------------------------------------------ elsewhere
+
+    def _forward(self, part: RemotePartition, records: list[Record],
+                 acks: list[Ack | None]) -> None:
+        self.forwarded += len(records)
+        try:
+            assert self.mesh is not None
+            reply = self.mesh.call(part.owner, FORWARD,
+                                   pack_key(part.key) + encode_batch(0, records))
+        except PeerDown as e:
+            log.warning("%s/%d: %s; %d records not stored", *part.key, e, len(records))
+            _settle(acks, None)
+            return
+
+        def done(future: Any) -> None:
+            first = None
+            if not future.cancelled() and future.exception() is None:
+                first = _OFFSET.unpack(future.result())[0]
+                if first < 0:
+                    first = None
+            elif not future.cancelled():
+                log.warning("%s/%d: %s; %d records not stored", *part.key,
+                            future.exception(), len(records))
+            _settle(acks, first)
+
+        reply.add_done_callback(done)
+
+    def _on_appended(self, peer: int, request: int, body: memoryview) -> None:
+        key, pos = unpack_key(body)
+        self._moved(key, *_MARKS.unpack_from(body, pos))
+
+    def _moved(self, key: Key, start: int, end: int) -> None:
+        self.marks[key] = (start, end)
+        part = self.remote.get(key)
+        if part is None:
+            return  # nobody here reads it yet; a reader made later starts from the mark
+        old = part.log.end_offset
+        part.log.advance(end, start)
+        if end > old:
+            if self.on_moved is not None:
+                self.on_moved(key, old, part)
+            if self.wake is not None:
+                self.wake(part)
+
+    def close(self) -> None:
+        for part in self.remote.values():
+            part.log.close()
+
+
+def _pack_marks(part: Partition) -> bytes:
+    return pack_key(part.key) + _MARKS.pack(part.log.log_start_offset, part.log.end_offset)
+
+
+def _settle(acks: list[Ack | None], first: int | None) -> None:
+    """Call each record's acknowledgement: with its offset, or None when not stored."""
+    for i, ack in enumerate(acks):
+        if ack is not None:
+            ack(None if first is None else first + i)

@@ -1,0 +1,254 @@
+"""Where each session lives: a client id is served by one worker at a time.
+
+Connections land on any worker (SO_REUSEPORT picks), so a client that reconnects may land
+on another worker than the one holding its session. Each client id has a *home* worker
+(``crc32(client id) % workers``) that keeps the registry entry saying which worker holds the
+session, and decides every claim on it, one claim per client id at a time:
+
+1. a worker that gets a CONNECT asks the home (``CLAIM``) before it answers the client;
+2. if another worker holds the session, the home asks that worker to give it up
+   (``RELEASE``): it closes the old connection with 0x8E "session taken over"
+   [MQTT-3.1.4-3], takes the session out of its router and answers with the session's
+   state (subscriptions, offsets, in-flight messages, QoS 2 packet ids);
+3. the home records the new holder and answers the claim with that state, which the new
+   worker's router adopts, so nothing is lost and no QoS 2 message is delivered twice.
+
+A session that ends (expiry, clean session) is dropped from the registry (``ENDED``).
+
+When a worker dies, each home takes back the sessions that worker held (their last state is
+in the ``$sessions`` stream) and holds them itself, offline, until their clients reconnect
+(so their wills and expiry still run). A worker that starts asks its peers which of its home
+sessions they hold (``HELD``) and loads the others from ``$sessions``.
+
+Called only from the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import zlib
+from collections.abc import Callable
+from typing import TypeVar
+
+from broker.workers.mesh import Mesh, PeerDown
+from broker.workers.partitions import NEXT_KIND
+
+log = logging.getLogger("broker.workers")
+T = TypeVar("T")
+
+CLAIM = NEXT_KIND
+RELEASE = NEXT_KIND + 1
+ENDED = NEXT_KIND + 2
+HELD = NEXT_KIND + 3
+#: Kinds from here on are free for the other worker services.
+SESSIONS_NEXT_KIND = NEXT_KIND + 4
+
+#: Answers to a claim: no session anywhere (start a new one), the claimant holds it already,
+#: or the state handed over (follows the tag).
+NEW = b"N"
+HERE = b"H"
+STATE = b"S"
+#: Seconds a claim keeps retrying while the home worker is down (being restarted).
+CLAIM_PATIENCE = 10.0
+
+
+def home_of(client_id: str, count: int) -> int:
+    return zlib.crc32(client_id.encode()) % count
+
+
+class SessionDirectory:
+    """This worker's part of the session registry (see the module docstring).
+
+    The worker connects it to its router through three callables:
+
+    - ``hand_over(client_id) -> bytes | None``: take the session out of this worker (closing
+      its connection as taken over) and return its state, None if it has none to give;
+    - ``restore(client_ids) -> list[str]``: load these sessions from ``$sessions`` as offline
+      sessions held here; returns the ids found;
+    - ``held_ids() -> list[str]``: the client ids of the sessions this worker holds.
+    """
+
+    def __init__(self, worker: int, count: int) -> None:
+        self.worker = worker
+        self.count = count
+        self.mesh: Mesh | None = None
+        #: For client ids whose home is this worker: the worker that holds the session.
+        self.registry: dict[str, int] = {}
+        self._busy: dict[str, asyncio.Future[None]] = {}
+        #: Claims of this worker waiting for their answer, and releases waiting for them.
+        self._claiming: dict[str, int] = {}
+        self._deferred: dict[str, list[Callable[[], None]]] = {}
+        self.hand_over: Callable[[str], bytes | None] = lambda client_id: None
+        self.restore: Callable[[list[str]], list[str]] = lambda client_ids: []
+        self.held_ids: Callable[[], list[str]] = list
+        self.claims = 0
+        self.takeovers = 0  # sessions handed from one worker to another
+
+    def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
+        return {CLAIM: self._on_claim, RELEASE: self._on_release, ENDED: self._on_ended,
+                HELD: self._on_held}
+
+    def home(self, client_id: str) -> int:
+        return home_of(client_id, self.count)
+
+    # ------------------------------------------------------------ the claimant
+
+    async def claim(self, client_id: str, adopt: Callable[[bytes], T]) -> T:
+        """Make this worker the holder of ``client_id``'s session and return what
+        ``adopt(answer)`` returns; ``answer`` is :data:`NEW`, :data:`HERE` or :data:`STATE`
+        + the state, and ``adopt`` creates or takes over the session in the router.
+
+        A release asked of this worker meanwhile waits until ``adopt`` ran: the home may
+        send it right behind its answer, and it must find the session adopted, or the
+        session would end up on two workers. Raises :class:`PeerDown` if the home stays
+        unreachable for :data:`CLAIM_PATIENCE` seconds.
+        """
+        self.claims += 1
+        self._claiming[client_id] = self._claiming.get(client_id, 0) + 1
+        try:
+            return adopt(await self._ask_home(client_id))
+        finally:
+            left = self._claiming[client_id] - 1
+            if left:
+                self._claiming[client_id] = left
+            else:
+                del self._claiming[client_id]
+                for release in self._deferred.pop(client_id, ()):
+                    release()
+
+    async def _ask_home(self, client_id: str) -> bytes:
+        home = self.home(client_id)
+        if home == self.worker:
+            return await self._decide(client_id, self.worker)
+        assert self.mesh is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CLAIM_PATIENCE
+        while True:
+            try:
+                return await self.mesh.call(home, CLAIM, client_id.encode())
+            except PeerDown:
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.1)  # the supervisor is restarting it
+
+    def ended(self, client_id: str) -> None:
+        """The session of ``client_id`` held here ended: tell its home."""
+        home = self.home(client_id)
+        if home == self.worker:
+            self._forget(client_id, self.worker)
+        elif self.mesh is not None and home in self.mesh.peers:
+            self.mesh.send(home, ENDED, client_id.encode())
+
+    # ------------------------------------------------------------ the home
+
+    async def _decide(self, client_id: str, claimant: int) -> bytes:
+        while (busy := self._busy.get(client_id)) is not None:
+            await asyncio.shield(busy)  # one claim per client id at a time
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy[client_id] = done
+        try:
+            while True:
+                holder = self.registry.get(client_id)
+                if holder is None:
+                    self.registry[client_id] = claimant
+                    return NEW
+                if holder == claimant:
+                    return HERE
+                try:
+                    state = await self._release_at(holder, client_id)
+                except PeerDown:
+                    # The holder died: peer_down() took its sessions back here; ask again.
+                    continue
+                self.registry[client_id] = claimant
+                if not state:
+                    return NEW
+                self.takeovers += 1
+                return STATE + state
+        finally:
+            del self._busy[client_id]
+            done.set_result(None)
+
+    async def _release_at(self, holder: int, client_id: str) -> bytes:
+        if holder == self.worker:
+            return self.hand_over(client_id) or b""
+        assert self.mesh is not None
+        return await self.mesh.call(holder, RELEASE, client_id.encode())
+
+    def _on_claim(self, peer: int, request: int, body: memoryview) -> None:
+        client_id = bytes(body).decode()
+        mesh = self.mesh
+        assert mesh is not None
+
+        def answer(task: asyncio.Task[bytes]) -> None:
+            if task.cancelled():
+                return
+            error = task.exception()
+            if error is not None:
+                log.error("worker %d: claim of %r for worker %d failed: %r", self.worker,
+                          client_id, peer, error)
+                return  # the claimant's call fails when it gives up
+            mesh.reply(peer, request, task.result())
+
+        asyncio.get_running_loop().create_task(
+            self._decide(client_id, peer)).add_done_callback(answer)
+
+    def _on_release(self, peer: int, request: int, body: memoryview) -> None:
+        client_id = bytes(body).decode()
+        mesh = self.mesh
+        assert mesh is not None
+
+        def release() -> None:
+            mesh.reply(peer, request, self.hand_over(client_id) or b"")
+
+        if client_id in self._claiming:
+            self._deferred.setdefault(client_id, []).append(release)  # see claim()
+        else:
+            release()
+
+    def _on_ended(self, peer: int, request: int, body: memoryview) -> None:
+        self._forget(bytes(body).decode(), peer)
+
+    def _forget(self, client_id: str, holder: int) -> None:
+        # Only if that worker still holds it: a claim may have moved it since.
+        if self.registry.get(client_id) == holder and client_id not in self._busy:
+            del self.registry[client_id]
+
+    # ------------------------------------------------------------ restarts
+
+    def peer_down(self, peer: int) -> None:
+        """``peer`` died: the sessions homed here that it held are restored here."""
+        lost = [cid for cid, holder in self.registry.items() if holder == peer]
+        if not lost:
+            return
+        found = set(self.restore(lost))
+        for cid in lost:
+            if cid in found:
+                self.registry[cid] = self.worker
+            else:
+                del self.registry[cid]
+        log.warning("worker %d: worker %d died holding %d sessions homed here; %d restored "
+                    "from the log", self.worker, peer, len(lost), len(found))
+
+    async def held_elsewhere(self) -> dict[str, int]:
+        """At start: which sessions homed here the peers hold (they stay there)."""
+        assert self.mesh is not None
+        held: dict[str, int] = {}
+        for peer in list(self.mesh.peers):
+            body = await self.mesh.call(peer, HELD, self.worker.to_bytes(4, "little"))
+            for cid in body.decode().split("\0") if body else ():
+                held[cid] = peer
+        self.registry.update(held)
+        return held
+
+    def _on_held(self, peer: int, request: int, body: memoryview) -> None:
+        home = int.from_bytes(body, "little")
+        assert self.mesh is not None
+        ids = [cid for cid in self.held_ids() if self.home(cid) == home]
+        # NUL separates: an MQTT string never contains U+0000 [MQTT-1.5.4-2].
+        self.mesh.reply(peer, request, "\0".join(ids).encode())
+
+    def loaded(self, client_ids: list[str]) -> None:
+        """At start: these sessions homed here were loaded from the log and are held here."""
+        for cid in client_ids:
+            self.registry.setdefault(cid, self.worker)

@@ -1,0 +1,156 @@
+"""The session directory: claims, hand-overs and restarts between real meshes in one loop,
+with a dictionary standing in for each worker's router."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+from broker.workers.mesh import Mesh
+from broker.workers.sessions import HERE, NEW, STATE, SessionDirectory, home_of
+from tests.unit.workers.test_mesh import run, until
+
+
+class FakeWorker:
+    """A directory whose "router" is a dict client id -> state; ``log`` is $sessions."""
+
+    def __init__(self, tmp: Path, index: int, count: int, log: dict[str, bytes]) -> None:
+        self.held: dict[str, bytes] = {}
+        self.closed: list[str] = []  # connections closed as "taken over"
+        self.log = log
+        self.dir = SessionDirectory(index, count)
+        self.dir.hand_over = self.hand_over
+        self.dir.restore = self.restore
+        self.dir.held_ids = lambda: list(self.held)
+        self.mesh = Mesh(tmp, index, count, self.dir.handlers(),
+                         on_peer_down=self.dir.peer_down)
+        self.dir.mesh = self.mesh
+
+    def hand_over(self, client_id: str) -> bytes | None:
+        if client_id not in self.held:
+            return None
+        self.closed.append(client_id)
+        return self.held.pop(client_id)
+
+    def restore(self, client_ids: list[str]) -> list[str]:
+        found = [c for c in client_ids if c in self.log]
+        for c in found:
+            self.held[c] = self.log[c]
+        return found
+
+    async def connect(self, client_id: str, state: bytes = b"{}") -> bytes:
+        """What the transport does on CONNECT: claim, then create or adopt the session."""
+
+        def adopt(answer: bytes) -> bytes:
+            if answer == NEW:
+                self.held[client_id] = state
+            elif answer.startswith(STATE):
+                self.held[client_id] = answer[1:]
+            else:
+                assert answer == HERE and client_id in self.held
+            self.log[client_id] = self.held[client_id]
+            return answer
+
+        return await self.dir.claim(client_id, adopt)
+
+
+async def cluster(tmp: Path, count: int, log: dict[str, bytes]) -> list[FakeWorker]:
+    workers = [FakeWorker(tmp, i, count, log) for i in range(count)]
+    for w in workers:
+        await w.mesh.start()
+    for w in workers:
+        await w.mesh.wait_connected(5)
+    return workers
+
+
+def ids_homed_at(home: int, count: int, n: int = 3) -> list[str]:
+    return [c for c in (f"client-{i}" for i in range(100)) if home_of(c, count) == home][:n]
+
+
+def test_a_session_follows_its_client_from_worker_to_worker(tmp_path: Path) -> None:
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        for home in range(3):
+            cid = ids_homed_at(home, 3, 1)[0]
+            assert await w[0].connect(cid, b'{"subs":1}') == NEW
+            assert await w[0].connect(cid) == HERE  # a reconnect to the same worker
+            # The client comes back through worker 1, then 2: the state goes with it.
+            assert await w[1].connect(cid) == STATE + b'{"subs":1}'
+            assert cid not in w[0].held and w[0].closed == [cid]
+            assert await w[2].connect(cid) == STATE + b'{"subs":1}'
+            assert list(w[2].held) == [cid] and w[1].closed == [cid]
+            assert w[home].dir.registry[cid] == 2
+            w[0].closed.clear()
+            w[1].closed.clear()
+            w[2].held.clear()
+            w[2].dir.ended(cid)
+            await until(lambda cid=cid, home=home: cid not in w[home].dir.registry)
+        for x in w:
+            await x.mesh.close()
+
+    run(main)
+
+
+def test_simultaneous_claims_end_with_one_holder(tmp_path: Path) -> None:
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        cid = ids_homed_at(0, 3, 1)[0]
+        answers = await asyncio.gather(*(w[i % 3].connect(cid, b"s") for i in range(12)))
+        holders = [i for i in range(3) if cid in w[i].held]
+        assert len(holders) == 1
+        assert w[0].dir.registry[cid] == holders[0]
+        assert answers.count(NEW) == 1  # created once; every later claim took it over
+        for x in w:
+            await x.mesh.close()
+
+    run(main)
+
+
+def test_a_dead_workers_sessions_are_restored_by_their_homes(tmp_path: Path) -> None:
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 2, log)
+        homed_at_0 = ids_homed_at(0, 2)
+        homed_at_1 = ids_homed_at(1, 2)
+        for cid in homed_at_0 + homed_at_1:
+            await w[1].connect(cid, cid.encode())
+        # Worker 1 dies: worker 0 takes back the sessions homed at 0, from the log.
+        await w[1].mesh.close()
+        await until(lambda: all(c in w[0].held for c in homed_at_0))
+        assert all(w[0].dir.registry[c] == 0 for c in homed_at_0)
+        # Its replacement holds nothing yet: it learns what worker 0 holds of its home
+        # sessions (nothing) and would load the rest from the log itself.
+        again = FakeWorker(tmp_path, 1, 2, log)
+        await again.mesh.start()
+        await again.mesh.wait_connected(5)
+        assert await again.dir.held_elsewhere() == {}
+        # A client homed at 0 reconnecting through the new worker 1 gets its state back.
+        assert await again.connect(homed_at_0[0]) == STATE + homed_at_0[0].encode()
+        await again.mesh.close()
+        await w[0].mesh.close()
+
+    run(main)
+
+
+def test_a_restarted_worker_learns_which_of_its_sessions_live_elsewhere(tmp_path: Path) -> None:
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 2, log)
+        homed_at_1 = ids_homed_at(1, 2)
+        for cid in homed_at_1:
+            await w[0].connect(cid, cid.encode())
+        await w[1].mesh.close()  # worker 1 (their home) dies; worker 0 keeps serving them
+        again = FakeWorker(tmp_path, 1, 2, log)
+        await again.mesh.start()
+        await again.mesh.wait_connected(5)
+        held = await again.dir.held_elsewhere()
+        assert held == dict.fromkeys(homed_at_1, 0)
+        # So a reconnect through worker 1 takes them over from worker 0, state and all.
+        assert await again.connect(homed_at_1[0]) == STATE + homed_at_1[0].encode()
+        assert w[0].closed == [homed_at_1[0]]
+        await again.mesh.close()
+        await w[0].mesh.close()
+
+    run(main)
