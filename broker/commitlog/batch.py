@@ -16,7 +16,7 @@ Batch header, 48 bytes (``BATCH_HEADER``, struct ``<qIBBHiIIqqI``)::
      24  4   record_count       number of records, ``n`` (>= 1)
      28  8   first_timestamp    timestamp of the first record (ms since the epoch)
      36  8   max_timestamp      largest record timestamp in the batch (ms)
-     44  4   crc                zlib.crc32 over bytes [0, 44) then [48, batch_length)
+     44  4   crc                CRC-32 (zlib's) over bytes [0, 44) then [48, batch_length)
 
 The CRC covers every byte of the batch except itself, header included. The body starts with a
 string table holding each distinct topic and client id of the batch once (MQTT batches repeat a
@@ -60,7 +60,6 @@ Pure functions on buffers, no I/O; safe from any thread.
 from __future__ import annotations
 
 import struct
-import zlib
 from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterable, Sequence
 from functools import lru_cache
@@ -69,6 +68,7 @@ from operator import add, getitem, lt, sub
 from pathlib import Path
 from typing import NamedTuple, cast
 
+from broker.commitlog.crc import crc32
 from broker.commitlog.errors import CorruptRecordBatch, InvalidRecord, UnsupportedFormat
 from broker.commitlog.record import Record
 
@@ -234,10 +234,8 @@ def encode_batch(
         buf, 0, base_offset, length, MAGIC, 0, 0, leader_epoch, last_delta, n,
         first_ts, max_ts, 0,
     )
-    view = memoryview(buf)
-    crc = zlib.crc32(view[BATCH_HEADER_SIZE:], zlib.crc32(view[:CRC_OFFSET]))
-    view.release()
-    _CRC.pack_into(buf, CRC_OFFSET, crc)
+    _CRC.pack_into(buf, CRC_OFFSET, crc32(buf, BATCH_HEADER_SIZE, length,
+                                          crc32(buf, 0, CRC_OFFSET)))
     return buf
 
 
@@ -273,12 +271,7 @@ def validate_batch(
         raise CorruptRecordBatch(
             f"batch length {length} runs past the end of the data", where, path
         )
-    view = memoryview(buf)
-    try:
-        crc = zlib.crc32(view[pos + BATCH_HEADER_SIZE : pos + length],
-                         zlib.crc32(view[pos : pos + CRC_OFFSET]))
-    finally:
-        view.release()
+    crc = crc32(buf, pos + BATCH_HEADER_SIZE, pos + length, crc32(buf, pos, pos + CRC_OFFSET))
     if crc != h.crc:
         raise CorruptRecordBatch(
             f"CRC mismatch (stored {h.crc:#010x}, computed {crc:#010x})", where, path
