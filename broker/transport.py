@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
+from collections.abc import Sequence
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any
 
@@ -348,8 +349,23 @@ class MQTTProtocol(asyncio.Protocol):
         self._write(data)
         return True
 
+    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
+                         retains: Sequence[bool] | None, qos: int,
+                         first_packet_id: int | None) -> bool:
+        data = self.conn.send_publish_run(topics, payloads, retains, qos, first_packet_id)
+        if data is None:
+            return False
+        self.metrics.messages_out[qos] += len(topics)
+        self._write(data)
+        return True
+
     def can_write(self) -> bool:
         return not self._paused and not self._closing and self._out_bytes < self._budget
+
+    def output_room(self) -> int:
+        if self._paused or self._closing:
+            return 0
+        return max(0, self._budget - self._out_bytes)
 
     def close(self, reason_code: int | None = None, reason: str = "") -> None:
         if self.transport is None or self.transport.is_closing():

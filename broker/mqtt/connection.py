@@ -12,11 +12,12 @@ into a CONNACK / DISCONNECT and a close is the transport's job. No asyncio, no s
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
 from broker.mqtt.decode import Decoder
-from broker.mqtt.encode import encode, encode_publish
+from broker.mqtt.encode import encode, encode_publish, encode_publish_run
 from broker.mqtt.errors import MQTTError, ProtocolError, TopicNameInvalid
 from broker.mqtt.packets import (
     Auth,
@@ -293,3 +294,25 @@ class ServerConnection:
         if self.client_max_packet_size is not None and len(data) > self.client_max_packet_size:
             return None
         return data
+
+    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
+                         retains: Sequence[bool] | None, qos: int,
+                         first_packet_id: int | None) -> bytes | None:
+        """Encode PUBLISHes without properties for a run of messages in one pass (see
+        :func:`~broker.mqtt.encode.encode_publish_run`).
+
+        Returns ``None`` when the run needs per-packet decisions: outbound topic aliases in
+        use, or a packet that might exceed the client's maximum packet size
+        [MQTT-3.1.2-25]; the caller then sends the messages one by one.
+        """
+        version = self.version
+        assert version is not None
+        if self.client_topic_alias_maximum and version == 5:
+            return None
+        limit = self.client_max_packet_size
+        if limit is not None:
+            # An upper bound: 5 bytes of fixed header, topic length, packet id, properties.
+            largest = max(map(len, payloads)) + 4 * max(map(len, topics)) + 10
+            if largest > limit:
+                return None
+        return encode_publish_run(topics, payloads, retains, qos, first_packet_id, version)

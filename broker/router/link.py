@@ -6,6 +6,7 @@ free of sockets, and testable with a recording fake.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from broker.mqtt.packets import Packet
@@ -26,8 +27,21 @@ class Link(Protocol):
         discarded as the spec requires [MQTT-3.1.2-25]."""
         ...
 
+    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
+                         retains: Sequence[bool] | None, qos: int,
+                         first_packet_id: int | None) -> bool:
+        """Queue PUBLISHes without properties for a run of messages (not DUP; packet ids
+        consecutive from ``first_packet_id`` for QoS 1; ``retains`` None: none retained).
+        False, with nothing queued, when the connection needs them one by one
+        (:meth:`send_publish`): topic aliases, or the client's maximum packet size."""
+        ...
+
     def can_write(self) -> bool:
         """True while the output buffer is below its high-water mark."""
+        ...
+
+    def output_room(self) -> int:
+        """Bytes the link may still queue in this loop iteration (0 when it cannot write)."""
         ...
 
     def close(self, reason_code: int | None = None, reason: str = "") -> None:

@@ -7,7 +7,7 @@ calls :meth:`Harness.run`.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,6 +54,7 @@ class FakeLink:
     publishes: list[Sent] = field(default_factory=list)
     closed: int | bool | None = False
     writable: bool = True
+    runs: int = 0  # send_publish_run calls
 
     def send(self, packet: Packet) -> None:
         self.packets.append(packet)
@@ -63,8 +64,21 @@ class FakeLink:
         self.publishes.append(Sent(topic, payload, qos, retain, dup, packet_id, properties))
         return True
 
+    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
+                         retains: Sequence[bool] | None, qos: int,
+                         first_packet_id: int | None) -> bool:
+        self.runs += 1
+        for i, (topic, payload) in enumerate(zip(topics, payloads, strict=True)):
+            pid = None if first_packet_id is None else first_packet_id + i
+            retain = bool(retains and retains[i])
+            self.publishes.append(Sent(topic, payload, qos, retain, False, pid, None))
+        return True
+
     def can_write(self) -> bool:
         return self.writable
+
+    def output_room(self) -> int:
+        return 1 << 20 if self.writable else 0
 
     def close(self, reason_code: int | None = None, reason: str = "") -> None:
         self.closed = reason_code

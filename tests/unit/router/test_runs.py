@@ -1,0 +1,93 @@
+"""Runs: a consumer's read delivered in one piece (Router._send_run) when no per-message rule
+applies, and message by message when one does; the deliveries are the same either way."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from broker.config import RouterConfig
+from broker.mqtt.packets import Subscribe, Subscription
+from broker.mqtt.properties import PropertyId
+from tests.unit.router.conftest import Harness
+
+
+def _load(h: Harness, n: int, qos: int = 1, **kw: object) -> None:
+    _, pub = h.connect("pub", 4)
+    for i in range(n):
+        h.publish(pub, f"t/{i % 3}", b"%d" % i, qos, i % 60000 + 1 if qos else None, **kw)
+    h.run()
+
+
+def test_replay_is_sent_as_runs_within_the_receive_maximum(h: Harness) -> None:
+    _load(h, 100)
+    link, s = h.connect("sub", 5, receive_maximum=10)
+    h.subscribe(s, "$replay/earliest/t/+", 1)
+    assert link.runs == 0  # 5.0 replay deliveries carry mqlog-offset: one by one
+    link, s = h.connect("sub4", 4)
+    h.router.subscribe(s, Subscribe(1, [Subscription("$replay/earliest/t/+", 1)]))
+    h.run()
+    got = link.take()
+    assert link.runs >= 1
+    assert len(got) == 100  # 3.1.1: max_inflight (100) bounds the window
+    assert [p.packet_id for p in got] == list(range(1, 101))  # consecutive, in order
+    assert [p.payload for p in got] == [b"%d" % i for i in range(100)]
+    assert all(p.qos == 1 and not p.retain and not p.dup for p in got)
+    assert sorted(s.inflight) == list(range(1, 101))
+    assert [s.inflight[i].offset for i in range(1, 101)] == list(range(100))
+
+
+def test_quota_and_packet_ids_in_use(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "data", RouterConfig(max_inflight=8))
+    _load(h, 50)
+    link, s = h.connect("sub", 4)
+    s.next_packet_id = 65533  # a run does not wrap: ids 65533..65535, then 1..
+    h.subscribe(s, "$replay/earliest/t/+", 1)
+    got = link.take()
+    assert link.runs == 2
+    assert len(got) == 8  # the send quota (max_inflight; 5.0: also receive maximum)
+    assert [p.packet_id for p in got] == [65533, 65534, 65535, 1, 2, 3, 4, 5]
+    for pid in (65534, 2):
+        h.router.puback(s, pid)
+    got = link.take()
+    assert [p.packet_id for p in got] == [6, 7]
+    assert [p.payload for p in got] == [b"8", b"9"]
+    s.next_packet_id = 5  # 5..7 are in use: one by one, skipping them [MQTT-2.2.1-3]
+    h.router.puback(s, 3)
+    h.router.puback(s, 4)
+    got = link.take()
+    assert [p.packet_id for p in got] == [8, 9]
+    h.streams.close()
+
+
+def test_qos_is_the_minimum_and_mixed_runs_go_one_by_one(h: Harness) -> None:
+    _, pub = h.connect("pub", 4)
+    link, s = h.connect("sub", 4)
+    h.subscribe(s, "t/#", 1)
+    for i in range(20):
+        h.publish(pub, "t/a", b"%d" % i, i % 2, i + 1 if i % 2 else None)
+    h.run()
+    got = link.take()
+    assert [p.qos for p in got] == [i % 2 for i in range(20)]  # [MQTT-3.8.4-8]
+    assert [p.packet_id for p in got if p.qos] == list(range(1, 11))
+
+
+def test_properties_no_local_and_retain_as_published(h: Harness) -> None:
+    link, s = h.connect("c", 5)
+    h.router.subscribe(s, Subscribe(1, [Subscription("t/+", 0, no_local=True,
+                                                     retain_as_published=True)]))
+    h.run()
+    _, other = h.connect("o", 5)
+    for i in range(10):
+        h.publish(s, "t/a", b"own%d" % i)  # not delivered back [MQTT-3.8.3-3]
+        h.publish(other, "t/a", b"%d" % i, retain=i == 3)
+    h.publish(other, "t/a", b"expiring", properties={PropertyId.MESSAGE_EXPIRY_INTERVAL: 60})
+    h.run()
+    got = link.take()
+    assert [p.payload for p in got] == [b"%d" % i for i in range(10)] + [b"expiring"]
+    assert [p.retain for p in got][:10] == [i == 3 for i in range(10)]
+    assert got[-1].properties == {PropertyId.MESSAGE_EXPIRY_INTERVAL: 60}
+    for i in range(10):
+        h.publish(other, "t/b", b"%d" % i, retain=i == 5)
+    h.run()
+    got = link.take()
+    assert link.runs == 1 and [p.retain for p in got] == [i == 5 for i in range(10)]
