@@ -8,6 +8,7 @@ flushed once at its end.
 from __future__ import annotations
 
 import asyncio
+import gc
 import fcntl
 import logging
 import os
@@ -32,6 +33,8 @@ log = logging.getLogger("broker.server")
 
 #: Seconds between timer runs (keepalive, wills, session expiry, interval fsync).
 TICK_SECONDS = 0.5
+#: Allocations between two young-generation garbage collections (CPython: 700).
+GC_THRESHOLD = 50_000
 
 
 class ServeError(Exception):
@@ -129,6 +132,12 @@ class Server:
         log.info("auth: anonymous %s, password file %s, acl file %s",
                  "ALLOWED" if auth.allow_anonymous else "refused",
                  auth.password_file or "none", auth.acl_file or "none (all topics allowed)")
+        # The broker allocates millions of short-lived tuples (records, packets): with the
+        # default thresholds the collector ran every 700 allocations and, on a replay of
+        # 1,000,000 records, took half the broker's time (py-spy, gc_collect_main). What
+        # start-up built (config, streams, sessions) is moved out of its reach.
+        gc.freeze()
+        gc.set_threshold(GC_THRESHOLD, 20, 20)
         self.ready = True
         return ready
 
