@@ -8,8 +8,8 @@ flushed once at its end.
 from __future__ import annotations
 
 import asyncio
-import gc
 import fcntl
+import gc
 import logging
 import os
 import time
