@@ -140,7 +140,8 @@ class Mqlog(Broker):
                "--http-port", str(free_port()), "--data-dir", str(data)]
         if self.profile is not None:
             spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
-            cmd = [spy, "record", "-r", "250", "-f", "raw", "-o", str(self.profile), "--", *cmd]
+            cmd = [spy, "record", "-r", "250", "--native", "-f", "raw", "-o", str(self.profile),
+                   "--", *cmd]
         env = {**os.environ, "PYTHONPATH": str(self.src)}
         self.proc = subprocess.Popen(cmd, cwd=self.src, env=env)
         wait_port(self.port, self.proc)

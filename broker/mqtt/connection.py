@@ -17,7 +17,12 @@ from dataclasses import replace
 from typing import Any
 
 from broker.mqtt.decode import Decoder
-from broker.mqtt.encode import encode, encode_publish, encode_publish_run
+from broker.mqtt.encode import (
+    encode,
+    encode_puback_success,
+    encode_publish,
+    encode_publish_run,
+)
 from broker.mqtt.errors import MQTTError, ProtocolError, TopicNameInvalid
 from broker.mqtt.packets import (
     Auth,
@@ -246,6 +251,9 @@ class ServerConnection:
         """Encode a packet for this client's protocol version."""
         assert self.version is not None
         kind = type(packet)
+        if isinstance(packet, PubAck) and not (packet.reason_code or packet.properties):
+            self.inbound_unacked.discard(packet.packet_id)  # its quota comes back (s4.9)
+            return encode_puback_success(packet.packet_id)
         if isinstance(packet, (PubAck, PubComp, PubRec)) and (
                 kind is not PubRec or packet.reason_code >= 0x80):
             # The client's send quota for this id comes back (s4.9): after PUBACK, PUBCOMP,

@@ -59,7 +59,7 @@ from broker.mqtt.properties import (
     encode_vbi,
 )
 
-__all__ = ["encode", "encode_publish", "encode_publish_run"]
+__all__ = ["encode", "encode_puback_success", "encode_publish", "encode_publish_run"]
 
 _U16 = struct.Struct(">H").pack
 _U16_NO_PROPS = struct.Struct(">HB").pack  # packet id, then an empty 5.0 property block
@@ -68,6 +68,11 @@ _HEAD2_U16 = struct.Struct(">BBH").pack
 _NO_PROPS = b"\x00"
 _VERSIONS = (3, 4, 5)
 _TOPIC_ALIAS = PropertyId.TOPIC_ALIAS
+
+#: PUBLISH heads remembered by :func:`encode_publish_run` (a fleet of 5,000 devices fits;
+#: cleared when full): (topic, payload size, retain, qos, version) -> bytes.
+PUBLISH_HEAD_ENTRIES = 16384
+_heads: dict[tuple[str, int, bool, int, int], bytes] = {}
 
 
 def _check_version(version: int) -> None:
@@ -187,6 +192,15 @@ def _ack(first: int, ptype: int, what: str, packet: PubAck | PubRec | PubRel | P
 
 def _encode_puback(packet: PubAck, version: int) -> bytes:
     return _ack(0x40, 4, "PUBACK", packet, version)
+
+
+def encode_puback_success(packet_id: int) -> bytes:
+    """A PUBACK with reason Success and no properties, the acknowledgement of nearly every
+    QoS 1 PUBLISH: the same 4 bytes at every level (s3.4.2.1), without :func:`encode`'s
+    dispatch (a fleet of devices acknowledged one by one spent 6% of the broker there)."""
+    if type(packet_id) is not int or not 0 < packet_id <= 0xFFFF:
+        raise LocalProtocolError(f"PUBACK packet id must be 1..65535, got {packet_id!r}")
+    return _HEAD2_U16(0x40, 2, packet_id)
 
 
 def _encode_pubrec(packet: PubRec, version: int) -> bytes:
@@ -408,7 +422,8 @@ def encode_publish_run(
     heads: Iterable[bytes]
     if retains is None and sizes.count(sizes[0]) == n:
         # Fixed-format telemetry: the topic alone selects the head.
-        by_topic = {t: _publish_head(t, sizes[0], False, qos, version) for t in set(topics)}
+        size = sizes[0]
+        by_topic = {t: _publish_head(t, size, False, qos, version) for t in set(topics)}
         heads = map(by_topic.__getitem__, topics)
     else:
         keys = list(zip(topics, sizes, repeat(False) if retains is None else retains,
@@ -427,7 +442,12 @@ def encode_publish_run(
 def _publish_head(topic: str, payload_size: int, retain: bool, qos: int, version: int) -> bytes:
     """The bytes of a PUBLISH without properties up to its packet id: fixed header (with the
     remaining length of a ``payload_size`` payload), topic length and topic. Cut from an
-    :func:`encode_publish` of an empty payload, so its checks apply."""
+    :func:`encode_publish` of an empty payload, so its checks apply; remembered, since a
+    fleet of devices sends runs of a few messages on thousands of topics."""
+    key = (topic, payload_size, retain, qos, version)
+    head = _heads.get(key)
+    if head is not None:
+        return head
     empty = encode_publish(topic, b"", qos, retain, False, 1 if qos else None, None, version)
     i = 1
     while empty[i] & 0x80:  # past the remaining length (s2.1.4)
@@ -436,4 +456,8 @@ def _publish_head(topic: str, payload_size: int, retain: bool, qos: int, version
     if size > MAX_VBI:
         raise LocalProtocolError(f"PUBLISH of {size} bytes exceeds {MAX_VBI}")
     after_topic = (2 if qos else 0) + (version == 5)  # packet id, empty property block
-    return empty[:1] + encode_vbi(size) + empty[i + 1:len(empty) - after_topic]
+    head = empty[:1] + encode_vbi(size) + empty[i + 1:len(empty) - after_topic]
+    if len(_heads) >= PUBLISH_HEAD_ENTRIES:
+        _heads.clear()
+    _heads[key] = head
+    return head
