@@ -204,3 +204,21 @@ def test_reading_below_the_earliest_retained_offset_is_416(broker_factory: Broke
     status, _, body = fetch(broker, RECORDS.format("telemetry", 0) + f"?offset={earliest}")
     assert status == 200
     assert arrow(body).column("offset").to_pylist()[0] == earliest
+
+
+def test_columns_that_vary_per_record(broker_factory: BrokerFactory) -> None:
+    """QoS and retain are encoded per record when they vary (constant columns take a
+    shortcut), and every column keeps the record's own value."""
+    broker = broker_factory(config=STREAMS.replace("partitions = 2", "partitions = 1"),
+                            start=False)
+    written = [Record(0, 1_700_000_000_000 + i, f"devices/d{i % 3}", b"%d" % i, i % 3,
+                      i % 4 == 0, f"c{i % 2}") for i in range(12)]
+    with Streams(broker.data_dir, [StreamSpec("telemetry", ("devices/#",), 1)]) as s:
+        s.log("telemetry", 0).append(written)
+    broker.start()
+    status, _, body = fetch(broker, RECORDS.format("telemetry", 0) + "?offset=0")
+    assert status == 200
+    rows = arrow(body).to_pylist()
+    assert [(r["offset"], int(r["timestamp"].timestamp() * 1000), r["topic"], r["payload"],
+             r["qos"], r["retain"], r["client_id"]) for r in rows] == \
+        [(i, *r[1:7]) for i, r in enumerate(written)]
