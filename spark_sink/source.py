@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import pyarrow as pa
@@ -41,6 +42,7 @@ from pyspark.sql.types import StructType
 from broker.mqtt.topics import topic_matches
 from spark_sink.client import (
     BrokerClient,
+    Fetched,
     MqlogSourceError,
     OffsetOutOfRange,
     PartitionOffsets,
@@ -108,19 +110,34 @@ def _lost(part: OffsetRangePartition, message: str) -> None:
 
 
 def read_range(part: OffsetRangePartition) -> Iterator[pa.RecordBatch]:
-    """Fetch ``[part.start, part.end)`` as Arrow batches in offset order."""
-    offset = part.start
-    with BrokerClient(part.broker) as client:
-        while offset < part.end:
+    """Fetch ``[part.start, part.end)`` as Arrow batches in offset order.
+
+    The next fetch is in flight while Spark consumes the current batch (one request ahead,
+    on a helper thread that holds the connection only while it waits for the broker), so the
+    broker's read and encode overlap Spark's conversion and Parquet write instead of
+    alternating with them.
+    """
+    if part.start >= part.end:
+        return
+    with BrokerClient(part.broker) as client, ThreadPoolExecutor(1) as ahead:
+        def fetch(offset: int) -> Future[Fetched]:
+            return ahead.submit(client.fetch, part.stream, part.partition, offset,
+                                min(part.fetch_records, part.end - offset))
+
+        offset = part.start
+        pending = fetch(offset)
+        while True:
             try:
-                fetched = client.fetch(part.stream, part.partition, offset,
-                                       min(part.fetch_records, part.end - offset))
+                fetched = pending.result()
             except OffsetOutOfRange as e:
                 if offset < e.earliest_offset:
                     _lost(part, f"offsets {offset}..{min(e.earliest_offset, part.end) - 1} "
                                 f"were deleted by retention (earliest retained offset is "
                                 f"{e.earliest_offset})")
                     offset = e.earliest_offset
+                    if offset >= part.end:
+                        return
+                    pending = fetch(offset)
                     continue
                 _lost(part, f"offset {offset} is past the high-water mark "
                             f"{e.high_water_mark}: the broker no longer holds records "
@@ -131,13 +148,17 @@ def read_range(part: OffsetRangePartition) -> Iterator[pa.RecordBatch]:
                 _lost(part, f"the high-water mark {fetched.high_water_mark} is below the "
                             f"planned end offset {part.end}")
                 return
+            offset = fetched.next_offset
+            if offset < part.end:
+                pending = fetch(offset)
             if batch.column("offset")[-1].as_py() >= part.end:  # a gap (compaction)
                 batch = batch.filter(pc.less(batch.column("offset"), part.end))
             if part.topic_filter is not None:
                 batch = filter_topics(batch, part.topic_filter)
             if batch.num_rows:
                 yield batch
-            offset = fetched.next_offset
+            if offset >= part.end:
+                return
 
 
 def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
