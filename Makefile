@@ -12,7 +12,8 @@ $(PY):
 	$(PY) -m pip install --quiet --upgrade pip
 
 # Runtime install: the project and its dependencies.
-$(STAMP)-run: pyproject.toml | $(PY)
+$(STAMP)-run: pyproject.toml scripts/install-system-deps.sh | $(PY)
+	bash scripts/install-system-deps.sh runtime
 	$(PY) -m pip install --quiet -e .
 	touch $@
 

@@ -1,10 +1,16 @@
 #!/usr/bin/env bash
-# Debian packages the tests and benchmarks drive. Idempotent: installs only what is missing.
+# Debian packages the broker uses (`runtime`, for make run) and the tests and benchmarks drive
+# (the default, for make test). Idempotent: installs only what is missing.
 set -euo pipefail
 need=()
-command -v mosquitto_sub >/dev/null 2>&1 || need+=(mosquitto-clients)
-command -v mosquitto >/dev/null 2>&1 || need+=(mosquitto)
-command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)  # PySpark (Spark tests)
+# The commit log's batch checksum: libdeflate's CRC-32 is 6x zlib's (broker/commitlog/crc.py;
+# without it the log falls back to zlib, correct but slower).
+ldconfig -p 2>/dev/null | grep -q 'libdeflate\.so\.0' || need+=(libdeflate0)
+if [ "${1:-test}" != runtime ]; then
+    command -v mosquitto_sub >/dev/null 2>&1 || need+=(mosquitto-clients)
+    command -v mosquitto >/dev/null 2>&1 || need+=(mosquitto)
+    command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)  # PySpark (Spark tests)
+fi
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
         echo "missing Debian packages: ${need[*]} (run as root or install them)" >&2
