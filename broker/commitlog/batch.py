@@ -61,12 +61,12 @@ from __future__ import annotations
 
 import struct
 from bisect import bisect_left, bisect_right
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence, Sized
 from functools import lru_cache
 from itertools import accumulate, repeat
 from operator import add, getitem, lt, sub
 from pathlib import Path
-from typing import NamedTuple, cast
+from typing import NamedTuple, TypeVar, cast
 
 from broker.commitlog.crc import crc32
 from broker.commitlog.errors import CorruptRecordBatch, InvalidRecord, UnsupportedFormat
@@ -95,6 +95,13 @@ _slice = cast("Callable[[bytes, slice], bytes]", getitem)
 #: Decoded retain flag of each possible flags byte (bit 0).
 _RETAIN = (False, True) * 128
 _EMPTY = b""
+
+_Out = TypeVar("_Out", bound=Sized)
+#: Adds one batch's records to a read's output (:func:`decode_into` for ``list[Record]``,
+#: :func:`broker.commitlog.columns.decode_columns_into` for columns): ``(buffer, batch
+#: position, output, min_offset, max_records, max_bytes) -> (bytes_left, stop_offset)``,
+#: ``len(output)`` counting the records added so far.
+Decoder = Callable[[bytes, int, _Out, int, int, int], tuple[int, int]]
 
 
 class BatchHeader(NamedTuple):

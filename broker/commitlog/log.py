@@ -35,16 +35,18 @@ import os
 import threading
 import time
 from bisect import bisect_right
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
+from typing import TypeVar
 
-from broker.commitlog.batch import encode_batch
+from broker.commitlog.batch import Decoder, decode_into, encode_batch
 from broker.commitlog.cleaner import (
     build_offset_map,
     cleaned_batches,
     count_removable,
     retention_victims,
 )
+from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import (
     CommitLogError,
@@ -70,6 +72,7 @@ CLEAN_SHUTDOWN_FILE = ".clean_shutdown"
 #: Relative offsets are stored on 32 bits in the index: a segment spans fewer offsets.
 MAX_SEGMENT_OFFSETS = 0xFFFFFFFF
 _SEGMENT_SUFFIXES = (LOG_SUFFIX, INDEX_SUFFIX, TIMEINDEX_SUFFIX)
+_Out = TypeVar("_Out", bound=Sized)
 
 
 def fsync_directory(path: Path) -> None:
@@ -285,6 +288,16 @@ class SegmentedLog:
         ``[]`` when ``offset == end_offset``; :class:`OffsetOutOfRange` when ``offset`` is
         below :attr:`log_start_offset` or beyond :attr:`end_offset`.
         """
+        return self._read(offset, max_records, max_bytes, [], decode_into)
+
+    def read_columns(self, offset: int, max_records: int = 1000,
+                     max_bytes: int = 1 << 20) -> ColumnRead:
+        """The records :meth:`read` returns (same arguments, limits and errors), as the
+        stored batches' columns (:mod:`broker.commitlog.columns`): no tuple per record."""
+        return self._read(offset, max_records, max_bytes, ColumnRead(), decode_columns_into)
+
+    def _read(self, offset: int, max_records: int, max_bytes: int, out: _Out,
+              decode: Decoder[_Out]) -> _Out:
         with self._lock:
             self._check_open()
             segments = self._segments
@@ -292,13 +305,13 @@ class SegmentedLog:
             start = segments[0].base_offset
             if offset < start or offset > end:
                 raise OffsetOutOfRange(offset, start, end)
-            out: list[Record] = []
             if offset == end or max_records <= 0:
                 return out
             i = bisect_right(self._bases, offset) - 1
             last = len(segments) - 1
             while True:
-                max_bytes, stopped = segments[i].read_into(out, offset, max_records, max_bytes)
+                max_bytes, stopped = segments[i].read_into(out, offset, max_records, max_bytes,
+                                                           decode)
                 if stopped or i == last:
                     return out
                 i += 1

@@ -23,9 +23,18 @@ from __future__ import annotations
 
 import os
 from bisect import bisect_right
+from collections.abc import Sized
 from pathlib import Path
+from typing import TypeVar
 
-from broker.commitlog.batch import BATCH_HEADER, BATCH_HEADER_SIZE, MIN_BATCH_SIZE, decode_into
+from broker.commitlog.batch import (
+    BATCH_HEADER,
+    BATCH_HEADER_SIZE,
+    MIN_BATCH_SIZE,
+    Decoder,
+    decode_into,
+)
+from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import CorruptRecordBatch, LogIOError, OffsetOutOfRange
 from broker.commitlog.record import Record
@@ -35,6 +44,8 @@ from broker.commitlog.segment import LOG_SUFFIX, READ_CHUNK_MIN
 INDEX_INTERVAL = 64 << 10
 #: Bytes per record assumed when sizing a read (a 64-byte telemetry record takes ~110).
 AVERAGE_RECORD = 256
+
+_Out = TypeVar("_Out", bound=Sized)
 
 
 class _SegmentView:
@@ -49,8 +60,8 @@ class _SegmentView:
         self.offsets = [base]  # batch base offsets, every INDEX_INTERVAL bytes
         self.positions = [0]
 
-    def read_into(self, out: list[Record], offset: int, end: int, max_records: int,
-                  max_bytes: int) -> tuple[int, bool]:
+    def read_into(self, out: _Out, offset: int, end: int, max_records: int, max_bytes: int,
+                  decode: Decoder[_Out]) -> tuple[int, bool]:
         """Like :meth:`Segment.read_into`, bounded by the announced ``end`` offset.
 
         Returns the byte budget left and whether the read is over (a limit, or ``end``,
@@ -84,7 +95,7 @@ class _SegmentView:
                     self.positions.append(pos + p)
                     last_indexed = pos + p
                 if base + last_delta >= offset:
-                    max_bytes, stop = decode_into(buf, p, out, offset, max_records, max_bytes)
+                    max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
                     if stop >= 0 or len(out) >= max_records or max_bytes <= 0:
                         return max_bytes, True
                 p += length
@@ -99,7 +110,8 @@ class _SegmentView:
 class LogReader:
     """Read-only :class:`SegmentedLog` look-alike for a log owned by another process.
 
-    Offers what a subscriber's reads need: :meth:`read`, :attr:`end_offset` (the announced
+    Offers what a subscriber's reads need: :meth:`read` (and :meth:`read_columns` for the
+    fetch API), :attr:`end_offset` (the announced
     high-water mark), :attr:`log_start_offset`, :meth:`offset_for_time`. ``config`` is the
     stream's (callers look at its fsync policy); nothing here writes.
     """
@@ -135,10 +147,18 @@ class LogReader:
 
         Raises :class:`OffsetOutOfRange` below the earliest retained offset or past the mark.
         """
+        return self._read(offset, max_records, max_bytes, [], decode_into)
+
+    def read_columns(self, offset: int, max_records: int = 1000,
+                     max_bytes: int = 1 << 20) -> ColumnRead:
+        """The records :meth:`read` returns, as columns (:meth:`SegmentedLog.read_columns`)."""
+        return self._read(offset, max_records, max_bytes, ColumnRead(), decode_columns_into)
+
+    def _read(self, offset: int, max_records: int, max_bytes: int, out: _Out,
+              decode: Decoder[_Out]) -> _Out:
         end = self._end
         if offset > end:
             raise OffsetOutOfRange(offset, self.log_start_offset, end)
-        out: list[Record] = []
         if offset == end or max_records <= 0:
             return out
         if not self._bases or offset < self._bases[0]:
@@ -149,7 +169,7 @@ class LogReader:
         try:
             while True:
                 max_bytes, done = self._segments[i].read_into(out, offset, end, max_records,
-                                                              max_bytes)
+                                                              max_bytes, decode)
                 if done:
                     return out
                 if i == len(self._segments) - 1:

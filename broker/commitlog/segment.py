@@ -34,16 +34,16 @@ import ctypes
 import logging
 import os
 import sys
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Sized
 from pathlib import Path
-from typing import cast
+from typing import TypeVar, cast
 
 from broker.commitlog.batch import (
     BATCH_HEADER,
     BATCH_HEADER_SIZE,
     MIN_BATCH_SIZE,
+    Decoder,
     decode_batch,
-    decode_into,
     read_header,
     validate_batch,
 )
@@ -70,6 +70,8 @@ TMP_SUFFIX = ".tmp"
 READ_CHUNK_MIN = 16 * 1024
 #: ``pread`` size of recovery scans and cleaner scans (bytes).
 SCAN_CHUNK = 1 << 20
+
+_Out = TypeVar("_Out", bound=Sized)
 
 _OPEN_FLAGS = os.O_RDWR | os.O_APPEND | getattr(os, "O_CLOEXEC", 0)
 
@@ -351,9 +353,11 @@ class Segment:
         self._bytes_since_index += length
 
     # ------------------------------------------------------------------------ reads
-    def read_into(self, out: list[Record], offset: int, max_records: int,
-                  max_bytes: int) -> tuple[int, bool]:
-        """Append records with offset >= ``offset`` to ``out`` within the limits.
+    def read_into(self, out: _Out, offset: int, max_records: int, max_bytes: int,
+                  decode: Decoder[_Out]) -> tuple[int, bool]:
+        """Add records with offset >= ``offset`` to ``out`` within the limits, each batch
+        by ``decode`` (:func:`~broker.commitlog.batch.decode_into` for records,
+        :mod:`~broker.commitlog.columns` for columns).
 
         Returns the remaining byte budget and whether a limit stopped the read (False: the
         segment was read to its end). The read hot path: one ``pread`` per chunk.
@@ -382,13 +386,14 @@ class Segment:
                                                  buf_pos + p, self.log_path)
                     if length <= n - p:
                         if base + lod >= offset:
-                            max_bytes, stop = decode_into(buf, p, out, offset, max_records,
-                                                          max_bytes)
+                            max_bytes, stop = decode(buf, p, out, offset, max_records,
+                                                     max_bytes)
                             if stop >= 0:
                                 self._hint_offset, self._hint_pos = stop, buf_pos + p
                                 return max_bytes, True
                             if len(out) >= max_records or max_bytes <= 0:
-                                self._hint_offset = out[-1].offset + 1
+                                # The batch was read to its end (stop < 0).
+                                self._hint_offset = base + lod + 1
                                 self._hint_pos = buf_pos + p + length
                                 return max_bytes, True
                         p += length

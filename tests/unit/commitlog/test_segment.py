@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.commitlog.batch import encode_batch
+from broker.commitlog.batch import decode_into, encode_batch
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import LogIOError
 from broker.commitlog.record import Record
@@ -32,7 +32,7 @@ def filled(tmp_path: Path, batches: int = 20, per_batch: int = 2) -> Segment:
 
 def read_all(seg: Segment, offset: int) -> list[int]:
     out: list[Record] = []
-    seg.read_into(out, offset, 10_000, 1 << 30)
+    seg.read_into(out, offset, 10_000, 1 << 30, decode_into)
     return [r.offset for r in out]
 
 
