@@ -31,7 +31,7 @@ import uuid
 from bisect import bisect_right
 from collections.abc import Callable, Iterable
 from itertools import accumulate, repeat
-from operator import add
+from operator import add, itemgetter
 from typing import Any
 
 import orjson
@@ -932,8 +932,9 @@ class Router:
     def _send_run(self, session: Session, consumer: Consumer, key: PartitionKey,
                   records: list[Record], link: Link, quota: int,
                   authz: Authorizer | None) -> int:
-        """Deliver a prefix of ``records`` as one run, when no per-message rule applies;
-        returns how many records it took (0: the caller goes message by message).
+        """Deliver a prefix of ``records`` as one run, when no per-message rule applies, or
+        pass over them all when none matches; returns how many records it took (0: the
+        caller goes message by message).
 
         A run takes records that all match with the same options, carry no properties (so
         no message expiry [MQTT-3.3.2-5] and nothing to forward), need no subscription
@@ -945,9 +946,17 @@ class Router:
         Measured on a 1,000,000-record replay: 40% of the broker's time went to the
         per-message :meth:`_deliver` and encode, which a run does in C loops.
         """
-        room = link.output_room()
         match = self._match_cached(consumer, records[0].topic, authz)
-        if not room or match is None:
+        if match is None:
+            # Records of other topics sharing the partition: a read of them all is passed
+            # over at once (a $replay/earliest of one scenario's topics behind 2,000,000
+            # records of others ran at 43k msg/s, one record at a time).
+            others = set(map(_TOPIC, records))
+            if all(self._match_cached(consumer, t, authz) is None for t in others):
+                return len(records)
+            return 0
+        room = link.output_room()
+        if not room:
             return 0
         sub_qos, ids, no_local_all, rap = match
         inflight = session.inflight
@@ -1179,6 +1188,7 @@ class Router:
 
 
 _MISS: Any = object()
+_TOPIC = itemgetter(2)  # Record.topic, for map()
 
 
 def _read_all(router: Router, key: PartitionKey) -> Iterable[Record]:

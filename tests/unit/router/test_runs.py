@@ -91,3 +91,16 @@ def test_properties_no_local_and_retain_as_published(h: Harness) -> None:
     h.run()
     got = link.take()
     assert link.runs == 1 and [p.retain for p in got] == [i == 5 for i in range(10)]
+
+
+def test_records_of_other_topics_are_passed_over(h: Harness) -> None:
+    _, pub = h.connect("pub", 4)
+    for i in range(30):
+        h.publish(pub, "other/x", b"%d" % i)
+    for i in range(10):
+        h.publish(pub, "t/a", b"%d" % i)
+    h.run()
+    link, s = h.connect("sub", 4)
+    h.subscribe(s, "$replay/earliest/t/+", 0)
+    assert [p.payload for p in link.take()] == [b"%d" % i for i in range(10)]
+    assert s.consumers["$replay/earliest/t/+"].cursors[("default", 0)] == 40
