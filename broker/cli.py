@@ -2,7 +2,9 @@
 
 ``mqlog serve -c config/broker.toml [--port N] [--http-port N] [--data-dir DIR] [--workers N]``
 runs the broker; command-line values take precedence over the file. It logs one line per
-listener when ready and stops cleanly on SIGTERM / SIGINT.
+listener when ready and stops cleanly on SIGTERM / SIGINT. With ``workers`` > 1 this process
+is the supervisor of that many worker processes (:mod:`broker.workers.supervisor`); each
+worker logs what it owns and serves, the supervisor the listeners once all of them serve.
 
 ``mqlog spark-drain --broker URL [--stream S] --output DIR --checkpoint DIR [--once]`` drains
 streams into Parquet partitioned by date with Spark, exactly once (:mod:`spark_sink.drain`;
@@ -25,6 +27,7 @@ import asyncio
 import dataclasses
 import getpass
 import logging
+import os
 import signal
 import sys
 import time
@@ -44,8 +47,11 @@ from broker.auth import (
     write_password_file,
 )
 from broker.commitlog import CommitLogError
+from broker.commitlog.streams import check_format
 from broker.config import Config, ConfigError, load_config
 from broker.server import ServeError, Server
+from broker.workers.runtime import WorkerSpec
+from broker.workers.supervisor import Supervisor, die_with_parent
 
 log = logging.getLogger("mqlog")
 
@@ -64,9 +70,8 @@ def _apply_overrides(cfg: Config, args: argparse.Namespace) -> Config:
     return cfg
 
 
-async def _serve(cfg: Config) -> None:
-
-    server = Server(cfg)
+async def _serve(cfg: Config, worker: WorkerSpec | None = None) -> None:
+    server = Server(cfg, worker=worker)
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -76,8 +81,14 @@ async def _serve(cfg: Config) -> None:
     except OSError as e:
         await server.stop()
         raise ServeError(f"cannot listen: {e}") from None
-    for listener in listeners:
-        log.info("listening on %s", listener)
+    if worker is None:
+        for listener in listeners:
+            log.info("listening on %s", listener)
+    else:
+        owned = server.runtime.owned_keys() if server.runtime is not None else []
+        log.info("worker %d (pid %d): serving %s; owns %s", worker.index, os.getpid(),
+                 ", ".join(listeners), ", ".join(f"{s}/{p}" for s, p in owned) or "nothing")
+        worker.ready()
     await stop.wait()
     log.info("stopping: closing connections, persisting sessions, flushing logs")
     await server.stop()
@@ -86,18 +97,33 @@ async def _serve(cfg: Config) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     cfg = _apply_overrides(load_config(args.config), args)
-    if cfg.worker_count() != 1:
-        raise ConfigError(
-            f"{args.config}: router.workers = {cfg.router.workers}: this build runs one worker;"
-            " set workers = 1"
-        )
+    count = cfg.worker_count()
+    if count == 1:
+        _run(_serve(cfg))
+        return 0
+    # Once, before the workers race to create it.
+    check_format(cfg.commitlog.data_dir)
+    return Supervisor(cfg, count, _run_worker).run()
+
+
+def _run_worker(cfg: Config, worker: WorkerSpec) -> int:
+    """The body of a forked worker process (see :class:`Supervisor`)."""
+    die_with_parent()  # a SIGKILLed supervisor takes its workers along, as one process would
+    try:
+        _run(_serve(cfg, worker))
+    except (ServeError, CommitLogError) as e:
+        log.error("worker %d: %s", worker.index, e)
+        return 2
+    return 0
+
+
+def _run(main: Any) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency; fall back if absent
-        asyncio.run(_serve(cfg))
+        asyncio.run(main)
     else:
-        uvloop.run(_serve(cfg))
-    return 0
+        uvloop.run(main)
 
 
 DEFAULT_BROKER = "http://127.0.0.1:8080"

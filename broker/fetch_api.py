@@ -32,6 +32,7 @@ import orjson
 from aiohttp import web
 
 from broker.commitlog import CommitLogError, OffsetOutOfRange, Record, SegmentedLog
+from broker.commitlog.reader import LogReader
 from broker.fetch import ARROW_STREAM_TYPE, to_ipc_stream, to_json_record, to_record_batch
 
 if TYPE_CHECKING:
@@ -83,7 +84,8 @@ class FetchApi:
             web.get(f"{PARTITION_PATH}/offset", self.offset_for_time),
         ]
 
-    def _log(self, request: web.Request) -> tuple[str, int, SegmentedLog] | web.Response:
+    def _log(self, request: web.Request
+             ) -> tuple[str, int, SegmentedLog | LogReader] | web.Response:
         """The partition named by the path, or a 404 response."""
         name = request.match_info["stream"]
         spec = self.server.streams.specs.get(name)
@@ -95,7 +97,7 @@ class FetchApi:
                                    f"not {raw!r}"}, 404)
         partition = int(raw)
         try:
-            return name, partition, self.server.streams.log(name, partition)
+            return name, partition, self.server.partition_log((name, partition))
         except CommitLogError as e:
             return _json({"error": str(e)}, 503)
 

@@ -29,6 +29,7 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from broker.commitlog import SegmentedLog, StreamSpec
+from broker.commitlog.reader import LogReader
 from broker.fetch_api import FetchApi
 from broker.router.session import MAIN, Consumer, Session, SharedGroup
 
@@ -112,7 +113,7 @@ class HttpApi:
             return _error(404, f"no stream named {name!r}")
         parts = []
         for p in range(spec.partitions):
-            plog = self.server.streams.log(name, p)
+            plog = self.server.partition_log((name, p))
             parts.append({"partition": p, **_offsets(plog)})
         return _json({"stream": name, "partitions": parts})
 
@@ -130,7 +131,7 @@ class HttpApi:
         """Per partition: the consumer's next offset, the high-water mark and the lag."""
         out = []
         for (stream, p), offset in sorted(consumer.cursors.items()):
-            hwm = self.server.streams.log(stream, p).end_offset
+            hwm = self.server.partition_log((stream, p)).end_offset
             out.append({"stream": stream, "partition": p, "offset": offset,
                         "high_water_mark": hwm, "lag": max(0, hwm - offset)})
         return out
@@ -163,7 +164,7 @@ class HttpApi:
                 "positions": self._positions(group.consumer)}
 
 
-def _offsets(plog: SegmentedLog) -> dict[str, int]:
+def _offsets(plog: SegmentedLog | LogReader) -> dict[str, int]:
     return {"earliest_offset": plog.log_start_offset, "high_water_mark": plog.end_offset}
 
 

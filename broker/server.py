@@ -3,6 +3,12 @@
 Owns the event loop's periodic work (keepalive checks, router timers, fsync on interval,
 retention) and the output coalescing: connections that queued bytes during an iteration are
 flushed once at its end.
+
+Alone (``workers = 1``) it is the whole broker. As one of several worker processes under the
+supervisor (:mod:`broker.workers`) it shares the MQTT listeners with the others through
+SO_REUSEPORT, owns a share of the partitions and reaches the rest through its
+:class:`~broker.workers.runtime.WorkerRuntime`; worker 0 also serves the HTTP API and the
+``$SYS`` topics.
 """
 
 from __future__ import annotations
@@ -18,7 +24,8 @@ from pathlib import Path
 from typing import Any
 
 from broker.auth import AuthFileError, AuthService
-from broker.commitlog import LogCleaner, Streams
+from broker.commitlog import LogCleaner, SegmentedLog, Streams
+from broker.commitlog.reader import LogReader
 from broker.config import Config
 from broker.http_api import HttpApi
 from broker.metrics import BrokerCollector, Metrics
@@ -27,6 +34,7 @@ from broker.router.router import Router
 from broker.sys_topics import SYS_SPEC, SysPublisher
 from broker.tls_transport import TLSConfigError, TLSProtocol, server_context
 from broker.transport import MQTTProtocol
+from broker.workers.runtime import WorkerRuntime, WorkerSpec, records_between
 from broker.ws_transport import WebSocketListener
 
 log = logging.getLogger("broker.server")
@@ -62,11 +70,13 @@ def lock_data_dir(data_dir: Path) -> int:
 
 
 class Server:
-    """A single-worker broker bound to the current event loop."""
+    """A broker worker bound to the current event loop (the whole broker when alone)."""
 
     def __init__(self, config: Config, *, monotonic: Callable[[], float] = time.monotonic,
-                 clock: Callable[[], float] = time.time) -> None:
+                 clock: Callable[[], float] = time.time,
+                 worker: WorkerSpec | None = None) -> None:
         self.config = config
+        self.worker = worker
         self.monotonic = monotonic
         self.loop = asyncio.get_running_loop()
         try:
@@ -78,12 +88,20 @@ class Server:
         self.metrics = Metrics()
         #: True from "listening" until shutdown begins (GET /healthz answers 503 otherwise).
         self.ready = False
-        self._lock_fd = lock_data_dir(config.commitlog.data_dir)
+        # Several workers: the supervisor holds the lock for all of them.
+        self._lock_fd = lock_data_dir(config.commitlog.data_dir) if worker is None else -1
         # $SYS topics first: their own internal stream, whatever the user's filters say.
         self.streams = Streams(config.commitlog.data_dir, [SYS_SPEC, *config.stream_specs()],
                                clock=clock)
+        self.runtime = (WorkerRuntime(worker.index, worker.count, self.streams)
+                        if worker is not None and worker.count > 1 else None)
         self.router = Router(self.streams, config.router, schedule=self.loop.call_soon,
-                             clock=clock, monotonic=monotonic)
+                             clock=clock, monotonic=monotonic,
+                             partition_factory=(self.runtime.make_partition
+                                                if self.runtime is not None else None),
+                             load=self.runtime is None)
+        if self.runtime is not None:
+            self._join_runtime(self.runtime)
         self.router.acl = self.auth.acl
         self.router.on_sync_append = self.metrics.fsync_seconds.observe
         self.metrics.registry.register(BrokerCollector(self))
@@ -92,21 +110,53 @@ class Server:
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
         self._cleaner = LogCleaner(self.streams)
+        first = worker is None or worker.index == 0
         #: The admin HTTP API ([http]); it logs its own "listening on http://..." line.
-        self.http = HttpApi(self, config.http) if config.http.enabled else None
-        self.websocket = (WebSocketListener(self, config.server.host, config.server.ws_port)
+        self.http = HttpApi(self, config.http) if config.http.enabled and first else None
+        self.websocket = (WebSocketListener(self, config.server.host, config.server.ws_port,
+                                            reuse_port=worker is not None)
                           if config.server.ws_port else None)
         self.sys = (SysPublisher(self, config.server.sys_interval / 1000)
-                    if config.server.sys_interval else None)
+                    if config.server.sys_interval and first else None)
         self.stopped = asyncio.Event()
+
+    def _join_runtime(self, runtime: WorkerRuntime) -> None:
+        """Connect the router and the worker runtime (see broker.workers.runtime)."""
+        router = self.router
+        router.on_session_end = runtime.sessions.ended
+        router.is_home = runtime.is_home
+        runtime.sessions.hand_over = router.hand_over
+        runtime.sessions.restore = router.restore_sessions
+        runtime.sessions.held_ids = lambda: list(router.sessions)
+        runtime.partitions.enqueue = router.append_forwarded
+        runtime.partitions.wake = router.wake
+
+        def moved(key: tuple[str, int], old_end: int, part: Any) -> None:
+            if key == ("$retained", 0):
+                router.apply_retained(records_between(part, old_end, part.end_offset))
+
+        runtime.partitions.on_moved = moved
+
+    def partition_log(self, key: tuple[str, int]) -> SegmentedLog | LogReader:
+        """The log of partition ``key`` for reading: this worker's own, or a read-only view
+        of the one another worker owns."""
+        return self.router.partition(key).log
 
     async def start(self) -> list[str]:
         """Open the listeners; returns one description per listener."""
         cfg = self.config.server
-        # No SO_REUSEPORT while one process serves a data directory: a second broker on the
-        # same port must fail to bind, not silently share the clients.
+        runtime = self.runtime
+        if runtime is not None:
+            await runtime.start(self.router, lambda: [self.router.partition(key)
+                                                      for key in runtime.owned_keys()])
+            loaded = self.router.load(skip=runtime.sessions.registry)
+            runtime.sessions.loaded(loaded)
+        # Alone, no SO_REUSEPORT: a second broker on the same port must fail to bind, not
+        # silently share the clients. Several workers share the port that way; the
+        # supervisor checked it was free and holds the data directory.
+        reuse = self.worker is not None
         server = await self.loop.create_server(
-            lambda: MQTTProtocol(self), cfg.host, cfg.port, backlog=4096)
+            lambda: MQTTProtocol(self), cfg.host, cfg.port, backlog=4096, reuse_port=reuse)
         self._listeners.append(server)
         ready = []
         for sock in server.sockets:
@@ -115,7 +165,8 @@ class Server:
         if self.tls_context is not None:
             context = self.tls_context
             tls = await self.loop.create_server(
-                lambda: TLSProtocol(self, context), cfg.host, cfg.tls_port, backlog=4096)
+                lambda: TLSProtocol(self, context), cfg.host, cfg.tls_port, backlog=4096,
+                reuse_port=reuse)
             self._listeners.append(tls)
             for sock in tls.sockets:
                 host, port = sock.getsockname()[:2]
@@ -163,9 +214,9 @@ class Server:
                         link.close(ReasonCode.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
                 self.router.tick()
                 observe = self.metrics.fsync_seconds.observe
-                for part in list(self.router.partitions.values()):
+                for plog in self.streams.open_logs().values():  # the ones this worker writes
                     started = time.perf_counter()
-                    if part.log.flush_if_due():
+                    if plog.flush_if_due():
                         observe(time.perf_counter() - started)
             except Exception:
                 log.exception("bug in the broker timers")
@@ -191,13 +242,21 @@ class Server:
         self._cleaner.stop()
         self.router.close()
         self._flush_links()
+        if self.runtime is not None:
+            # Sessions persisted above may be on their way to the worker owning $sessions,
+            # and peers may be sending theirs here: every worker finishes before any closes.
+            await self.runtime.finish()
         self.streams.close()
         for server in self._listeners:
             await server.wait_closed()
         self.auth.close()
-        os.close(self._lock_fd)
+        if self._lock_fd >= 0:
+            os.close(self._lock_fd)
         self.stopped.set()
 
     def describe(self) -> dict[str, Any]:
-        return {"ready": self.ready, "connections": len(self.links),
+        info = {"ready": self.ready, "connections": len(self.links),
                 "sessions": len(self.router.sessions)}
+        if self.runtime is not None:
+            info.update(self.runtime.describe())
+        return info

@@ -51,6 +51,7 @@ from broker.mqtt.packets import (
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ConnackReturnCode311, ReasonCode
 from broker.router.router import TOPIC_ALIAS_MAXIMUM
+from broker.workers.sessions import STATE
 
 if TYPE_CHECKING:
     from broker.router.router import Router
@@ -99,7 +100,8 @@ class MQTTProtocol(asyncio.Protocol):
         self.connected_at = self.last_received
         self.peer = "?"
         self.peer_host = "?"
-        #: A password check is running: input is held in arrival order until it ends.
+        #: A password check or a session claim (several workers) is running: input is held
+        #: in arrival order until it ends.
         self._authorizing = False
         self._held: list[Packet] = []
         self._held_data: list[bytes] = []
@@ -276,6 +278,11 @@ class MQTTProtocol(asyncio.Protocol):
                           packet.client_id or "?", self.peer)
             self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
             return
+        if not self._authorizing:
+            self._resume_input()
+
+    def _resume_input(self) -> None:
+        """The CONNECT is answered: process the input held meanwhile, in order."""
         held, self._held = self._held, []
         if held and not self._closing:
             self._receive(None, held)
@@ -296,6 +303,46 @@ class MQTTProtocol(asyncio.Protocol):
         self._connect_router(packet)
 
     def _connect_router(self, packet: Connect) -> None:
+        runtime = self.server.runtime
+        if runtime is not None and packet.client_id:
+            # One of several workers: the session may be held by another one. Its home
+            # worker decides (broker.workers.sessions); input is held meanwhile.
+            self._authorizing = True
+            claim = runtime.sessions.claim(packet.client_id,
+                                           lambda answer: self._claimed(packet, answer))
+            self.server.loop.create_task(claim).add_done_callback(self._claim_failed)
+            return
+        self._connect_session(packet)
+
+    def _claimed(self, packet: Connect, answer: bytes) -> None:
+        """The session of ``packet.client_id`` is this worker's now (``answer``: see
+        :meth:`SessionDirectory.claim`): adopt a handed-over state, then connect."""
+        self._authorizing = False
+        if answer[:1] == STATE:
+            self.router.adopt(packet.client_id, answer[1:])
+        if self._closing:
+            return  # the client went away meanwhile; the session stays here, offline
+        try:
+            self._connect_session(packet)
+        except Exception:
+            log.exception("bug while connecting %s (%s); closing that connection",
+                          packet.client_id, self.peer)
+            self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
+            return
+        self._resume_input()
+
+    def _claim_failed(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        log.error("%s: cannot take the session over: %s", self.peer, task.exception())
+        self._authorizing = False
+        if not self._closing:
+            self.send(ConnAck(False, ReasonCode.SERVER_UNAVAILABLE if self.version == 5
+                              else ConnackReturnCode311.SERVER_UNAVAILABLE))
+            self._closing = True
+            self._flush_and_close()
+
+    def _connect_session(self, packet: Connect) -> None:
         result = self.router.connect(self, packet, username=self.username)
         if result is None:
             self._closing = True

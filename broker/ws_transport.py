@@ -94,10 +94,12 @@ class WebSocketCarrier(Carrier):
 class WebSocketListener:
     """The aiohttp site for MQTT over WebSocket; started and stopped by the server."""
 
-    def __init__(self, server: Server, host: str, port: int) -> None:
+    def __init__(self, server: Server, host: str, port: int, *,
+                 reuse_port: bool = False) -> None:
         self.server = server
         self.host = host
         self.port = port
+        self.reuse_port = reuse_port  # one worker of several: they share the port
         self.app = web.Application()
         self.app.add_routes([web.get(path, self.handle) for path in PATHS])
         self._runner: web.AppRunner | None = None
@@ -107,7 +109,8 @@ class WebSocketListener:
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
                                      shutdown_timeout=SHUTDOWN_SECONDS)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096)
+        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096,
+                           reuse_port=self.reuse_port or None)
         await site.start()
         host, port = self.host, self.port
         if self._runner.addresses:

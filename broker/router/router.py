@@ -101,7 +101,12 @@ class Router:
     def __init__(self, streams: Streams, config: RouterConfig, *,
                  schedule: Callable[[Callable[[], None]], Any],
                  clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic) -> None:
+                 monotonic: Callable[[], float] = time.monotonic,
+                 partition_factory: Callable[[PartitionKey], Partition] | None = None,
+                 load: bool = True) -> None:
+        """``partition_factory`` makes the partition objects (one worker of several: owned
+        or remote ones); ``load=False`` defers :meth:`load` (a worker first learns where
+        its peers' sessions are)."""
         self.streams = streams
         self.config = config
         self._schedule = schedule
@@ -115,8 +120,10 @@ class Router:
         self._dirty: dict[PartitionKey, Partition] = {}
         self._flush_scheduled = False
         self._groups_dirty = False
-        #: Sessions to write to $sessions before this flush's acknowledgements go out.
+        #: Sessions to write to $sessions before this flush's acknowledgements go out, and
+        #: what waits for that write.
         self._persist_due: dict[str, Session] = {}
+        self._persist_waiters: dict[str, list[Callable[[int | None], None]]] = {}
         self._topic_keys: dict[str, PartitionKey] = {}
         self.dropped = 0  # QoS 0 records skipped by the slow-subscriber policy
         #: The ACL ([auth] acl_file); None allows everything. Set by the server.
@@ -128,16 +135,54 @@ class Router:
         self.records_appended = 0
         #: Called with the seconds an fsync=always append (write + fdatasync) took.
         self.on_sync_append: Callable[[float], None] | None = None
+        self._make_partition = partition_factory
+        # Hooks of a multi-worker broker (broker.workers.runtime sets them):
+        #: told when a session held here ends, so its home forgets it;
+        self.on_session_end: Callable[[str], None] | None = None
+        #: which sessions and groups (by client id / group filter) this worker loads.
+        self.is_home: Callable[[str], bool] = lambda name: True
+        if load:
+            self.load()
+
+    def load(self, skip: Iterable[str] = ()) -> list[str]:
+        """Load retained messages and the sessions this worker is home to, except those in
+        ``skip`` (held by another worker); returns the client ids loaded."""
         self._load_retained()
-        self._load_sessions()
+        return self._load_sessions(skip=set(skip))
 
     # ================================================================ partitions
 
     def partition(self, key: PartitionKey) -> Partition:
         part = self.partitions.get(key)
         if part is None:
-            part = self.partitions[key] = Partition(key, self.streams.log(*key))
+            if self._make_partition is not None:
+                part = self._make_partition(key)
+            else:
+                part = Partition(key, self.streams.log(*key))
+            self.partitions[key] = part
         return part
+
+    def append_forwarded(self, key: PartitionKey, records: list[Record],
+                         ack: Callable[[int | None], None]) -> None:
+        """Records another worker forwarded to partition ``key``, which this worker owns:
+        appended in this iteration's group commit, consecutively; ``ack`` gets the first
+        record's offset (None if the append failed)."""
+        for i, record in enumerate(records):
+            self._enqueue(record, None if i else ack, key)
+
+    def wake(self, part: Partition) -> None:
+        """New records in ``part``, which another worker owns and announced."""
+        self._wake(part)
+
+    def apply_retained(self, records: Iterable[Record]) -> None:
+        """Committed ``$retained`` records update the retained index [MQTT-3.3.1-5]; an
+        empty payload removes the topic's message [MQTT-3.3.1-10]."""
+        retained = self.retained
+        for rec in records:
+            if rec.payload:
+                retained[rec.topic] = rec
+            else:
+                retained.pop(rec.topic, None)
 
     def _keys_for_filter(self, plain: str) -> list[PartitionKey]:
         """Partitions a (non-shared, non-replay) filter can receive records from."""
@@ -181,28 +226,40 @@ class Router:
                 try:
                     if self.on_sync_append is not None and part.log.config.fsync == "always":
                         started = time.perf_counter()
-                        part.commit()
+                        first, end = part.commit()
                         self.on_sync_append(time.perf_counter() - started)
                     else:
-                        part.commit()
+                        first, end = part.commit()
                 except Exception:
                     log.exception("append to %s/%d failed; its publishers get an error", *key)
                     continue
+                if key == _RETAINED and end > first:
+                    self.apply_retained(part.read(first, end - first))
                 self._wake(part)
             if self._persist_due:
                 # Written in this same flush (the loop goes round again for $sessions), so
                 # before the acknowledgements queued above leave at the end of the iteration.
                 due, self._persist_due = self._persist_due, {}
-                for session in due.values():
-                    self._persist(session)
+                for client_id, session in due.items():
+                    waiters = self._persist_waiters.pop(client_id, None)
+                    if not session.persistent:
+                        for then in waiters or ():
+                            then(None)
+                        continue
+                    self._persist(session, _Each(waiters) if waiters else None)
 
-    def _persist_before_acks(self, session: Session) -> None:
+    def _persist_before_acks(self, session: Session,
+                             then: Callable[[int | None], None] | None = None) -> None:
         """Persist ``session`` within the current group commit (see :meth:`flush`).
 
         Output queued during :meth:`flush` leaves after it returns, so what is sent there
-        follows the state; outside a flush, the state follows in the next one.
+        follows the state; outside a flush, the state follows in the next one. ``then`` is
+        called once the state is in the log: with one worker in this same flush, with
+        several once the worker owning ``$sessions`` appended it.
         """
         self._persist_due[session.client_id] = session
+        if then is not None:
+            self._persist_waiters.setdefault(session.client_id, []).append(then)
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._schedule(self.flush)
@@ -378,6 +435,14 @@ class Router:
         for full in list(session.shared):
             self._leave_group(session, full, orphan_inflight=True)
             del session.shared[full]
+        self._forget(session)
+        if session.persistent or session.dirty:
+            self._enqueue(Record(-1, self._now_ms(), session.client_id, b""), None, _SESSIONS)
+        if self.on_session_end is not None:
+            self.on_session_end(session.client_id)
+
+    def _forget(self, session: Session) -> None:
+        """Take ``session`` out of this router: its cursors stop watching partitions."""
         for consumer in session.consumers.values():
             for key in consumer.cursors:
                 part = self.partitions.get(key)
@@ -386,8 +451,6 @@ class Router:
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
             self._authz.pop(session.client_id, None)
-        if session.persistent or session.dirty:
-            self._enqueue(Record(-1, self._now_ms(), session.client_id, b""), None, _SESSIONS)
 
     def tick(self) -> None:
         """Run timers: delayed wills, session expiry, persisting positions. Call every ~1 s."""
@@ -472,8 +535,9 @@ class Router:
         record = Record(-1, self._now_ms(), topic, payload, qos, retain, client_id, blob)
         self._enqueue(record, ack)
         if retain:
-            # [MQTT-3.3.1-5] store it; an empty payload removes it [MQTT-3.3.1-10].
-            self._enqueue(record, _RetainedCommitted(self, record), _RETAINED)
+            # [MQTT-3.3.1-5] store it; an empty payload removes it [MQTT-3.3.1-10]. The
+            # retained index follows the commit (flush, or the owning worker's announcement).
+            self._enqueue(record, None, _RETAINED)
 
     def _now_ms(self) -> int:
         return int(self.clock() * 1000)
@@ -1144,47 +1208,92 @@ class Router:
         self.flush()
 
     def _load_retained(self) -> None:
-        for rec in _read_all(self, _RETAINED):
-            if rec.payload:
-                self.retained[rec.topic] = rec
-            else:
-                self.retained.pop(rec.topic, None)
+        self.apply_retained(_read_all(self, _RETAINED))
 
-    def _load_sessions(self) -> None:
+    def _session_states(self) -> dict[str, bytes]:
+        """The latest ``$sessions`` record per key (client id or group filter)."""
         states: dict[str, bytes] = {}
         for rec in _read_all(self, _SESSIONS):
             states[rec.topic] = rec.payload
-        now = self.clock()
-        for client_id, payload in states.items():
-            if not payload:
-                continue
-            state = orjson.loads(payload)
-            if client_id.startswith("$share/"):
-                name, plain = parse_shared(client_id)
-                assert name is not None
-                consumer = Consumer(client_id, group=name)
-                consumer.subscriptions[plain] = Subscription(plain, 2)
-                for stream, p, off in state["cursors"]:
-                    consumer.cursors[(stream, p)] = off
-                    self.partition((stream, p)).watchers.add(("g", client_id))
-                self.groups[client_id] = SharedGroup(name, plain, consumer)
-                continue
-            session = Session.from_state(client_id, state)
-            if session.disconnected_at is None:
-                session.disconnected_at = now
-            if session.will is not None:
-                # A will still pending at shutdown keeps its remaining delay; one of a client
-                # that was connected when the broker died is due as for an abnormal close,
-                # deferred to this start as s3.1.2.5 allows. tick() publishes it.
-                left = state.get("will_left")
-                if left is None:
-                    left = min(session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0),
-                               session.expiry_interval)
-                session.will_due = self.monotonic() + left
-            self.sessions[client_id] = session
-            for consumer in session.consumers.values():
-                for key in consumer.cursors:
-                    self.partition(key).watchers.add(("s", client_id, consumer.name))
+        return states
+
+    def _load_sessions(self, skip: set[str]) -> list[str]:
+        """Sessions and shared groups from ``$sessions`` (those this worker is home to, but
+        not in ``skip``); returns the client ids of the sessions loaded."""
+        loaded = []
+        for name, payload in self._session_states().items():
+            if payload and name not in skip and self.is_home(name):
+                if name.startswith("$share/"):
+                    self._restore_group(name, orjson.loads(payload))
+                else:
+                    self._restore_session(name, orjson.loads(payload))
+                    loaded.append(name)
+        return loaded
+
+    def restore_sessions(self, client_ids: Iterable[str]) -> list[str]:
+        """Load these sessions from ``$sessions`` as held here, offline (their worker died;
+        wills and expiry run here until their clients come back); returns those found."""
+        wanted = set(client_ids) - set(self.sessions)
+        found = []
+        for name, payload in self._session_states().items():
+            if name in wanted and payload:
+                self._restore_session(name, orjson.loads(payload))
+                found.append(name)
+        return found
+
+    def _restore_group(self, full: str, state: dict[str, Any]) -> None:
+        name, plain = parse_shared(full)
+        assert name is not None
+        consumer = Consumer(full, group=name)
+        consumer.subscriptions[plain] = Subscription(plain, 2)
+        for stream, p, off in state["cursors"]:
+            consumer.cursors[(stream, p)] = off
+            self.partition((stream, p)).watchers.add(("g", full))
+        self.groups[full] = SharedGroup(name, plain, consumer)
+
+    def _restore_session(self, client_id: str, state: dict[str, Any]) -> Session:
+        """A session from its persisted (or handed over) state, registered as offline."""
+        session = Session.from_state(client_id, state)
+        if session.disconnected_at is None:
+            session.disconnected_at = self.clock()
+        if session.will is not None:
+            # A will still pending at shutdown keeps its remaining delay; one of a client
+            # that was connected when the broker died is due as for an abnormal close,
+            # deferred to this start as s3.1.2.5 allows. tick() publishes it.
+            left = state.get("will_left")
+            if left is None:
+                left = min(session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0),
+                           session.expiry_interval)
+            session.will_due = self.monotonic() + left
+        self.sessions[client_id] = session
+        for consumer in session.consumers.values():
+            for key in consumer.cursors:
+                self.partition(key).watchers.add(("s", client_id, consumer.name))
+        return session
+
+    def adopt(self, client_id: str, state: bytes) -> None:
+        """The session of ``client_id``, handed over by the worker that held it, is held
+        here now (offline until :meth:`connect`)."""
+        self._restore_session(client_id, orjson.loads(state))
+
+    def hand_over(self, client_id: str) -> bytes | None:
+        """Give the session of ``client_id`` to another worker, where its client
+        reconnected: the connection here is closed as taken over [MQTT-3.1.4-3] and the
+        session leaves this router (no will beyond what the close itself publishes, no
+        tombstone). Returns its state, None if it has none (a clean session ended)."""
+        session = self.sessions.get(client_id)
+        if session is None:
+            return None
+        link = session.link
+        if link is not None:
+            self.connection_lost(session, link, graceful=False)
+            link.close(ReasonCode.SESSION_TAKEN_OVER, "another connection took the session")
+            session = self.sessions.get(client_id)
+            if session is None:
+                return None  # it ended with its connection
+        state = orjson.dumps(session.to_state(self.monotonic()))
+        self._forget(session)
+        return state
 
 
 _MISS: Any = object()
@@ -1226,9 +1335,15 @@ class _Ack:
                 session.incoming_qos2.discard(pid)
             elif session.persistent:
                 # The packet id must be known as received before the PUBREC can leave, also
-                # across a crash, or a resend after restart would be stored twice (s4.3.3):
-                # the session is written in this same group commit, before output is flushed.
-                self.router._persist_before_acks(session)
+                # across a crash, or a resend after restart would be stored twice (s4.3.3).
+                self.router._persist_before_acks(
+                    session, lambda _state_offset: self._answer(offset, resends))
+                return
+        self._answer(offset, resends)
+
+    def _answer(self, offset: int | None, resends: int) -> None:
+        session = self.session
+        pid = self.packet_id
         if session.link is not self.link:
             # The client reconnected meanwhile; resends it made there are answered there.
             if offset is not None and resends and session.link is not None:
@@ -1244,19 +1359,14 @@ class _Ack:
             self.link.close()  # 3.1.1 (and PUBCOMP) have no negative acknowledgement
 
 
-class _RetainedCommitted:
-    """Update the retained index once the record is in ``$retained``."""
+class _Each:
+    """Call every callback with the offset (several waiters on one append)."""
 
-    __slots__ = ("record", "router")
+    __slots__ = ("callbacks",)
 
-    def __init__(self, router: Router, record: Record) -> None:
-        self.router = router
-        self.record = record
+    def __init__(self, callbacks: list[Callable[[int | None], None]]) -> None:
+        self.callbacks = callbacks
 
     def __call__(self, offset: int | None) -> None:
-        if offset is None:
-            return
-        if self.record.payload:
-            self.router.retained[self.record.topic] = self.record._replace(offset=offset)
-        else:
-            self.router.retained.pop(self.record.topic, None)
+        for callback in self.callbacks:
+            callback(offset)

@@ -204,6 +204,11 @@ class Mesh:
             await self._server.wait_closed()
         self._fail_pending(None)
 
+    @property
+    def pending_requests(self) -> int:
+        """Requests sent and not answered yet."""
+        return len(self._pending)
+
     # ------------------------------------------------------------ sending
 
     def send(self, peer: int, kind: int, body: bytes | bytearray | memoryview = b"") -> None:

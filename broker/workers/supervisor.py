@@ -20,6 +20,7 @@ persisted, logs flushed); a worker still running after :data:`STOP_SECONDS` is k
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import logging
 import os
 import select
@@ -31,6 +32,7 @@ from dataclasses import dataclass, replace
 
 from broker.config import Config
 from broker.server import ServeError, lock_data_dir
+from broker.workers.runtime import WorkerSpec
 
 log = logging.getLogger("broker.workers")
 
@@ -44,20 +46,7 @@ RESTART_DELAY = 0.1
 RESTART_MAX = 5.0
 RESTART_WINDOW = 10.0
 _SIGNALS = {signal.SIGCHLD, signal.SIGTERM, signal.SIGINT}
-
-
-@dataclass(frozen=True, slots=True)
-class WorkerSpec:
-    """What a worker process is told: who it is among how many, and how to say it serves."""
-
-    index: int
-    count: int
-    ready_fd: int
-
-    def ready(self) -> None:
-        """Tell the supervisor this worker serves (call once its listeners are open)."""
-        os.write(self.ready_fd, b"R")
-        os.close(self.ready_fd)
+PR_SET_PDEATHSIG = 1  # linux/prctl.h
 
 
 WorkerMain = Callable[[Config, WorkerSpec], int]
@@ -98,6 +87,8 @@ class Supervisor:
                 self._start(worker)
             self._wait_ready()
             log.info("supervisor (pid %d): %d workers serving", os.getpid(), self.count)
+            for listener in self.listeners():
+                log.info("listening on %s", listener)
             while not self._stopping:
                 self._step(signal.sigtimedwait(_SIGNALS, 1.0))
             return self._stop()
@@ -110,6 +101,16 @@ class Supervisor:
             for sock in self._reserved:
                 sock.close()
             os.close(lock_fd)
+
+    def listeners(self) -> list[str]:
+        """The MQTT listeners the workers share, as URLs."""
+        server = self.config.server
+        out = [f"mqtt://{server.host}:{server.port}"]
+        if server.tls_port:
+            out.append(f"mqtts://{server.host}:{server.tls_port}")
+        if server.ws_port:
+            out.append(f"ws://{server.host}:{server.ws_port}/mqtt")
+        return out
 
     # ------------------------------------------------------------ ports
 
@@ -175,9 +176,10 @@ class Supervisor:
         deadline = time.monotonic() + START_SECONDS
         for worker in self.workers:
             while True:
-                if self._read_ready(worker, timeout=0.1):
+                said = self._read_ready(worker, timeout=0.1)
+                if said:
                     break
-                pid, status = os.waitpid(worker.pid, os.WNOHANG)
+                pid, status = os.waitpid(worker.pid, 0 if said is None else os.WNOHANG)
                 if pid:
                     worker.pid = 0
                     raise ServeError(f"worker {worker.index} failed to start "
@@ -186,7 +188,9 @@ class Supervisor:
                     raise ServeError(f"worker {worker.index} did not start within "
                                      f"{START_SECONDS:.0f} s")
 
-    def _read_ready(self, worker: _Worker, timeout: float) -> bool:
+    def _read_ready(self, worker: _Worker, timeout: float) -> bool | None:
+        """True once ``worker`` said it serves; False while it has not yet; None when its
+        pipe closed without it (it is exiting)."""
         if worker.ready_fd < 0:
             return True
         readable, _, _ = select.select([worker.ready_fd], [], [], timeout)
@@ -195,7 +199,7 @@ class Supervisor:
         said = os.read(worker.ready_fd, 1)
         os.close(worker.ready_fd)
         worker.ready_fd = -1
-        return said == b"R"
+        return True if said == b"R" else None
 
     def _step(self, info: signal.struct_siginfo | None) -> None:
         if info is not None and info.si_signo in (signal.SIGTERM, signal.SIGINT):
@@ -253,6 +257,16 @@ class Supervisor:
             os.waitpid(pid, 0)
             status_all = 1
         return status_all
+
+
+def die_with_parent() -> None:
+    """Have the kernel SIGKILL this process when its parent (the supervisor) dies, so a
+    supervisor killed with SIGKILL never leaves workers holding the port and the log."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(PR_SET_PDEATHSIG, signal.SIGKILL, 0, 0, 0) != 0:
+        log.warning("prctl(PR_SET_PDEATHSIG) failed: errno %d", ctypes.get_errno())
+    if os.getppid() == 1:
+        os._exit(1)  # the parent died before the request took effect
 
 
 def _signal(pid: int, sig: int) -> None:

@@ -45,6 +45,7 @@ class FakeServer:
         self.auth = AuthService(self.config.auth, clock)  # anonymous: no thread needed
         self.links: set[Any] = set()
         self.flushed: list[Any] = []
+        self.runtime = None  # one worker: no session claims
 
     def want_flush(self, link: Any) -> None:
         self.flushed.append(link)

@@ -13,7 +13,8 @@ from pathlib import Path
 
 from broker.config import Config
 from broker.server import ServeError
-from broker.workers.supervisor import Supervisor, WorkerSpec
+from broker.workers.runtime import WorkerSpec
+from broker.workers.supervisor import Supervisor
 
 
 def main(config: Config, spec: WorkerSpec) -> int:

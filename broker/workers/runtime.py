@@ -1,0 +1,161 @@
+"""What makes a :class:`~broker.server.Server` one worker among several.
+
+One object per worker process, built by the server before its router: the mesh to the
+peers, the partition service (ownership, forwarding, high-water marks) and the session
+directory, joined to the router through the router's hooks. With one worker the server
+has none of this and the router reaches every partition directly.
+
+Start-up order matters, and is :meth:`WorkerRuntime.start`'s:
+
+1. open the partitions this worker owns (recovery happens here, by their only writer);
+2. join the mesh and wait for every peer (they start together; a restarted worker finds the
+   others up);
+3. learn every peer's high-water marks, and which sessions homed here the peers hold;
+4. only then load retained messages and sessions and open the listeners.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from broker.commitlog import LogConfig, Record, SegmentedLog, Streams
+from broker.workers.mesh import Mesh, owner_of
+from broker.workers.partitions import PartitionService
+from broker.workers.sessions import SESSIONS_NEXT_KIND, SessionDirectory, home_of
+
+if TYPE_CHECKING:
+    from broker.router.router import Router
+
+log = logging.getLogger("broker.workers")
+
+#: Seconds a starting worker waits for all its peers before it gives up (and exits, so the
+#: supervisor reports it).
+PEER_WAIT_SECONDS = 30.0
+#: Seconds a stopping worker waits for its forwards to be appended and for its peers to
+#: finish theirs.
+FINISH_SECONDS = 10.0
+#: Notification: "I have sent all I will send and everything I sent was answered".
+FINISHED = SESSIONS_NEXT_KIND
+
+
+@dataclass(frozen=True, slots=True)
+class WorkerSpec:
+    """What a worker process is told: who it is among how many, and how to say it serves."""
+
+    index: int
+    count: int
+    ready_fd: int
+
+    def ready(self) -> None:
+        """Tell the supervisor this worker serves (call once its listeners are open)."""
+        os.write(self.ready_fd, b"R")
+        os.close(self.ready_fd)
+
+
+class WorkerRuntime:
+    """Worker ``index`` of ``count``: see the module docstring."""
+
+    def __init__(self, index: int, count: int, streams: Streams) -> None:
+        self.index = index
+        self.count = count
+        self.streams = streams
+        self.partitions = PartitionService(index, count, owner_of, self._directory,
+                                           self._log_config)
+        self.sessions = SessionDirectory(index, count)
+        self.mesh = Mesh(streams.data_dir, index, count,
+                         {**self.partitions.handlers(), **self.sessions.handlers(),
+                          FINISHED: self._on_finished},
+                         on_peer_down=self._peer_down)
+        self._finished: set[int] = set()
+        self.partitions.mesh = self.mesh
+        self.sessions.mesh = self.mesh
+        self.router: Router | None = None
+
+    def _directory(self, key: tuple[str, int]) -> Any:
+        return self.streams.partition_dir(*key)
+
+    def _log_config(self, key: tuple[str, int]) -> LogConfig:
+        return self.streams.specs[key[0]].log
+
+    def all_keys(self) -> list[tuple[str, int]]:
+        return [(spec.name, p) for spec in self.streams.specs.values()
+                for p in range(spec.partitions)]
+
+    def owned_keys(self) -> list[tuple[str, int]]:
+        return [k for k in self.all_keys() if owner_of(k, self.count) == self.index]
+
+    def make_partition(self, key: tuple[str, int]) -> Any:
+        """The router's partition factory."""
+        return self.partitions.make(key, self._open_log)
+
+    def _open_log(self, key: tuple[str, int]) -> SegmentedLog:
+        return self.streams.log(*key)
+
+    def is_home(self, client_id: str) -> bool:
+        return home_of(client_id, self.count) == self.index
+
+    async def start(self, router: Router, open_owned: Callable[[], object]) -> None:
+        """Steps 1-3 of the module docstring; the caller then loads the router."""
+        self.router = router
+        open_owned()
+        await self.mesh.start()
+        try:
+            await self.mesh.wait_connected(PEER_WAIT_SECONDS)
+        except TimeoutError:
+            missing = sorted(set(range(self.count)) - {self.index, *self.mesh.peers})
+            raise RuntimeError(f"worker {self.index}: workers {missing} did not come up "
+                               f"within {PEER_WAIT_SECONDS:.0f} s") from None
+        await self.partitions.sync_marks()
+        await self.sessions.held_elsewhere()
+
+    def _peer_down(self, peer: int) -> None:
+        if peer in self._finished:
+            return  # stopping with the rest of the broker
+        log.warning("worker %d: worker %d went away", self.index, peer)
+        self.sessions.peer_down(peer)
+
+    def _on_finished(self, peer: int, request: int, body: memoryview) -> None:
+        self._finished.add(peer)
+
+    async def finish(self) -> None:
+        """At shutdown, after the router persisted its sessions: wait until what this worker
+        forwarded is in its owners' logs, say so, and keep serving the peers' forwards until
+        each of them has said the same (or gone); then leave the mesh."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + FINISH_SECONDS
+        mesh = self.mesh
+        while mesh.pending_requests and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        mesh.broadcast(FINISHED)
+        while not set(mesh.peers) <= self._finished and loop.time() < deadline:
+            await asyncio.sleep(0.01)
+        await self.close()
+
+    def describe(self) -> dict[str, Any]:
+        return {"worker": self.index, "workers": self.count,
+                "owned": [f"{s}/{p}" for s, p in self.owned_keys()],
+                "peers_up": sorted(self.mesh.peers),
+                "forwarded": self.partitions.forwarded, "received": self.partitions.received,
+                "claims": self.sessions.claims, "takeovers": self.sessions.takeovers}
+
+    async def close(self) -> None:
+        await self.mesh.close()
+        self.partitions.close()
+
+
+def records_between(part: Any, start: int, end: int) -> list[Record]:
+    """Committed records of ``part`` in ``[start, end)`` (for the streams a worker follows
+    whole, such as retained messages)."""
+    out: list[Record] = []
+    while start < end:
+        batch = part.read(start, end - start)
+        if not batch:
+            break
+        out.extend(r for r in batch if r.offset < end)
+        start = batch[-1].offset + 1
+    return out
