@@ -2,10 +2,15 @@
 
 Each test gets its own broker on a free port with its own data directory; the process is
 stopped (SIGTERM, then SIGKILL if it hangs) when the test ends.
+
+Every test using a broker runs twice: with one worker and with two worker processes
+(``--workers 2``: the supervisor and two routers sharing the port). ``MQLOG_TEST_WORKERS``
+(e.g. ``2``) narrows that down.
 """
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -19,6 +24,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = "listening on mqtt://"
+WORKERS = [int(n) for n in os.environ.get("MQLOG_TEST_WORKERS", "1,2").split(",")]
 
 
 def free_port() -> int:
@@ -31,7 +37,8 @@ class BrokerProcess:
     """A broker child process; restartable on the same port and data directory."""
 
     def __init__(self, tmp: Path, config: str = "", fsync: str = "interval",
-                 server: str = "") -> None:
+                 server: str = "", workers: int = 1) -> None:
+        self.workers = workers
         self.host = "127.0.0.1"
         self.port = free_port()
         self.http_port = free_port()  # [http] admin API; its own port so brokers never clash
@@ -50,7 +57,8 @@ class BrokerProcess:
     def start(self, timeout: float = 20.0) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker.cli", "serve", "-c", str(self.config_path)],
+            [sys.executable, "-m", "broker.cli", "serve", "-c", str(self.config_path),
+             "--workers", str(self.workers)],
             cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
@@ -80,10 +88,31 @@ class BrokerProcess:
             raise RuntimeError(f"broker did not stop on SIGTERM:\n{self.log()}") from None
 
     def kill(self) -> None:
-        """SIGKILL: the crash path."""
+        """SIGKILL: the crash path (the workers die with their supervisor)."""
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait()
+            self._wait_unlocked()
+
+    def _wait_unlocked(self, timeout: float = 10.0) -> None:
+        """Until no process of this broker holds its data directory (workers killed with
+        their supervisor exit a moment after it)."""
+        path = self.data_dir / ".lock"
+        if not path.exists():
+            return
+        deadline = time.monotonic() + timeout
+        with open(path, "rb") as f:
+            while True:
+                try:
+                    fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                except OSError:
+                    if time.monotonic() > deadline:
+                        raise RuntimeError(f"{path} still locked {timeout}s after the kill")\
+                            from None
+                    time.sleep(0.01)
+                    continue
+                fcntl.flock(f, fcntl.LOCK_UN)
+                return
 
     @property
     def http_url(self) -> str:
@@ -103,15 +132,26 @@ class BrokerProcess:
 BrokerFactory = Callable[..., BrokerProcess]
 
 
+@pytest.fixture(params=WORKERS, ids=[f"w{n}" for n in WORKERS])
+def workers(request: pytest.FixtureRequest) -> int:
+    return int(request.param)
+
+
+@pytest.fixture(scope="module", params=WORKERS, ids=[f"w{n}" for n in WORKERS])
+def module_workers(request: pytest.FixtureRequest) -> int:
+    """``workers`` for a broker shared by the tests of a module."""
+    return int(request.param)
+
+
 @pytest.fixture
-def broker_factory(tmp_path: Path) -> Iterator[BrokerFactory]:
+def broker_factory(tmp_path: Path, workers: int) -> Iterator[BrokerFactory]:
     """``broker_factory(config="extra toml", fsync="always", start=True, server="...")``;
     ``server`` adds keys to the [server] section (which holds host and port already)."""
     started: list[BrokerProcess] = []
 
     def make(config: str = "", fsync: str = "interval", start: bool = True,
              server: str = "") -> BrokerProcess:
-        b = BrokerProcess(tmp_path / f"b{len(started)}", config, fsync, server)
+        b = BrokerProcess(tmp_path / f"b{len(started)}", config, fsync, server, workers)
         started.append(b)
         if start:
             b.start()

@@ -29,9 +29,10 @@ from tests.integration.handbuilt import (
 
 
 @pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+def mb(tmp_path_factory: pytest.TempPathFactory,
+       module_workers: int) -> Iterator[BrokerProcess]:
     """One broker for the tests of this module that need no special configuration."""
-    b = BrokerProcess(Path(tmp_path_factory.mktemp("connect")))
+    b = BrokerProcess(Path(tmp_path_factory.mktemp("connect")), workers=module_workers)
     b.start()
     yield b
     b.stop()

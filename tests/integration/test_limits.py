@@ -32,11 +32,12 @@ MAX_INFLIGHT = 2
 
 
 @pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+def mb(tmp_path_factory: pytest.TempPathFactory,
+       module_workers: int) -> Iterator[BrokerProcess]:
     b = BrokerProcess(Path(tmp_path_factory.mktemp("limits")), (
         f"[router]\nmax_topic_length = {MAX_TOPIC_LENGTH}\n"
         f"max_topic_levels = {MAX_TOPIC_LEVELS}\nmax_inflight = {MAX_INFLIGHT}\n"
-        "session_expiry_max = 60\n"))
+        "session_expiry_max = 60\n"), workers=module_workers)
     b.start()
     yield b
     b.stop()

@@ -30,9 +30,10 @@ MAX_PACKET = 2048
 
 
 @pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+def mb(tmp_path_factory: pytest.TempPathFactory,
+       module_workers: int) -> Iterator[BrokerProcess]:
     b = BrokerProcess(Path(tmp_path_factory.mktemp("malformed")),
-                      f"[router]\nmax_packet_size = {MAX_PACKET}\n")
+                      f"[router]\nmax_packet_size = {MAX_PACKET}\n", workers=module_workers)
     b.start()
     yield b
     b.stop()

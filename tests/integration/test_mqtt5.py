@@ -32,9 +32,10 @@ MAX_INFLIGHT = 3
 
 
 @pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
+def mb(tmp_path_factory: pytest.TempPathFactory,
+       module_workers: int) -> Iterator[BrokerProcess]:
     b = BrokerProcess(Path(tmp_path_factory.mktemp("mqtt5")),
-                      f"[router]\nmax_inflight = {MAX_INFLIGHT}\n")
+                      f"[router]\nmax_inflight = {MAX_INFLIGHT}\n", workers=module_workers)
     b.start()
     yield b
     b.stop()

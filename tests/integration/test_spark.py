@@ -42,8 +42,9 @@ Published = dict[str, list[tuple[bytes, dict[str, str]]]]  # topic -> [(payload,
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(tmp_path_factory.mktemp("broker"), STREAMS)
+def broker(tmp_path_factory: pytest.TempPathFactory,
+           module_workers: int) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(tmp_path_factory.mktemp("broker"), STREAMS, workers=module_workers)
     # Stream "old" lost its first segments to retention before the broker started.
     small = LogConfig(segment_bytes=1024, retention_bytes=4096)
     with Streams(b.data_dir, [StreamSpec("old", ("old/#",), 1, small)]) as streams:
