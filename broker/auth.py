@@ -458,6 +458,8 @@ class AuthService:
         # (and is cut short by the limiter) instead of exhausting memory.
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mqlog-scrypt")
         self.failures = 0   # refused logins (metrics)
+        #: Told of each failed login counted against its address (other workers count it).
+        self.on_failure: Callable[[str], None] | None = None
         self.lockouts = 0   # addresses locked out (metrics)
 
     def precheck(self, address: str, username: str | None, password: bytes | None, *,
@@ -492,12 +494,20 @@ class AuthService:
 
     def _fail(self, address: str, reason: int, message: str, *, count: bool = True) -> LoginResult:
         self.failures += 1
-        if count and self.limiter.failure(address):
-            self.lockouts += 1
-            log.warning("%s: %d failed logins within %.0fs; refusing it for %.0fs",
-                        address, self.limiter.max_failures, self.limiter.window,
-                        self.limiter.lockout)
+        if count:
+            if self.on_failure is not None:
+                self.on_failure(address)
+            if self.limiter.failure(address):
+                self.lockouts += 1
+                log.warning("%s: %d failed logins within %.0fs; refusing it for %.0fs",
+                            address, self.limiter.max_failures, self.limiter.window,
+                            self.limiter.lockout)
         return LoginResult(reason, None, message)
+
+    def peer_failure(self, address: str) -> None:
+        """Another worker refused a login from ``address``: it counts here too (the limit
+        is the broker's, whichever worker a connection lands on)."""
+        self.limiter.failure(address)
 
     def authorizer(self, username: str | None, client_id: str) -> Authorizer | None:
         """The client's resolved ACL, or None when there is no acl file (all allowed)."""

@@ -31,6 +31,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 from broker.commitlog import SegmentedLog, StreamSpec
 from broker.commitlog.reader import LogReader
 from broker.fetch_api import FetchApi
+from broker.metrics import merge_expositions
 from broker.router.session import MAIN, Consumer, Session, SharedGroup
 
 if TYPE_CHECKING:
@@ -98,9 +99,12 @@ class HttpApi:
         return _json({"status": "ok", **info})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text exposition (see broker/metrics.py)."""
-        return web.Response(body=self.server.metrics.exposition(),
-                            headers={"Content-Type": CONTENT_TYPE_LATEST})
+        """Prometheus text exposition (see broker/metrics.py); with several workers, their
+        figures added up."""
+        runtime = self.server.runtime
+        body = (self.server.metrics.exposition() if runtime is None
+                else merge_expositions(await runtime.gather("metrics")))
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def streams(self, request: web.Request) -> web.Response:
         specs = self.server.streams.specs
@@ -118,14 +122,32 @@ class HttpApi:
         return _json({"stream": name, "partitions": parts})
 
     async def sessions(self, request: web.Request) -> web.Response:
-        router = self.server.router
-        sessions = [self._session_info(s) for s in sorted(router.sessions.values(),
-                                                           key=lambda s: s.client_id)
-                    if s.persistent]
-        groups = [self._group_info(key, g) for key, g in sorted(router.groups.items())]
-        return _json({"sessions": sessions, "shared_groups": groups})
+        runtime = self.server.runtime
+        if runtime is None:
+            return _json(sessions_view(self.server))
+        views = [orjson.loads(part) for part in await runtime.gather("sessions")]
+        return _json({key: sorted((item for view in views for item in view[key]),
+                                  key=lambda item: item.get("client_id") or item["subscription"])
+                      for key in ("sessions", "shared_groups")})
 
-    # ---------------------------------------------------------------- views
+
+def sessions_view(server: Server) -> dict[str, Any]:
+    """This worker's persistent sessions and shared groups, as /api/v1/sessions shows them."""
+    view = _Views(server)
+    router = server.router
+    return {
+        "sessions": [view.session_info(s) for s in sorted(router.sessions.values(),
+                                                          key=lambda s: s.client_id)
+                     if s.persistent],
+        "shared_groups": [view.group_info(key, g) for key, g in sorted(router.groups.items())],
+    }
+
+
+class _Views:
+    """JSON views of router state."""
+
+    def __init__(self, server: Server) -> None:
+        self.server = server
 
     def _positions(self, consumer: Consumer) -> list[dict[str, Any]]:
         """Per partition: the consumer's next offset, the high-water mark and the lag."""
@@ -136,7 +158,7 @@ class HttpApi:
                         "high_water_mark": hwm, "lag": max(0, hwm - offset)})
         return out
 
-    def _session_info(self, session: Session) -> dict[str, Any]:
+    def session_info(self, session: Session) -> dict[str, Any]:
         subscriptions: list[dict[str, Any]] = []
         positions: list[dict[str, Any]] = []
         for name, consumer in sorted(session.consumers.items()):
@@ -158,7 +180,7 @@ class HttpApi:
             "inflight": len(session.inflight),
         }
 
-    def _group_info(self, key: str, group: SharedGroup) -> dict[str, Any]:
+    def group_info(self, key: str, group: SharedGroup) -> dict[str, Any]:
         return {"group": group.name, "filter": group.topic_filter, "subscription": key,
                 "members": list(group.members), "orphans": len(group.orphans),
                 "positions": self._positions(group.consumer)}

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
@@ -108,7 +109,10 @@ class BrokerCollector(Collector):
         start = GaugeMetricFamily("mqlog_partition_log_start_offset",
                                   "Earliest offset still retained",
                                   labels=["stream", "partition"])
+        runtime = server.runtime
         for (stream, p), part in sorted(router.partitions.items()):
+            if runtime is not None and not runtime.partitions.owns((stream, p)):
+                continue  # its owner reports it (the figures of all workers are added up)
             hwm.add_metric([stream, str(p)], part.end_offset)
             start.add_metric([stream, str(p)], part.log.log_start_offset)
         yield hwm
@@ -146,3 +150,49 @@ def _gauge(name: str, help_: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, help_, value=value)
+
+
+#: Figures that are the same for every worker, not a share of the whole: merged by maximum.
+_NOT_ADDED = frozenset({"mqlog_uptime_seconds"})
+
+
+def merge_expositions(parts: list[bytes]) -> bytes:
+    """One exposition from several workers' (worker 0's first): each sample the sum of the
+    workers' samples with the same name and labels (the maximum for :data:`_NOT_ADDED`).
+    Consumer lag is reported by the worker holding the session, a partition's offsets by
+    the worker owning it, so the sums count each once."""
+    families: dict[str, Metric] = {}
+    values: dict[str, dict[tuple[str, tuple[tuple[str, str], ...]], float]] = {}
+    for part in parts:
+        for family in text_string_to_metric_families(part.decode()):
+            families.setdefault(family.name, family)
+            merged = values.setdefault(family.name, {})
+            for sample in family.samples:
+                key = (sample.name, tuple(sorted(sample.labels.items())))
+                if key in merged and (family.name in _NOT_ADDED
+                                      or sample.name.endswith("_created")):
+                    merged[key] = max(merged[key], sample.value)
+                else:
+                    merged[key] = merged.get(key, 0.0) + sample.value
+    out = []
+    for name, family in families.items():
+        kind = family.type
+        out.append(f"# HELP {name} {_escape(family.documentation)}")
+        out.append(f"# TYPE {name} {kind}")
+        for (sample_name, labels), value in values[name].items():
+            text = ",".join(f'{k}="{_label(v)}"' for k, v in labels)
+            out.append(f"{sample_name}{{{text}}} {_number(value)}" if text
+                       else f"{sample_name} {_number(value)}")
+    return ("\n".join(out) + "\n").encode()
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace("\n", "\\n")
+
+
+def _label(value: str) -> str:
+    return _escape(value).replace('"', '\\"')
+
+
+def _number(value: float) -> str:
+    return repr(float(value)) if value != int(value) or abs(value) >= 1e16 else f"{value:.1f}"

@@ -23,15 +23,17 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import orjson
+
 from broker.auth import AuthFileError, AuthService
 from broker.commitlog import LogCleaner, SegmentedLog, Streams
 from broker.commitlog.reader import LogReader
 from broker.config import Config
-from broker.http_api import HttpApi
+from broker.http_api import HttpApi, sessions_view
 from broker.metrics import BrokerCollector, Metrics
 from broker.mqtt.reason_codes import ReasonCode
 from broker.router.router import Router
-from broker.sys_topics import SYS_SPEC, SysPublisher
+from broker.sys_topics import SYS_SPEC, SysPublisher, sys_values
 from broker.tls_transport import TLSConfigError, TLSProtocol, server_context
 from broker.transport import MQTTProtocol
 from broker.workers.runtime import WorkerRuntime, WorkerSpec, records_between
@@ -136,6 +138,13 @@ class Server:
                 router.apply_retained(records_between(part, old_end, part.end_offset))
 
         runtime.partitions.on_moved = moved
+        router.on_connections = runtime.connections_changed
+        router.peer_connections = runtime.connected_elsewhere
+        self.auth.on_failure = runtime.login_refused
+        runtime.login_failed = self.auth.peer_failure
+        runtime.views["sessions"] = lambda: orjson.dumps(sessions_view(self))
+        runtime.views["metrics"] = self.metrics.exposition
+        runtime.views["sys"] = lambda: orjson.dumps(sys_values(self))
 
     def partition_log(self, key: tuple[str, int]) -> SegmentedLog | LogReader:
         """The log of partition ``key`` for reading: this worker's own, or a read-only view

@@ -19,6 +19,9 @@ they are in the log (the internal stream ``$sys``), retained, and delivered to s
 ``$SYS/broker/subscriptions/count``  subscriptions over all sessions
 ``$SYS/broker/retained messages/count``  retained messages
 ===================================  ==============================================
+
+With several workers, worker 0 publishes the broker's figures: the sum of every worker's
+(version, uptime and the retained count are the same everywhere).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import logging
 import time
 from importlib import metadata
 from typing import TYPE_CHECKING
+
+import orjson
 
 from broker.commitlog import LogConfig, StreamSpec
 from broker.metrics import count_subscriptions
@@ -81,7 +86,6 @@ class SysPublisher:
         self._task: asyncio.Task[None] | None = None
 
     def start(self) -> None:
-        self.publish_once()
         self._task = self.server.loop.create_task(self._run())
 
     def stop(self) -> None:
@@ -89,10 +93,10 @@ class SysPublisher:
             self._task.cancel()
             self._task = None
 
-    def publish_once(self) -> int:
+    async def publish_once(self) -> int:
         """Publish what changed; returns how many topics were published."""
         published = 0
-        for name, value in sys_values(self.server).items():
+        for name, value in (await self._values()).items():
             if self._last.get(name) == value and name != "uptime":
                 continue
             self._last[name] = value
@@ -100,10 +104,25 @@ class SysPublisher:
             published += 1
         return published
 
+    async def _values(self) -> dict[str, str]:
+        runtime = self.server.runtime
+        if runtime is None:
+            return sys_values(self.server)
+        parts = [orjson.loads(part) for part in await runtime.gather("sys")]
+        values: dict[str, str] = parts[0]
+        for name in values:
+            if name not in _SAME_EVERYWHERE:
+                values[name] = str(sum(int(part.get(name, 0)) for part in parts))
+        return values
+
     async def _run(self) -> None:
         while True:
-            await asyncio.sleep(self.interval)
             try:
-                self.publish_once()
+                await self.publish_once()
             except Exception:
                 log.exception("bug while publishing $SYS topics")
+            await asyncio.sleep(self.interval)
+
+
+#: $SYS values every worker has in full (the others are each worker's share).
+_SAME_EVERYWHERE = frozenset({"version", "uptime", "retained messages/count"})

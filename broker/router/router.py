@@ -139,8 +139,12 @@ class Router:
         # Hooks of a multi-worker broker (broker.workers.runtime sets them):
         #: told when a session held here ends, so its home forgets it;
         self.on_session_end: Callable[[str], None] | None = None
-        #: which sessions and groups (by client id / group filter) this worker loads.
+        #: which sessions and groups (by client id / group filter) this worker loads;
         self.is_home: Callable[[str], bool] = lambda name: True
+        #: told when this worker's connected clients change, and how many the others have
+        #: (as they last said: max_connections holds for the broker, a few ms late).
+        self.on_connections: Callable[[int], None] | None = None
+        self.peer_connections: Callable[[], int] = lambda: 0
         if load:
             self.load()
 
@@ -297,7 +301,8 @@ class Router:
             self._refuse(link, version, ReasonCode.BAD_AUTHENTICATION_METHOD)
             return None
         current = self.sessions.get(packet.client_id) if packet.client_id else None
-        if self.connections >= cfg.max_connections and (current is None or current.link is None):
+        connected = self.connections + self.peer_connections()
+        if connected >= cfg.max_connections and (current is None or current.link is None):
             # A takeover replaces a connection, so it is let in even at the limit.
             self._refuse(link, version, ReasonCode.SERVER_BUSY)
             return None
@@ -345,6 +350,8 @@ class Router:
         session.dirty = session.persistent
         link.client_id = client_id
         self.connections += 1
+        if self.on_connections is not None:
+            self.on_connections(self.connections)
         if self.acl is not None:
             self._authz[client_id] = Authorizer(self.acl.rules_for(username, client_id))
             for consumer in session.consumers.values():
@@ -397,6 +404,8 @@ class Router:
             return  # taken over already
         session.link = None
         self.connections -= 1
+        if self.on_connections is not None:
+            self.on_connections(self.connections)
         session.disconnected_at = self.clock()
         will = session.will
         if will is not None and not graceful:

@@ -19,12 +19,13 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import struct
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from broker.commitlog import LogConfig, Record, SegmentedLog, Streams
-from broker.workers.mesh import Mesh, owner_of
+from broker.workers.mesh import Mesh, PeerDown, owner_of
 from broker.workers.partitions import PartitionService
 from broker.workers.sessions import SESSIONS_NEXT_KIND, SessionDirectory, home_of
 
@@ -41,6 +42,12 @@ PEER_WAIT_SECONDS = 30.0
 FINISH_SECONDS = 10.0
 #: Notification: "I have sent all I will send and everything I sent was answered".
 FINISHED = SESSIONS_NEXT_KIND
+#: Request: one of this worker's admin views (its name is the body), for worker 0's HTTP API.
+VIEW = SESSIONS_NEXT_KIND + 1
+#: Notifications: this worker's count of connected clients (``<I>``); a login refused from
+#: the address in the body.
+CONNECTIONS = SESSIONS_NEXT_KIND + 2
+LOGIN_FAILED = SESSIONS_NEXT_KIND + 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,9 +76,17 @@ class WorkerRuntime:
         self.sessions = SessionDirectory(index, count)
         self.mesh = Mesh(streams.data_dir, index, count,
                          {**self.partitions.handlers(), **self.sessions.handlers(),
-                          FINISHED: self._on_finished},
+                          FINISHED: self._on_finished, VIEW: self._on_view,
+                          CONNECTIONS: self._on_connections, LOGIN_FAILED: self._on_login_failed},
                          on_peer_down=self._peer_down)
         self._finished: set[int] = set()
+        #: Admin views by name: each returns this worker's part as bytes (set by the server).
+        self.views: dict[str, Callable[[], bytes]] = {}
+        #: Connected clients per peer, as each last said.
+        self.peer_connections: dict[int, int] = {}
+        self._connections: int | None = None  # to announce at the end of this iteration
+        #: Set by the server: a login refused by a peer counts here too.
+        self.login_failed: Callable[[str], None] = lambda address: None
         self.partitions.mesh = self.mesh
         self.sessions.mesh = self.mesh
         self.router: Router | None = None
@@ -114,10 +129,49 @@ class WorkerRuntime:
         await self.sessions.held_elsewhere()
 
     def _peer_down(self, peer: int) -> None:
+        self.peer_connections.pop(peer, None)  # its clients were disconnected with it
         if peer in self._finished:
             return  # stopping with the rest of the broker
         log.warning("worker %d: worker %d went away", self.index, peer)
         self.sessions.peer_down(peer)
+
+    def connections_changed(self, count: int) -> None:
+        """This worker's connected clients changed: tell the peers, once per iteration."""
+        if self._connections is None:
+            asyncio.get_running_loop().call_soon(self._announce_connections)
+        self._connections = count
+
+    def _announce_connections(self) -> None:
+        count, self._connections = self._connections, None
+        if count is not None:
+            self.mesh.broadcast(CONNECTIONS, struct.pack("<I", count))
+
+    def _on_connections(self, peer: int, request: int, body: memoryview) -> None:
+        self.peer_connections[peer] = struct.unpack("<I", body)[0]
+
+    def connected_elsewhere(self) -> int:
+        return sum(self.peer_connections.values())
+
+    def login_refused(self, address: str) -> None:
+        self.mesh.broadcast(LOGIN_FAILED, address.encode())
+
+    def _on_login_failed(self, peer: int, request: int, body: memoryview) -> None:
+        self.login_failed(bytes(body).decode())
+
+    def _on_view(self, peer: int, request: int, body: memoryview) -> None:
+        view = self.views.get(bytes(body).decode())
+        self.mesh.reply(peer, request, view() if view is not None else b"")
+
+    async def gather(self, name: str) -> list[bytes]:
+        """View ``name`` of every worker, this one first (a worker that is down is missing:
+        its part reappears once it is restarted)."""
+        parts = [self.views[name]()]
+        for peer in sorted(self.mesh.peers):
+            try:
+                parts.append(await self.mesh.call(peer, VIEW, name.encode()))
+            except PeerDown:
+                continue
+        return parts
 
     def _on_finished(self, peer: int, request: int, body: memoryview) -> None:
         self._finished.add(peer)
