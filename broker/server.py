@@ -126,6 +126,7 @@ class Server:
         """Connect the router and the worker runtime (see broker.workers.runtime)."""
         router = self.router
         router.on_session_end = runtime.sessions.ended
+        router.group_peers = runtime.groups
         router.is_home = runtime.is_home
         runtime.sessions.hand_over = router.hand_over
         runtime.sessions.restore = router.restore_sessions

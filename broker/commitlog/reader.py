@@ -171,7 +171,7 @@ class LogReader:
                 max_bytes, done = self._segments[i].read_into(out, offset, end, max_records,
                                                               max_bytes, decode)
                 if done:
-                    return out
+                    break
                 if i == len(self._segments) - 1:
                     # The owner rolled: the next segment is new to us (and retention may have
                     # dropped older ones, so find our place again by base offset).
@@ -179,10 +179,14 @@ class LogReader:
                     self._refresh()
                     i = bisect_right(self._bases, base) - 1
                     if i == len(self._segments) - 1:
-                        return out
+                        break
                 i += 1
         except OSError as exc:
             raise LogIOError(self._segments[i].path, "read segment", exc) from exc
+        # A mark learnt from a peer (committed_through) may fall inside a batch.
+        while out and out[-1].offset >= end:
+            out.pop()
+        return out
 
     def offset_for_time(self, timestamp_ms: int) -> int:
         """First offset whose timestamp is >= ``timestamp_ms``, else :attr:`end_offset`

@@ -53,6 +53,9 @@ class Partition:
         """Next offset to be assigned; every offset below it is committed."""
         return self.log.end_offset
 
+    def committed_through(self, offset: int) -> None:
+        """Another worker saw ``offset`` committed (here: every offset below the end is)."""
+
     def add(self, record: Record, ack: Callable[[int | None], None] | None) -> None:
         self.pending.append(record)
         self.acks.append(ack)

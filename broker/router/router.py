@@ -63,7 +63,7 @@ from broker.mqtt.topics import (
     topic_matches,
     validate_topic_filter,
 )
-from broker.router.link import Link
+from broker.router.link import GroupPeers, Link
 from broker.router.partition import Partition
 from broker.router.replay import ReplayStart, is_replay, parse_replay
 from broker.router.session import (
@@ -71,6 +71,7 @@ from broker.router.session import (
     Consumer,
     Inflight,
     PartitionKey,
+    RemoteMember,
     Session,
     SharedGroup,
     Subscription,
@@ -145,6 +146,8 @@ class Router:
         #: (as they last said: max_connections holds for the broker, a few ms late).
         self.on_connections: Callable[[int], None] | None = None
         self.peer_connections: Callable[[], int] = lambda: 0
+        #: shared groups held by other workers are reached through this.
+        self.group_peers: GroupPeers | None = None
         if load:
             self.load()
 
@@ -560,6 +563,8 @@ class Router:
         if entry is not None and entry.qos == 1:
             del session.inflight[packet_id]
             session.dirty = session.persistent
+            if entry.group is not None:
+                self._group_done(session, entry.group, entry.key, entry.offset)
             if pump:
                 self.pump_session(session)
 
@@ -574,6 +579,8 @@ class Router:
         if reason_code >= 0x80:
             # The receiver refused the message: the flow ends here (s4.3.3).
             del session.inflight[packet_id]
+            if entry.group is not None:
+                self._group_done(session, entry.group, entry.key, entry.offset)
             self.pump_session(session)
             return
         entry.released = True
@@ -603,6 +610,8 @@ class Router:
         if entry is not None and entry.qos == 2 and entry.released:
             del session.inflight[packet_id]
             session.dirty = session.persistent
+            if entry.group is not None:
+                self._group_done(session, entry.group, entry.key, entry.offset)
             self.pump_session(session)
 
     # ================================================================ subscribe
@@ -757,7 +766,8 @@ class Router:
 
     # ================================================================ shared groups
 
-    def _join_group(self, session: Session, full: str) -> None:
+    def _group(self, full: str) -> SharedGroup:
+        """The shared group ``full`` held here, created at the end of its partitions."""
         group = self.groups.get(full)
         if group is None:
             name, plain = parse_shared(full)
@@ -769,24 +779,141 @@ class Router:
                 consumer.cursors[key] = self.partition(key).end_offset
                 self.partition(key).watchers.add(("g", full))
             self._groups_dirty = True
-        if session.client_id not in group.members and session.link is not None:
+        return group
+
+    def _group_home(self, full: str) -> int | None:
+        """The worker holding group ``full``; None when it is this one (always, alone)."""
+        return None if self.group_peers is None else self.group_peers.home(full)
+
+    def _join_group(self, session: Session, full: str) -> None:
+        if session.link is None:
+            return
+        home = self._group_home(full)
+        if home is not None:
+            assert self.group_peers is not None
+            sub = session.shared[full]
+            window = min(session.receive_maximum, self.config.max_inflight)
+            self.group_peers.join(home, full, session.client_id, sub.qos, sub.identifier,
+                                  session.version, window)
+            return
+        group = self._group(full)
+        if session.client_id not in group.members:
             group.members.append(session.client_id)
 
     def _leave_group(self, session: Session, full: str, *, orphan_inflight: bool = False) -> None:
         """Remove a member. Its unacknowledged deliveries go to other members when the
         session is ending (s4.8.2); a persistent session keeps them for its return."""
+        orphans: list[tuple[PartitionKey, int]] = []
+        if orphan_inflight or not session.persistent:
+            for pid, entry in list(session.inflight.items()):
+                if entry.group == full:
+                    orphans.append((entry.key, entry.offset))
+                    del session.inflight[pid]
+        # Records a group elsewhere sent that never left go back whatever the session is.
+        for item in list(session.group_queue):
+            if item[0] == full:
+                orphans.append((item[1], item[2]))
+                session.group_queue.remove(item)
+        home = self._group_home(full)
+        if home is not None:
+            assert self.group_peers is not None
+            self.group_peers.leave(home, full, session.client_id, orphans)
+            return
         group = self.groups.get(full)
         if group is None:
             return
         if session.client_id in group.members:
             group.members.remove(session.client_id)
-        if orphan_inflight or not session.persistent:
-            for pid, entry in list(session.inflight.items()):
-                if entry.group == full:
-                    group.orphans.append((entry.key, entry.offset))
-                    del session.inflight[pid]
+        group.orphans.extend(orphans)
         if group.orphans and group.members:
             self._pump_group(group)
+
+    # ------------------------------------------------ groups across workers
+
+    def remote_join(self, worker: int, full: str, client_id: str, qos: int,
+                    identifier: int | None, version: int, window: int) -> None:
+        """A session on ``worker`` is a member of group ``full``, held here."""
+        group = self._group(full)
+        group.remote[client_id] = RemoteMember(client_id, worker, qos, identifier, version,
+                                               window)
+        if client_id not in group.members:
+            group.members.append(client_id)
+        self._pump_group(group)
+
+    def remote_leave(self, full: str, client_id: str,
+                     orphans: list[tuple[PartitionKey, int]]) -> None:
+        """A member elsewhere left (or gave records back): ``orphans`` go to the others."""
+        group = self.groups.get(full)
+        if group is None:
+            return
+        member = group.remote.pop(client_id, None)
+        if member is not None and client_id in group.members:
+            group.members.remove(client_id)
+        group.orphans.extend(orphans)
+        if group.orphans and group.members:
+            self._pump_group(group)
+
+    def remote_done(self, full: str, client_id: str, key: PartitionKey, offset: int) -> None:
+        """A member elsewhere completed a delivery: room for the next one."""
+        group = self.groups.get(full)
+        member = group.remote.get(client_id) if group is not None else None
+        if group is not None and member is not None:
+            member.outstanding.discard((key, offset))
+            self._pump_group(group)
+
+    def worker_left(self, worker: int) -> None:
+        """``worker`` died: its members leave every group held here, and what they had
+        outstanding goes to the other members (at least once: a persistent session restored
+        elsewhere may deliver it again)."""
+        for group in list(self.groups.values()):
+            gone = [m for m in group.remote.values() if m.worker == worker]
+            for member in gone:
+                self.remote_leave(group.consumer.name, member.client_id,
+                                  sorted(member.outstanding))
+
+    def rejoin_groups(self, worker: int) -> None:
+        """``worker`` (re)started: the members here of the groups it holds join again."""
+        for session in list(self.sessions.values()):
+            for full in session.shared:
+                if self._group_home(full) == worker:
+                    self._join_group(session, full)
+
+    def remote_deliver(self, full: str, client_id: str, key: PartitionKey, offset: int,
+                       qos: int) -> None:
+        """The worker holding group ``full`` sent this record for ``client_id`` here."""
+        session = self.sessions.get(client_id)
+        if session is None or session.link is None or full not in session.shared:
+            home = self._group_home(full)
+            if home is not None and self.group_peers is not None:
+                self.group_peers.leave(home, full, client_id, [(key, offset)])
+            return
+        session.group_queue.append((full, key, offset, qos))
+        self._send_group_queue(session)
+
+    def _send_group_queue(self, session: Session) -> None:
+        """Deliver the records groups elsewhere sent for ``session``, as its quota allows."""
+        queue = session.group_queue
+        while queue:
+            full, key, offset, qos = queue[0]
+            if not self._can_send(session, qos):
+                return
+            queue.popleft()
+            # The group's worker read it, so it is committed, even if the owner's mark has
+            # not reached this worker yet.
+            self.partition(key).committed_through(offset)
+            rec = self._read_exact(key, offset)
+            sub = session.shared.get(full)
+            if rec is not None and sub is not None:
+                ids = [sub.identifier] if sub.identifier and session.version == 5 else []
+                self._deliver(session, rec, key, qos, False, ids, False, full, group=full)
+            if qos == 0 or rec is None or session.link is None:
+                self._group_done(session, full, key, offset)
+
+    def _group_done(self, session: Session, full: str, key: PartitionKey, offset: int) -> None:
+        """A delivery of group ``full`` is complete; its home, if elsewhere, is told."""
+        home = self._group_home(full)
+        if home is not None and self.group_peers is not None:
+            self.group_peers.done(home, full, session.client_id, key, offset)
 
     def _pump_group(self, group: SharedGroup) -> None:
         """Spread the group's records over members that can take them, round robin.
@@ -794,7 +921,6 @@ class Router:
         Each record goes to exactly one member, at the minimum of its QoS and that member's
         subscription QoS [MQTT-3.8.4-8], never as retained (s4.8.2).
         """
-        full = group.consumer.name
         while group.orphans:
             key, offset = group.orphans[0]
             rec = self._read_exact(key, offset)
@@ -808,8 +934,7 @@ class Router:
                 group.orphans.popleft()  # no member may read it (ACL): drop, do not block
                 continue
             group.orphans.popleft()
-            member, qos, ids = chosen
-            self._deliver(member, rec, key, qos, False, ids, False, full, group=full)
+            self._group_send(group, *chosen, rec, key)
         for key in list(group.consumer.cursors):
             part = self.partition(key)
             cursor = group.consumer.cursors[key]
@@ -830,8 +955,7 @@ class Router:
                         group.consumer.cursors[key] = cursor
                         self._groups_dirty = True
                         return
-                    member, qos, ids = chosen
-                    self._deliver(member, rec, key, qos, False, ids, False, full, group=full)
+                    self._group_send(group, *chosen, rec, key)
                     cursor = rec.offset + 1
             group.consumer.cursors[key] = cursor
             self._groups_dirty = True
@@ -847,19 +971,37 @@ class Router:
         """False only when the group has members and the ACL lets none of them read
         ``topic``: then the record is skipped. With no members the group keeps its
         position for the next one, as a consumer group does."""
-        if self.acl is None or not group.members:
-            return True
+        if self.acl is None or not group.members or group.remote:
+            return True  # a member on another worker: its worker applies the ACL
         sessions = (self.sessions.get(cid) for cid in group.members)
         return any(s is not None and self._may_read(s, topic) for s in sessions)
 
-    def _group_member(self, group: SharedGroup, rec_qos: int,
-                      topic: str) -> tuple[Session, int, list[int]] | None:
+    def _group_send(self, group: SharedGroup, member: Session | RemoteMember, qos: int,
+                    ids: list[int], rec: Record, key: PartitionKey) -> None:
+        full = group.consumer.name
+        if isinstance(member, RemoteMember):
+            assert self.group_peers is not None
+            member.outstanding.add((key, rec.offset))
+            self.group_peers.deliver(member.worker, full, member.client_id, key, rec.offset, qos)
+        else:
+            self._deliver(member, rec, key, qos, False, ids, False, full, group=full)
+
+    def _group_member(self, group: SharedGroup, rec_qos: int, topic: str
+                      ) -> tuple[Session | RemoteMember, int, list[int]] | None:
         """The next member, round robin, that may read ``topic`` and can take a record of
         ``rec_qos`` now: with the QoS it gets it at and its subscription identifier (5.0);
-        None if none can."""
+        None if none can. A member on another worker can while it has fewer records
+        outstanding than its window (its worker applies the ACL and the quota)."""
         n = len(group.members)
         for i in range(n):
             idx = (group.next_member + i) % n
+            remote = group.remote.get(group.members[idx])
+            if remote is not None:
+                if len(remote.outstanding) < remote.window:
+                    group.next_member = idx + 1
+                    ids = [remote.identifier] if remote.identifier else []
+                    return remote, min(rec_qos, remote.qos), ids if remote.version == 5 else []
+                continue
             session = self.sessions.get(group.members[idx])
             if session is None or not self._may_read(session, topic):
                 continue
@@ -888,6 +1030,8 @@ class Router:
         if session.link is None:
             return
         self._send_retained(session)
+        if session.group_queue:
+            self._send_group_queue(session)
         for consumer in list(session.consumers.values()):
             for key in list(consumer.cursors):
                 self._pump(session, consumer, key)
@@ -1141,6 +1285,8 @@ class Router:
                     if packet_id is not None and packet_id in session.inflight:
                         del session.inflight[packet_id]
                         session.dirty = session.persistent
+                    if group is not None:
+                        self._group_done(session, group, key, rec.offset)
                     return
                 props[PropertyId.MESSAGE_EXPIRY_INTERVAL] = expiry - elapsed  # [MQTT-3.3.2-6]
         if session.version == 5:
@@ -1170,6 +1316,8 @@ class Router:
         sent = link.send_publish(rec.topic, rec.payload, qos, retain, dup, packet_id, props)
         if not sent and packet_id is not None:
             session.inflight.pop(packet_id, None)  # too large: counts as delivered
+            if group is not None:
+                self._group_done(session, group, key, rec.offset)
 
     def _resend_inflight(self, session: Session) -> None:
         """On session resume, resend unacknowledged deliveries with DUP [MQTT-4.4.0-1]."""

@@ -90,6 +90,23 @@ class SharedGroup:
     next_member: int = 0
     #: Deliveries taken back from members that left before acknowledging them.
     orphans: deque[tuple[PartitionKey, int]] = field(default_factory=deque)
+    #: Members whose session is on another worker (several workers), by client id.
+    remote: dict[str, RemoteMember] = field(default_factory=dict)
+
+
+@dataclass(slots=True)
+class RemoteMember:
+    """A member of a shared group held here whose session lives on another worker."""
+
+    client_id: str
+    worker: int
+    qos: int
+    identifier: int | None
+    version: int
+    #: Records it may have outstanding (its receive quota when it joined).
+    window: int
+    #: Records sent to it and not reported done: they go back to the group if its worker dies.
+    outstanding: set[tuple[PartitionKey, int]] = field(default_factory=set)
 
 
 @dataclass(slots=True)
@@ -112,6 +129,9 @@ class Session:
     #: Retained messages due on subscribe, not yet sent: (record offset in $retained, qos,
     #: subscription ids).
     pending_retained: deque[tuple[int, int, list[int]]] = field(default_factory=deque)
+    #: Records of shared groups held by another worker, sent here for this session and not
+    #: delivered yet (its quota was full): (group, partition, offset, qos).
+    group_queue: deque[tuple[str, PartitionKey, int, int]] = field(default_factory=deque)
     will: Will | None = None
     will_due: float | None = None  # monotonic seconds at which to publish the will
     link: Link | None = None

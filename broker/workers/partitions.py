@@ -108,6 +108,11 @@ class RemotePartition:
         """The owner's last announced high-water mark."""
         return self.log.end_offset
 
+    def committed_through(self, offset: int) -> None:
+        """``offset`` is committed (a peer read it): readable here even before the owner's
+        announcement of it arrives (it comes on another channel)."""
+        self.log.advance(offset + 1)
+
     def add(self, record: Record, ack: Ack | None) -> None:
         self.pending.append(record)
         self.acks.append(ack)

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from broker.commitlog import LogConfig, Record, SegmentedLog, Streams
+from broker.workers.groups import MeshGroupPeers
 from broker.workers.mesh import Mesh, PeerDown, owner_of
 from broker.workers.partitions import PartitionService
 from broker.workers.sessions import SESSIONS_NEXT_KIND, SessionDirectory, home_of
@@ -48,6 +49,8 @@ VIEW = SESSIONS_NEXT_KIND + 1
 #: the address in the body.
 CONNECTIONS = SESSIONS_NEXT_KIND + 2
 LOGIN_FAILED = SESSIONS_NEXT_KIND + 3
+#: The four kinds of the shared groups' frames (broker.workers.groups) start here.
+GROUP_KINDS = SESSIONS_NEXT_KIND + 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,11 +77,13 @@ class WorkerRuntime:
         self.partitions = PartitionService(index, count, owner_of, self._directory,
                                            self._log_config)
         self.sessions = SessionDirectory(index, count)
+        self.groups = MeshGroupPeers(index, lambda group: home_of(group, count), GROUP_KINDS)
         self.mesh = Mesh(streams.data_dir, index, count,
                          {**self.partitions.handlers(), **self.sessions.handlers(),
+                          **self.groups.handlers(),
                           FINISHED: self._on_finished, VIEW: self._on_view,
                           CONNECTIONS: self._on_connections, LOGIN_FAILED: self._on_login_failed},
-                         on_peer_down=self._peer_down)
+                         on_peer_up=self._peer_up, on_peer_down=self._peer_down)
         self._finished: set[int] = set()
         #: Admin views by name: each returns this worker's part as bytes (set by the server).
         self.views: dict[str, Callable[[], bytes]] = {}
@@ -89,6 +94,7 @@ class WorkerRuntime:
         self.login_failed: Callable[[str], None] = lambda address: None
         self.partitions.mesh = self.mesh
         self.sessions.mesh = self.mesh
+        self.groups.mesh = self.mesh
         self.router: Router | None = None
 
     def _directory(self, key: tuple[str, int]) -> Any:
@@ -117,6 +123,7 @@ class WorkerRuntime:
     async def start(self, router: Router, open_owned: Callable[[], object]) -> None:
         """Steps 1-3 of the module docstring; the caller then loads the router."""
         self.router = router
+        self.groups.router = router
         open_owned()
         await self.mesh.start()
         try:
@@ -128,12 +135,18 @@ class WorkerRuntime:
         await self.partitions.sync_marks()
         await self.sessions.held_elsewhere()
 
+    def _peer_up(self, peer: int) -> None:
+        if self.router is not None:
+            self.router.rejoin_groups(peer)  # a restarted home learns its members again
+
     def _peer_down(self, peer: int) -> None:
         self.peer_connections.pop(peer, None)  # its clients were disconnected with it
         if peer in self._finished:
             return  # stopping with the rest of the broker
         log.warning("worker %d: worker %d went away", self.index, peer)
         self.sessions.peer_down(peer)
+        if self.router is not None:
+            self.router.worker_left(peer)
 
     def connections_changed(self, count: int) -> None:
         """This worker's connected clients changed: tell the peers, once per iteration."""

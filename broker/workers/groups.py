@@ -1,0 +1,97 @@
+"""Shared subscription groups across workers: the router's :class:`GroupPeers` over the mesh.
+
+A group ``$share/<name>/<filter>`` is held by one worker, its home (``crc32(filter) %
+workers``, the same rule as for client ids), which keeps the group's positions, persists
+them, and spreads its records round robin over all members wherever their sessions are
+(exactly as one worker does: each record to exactly one member). A member whose session is
+on another worker joins with a window (its receive quota); the home sends it at most that
+many records at a time, and the member's worker reports each one done once sent (QoS 0) or
+acknowledged, or gives it back when the member leaves before that. When a worker dies, the
+homes give what its members had outstanding to the other members.
+
+Frames (bodies in JSON, small and rare next to the records themselves): ``JOIN``, ``LEAVE``
+and ``DONE`` go to the home, ``DELIVER`` to the member's worker. Called only from the
+worker's event loop.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from broker.workers.mesh import Mesh, PeerDown
+
+if TYPE_CHECKING:
+    from broker.router.router import Router
+
+Key = tuple[str, int]
+
+
+class MeshGroupPeers:
+    """Implements :class:`broker.router.link.GroupPeers` for worker ``worker``."""
+
+    def __init__(self, worker: int, home_of: Callable[[str], int], first_kind: int) -> None:
+        self.worker = worker
+        self.home_of = home_of
+        self.mesh: Mesh | None = None
+        self.router: Router | None = None
+        self.JOIN, self.LEAVE, self.DELIVER, self.DONE = range(first_kind, first_kind + 4)
+
+    def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
+        return {self.JOIN: self._on_join, self.LEAVE: self._on_leave,
+                self.DELIVER: self._on_deliver, self.DONE: self._on_done}
+
+    def home(self, group: str) -> int | None:
+        home = self.home_of(group)
+        return None if home == self.worker else home
+
+    def _send(self, worker: int, kind: int, body: list[Any]) -> None:
+        assert self.mesh is not None
+        # A worker being restarted: members join again, deliveries are given back.
+        with contextlib.suppress(PeerDown):
+            self.mesh.send(worker, kind, orjson.dumps(body))
+
+    # ------------------------------------------------------------ to the home
+
+    def join(self, home: int, group: str, client_id: str, qos: int, identifier: int | None,
+             version: int, window: int) -> None:
+        self._send(home, self.JOIN, [group, client_id, qos, identifier, version, window])
+
+    def leave(self, home: int, group: str, client_id: str,
+              orphans: list[tuple[Key, int]]) -> None:
+        self._send(home, self.LEAVE, [group, client_id,
+                                      [[k[0], k[1], off] for k, off in orphans]])
+
+    def done(self, home: int, group: str, client_id: str, key: Key, offset: int) -> None:
+        self._send(home, self.DONE, [group, client_id, key[0], key[1], offset])
+
+    # ------------------------------------------------------------ to the member's worker
+
+    def deliver(self, worker: int, group: str, client_id: str, key: Key, offset: int,
+                qos: int) -> None:
+        self._send(worker, self.DELIVER, [group, client_id, key[0], key[1], offset, qos])
+
+    # ------------------------------------------------------------ received
+
+    def _on_join(self, peer: int, request: int, body: memoryview) -> None:
+        group, client_id, qos, identifier, version, window = orjson.loads(body)
+        assert self.router is not None
+        self.router.remote_join(peer, group, client_id, qos, identifier, version, window)
+
+    def _on_leave(self, peer: int, request: int, body: memoryview) -> None:
+        group, client_id, orphans = orjson.loads(body)
+        assert self.router is not None
+        self.router.remote_leave(group, client_id, [((s, p), off) for s, p, off in orphans])
+
+    def _on_done(self, peer: int, request: int, body: memoryview) -> None:
+        group, client_id, stream, partition, offset = orjson.loads(body)
+        assert self.router is not None
+        self.router.remote_done(group, client_id, (stream, partition), offset)
+
+    def _on_deliver(self, peer: int, request: int, body: memoryview) -> None:
+        group, client_id, stream, partition, offset, qos = orjson.loads(body)
+        assert self.router is not None
+        self.router.remote_deliver(group, client_id, (stream, partition), offset, qos)
