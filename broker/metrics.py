@@ -99,6 +99,12 @@ class BrokerCollector(Collector):
         dropped.add_metric(["oversize"], m.oversize_dropped)
         dropped.add_metric(["not_authorized"], router.acl_denied)
         yield dropped
+        if server.runtime is not None:
+            yield _counter("mqlog_session_handovers", "Sessions handed from one worker to "
+                           "another (their client reconnected to another worker)",
+                           server.runtime.sessions.takeovers)
+            yield _counter("mqlog_records_forwarded", "Records sent to the worker owning "
+                           "their partition", server.runtime.partitions.forwarded)
         yield _counter("mqlog_auth_failures", "Refused logins", auth.failures)
         yield _counter("mqlog_auth_lockouts", "Addresses locked out after failed logins",
                        auth.lockouts)
