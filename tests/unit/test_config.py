@@ -152,7 +152,7 @@ def test_parse_config_source_name() -> None:
 
 @pytest.mark.parametrize(("text", "key"), [
     pytest.param('[router]\nmax_inflight = "many"\n', "router.max_inflight", id="bad-value"),
-    pytest.param("[router]\nworkers = 2\n", "router.workers", id="workers-unsupported"),
+    pytest.param("[router]\nworkers = 300\n", "router.workers", id="too-many-workers"),
 ])
 def test_serve_with_bad_config_exits_nonzero(tmp_path: Path, text: str, key: str) -> None:
     p = write(tmp_path, text)
