@@ -32,6 +32,9 @@ class Partition:
     __slots__ = ("acks", "key", "log", "pending", "read_ahead", "read_base", "tail",
                  "tail_base", "tail_bytes", "watchers")
 
+    #: This worker appends to it (see broker.workers.partitions for one that does not).
+    appends_here = True
+
     def __init__(self, key: tuple[str, int], log: SegmentedLog) -> None:
         self.key = key
         self.log = log

@@ -228,8 +228,9 @@ class Router:
         while self._dirty:
             dirty, self._dirty = self._dirty, {}
             for key, part in dirty.items():
-                self.log_appends += 1
-                self.records_appended += len(part.pending)
+                if part.appends_here:  # else forwarded to the worker that owns it
+                    self.log_appends += 1
+                    self.records_appended += len(part.pending)
                 try:
                     if self.on_sync_append is not None and part.log.config.fsync == "always":
                         started = time.perf_counter()

@@ -89,6 +89,7 @@ class RemotePartition:
 
     __slots__ = ("acks", "forward", "key", "log", "owner", "pending", "read_ahead", "read_base",
                  "watchers")
+    appends_here = False
 
     def __init__(self, key: Key, reader: LogReader, owner: int,
                  forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None]
