@@ -14,10 +14,11 @@ from pathlib import Path
 from broker.config import Config
 from broker.server import ServeError
 from broker.workers.runtime import WorkerSpec
-from broker.workers.supervisor import Supervisor
+from broker.workers.supervisor import Supervisor, die_with_parent
 
 
 def main(config: Config, spec: WorkerSpec) -> int:
+    die_with_parent()  # as the real workers: nothing outlives a killed test
     if sys.argv[4:] == ["fail"] and spec.index == 1:
         print("worker 1: cannot start: told to fail", file=sys.stderr)
         return 3
