@@ -59,8 +59,9 @@ class GroupPeers(Protocol):
         ...
 
     def join(self, home: int, group: str, client_id: str, qos: int, identifier: int | None,
-             version: int, window: int) -> None:
-        """A session here is a member; ``window``: records it may have outstanding."""
+             version: int, window: int, username: str | None) -> None:
+        """A session here is a member; ``window``: records it may have outstanding;
+        ``username``: the user it logged in as (its ACL rules)."""
 
     def leave(self, home: int, group: str, client_id: str,
               orphans: list[tuple[tuple[str, int], int]]) -> None:

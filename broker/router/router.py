@@ -131,6 +131,9 @@ class Router:
         self.acl: Acl | None = None
         #: Per client id: its resolved ACL, from CONNECT until its session ends.
         self._authz: dict[str, Authorizer] = {}
+        #: Per client id: the user name it logged in with (a shared group held by another
+        #: worker applies that user's ACL rules to it).
+        self._usernames: dict[str, str | None] = {}
         self.acl_denied = 0       # PUBLISHes dropped and subscriptions refused by the ACL
         self.log_appends = 0      # batches appended (one write each)
         self.records_appended = 0
@@ -358,6 +361,7 @@ class Router:
             self.on_connections(self.connections)
         if self.acl is not None:
             self._authz[client_id] = Authorizer(self.acl.rules_for(username, client_id))
+            self._usernames[client_id] = username
             for consumer in session.consumers.values():
                 consumer.match_cache.clear()  # read rights may differ from the last login
 
@@ -464,6 +468,7 @@ class Router:
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
             self._authz.pop(session.client_id, None)
+            self._usernames.pop(session.client_id, None)
 
     def tick(self) -> None:
         """Run timers: delayed wills, session expiry, persisting positions. Call every ~1 s."""
@@ -795,7 +800,8 @@ class Router:
             sub = session.shared[full]
             window = min(session.receive_maximum, self.config.max_inflight)
             self.group_peers.join(home, full, session.client_id, sub.qos, sub.identifier,
-                                  session.version, window)
+                                  session.version, window,
+                                  self._usernames.get(session.client_id))
             return
         group = self._group(full)
         if session.client_id not in group.members:
@@ -832,11 +838,15 @@ class Router:
     # ------------------------------------------------ groups across workers
 
     def remote_join(self, worker: int, full: str, client_id: str, qos: int,
-                    identifier: int | None, version: int, window: int) -> None:
-        """A session on ``worker`` is a member of group ``full``, held here."""
+                    identifier: int | None, version: int, window: int,
+                    username: str | None) -> None:
+        """A session on ``worker`` is a member of group ``full``, held here; ``username``
+        selects its ACL rules, applied here as for a member of this worker."""
         group = self._group(full)
+        authz = (Authorizer(self.acl.rules_for(username, client_id)) if self.acl is not None
+                 else None)
         group.remote[client_id] = RemoteMember(client_id, worker, qos, identifier, version,
-                                               window)
+                                               window, authz)
         if client_id not in group.members:
             group.members.append(client_id)
         self._pump_group(group)
@@ -972,8 +982,10 @@ class Router:
         """False only when the group has members and the ACL lets none of them read
         ``topic``: then the record is skipped. With no members the group keeps its
         position for the next one, as a consumer group does."""
-        if self.acl is None or not group.members or group.remote:
-            return True  # a member on another worker: its worker applies the ACL
+        if self.acl is None or not group.members:
+            return True
+        if any(m.authz is None or m.authz.can_read(topic) for m in group.remote.values()):
+            return True
         sessions = (self.sessions.get(cid) for cid in group.members)
         return any(s is not None and self._may_read(s, topic) for s in sessions)
 
@@ -992,12 +1004,14 @@ class Router:
         """The next member, round robin, that may read ``topic`` and can take a record of
         ``rec_qos`` now: with the QoS it gets it at and its subscription identifier (5.0);
         None if none can. A member on another worker can while it has fewer records
-        outstanding than its window (its worker applies the ACL and the quota)."""
+        outstanding than its window (its worker applies the quota)."""
         n = len(group.members)
         for i in range(n):
             idx = (group.next_member + i) % n
             remote = group.remote.get(group.members[idx])
             if remote is not None:
+                if remote.authz is not None and not remote.authz.can_read(topic):
+                    continue
                 if len(remote.outstanding) < remote.window:
                     group.next_member = idx + 1
                     ids = [remote.identifier] if remote.identifier else []

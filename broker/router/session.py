@@ -23,6 +23,7 @@ from broker.mqtt.packets import Will
 from broker.mqtt.properties import decode_properties, encode_properties
 
 if TYPE_CHECKING:
+    from broker.auth import Authorizer
     from broker.router.link import Link
 
 PartitionKey = tuple[str, int]  # (stream name, partition number)
@@ -105,6 +106,8 @@ class RemoteMember:
     version: int
     #: Records it may have outstanding (its receive quota when it joined).
     window: int
+    #: Its ACL read rules (None: no ACL file).
+    authz: Authorizer | None = None
     #: Records sent to it and not reported done: they go back to the group if its worker dies.
     outstanding: set[tuple[PartitionKey, int]] = field(default_factory=set)
 

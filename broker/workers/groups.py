@@ -57,8 +57,9 @@ class MeshGroupPeers:
     # ------------------------------------------------------------ to the home
 
     def join(self, home: int, group: str, client_id: str, qos: int, identifier: int | None,
-             version: int, window: int) -> None:
-        self._send(home, self.JOIN, [group, client_id, qos, identifier, version, window])
+             version: int, window: int, username: str | None) -> None:
+        self._send(home, self.JOIN, [group, client_id, qos, identifier, version, window,
+                                     username])
 
     def leave(self, home: int, group: str, client_id: str,
               orphans: list[tuple[Key, int]]) -> None:
@@ -77,9 +78,10 @@ class MeshGroupPeers:
     # ------------------------------------------------------------ received
 
     def _on_join(self, peer: int, request: int, body: memoryview) -> None:
-        group, client_id, qos, identifier, version, window = orjson.loads(body)
+        group, client_id, qos, identifier, version, window, username = orjson.loads(body)
         assert self.router is not None
-        self.router.remote_join(peer, group, client_id, qos, identifier, version, window)
+        self.router.remote_join(peer, group, client_id, qos, identifier, version, window,
+                                username)
 
     def _on_leave(self, peer: int, request: int, body: memoryview) -> None:
         group, client_id, orphans = orjson.loads(body)
