@@ -147,7 +147,13 @@ class LogReader:
 
         Raises :class:`OffsetOutOfRange` below the earliest retained offset or past the mark.
         """
-        return self._read(offset, max_records, max_bytes, [], decode_into)
+        out = self._read(offset, max_records, max_bytes, [], decode_into)
+        # A mark learnt from a peer (committed_through) may fall inside a batch; the owner's
+        # announced marks (all read_columns sees) are at batch ends.
+        end = self._end
+        while out and out[-1].offset >= end:
+            out.pop()
+        return out
 
     def read_columns(self, offset: int, max_records: int = 1000,
                      max_bytes: int = 1 << 20) -> ColumnRead:
@@ -183,9 +189,6 @@ class LogReader:
                 i += 1
         except OSError as exc:
             raise LogIOError(self._segments[i].path, "read segment", exc) from exc
-        # A mark learnt from a peer (committed_through) may fall inside a batch.
-        while out and out[-1].offset >= end:
-            out.pop()
         return out
 
     def offset_for_time(self, timestamp_ms: int) -> int:
