@@ -147,7 +147,7 @@ class LogReader:
 
         Raises :class:`OffsetOutOfRange` below the earliest retained offset or past the mark.
         """
-        out = self._read(offset, max_records, max_bytes, [], decode_into)
+        out: list[Record] = self._read(offset, max_records, max_bytes, [], decode_into)
         # A mark learnt from a peer (committed_through) may fall inside a batch; the owner's
         # announced marks (all read_columns sees) are at batch ends.
         end = self._end
