@@ -32,8 +32,14 @@ import orjson
 from aiohttp import web
 
 from broker.commitlog import CommitLogError, OffsetOutOfRange, Record, SegmentedLog
+from broker.commitlog.columns import ColumnRead
 from broker.commitlog.reader import LogReader
-from broker.fetch import ARROW_STREAM_TYPE, to_ipc_stream, to_json_record, to_record_batch
+from broker.fetch import (
+    ARROW_STREAM_TYPE,
+    columns_to_record_batch,
+    to_ipc_stream,
+    to_json_record,
+)
 
 if TYPE_CHECKING:
     from broker.server import Server
@@ -114,24 +120,31 @@ class FetchApi:
                             MAX_BYTES_LIMIT)
         except BadRequest as e:
             return _json({"error": str(e)}, 400)
+        as_json = "application/json" in request.headers.get("Accept", "")
         try:
-            records = plog.read(offset, max_records, max_bytes)
+            if as_json:
+                records = plog.read(offset, max_records, max_bytes)
+            else:
+                read = plog.read_columns(offset, max_records, max_bytes)
         except OffsetOutOfRange as e:
             return _json({"error": f"stream {stream!r} partition {partition}: {e}",
                           "offset": e.offset, "earliest_offset": e.log_start_offset,
                           "high_water_mark": e.end_offset}, 416)
-        next_offset = records[-1].offset + 1 if records else offset
+        if as_json:
+            next_offset = records[-1].offset + 1 if records else offset
+        else:
+            next_offset = read.next_offset if read.count else offset
         headers = {
             "X-Mqlog-Next-Offset": str(next_offset),
             "X-Mqlog-High-Water-Mark": str(plog.end_offset),
             "X-Mqlog-Earliest-Offset": str(plog.log_start_offset),
         }
         loop = asyncio.get_running_loop()
-        if "application/json" in request.headers.get("Accept", ""):
+        if as_json:
             body = await loop.run_in_executor(None, _json_body, stream, partition, records,
                                               next_offset, plog.end_offset)
             return web.Response(body=body, content_type="application/json", headers=headers)
-        body = await loop.run_in_executor(None, _arrow_body, stream, partition, records)
+        body = await loop.run_in_executor(None, _arrow_body, stream, partition, read)
         return web.Response(body=body, content_type=ARROW_STREAM_TYPE, headers=headers)
 
     async def offset_for_time(self, request: web.Request) -> web.Response:
@@ -149,8 +162,8 @@ class FetchApi:
                       "high_water_mark": plog.end_offset})
 
 
-def _arrow_body(stream: str, partition: int, records: list[Record]) -> bytes:
-    return to_ipc_stream(to_record_batch(stream, partition, records))
+def _arrow_body(stream: str, partition: int, read: ColumnRead) -> bytes:
+    return to_ipc_stream(columns_to_record_batch(stream, partition, read))
 
 
 def _json_body(stream: str, partition: int, records: list[Record], next_offset: int,
