@@ -147,8 +147,34 @@ class Mqlog(Broker):
         wait_port(self.port, self.proc)
         self.pid = self.proc.pid
         if self.profile is not None:  # the broker is py-spy's child
-            children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
-            self.pid = int(children[0])
+            self.pid = self.pids()[1]
+        time.sleep(0.5)  # several workers: all of them listening, not just the first
+
+    def pids(self) -> list[int]:
+        """The broker's process and its children (its workers, with workers > 1)."""
+        children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
+        return [self.pid, *map(int, children)]
+
+    def cpu_by_process(self) -> list[float]:
+        out = []
+        for pid in self.pids():
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            out.append((int(fields[11]) + int(fields[12])) / CLK_TCK)
+        return out
+
+    def cpu(self) -> float:
+        """User + system CPU seconds of the broker's processes so far."""
+        return sum(self.cpu_by_process())
+
+    def rss_kb(self) -> int:
+        total = 0
+        for pid in self.pids():
+            with open(f"/proc/{pid}/status") as f:
+                for line in f:
+                    if line.startswith("VmRSS:"):
+                        total += int(line.split()[1])
+        return total
 
 
 class Mosquitto(Broker):

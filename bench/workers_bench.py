@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any
 
 from bench.mqtt_bench import (
-    CLK_TCK,
     RESULTS,
     Figure,
     Mqlog,
@@ -42,7 +41,7 @@ SCENARIOS = ("fanin0", "fanin1", "fanout0", "fanout1")
 
 
 class MqlogWorkers(Mqlog):
-    """mqlog with ``--workers N``; CPU and RSS are summed over its process tree."""
+    """mqlog with ``--workers N`` (CPU and RSS are summed over its processes by Mqlog)."""
 
     def __init__(self, tmp: Path, workers: int) -> None:
         super().__init__(tmp, name=f"mqlog-w{workers}")
@@ -60,31 +59,7 @@ class MqlogWorkers(Mqlog):
         self.proc = subprocess.Popen(cmd, cwd=self.src, env=env)
         wait_port(self.port, self.proc)
         self.pid = self.proc.pid
-        time.sleep(0.5 if self.workers > 1 else 0)  # every worker listening, not just one
-
-    def pids(self) -> list[int]:
-        children = Path(f"/proc/{self.pid}/task/{self.pid}/children").read_text().split()
-        return [self.pid, *map(int, children)]
-
-    def cpu_by_process(self) -> list[float]:
-        out = []
-        for pid in self.pids():
-            with open(f"/proc/{pid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-            out.append((int(fields[11]) + int(fields[12])) / CLK_TCK)
-        return out
-
-    def cpu(self) -> float:
-        return sum(self.cpu_by_process())
-
-    def rss_kb(self) -> int:
-        total = 0
-        for pid in self.pids():
-            with open(f"/proc/{pid}/status") as f:
-                for line in f:
-                    if line.startswith("VmRSS:"):
-                        total += int(line.split()[1])
-        return total
+        time.sleep(0.5)  # every worker listening, not just the first
 
     def forwarded(self) -> float:
         with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics",
