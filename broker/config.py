@@ -63,7 +63,7 @@ class AuthConfig:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    workers: int = 1                      # 0 = one worker per core
+    workers: int = 0                      # 0 = one worker per core
     max_connections: int = 100_000
     max_packet_size: int = 1024 * 1024    # bytes, checked from the fixed header
     max_inflight: int = 100               # QoS 1/2 deliveries in flight per client

@@ -159,7 +159,8 @@ def test_json_log_format(broker_factory: BrokerFactory) -> None:
     broker = broker_factory(start=False)
     proc = subprocess.Popen(
         [sys.executable, "-m", "broker.cli", "serve", "-c", str(broker.config_path),
-         "--log-format", "json"], cwd=ROOT, stderr=subprocess.PIPE, text=True,
+         "--workers", str(broker.workers), "--log-format", "json"], cwd=ROOT,
+        stderr=subprocess.PIPE, text=True,
         env={**os.environ, "PYTHONUNBUFFERED": "1"})
     try:
         assert proc.stderr is not None
