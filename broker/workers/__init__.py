@@ -1,7 +1,12 @@
 """Per-core workers: N processes, one router each, under one supervisor (DESIGN.md,
 "Per-core routers").
 
+- :mod:`broker.workers.supervisor`: starts the workers, restarts one that dies, stops them;
 - :mod:`broker.workers.mesh`: the local channel between workers, and which worker owns
   which partition;
-- :mod:`broker.workers.supervisor`: starts the workers, restarts one that dies, stops them.
+- :mod:`broker.workers.partitions`: forwarding publishes to a partition's owner, high-water
+  marks, reading partitions owned elsewhere;
+- :mod:`broker.workers.sessions`: where each session lives, and handing it over;
+- :mod:`broker.workers.groups`: shared subscription groups across workers;
+- :mod:`broker.workers.runtime`: what joins these to one worker's server and router.
 """
