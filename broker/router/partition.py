@@ -14,6 +14,7 @@ from collections.abc import Callable
 from typing import Any
 
 from broker.commitlog import Record, SegmentedLog
+from broker.commitlog.reader import LogReader
 
 #: Records kept in memory per partition for caught-up subscribers (one iteration of a busy
 #: fan-in appends tens of thousands: a smaller tail sends its subscriber to the log) ...
@@ -26,24 +27,22 @@ TAIL_BYTES = 16 << 20
 READ_BATCH = 4096
 
 
-class Partition:
-    """Single-writer view of one partition log, with group commit."""
+class PartitionBase:
+    """What the router needs of any partition: the batch gathered this iteration, who
+    watches it, and reads of its log. :class:`Partition` appends to its log; a partition
+    another worker owns (broker.workers.partitions) forwards instead and reads the owner's."""
 
-    __slots__ = ("acks", "key", "log", "pending", "read_ahead", "read_base", "tail",
-                 "tail_base", "tail_bytes", "watchers")
+    __slots__ = ("acks", "key", "log", "pending", "read_ahead", "read_base", "watchers")
 
-    #: This worker appends to it (see broker.workers.partitions for one that does not).
+    #: This worker appends to it.
     appends_here = True
 
-    def __init__(self, key: tuple[str, int], log: SegmentedLog) -> None:
+    def __init__(self, key: tuple[str, int], log: SegmentedLog | LogReader) -> None:
         self.key = key
         self.log = log
         self.pending: list[Record] = []
         #: One callback per pending record, called with its offset (or None on failure).
         self.acks: list[Callable[[int | None], None] | None] = []
-        self.tail: list[Record] = []
-        self.tail_base = log.end_offset
-        self.tail_bytes = 0  # payload bytes in tail
         #: Who reads this partition: ("s", client_id, consumer name) or ("g", group key).
         self.watchers: set[tuple[Any, ...]] = set()
         #: The last batch read from the log (for a subscriber behind the tail), so a reader
@@ -62,6 +61,38 @@ class Partition:
     def add(self, record: Record, ack: Callable[[int | None], None] | None) -> None:
         self.pending.append(record)
         self.acks.append(ack)
+
+    def commit(self) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
+        """Committed records from ``offset``, read from the log.
+
+        Raises the log's OffsetOutOfRange when ``offset`` fell below the retained start.
+        """
+        ahead = self.read_ahead
+        i = offset - self.read_base
+        if ahead and 0 <= i < len(ahead) and ahead[i].offset == offset:
+            return ahead[i:i + max_records]
+        records = self.log.read(offset, max_records=max_records)
+        if max_records >= READ_BATCH and records and records[0].offset == offset:
+            self.read_ahead = records
+            self.read_base = offset
+        return records
+
+
+class Partition(PartitionBase):
+    """Single-writer view of one partition log, with group commit."""
+
+    __slots__ = ("tail", "tail_base", "tail_bytes")
+
+    log: SegmentedLog
+
+    def __init__(self, key: tuple[str, int], log: SegmentedLog) -> None:
+        super().__init__(key, log)
+        self.tail: list[Record] = []
+        self.tail_base = log.end_offset
+        self.tail_bytes = 0  # payload bytes in tail
 
     def commit(self) -> tuple[int, int]:
         """Append the gathered batch as one write; returns ``(first offset, end offset)``.
@@ -118,12 +149,4 @@ class Partition:
         if self.tail and offset >= base:
             i = offset - base
             return self.tail[i:i + max_records]
-        ahead = self.read_ahead
-        i = offset - self.read_base
-        if ahead and 0 <= i < len(ahead) and ahead[i].offset == offset:
-            return ahead[i:i + max_records]
-        records = self.log.read(offset, max_records=max_records)
-        if max_records >= READ_BATCH and records and records[0].offset == offset:
-            self.read_ahead = records
-            self.read_base = offset
-        return records
+        return super().read(offset, max_records)

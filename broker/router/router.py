@@ -64,7 +64,7 @@ from broker.mqtt.topics import (
     validate_topic_filter,
 )
 from broker.router.link import GroupPeers, Link
-from broker.router.partition import Partition
+from broker.router.partition import Partition, PartitionBase
 from broker.router.replay import ReplayStart, is_replay, parse_replay
 from broker.router.session import (
     MAIN,
@@ -103,7 +103,7 @@ class Router:
                  schedule: Callable[[Callable[[], None]], Any],
                  clock: Callable[[], float] = time.time,
                  monotonic: Callable[[], float] = time.monotonic,
-                 partition_factory: Callable[[PartitionKey], Partition] | None = None,
+                 partition_factory: Callable[[PartitionKey], PartitionBase] | None = None,
                  load: bool = True) -> None:
         """``partition_factory`` makes the partition objects (one worker of several: owned
         or remote ones); ``load=False`` defers :meth:`load` (a worker first learns where
@@ -115,10 +115,10 @@ class Router:
         self.monotonic = monotonic
         self.sessions: dict[str, Session] = {}
         self.groups: dict[str, SharedGroup] = {}
-        self.partitions: dict[PartitionKey, Partition] = {}
+        self.partitions: dict[PartitionKey, PartitionBase] = {}
         self.retained: dict[str, Record] = {}  # topic -> record in $retained (with its offset)
         self.connections = 0
-        self._dirty: dict[PartitionKey, Partition] = {}
+        self._dirty: dict[PartitionKey, PartitionBase] = {}
         self._flush_scheduled = False
         self._groups_dirty = False
         #: Sessions to write to $sessions before this flush's acknowledgements go out, and
@@ -162,7 +162,7 @@ class Router:
 
     # ================================================================ partitions
 
-    def partition(self, key: PartitionKey) -> Partition:
+    def partition(self, key: PartitionKey) -> PartitionBase:
         part = self.partitions.get(key)
         if part is None:
             if self._make_partition is not None:
@@ -180,7 +180,7 @@ class Router:
         for i, record in enumerate(records):
             self._enqueue(record, None if i else ack, key)
 
-    def wake(self, part: Partition) -> None:
+    def wake(self, part: PartitionBase) -> None:
         """New records in ``part``, which another worker owns and announced."""
         self._wake(part)
 
@@ -275,7 +275,7 @@ class Router:
             self._flush_scheduled = True
             self._schedule(self.flush)
 
-    def _wake(self, part: Partition) -> None:
+    def _wake(self, part: PartitionBase) -> None:
         for watcher in list(part.watchers):
             if watcher[0] == "s":
                 session = self.sessions.get(watcher[1])
@@ -1067,7 +1067,7 @@ class Router:
             if rec is not None and rec.payload:
                 self._deliver(session, rec, key, qos, True, ids, False, MAIN)  # [MQTT-3.3.1-8]
 
-    def _read(self, part: Partition, offset: int) -> list[Record] | None:
+    def _read(self, part: PartitionBase, offset: int) -> list[Record] | None:
         """Records from ``offset``; None if retention deleted it (caller skips forward)."""
         try:
             return part.read(offset)

@@ -29,7 +29,7 @@ from typing import Any
 from broker.commitlog import LogConfig, Record, SegmentedLog
 from broker.commitlog.batch import decode_batch, encode_batch
 from broker.commitlog.reader import LogReader
-from broker.router.partition import READ_BATCH, Partition
+from broker.router.partition import Partition, PartitionBase
 from broker.workers.mesh import FIRST_USER_KIND, Mesh, PeerDown
 
 log = logging.getLogger("broker.workers")
@@ -79,44 +79,27 @@ class OwnedPartition(Partition):
             self.announce(self)
 
 
-class RemotePartition:
-    """A partition another worker owns, as this worker's router sees it.
+class RemotePartition(PartitionBase):
+    """A partition another worker owns, as this worker's router sees it: ``commit``
+    forwards the gathered batch to the owner, reads go to the owner's files up to its
+    announced mark."""
 
-    Offers the router what :class:`Partition` does: ``add`` / ``commit`` (here: forward),
-    ``read`` and ``end_offset`` (from the owner's files, up to its announced mark),
-    ``watchers`` and ``log``.
-    """
-
-    __slots__ = ("acks", "forward", "key", "log", "owner", "pending", "read_ahead", "read_base",
-                 "watchers")
+    __slots__ = ("forward", "owner")
     appends_here = False
+
+    log: LogReader
 
     def __init__(self, key: Key, reader: LogReader, owner: int,
                  forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None]
                  ) -> None:
-        self.key = key
-        self.log = reader
+        super().__init__(key, reader)
         self.owner = owner
         self.forward = forward
-        self.pending: list[Record] = []
-        self.acks: list[Ack | None] = []
-        self.watchers: set[tuple[Any, ...]] = set()
-        self.read_ahead: list[Record] = []
-        self.read_base = 0
-
-    @property
-    def end_offset(self) -> int:
-        """The owner's last announced high-water mark."""
-        return self.log.end_offset
 
     def committed_through(self, offset: int) -> None:
         """``offset`` is committed (a peer read it): readable here even before the owner's
         announcement of it arrives (it comes on another channel)."""
         self.log.advance(offset + 1)
-
-    def add(self, record: Record, ack: Ack | None) -> None:
-        self.pending.append(record)
-        self.acks.append(ack)
 
     def commit(self) -> tuple[int, int]:
         """Forward the gathered batch to the owner; acknowledgements follow its reply."""
@@ -126,18 +109,6 @@ class RemotePartition:
             self.forward(self, records, acks)
         end = self.log.end_offset
         return end, end
-
-    def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
-        """Records from ``offset`` below the announced mark; OffsetOutOfRange below the
-        earliest one. A batch read for a reader taking a few records per call is kept."""
-        ahead = self.read_ahead
-        i = offset - self.read_base
-        if ahead and 0 <= i < len(ahead) and ahead[i].offset == offset:
-            return ahead[i:i + max_records]
-        records = self.log.read(offset, max_records=max(max_records, READ_BATCH))
-        self.read_ahead = records
-        self.read_base = offset
-        return records[:max_records]
 
 
 class PartitionService:
@@ -177,7 +148,7 @@ class PartitionService:
     def owns(self, key: Key) -> bool:
         return self.owner_of(key, self.count) == self.worker
 
-    def make(self, key: Key, open_log: Callable[[Key], SegmentedLog]) -> Partition | Any:
+    def make(self, key: Key, open_log: Callable[[Key], SegmentedLog]) -> PartitionBase:
         """The router's partition object for ``key``: owned or remote."""
         owner = self.owner_of(key, self.count)
         if owner == self.worker:
