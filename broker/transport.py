@@ -150,12 +150,24 @@ class MQTTProtocol(asyncio.Protocol):
         try:
             if packets is None:
                 packets = self.conn.receive_data(data or b"")
-            for i, packet in enumerate(packets):
-                self._handle(packet)
+            i = 0
+            n = len(packets)
+            while i < n:
+                packet = packets[i]
+                if type(packet) is Publish:
+                    # Consecutive PUBLISHes go to the router together (its batch path).
+                    j = i + 1
+                    while j < n and type(packets[j]) is Publish:
+                        j += 1
+                    self._publish(packets[i:j] if j - i < n else packets)  # type: ignore[arg-type]
+                    i = j
+                else:
+                    self._handle(packet)
+                    i += 1
                 if self._closing:
                     return
                 if self._authorizing:
-                    self._held.extend(packets[i + 1:])
+                    self._held.extend(packets[i:])
                     return
             if self._acked:
                 # One pump for all the PUBACKs of this read, not one per PUBACK.
@@ -201,13 +213,17 @@ class MQTTProtocol(asyncio.Protocol):
 
     # ---------------------------------------------------------------- dispatch
 
+    def _publish(self, run: list[Publish]) -> None:
+        """Consecutive PUBLISHes of one read: stored by the router in order, as a batch."""
+        messages_in = self.metrics.messages_in
+        for packet in run:
+            messages_in[packet.qos] += 1
+        self.router.publish_run(self.session, run)  # type: ignore[arg-type]
+
     def _handle(self, packet: Packet) -> None:
         kind = type(packet)
         session = self.session
-        if kind is Publish:
-            self.metrics.messages_in[packet.qos] += 1  # type: ignore[union-attr]
-            self.router.publish(session, packet)  # type: ignore[arg-type]
-        elif kind is PubAck:
+        if kind is PubAck:
             self.router.puback(session, packet.packet_id,  # type: ignore[arg-type, union-attr]
                                pump=False)
             self._acked = True  # the freed quota is used once per read, in _receive

@@ -211,19 +211,23 @@ class Router:
                  key: PartitionKey | None = None) -> None:
         """Gather a record for the next group commit; ``key`` defaults to its topic's."""
         if key is None:
-            # Topic -> partition is fixed for the process (streams do not change at run
-            # time); the crc32 and the stream lookup are paid once per topic.
-            key = self._topic_keys.get(record.topic)
-            if key is None:
-                if len(self._topic_keys) >= TOPIC_KEY_CACHE:
-                    self._topic_keys.clear()
-                key = self._topic_keys[record.topic] = self.streams.partition_for(record.topic)
+            key = self._topic_key(record.topic)
         part = self.partition(key)
         part.add(record, ack)
         self._dirty[key] = part
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._schedule(self.flush)
+
+    def _topic_key(self, topic: str) -> PartitionKey:
+        """The partition of ``topic``. Topic -> partition is fixed for the process (streams
+        do not change at run time): the crc32 and the stream lookup are paid once per topic."""
+        key = self._topic_keys.get(topic)
+        if key is None:
+            if len(self._topic_keys) >= TOPIC_KEY_CACHE:
+                self._topic_keys.clear()
+            key = self._topic_keys[topic] = self.streams.partition_for(topic)
+        return key
 
     def flush(self) -> None:
         """Group commit: append every gathered batch, acknowledge, wake consumers."""
@@ -516,6 +520,51 @@ class Router:
             ack = _Ack(self, session, link, PubRec, pid)  # type: ignore[arg-type]
         self._store_publish(session.client_id, packet.topic, packet.payload, qos, packet.retain,
                             packet.properties, ack)
+
+    def publish_run(self, session: Session, packets: list[Publish]) -> None:
+        """Store consecutive PUBLISHes of one read, in order; the same as :meth:`publish`
+        on each, with the per-message work done once per run of one topic.
+
+        A run is a stretch of QoS 0/1 PUBLISHes to one topic without properties or retain
+        flag: one ACL decision (same client, same topic, same answer), one partition lookup,
+        one timestamp and one step into the partition's pending batch. Anything else (QoS 2,
+        retained, properties, denied) takes :meth:`publish`. Each QoS 1 message keeps its own
+        acknowledgement, sent after the append [MQTT-4.3.2-2]; per-publisher order holds
+        because runs are gathered in arrival order and one topic has one partition.
+        """
+        link = session.link
+        assert link is not None
+        client_id = session.client_id
+        timestamp = self._now_ms()
+        n = len(packets)
+        i = 0
+        while i < n:
+            packet = packets[i]
+            topic = packet.topic
+            if (packet.qos == 2 or packet.retain or packet.properties
+                    or not self._may_publish(client_id, topic)):
+                self.publish(session, packet)
+                i += 1
+                continue
+            j = i + 1
+            while j < n:
+                other = packets[j]
+                if (other.topic != topic or other.qos == 2 or other.retain
+                        or other.properties):
+                    break
+                j += 1
+            run = packets[i:j] if j - i < n else packets
+            qos = [p.qos for p in run]
+            acks = [_Ack(self, session, link, PubAck, p.packet_id)  # type: ignore[arg-type]
+                    if p.qos else None for p in run]
+            key = self._topic_key(topic)
+            part = self.partition(key)
+            part.add_run(timestamp, topic, client_id, [p.payload for p in run], qos, acks)
+            self._dirty[key] = part
+            i = j
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._schedule(self.flush)
 
     def _may_publish(self, client_id: str, topic: str) -> bool:
         """Clients never write ``$SYS/...`` (the broker's own); else the ACL decides.
