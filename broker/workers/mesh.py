@@ -139,7 +139,10 @@ class Mesh:
         self._dialers: list[asyncio.Task[None]] = []
         #: Set when the channel to a (lower) peer this worker dials is lost.
         self._lost: dict[int, asyncio.Event] = {}
-        self._pending: dict[int, tuple[int, asyncio.Future[bytes]]] = {}
+        #: Requests sent and not answered: the peer asked and who waits (a future of
+        #: :meth:`call`, or the callback of :meth:`request`).
+        self._pending: dict[int, tuple[int, asyncio.Future[bytes] | Callable[[bytes | None],
+                                                                            None]]] = {}
         self._next_request = 1
         self._flush_due: list[_PeerProtocol] = []
         self._closing = False
@@ -233,6 +236,19 @@ class Mesh:
         proto.queue(kind, request, body)
         return future
 
+    def request(self, peer: int, kind: int, body: bytes | bytearray | memoryview,
+                on_reply: Callable[[bytes | None], None]) -> None:
+        """Ask ``peer``; ``on_reply`` is called with the reply's body, or with None if the
+        peer goes away first. Raises :class:`PeerDown` if its channel is not open now.
+
+        The per-message path's form of :meth:`call`: the reply runs the callback as it is
+        read, without a future and the loop callback that resolving one schedules."""
+        proto = self._peer(peer)
+        request = self._next_request
+        self._next_request += 1
+        self._pending[request] = (peer, on_reply)
+        proto.queue(kind, request, body)
+
     def reply(self, peer: int, request: int, body: bytes | bytearray | memoryview = b"") -> None:
         """Answer request ``request`` of ``peer`` (dropped if the peer has gone since)."""
         proto = self.peers.get(peer)
@@ -281,17 +297,30 @@ class Mesh:
 
     def _fail_pending(self, peer: int | None) -> None:
         """Fail the requests waiting on ``peer`` (None: on every peer)."""
-        for request, (to, future) in list(self._pending.items()):
+        for request, (to, waiter) in list(self._pending.items()):
             if peer is None or to == peer:
                 del self._pending[request]
-                if not future.done():
-                    future.set_exception(PeerDown(f"worker {to} went away"))
+                if not isinstance(waiter, asyncio.Future):
+                    self._answer(waiter, None)
+                elif not waiter.done():
+                    waiter.set_exception(PeerDown(f"worker {to} went away"))
+
+    def _answer(self, on_reply: Callable[[bytes | None], None], body: bytes | None) -> None:
+        try:
+            on_reply(body)
+        except Exception:
+            log.exception("worker %d: bug handling a reply", self.worker)
 
     def _dispatch(self, peer: int, kind: int, request: int, body: memoryview) -> None:
         if kind == REPLY:
             entry = self._pending.pop(request, None)
-            if entry is not None and not entry[1].done():
-                entry[1].set_result(bytes(body))
+            if entry is None:
+                return
+            waiter = entry[1]
+            if not isinstance(waiter, asyncio.Future):
+                self._answer(waiter, bytes(body))
+            elif not waiter.done():
+                waiter.set_result(bytes(body))
             return
         handler = self.handlers.get(kind)
         if handler is None:

@@ -203,27 +203,25 @@ class PartitionService:
     def _forward(self, part: RemotePartition, records: list[Record],
                  acks: list[Ack | None]) -> None:
         self.forwarded += len(records)
+
+        def done(body: bytes | None) -> None:
+            first = None
+            if body is None:
+                log.warning("%s/%d: worker %d went away; %d records not stored", *part.key,
+                            part.owner, len(records))
+            else:
+                first = _OFFSET.unpack(body)[0]
+                if first < 0:
+                    first = None
+            _settle(acks, first)
+
         try:
             assert self.mesh is not None
-            reply = self.mesh.call(part.owner, FORWARD,
-                                   pack_key(part.key) + encode_batch(0, records))
+            self.mesh.request(part.owner, FORWARD,
+                              pack_key(part.key) + encode_batch(0, records), done)
         except PeerDown as e:
             log.warning("%s/%d: %s; %d records not stored", *part.key, e, len(records))
             _settle(acks, None)
-            return
-
-        def done(future: Any) -> None:
-            first = None
-            if not future.cancelled() and future.exception() is None:
-                first = _OFFSET.unpack(future.result())[0]
-                if first < 0:
-                    first = None
-            elif not future.cancelled():
-                log.warning("%s/%d: %s; %d records not stored", *part.key,
-                            future.exception(), len(records))
-            _settle(acks, first)
-
-        reply.add_done_callback(done)
 
     def _on_appended(self, peer: int, request: int, body: memoryview) -> None:
         key, pos = unpack_key(body)

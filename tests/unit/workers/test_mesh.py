@@ -174,3 +174,23 @@ def test_ownership_is_stable_and_spreads_a_streams_partitions() -> None:
     assert owners == [owner_of(k, 2) for k in keys]
     assert all(owner_of(k, 1) == 0 for k in keys)
     assert {owner_of(k, 3) for k in keys} == {0, 1, 2}
+
+
+def test_request_callbacks_get_the_reply_or_none_when_the_peer_goes(tmp_path: Path) -> None:
+    async def main() -> None:
+        w0, w1 = await started(tmp_path, 2)
+        got: list[bytes | None] = []
+        w1.mesh.request(0, ECHO, b"a", got.append)
+        w1.mesh.request(0, LATER, b"", got.append)
+        await until(lambda: bool(got) and bool(w0.held))
+        assert got == [b"echo:a"]
+        assert w1.mesh.pending_requests == 1
+        await w0.mesh.close()  # worker 0 "dies" before answering the second
+        await until(lambda: len(got) == 2)
+        assert got == [b"echo:a", None]
+        assert w1.mesh.pending_requests == 0
+        with pytest.raises(PeerDown):
+            w1.mesh.request(0, ECHO, b"lost", got.append)
+        await w1.mesh.close()
+
+    run(main)
