@@ -10,7 +10,8 @@ Owned by one router; called only from its event loop thread.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator, Sequence
+from itertools import count, repeat
 from typing import Any
 
 from broker.commitlog import Record, SegmentedLog
@@ -69,21 +70,31 @@ class PartitionBase:
         self.acks.append(ack)
 
     def add_run(self, timestamp: int, topic: str, client_id: str, payloads: list[bytes],
-                qos: list[int], acks: list[Callable[[int | None], None] | None]) -> None:
+                qos: list[int], acks: Sequence[Callable[[int | None], None] | None]) -> None:
         """Gather consecutive PUBLISHes of one client to one topic, without properties or
         retain flag, in one step (the router's :meth:`~broker.router.router.Router.publish_run`):
         one record per payload, numbered from :meth:`next_offset`."""
         new = tuple.__new__  # Record(...) without the NamedTuple constructor's call
-        base = self.next_offset()
-        if base < 0:
-            records = [new(Record, (-1, timestamp, topic, payload, q, False, client_id, b""))
-                       for payload, q in zip(payloads, qos, strict=True)]
-        else:
-            records = [new(Record, (offset, timestamp, topic, payload, q, False, client_id, b""))
-                       for offset, payload, q in zip(range(base, base + len(payloads)),
-                                                     payloads, qos, strict=True)]
-        self.pending += records
+        offsets = zip(self._offsets(), payloads, qos, strict=False)  # offsets never end
+        self.pending += [new(Record, (offset, timestamp, topic, payload, q, False, client_id, b""))
+                         for offset, payload, q in offsets]
         self.acks += acks
+
+    def add_rows(self, rows: list[tuple[Any, ...]],
+                 ack: Callable[[int | None], None] | None) -> None:
+        """Gather records given as rows without their offset (a batch another worker
+        forwarded, see broker.workers.partitions), consecutively and in one step; ``ack``
+        gets the first record's offset."""
+        new = tuple.__new__
+        self.pending += [new(Record, (offset, *row))
+                         for offset, row in zip(self._offsets(), rows, strict=False)]
+        self.acks.append(ack)
+        self.acks += [None] * (len(rows) - 1)
+
+    def _offsets(self) -> Iterator[int]:
+        """The offsets of the records gathered next, one per record (see next_offset)."""
+        base = self.next_offset()
+        return repeat(-1) if base < 0 else count(base)
 
     def commit(self) -> tuple[int, int]:
         raise NotImplementedError

@@ -172,13 +172,18 @@ class Router:
             self.partitions[key] = part
         return part
 
-    def append_forwarded(self, key: PartitionKey, records: list[Record],
+    def append_forwarded(self, key: PartitionKey, rows: list[tuple[Any, ...]],
                          ack: Callable[[int | None], None]) -> None:
-        """Records another worker forwarded to partition ``key``, which this worker owns:
-        appended in this iteration's group commit, consecutively; ``ack`` gets the first
-        record's offset (None if the append failed)."""
-        for i, record in enumerate(records):
-            self._enqueue(record, None if i else ack, key)
+        """Records another worker forwarded to partition ``key``, which this worker owns, as
+        rows without their offset (:meth:`PartitionBase.add_rows`): appended in this
+        iteration's group commit, consecutively; ``ack`` gets the first record's offset
+        (None if the append failed)."""
+        part = self.partition(key)
+        part.add_rows(rows, ack)
+        self._dirty[key] = part
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._schedule(self.flush)
 
     def wake(self, part: PartitionBase) -> None:
         """New records in ``part``, which another worker owns and announced."""

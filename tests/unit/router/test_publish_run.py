@@ -102,3 +102,17 @@ def test_a_failed_append_answers_every_message_of_the_run(h: Harness) -> None:
     assert [(a.packet_id, a.reason_code) for a in link.of(PubAck)] == [(1, 0x80), (2, 0x80)]
     part = h.router.partitions[key]
     assert part.next_offset() == 0  # the numbers given to the failed batch are free again
+
+
+def test_forwarded_rows_follow_what_is_pending_and_ack_their_first_offset(h: Harness) -> None:
+    link, s = h.connect("pub", 4)
+    h.router.publish_run(s, [Publish("a", b"local", 1, packet_id=1)])
+    key = h.streams.partition_for("a")
+    firsts: list[int | None] = []
+    rows = [(5, "a", b"f%d" % i, 1, False, "peer-client", b"") for i in range(3)]
+    h.router.append_forwarded(key, rows, firsts.append)
+    h.run()
+    assert h.log_payloads("a") == [b"local", b"f0", b"f1", b"f2"]
+    assert firsts == [1]
+    assert [r.offset for r in h.router.partitions[key].tail] == [0, 1, 2, 3]  # type: ignore[attr-defined]
+    assert [a.packet_id for a in link.of(PubAck)] == [1]
