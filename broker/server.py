@@ -30,6 +30,7 @@ from broker.commitlog import LogCleaner, SegmentedLog, Streams
 from broker.commitlog.reader import LogReader
 from broker.config import Config
 from broker.http_api import HttpApi, sessions_view
+from broker.keepalive import KeepaliveWheel
 from broker.metrics import BrokerCollector, Metrics
 from broker.mqtt.reason_codes import ReasonCode
 from broker.router.router import Router
@@ -108,6 +109,8 @@ class Server:
         self.router.on_sync_append = self.metrics.fsync_seconds.observe
         self.metrics.registry.register(BrokerCollector(self))
         self.links: set[MQTTProtocol] = set()
+        #: Every link by its keepalive (or CONNECT) deadline, looked at when that passes.
+        self.keepalive: KeepaliveWheel[MQTTProtocol] = KeepaliveWheel(TICK_SECONDS, monotonic())
         self._flush_pending: list[MQTTProtocol] = []
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
@@ -217,11 +220,7 @@ class Server:
         while True:
             await asyncio.sleep(TICK_SECONDS)
             try:
-                now = self.monotonic()
-                for link in list(self.links):
-                    if link.keepalive_expired(now):
-                        log.info("%s (%s): keepalive expired", link.client_id or "-", link.peer)
-                        link.close(ReasonCode.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
+                self.check_keepalives(self.monotonic())
                 self.router.tick()
                 observe = self.metrics.fsync_seconds.observe
                 for plog in self.streams.open_logs().values():  # the ones this worker writes
@@ -230,6 +229,19 @@ class Server:
                         observe(time.perf_counter() - started)
             except Exception:
                 log.exception("bug in the broker timers")
+
+    def check_keepalives(self, now: float) -> None:
+        """Close the links whose keepalive (or CONNECT timeout) expired by ``now``
+        [MQTT-3.1.2-24]; file the others that came due again under their new deadline."""
+        wheel = self.keepalive
+        for link in wheel.due(now):
+            if link.keepalive_expired(now):
+                log.info("%s (%s): keepalive expired", link.client_id or "-", link.peer)
+                link.close(ReasonCode.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
+                continue
+            deadline = link.keepalive_deadline()
+            if deadline is not None:
+                wheel.file(link, deadline)
 
     async def stop(self) -> None:
         """Stop accepting, close connections, persist sessions, flush and fsync the logs."""

@@ -127,6 +127,7 @@ class MQTTProtocol(asyncio.Protocol):
         self.peer_host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         transport.set_write_buffer_limits(high=self._high_water)  # type: ignore[attr-defined]
         self.server.links.add(self)
+        self.server.keepalive.file(self, self.connected_at + self.connect_timeout)
         self.metrics.connections_opened += 1
 
     def data_received(self, data: bytes) -> None:
@@ -191,6 +192,7 @@ class MQTTProtocol(asyncio.Protocol):
         self._flush_and_close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.server.keepalive.discard(self)
         if self in self.server.links:
             self.server.links.discard(self)
             self.metrics.connections_closed += 1
@@ -365,6 +367,11 @@ class MQTTProtocol(asyncio.Protocol):
             self._flush_and_close()  # refused: CONNACK sent [MQTT-3.2.2-7]
             return
         self.session, self.keepalive = result
+        deadline = self.keepalive_deadline()
+        if deadline is None:
+            self.server.keepalive.discard(self)
+        else:
+            self.server.keepalive.file(self, deadline)
 
     # ---------------------------------------------------------------- errors
 
@@ -489,3 +496,12 @@ class MQTTProtocol(asyncio.Protocol):
         if self.session is None:
             return now - self.connected_at > self.connect_timeout
         return keepalive_expired(self.keepalive, self.last_received, now)
+
+    def keepalive_deadline(self) -> float | None:
+        """When :meth:`keepalive_expired` may next become true if nothing arrives; None
+        when it never will (keepalive 0, s3.1.2.10)."""
+        if self.session is None:
+            return self.connected_at + self.connect_timeout
+        if self.keepalive <= 0:
+            return None
+        return self.last_received + 1.5 * self.keepalive

@@ -13,8 +13,10 @@ import pytest
 
 from broker.auth import AuthService
 from broker.config import Config, RouterConfig
+from broker.keepalive import KeepaliveWheel
 from broker.metrics import Metrics
 from broker.mqtt.connection import keepalive_expired
+from broker.server import TICK_SECONDS, Server
 from broker.transport import MQTTProtocol
 
 
@@ -44,6 +46,7 @@ class FakeServer:
         self.metrics = Metrics()
         self.auth = AuthService(self.config.auth, clock)  # anonymous: no thread needed
         self.links: set[Any] = set()
+        self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, clock())
         self.flushed: list[Any] = []
         self.runtime = None  # one worker: no session claims
 
@@ -131,3 +134,114 @@ def test_bytes_before_connect_do_not_extend_the_connect_timeout() -> None:
     proto.data_received(connect311(60)[:4])  # an incomplete CONNECT
     clock.now += 1.5
     assert proto.keepalive_expired(clock())
+
+
+# ---------------------------------------------------------------- the wheel
+
+
+class Closable:
+    """What Server.check_keepalives needs of a link, over a real MQTTProtocol's decision."""
+
+    def __init__(self, proto: MQTTProtocol) -> None:
+        self.proto = proto
+        self.closed: int | None = None
+        self.client_id = "k"
+        self.peer = "test"
+
+    def keepalive_expired(self, now: float) -> bool:
+        return self.proto.keepalive_expired(now)
+
+    def keepalive_deadline(self) -> float | None:
+        return self.proto.keepalive_deadline()
+
+    def close(self, reason_code: int | None = None, reason: str = "") -> None:
+        self.closed = reason_code
+
+
+def ticking(proto: MQTTProtocol, clock: FakeClock, seconds: float) -> Closable:
+    """Run the server's keepalive check every tick for up to ``seconds``, until it closes
+    the link."""
+    server = proto.server
+    link = Closable(proto)
+    deadline = proto.keepalive_deadline()
+    assert deadline is not None
+    server.keepalive = KeepaliveWheel(TICK_SECONDS, clock())
+    server.keepalive.file(link, deadline)
+    end = clock.now + seconds
+    while clock.now < end and link.closed is None:
+        clock.now += TICK_SECONDS
+        Server.check_keepalives(server, clock.now)  # type: ignore[arg-type]
+    return link
+
+
+def test_a_silent_client_is_closed_at_the_first_tick_after_one_and_a_half_keepalive() -> None:
+    proto, clock = connected(10)
+    start = clock.now
+    link = ticking(proto, clock, 60)
+    assert link.closed == 0x8D  # Keep Alive timeout [MQTT-3.1.2-24]
+    assert 15.0 < clock.now - start <= 15.0 + TICK_SECONDS
+
+
+def test_a_live_client_is_looked_at_once_per_one_and_a_half_keepalive() -> None:
+    proto, clock = connected(10)
+    start = clock.now
+    server = proto.server
+    link = Closable(proto)
+    server.keepalive.file(link, proto.keepalive_deadline())
+    looks = 0
+    while clock.now - start < 100:
+        clock.now += TICK_SECONDS
+        proto.data_received(bytes.fromhex("c000"))  # a PINGREQ every tick
+        looks += len(server.keepalive.due(clock.now))
+        deadline = proto.keepalive_deadline()
+        assert deadline is not None
+        server.keepalive.file(link, deadline)
+    assert link.closed is None
+    assert looks <= 100 / 15 + 1  # not 200, as scanning every tick would
+
+
+def test_keepalive_zero_leaves_the_wheel() -> None:
+    clock = FakeClock()
+    server = FakeServer(clock)
+    proto = MQTTProtocol(server)  # type: ignore[arg-type]
+    server.keepalive.file(proto, proto.keepalive_deadline())  # as connection_made does
+    assert len(server.keepalive) == 1
+    proto.data_received(connect311(0))
+    assert proto.keepalive_deadline() is None
+    assert len(server.keepalive) == 0
+    assert server.keepalive.due(clock.now + 10**7) == []
+
+
+def test_the_connect_timeout_is_kept_by_the_wheel() -> None:
+    clock = FakeClock()
+    server = FakeServer(clock, connect_timeout=3)
+    proto = MQTTProtocol(server)  # type: ignore[arg-type]
+    link = ticking(proto, clock, 10)
+    assert link.closed == 0x8D
+    assert 3.0 < clock.now - 1000.0 <= 3.0 + TICK_SECONDS
+
+
+def test_the_connect_refiles_a_shorter_deadline() -> None:
+    clock = FakeClock()
+    server = FakeServer(clock, connect_timeout=30)
+    proto = MQTTProtocol(server)  # type: ignore[arg-type]
+    server.keepalive.file(proto, proto.keepalive_deadline())
+    proto.data_received(connect311(2))  # keepalive 2: expires at 3 s, not at 30
+    assert server.keepalive.due(clock.now + 2.9) == []
+    assert server.keepalive.due(clock.now + 3.0) == [proto]
+
+
+def test_wheel_hands_each_item_out_once_and_skips_discarded_and_refiled() -> None:
+    wheel: KeepaliveWheel[str] = KeepaliveWheel(0.5, 100.0)
+    wheel.file("a", 101.0)
+    wheel.file("b", 101.2)
+    wheel.file("c", 101.0)
+    wheel.file("d", 99.0)  # already past: looked at on the next tick
+    wheel.discard("c")
+    wheel.file("b", 105.0)  # moved later: the entry at 101.5 is stale
+    assert wheel.due(100.4) == []
+    assert wheel.due(100.5) == ["d"]
+    assert wheel.due(101.6) == ["a"]
+    assert wheel.due(104.9) == []
+    assert wheel.due(200.0) == ["b"]
+    assert len(wheel) == 0
