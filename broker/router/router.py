@@ -558,13 +558,21 @@ class Router:
                         or other.properties):
                     break
                 j += 1
-            run = packets[i:j] if j - i < n else packets
-            qos = [p.qos for p in run]
-            acks = [_Ack(self, session, link, PubAck, p.packet_id)  # type: ignore[arg-type]
-                    if p.qos else None for p in run]
             key = self._topic_key(topic)
             part = self.partition(key)
-            part.add_run(timestamp, topic, client_id, [p.payload for p in run], qos, acks)
+            if j == i + 1:
+                # One packet (a device's read): no lists to build.
+                qos = packet.qos
+                part.add(_new_record(Record, (part.next_offset(), timestamp, topic,
+                                              packet.payload, qos, False, client_id, b"")),
+                         _Ack(self, session, link, PubAck, packet.packet_id)  # type: ignore[arg-type]
+                         if qos else None)
+            else:
+                run = packets[i:j] if j - i < n else packets
+                part.add_run(timestamp, topic, client_id, [p.payload for p in run],
+                             [p.qos for p in run],
+                             [_Ack(self, session, link, PubAck, p.packet_id)  # type: ignore[arg-type]
+                              if p.qos else None for p in run])
             self._dirty[key] = part
             i = j
         if not self._flush_scheduled:
@@ -1523,6 +1531,8 @@ class Router:
 
 
 _MISS: Any = object()
+#: ``_new_record(Record, fields)``: a Record without the NamedTuple constructor's Python call.
+_new_record = tuple.__new__
 _TOPIC = itemgetter(2)  # Record.topic, for map()
 
 
