@@ -23,7 +23,8 @@ Invariants:
 
 Buffering: received chunks are kept as a list and only joined once the bytes they hold
 complete a fixed header or a whole packet, so a large packet arriving in many small reads is
-copied O(1) times, not once per read. Packets are parsed in place from an immutable ``bytes``
+copied O(1) times, not once per read. A chunk arriving when nothing is left over becomes the
+buffer itself. Packets are parsed in place from an immutable ``bytes``
 buffer using a read position; consumed bytes are dropped (the "compaction") only when the
 next join happens, which costs a copy of the unconsumed tail, at most one partial packet.
 """
@@ -395,6 +396,12 @@ class Decoder:
             raise self._error
         if data:
             chunk = bytes(data)
+            if not self._pending and self._pos >= len(self._buf):
+                # Nothing left over (a device's read is one whole packet): parse this chunk
+                # in place, without the list and the join.
+                self._buf = chunk
+                self._pos = 0
+                return
             self._chunks.append(chunk)
             self._pending += len(chunk)
 
