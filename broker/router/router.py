@@ -181,9 +181,7 @@ class Router:
         part = self.partition(key)
         part.add_rows(rows, ack)
         self._dirty[key] = part
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._schedule(self.flush)
+        self._flush_soon()
 
     def wake(self, part: PartitionBase) -> None:
         """New records in ``part``, which another worker owns and announced."""
@@ -220,6 +218,10 @@ class Router:
         part = self.partition(key)
         part.add(record, ack)
         self._dirty[key] = part
+        self._flush_soon()
+
+    def _flush_soon(self) -> None:
+        """Run the group commit at the end of this event-loop iteration (once)."""
         if not self._flush_scheduled:
             self._flush_scheduled = True
             self._schedule(self.flush)
@@ -280,9 +282,7 @@ class Router:
         self._persist_due[session.client_id] = session
         if then is not None:
             self._persist_waiters.setdefault(session.client_id, []).append(then)
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._schedule(self.flush)
+        self._flush_soon()
 
     def _wake(self, part: PartitionBase) -> None:
         for watcher in list(part.watchers):
@@ -575,9 +575,7 @@ class Router:
                               if p.qos else None for p in run])
             self._dirty[key] = part
             i = j
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            self._schedule(self.flush)
+        self._flush_soon()
 
     def _may_publish(self, client_id: str, topic: str) -> bool:
         """Clients never write ``$SYS/...`` (the broker's own); else the ACL decides.
