@@ -140,8 +140,9 @@ class Mqlog(Broker):
                "--http-port", str(free_port()), "--data-dir", str(data)]
         if self.profile is not None:
             spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
-            cmd = [spy, "record", "-r", "250", "--native", "-f", "raw", "-o", str(self.profile),
-                   "--", *cmd]
+            # --subprocesses: with several workers the supervisor itself does little.
+            cmd = [spy, "record", "-r", "250", "--native", "--subprocesses", "-f", "raw",
+                   "-o", str(self.profile), "--", *cmd]
         env = {**os.environ, "PYTHONPATH": str(self.src)}
         self.proc = subprocess.Popen(cmd, cwd=self.src, env=env)
         wait_port(self.port, self.proc)
