@@ -28,6 +28,7 @@ from typing import TYPE_CHECKING, Any
 
 from broker.auth import LoginResult, PendingLogin
 from broker.mqtt.connection import ServerConnection, keepalive_expired
+from broker.mqtt.decode import PubAckRun
 from broker.mqtt.encode import encode
 from broker.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
 from broker.mqtt.packets import (
@@ -103,7 +104,7 @@ class MQTTProtocol(asyncio.Protocol):
         #: A password check or a session claim (several workers) is running: input is held
         #: in arrival order until it ends.
         self._authorizing = False
-        self._held: list[Packet] = []
+        self._held: list[Packet | PubAckRun] = []
         self._held_data: list[bytes] = []
         self._fresh = True  # nothing received yet (a TLS ClientHello is recognised then)
         self._out: list[bytes] = []
@@ -146,7 +147,7 @@ class MQTTProtocol(asyncio.Protocol):
                 return
         self._receive(data, None)
 
-    def _receive(self, data: bytes | None, packets: list[Packet] | None) -> None:
+    def _receive(self, data: bytes | None, packets: list[Packet | PubAckRun] | None) -> None:
         """Decode ``data`` (or take already decoded ``packets``) and dispatch, in order."""
         try:
             if packets is None:
@@ -222,10 +223,13 @@ class MQTTProtocol(asyncio.Protocol):
             messages_in[packet.qos] += 1
         self.router.publish_run(self.session, run)  # type: ignore[arg-type]
 
-    def _handle(self, packet: Packet) -> None:
+    def _handle(self, packet: Packet | PubAckRun) -> None:
         kind = type(packet)
         session = self.session
-        if kind is PubAck:
+        if kind is PubAckRun:
+            self.router.puback_run(session, packet.packet_ids)  # type: ignore[arg-type, union-attr]
+            self._acked = True
+        elif kind is PubAck:
             self.router.puback(session, packet.packet_id,  # type: ignore[arg-type, union-attr]
                                pump=False)
             self._acked = True  # the freed quota is used once per read, in _receive

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 from dataclasses import replace
 from typing import Any
 
-from broker.mqtt.decode import Decoder
+from broker.mqtt.decode import Decoder, PubAckRun
 from broker.mqtt.encode import (
     encode,
     encode_puback_success,
@@ -50,8 +50,8 @@ SHARED_QOS0_ENTRIES = 4096
 SHARED_QOS0_MAX_PAYLOAD = 1024
 _shared_qos0: dict[tuple[str, bytes, bool, int], bytes] = {}
 
-_CLIENT_TO_SERVER = (Publish, PubAck, PubRec, PubRel, PubComp, Subscribe, Unsubscribe, PingReq,
-                     Disconnect, Auth)
+_CLIENT_TO_SERVER = (Publish, PubAck, PubAckRun, PubRec, PubRel, PubComp, Subscribe,
+                     Unsubscribe, PingReq, Disconnect, Auth)
 
 
 class TopicAliasInvalid(MQTTError):
@@ -103,7 +103,7 @@ class ServerConnection:
     def __init__(self, *, max_packet_size: int, topic_alias_maximum: int = 0,
                  max_topic_length: int = 65535, max_topic_levels: int = 1 << 16,
                  receive_maximum: int = 65535) -> None:
-        self._decoder = Decoder(max_packet_size=max_packet_size)
+        self._decoder = Decoder(max_packet_size=max_packet_size, puback_runs=True)
         self._head = b""  # first bytes until the CONNECT is decoded (see requested_level)
         self.version: int | None = None
         self.connect: Connect | None = None
@@ -123,8 +123,9 @@ class ServerConnection:
 
     # ---------------------------------------------------------------- inbound
 
-    def receive_data(self, data: bytes) -> list[Packet]:
-        """Decode every complete packet in ``data`` plus what was buffered before.
+    def receive_data(self, data: bytes) -> list[Packet | PubAckRun]:
+        """Decode every complete packet in ``data`` plus what was buffered before; a run of
+        4-byte PUBACKs comes as one :class:`~broker.mqtt.decode.PubAckRun`.
 
         Raises MQTTError for the first violation; packets decoded before it in the same
         call are lost with the connection, which is what the spec asks [MQTT-4.13.1-1].
@@ -132,7 +133,7 @@ class ServerConnection:
         if self.connect is None and len(self._head) < 64:
             self._head += data[: 64 - len(self._head)]
         self._decoder.feed(data)
-        out: list[Packet] = []
+        out: list[Packet | PubAckRun] = []
         for packet in self._decoder.packets():
             if type(packet) is Publish:
                 packet = self._inbound_publish(packet)

@@ -31,7 +31,9 @@ next join happens, which costs a copy of the unconsumed tail, at most one partia
 
 from __future__ import annotations
 
-from typing import Any
+import sys
+from array import array
+from typing import Any, NamedTuple
 
 from broker.mqtt.errors import (
     MalformedPacket,
@@ -70,7 +72,7 @@ from broker.mqtt.properties import (
     read_utf8,
 )
 
-__all__ = ["DEFAULT_MAX_PACKET_SIZE", "Decoder"]
+__all__ = ["DEFAULT_MAX_PACKET_SIZE", "Decoder", "PubAckRun"]
 
 #: The largest remaining length the fixed header can express (s2.2.3).
 DEFAULT_MAX_PACKET_SIZE = MAX_VBI
@@ -81,6 +83,45 @@ DEFAULT_MAX_PACKET_SIZE = MAX_VBI
 _FLAGS: tuple[int | None, ...] = (None, 0, 0, -1, 0, 0, 2, 0, 2, 0, 2, 0, 0, 0, 0, 0)
 
 _EMPTY = b""
+
+#: PUBACKs taken by one :class:`PubAckRun` at most (bounds the bytes one scan looks at).
+PUBACK_RUN_MAX = 4096
+
+
+class PubAckRun(NamedTuple):
+    """Consecutive PUBACKs of the 4-byte form (packet id only, reason Success: s3.4.2.1),
+    decoded in one step: stands for ``PubAck(packet_id)`` for each id, in order.
+
+    A subscriber acknowledging a window of QoS 1 deliveries sends one read full of them;
+    decoding and dispatching each as a packet cost ~25% of a QoS 1 replay (measured).
+    Returned only by a decoder made with ``puback_runs=True`` (the server's).
+    """
+
+    packet_ids: array[int]
+
+
+def _puback_run(buf: bytes, pos: int, n: int) -> PubAckRun | None:
+    """The 4-byte PUBACKs from ``pos`` on, if at least two: the count of ``0x40 0x02``
+    heads in a row (a C scan of every fourth byte) up to the first packet identifier 0,
+    which the one-by-one decoder then refuses [MQTT-2.2.1-3]."""
+    stop = pos + min(n - pos, 4 * PUBACK_RUN_MAX) // 4 * 4
+    chunk = buf[pos:stop]
+    firsts = chunk[0::4]
+    lengths = chunk[1::4]
+    count = min(len(firsts) - len(firsts.lstrip(b"\x40")),
+                len(lengths) - len(lengths.lstrip(b"\x02")))
+    if count < 2:
+        return None
+    words = array("H", chunk[: 4 * count])
+    if sys.byteorder == "little":
+        words.byteswap()  # the packet ids are big-endian (s1.5.2)
+    ids = words[1::2]
+    if 0 in ids:
+        count = ids.index(0)
+        if count < 2:
+            return None
+        ids = ids[:count]
+    return PubAckRun(ids)
 
 # Protocol (name, level) pairs a CONNECT may carry (s3.1.2.1-3.1.2.2; 3.1 used "MQIsdp").
 _PROTOCOLS = frozenset({("MQTT", 4), ("MQTT", 5), ("MQIsdp", 3)})
@@ -368,10 +409,12 @@ class Decoder:
     MQTT 5's Maximum Packet Size does (s3.1.2.11.4).
     """
 
-    __slots__ = ("_buf", "_chunks", "_error", "_pending", "_pos", "max_packet_size", "version")
+    __slots__ = ("_buf", "_chunks", "_error", "_pending", "_pos", "max_packet_size",
+                 "puback_runs", "version")
 
     def __init__(
-        self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, version: int | None = None
+        self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, version: int | None = None,
+        *, puback_runs: bool = False,
     ) -> None:
         if version not in (None, 3, 4, 5):
             raise ValueError(f"unsupported MQTT protocol version {version!r}")
@@ -384,6 +427,8 @@ class Decoder:
         self._chunks: list[bytes] = []  # received, not yet joined into _buf
         self._pending = 0  # total length of _chunks
         self._error: MQTTError | None = None
+        #: :meth:`packets` returns consecutive 4-byte PUBACKs as one :class:`PubAckRun`.
+        self.puback_runs = puback_runs and max_packet_size >= 4
 
     @property
     def buffered(self) -> int:
@@ -407,17 +452,18 @@ class Decoder:
 
     def next_packet(self) -> Packet | None:
         """The next complete packet, or ``None`` if more data is needed."""
-        out: list[Packet] = []
+        out: list[Packet | PubAckRun] = []
         self._decode(out, 1)
-        return out[0] if out else None
+        return out[0] if out else None  # type: ignore[return-value]  # one: no run
 
-    def packets(self) -> list[Packet]:
-        """Every complete packet buffered now, in order (possibly empty).
+    def packets(self) -> list[Packet | PubAckRun]:
+        """Every complete packet buffered now, in order (possibly empty); with
+        ``puback_runs``, runs of PUBACKs as :class:`PubAckRun` s.
 
         If a malformed packet follows good ones, the error is raised and the good ones
         decoded in this call are lost with the connection, which is closed anyway.
         """
-        out: list[Packet] = []
+        out: list[Packet | PubAckRun] = []
         self._decode(out, -1)
         return out
 
@@ -435,7 +481,7 @@ class Decoder:
         self._pending = 0
         return True
 
-    def _decode(self, out: list[Packet], limit: int) -> None:
+    def _decode(self, out: list[Packet | PubAckRun], limit: int) -> None:
         if self._error is not None:
             raise self._error
         try:
@@ -452,13 +498,14 @@ class Decoder:
             self._error = err
             raise err from exc
 
-    def _decode_loop(self, out: list[Packet], limit: int) -> None:
+    def _decode_loop(self, out: list[Packet | PubAckRun], limit: int) -> None:
         buf = self._buf
         pos = self._pos
         n = len(buf)
         version = self.version
         max_size = self.max_packet_size
         append = out.append
+        runs = self.puback_runs and limit < 0
         while limit:
             if n - pos < 5 and self._pending:
                 self._pos = pos
@@ -560,6 +607,11 @@ class Decoder:
                         props,
                     )
                 )
+            elif (first == 0x40 and length == 2 and runs and version is not None
+                  and end + 4 <= n and buf[end] == 0x40
+                  and (run := _puback_run(buf, pos, n)) is not None):
+                append(run)
+                end = pos + 4 * len(run.packet_ids)
             else:
                 decoded = _BODY_DECODERS[ptype](buf, body, end, version or 4)
                 if ptype == 1 and version is None:

@@ -10,11 +10,13 @@ Owned by one router; called only from its event loop thread.
 
 from __future__ import annotations
 
+from bisect import bisect_left
 from collections.abc import Callable, Iterator, Sequence
-from itertools import count, repeat
+from itertools import accumulate, count, repeat
 from typing import Any
 
 from broker.commitlog import Record, SegmentedLog
+from broker.commitlog.columns import ColumnRead
 from broker.commitlog.reader import LogReader
 
 #: Records kept in memory per partition for caught-up subscribers (one iteration of a busy
@@ -28,12 +30,98 @@ TAIL_BYTES = 16 << 20
 READ_BATCH = 4096
 
 
+#: Stored flags byte -> retain (bit 0; the other bits are not ours to read).
+_RETAIN_BIT = bytes(i & 1 for i in range(256))
+
+
+class Columns:
+    """Committed records of one read as per-record columns, for the run path
+    (:meth:`broker.router.router.Router._send_run`), which needs no ``Record`` per record.
+
+    Records ``start .. stop - 1`` of the lists are the read (a read-ahead is shared by the
+    reads that fall inside it, each with its own ``start``): ``offsets`` (ints, increasing),
+    ``topics``, ``payloads`` (``bytes``), ``qos`` (``bytes``, one per record), ``retains``
+    (bools), ``client_ids`` (the publishers), ``properties`` (true where a record has
+    properties: its length or its bytes). Built from the log's :class:`ColumnRead` with C
+    loops over the stored columns (a string-table lookup and a payload slice per record),
+    or from records in memory (the caught-up tail). Immutable once built.
+    """
+
+    __slots__ = ("client_ids", "offsets", "payloads", "properties", "qos", "retains", "start",
+                 "stop", "topics")
+
+    def __init__(self, offsets: Sequence[int], topics: Sequence[str],
+                 payloads: Sequence[bytes], qos: bytes, retains: Sequence[bool],
+                 client_ids: Sequence[str], properties: Sequence[int | bytes]) -> None:
+        self.offsets = offsets
+        self.topics = topics
+        self.payloads = payloads
+        self.qos = qos
+        self.retains = retains
+        self.client_ids = client_ids
+        self.properties = properties
+        self.start = 0
+        self.stop = len(offsets)
+
+    def __len__(self) -> int:
+        return self.stop - self.start
+
+    def from_index(self, i: int) -> Columns:
+        """The same columns from record ``i`` on (shares the lists)."""
+        cols = Columns(self.offsets, self.topics, self.payloads, self.qos, self.retains,
+                       self.client_ids, self.properties)
+        cols.start = i
+        return cols
+
+    @classmethod
+    def from_records(cls, records: Sequence[Record]) -> Columns:
+        """The tail's records, transposed (a caught-up read is short)."""
+        if not records:
+            return cls((), (), (), b"", (), (), ())
+        offsets, _stamps, topics, payloads, qos, retains, client_ids, props = zip(
+            *records, strict=True)
+        return cls(offsets, topics, payloads, bytes(qos), retains, client_ids, props)
+
+    @classmethod
+    def from_read(cls, read: ColumnRead) -> Columns:
+        """The records of a log read, from its stored column slices."""
+        n = read.count
+        if not n:
+            return cls((), (), (), b"", (), (), ())
+        topics: list[str] = []
+        client_ids: list[str] = []
+        payloads: list[bytes] = []
+        strings = read.strings
+        starts = [*read.table_starts, len(strings)]
+        for i, data in enumerate(read.payloads):
+            table = strings[starts[i]:starts[i + 1]]
+            topics += map(table.__getitem__, read.topic_indexes[i].cast("I"))
+            client_ids += map(table.__getitem__, read.client_id_indexes[i].cast("I"))
+            ends = list(accumulate(read.payload_lengths[i].cast("I"), initial=0))
+            payloads += map(bytes(data).__getitem__, map(slice, ends, ends[1:]))
+        first = read.bases[0] + read.deltas[0].cast("I")[0]
+        offsets: Sequence[int]
+        if read.next_offset - first == n:
+            offsets = range(first, read.next_offset)  # no gaps (no compaction): the common case
+        else:
+            offsets = []
+            for base, deltas in zip(read.bases, read.deltas, strict=True):
+                offsets += [base + d for d in deltas.cast("I")]
+        properties: Sequence[int] = (
+            memoryview(b"".join(read.property_lengths)).cast("I") if any(read.properties)
+            else bytes(n))
+        retains = list(map(bool, b"".join(read.flags).translate(_RETAIN_BIT)))
+        return cls(offsets, topics, payloads, b"".join(read.qos), retains, client_ids,
+                   properties)
+
+
 class PartitionBase:
     """What the router needs of any partition: the batch gathered this iteration, who
     watches it, and reads of its log. :class:`Partition` appends to its log; a partition
     another worker owns (broker.workers.partitions) forwards instead and reads the owner's."""
 
-    __slots__ = ("acks", "key", "log", "pending", "read_ahead", "read_base", "watchers")
+    __slots__ = ("acks", "columns_ahead", "key", "log", "pending", "read_ahead", "read_base",
+                 "watchers")
 
     #: This worker appends to it.
     appends_here = True
@@ -50,6 +138,8 @@ class PartitionBase:
         #: that takes a few records per call (its send quota) decodes each batch once.
         self.read_ahead: list[Record] = []
         self.read_base = 0
+        #: The same for :meth:`read_columns`.
+        self.columns_ahead: Columns | None = None
 
     @property
     def end_offset(self) -> int:
@@ -113,6 +203,27 @@ class PartitionBase:
             self.read_ahead = records
             self.read_base = offset
         return records
+
+    def read_columns(self, offset: int) -> Columns:
+        """The records :meth:`read` returns from ``offset`` (up to READ_BATCH), as columns.
+
+        Raises the log's OffsetOutOfRange when ``offset`` fell below the retained start.
+        """
+        ahead = self.columns_ahead
+        if ahead is not None:
+            offsets = ahead.offsets
+            i = bisect_left(offsets, offset)
+            if i < len(offsets) and offsets[i] == offset:
+                return ahead.from_index(i)
+        cols = Columns.from_read(self.log.read_columns(offset, max_records=READ_BATCH))
+        # A mark learnt from a peer may fall inside a batch (a remote partition's reader);
+        # what lies past it is not committed yet.
+        end = self.log.end_offset
+        if cols.stop and cols.offsets[-1] >= end:
+            cols.stop = bisect_left(cols.offsets, end)
+        else:
+            self.columns_ahead = cols
+        return cols
 
 
 class Partition(PartitionBase):
@@ -208,3 +319,9 @@ class Partition(PartitionBase):
             i = offset - base
             return self.tail[i:i + max_records]
         return super().read(offset, max_records)
+
+    def read_columns(self, offset: int) -> Columns:
+        """:meth:`read` from ``offset`` as columns: the tail's records when caught up."""
+        if self.tail and offset >= self.tail_base:
+            return Columns.from_records(self.read(offset))
+        return super().read_columns(offset)
