@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 from broker.config import RouterConfig
 from broker.mqtt.packets import Subscribe, Subscription
 from broker.mqtt.properties import PropertyId
@@ -104,3 +106,42 @@ def test_records_of_other_topics_are_passed_over(h: Harness) -> None:
     h.subscribe(s, "$replay/earliest/t/+", 0)
     assert [p.payload for p in link.take()] == [b"%d" % i for i in range(10)]
     assert s.consumers["$replay/earliest/t/+"].cursors[("default", 0)] == 40
+
+
+@pytest.mark.parametrize("acks", [
+    "all", "unknown", "duplicate", "qos2", "group",
+])
+def test_puback_run_is_puback_for_each(tmp_path: Path, acks: str) -> None:
+    """Router.puback_run (a read of PUBACKs) leaves the state puback(..., pump=False) one by
+    one leaves: unknown ids and PUBACKs for QoS 2 deliveries ignored, shared-group
+    deliveries done, a repeated id acknowledged once; then the same deliveries follow."""
+    outcomes = []
+    for one_by_one in (True, False):
+        h = Harness(tmp_path / ("a" if one_by_one else "b"), RouterConfig(max_inflight=20))
+        _, pub = h.connect("pub", 4)
+        link, s = h.connect("sub", 4)
+        h.subscribe(s, "t/+" if acks != "group" else "$share/g/t/+", 2 if acks == "qos2" else 1)
+        for i in range(30):
+            h.publish(pub, f"t/{i % 2}", b"%d" % i, 1 + (acks == "qos2" and i % 3 == 0), i + 1)
+        h.run()
+        sent = [p.packet_id for p in link.take()]
+        ids = sent[:12]
+        if acks == "unknown":
+            ids = [*ids[:5], 999, *ids[5:]]
+        elif acks == "duplicate":
+            ids = [*ids[:5], ids[3], *ids[5:]]
+        if one_by_one:
+            for pid in ids:
+                h.router.puback(s, pid, pump=False)
+        else:
+            h.router.puback_run(s, ids)
+        state = {pid: (e.offset, e.qos) for pid, e in s.inflight.items()}
+        h.router.pump_session(s)
+        h.run()
+        outcomes.append((sent, state, [(p.packet_id, p.payload) for p in link.take()],
+                         [(g.name, len(g.members)) for g in h.router.groups.values()]))
+        h.streams.close()
+    assert outcomes[0] == outcomes[1]
+    sent, state, after, _ = outcomes[0]
+    if acks != "qos2":
+        assert len(state) == 20 - 12 and len(after) == 30 - 20  # the freed quota is used
