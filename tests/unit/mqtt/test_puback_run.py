@@ -6,6 +6,8 @@ into reads. Input bytes are hand-built, not produced by our encoder.
 
 from __future__ import annotations
 
+from itertools import pairwise
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -55,7 +57,7 @@ def events(decoder: Decoder, reads: list[bytes]) -> list[object]:
 
 def split(data: bytes, cuts: list[int]) -> list[bytes]:
     bounds = [0, *sorted({c % (len(data) + 1) for c in cuts}), len(data)]
-    return [data[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+    return [data[a:b] for a, b in pairwise(bounds)]
 
 
 @st.composite
@@ -93,7 +95,7 @@ def test_every_split_of_a_run_followed_by_other_packets() -> None:
 def test_a_read_full_of_pubacks_is_one_run() -> None:
     decoder = Decoder(puback_runs=True)
     decoder.feed(CONNECT4 + b"".join(puback(i) for i in range(1, 101)) + puback(7)[:3])
-    connect, run = decoder.packets()
+    _connect, run = decoder.packets()
     assert isinstance(run, PubAckRun)
     assert list(run.packet_ids) == list(range(1, 101))
     decoder.feed(puback(7)[3:] + puback(8))
