@@ -1298,7 +1298,7 @@ class Router:
             # frees one slot at a time; the read holds up to READ_BATCH records).
             stop = min(stop, start + quota - len(inflight))
             if stop <= start:
-                if no_local_all and cols.client_ids[start] == session.client_id:
+                if no_local_all and cols.publishers()[start] == session.client_id:
                     return 0  # skipped without quota [MQTT-3.8.3-3]
                 return QUOTA_FULL
         n = stop - start
@@ -1313,7 +1313,7 @@ class Router:
             return 0
         if session.version == 5 and (ids or consumer.annotate):
             return 0
-        if no_local_all and session.client_id in cols.client_ids[start:stop]:
+        if no_local_all and session.client_id in cols.publishers()[start:stop]:
             return 0
         qoses = qoses[start:stop]
         zeros = qoses.count(0)
@@ -1340,7 +1340,7 @@ class Router:
                 return 0
         if take < n:
             run_topics, payloads = run_topics[:take], payloads[:take]
-        retains = cols.retains[start:start + take] if rap else None
+        retains = list(map(bool, cols.retains[start:start + take])) if rap else None
         if not link.send_publish_run(run_topics, payloads, retains, qos, first_pid):
             return 0
         if first_pid is not None:
