@@ -11,7 +11,7 @@ Owned by one router; called only from its event loop thread.
 from __future__ import annotations
 
 import struct
-from bisect import bisect_left
+from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache, lru_cache
 from itertools import accumulate, count, pairwise, repeat
@@ -47,30 +47,33 @@ class Columns:
     """Committed records of one read as per-record columns, for the run path
     (:meth:`broker.router.router.Router._send_run`), which needs no ``Record`` per record.
 
-    Records ``start .. stop - 1`` of the lists are the read (a read-ahead is shared by the
-    reads that fall inside it, each with its own ``start``): ``offsets`` (ints, increasing),
-    ``topics``, ``payloads`` (``bytes``), ``qos`` (``bytes``, one per record), ``retains``
-    (true where retained), ``properties`` (true where a record has properties: its length
-    or its bytes); ``publishers()`` the client ids, made on first use (no-local only). Built
-    from the log's :class:`ColumnRead` with C loops over the stored columns (a string-table
-    lookup per record, the payloads split by one struct call per batch), or from records in
-    memory (the caught-up tail). Immutable once built.
+    Records ``start .. stop - 1`` of the columns are the read (a read-ahead is shared by the
+    reads that fall inside it, each with its own ``start``). ``offsets`` (ints, increasing)
+    and ``strings`` (every topic of the read is among them) are there at once; :meth:`built`
+    adds ``topics``, ``payloads`` (``bytes``), ``qos`` (``bytes``, one per record),
+    ``retains`` (true where retained), ``properties`` (true where a record has properties:
+    its length or its bytes) and ``publishers()`` (the client ids, made on first use:
+    no-local only). So a read of topics the consumer does not want is passed over from its
+    string table alone. Built from the log's :class:`ColumnRead` with C loops over the
+    stored columns (a string-table lookup per record, the payloads split by one struct
+    call per batch), or from records in memory (the caught-up tail). Immutable once built.
     """
 
-    __slots__ = ("offsets", "payloads", "properties", "publishers", "qos", "retains", "start",
-                 "stop", "topics")
+    __slots__ = ("_read", "offsets", "payloads", "properties", "publishers", "qos", "retains",
+                 "start", "stop", "strings", "topics")
 
-    def __init__(self, offsets: Sequence[int], topics: Sequence[str],
-                 payloads: Sequence[bytes], qos: bytes, retains: Sequence[int],
-                 publishers: Callable[[], Sequence[str]],
-                 properties: Sequence[int | bytes]) -> None:
+    topics: Sequence[str]
+    payloads: Sequence[bytes]
+    qos: bytes
+    retains: Sequence[int]
+    publishers: Callable[[], Sequence[str]]
+    properties: Sequence[int | bytes]
+
+    def __init__(self, offsets: Sequence[int], strings: Sequence[str],
+                 read: ColumnRead | None) -> None:
         self.offsets = offsets
-        self.topics = topics
-        self.payloads = payloads
-        self.qos = qos
-        self.retains = retains
-        self.publishers = publishers
-        self.properties = properties
+        self.strings = strings
+        self._read = read
         self.start = 0
         self.stop = len(offsets)
 
@@ -78,27 +81,61 @@ class Columns:
         return self.stop - self.start
 
     def from_index(self, i: int) -> Columns:
-        """The same columns from record ``i`` on (shares the lists)."""
-        cols = Columns(self.offsets, self.topics, self.payloads, self.qos, self.retains,
-                       self.publishers, self.properties)
+        """The same columns from record ``i`` on (built; shares the lists)."""
+        self.built()
+        cols = Columns(self.offsets, self.strings, None)
+        cols.topics, cols.payloads, cols.qos = self.topics, self.payloads, self.qos
+        cols.retains, cols.publishers = self.retains, self.publishers
+        cols.properties = self.properties
         cols.start = i
         return cols
+
+    def topic_at(self, i: int) -> str:
+        """Record ``i`` 's topic, built or not."""
+        read = self._read
+        if read is None:
+            return self.topics[i]
+        k = bisect_right(read.run_ends, i)
+        index = read.topic_indexes[k].cast("I")[i - (read.run_ends[k - 1] if k else 0)]
+        return read.strings[read.table_starts[k] + index]
 
     @classmethod
     def from_records(cls, records: Sequence[Record]) -> Columns:
         """The tail's records, transposed (a caught-up read is short)."""
         if not records:
-            return cls((), (), (), b"", (), tuple, ())
+            return cls((), (), None).built()
         offsets, _stamps, topics, payloads, qos, retains, client_ids, props = zip(
             *records, strict=True)
-        return cls(offsets, topics, payloads, bytes(qos), retains, lambda: client_ids, props)
+        cols = cls(offsets, topics, None)
+        cols.topics, cols.payloads, cols.qos = topics, payloads, bytes(qos)
+        cols.retains, cols.publishers, cols.properties = retains, lambda: client_ids, props
+        return cols
 
     @classmethod
     def from_read(cls, read: ColumnRead) -> Columns:
-        """The records of a log read, from its stored column slices."""
+        """The records of a log read, from its stored column slices (built on demand)."""
         n = read.count
         if not n:
-            return cls((), (), (), b"", (), tuple, ())
+            return cls((), (), None).built()
+        first = read.bases[0] + read.deltas[0].cast("I")[0]
+        offsets: Sequence[int]
+        if read.next_offset - first == n:
+            offsets = range(first, read.next_offset)  # no gaps (no compaction): the common case
+        else:
+            offsets = []
+            for base, deltas in zip(read.bases, read.deltas, strict=True):
+                offsets += [base + d for d in deltas.cast("I")]
+        return cls(offsets, read.strings, read)
+
+    def built(self) -> Columns:
+        """Self, with every column (see the class docstring)."""
+        read = self._read
+        if read is None:
+            if not self.stop:
+                self.topics = self.payloads = self.retains = self.properties = ()
+                self.qos = b""
+                self.publishers = tuple
+            return self
         topics: list[str] = []
         payloads: list[bytes] = []
         strings = read.strings
@@ -116,17 +153,6 @@ class Columns:
             else:
                 ends = list(accumulate(lengths.cast("I"), initial=0))
                 payloads += map(bytes(data).__getitem__, map(slice, ends, ends[1:]))
-        first = read.bases[0] + read.deltas[0].cast("I")[0]
-        offsets: Sequence[int]
-        if read.next_offset - first == n:
-            offsets = range(first, read.next_offset)  # no gaps (no compaction): the common case
-        else:
-            offsets = []
-            for base, deltas in zip(read.bases, read.deltas, strict=True):
-                offsets += [base + d for d in deltas.cast("I")]
-        properties: Sequence[int] = (
-            memoryview(b"".join(read.property_lengths)).cast("I") if any(read.properties)
-            else bytes(n))
 
         @cache
         def publishers() -> list[str]:
@@ -135,9 +161,14 @@ class Columns:
                 out += map(table.__getitem__, indexes.cast("I"))
             return out
 
-        retains = b"".join(read.flags).translate(_RETAIN_BIT)
-        return cls(offsets, topics, payloads, b"".join(read.qos), retains, publishers,
-                   properties)
+        self.topics, self.payloads, self.publishers = topics, payloads, publishers
+        self.qos = b"".join(read.qos)
+        self.retains = b"".join(read.flags).translate(_RETAIN_BIT)
+        self.properties = (
+            memoryview(b"".join(read.property_lengths)).cast("I") if any(read.properties)
+            else bytes(read.count))
+        self._read = None
+        return self
 
 
 class PartitionBase:
