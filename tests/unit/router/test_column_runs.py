@@ -257,6 +257,20 @@ def _deliver(tmp: Path, written: Path, case: Case, *, remote: bool, runs: bool,
     return out, state, link.runs
 
 
+def _both(tmp: Path, written: Path, case: Case, remote: bool,
+          monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, int]:
+    """The case delivered by the general path and with runs: the same bytes and end state
+    (asserted); returns the bytes and how many runs went out."""
+    general, general_state, general_runs = _deliver(tmp / "g", written, case, remote=remote,
+                                                    runs=False, monkeypatch=monkeypatch)
+    ran, ran_state, runs = _deliver(tmp / "r", written, case, remote=remote, runs=True,
+                                    monkeypatch=monkeypatch)
+    assert general_runs == 0
+    assert ran == general
+    assert ran_state == general_state
+    return general, runs
+
+
 @settings(max_examples=120, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture,
                                  HealthCheck.too_slow, HealthCheck.data_too_large])
@@ -267,13 +281,7 @@ def test_column_runs_send_the_bytes_of_the_general_path(
     tmp = tmp_path_factory.mktemp("runs")
     written = tmp / "written"
     _write(written, case.batches)
-    general, general_state, general_runs = _deliver(tmp / "g", written, case, remote=remote,
-                                                    runs=False, monkeypatch=monkeypatch)
-    ran, ran_state, _ = _deliver(tmp / "r", written, case, remote=remote, runs=True,
-                                 monkeypatch=monkeypatch)
-    assert general_runs == 0
-    assert ran == general
-    assert ran_state == general_state
+    _both(tmp, written, case, remote, monkeypatch)
 
 
 @pytest.mark.parametrize("remote", [False, True])
@@ -286,12 +294,8 @@ def test_a_plain_replay_goes_out_as_runs(tmp_path: Path, monkeypatch: pytest.Mon
     _write(tmp_path / "w", batches)
     case = Case(batches, 4, 1, True, False, False, None, 100, None, None, 0, 1 << 20, 65000,
                 [99])
-    general, general_state, _ = _deliver(tmp_path / "g", tmp_path / "w", case, remote=remote,
-                                         runs=False, monkeypatch=monkeypatch)
-    ran, ran_state, runs = _deliver(tmp_path / "r", tmp_path / "w", case, remote=remote,
-                                    runs=True, monkeypatch=monkeypatch)
+    general, runs = _both(tmp_path, tmp_path / "w", case, remote, monkeypatch)
     assert runs >= 5000 // 100 - 2  # the window at the wrap goes one by one
-    assert ran == general and ran_state == general_state
     assert general.count(b"\x32") >= 5000  # every record went out, QoS 1 heads
 
 
@@ -332,11 +336,7 @@ def test_each_rule_of_the_run_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
     _write(tmp_path / "w", [batch[:25], batch[25:]])
     case = Case([batch], 5, 2 if rule == "qos2" else 1, False, rule == "no_local",
                 rule == "rap", None, 100, None, None, 0, 1 << 20, 1, [3])
-    general, general_state, _ = _deliver(tmp_path / "g", tmp_path / "w", case, remote=remote,
-                                         runs=False, monkeypatch=monkeypatch)
-    ran, ran_state, runs = _deliver(tmp_path / "r", tmp_path / "w", case, remote=remote,
-                                    runs=True, monkeypatch=monkeypatch)
-    assert ran == general and ran_state == general_state
+    general, runs = _both(tmp_path, tmp_path / "w", case, remote, monkeypatch)
     decoder = Decoder(version=5)
     decoder.feed(general)
     got = {int(p.payload) for p in decoder.packets() if isinstance(p, Publish)}
@@ -362,11 +362,7 @@ def test_reads_of_other_topics_are_passed_over(tmp_path: Path, monkeypatch: pyte
                     for i in range(50)])
     _write(tmp_path / "w", batches)
     case = Case(batches, 4, 1, True, False, False, None, 100, None, None, 0, 1 << 20, 1, [99])
-    general, general_state, _ = _deliver(tmp_path / "g", tmp_path / "w", case, remote=remote,
-                                         runs=False, monkeypatch=monkeypatch)
-    ran, ran_state, _ = _deliver(tmp_path / "r", tmp_path / "w", case, remote=remote,
-                                 runs=True, monkeypatch=monkeypatch)
-    assert ran == general and ran_state == general_state
+    general, _ = _both(tmp_path, tmp_path / "w", case, remote, monkeypatch)
     decoder = Decoder(version=4)
     decoder.feed(general)
     got = [p.payload for p in decoder.packets() if isinstance(p, Publish)]
