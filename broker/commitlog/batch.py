@@ -61,9 +61,10 @@ from __future__ import annotations
 
 import struct
 from bisect import bisect_left, bisect_right
+from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence, Sized
 from functools import lru_cache
-from itertools import accumulate, repeat
+from itertools import accumulate, count, repeat
 from operator import add, getitem, lt, sub
 from pathlib import Path
 from typing import NamedTuple, TypeVar, cast
@@ -204,21 +205,25 @@ def encode_batch(
         else:
             last_delta = n - 1
             delta_column = _consecutive_deltas(n)
-        table = dict.fromkeys(topics)
-        table.update(dict.fromkeys(client_ids))
-        index = dict(zip(table, range(len(table)), strict=True))
-        strings = list(map(str.encode, index))
+        # The string table and both index columns in one pass per column: a missing string
+        # gets the next index as it is first seen (topics first, then client ids), so the
+        # table is in first-appearance order.
+        index: defaultdict[str, int] = defaultdict(count().__next__)
         lookup = index.__getitem__
+        topic_indexes = list(map(lookup, topics))
+        client_id_indexes = list(map(lookup, client_ids))
+        strings = list(map(str.encode, index))
         uint = _array("I", n).pack
+        same_stamps = stamps.count(stamps[0]) == n
         parts = [
             bytes(BATCH_HEADER_SIZE),
             _COUNT.pack(len(strings)),
             _array("H", len(strings)).pack(*map(len, strings)),
             *strings,
-            _column("q", _I64, stamps),
+            _I64.pack(stamps[0]) * n if same_stamps else _array("q", n).pack(*stamps),
             delta_column,
-            uint(*map(lookup, topics)),
-            uint(*map(lookup, client_ids)),
+            uint(*topic_indexes),
+            uint(*client_id_indexes),
             # Properties are usually all empty (MQTT 3.1.1 and most 5.0 publishes).
             bytes(4 * n) if props.count(b"") == n else _column("I", _U32, tuple(map(len, props))),
             _column("I", _U32, tuple(map(len, payloads))),
@@ -229,7 +234,7 @@ def encode_batch(
         parts += payloads
         buf = bytearray().join(parts)
         first_ts = stamps[0]
-        max_ts = max(stamps)
+        max_ts = first_ts if same_stamps else max(stamps)
     except struct.error as exc:
         raise InvalidRecord(f"a record does not fit the format: {exc}") from exc
     except (AttributeError, TypeError, ValueError, OverflowError) as exc:
