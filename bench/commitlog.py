@@ -1,31 +1,51 @@
 """Commit log throughput against the disk it writes to (``python -m bench.commitlog``).
 
-Append throughput of :class:`SegmentedLog` for 64-byte and 1 KiB payloads, batches of 1, 100
-and 1,000 records, under each fsync policy; sequential read throughput; and, in the same run on
-the same file system, ``dd`` writing as many bytes as the reference cell (1 KiB payloads,
-batches of 1,000, fsync=interval) with and without ``conv=fdatasync``: the physical reference,
-so the headline figure is a ratio.
+Two parts, both on the same file system (``--dir``):
 
-Each append cell runs until it has written ``--bytes-cap`` bytes or spent ``--time-cap``
-seconds, whichever comes first (fsync=always with batches of 1 is disk-latency bound). Timing
-includes the final ``flush()`` for ``always`` and ``interval`` (the data is only as durable as
-its policy promises once that returns); ``never`` is timed up to the last ``append`` return.
-``interval`` cells call ``flush_if_due()`` after each append, as the partition owner's loop does.
-The records are built before the timed region (a partition already holds them when it appends),
-each with its own payload object; the output names the CRC-32 implementation that ran
+**Matrix** (``--runs N``, medians per cell): append throughput of :class:`SegmentedLog` for
+64-byte and 1 KiB payloads, batches of 1, 100 and 1,000 records, under each fsync policy; then
+sequential reads of the 1,000-record batches back, by both read paths: :meth:`SegmentedLog.read`
+(a ``Record`` tuple per record: what the router's subscriber reads use) and
+:meth:`SegmentedLog.read_columns` (the stored columns: the fetch API's path). Each append cell
+runs until it has written ``--bytes-cap`` bytes or spent ``--time-cap`` seconds, whichever
+comes first (fsync=always with batches of 1 is disk-latency bound). Timing includes the final
+``flush()`` for ``always`` and ``interval`` (the data is only as durable as its policy promises
+once that returns); ``never`` is timed up to the last ``append`` return. ``interval`` cells
+call ``flush_if_due()`` after each append, as the partition owner's loop does. The records are
+built before the timed region (a partition already holds them when it appends), each with its
+own payload object; the output names the CRC-32 implementation that ran
 (:mod:`broker.commitlog.crc`: libdeflate when the system has it, else zlib).
 
-``--runs N`` repeats the whole matrix and reports, per cell, the median run; the dd ratio is
-the median of the per-run ratios (log and dd paired within a run).
+**dd pairs** (``--pairs N``): the physical reference for the headline ratio. Each pair runs the
+reference cell (1 KiB payloads, batches of 1,000, fsync=interval) and ``dd bs=1M
+conv=fdatasync`` writing exactly the same number of bytes (``iflag=count_bytes``) to the same
+directory, one right after the other; the ratio is the log's MB/s over dd's in that pair, and
+the headline is the median of the per-pair ratios, with their spread (min, max). Why pairs:
+this disk (a virtual disk on a shared host) moves between ~440 and ~1,200 MB/s from one minute
+to the next, so a dd figure from another moment, or one dd against a median of log runs, says
+more about the host than about the log. Pairing measures both within seconds of each other;
+repeating pairs and taking the median of the ratios keeps one disturbed pair from deciding the
+figure, and the spread shows how much to trust it. Fairness: both sides start from the same
+state (previous files removed, ``os.sync()``, untimed), write the same bytes to the same file
+system and are timed to durability (the log's final ``flush()``, dd's ``fdatasync``; dd's own
+elapsed time, which excludes its process start-up, as the log's excludes ``open``); the order
+alternates (log first in odd pairs, dd first in even ones) so a drift in the disk or the load
+during a pair does not always favour the same side. The reference cell has no time cap, so its
+byte count is fixed. Each pair also runs dd without ``fdatasync`` (page-cache bandwidth, the
+ceiling for a CPU-bound writer) and records the load average, since the log is CPU-bound on 2
+shared cores and dd mostly waits for the disk: the ``log MB/CPU-s`` column is the figure other
+processes' load cannot inflate.
 
-Targets: 1 KiB batched appends at fsync=interval >= 70% of dd's bandwidth with fdatasync;
-sequential reads >= 1,000,000 records/s. Output: a table, then one JSON line.
+Targets: 1 KiB batched appends at fsync=interval >= 70% of dd's bandwidth with fdatasync
+(median pair ratio); sequential reads >= 1,000,000 records/s (64-byte records, both paths
+reported). Output: tables, then one JSON line.
 """
 
 from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import re
 import shutil
@@ -41,6 +61,7 @@ from typing import TypeVar
 import orjson
 
 from broker.commitlog import crc
+from broker.commitlog.batch import encode_batch
 from broker.commitlog.config import FsyncPolicy, LogConfig
 from broker.commitlog.log import SegmentedLog
 from broker.commitlog.record import Record
@@ -50,7 +71,8 @@ RESULTS_DIR = ROOT / "bench" / "results"
 PAYLOAD_SIZES = (64, 1024)
 BATCH_SIZES = (1, 100, 1000)
 POLICIES: tuple[FsyncPolicy, ...] = ("always", "interval", "never")
-REFERENCE = (1024, 1000, "interval")
+READ_PATHS = ("read", "read_columns")
+REFERENCE: tuple[int, int, FsyncPolicy] = (1024, 1000, "interval")
 TARGET_DD_RATIO = 0.70
 TARGET_READ_RECORDS_S = 1_000_000
 MIB = 1 << 20
@@ -88,6 +110,7 @@ class AppendResult:
 @dataclass(frozen=True, slots=True)
 class ReadResult:
     payload: int
+    path: str  # "read" (Record tuples) or "read_columns"
     records: int
     seconds: float
     cpu_seconds: float  # this process's CPU time: what the 2 shared cores' load cannot inflate
@@ -114,6 +137,26 @@ class DdResult:
     @property
     def mb_s(self) -> float:
         return self.bytes / self.seconds / 1e6
+
+
+@dataclass(frozen=True, slots=True)
+class Pair:
+    """One reference-cell run and the dd runs next to it (see the module doc)."""
+
+    log_first: bool
+    log: AppendResult
+    dd_sync: DdResult
+    dd_nosync: DdResult
+    load_before: float  # 1-minute load average
+    load_after: float
+
+    @property
+    def ratio(self) -> float:
+        return self.log.disk_mb_s / self.dd_sync.mb_s
+
+    @property
+    def nosync_ratio(self) -> float:
+        return self.log.disk_mb_s / self.dd_nosync.mb_s
 
 
 def make_batch(payload: int, batch: int) -> list[Record]:
@@ -145,6 +188,12 @@ def settle() -> None:
     shares the CPUs with the kernel's flusher threads) and collect garbage."""
     os.sync()
     gc.collect()
+
+
+def median(values: list[float]) -> float:
+    ordered = sorted(values)
+    mid = len(ordered) // 2
+    return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
 def run_append(
@@ -181,36 +230,49 @@ def run_append(
     )
 
 
-def run_read(directory: Path, payload: int, time_cap: float) -> ReadResult:
+def run_read(directory: Path, payload: int, path: str, time_cap: float) -> ReadResult:
+    """Read the log in ``directory`` from its start, 1,000 records per call, as a sequential
+    consumer does; ``path`` names the method (see the module doc)."""
     config = LogConfig(fsync="never", retention_ms=None)
     log = SegmentedLog.open(directory, config)
     try:
-        read = log.read
         end = log.end_offset
         offset = log.log_start_offset
         count = 0
         cpu_start = time.process_time()
         start = time.perf_counter()
         deadline = start + time_cap
-        while offset < end:
-            chunk = read(offset, 1000, 1 << 20)
-            count += len(chunk)
-            offset = chunk[-1].offset + 1
-            if time.perf_counter() > deadline:
-                break
+        if path == "read":
+            read = log.read
+            while offset < end:
+                chunk = read(offset, 1000, 1 << 20)
+                count += len(chunk)
+                offset = chunk[-1].offset + 1
+                if time.perf_counter() > deadline:
+                    break
+        else:
+            read_columns = log.read_columns
+            while offset < end:
+                columns = read_columns(offset, 1000, 1 << 20)
+                count += columns.count
+                offset = columns.next_offset
+                if time.perf_counter() > deadline:
+                    break
         seconds = time.perf_counter() - start
         cpu_seconds = time.process_time() - cpu_start
     finally:
         log.close()
-    return ReadResult(payload, count, seconds, cpu_seconds)
+    return ReadResult(payload, path, count, seconds, cpu_seconds)
 
 
 _DD_RE = re.compile(r"^(\d+) bytes .* copied, ([0-9.,e-]+) s", re.MULTILINE)
 
 
-def run_dd(directory: Path, mib: int, fdatasync: bool) -> DdResult:
+def run_dd(directory: Path, nbytes: int, fdatasync: bool) -> DdResult:
+    """``dd`` writing exactly ``nbytes`` from /dev/zero into ``directory`` in 1 MiB blocks."""
     target = directory / "dd.out"
-    cmd = ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={mib}"]
+    cmd = ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={nbytes}",
+           "iflag=count_bytes"]
     if fdatasync:
         cmd.append("conv=fdatasync")
     start = time.perf_counter()
@@ -220,64 +282,16 @@ def run_dd(directory: Path, mib: int, fdatasync: bool) -> DdResult:
     m = _DD_RE.search(done.stderr)
     if m:  # dd's own figure excludes process start-up
         return DdResult(fdatasync, int(m.group(1)), float(m.group(2).replace(",", ".")))
-    return DdResult(fdatasync, mib * MIB, wall)
+    return DdResult(fdatasync, nbytes, wall)
 
 
-def table(appends: list[AppendResult], reads: list[ReadResult], dds: list[DdResult]) -> str:
-    lines = [
-        f"{'payload':>7} {'batch':>5} {'fsync':>8} {'records':>10} {'s':>6} "
-        f"{'records/s':>11} {'disk MB/s':>9} {'payload MB/s':>12} {'disk MB/CPU-s':>13}"
-    ]
-    for a in appends:
-        lines.append(
-            f"{a.payload:>7} {a.batch:>5} {a.fsync:>8} {a.records:>10} {a.seconds:>6.2f} "
-            f"{a.records_s:>11,.0f} {a.disk_mb_s:>9.1f} {a.payload_mb_s:>12.1f} "
-            f"{a.disk_mb_cpu_s:>13.1f}"
-        )
-    lines.append("")
-    lines.append(
-        f"{'read':>7} {'':>5} {'':>8} {'records':>10} {'s':>6} {'records/s':>11} "
-        f"{'records/CPU-s':>14}"
-    )
-    for r in reads:
-        lines.append(
-            f"{r.payload:>7} {'':>5} {'':>8} {r.records:>10} {r.seconds:>6.2f} "
-            f"{r.records_s:>11,.0f} {r.records_cpu_s:>14,.0f}"
-        )
-    lines.append("")
-    for d in dds:
-        mode = "conv=fdatasync" if d.fdatasync else "no sync"
-        lines.append(f"dd bs=1M {d.bytes / MIB:>6.0f} MiB {mode:<15} {d.mb_s:>9.1f} MB/s")
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class Run:
-    appends: list[AppendResult]
-    reads: list[ReadResult]
-    dd_sync: DdResult
-    dd_nosync: DdResult
-
-    @property
-    def reference(self) -> AppendResult:
-        return next(a for a in self.appends if (a.payload, a.batch, a.fsync) == REFERENCE)
-
-    @property
-    def dd_ratio(self) -> float:
-        """The reference cell's bandwidth over dd's (with fdatasync), measured in this run."""
-        return self.reference.disk_mb_s / self.dd_sync.mb_s
-
-    def read_records_s(self, payload: int) -> float:
-        return next(r for r in self.reads if r.payload == payload).records_s
-
-
-def run_once(args: argparse.Namespace) -> Run:
-    """The whole matrix once, in a fresh data dir under ``args.dir`` (removed afterwards)."""
+def run_matrix(args: argparse.Namespace) -> tuple[list[AppendResult], list[ReadResult]]:
+    """Every append cell once, then both read paths over the 1,000-record ``never`` cells, in
+    a fresh data dir under ``args.dir`` (removed afterwards)."""
     args.dir.mkdir(parents=True, exist_ok=True)
     work = Path(tempfile.mkdtemp(prefix="commitlog-", dir=args.dir))
     appends: list[AppendResult] = []
     reads: list[ReadResult] = []
-    dds: list[DdResult] = []
     try:
         keep = {(p, 1000, "never") for p in PAYLOAD_SIZES}  # read back afterwards
         for payload in PAYLOAD_SIZES:
@@ -293,103 +307,176 @@ def run_once(args: argparse.Namespace) -> Run:
                         file=sys.stderr,
                         flush=True,
                     )
-                    if (payload, batch, policy) == REFERENCE:
-                        # Right after the reference cell, as many bytes, same file system.
-                        mib = max(1, -(-res.disk_bytes // MIB))
-                        settle()
-                        dd_sync = run_dd(work, mib, True)
-                        settle()
-                        dds = [dd_sync, run_dd(work, mib, False)]
                     if (payload, batch, policy) not in keep:
                         shutil.rmtree(d)
         for payload in PAYLOAD_SIZES:
-            settle()
-            reads.append(run_read(work / f"{payload}-1000-never", payload, args.read_cap))
+            for path in READ_PATHS:
+                settle()
+                res_read = run_read(work / f"{payload}-1000-never", payload, path, args.read_cap)
+                reads.append(res_read)
+                print(f"  {path:>12} {payload:>5} B: {res_read.records_s:>11,.0f} records/s",
+                      file=sys.stderr, flush=True)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    return Run(appends, reads, dds[0], dds[1])
+    return appends, reads
 
 
-def median_run(runs: list[Run]) -> Run:
-    """Per cell, the run with the median throughput (the lower middle one for even counts)."""
+def run_pair(args: argparse.Namespace, log_first: bool) -> Pair:
+    """The reference cell and dd on the same bytes, each from a synced state with the other's
+    files removed (see the module doc)."""
+    payload, batch, policy = REFERENCE
+    appends = max(1, args.bytes_cap * MIB // (payload * batch))
+    # Every batch of the cell has the same size whatever its base offset.
+    nbytes = appends * len(encode_batch(0, make_batch(payload, batch)))
+    args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="commitlog-pair-", dir=args.dir))
+    load_before = os.getloadavg()[0]
+    try:
+        log_dir = work / "log"
+        log = dd_sync = None
+        for side in ("log", "dd") if log_first else ("dd", "log"):
+            shutil.rmtree(log_dir, ignore_errors=True)
+            settle()
+            if side == "log":
+                log = run_append(log_dir, payload, batch, policy, math.inf,
+                                 appends * payload * batch)
+                assert log.disk_bytes == nbytes, (log.disk_bytes, nbytes)
+            else:
+                dd_sync = run_dd(work, nbytes, True)
+        shutil.rmtree(log_dir, ignore_errors=True)
+        settle()
+        dd_nosync = run_dd(work, nbytes, False)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    assert log is not None and dd_sync is not None
+    pair = Pair(log_first, log, dd_sync, dd_nosync, load_before, os.getloadavg()[0])
+    print(f"  pair ({'log, dd' if log_first else 'dd, log'}): log {log.disk_mb_s:7.1f} MB/s, "
+          f"dd {dd_sync.mb_s:7.1f} MB/s, ratio {pair.ratio:.2f}, load {load_before:.2f}",
+          file=sys.stderr, flush=True)
+    return pair
 
-    def pick(items: list[T], key: Callable[[T], float]) -> T:
-        return sorted(items, key=key)[(len(items) - 1) // 2]
 
-    return Run(
-        [
-            pick([r.appends[i] for r in runs], lambda a: a.records_s)
-            for i in range(len(runs[0].appends))
-        ],
-        [
-            pick([r.reads[i] for r in runs], lambda x: x.records_s)
-            for i in range(len(runs[0].reads))
-        ],
-        pick([r.dd_sync for r in runs], lambda d: d.mb_s),
-        pick([r.dd_nosync for r in runs], lambda d: d.mb_s),
+def median_cells(runs: list[list[T]], key: Callable[[T], float]) -> list[T]:
+    """Per cell, the run with the median ``key`` (the lower middle one for even counts)."""
+    return [sorted(cell, key=key)[(len(cell) - 1) // 2] for cell in zip(*runs, strict=True)]
+
+
+def table(appends: list[AppendResult], reads: list[ReadResult]) -> str:
+    lines = [
+        f"{'payload':>7} {'batch':>5} {'fsync':>8} {'records':>10} {'s':>6} "
+        f"{'records/s':>11} {'disk MB/s':>9} {'payload MB/s':>12} {'disk MB/CPU-s':>13}"
+    ]
+    for a in appends:
+        lines.append(
+            f"{a.payload:>7} {a.batch:>5} {a.fsync:>8} {a.records:>10} {a.seconds:>6.2f} "
+            f"{a.records_s:>11,.0f} {a.disk_mb_s:>9.1f} {a.payload_mb_s:>12.1f} "
+            f"{a.disk_mb_cpu_s:>13.1f}"
+        )
+    lines.append("")
+    lines.append(
+        f"{'read':>7} {'path':>14} {'records':>10} {'s':>6} {'records/s':>11} "
+        f"{'records/CPU-s':>14}"
     )
+    for r in reads:
+        lines.append(
+            f"{r.payload:>7} {r.path:>14} {r.records:>10} {r.seconds:>6.2f} "
+            f"{r.records_s:>11,.0f} {r.records_cpu_s:>14,.0f}"
+        )
+    return "\n".join(lines)
+
+
+def pair_table(pairs: list[Pair]) -> str:
+    lines = [
+        f"{'pair':>4} {'order':>8} {'MiB':>5} {'log MB/s':>9} {'log MB/CPU-s':>12} "
+        f"{'dd fdatasync':>12} {'ratio':>6} {'dd no sync':>10} {'load':>11}"
+    ]
+    for i, p in enumerate(pairs, 1):
+        lines.append(
+            f"{i:>4} {'log, dd' if p.log_first else 'dd, log':>8} {p.log.disk_bytes / MIB:>5.0f} "
+            f"{p.log.disk_mb_s:>9.1f} {p.log.disk_mb_cpu_s:>12.1f} {p.dd_sync.mb_s:>12.1f} "
+            f"{p.ratio:>6.2f} {p.dd_nosync.mb_s:>10.1f} {p.load_before:>5.2f}-{p.load_after:<5.2f}"
+        )
+    return "\n".join(lines)
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.commitlog", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m bench.commitlog", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--time-cap", type=float, default=1.5, help="seconds per append cell")
-    parser.add_argument("--bytes-cap", type=int, default=256, help="payload MiB per cell")
+    parser.add_argument("--bytes-cap", type=int, default=256,
+                        help="payload MiB per cell (the dd pairs' reference cell: exactly)")
     parser.add_argument("--read-cap", type=float, default=3.0, help="seconds per read run")
-    parser.add_argument("--runs", type=int, default=1, help="repeat; report medians")
+    parser.add_argument("--runs", type=int, default=1,
+                        help="matrix repeats, medians per cell (0: no matrix, no reads)")
+    parser.add_argument("--pairs", type=int, default=5,
+                        help="reference cell / dd pairs for the ratio (0: none)")
     parser.add_argument("--dir", type=Path, default=RESULTS_DIR, help="parent of the data dir")
     args = parser.parse_args(argv)
 
-    runs = [run_once(args) for _ in range(max(1, args.runs))]
-    med = median_run(runs)
-    # The ratio pairs the log and dd of the same run; its median is over runs.
-    ratios = sorted(r.dd_ratio for r in runs)
-    ratio = ratios[(len(ratios) - 1) // 2]
-    nosync_ratios = sorted(r.reference.disk_mb_s / r.dd_nosync.mb_s for r in runs)
-    nosync_ratio = nosync_ratios[(len(nosync_ratios) - 1) // 2]
-    read_64 = med.read_records_s(64)
+    load_start = os.getloadavg()
+    matrix = [run_matrix(args) for _ in range(max(0, args.runs))]
+    pairs = [run_pair(args, log_first=i % 2 == 0) for i in range(max(0, args.pairs))]
+    load_end = os.getloadavg()
+    appends = median_cells([m[0] for m in matrix], lambda a: a.records_s) if matrix else []
+    reads = median_cells([m[1] for m in matrix], lambda r: r.records_s) if matrix else []
 
-    if len(runs) > 1:
-        print(f"medians of {len(runs)} runs")
-    print(table(med.appends, med.reads, [med.dd_sync, med.dd_nosync]))
-    print()
-    print(
-        f"1 KiB x 1000 fsync=interval vs dd conv=fdatasync: {ratio:.0%} "
-        f"(target >= {TARGET_DD_RATIO:.0%}); vs dd without sync: {nosync_ratio:.0%}; "
-        f"batch CRC-32 by {crc.IMPLEMENTATION}"
-    )
-    print(
-        f"sequential read, 64 B records: {read_64:,.0f} records/s "
-        f"(target >= {TARGET_READ_RECORDS_S:,}); per CPU-second: "
-        f"{next(r for r in med.reads if r.payload == 64).records_cpu_s:,.0f}"
-    )
-    summary = {
+    summary: dict[str, object] = {
         "bench": "commitlog",
-        "runs": len(runs),
+        "runs": len(matrix),
         "crc_implementation": crc.IMPLEMENTATION,
-        "appends": [
-            asdict(a)
-            | {"records_s": a.records_s, "disk_mb_s": a.disk_mb_s, "disk_mb_cpu_s": a.disk_mb_cpu_s}
-            for a in med.appends
-        ],
-        "reads": [
-            asdict(r) | {"records_s": r.records_s, "records_cpu_s": r.records_cpu_s}
-            for r in med.reads
-        ],
-        "dd": [asdict(d) | {"mb_s": d.mb_s} for d in (med.dd_sync, med.dd_nosync)],
-        "interval_1k_x1000_mb_s": med.reference.disk_mb_s,
-        "dd_fdatasync_mb_s": med.dd_sync.mb_s,
-        "dd_nosync_mb_s": med.dd_nosync.mb_s,
-        "ratio_vs_dd_fdatasync": ratio,
-        "ratio_vs_dd_fdatasync_per_run": [r.dd_ratio for r in runs],
-        "ratio_vs_dd_nosync": nosync_ratio,
-        "read_records_s": read_64,
-        "read_records_s_per_run": [r.read_records_s(64) for r in runs],
-        "read_1k_records_s": med.read_records_s(1024),
-        "targets_met": {
-            "dd_ratio": ratio >= TARGET_DD_RATIO,
-            "read_records_s": read_64 >= TARGET_READ_RECORDS_S,
-        },
+        "loadavg_start": load_start,
+        "loadavg_end": load_end,
     }
+    print(f"batch CRC-32 by {crc.IMPLEMENTATION}; load average {load_start[0]:.2f} "
+          f"{load_start[1]:.2f} {load_start[2]:.2f} at start, {load_end[0]:.2f} {load_end[1]:.2f} "
+          f"{load_end[2]:.2f} at end")
+    if matrix:
+        print(f"\nmatrix, medians of {len(matrix)} run(s)")
+        print(table(appends, reads))
+        summary["appends"] = [
+            asdict(a) | {"records_s": a.records_s, "disk_mb_s": a.disk_mb_s,
+                         "disk_mb_cpu_s": a.disk_mb_cpu_s}
+            for a in appends
+        ]
+        summary["reads"] = [
+            asdict(r) | {"records_s": r.records_s, "records_cpu_s": r.records_cpu_s}
+            for r in reads
+        ]
+        targets: dict[str, bool] = {}
+        for r in reads:
+            summary[f"{r.path}_{r.payload}_records_s_per_run"] = [
+                next(x for x in m[1] if (x.path, x.payload) == (r.path, r.payload)).records_s
+                for m in matrix
+            ]
+            if r.payload == 64:
+                targets[f"{r.path}_records_s"] = r.records_s >= TARGET_READ_RECORDS_S
+                print(f"sequential {r.path}(), 64 B records: {r.records_s:,.0f} records/s "
+                      f"(target >= {TARGET_READ_RECORDS_S:,}); per CPU-second: "
+                      f"{r.records_cpu_s:,.0f}")
+        summary["targets_met"] = targets
+    if pairs:
+        ratios = [p.ratio for p in pairs]
+        ratio = median(ratios)
+        print(f"\n1 KiB x 1000 fsync=interval against dd on the same bytes, {len(pairs)} pairs")
+        print(pair_table(pairs))
+        print(f"ratio to dd conv=fdatasync: median {ratio:.2f} (min {min(ratios):.2f}, max "
+              f"{max(ratios):.2f}; target >= {TARGET_DD_RATIO:.2f}); to dd without sync: median "
+              f"{median([p.nosync_ratio for p in pairs]):.2f}; log MB/CPU-s median "
+              f"{median([p.log.disk_mb_cpu_s for p in pairs]):.1f}")
+        summary["pairs"] = [
+            {"log_first": p.log_first, "log": asdict(p.log) | {"disk_mb_s": p.log.disk_mb_s,
+                                                              "disk_mb_cpu_s": p.log.disk_mb_cpu_s},
+             "dd_fdatasync_mb_s": p.dd_sync.mb_s, "dd_nosync_mb_s": p.dd_nosync.mb_s,
+             "ratio": p.ratio, "load_before": p.load_before, "load_after": p.load_after}
+            for p in pairs
+        ]
+        summary["ratio_vs_dd_fdatasync"] = ratio
+        summary["ratio_vs_dd_fdatasync_min"] = min(ratios)
+        summary["ratio_vs_dd_fdatasync_max"] = max(ratios)
+        summary["ratio_vs_dd_nosync"] = median([p.nosync_ratio for p in pairs])
+        met = summary.setdefault("targets_met", {})
+        assert isinstance(met, dict)
+        met["dd_ratio"] = ratio >= TARGET_DD_RATIO
     print(orjson.dumps(summary).decode())
     return 0
 
