@@ -65,7 +65,7 @@ from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence, Sized
 from functools import lru_cache
 from itertools import accumulate, count, repeat
-from operator import add, getitem, lt, sub
+from operator import add, getitem, itemgetter, lt, sub
 from pathlib import Path
 from typing import NamedTuple, TypeVar, cast
 
@@ -378,19 +378,56 @@ def decode_into(
     (base, length, _magic, _attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts,
      _crc) = BATCH_HEADER.unpack_from(buf, pos)
     strings, p = _read_table(buf, pos + BATCH_HEADER_SIZE, pos + length)
-    cols = columns(n).unpack_from(buf, p)
     consecutive = last_delta == n - 1  # strictly increasing deltas: exactly 0 .. n-1
     size = pos + length - p  # of all records: columns, properties and payloads
+    data = p + n * RECORD_FIXED_SIZE  # the properties, then the payloads
+    stamps: Sequence[int] | repeat[int]
+    offsets: Iterable[int]
     if min_offset <= base and size <= max_bytes and n <= max_records - len(out):
+        # The whole batch (every batch of a sequential read but the last, usually): unpack
+        # only the columns that vary; byte counts over the raw column show a constant one.
         first, stop, bytes_left, stop_offset = 0, n, max_bytes - size, -1
+        if buf.count(buf[p : p + 8], p, p + 8 * n) == n:  # n non-overlapping copies tile it
+            stamps = repeat(_I64.unpack_from(buf, p)[0])
+        else:
+            stamps = _array("q", n).unpack_from(buf, p)
+        if consecutive:
+            offsets = range(base, base + n)
+        else:
+            offsets = map(add, _array("I", n).unpack_from(buf, p + 8 * n), repeat(base))
+        indexes = _array("I", 2 * n).unpack_from(buf, p + 12 * n)
+        topic_indexes, client_id_indexes = indexes[:n], indexes[n:]
+        prop_lengths: Sequence[int] = (
+            () if buf.count(0, p + 20 * n, p + 24 * n) == 4 * n
+            else _array("I", n).unpack_from(buf, p + 20 * n)
+        )
+        payloads_at = data + sum(prop_lengths)
+        (payload_size,) = _U32.unpack_from(buf, p + 24 * n)
+        equal_sizes = buf.count(buf[p + 24 * n : p + 24 * n + 4], p + 24 * n, p + 28 * n) == n
+        sizes: Sequence[int] = () if equal_sizes else _array("I", n).unpack_from(buf, p + 24 * n)
+        qos = buf[p + 28 * n : p + 29 * n]
+        flags = buf[p + 29 * n : data]
     else:
+        cols = columns(n).unpack_from(buf, p)
         first, stop, bytes_left, stop_offset = _limit(cols, n, base, consecutive, len(out),
                                                       min_offset, max_records, max_bytes)
         if first == stop:
             return bytes_left, stop_offset
-    data = p + n * RECORD_FIXED_SIZE  # the properties, then the payloads
-    prop_lengths = cols[4 * n : 5 * n]
-    payloads_at = data + sum(prop_lengths)
+        ints = cast("tuple[int, ...]", cols[: 6 * n])
+        stamps = ints[first:stop]
+        if consecutive:
+            offsets = range(base + first, base + stop)
+        else:
+            offsets = map(add, ints[n + first : n + stop], repeat(base))
+        topic_indexes = ints[2 * n + first : 2 * n + stop]
+        client_id_indexes = ints[3 * n + first : 3 * n + stop]
+        prop_lengths = ints[4 * n : 5 * n]
+        payloads_at = data + sum(prop_lengths)
+        sizes = ints[5 * n : 6 * n]
+        payload_size = sizes[first]
+        equal_sizes = sizes[first:stop].count(payload_size) == stop - first
+        qos = cast("bytes", cols[6 * n])[first:stop]
+        flags = cast("bytes", cols[6 * n + 1])[first:stop]
     props: Iterable[bytes]
     if payloads_at == data:
         props = repeat(_EMPTY)
@@ -398,37 +435,38 @@ def decode_into(
         bounds = list(accumulate(prop_lengths[:stop], initial=data))
         props = map(_slice, repeat(buf), map(slice, bounds[first:stop], bounds[first + 1 :]))
     payloads: Iterable[bytes]
-    sizes = cols[5 * n + first : 5 * n + stop]
-    size = sizes[0]
-    if (_EQUAL_SLICES_MIN <= stop - first <= _EQUAL_SLICES_MAX
-            and sizes.count(size) == stop - first):
+    count = stop - first
+    if equal_sizes and _EQUAL_SLICES_MIN <= count <= _EQUAL_SLICES_MAX:
         # Equal sizes (fixed-format telemetry): one struct call cuts them all.
-        payloads = _equal_slices(size, stop - first).unpack_from(buf, payloads_at + size * first)
+        payloads = _equal_slices(payload_size, count).unpack_from(
+            buf, payloads_at + payload_size * first)
     else:
-        bounds = list(accumulate(cols[5 * n : 5 * n + stop], initial=payloads_at))
+        bounds = list(accumulate(sizes[:stop] or repeat(payload_size, stop),
+                                 initial=payloads_at))
         payloads = map(_slice, repeat(buf), map(slice, bounds[first:stop], bounds[first + 1 :]))
-    offsets: Iterable[int]
-    if consecutive:
-        offsets = range(base + first, base + stop)
-    else:
-        offsets = map(add, cols[n + first : n + stop], repeat(base))
-    flags = cols[6 * n + 1][first:stop]
     retains: Iterable[bool] = (
-        repeat(False) if flags.count(0) == len(flags) else map(_RETAIN.__getitem__, flags)
+        repeat(False) if flags.count(0) == count else map(_RETAIN.__getitem__, flags)
     )
-    lookup = strings.__getitem__
     out.extend(map(_new, repeat(Record), zip(
         offsets,
-        cols[first:stop],
-        map(lookup, cols[2 * n + first : 2 * n + stop]),
+        stamps,
+        _strings(strings, topic_indexes),
         payloads,
-        cols[6 * n][first:stop],
+        qos,
         retains,
-        map(lookup, cols[3 * n + first : 3 * n + stop]),
+        _strings(strings, client_id_indexes),
         props,
         strict=False,  # repeat() columns are endless; the others hold stop - first items
     )))
     return bytes_left, stop_offset
+
+
+def _strings(strings: list[str], indexes: Sequence[int]) -> Sequence[str]:
+    """The strings at ``indexes`` of a batch's table: one ``itemgetter`` call (twice as fast
+    as a lookup per record, measured), which returns a bare item for a single index."""
+    if len(indexes) == 1:
+        return (strings[indexes[0]],)
+    return itemgetter(*indexes)(strings)
 
 
 def _limit(cols: tuple[int | bytes, ...], n: int, base: int, consecutive: bool, have: int,
