@@ -15,7 +15,18 @@ Invariants:
   (since the open, for a segment reopened with data): record timestamps play no part, so a
   restart alone never rolls;
 * fsync policy ``always``: append returns after fdatasync; ``interval``: the owner calls
-  :meth:`flush_if_due`, and roll/close fsync; ``never``: only an explicit :meth:`flush`;
+  :meth:`flush_if_due`, and close fsyncs; ``never``: only an explicit :meth:`flush`;
+* after a crash the log holds a prefix of what was appended. A roll under ``always`` (and for
+  compacted logs) fsyncs the rolled segment, its indexes and the directory before the append
+  goes on. Under ``interval`` a roll blocks on nothing: it starts the rolled segment's
+  writeback, writes its indexes without fsync and creates the new segment; the next flush
+  (:meth:`flush_if_due`, :meth:`flush`, :meth:`close`, the policy's durability point) syncs
+  the segments' data oldest first, then those indexes and the directory. A crash before that
+  flush may cost the rolled segment its tail (or its index files: hints, rebuilt at open) while
+  a later segment kept data; so a closed segment of a log that is not compacted must end
+  exactly where the next one starts, and :meth:`open` deletes the segments after a gap
+  (compaction leaves gaps between offsets, so a compacted log cannot tell and keeps the
+  synchronous roll);
 * recovery at :meth:`open`: without the clean-shutdown marker the active segment is scanned
   and its indexes rebuilt; any segment with a missing or inconsistent index is rebuilt too;
   a torn or corrupt tail is truncated at the last intact batch and later segments are
@@ -106,6 +117,11 @@ class SegmentedLog:
         self._closed = False
         self._fsync_always = config.fsync == "always"
         self._sync_on_roll = config.fsync != "never"
+        #: Rolls that only sync at the next flush (see the module doc).
+        self._defer_roll_sync = config.fsync == "interval" and not config.compacted
+        #: Segments rolled since the last flush, whose indexes and directory entry (the new
+        #: segment's) that flush must sync.
+        self._rolled: list[Segment] = []
         self._last_flush_ms = self._now_ms()
         self._compacted_state = (-1, -1)
 
@@ -140,6 +156,13 @@ class SegmentedLog:
                         f"{segment.log_path}: base offset {base} overlaps the previous segment "
                         f"ending at offset {segments[-1].next_offset - 1}"
                     )
+                if (segments and base > segments[-1].next_offset
+                        and not config.compacted):
+                    # The previous segment lost its tail in a crash before the interval's
+                    # flush (see the module doc): what follows does not continue it.
+                    segment.close()
+                    cls._drop_after_truncation(directory, segments[-1], bases[i:])
+                    break
                 segments.append(segment)
                 if truncated and not is_active:
                     cls._drop_after_truncation(directory, segment, bases[i + 1:])
@@ -265,6 +288,17 @@ class SegmentedLog:
 
     def _roll_locked(self, now_ms: int) -> None:
         old = self._segments[-1]
+        if self._defer_roll_sync:
+            # Blocks on nothing; the next flush syncs (module doc). Measured with the
+            # 1 KiB x 1000 benchmark cell: 4 rolls per 264 MB spent 4-36 ms in fsyncs.
+            old.persist_indexes(fsync=False)
+            old.start_writeback()
+            new = Segment.create(self.directory, old.next_offset, self.config, now_ms)
+            self._rolled.append(old)
+            self._segments.append(new)
+            self._bases.append(new.base_offset)
+            logger.debug("%s: rolled new segment %s", self.directory, new.log_path.name)
+            return
         sync = self._sync_on_roll
         old.persist_indexes(fsync=sync)
         if sync:
@@ -334,10 +368,25 @@ class SegmentedLog:
             self._check_open()
             self._flush_locked()
 
-    def _flush_locked(self) -> None:
-        for segment in self._segments:
+    def _flush_locked(self, now_ms: int | None = None) -> None:
+        for segment in self._segments:  # oldest first: the log stays a prefix
             segment.flush()
-        self._last_flush_ms = self._now_ms()
+        self._sync_rolled()
+        self._last_flush_ms = self._now_ms() if now_ms is None else now_ms
+
+    def _sync_rolled(self) -> None:
+        """After the segments' data: the indexes of the segments rolled since the last flush,
+        then the directory (new segment, renamed indexes). Kept for the next flush if it fails."""
+        if not self._rolled:
+            return
+        for segment in self._rolled:
+            if not segment.closed:  # else deleted by retention meanwhile
+                segment.sync_indexes()
+        try:
+            fsync_directory(self.directory)
+        except OSError as exc:
+            raise LogIOError(self.directory, "fsync log directory", exc) from exc
+        self._rolled.clear()
 
     def flush_if_due(self, now_ms: int | None = None) -> bool:
         """fsync=interval: flush if appends are unsynced and ``fsync_interval_ms`` passed since
@@ -348,11 +397,9 @@ class SegmentedLog:
             self._check_open()
             now = self._now_ms() if now_ms is None else now_ms
             if (now - self._last_flush_ms < self.config.fsync_interval_ms
-                    or not self._segments[-1].dirty):
+                    or not (self._segments[-1].dirty or self._rolled)):
                 return False
-            for segment in self._segments:
-                segment.flush()
-            self._last_flush_ms = now
+            self._flush_locked(now)
             return True
 
     # -------------------------------------------------------------- cleaner thread
@@ -368,6 +415,7 @@ class SegmentedLog:
                 victims = self._segments[:count]
                 del self._segments[:count]
                 del self._bases[:count]
+                self._rolled = [s for s in self._rolled if s not in victims]
             for segment in victims:
                 logger.info("%s: retention deletes segment %s (offsets %d..%d, %d bytes)",
                             self.directory, segment.log_path.name, segment.base_offset,
@@ -451,6 +499,10 @@ class SegmentedLog:
                     segment.persist_indexes(fsync=sync)
                     if sync:
                         segment.flush()
+                for segment in self._rolled:
+                    if not segment.closed:
+                        segment.sync_indexes()
+                self._rolled.clear()
                 marker = self.directory / CLEAN_SHUTDOWN_FILE
                 try:
                     marker.touch()

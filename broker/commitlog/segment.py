@@ -228,6 +228,10 @@ class Segment:
         self._bytes_since_index = self.size - pos
         tail_max = self.max_timestamp
         self.time_index = TimeIndex.load(self.timeindex_path, self.base_offset, self.next_offset)
+        if len(offset_index) and not len(self.time_index):
+            # Each first offset-index entry comes with a time-index entry: this file lost its
+            # data in a crash (written without fsync, see SegmentedLog's roll).
+            raise CorruptIndex(self.timeindex_path, "empty while the offset index is not")
         self.max_timestamp = max(tail_max, self.time_index.last_timestamp())
 
     def recover(self) -> int:
@@ -323,10 +327,12 @@ class Segment:
             self._dirty = True
             if (self.size - self._writeback_from >= WRITEBACK_BYTES
                     and self.config.fsync == "interval"):
-                self._start_writeback()
+                self.start_writeback()
 
-    def _start_writeback(self) -> None:
-        """A hint, never an error: the durability point stays the interval's fdatasync."""
+    def start_writeback(self) -> None:
+        """Start the disk write of the appends since the last hint or flush, without waiting
+        for it. A hint, never an error: the durability point stays the fdatasync of
+        :meth:`flush`."""
         start = self._writeback_from
         self._writeback_from = self.size
         if _sync_file_range is not None:
@@ -479,9 +485,32 @@ class Segment:
             self._dirty = False
             self._writeback_from = self.size
 
+    def sync_indexes(self) -> None:
+        """fsync the ``.index`` and ``.timeindex`` files as they are now (written earlier by
+        ``persist_indexes(fsync=False)``); a missing one is skipped (an index is a hint,
+        rebuilt at open). Raises :class:`LogIOError`."""
+        for path in (self.timeindex_path, self.index_path):  # persist_indexes' order
+            try:
+                fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+            except FileNotFoundError:
+                continue
+            except OSError as exc:
+                raise LogIOError(path, "open index", exc) from exc
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise LogIOError(path, "fsync index", exc) from exc
+            finally:
+                os.close(fd)
+
     def persist_indexes(self, *, fsync: bool) -> None:
-        """Write ``.index`` and ``.timeindex`` (atomically) if they changed."""
-        for index in (self.offset_index, self.time_index):
+        """Write ``.index`` and ``.timeindex`` (atomically) if they changed.
+
+        The time index first: without ``fsync`` a crash may keep one rename and lose the
+        other, and an offset index older than the time index only makes the open scan more
+        batches, while the reverse would leave ``max_timestamp`` to the shorter tail scan.
+        """
+        for index in (self.time_index, self.offset_index):
             try:
                 index.write(fsync=fsync)
             except OSError as exc:

@@ -451,3 +451,72 @@ def test_reopened_active_segment_keeps_taking_appends(tmp_path: Path, image: str
             assert log.segments == [0], f"restart {i} rolled: {log.segments}"
         finally:
             log.close()
+
+
+@pytest.mark.parametrize("compacted", [False, True])
+def test_rolled_segment_that_lost_its_tail(tmp_path: Path, compacted: bool) -> None:
+    # fsync=interval rolls without fsync; the next flush syncs. A crash before it can leave a
+    # closed segment without its last batches while the next segment kept data. A log that is
+    # not compacted has no gaps between segments: recovery keeps the prefix (the segments
+    # after the gap go). In a compacted log a gap is what compaction leaves: it stays.
+    d = tmp_path / "p5"
+    config = LogConfig(segment_bytes=1500, index_interval_bytes=100, fsync="interval",
+                       compacted=compacted)
+    log = SegmentedLog.open(d, config)
+    records: list[Record] = []
+    ends: dict[int, list[tuple[int, int]]] = {}  # segment -> (batch base, start position)
+    for i in range(30):
+        batch = make_batch(10 * i, 1 + i % 3)
+        base = log.append(batch)
+        segment = log.segments[-1]
+        size = segment_file(d, segment, ".log").stat().st_size
+        ends.setdefault(segment, []).append((base, size))
+        records.extend(with_offsets(batch, base))
+    crash = snapshot(d)
+    log.close()
+    segments = sorted(ends)
+    assert len(segments) >= 4
+    victim = segments[1]
+    # The victim's last batch is lost: its file ends where that batch started.
+    lost_base = ends[victim][-1][0]
+    cut = ends[victim][-2][1]
+    crash[f"{victim:020d}.log"] = crash[f"{victim:020d}.log"][:cut]
+    restore(d, crash)
+    log = SegmentedLog.open(d, config)
+    try:
+        if compacted:
+            assert log.segments == segments
+            assert read_all(log) == [r for r in records
+                                     if not lost_base <= r.offset < segments[2]]
+        else:
+            assert log.segments == segments[:2] and log.end_offset == lost_base
+            assert read_all(log) == [r for r in records if r.offset < lost_base]
+            again = make_batch(9000, 2)
+            assert log.append(again) == lost_base
+            assert not segment_file(d, segments[2], ".log").exists()
+    finally:
+        log.close()
+
+
+def test_empty_time_index_beside_an_offset_index_is_rebuilt(tmp_path: Path) -> None:
+    # A rolled segment's index files are written without fsync until the next flush: after
+    # a crash the .timeindex may be empty while the .index is not. With the largest timestamp
+    # early in the segment, trusting it would hide that timestamp from offset_for_time.
+    d = tmp_path / "p6"
+    config = LogConfig(segment_bytes=1 << 20, index_interval_bytes=100, fsync="interval")
+    log = SegmentedLog.open(d, config)
+    stamps = [T0_MS + 1000, *(T0_MS + i for i in range(20))]
+    for i, ts in enumerate(stamps):
+        log.append([make_batch(i, 1)[0]._replace(timestamp=ts)])
+    log.roll()
+    log.append(make_batch(100, 1))
+    log.close()
+    assert segment_file(d, 0, ".index").stat().st_size > 0
+    segment_file(d, 0, ".timeindex").write_bytes(b"")
+    log = SegmentedLog.open(d, config)
+    try:
+        assert log.offset_for_time(T0_MS + 1000) == 0
+        assert log.offset_for_time(T0_MS + 1001) == log.end_offset
+    finally:
+        log.close()
+    assert segment_file(d, 0, ".timeindex").stat().st_size > 0

@@ -424,3 +424,69 @@ def test_newer_batch_format_raises_unsupported_format(tmp_path: Path) -> None:
     with pytest.raises(UnsupportedFormat, match=str(active)):
         open_log(tmp_path)
     assert active.stat().st_size > 0  # never truncated away
+
+
+def _syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Record the file name of every fdatasync / fsync, in order (the directory's as '/')."""
+    calls: list[str] = []
+    real_fdatasync, real_fsync = os.fdatasync, os.fsync
+
+    def name(fd: int) -> str:
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        return "/" if os.path.isdir(path) else os.path.basename(path)
+
+    def fdatasync(fd: int) -> None:
+        calls.append(name(fd))
+        real_fdatasync(fd)
+
+    def fsync(fd: int) -> None:
+        calls.append(name(fd))
+        real_fsync(fd)
+
+    monkeypatch.setattr(os, "fdatasync", fdatasync)
+    monkeypatch.setattr(os, "fsync", fsync)
+    return calls
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
+def test_interval_roll_syncs_at_the_next_flush(tmp_path: Path,
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    # fsync=interval: a roll blocks on no fsync; the next flush syncs the segments' data
+    # oldest first, then the rolled segment's indexes, then the directory (the new segment's
+    # entry), so that after a crash the log is a prefix of what was appended.
+    calls = _syncs(monkeypatch)
+    clock = FakeClock()
+    log = open_log(tmp_path, clock, fsync="interval", fsync_interval_ms=1000)
+    calls.clear()
+    log.append(recs(3))
+    log.roll()
+    log.append(recs(3))
+    assert calls == []
+    clock.advance(1000)
+    assert log.flush_if_due()
+    first, second = (f"{base:020d}" for base in log.segments)
+    assert calls == [f"{first}.log", f"{second}.log", f"{first}.timeindex",
+                     f"{first}.index", "/"]
+    calls.clear()
+    log.roll()  # the active segment is clean, the roll still needs the next flush
+    clock.advance(1000)
+    assert log.flush_if_due()
+    assert calls == [f"{second}.timeindex", f"{second}.index", "/"]
+    clock.advance(1000)
+    assert not log.flush_if_due()
+    log.close()
+
+
+@pytest.mark.parametrize("policy", ["always", "interval"])
+@pytest.mark.parametrize("compacted", [False, True])
+def test_roll_syncs_before_the_append_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                              policy: str, compacted: bool) -> None:
+    # fsync=always (every append durable when it returns) and compacted logs (whose offset
+    # gaps make a lost segment tail undetectable at open) keep the synchronous roll.
+    calls = _syncs(monkeypatch)
+    log = open_log(tmp_path, fsync=policy, compacted=compacted)
+    log.append(recs(3))
+    calls.clear()
+    log.roll()
+    assert ("/" in calls) == (policy == "always" or compacted)
+    log.close()
