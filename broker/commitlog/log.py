@@ -363,7 +363,8 @@ class SegmentedLog:
 
     # ------------------------------------------------------------------- durability
     def flush(self) -> None:
-        """fsync every segment with unsynced appends now; raises :class:`LogIOError`."""
+        """fsync every segment with unsynced appends now, and what rolls since the last flush
+        left unsynced (module doc); raises :class:`LogIOError`."""
         with self._lock:
             self._check_open()
             self._flush_locked()
