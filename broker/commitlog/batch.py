@@ -331,22 +331,20 @@ def _read_table(buf: bytes | bytearray | memoryview, p: int, end: int) -> tuple[
     p += 4
     if 2 * m > end - p:
         raise ValueError(f"{m} strings cannot fit")
-    bounds = list(accumulate(_array("H", m).unpack_from(buf, p), initial=p + 2 * m))
-    q = bounds[-1]
+    start = p + 2 * m
+    # Offsets inside the strings blob (character offsets too when it is ASCII).
+    bounds = list(accumulate(_array("H", m).unpack_from(buf, p), initial=0))
+    q = start + bounds[-1]
     if q > end:
         raise ValueError("strings past the batch end")
-    blob = buf[bounds[0] : q]
-    if isinstance(blob, memoryview):
-        blob = bytes(blob)
+    blob = bytes(buf[start:q])
+    slices = map(slice, bounds, bounds[1:])
     if blob.isascii():
-        # ASCII (nearly every MQTT topic): one decode, then character offsets = byte offsets.
-        text = str(blob, "ascii")
-        bounds = list(map(sub, bounds, repeat(bounds[0])))
-        return list(map(getitem, repeat(text), map(slice, bounds, bounds[1:]))), q
+        # ASCII (nearly every MQTT topic): one decode, then a slice per string.
+        return list(map(getitem, repeat(str(blob, "ascii")), slices)), q
     utf8 = cast("Callable[[bytes, str], str]", str)
-    cut = cast("Callable[[bytes | bytearray | memoryview, slice], bytes]", getitem)
-    return list(map(utf8, map(cut, repeat(buf), map(slice, bounds, bounds[1:])),
-                    repeat("utf-8"))), q
+    cut = cast("Callable[[bytes, slice], bytes]", getitem)
+    return list(map(utf8, map(cut, repeat(blob), slices), repeat("utf-8"))), q
 
 
 def decode_batch(buf: bytes | bytearray | memoryview, pos: int = 0) -> list[Record]:
