@@ -14,6 +14,7 @@ Timestamps are multiples of 10 ms and the fake clock is always at 5 (mod 10) ms,
 
 from __future__ import annotations
 
+import dataclasses
 import shutil
 import tempfile
 from pathlib import Path
@@ -308,6 +309,13 @@ class PlainLogModel(LogModel):
         self.check_read_all()
 
 
+class IntervalLogModel(PlainLogModel):
+    """The same stream under fsync=interval, whose rolls sync only at the next flush: rolled
+    segments wait for it while retention may delete them and the log may be reopened."""
+
+    CONFIG = dataclasses.replace(PlainLogModel.CONFIG, fsync="interval")
+
+
 class CompactedLogModel(LogModel):
     """An internal keyed stream: few topics, tombstones, compaction of closed segments."""
 
@@ -391,5 +399,7 @@ class CompactedLogModel(LogModel):
 
 TestPlainLog = PlainLogModel.TestCase
 TestPlainLog.settings = SETTINGS
+TestIntervalLog = IntervalLogModel.TestCase
+TestIntervalLog.settings = SETTINGS
 TestCompactedLog = CompactedLogModel.TestCase
 TestCompactedLog.settings = SETTINGS
