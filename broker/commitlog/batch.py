@@ -215,6 +215,7 @@ def encode_batch(
         strings = list(map(str.encode, index))
         uint = _array("I", n).pack
         same_stamps = stamps.count(stamps[0]) == n
+        no_props = props.count(b"") == n
         parts = [
             bytes(BATCH_HEADER_SIZE),
             _COUNT.pack(len(strings)),
@@ -225,12 +226,13 @@ def encode_batch(
             uint(*topic_indexes),
             uint(*client_id_indexes),
             # Properties are usually all empty (MQTT 3.1.1 and most 5.0 publishes).
-            bytes(4 * n) if props.count(b"") == n else _column("I", _U32, tuple(map(len, props))),
+            bytes(4 * n) if no_props else _column("I", _U32, tuple(map(len, props))),
             _column("I", _U32, tuple(map(len, payloads))),
             bytes(qoss),
             bytes(retains),
         ]
-        parts += props
+        if not no_props:
+            parts += props
         parts += payloads
         buf = bytearray().join(parts)
         first_ts = stamps[0]
