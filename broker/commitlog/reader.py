@@ -67,7 +67,10 @@ class _SegmentView:
         Returns the byte budget left and whether the read is over (a limit, or ``end``,
         was reached); False means the file ended first and the next segment follows.
         """
-        i = bisect_right(self.offsets, offset) - 1
+        # An offset below this segment's base (a read that began in an earlier segment)
+        # starts at the segment's first batch, not at positions[-1]: that is where the last
+        # read left the sparse index, and every record before it would be skipped.
+        i = max(0, bisect_right(self.offsets, offset) - 1)
         pos = self.positions[i]
         last_indexed = pos
         want = max(READ_CHUNK_MIN, min(2 * max_bytes, max_records * AVERAGE_RECORD))

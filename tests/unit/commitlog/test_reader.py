@@ -124,3 +124,24 @@ def test_sequential_and_random_reads_agree_with_the_writer(tmp_path_factory: pyt
             offset = min(offset, log.end_offset)
             assert reader.read(offset, limit) == log.read(offset, limit)
         reader.close()
+
+
+def test_a_second_pass_across_segments_skips_nothing(tmp_path: Path) -> None:
+    """A read that begins in one segment and goes on into the next starts at that segment's
+    first batch, even after an earlier pass extended the next segment's sparse index (it
+    used to start where that index ended: a second replay lost the rest of the segment)."""
+    config = LogConfig(segment_bytes=1 << 20, fsync="never", retention_ms=None)
+    with SegmentedLog.open(tmp_path, config) as log:
+        for i in range(60):
+            log.append(records(500, i * 500, 64))
+        reader = LogReader(tmp_path, config, log.end_offset)
+        assert len(log.segments) > 2
+        for _ in range(2):
+            offset = 0
+            while offset < log.end_offset:
+                got = reader.read(offset, 4096)
+                assert got == log.read(offset, 4096)
+                cols = reader.read_columns(offset, 4096)
+                assert (len(cols), cols.next_offset) == (len(got), got[-1].offset + 1)
+                offset = got[-1].offset + 1
+        reader.close()
