@@ -5,8 +5,9 @@ Two parts, both on the same file system (``--dir``):
 **Matrix** (``--runs N``, medians per cell): append throughput of :class:`SegmentedLog` for
 64-byte and 1 KiB payloads, batches of 1, 100 and 1,000 records, under each fsync policy; then
 sequential reads of the 1,000-record batches back, by both read paths: :meth:`SegmentedLog.read`
-(a ``Record`` tuple per record: what the router's subscriber reads use) and
-:meth:`SegmentedLog.read_columns` (the stored columns: the fetch API's path). Each append cell
+(a ``Record`` tuple per record: the router's message-by-message delivery) and
+:meth:`SegmentedLog.read_columns` (the stored columns: the fetch API's path, and the router's
+for a lagging subscriber's runs of PUBLISHes, which is how a replay is read). Each append cell
 runs until it has written ``--bytes-cap`` bytes or spent ``--time-cap`` seconds, whichever
 comes first (fsync=always with batches of 1 is disk-latency bound). Timing includes the final
 ``flush()`` for ``always`` and ``interval`` (the data is only as durable as its policy promises
