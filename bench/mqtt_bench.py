@@ -477,7 +477,11 @@ def expand(scenario: str, broker: str, figs: list[Figure]) -> dict[str, dict[str
         rows["fleet_p99"] = {**base, "value": m.get("p99_ms", float("nan")), "per_cpu": None}
         rows["fleet_rss"] = {**base, "value": m["rss_kb"] / 1024, "per_cpu": None}
     if scenario == "storm":
-        rows["storm_mem"] = {**base, "value": m["bytes_per_conn"], "per_cpu": None}
+        # A broker that grew in an earlier run reuses that memory: no growth is no figure
+        # (None, left out of the median), not 0 bytes per connection.
+        grown = m["bytes_per_conn"] > 0
+        rows["storm_mem"] = {**base, "value": m["bytes_per_conn"] if grown else None,
+                             "per_cpu": None}
     if scenario == "latency":
         rows["latency_p99"] = {**base, "value": m.get("p99_ms", float("nan")),
                                "per_cpu": None}
@@ -507,7 +511,8 @@ def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
             continue
         a = rows[key].get("mqlog")
         b = rows[key].get("mosquitto")
-        ratio = a["value"] / b["value"] if a and b and b["value"] else None
+        ratio = (a["value"] / b["value"]
+                 if a and b and a["value"] is not None and b["value"] else None)
         lines.append([
             label, unit, fmt(a["value"]) if a else "-", fmt(b["value"]) if b else "-",
             f"{ratio:.2f}x" if ratio is not None else "-",
@@ -654,7 +659,8 @@ def main(argv: list[str] | None = None) -> int:
     for key, per in collected.items():
         if "mqlog" in per and "mosquitto" in per:
             rs = [a["value"] / b["value"] for a, b in zip(per["mqlog"], per["mosquitto"],
-                                                          strict=True) if b["value"]]
+                                                          strict=True)
+                  if a["value"] is not None and b["value"]]
             if key in LOWER_BETTER:
                 rs = [1 / r for r in rs if r]
             if rs:
