@@ -62,17 +62,23 @@ def java_home() -> str | None:
 
 def spark_session(master: str = "local[2]", app: str = "mqlog",
                   extra: dict[str, str] | None = None) -> SparkSession:
-    """A SparkSession with the ``mqlog`` source registered; workers use this interpreter."""
+    """A SparkSession with the ``mqlog`` source registered; workers use this interpreter
+    (``PYSPARK_PYTHON`` when set), through :func:`spark_sink.worker_python.worker_python`'s
+    launcher where it applies."""
     home = java_home()
     if home is None:
         raise MqlogSourceError("Spark needs Java 17: no `java` on PATH and JAVA_HOME unset "
                                "(Debian: apt-get install openjdk-17-jre-headless)")
     os.environ.setdefault("JAVA_HOME", home)
-    os.environ.setdefault("PYSPARK_PYTHON", sys.executable)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
 
     from spark_sink import register
+    from spark_sink.worker_python import worker_python
+
+    # SparkContext reads the workers' executable from the environment when it starts.
+    python = os.environ.get("PYSPARK_PYTHON", sys.executable)
+    os.environ["PYSPARK_PYTHON"] = worker_python(python, master) or python
 
     builder = SparkSession.builder.master(master).appName(app)
     for key, value in {**LOCAL_CONF, **(extra or {})}.items():
