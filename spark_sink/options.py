@@ -26,7 +26,6 @@ from dataclasses import dataclass
 
 import orjson
 
-from broker.mqtt.topics import validate_topic_filter
 from spark_sink.client import MqlogSourceError
 
 EARLIEST = -2
@@ -135,6 +134,9 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         raise OptionError(f"option 'stream' names a stream twice: {raw_streams!r}")
     topic_filter = options.get("topicFilter")
     if topic_filter is not None:
+        # Imported here: the streaming source runner unpickles options, it never parses them.
+        from broker.mqtt.topics import validate_topic_filter
+
         try:
             validate_topic_filter(topic_filter)
         except Exception as e:
