@@ -25,6 +25,7 @@ from paho.mqtt.properties import Properties
 
 from broker.commitlog import LogConfig, Record, Streams, StreamSpec
 from spark_sink.drain import error_message, spark_session, start_drain
+from spark_sink.worker_python import worker_python
 from tests.integration.clients import V5, Client
 from tests.integration.conftest import ROOT, BrokerProcess, free_port
 
@@ -131,6 +132,35 @@ def assert_exactly_once(rows: list[Any], sent: Published) -> None:
         assert [p for _, _, p in got] == [p for p, _ in sent[topic]], topic
     for p, offs in offsets_by_partition(rows).items():
         assert offs == list(range(len(offs))), f"partition {p}: gaps or duplicates"
+
+
+# ------------------------------------------------------------------------------ workers
+def test_worker_launcher_drops_only_sparks_zips(tmp_path: Path) -> None:
+    """The launcher runs the interpreter with Spark's PYTHONPATH minus exactly the two
+    ``python/lib`` zips, other entries (spaces, ``*``, empty) kept in order."""
+    launcher = worker_python(sys.executable, "local[2]")
+    assert launcher is not None
+    assert worker_python(sys.executable, "spark://host:7077") is None
+    assert worker_python("/usr/bin/env", "local[2]") is None
+    home = tmp_path / "spark home"
+    kept = [str(tmp_path / "a b"), "/x/*/python/lib", "", "/y/pyspark.zip.d"]
+    path = [f"{home}/python/lib/pyspark.zip", f"{home}/python/lib/py4j-0.10.9.9-src.zip",
+            *kept]
+    out = subprocess.run([launcher, "-c", "import os; print(os.environ['PYTHONPATH'])"],
+                         env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
+                         capture_output=True, text=True, check=True).stdout
+    assert out.rstrip("\n").split(os.pathsep) == kept
+
+
+def test_spark_workers_import_the_installed_pyspark(spark: Any) -> None:
+    """Workers (forked from Spark's daemon, started like the streaming source runner through
+    the launcher) import PySpark from site-packages, with cached bytecode, not from the zip
+    Spark prepends to their PYTHONPATH."""
+    import pyspark
+
+    where = spark.sparkContext.parallelize([0], 1) \
+        .map(lambda _: __import__("pyspark").__file__).collect()
+    assert where == [pyspark.__file__]
 
 
 # ------------------------------------------------------------------------------ batch
