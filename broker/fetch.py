@@ -110,46 +110,46 @@ def columns_to_record_batch(stream: str, partition: int, read: ColumnRead) -> pa
     run_ends = pa.array(read.run_ends, pa.int32())
     bases = pc.run_end_decode(pa.RunEndEncodedArray.from_arrays(
         run_ends, pa.array(read.bases, pa.int64())))
-    offsets = pc.add(_fixed(pa.uint32(), n, read.deltas).cast(pa.int64()), bases)
+    offsets = pc.add(_fixed(pa.uint32(), n, read, "deltas").cast(pa.int64()), bases)
     table_starts = pc.run_end_decode(pa.RunEndEncodedArray.from_arrays(
         run_ends, pa.array(read.table_starts, pa.uint32())))
     strings = pa.array(read.strings, pa.string())
-    millis = _fixed(pa.int64(), n, read.timestamps)
-    flags = _fixed(pa.uint8(), n, read.flags)
+    millis = _fixed(pa.int64(), n, read, "timestamps")
+    flags = _fixed(pa.uint8(), n, read, "flags")
     columns = [
         pa.repeat(pa.scalar(stream, pa.string()), n),
         pa.repeat(pa.scalar(partition, pa.int32()), n),
         offsets,
         pc.multiply(millis, 1000).cast(pa.timestamp("us", tz="UTC")),
-        strings.take(pc.add(_fixed(pa.uint32(), n, read.topic_indexes), table_starts)),
-        _binary(n, read.payload_lengths, read.payloads),
-        _fixed(pa.uint8(), n, read.qos).cast(pa.int32()),
+        strings.take(pc.add(_fixed(pa.uint32(), n, read, "topic_indexes"), table_starts)),
+        _binary(n, read.joined("payload_lengths"), read.joined("payloads")),
+        _fixed(pa.uint8(), n, read, "qos").cast(pa.int32()),
         pc.not_equal(pc.bit_wise_and(flags, pa.scalar(1, pa.uint8())), 0),
-        strings.take(pc.add(_fixed(pa.uint32(), n, read.client_id_indexes), table_starts)),
+        strings.take(pc.add(_fixed(pa.uint32(), n, read, "client_id_indexes"), table_starts)),
         _stored_properties(n, read),
     ]
     return pa.record_batch(columns, schema=SCHEMA)
 
 
-def _fixed(type_: pa.DataType, n: int, slices: list[memoryview]) -> pa.Array:
-    """``n`` fixed-width values stored in ``slices`` (little-endian, as Arrow on every host
-    this runs on), joined into one buffer."""
-    return pa.Array.from_buffers(type_, n, [None, pa.py_buffer(b"".join(slices))])
+def _fixed(type_: pa.DataType, n: int, read: ColumnRead, column: str) -> pa.Array:
+    """The ``n`` fixed-width values of ``column`` (little-endian, as Arrow on every host this
+    runs on), joined into one buffer."""
+    return pa.Array.from_buffers(type_, n, [None, pa.py_buffer(read.joined(column))])
 
 
-def _binary(n: int, lengths: list[memoryview], data: list[memoryview]) -> pa.Array:
+def _binary(n: int, lengths: bytes, data: bytes) -> pa.Array:
     """A binary array: the stored lengths summed into Arrow's n + 1 int32 offsets (a zero
-    first), the stored bytes joined as its data."""
-    ends = pa.Array.from_buffers(pa.int32(), n + 1,
-                                 [None, pa.py_buffer(b"\0\0\0\0" + b"".join(lengths))])
+    first), the stored bytes as its data."""
+    ends = pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(b"\0\0\0\0" + lengths)])
     return pa.Array.from_buffers(pa.binary(), n, [None, pc.cumulative_sum(ends).buffers()[1],
-                                                  pa.py_buffer(b"".join(data))])
+                                                  pa.py_buffer(data)])
 
 
 def _stored_properties(n: int, read: ColumnRead) -> pa.Array:
-    if not any(map(len, read.properties)):
+    data = read.joined("properties")
+    if not data:
         return _empty_maps(n)
-    return _properties_column(_binary(n, read.property_lengths, read.properties).to_pylist())
+    return _properties_column(_binary(n, read.joined("property_lengths"), data).to_pylist())
 
 
 def _column(values: Sequence[Any], type_: pa.DataType) -> pa.Array:
