@@ -69,6 +69,23 @@ def test_columns_body_equals_tuples_body(tmp_path: Path, topics: int, props: boo
         reader.close()
 
 
+@pytest.mark.parametrize("props", [False, True])
+def test_columns_body_over_many_small_batches(tmp_path: Path, props: bool) -> None:
+    """A fleet's log: thousands of 1-3-record batches, each one device's topic and client id
+    (the same string table again and again), read 4,000 records at a time."""
+    rng = random.Random(7)
+    with SegmentedLog.open(tmp_path, CONFIG) as log:
+        for b in range(3000):
+            device = rng.randrange(10)
+            log.append([r._replace(topic=f"devices/{device}/telemetry",
+                                   client_id=f"dev-{device}")
+                        for r in records(rng, rng.choice([1, 1, 2, 3]), b * 3, topics=1,
+                                         props=props, mixed=True)])
+        end = log.end_offset
+        for offset in [0, *(rng.randrange(end) for _ in range(10))]:
+            same_body(log, offset, 4000, 1 << 20)
+
+
 def test_columns_body_values(tmp_path: Path) -> None:
     """A direct check of the decoded values, beyond equality with the reference encoder."""
     written = [Record(0, 1_700_000_000_000 + i, f"d/{i % 3}", b"%d" % i, i % 3, i % 4 == 0,

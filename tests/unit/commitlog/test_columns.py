@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.commitlog import LogConfig, OffsetOutOfRange, Record, SegmentedLog
+from broker.commitlog import LogConfig, OffsetOutOfRange, Record, SegmentedLog, columns
 from broker.commitlog.batch import encode_batch
 from broker.commitlog.columns import ColumnRead
 from broker.commitlog.reader import LogReader
@@ -23,8 +23,13 @@ SMALL = LogConfig(segment_bytes=4096, index_interval_bytes=512, fsync="never",
 
 
 def rebuild(read: ColumnRead) -> list[Record]:
-    """The records described by ``read``, one at a time."""
+    """The records described by ``read``, one at a time (from the per-slice views, which
+    :meth:`ColumnRead.joined` must join to the same bytes)."""
     n = read.count
+    for column in ("timestamps", "deltas", "topic_indexes", "client_id_indexes",
+                   "property_lengths", "payload_lengths", "qos", "flags", "properties",
+                   "payloads"):
+        assert read.joined(column) == b"".join(getattr(read, column))
     def ints(code: str, slices: list[memoryview]) -> tuple[int, ...]:
         return struct.unpack(f"<{n}{code}", b"".join(slices))
     stamps, deltas = ints("q", read.timestamps), ints("I", read.deltas)
@@ -105,3 +110,36 @@ def test_same_errors_and_empty_reads_as_read(tmp_path: Path) -> None:
         assert len(log.read_columns(0, max_records=0)) == 0
         with pytest.raises(OffsetOutOfRange):
             log.read_columns(6)
+
+
+def fleet_batch(rng: random.Random, device: int, offset: int) -> list[Record]:
+    """What the router's group commit writes for a fleet: 1-3 records of one device (its
+    topic, non-ASCII for some, and client id: the same string table batch after batch)."""
+    topic = f"devices/{device}/telemetry" + ("/é" if device % 3 == 0 else "")
+    return [Record(offset + i, 1_000 + offset + i, topic, rng.randbytes(rng.choice([0, 60])),
+                   1, rng.random() < 0.1, f"dev-{device}",
+                   rng.choice([b"", b"", b"", b"\x03\x00\x04text"]))
+            for i in range(rng.choice([1, 1, 2, 3]))]
+
+
+@pytest.mark.parametrize("memo_entries", [4096, 3])  # 3: the table memo is emptied often
+def test_long_reads_over_many_small_batches(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                            memo_entries: int) -> None:
+    """Thousands of 1-3-record batches with repeated string tables (the memoised ones),
+    properties, and compacted batches with gaps, read in long and cut reads."""
+    monkeypatch.setattr(columns, "_MEMO_ENTRIES", memo_entries)
+    rng = random.Random(memo_entries)
+    offset = 0
+    seg = Segment.create(tmp_path, 0, SMALL, now_ms=0)
+    for _ in range(3000):
+        batch = fleet_batch(rng, rng.randrange(8), offset)
+        if len(batch) == 3 and rng.random() < 0.5:  # compaction left a gap
+            del batch[1]
+        seg.append(encode_batch(batch[0].offset, batch, keep_offsets=True), fsync=False)
+        offset = batch[-1].offset + 1
+    seg.close()
+    with SegmentedLog.open(tmp_path, SMALL) as log:
+        check(log, 0, 10_000, 1 << 30)
+        for _ in range(40):
+            check(log, rng.randrange(offset), rng.choice([1, 500, 5000]),
+                  rng.choice([100, 4096, 1 << 20]))
