@@ -6,13 +6,15 @@ slice of each stored column (:mod:`broker.commitlog.batch`) that holds the retur
 The batch layout is already columnar, so a consumer that wants columns (the Arrow fetch API,
 :func:`broker.fetch.columns_to_record_batch`) joins the slices into one buffer per column
 instead of building a :class:`~broker.commitlog.Record` per record and pulling the tuples apart
-again. The decoding work per batch is a header, the string table and a dozen slices, whatever
-the record count: issue 7 measured ~1.2 us per record for :meth:`read` on 1,000-record batches,
-the time a 1M-record Spark drain spent on the broker's loop thread.
+again. The decoding work per batch is a header, the string table (memoised on its bytes) and
+one span tuple, whatever the record count: issue 7 measured ~1.2 us per record for
+:meth:`read` on 1,000-record batches, the time a 1M-record Spark drain spent on the broker's
+loop thread; a fleet's log has 1-3 records per batch, so the per-batch work is what counts
+there (s11 smallbatch: ~3x less CPU per record than slicing every column of every batch).
 
-The slices are ``memoryview`` s of the immutable ``bytes`` the log read (no copy until they are
-joined). Plain data, no pyarrow here (the log does not depend on the wire format); safe to hand
-to another thread once the read returned.
+The slices are ``memoryview`` s (or, joined, ``bytes``) of the immutable ``bytes`` the log
+read (no copy until they are joined). Plain data, no pyarrow here (the log does not depend on
+the wire format); safe to hand to another thread once the read returned.
 """
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from broker.commitlog.batch import (
     _read_table,
     columns,
 )
-
 
 #: Byte width and position (in widths of one record: the column starts at ``p + at * n``) of
 #: each fixed-size column in a batch of ``n`` records whose columns start at ``p``.
