@@ -34,9 +34,9 @@ from broker.commitlog.batch import (
 
 #: Byte width and position (in widths of one record: the column starts at ``p + at * n``) of
 #: each fixed-size column in a batch of ``n`` records whose columns start at ``p``.
-_FIXED = {"timestamps": (8, 0), "deltas": (4, 8), "topic_indexes": (4, 12),
-          "client_id_indexes": (4, 16), "property_lengths": (4, 20),
-          "payload_lengths": (4, 24), "qos": (1, 28), "flags": (1, 29)}
+FIXED_COLUMNS = {"timestamps": (8, 0), "deltas": (4, 8), "topic_indexes": (4, 12),
+                 "client_id_indexes": (4, 16), "property_lengths": (4, 20),
+                 "payload_lengths": (4, 24), "qos": (1, 28), "flags": (1, 29)}
 
 #: One slice of a stored batch: ``(buffer, view of it, p, n, first, stop, properties from,
 #: properties to, payloads from, payloads to)``: records ``first .. stop - 1`` of the batch of
@@ -96,7 +96,7 @@ class ColumnRead:
             return b"".join([b[x:y] for b, _v, _p, _n, _f, _s, x, y, _x, _y in spans])
         if column == "payloads":
             return b"".join([b[x:y] for b, _v, _p, _n, _f, _s, _x, _y, x, y in spans])
-        w, at = _FIXED[column]
+        w, at = FIXED_COLUMNS[column]
         return b"".join([b[p + at * n + w * f : p + at * n + w * s]
                          for b, _v, p, n, f, s, _x, _y, _a, _b in spans])
 
@@ -111,7 +111,7 @@ class ColumnRead:
         elif column == "payloads":
             views = [v[x:y] for _b, v, _p, _n, _f, _s, _x, _y, x, y in spans]
         else:
-            w, at = _FIXED[column]
+            w, at = FIXED_COLUMNS[column]
             views = [v[p + at * n + w * f : p + at * n + w * s]
                      for _b, v, p, n, f, s, _x, _y, _a, _c in spans]
         self._views[column] = (len(spans), views)

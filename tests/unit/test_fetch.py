@@ -9,6 +9,7 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
+from broker import fetch
 from broker.commitlog import LogConfig, Record, SegmentedLog
 from broker.commitlog.reader import LogReader
 from broker.fetch import SCHEMA, columns_to_record_batch, to_ipc_stream, to_record_batch
@@ -44,14 +45,17 @@ def same_body(log: SegmentedLog | LogReader, offset: int, limit: int, max_bytes:
     assert to_ipc_stream(batch) == expected
 
 
+@pytest.mark.parametrize("gather_below", [0, 1 << 30])  # fixed columns joined / gathered
 @pytest.mark.parametrize(("topics", "props", "mixed"), [
     (25, False, False),  # fleet telemetry: the common case
     (25, True, True),    # MQTT 5 properties, per-record QoS and retain
     (2000, False, True),  # many topics: string tables differ from batch to batch
     (1, True, False),
 ])
-def test_columns_body_equals_tuples_body(tmp_path: Path, topics: int, props: bool,
-                                         mixed: bool) -> None:
+def test_columns_body_equals_tuples_body(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                         topics: int, props: bool, mixed: bool,
+                                         gather_below: int) -> None:
+    monkeypatch.setattr(fetch, "_GATHER_BELOW", gather_below)
     rng = random.Random(topics)
     with SegmentedLog.open(tmp_path, CONFIG) as log:
         for b in range(40):
