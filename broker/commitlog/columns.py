@@ -10,7 +10,7 @@ again. The decoding work per batch is a header, the string table (memoised on it
 one span tuple, whatever the record count: issue 7 measured ~1.2 us per record for
 :meth:`read` on 1,000-record batches, the time a 1M-record Spark drain spent on the broker's
 loop thread; a fleet's log has 1-3 records per batch, so the per-batch work is what counts
-there (s11 smallbatch: ~3x less CPU per record than slicing every column of every batch).
+there (measured: ~3x less CPU per record than slicing every column of every batch).
 
 The slices are ``memoryview`` s (or, joined, ``bytes``) of the immutable ``bytes`` the log
 read (no copy until they are joined). Plain data, no pyarrow here (the log does not depend on
@@ -59,7 +59,7 @@ class ColumnRead:
 
     The read records only a :data:`Span` per slice (``spans``); the per-column view lists are
     made on first use. A fleet's log holds batches of 1-3 records (one router loop turn each),
-    where a dozen ``memoryview`` slices per batch were most of a read's CPU (s11 smallbatch),
+    where a dozen ``memoryview`` slices per batch were most of a read's CPU (measured),
     and the Arrow fetch (:meth:`joined`) needs none of them.
 
     ``count`` records in all; ``next_offset`` is one past the last one (meaningless when
@@ -232,8 +232,9 @@ def _table(buf: bytes, t: int, end: int) -> tuple[tuple[str, ...] | list[str], i
 
     A fleet's log is written one router loop turn at a time, so its batches hold 1-3 records
     and each batch's table is one device's topic and client id, repeated batch after batch:
-    decoding it was 40% of a read's CPU (s11 smallbatch). Two dict lookups on the stored bytes
-    replace the decode; equal bytes decode to equal strings, so the result is the same.
+    decoding it was 40% of a read's CPU (measured on 2-record batches). Two dict lookups on
+    the stored bytes replace the decode; equal bytes decode to equal strings, so the result
+    is the same.
     Module-level dicts: lookups and stores are atomic under the GIL, so reads on several
     threads share them safely.
     """
