@@ -32,8 +32,8 @@ from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from itertools import accumulate, repeat
-from operator import add, attrgetter
-from typing import Any
+from operator import add, itemgetter
+from typing import Any, cast
 
 import orjson
 
@@ -629,11 +629,12 @@ class Router:
         """A delivery is acknowledged; ``pump=False`` when the caller sends what the freed
         quota allows itself, once for a whole read of PUBACKs."""
         entry = session.inflight.get(packet_id)
-        if entry is not None and entry.qos == 1:
+        if entry is not None and entry[_QOS] == 1:
             del session.inflight[packet_id]
             session.dirty = session.persistent
-            if entry.group is not None:
-                self._group_done(session, entry.group, entry.key, entry.offset)
+            key, offset, _, _, _, group, _ = entry
+            if group is not None:
+                self._group_done(session, group, key, offset)
             if pump:
                 self.pump_session(session)
 
@@ -644,8 +645,8 @@ class Router:
         comes back that way, and one call per PUBACK was ~25% of a QoS 1 replay."""
         inflight = session.inflight
         entries = list(map(inflight.get, packet_ids))
-        if (all(entries) and set(map(_QOS, entries)) == {1}
-                and set(map(_GROUP, entries)) == {None}):
+        if all(entries) and set(map(_QOS_GROUP_OF, cast(list[Inflight], entries))) == {
+                (1, None)}:
             deque(map(inflight.pop, packet_ids, repeat(None)), 0)  # a repeated id: no-op
             session.dirty = session.persistent
             return
@@ -656,18 +657,19 @@ class Router:
         entry = session.inflight.get(packet_id)
         link = session.link
         assert link is not None
-        if entry is None or entry.qos != 2:
+        if entry is None or entry[_QOS] != 2:
             if session.version == 5:
                 link.send(PubRel(packet_id, ReasonCode.PACKET_IDENTIFIER_NOT_FOUND))
             return
+        key, offset, qos, retain, _, group, consumer = entry
         if reason_code >= 0x80:
             # The receiver refused the message: the flow ends here (s4.3.3).
             del session.inflight[packet_id]
-            if entry.group is not None:
-                self._group_done(session, entry.group, entry.key, entry.offset)
+            if group is not None:
+                self._group_done(session, group, key, offset)
             self.pump_session(session)
             return
-        entry.released = True
+        session.inflight[packet_id] = (key, offset, qos, retain, True, group, consumer)
         session.dirty = session.persistent
         link.send(PubRel(packet_id))
 
@@ -691,11 +693,12 @@ class Router:
 
     def pubcomp(self, session: Session, packet_id: int) -> None:
         entry = session.inflight.get(packet_id)
-        if entry is not None and entry.qos == 2 and entry.released:
+        if entry is not None and entry[_QOS] == 2 and entry[_RELEASED]:
             del session.inflight[packet_id]
             session.dirty = session.persistent
-            if entry.group is not None:
-                self._group_done(session, entry.group, entry.key, entry.offset)
+            key, offset, _, _, _, group, _ = entry
+            if group is not None:
+                self._group_done(session, group, key, offset)
             self.pump_session(session)
 
     # ================================================================ subscribe
@@ -890,9 +893,9 @@ class Router:
         session is ending (s4.8.2); a persistent session keeps them for its return."""
         orphans: list[tuple[PartitionKey, int]] = []
         if orphan_inflight or not session.persistent:
-            for pid, entry in list(session.inflight.items()):
-                if entry.group == full:
-                    orphans.append((entry.key, entry.offset))
+            for pid, (key, offset, _, _, _, taken_from, _) in list(session.inflight.items()):
+                if taken_from == full:
+                    orphans.append((key, offset))
                     del session.inflight[pid]
         # Records a group elsewhere sent that never left go back whatever the session is.
         for item in list(session.group_queue):
@@ -1345,10 +1348,10 @@ class Router:
             return 0
         if first_pid is not None:
             name = consumer.name
-            inflight.update(zip(range(first_pid, first_pid + take), map(
-                Inflight, repeat(key), cols.offsets[start:start + take], repeat(1),
-                retains or repeat(False), repeat(False), repeat(None), repeat(name)),
-                strict=False))  # repeat() is endless
+            inflight.update(zip(range(first_pid, first_pid + take), zip(
+                repeat(key), cols.offsets[start:start + take], repeat(1),
+                retains or repeat(False), repeat(False), repeat(None), repeat(name),
+                strict=False), strict=False))  # repeat() is endless
             nxt = first_pid + take
             session.next_packet_id = nxt if nxt <= 65535 else 1
         return take
@@ -1430,8 +1433,8 @@ class Router:
         if qos:
             if packet_id is None:
                 packet_id = session.allocate_packet_id()
-                session.inflight[packet_id] = Inflight(key, rec.offset, qos, retain, False,
-                                                       group, consumer)
+                session.inflight[packet_id] = (key, rec.offset, qos, retain, False, group,
+                                               consumer)
                 if qos == 2 and session.persistent:
                     # Exactly once across a crash: were this delivery (its packet id and the
                     # advanced cursor) lost, the record would go out again under a new packet
@@ -1449,16 +1452,17 @@ class Router:
         """On session resume, resend unacknowledged deliveries with DUP [MQTT-4.4.0-1]."""
         link = session.link
         assert link is not None
-        for pid, entry in list(session.inflight.items()):
-            if entry.released:
+        for pid, (key, offset, qos, retain, released, group, consumer) in list(
+                session.inflight.items()):
+            if released:
                 link.send(PubRel(pid))
                 continue
-            rec = self._read_exact(entry.key, entry.offset)
+            rec = self._read_exact(key, offset)
             if rec is None:
                 del session.inflight[pid]  # gone by retention: nothing left to deliver
                 continue
-            self._deliver(session, rec, entry.key, entry.qos, entry.retain, (), False,
-                          entry.consumer, group=entry.group, dup=True, packet_id=pid)
+            self._deliver(session, rec, key, qos, retain, (), False, consumer, group=group,
+                          dup=True, packet_id=pid)
 
     # ================================================================ persistence
 
@@ -1582,8 +1586,9 @@ class Router:
 _MISS: Any = object()
 #: ``_new_record(Record, fields)``: a Record without the NamedTuple constructor's Python call.
 _new_record = tuple.__new__
-_QOS = attrgetter("qos")  # Inflight.qos, for map()
-_GROUP = attrgetter("group")
+_QOS = 2  # Inflight fields read alone
+_RELEASED = 4
+_QOS_GROUP_OF = itemgetter(_QOS, 5)  # (qos, group), for map()
 
 
 def _read_all(router: Router, key: PartitionKey) -> Iterable[Record]:

@@ -35,7 +35,7 @@ def test_replay_is_sent_as_runs_within_the_receive_maximum(h: Harness) -> None:
     assert [p.payload for p in got] == [b"%d" % i for i in range(100)]
     assert all(p.qos == 1 and not p.retain and not p.dup for p in got)
     assert sorted(s.inflight) == list(range(1, 101))
-    assert [s.inflight[i].offset for i in range(1, 101)] == list(range(100))
+    assert [s.inflight[i][1] for i in range(1, 101)] == list(range(100))
 
 
 def test_quota_and_packet_ids_in_use(tmp_path: Path) -> None:
@@ -135,7 +135,7 @@ def test_puback_run_is_puback_for_each(tmp_path: Path, acks: str) -> None:
                 h.router.puback(s, pid, pump=False)
         else:
             h.router.puback_run(s, ids)
-        state = {pid: (e.offset, e.qos) for pid, e in s.inflight.items()}
+        state = {pid: (e[1], e[2]) for pid, e in s.inflight.items()}
         h.router.pump_session(s)
         h.run()
         outcomes.append((sent, state, [(p.packet_id, p.payload) for p in link.take()],
@@ -145,3 +145,46 @@ def test_puback_run_is_puback_for_each(tmp_path: Path, acks: str) -> None:
     sent, state, after, _ = outcomes[0]
     if acks != "qos2":
         assert len(state) == 20 - 12 and len(after) == 30 - 20  # the freed quota is used
+
+
+@pytest.mark.parametrize("restart", [False, True], ids=["reconnect", "restart"])
+def test_run_deliveries_are_resent_under_their_own_ids(tmp_path: Path, restart: bool) -> None:
+    """A run's in-flight entries hold each delivery's own record: after some PUBACKs (one
+    read of them, out of order) and a reconnect, or a restart from the persisted session,
+    the rest go out again with DUP under the same packet ids and with their own payloads
+    [MQTT-4.4.0-1]; new deliveries take ids none of them holds [MQTT-2.2.1-3]; in the end
+    every record was delivered once besides the DUP resends, in order."""
+    h = Harness(tmp_path / "data", RouterConfig(max_inflight=10))
+    _load(h, 40)
+    link, s = h.connect("sub", 4, clean=False)
+    s.next_packet_id = 65531  # runs do not wrap: 65531..65535, then from 1
+    h.subscribe(s, "$replay/earliest/t/+", 1)
+    got = link.take()
+    assert link.runs >= 2
+    assert [(p.packet_id, p.payload) for p in got] == list(zip(
+        [65531, 65532, 65533, 65534, 65535, 1, 2, 3, 4, 5], [b"%d" % i for i in range(10)],
+        strict=True))
+    acked = [65535, 2, 65532, 3]
+    h.router.puback_run(s, acked)
+    kept = [(p.packet_id, p.payload) for p in got if p.packet_id not in acked]
+    h.drop(s, link)
+    if restart:
+        h.restart()
+    link, s = h.connect("sub", 4, clean=False)
+    again = link.take()
+    assert [(p.packet_id, p.payload, p.dup) for p in again[:6]] == [
+        (pid, payload, True) for pid, payload in kept]
+    fresh = again[6:]
+    assert [p.payload for p in fresh] == [b"10", b"11", b"12", b"13"]  # the 4 freed slots
+    assert not any(p.dup for p in fresh)
+    assert sorted(s.inflight) == sorted([pid for pid, _ in kept] + [p.packet_id for p in fresh])
+    first_time = [p.payload for p in got + fresh]
+    while s.inflight:
+        h.router.puback_run(s, list(s.inflight))
+        h.router.pump_session(s)
+        h.run()
+        sent = link.take()
+        assert len({p.packet_id for p in sent}) == len(sent) <= 10
+        first_time += [p.payload for p in sent if not p.dup]
+    assert first_time == [b"%d" % i for i in range(40)]
+    h.streams.close()
