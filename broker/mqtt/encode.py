@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Iterable, Sequence
+from functools import cache
 from itertools import repeat
 from typing import Any, cast
 
@@ -73,6 +74,17 @@ _TOPIC_ALIAS = PropertyId.TOPIC_ALIAS
 #: cleared when full): (topic, payload size, retain, qos, version) -> bytes.
 PUBLISH_HEAD_ENTRIES = 16384
 _heads: dict[tuple[str, int, bool, int, int], bytes] = {}
+
+
+@cache
+def _packet_id_tails(v5: bool) -> tuple[bytes, ...]:
+    """What follows the topic of a QoS 1/2 PUBLISH without properties, by packet id: the
+    id, and in 5.0 an empty property block. A run's tails are one slice of this table;
+    packing them one by one was ~0.2 us per message, as much as the rest of a run's
+    encoding (measured). Built on a worker's first QoS 1/2 run (about 3 MiB per version)."""
+    if v5:
+        return tuple(map(_U16_NO_PROPS, range(0x10000), repeat(0)))
+    return tuple(map(_U16, range(0x10000)))
 
 
 def _check_version(version: int) -> None:
@@ -411,8 +423,7 @@ def encode_publish_run(
         if (type(first_packet_id) is not int or first_packet_id <= 0
                 or first_packet_id + n - 1 > 0xFFFF):
             raise LocalProtocolError(f"PUBLISH run of {n} needs packet ids within 1..65535")
-        ids = range(first_packet_id, first_packet_id + n)
-        tails = map(_U16_NO_PROPS, ids, repeat(0)) if version == 5 else map(_U16, ids)
+        tails = _packet_id_tails(version == 5)[first_packet_id:first_packet_id + n]
     elif qos == 0 and not isinstance(qos, bool) and first_packet_id is None:
         if version == 5:
             tails = repeat(_NO_PROPS, n)
