@@ -644,9 +644,11 @@ class Router:
         QoS 1 delivery of no shared group: a subscriber's window of replayed deliveries
         comes back that way, and one call per PUBACK was ~25% of a QoS 1 replay."""
         inflight = session.inflight
-        entries = list(map(inflight.get, packet_ids))
-        if all(entries) and set(map(_QOS_GROUP_OF, cast(list[Inflight], entries))) == {
-                (1, None)}:
+        got = list(map(inflight.get, packet_ids))
+        # QoS 1 each (QoS is 1 or 2), of no group (names are not empty): no tuple per entry.
+        entries = cast(list[Inflight], got)
+        if (all(got) and sum(map(_QOS_OF, entries)) == len(entries)
+                and not any(map(_GROUP_OF, entries))):
             deque(map(inflight.pop, packet_ids, repeat(None)), 0)  # a repeated id: no-op
             session.dirty = session.persistent
             return
@@ -1588,7 +1590,8 @@ _MISS: Any = object()
 _new_record = tuple.__new__
 _QOS = 2  # Inflight fields read alone
 _RELEASED = 4
-_QOS_GROUP_OF = itemgetter(_QOS, 5)  # (qos, group), for map()
+_QOS_OF = itemgetter(_QOS)  # for map()
+_GROUP_OF = itemgetter(5)
 
 
 def _read_all(router: Router, key: PartitionKey) -> Iterable[Record]:

@@ -188,3 +188,49 @@ def test_run_deliveries_are_resent_under_their_own_ids(tmp_path: Path, restart: 
         first_time += [p.payload for p in sent if not p.dup]
     assert first_time == [b"%d" % i for i in range(40)]
     h.streams.close()
+
+
+class _Peers:
+    """GroupPeers of a broker whose shared groups are all held by worker 1: records what
+    this worker tells it."""
+
+    def __init__(self) -> None:
+        self.done_offsets: list[int] = []
+
+    def home(self, group: str) -> int | None:
+        return 1
+
+    def join(self, *args: object) -> None:
+        pass
+
+    def leave(self, *args: object) -> None:
+        pass
+
+    def deliver(self, *args: object) -> None:
+        pass
+
+    def done(self, home: int, group: str, client_id: str, key: tuple[str, int],
+             offset: int) -> None:
+        self.done_offsets.append(offset)
+
+
+def test_puback_run_of_group_deliveries_tells_the_groups_home(h: Harness) -> None:
+    """Deliveries of a shared group held by another worker, acknowledged by one read of
+    PUBACKs, are each reported done to the group's home (else it keeps them outstanding and
+    gives them to another member if this worker goes away), the plain ones are not."""
+    _load(h, 6)
+    peers = _Peers()
+    h.router.group_peers = peers
+    link, s = h.connect("sub", 4)
+    h.subscribe(s, "t/+", 1)
+    h.router.subscribe(s, Subscribe(2, [Subscription("$share/g/t/+", 1)]))
+    h.run()
+    h.router.pump_session(s)
+    link.take()
+    for offset in (1, 3, 4):
+        h.router.remote_deliver("$share/g/t/+", "sub", ("default", 0), offset, 1)
+    grouped = [p.packet_id for p in link.take()]
+    assert len(grouped) == 3
+    h.router.puback_run(s, [*grouped, *[pid for pid in s.inflight if pid not in grouped]])
+    assert sorted(peers.done_offsets) == [1, 3, 4]
+    assert not s.inflight
