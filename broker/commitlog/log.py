@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
 from typing import TypeVar
 
-from broker.commitlog.batch import Decoder, decode_into, encode_batch
+from broker.commitlog.batch import SMALL_BATCH, Decoder, decode_into, encode_batch, encode_small
 from broker.commitlog.cleaner import (
     build_offset_map,
     cleaned_batches,
@@ -261,7 +261,10 @@ class SegmentedLog:
             base = active.next_offset
             if not records:
                 return base
-            batch = encode_batch(base, records, leader_epoch=leader_epoch)
+            if len(records) <= SMALL_BATCH:
+                batch: bytes | bytearray = encode_small(base, records, leader_epoch=leader_epoch)
+            else:
+                batch = encode_batch(base, records, leader_epoch=leader_epoch)
             now_ms = self._now_ms()
             if active.size and (
                 active.size + len(batch) > self.config.segment_bytes
