@@ -182,7 +182,7 @@ class PartitionBase:
     another worker owns (broker.workers.partitions) forwards instead and reads the owner's."""
 
     __slots__ = ("acks", "columns_ahead", "key", "log", "pending", "read_ahead", "read_base",
-                 "watchers")
+                 "tail", "tail_base", "tail_bytes", "watchers")
 
     #: This worker appends to it.
     appends_here = True
@@ -201,6 +201,11 @@ class PartitionBase:
         self.read_base = 0
         #: The same for :meth:`read_columns`.
         self.columns_ahead: Columns | None = None
+        #: The last records committed, in memory for caught-up subscribers (see
+        #: :meth:`keep_tail`): offsets ``tail_base ..`` without gaps.
+        self.tail: list[Record] = []
+        self.tail_base = log.end_offset
+        self.tail_bytes = 0  # payload bytes in tail
 
     @property
     def end_offset(self) -> int:
@@ -250,6 +255,33 @@ class PartitionBase:
     def commit(self) -> tuple[int, int]:
         raise NotImplementedError
 
+    def keep_tail(self, first: int, records: list[Record]) -> None:
+        """Committed ``records`` from offset ``first`` go to the tail: after it when they
+        continue it, else in its place (what lies between is read from the log)."""
+        added = sum([len(r[3]) for r in records])
+        if self.tail and self.tail_base + len(self.tail) == first:
+            self.tail.extend(records)
+            self.tail_bytes += added
+        else:
+            self.tail = records
+            self.tail_base = first
+            self.tail_bytes = added
+        self._trim_tail()
+
+    def _trim_tail(self) -> None:
+        """Keep at most TAIL_RECORDS records and about TAIL_BYTES of payload in memory."""
+        tail = self.tail
+        drop = max(0, len(tail) - TAIL_RECORDS)
+        if not drop and self.tail_bytes <= TAIL_BYTES:
+            return
+        left = self.tail_bytes - sum([len(r[3]) for r in tail[:drop]])
+        while left > TAIL_BYTES and drop < len(tail) - 1:
+            left -= len(tail[drop][3])
+            drop += 1
+        del tail[:drop]
+        self.tail_base += drop
+        self.tail_bytes = left
+
     def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
         """Committed records from ``offset``, read from the log.
 
@@ -296,15 +328,12 @@ class Partition(PartitionBase):
     rebuild was 7% of a fan-in's broker time).
     """
 
-    __slots__ = ("end", "tail", "tail_base", "tail_bytes")
+    __slots__ = ("end",)
 
     log: SegmentedLog
 
     def __init__(self, key: tuple[str, int], log: SegmentedLog) -> None:
         super().__init__(key, log)
-        self.tail: list[Record] = []
-        self.tail_base = log.end_offset
-        self.tail_bytes = 0  # payload bytes in tail
         #: The log's end offset as of the last commit (only :meth:`commit` moves it).
         self.end = log.end_offset
 
@@ -342,33 +371,11 @@ class Partition(PartitionBase):
             # writer): renumber rather than keep records whose offsets are wrong.
             new = tuple.__new__
             stored = [new(Record, (first + i, *r[1:])) for i, r in enumerate(records)]
-        added = sum([len(r[3]) for r in records])
-        if self.tail and self.tail_base + len(self.tail) == first:
-            self.tail.extend(stored)
-            self.tail_bytes += added
-        else:
-            self.tail = stored
-            self.tail_base = first
-            self.tail_bytes = added
-        self._trim_tail()
+        self.keep_tail(first, stored)
         for i, ack in enumerate(acks):
             if ack is not None:
                 ack(first + i)
         return first, end
-
-    def _trim_tail(self) -> None:
-        """Keep at most TAIL_RECORDS records and about TAIL_BYTES of payload in memory."""
-        tail = self.tail
-        drop = max(0, len(tail) - TAIL_RECORDS)
-        if not drop and self.tail_bytes <= TAIL_BYTES:
-            return
-        left = self.tail_bytes - sum([len(r[3]) for r in tail[:drop]])
-        while left > TAIL_BYTES and drop < len(tail) - 1:
-            left -= len(tail[drop][3])
-            drop += 1
-        del tail[:drop]
-        self.tail_base += drop
-        self.tail_bytes = left
 
     def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
         """Committed records from ``offset``: from memory when caught up, else from the log.

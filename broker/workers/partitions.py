@@ -30,11 +30,12 @@ import logging
 import marshal
 import struct
 from collections.abc import Callable
+from itertools import count
 from typing import Any
 
 from broker.commitlog import LogConfig, Record, SegmentedLog
 from broker.commitlog.reader import LogReader
-from broker.router.partition import Partition, PartitionBase
+from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
 from broker.workers.mesh import FIRST_USER_KIND, Mesh, PeerDown
 
 log = logging.getLogger("broker.workers")
@@ -44,6 +45,12 @@ APPENDED = FIRST_USER_KIND + 1
 MARKS = FIRST_USER_KIND + 2
 #: Kinds from here on are free for the other worker services.
 NEXT_KIND = FIRST_USER_KIND + 3
+
+#: An announcement carries the records of a commit of at most this many records and ...
+ANNOUNCED_RECORDS = 64
+#: ... this many payload bytes (a bigger batch is read from the files, where the columns
+#: path decodes it without a tuple per record).
+ANNOUNCED_BYTES = 64 << 10
 
 _KEY = struct.Struct("<HI")  # stream name length, partition; the name follows
 _OFFSET = struct.Struct("<q")
@@ -66,28 +73,34 @@ def unpack_key(body: memoryview | bytes, pos: int = 0) -> tuple[Key, int]:
 
 
 class OwnedPartition(Partition):
-    """A partition this worker owns: a router partition that announces each commit."""
+    """A partition this worker owns: a router partition that announces each commit, with
+    the records it appended (see :data:`ANNOUNCED_RECORDS`)."""
 
     __slots__ = ("announce",)
 
     def __init__(self, key: Key, log: SegmentedLog,
-                 announce: Callable[[OwnedPartition], None]) -> None:
+                 announce: Callable[[OwnedPartition, list[Record]], None]) -> None:
         super().__init__(key, log)
         self.announce = announce
 
     def commit(self) -> tuple[int, int]:
+        records = self.pending
         try:
-            return super().commit()
-        finally:
-            # Also after a failed append: peers must not wait on a mark that did not move,
-            # but one that did (an earlier batch) is worth telling.
-            self.announce(self)
+            first, end = super().commit()
+        except Exception:
+            # Peers must not wait on a mark that did not move, but one that did (an earlier
+            # batch) is worth telling.
+            self.announce(self, [])
+            raise
+        self.announce(self, records if end - first == len(records) else [])
+        return first, end
 
 
 class RemotePartition(PartitionBase):
     """A partition another worker owns, as this worker's router sees it: ``commit``
-    forwards the gathered batch to the owner, reads go to the owner's files up to its
-    announced mark."""
+    forwards the gathered batch to the owner; reads are served from the tail of records the
+    owner announced (:meth:`PartitionBase.keep_tail`) and otherwise go to the owner's files
+    up to its announced mark."""
 
     __slots__ = ("forward", "owner")
     appends_here = False
@@ -114,6 +127,22 @@ class RemotePartition(PartitionBase):
             self.forward(self, records, acks)
         end = self.log.end_offset
         return end, end
+
+    def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
+        """Committed records from ``offset``: from the tail when it holds ``offset``, else
+        from the owner's files (below the tail, or past it up to a mark learnt without its
+        records: a large batch, a peer's :meth:`committed_through`)."""
+        i = offset - self.tail_base
+        if 0 <= i < len(self.tail):
+            return self.tail[i:i + max_records]
+        return super().read(offset, max_records)
+
+    def read_columns(self, offset: int) -> Columns:
+        """:meth:`read` from ``offset`` as columns: the tail's records when it holds it."""
+        i = offset - self.tail_base
+        if 0 <= i < len(self.tail):
+            return Columns.from_records(self.tail[i:i + READ_BATCH])
+        return super().read_columns(offset)
 
 
 class PartitionService:
@@ -178,9 +207,15 @@ class PartitionService:
 
     # ------------------------------------------------------------ owner side
 
-    def _announce(self, part: OwnedPartition) -> None:
-        if self.mesh is not None:
-            self.mesh.broadcast(APPENDED, _pack_marks(part))
+    def _announce(self, part: OwnedPartition, records: list[Record]) -> None:
+        if self.mesh is None or not self.mesh.peers:
+            return
+        body = _pack_marks(part)
+        if 0 < len(records) <= ANNOUNCED_RECORDS:
+            rows = [r[1:] for r in records]
+            if sum([len(r[2]) for r in rows]) <= ANNOUNCED_BYTES:
+                body += marshal.dumps(rows)
+        self.mesh.broadcast(APPENDED, body)
 
     def _on_marks(self, peer: int, request: int, body: memoryview) -> None:
         assert self.mesh is not None
@@ -231,7 +266,21 @@ class PartitionService:
 
     def _on_appended(self, peer: int, request: int, body: memoryview) -> None:
         key, pos = unpack_key(body)
-        self._moved(key, *_MARKS.unpack_from(body, pos))
+        start, end = _MARKS.unpack_from(body, pos)
+        pos += _MARKS.size
+        part = self.remote.get(key)
+        if part is not None and (part.tail or part.watchers):
+            if pos < len(body) and part.watchers:
+                # The records of the commit, which ends at the mark: the tail of a partition
+                # someone here reads (the others would only hold memory).
+                rows = marshal.loads(body[pos:])
+                new = tuple.__new__
+                first = end - len(rows)
+                part.keep_tail(first, [new(Record, (offset, *row))
+                                       for offset, row in zip(count(first), rows)])
+            else:
+                part.tail = []  # what follows is in the files only
+        self._moved(key, start, end)
 
     def _moved(self, key: Key, start: int, end: int) -> None:
         self.marks[key] = (start, end)
