@@ -1,0 +1,194 @@
+"""Partitions across workers: a worker reading a partition another owns gets the committed
+records with the owner's announcements and serves its subscribers from that tail; real
+meshes (sockets), real logs and a real LogReader on the owner's files."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any
+
+import uvloop
+
+from broker.commitlog import LogConfig, Record, SegmentedLog
+from broker.router.partition import PartitionBase
+from broker.workers.mesh import Mesh, owner_of
+from broker.workers.partitions import (
+    ANNOUNCED_BYTES,
+    ANNOUNCED_RECORDS,
+    OwnedPartition,
+    PartitionService,
+    RemotePartition,
+)
+
+CONFIG = LogConfig(fsync="never")
+#: A partition worker 0 owns (of two).
+KEY = next(("default", p) for p in range(8) if owner_of(("default", p), 2) == 0)
+WATCHER = ("s", "sub", "main")
+
+
+def run(coro: Callable[[], Awaitable[Any]]) -> Any:
+    return uvloop.run(asyncio.wait_for(coro(), 30))
+
+
+class Worker:
+    """One worker's partition service on its mesh."""
+
+    def __init__(self, tmp: Path, index: int) -> None:
+        self.tmp = tmp
+        self.service = PartitionService(index, 2, owner_of, self.directory, lambda key: CONFIG)
+        self.wakes: list[int] = []
+        self.service.wake = self._wake
+        self.mesh = Mesh(tmp / "mesh", index, 2, self.service.handlers())
+        self.service.mesh = self.mesh
+
+    def directory(self, key: tuple[str, int]) -> Path:
+        return self.tmp / "data" / key[0] / str(key[1])
+
+    def open_log(self, key: tuple[str, int]) -> SegmentedLog:
+        return SegmentedLog.open(self.directory(key), CONFIG)
+
+    def _wake(self, part: Any) -> None:
+        self.wakes.append(part.end_offset)
+
+    def partition(self, key: tuple[str, int]) -> PartitionBase:
+        return self.service.make(key, self.open_log)
+
+
+async def connected(*workers: Worker) -> None:
+    for w in workers:
+        await w.mesh.start()
+    for w in workers:
+        await w.mesh.wait_connected(5)
+
+
+async def until(cond: Callable[[], bool]) -> None:
+    while not cond():
+        await asyncio.sleep(0.002)
+
+
+def records(rng: random.Random, n: int, size: int) -> list[Record]:
+    return [Record(-1, 1_700_000_000_000 + i, f"devices/d{rng.randrange(50)}/telemetry",
+                   rng.randbytes(size), 1, False, f"d{rng.randrange(50)}")
+            for i in range(n)]
+
+
+def check_reads(remote: RemotePartition, log: SegmentedLog) -> None:
+    """Every offset the reader may read gives the owner's records, and nothing past the
+    announced mark (never a record that is not committed)."""
+    end = remote.end_offset
+    for offset in range(max(0, end - 300), end):
+        got = remote.read(offset)
+        assert got, offset
+        assert got == log.read(offset, max_records=len(got)), offset
+        assert got[-1].offset < end
+        cols = remote.read_columns(offset).built()
+        assert cols and cols.offsets[cols.stop - 1] < end
+        # Each read returns what it has at hand (a read-ahead, the tail): compare the prefix.
+        n = min(len(cols), len(got))
+        assert list(cols.payloads[cols.start:cols.start + n]) == [r.payload for r in got[:n]]
+        assert list(cols.offsets[cols.start:cols.start + n]) == [r.offset for r in got[:n]]
+    assert remote.read(end) == []
+
+
+def test_a_reader_is_fed_the_announced_records_and_the_files_behind_them(
+        tmp_path: Path) -> None:
+    """Random commits (small ones carry their records, large ones only the mark) and
+    marks learnt early through ``committed_through``: the reader's every read equals the
+    owner's log, the small commits come from its tail, and offsets stay exact across the
+    batches the tail did not get."""
+    rng = random.Random(6)
+
+    async def main() -> None:
+        owner, reader = Worker(tmp_path, 0), Worker(tmp_path, 1)
+        await connected(owner, reader)
+        owned = owner.partition(KEY)
+        assert isinstance(owned, OwnedPartition)
+        remote = reader.partition(KEY)
+        assert isinstance(remote, RemotePartition)
+        remote.watchers.add(WATCHER)
+        from_tail = 0
+        for round_ in range(60):
+            kind = rng.random()
+            if kind < 0.15:
+                batch = records(rng, ANNOUNCED_RECORDS + rng.randrange(1, 50), 20)
+            elif kind < 0.25:
+                batch = records(rng, 2, ANNOUNCED_BYTES // 2 + 1)  # over the byte bound
+            else:
+                batch = records(rng, rng.randrange(1, 4), rng.randrange(0, 80))
+            for rec in batch:
+                owned.add(rec, None)
+            first, end = owned.commit()
+            assert end - first == len(batch)
+            if round_ % 7 == 3:
+                # A group's worker saw the last record before the announcement came.
+                remote.committed_through(end - 1)
+                assert remote.read(end - 1)[0] == owned.log.read(end - 1, 1)[0]
+            await until(lambda end=end: reader.service.marks.get(KEY, (0, 0))[1] == end)
+            assert remote.end_offset == end
+            small = len(batch) <= ANNOUNCED_RECORDS and sum(len(r.payload) for r in batch) \
+                <= ANNOUNCED_BYTES
+            if small:
+                assert remote.tail and remote.tail[-1].offset == end - 1
+                assert remote.tail_base <= first
+                from_tail += 1
+            else:
+                assert not remote.tail  # read from the files
+            check_reads(remote, owned.log)
+        assert from_tail > 30
+        await owner.mesh.close()
+        await reader.mesh.close()
+        owned.log.close()
+        reader.service.close()
+
+    run(main)
+
+
+def test_a_partition_nobody_reads_keeps_no_tail_and_a_restarted_owner_continues_it(
+        tmp_path: Path) -> None:
+    """Rows for a partition without a reader here are not kept; once someone reads it the
+    tail starts at the next announcement, and it goes on across a restart of the owner
+    (offsets continue from its log)."""
+    rng = random.Random(7)
+
+    async def main() -> None:
+        owner, reader = Worker(tmp_path, 0), Worker(tmp_path, 1)
+        await connected(owner, reader)
+        owned = owner.partition(KEY)
+        remote = reader.partition(KEY)
+        assert isinstance(remote, RemotePartition)
+        for rec in records(rng, 3, 10):
+            owned.add(rec, None)
+        _, end = owned.commit()
+        await until(lambda: remote.end_offset == end)
+        assert not remote.tail
+        remote.watchers.add(WATCHER)
+        for rec in records(rng, 2, 10):
+            owned.add(rec, None)
+        first, end = owned.commit()
+        await until(lambda: remote.end_offset == end)
+        assert remote.tail_base == first and len(remote.tail) == 2
+        check_reads(remote, owned.log)
+
+        # The owner's process goes away and a new one takes over its files.
+        await owner.mesh.close()
+        owned.log.close()
+        again = Worker(tmp_path, 0)
+        await connected(again)
+        await until(lambda: 0 in reader.mesh.peers)
+        owned = again.partition(KEY)
+        assert owned.end_offset == end
+        for rec in records(rng, 3, 10):
+            owned.add(rec, None)
+        first, end = owned.commit()
+        await until(lambda: remote.end_offset == end)
+        assert remote.tail_base == first - 2 and len(remote.tail) == 5
+        check_reads(remote, owned.log)
+        await again.mesh.close()
+        await reader.mesh.close()
+        owned.log.close()
+        reader.service.close()
+
+    run(main)
