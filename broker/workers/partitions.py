@@ -29,7 +29,6 @@ from __future__ import annotations
 import logging
 import marshal
 import struct
-from bisect import bisect_left
 from collections.abc import Callable
 from itertools import count
 from typing import Any
@@ -139,22 +138,10 @@ class RemotePartition(PartitionBase):
         return super().read(offset, max_records)
 
     def read_columns(self, offset: int) -> Columns:
-        """:meth:`read` from ``offset`` as columns: the tail's records when it holds it.
-
-        Columns made from the tail are kept (``columns_ahead``, as for a read of the files):
-        a subscriber whose quota takes a few records per call would otherwise transpose up
-        to READ_BATCH records of the tail for each of them."""
-        i = offset - self.tail_base
-        if not 0 <= i < len(self.tail):
-            return super().read_columns(offset)
-        ahead = self.columns_ahead
-        if ahead is not None:
-            offsets = ahead.offsets
-            j = bisect_left(offsets, offset)
-            if j < len(offsets) and offsets[j] == offset:
-                return ahead.from_index(j)
-        cols = self.columns_ahead = Columns.from_records(self.tail[i:i + READ_BATCH])
-        return cols
+        """:meth:`read` from ``offset`` as columns: the tail's records when it holds it."""
+        if 0 <= offset - self.tail_base < len(self.tail):
+            return self.tail_columns(offset)
+        return super().read_columns(offset)
 
 
 class PartitionService:
