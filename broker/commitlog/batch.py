@@ -295,7 +295,8 @@ def encode_small(base_offset: int, records: Sequence[Record], *,
         n = len(stamps)
         names = [*dict.fromkeys(topics + client_ids)]  # first appearance: topics, then ids
         strings = [*map(str.encode, names)]
-        find = names.index  # a scan of a few strings: cheaper than building a dict
+        # A scan of a few strings is cheaper than building a dict; of more, it is not.
+        find = names.index if len(names) <= 4 else dict(zip(names, count())).__getitem__
         parts = [
             _table_head(len(strings)).pack(len(strings), *map(len, strings)),
             *strings,
