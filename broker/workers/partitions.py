@@ -5,9 +5,10 @@ On the owner a partition is an :class:`OwnedPartition`: a router
 high-water mark (and earliest offset) to every peer. Elsewhere it is a
 :class:`RemotePartition`: publishes gathered during an iteration are forwarded to the owner
 in one frame and their acknowledgements wait for the owner's reply, which comes only after
-its append (so a PUBACK still follows the append [MQTT-4.3.2-2]); reads go to the files the
-owner wrote, through a :class:`~broker.commitlog.reader.LogReader` that never reads past the
-announced mark.
+its append (so a PUBACK still follows the append [MQTT-4.3.2-2]); reads are served from
+the records the owner announced (a tail in memory, as the owner's own) and otherwise go to
+the files the owner wrote, through a :class:`~broker.commitlog.reader.LogReader` that never
+reads past the announced mark.
 
 Frames (see :mod:`broker.workers.mesh`): ``FORWARD`` is a request whose body is the partition
 key and the records as :mod:`marshal`-ed rows without their offset (timestamp, topic, payload,
@@ -17,7 +18,11 @@ both ends are forks of one interpreter, the channel is a local stream socket (no
 needed), and a forward of 1-2 records (a fleet's) took 27 + 30 us to encode and decode as a
 batch, 2 + 3 us as rows. ``APPENDED`` is a notification of ``(key, earliest offset,
 high-water mark)``, sent to every peer after every commit, so each worker knows every
-partition's mark; ``MARKS`` asks a peer for the marks of all it owns (a worker asks each peer
+partition's mark; after a commit of at most :data:`ANNOUNCED_RECORDS` records and
+:data:`ANNOUNCED_BYTES` of payload it also carries them, as marshal-ed rows (they end at the
+mark): a worker with a subscriber to that partition feeds it from memory instead of reading
+each small batch back from the owner's file (a fleet's commits are one to three records).
+``MARKS`` asks a peer for the marks of all it owns (a worker asks each peer
 once when it starts, before it serves: a subscription made then starts from the true end,
 not from 0).
 
