@@ -287,11 +287,17 @@ class PartitionService:
         self._moved(key, start, end)
 
     def _moved(self, key: Key, start: int, end: int) -> None:
+        announced = self.marks.get(key)
         self.marks[key] = (start, end)
         part = self.remote.get(key)
         if part is None:
             return  # nobody here reads it yet; a reader made later starts from the mark
         old = part.log.end_offset
+        if announced is not None and announced[1] < old:
+            # committed_through (a shared group's delivery) moved the reader's end first:
+            # the other readers here were not woken for what lies between, nor was the
+            # retained index told; the announcement is their news.
+            old = announced[1]
         part.log.advance(end, start)
         if end > old:
             if self.on_moved is not None:

@@ -129,6 +129,9 @@ def test_a_reader_is_fed_the_announced_records_and_the_files_behind_them(
                 assert remote.read(end - 1)[0] == owned.log.read(end - 1, 1)[0]
             await until(lambda end=end: reader.service.marks.get(KEY, (0, 0))[1] == end)
             assert remote.end_offset == end
+            # Every announcement wakes the readers here, also when committed_through had
+            # moved the reader's end first (the others watching it learn of it only so).
+            assert reader.wakes[-1] == end
             small = len(batch) <= ANNOUNCED_RECORDS and sum(len(r.payload) for r in batch) \
                 <= ANNOUNCED_BYTES
             if small:
