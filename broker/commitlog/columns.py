@@ -45,6 +45,19 @@ FIXED_COLUMNS = {"timestamps": (8, 0), "deltas": (4, 8), "topic_indexes": (4, 12
 Span = tuple[bytes, memoryview, int, int, int, int, int, int, int, int]
 
 
+class _Column:
+    """A column of :class:`ColumnRead` as one view per batch slice, made on first use
+    (``ColumnRead._slices``); the attribute's name is the column's."""
+
+    __slots__ = ("name",)
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.name = name
+
+    def __get__(self, read: ColumnRead, owner: type | None = None) -> list[memoryview]:
+        return read._slices(self.name)
+
+
 class ColumnRead:
     """The records of one read, column by column (every list has one item per batch slice).
 
@@ -117,45 +130,16 @@ class ColumnRead:
         self._views[column] = (len(spans), views)
         return views
 
-    @property
-    def timestamps(self) -> list[memoryview]:
-        return self._slices("timestamps")
-
-    @property
-    def deltas(self) -> list[memoryview]:
-        return self._slices("deltas")
-
-    @property
-    def topic_indexes(self) -> list[memoryview]:
-        return self._slices("topic_indexes")
-
-    @property
-    def client_id_indexes(self) -> list[memoryview]:
-        return self._slices("client_id_indexes")
-
-    @property
-    def property_lengths(self) -> list[memoryview]:
-        return self._slices("property_lengths")
-
-    @property
-    def payload_lengths(self) -> list[memoryview]:
-        return self._slices("payload_lengths")
-
-    @property
-    def qos(self) -> list[memoryview]:
-        return self._slices("qos")
-
-    @property
-    def flags(self) -> list[memoryview]:
-        return self._slices("flags")
-
-    @property
-    def properties(self) -> list[memoryview]:
-        return self._slices("properties")
-
-    @property
-    def payloads(self) -> list[memoryview]:
-        return self._slices("payloads")
+    timestamps = _Column()
+    deltas = _Column()
+    topic_indexes = _Column()
+    client_id_indexes = _Column()
+    property_lengths = _Column()
+    payload_lengths = _Column()
+    qos = _Column()
+    flags = _Column()
+    properties = _Column()
+    payloads = _Column()
 
 
 def decode_columns_into(
