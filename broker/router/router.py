@@ -71,6 +71,7 @@ from broker.router.session import (
     MAIN,
     Consumer,
     Inflight,
+    InflightRun,
     PartitionKey,
     RemoteMember,
     Session,
@@ -628,7 +629,7 @@ class Router:
     def puback(self, session: Session, packet_id: int, *, pump: bool = True) -> None:
         """A delivery is acknowledged; ``pump=False`` when the caller sends what the freed
         quota allows itself, once for a whole read of PUBACKs."""
-        entry = session.inflight.get(packet_id)
+        entry = session.inflight_entry(packet_id)
         if entry is not None and entry[_QOS] == 1:
             del session.inflight[packet_id]
             session.dirty = session.persistent
@@ -644,11 +645,12 @@ class Router:
         QoS 1 delivery of no shared group: a subscriber's window of replayed deliveries
         comes back that way, and one call per PUBACK was ~25% of a QoS 1 replay."""
         inflight = session.inflight
-        got = list(map(inflight.get, packet_ids))
-        # QoS 1 each (QoS is 1 or 2), of no group (names are not empty): no tuple per entry.
-        entries = cast(list[Inflight], got)
-        if (all(got) and sum(map(_QOS_OF, entries)) == len(entries)
-                and not any(map(_GROUP_OF, entries))):
+        # The distinct entries: the few runs a window was sent in (QoS 1 of no group each),
+        # or the tuples of deliveries sent one by one, checked in C.
+        got = set(map(inflight.get, packet_ids))
+        singles = cast(list[Inflight], [e for e in got if type(e) is tuple])
+        if (None not in got and sum(map(_QOS_OF, singles)) == len(singles)
+                and not any(map(_GROUP_OF, singles))):
             deque(map(inflight.pop, packet_ids, repeat(None)), 0)  # a repeated id: no-op
             session.dirty = session.persistent
             return
@@ -656,7 +658,7 @@ class Router:
             self.puback(session, packet_id, pump=False)
 
     def pubrec(self, session: Session, packet_id: int, reason_code: int) -> None:
-        entry = session.inflight.get(packet_id)
+        entry = session.inflight_entry(packet_id)
         link = session.link
         assert link is not None
         if entry is None or entry[_QOS] != 2:
@@ -694,7 +696,7 @@ class Router:
             link.send(PubComp(packet_id))
 
     def pubcomp(self, session: Session, packet_id: int) -> None:
-        entry = session.inflight.get(packet_id)
+        entry = session.inflight_entry(packet_id)
         if entry is not None and entry[_QOS] == 2 and entry[_RELEASED]:
             del session.inflight[packet_id]
             session.dirty = session.persistent
@@ -895,7 +897,7 @@ class Router:
         session is ending (s4.8.2); a persistent session keeps them for its return."""
         orphans: list[tuple[PartitionKey, int]] = []
         if orphan_inflight or not session.persistent:
-            for pid, (key, offset, _, _, _, taken_from, _) in list(session.inflight.items()):
+            for pid, (key, offset, _, _, _, taken_from, _) in session.inflight_entries():
                 if taken_from == full:
                     orphans.append((key, offset))
                     del session.inflight[pid]
@@ -1349,11 +1351,9 @@ class Router:
         if not link.send_publish_run(run_topics, payloads, retains, qos, first_pid):
             return 0
         if first_pid is not None:
-            name = consumer.name
-            inflight.update(zip(range(first_pid, first_pid + take), zip(
-                repeat(key), cols.offsets[start:start + take], repeat(1),
-                retains or repeat(False), repeat(False), repeat(None), repeat(name),
-                strict=False), strict=False))  # repeat() is endless
+            run = InflightRun(key, first_pid, cols.offsets[start:start + take], retains,
+                              consumer.name)
+            inflight.update(dict.fromkeys(range(first_pid, first_pid + take), run))
             nxt = first_pid + take
             session.next_packet_id = nxt if nxt <= 65535 else 1
         return take
@@ -1454,8 +1454,8 @@ class Router:
         """On session resume, resend unacknowledged deliveries with DUP [MQTT-4.4.0-1]."""
         link = session.link
         assert link is not None
-        for pid, (key, offset, qos, retain, released, group, consumer) in list(
-                session.inflight.items()):
+        for pid, (key, offset, qos, retain, released, group, consumer) in (
+                session.inflight_entries()):
             if released:
                 link.send(PubRel(pid))
                 continue

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import base64
 from collections import deque
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -73,6 +74,29 @@ class Consumer:
 Inflight = tuple[PartitionKey, int, int, bool, bool, str | None, str]
 
 
+class InflightRun:
+    """The in-flight entries of one run of QoS 1 deliveries (``Router._send_run``), sent
+    under the consecutive packet ids ``first, first + 1, ...``: one object that each of those
+    ids maps to in :attr:`Session.inflight`, read as an :data:`Inflight` by :meth:`entry`
+    (QoS 1, not released, of no shared group). A window of 1,000 replayed deliveries built
+    and checked 1,000 tuples, ~20% of the broker's time on a QoS 1 replay."""
+
+    __slots__ = ("consumer", "first", "key", "offsets", "retains")
+
+    def __init__(self, key: PartitionKey, first: int, offsets: Sequence[int],
+                 retains: Sequence[bool] | None, consumer: str) -> None:
+        self.key = key
+        self.first = first
+        self.offsets = offsets
+        self.retains = retains  # None: none of them retained
+        self.consumer = consumer
+
+    def entry(self, packet_id: int) -> Inflight:
+        i = packet_id - self.first
+        retain = self.retains[i] if self.retains is not None else False
+        return (self.key, self.offsets[i], 1, retain, False, None, self.consumer)
+
+
 @dataclass(slots=True)
 class SharedGroup:
     """``$share/<name>/<filter>`` subscribers: one consumer, records spread over members."""
@@ -116,7 +140,9 @@ class Session:
     consumers: dict[str, Consumer] = field(default_factory=dict)
     #: Shared-subscription keys this session is a member of -> its subscription options.
     shared: dict[str, Subscription] = field(default_factory=dict)
-    inflight: dict[int, Inflight] = field(default_factory=dict)
+    #: Packet id -> its delivery: an :data:`Inflight`, or the :class:`InflightRun` it was
+    #: sent in (read through :meth:`inflight_entry` / :meth:`inflight_entries`).
+    inflight: dict[int, Inflight | InflightRun] = field(default_factory=dict)
     #: QoS 2 packet ids received and PUBREC'd, awaiting PUBREL (duplicate detection, s4.3.3).
     incoming_qos2: set[int] = field(default_factory=set)
     #: Of those, the ones whose record is not appended yet (PUBREC still to come), with the
@@ -143,6 +169,17 @@ class Session:
         if consumer is None:
             consumer = self.consumers[MAIN] = Consumer(MAIN)
         return consumer
+
+    def inflight_entry(self, packet_id: int) -> Inflight | None:
+        entry = self.inflight.get(packet_id)
+        if isinstance(entry, InflightRun):
+            return entry.entry(packet_id)
+        return entry
+
+    def inflight_entries(self) -> list[tuple[int, Inflight]]:
+        """Every in-flight delivery in the order it was sent (a copy: callers delete)."""
+        return [(pid, e.entry(pid) if isinstance(e, InflightRun) else e)
+                for pid, e in self.inflight.items()]
 
     def allocate_packet_id(self) -> int:
         """A packet id not in use by an in-flight delivery [MQTT-2.2.1-3]."""
@@ -183,7 +220,7 @@ class Session:
             "inflight": [
                 [pid, key[0], key[1], offset, qos, retain, released, group, consumer]
                 for pid, (key, offset, qos, retain, released, group, consumer)
-                in self.inflight.items()
+                in self.inflight_entries()
             ],
             "incoming_qos2": sorted(self.incoming_qos2),
             "next_packet_id": self.next_packet_id,

@@ -242,7 +242,7 @@ def _deliver(tmp: Path, written: Path, case: Case, *, remote: bool, runs: bool,
         router.pump_session(session)
         reader.run()
         for pid in list(session.inflight)[: case.acks[step % len(case.acks)] + 1]:
-            if session.inflight[pid][2] == 1:
+            if session.inflight_entry(pid)[2] == 1:  # type: ignore[index]
                 router.puback(session, pid)
             else:
                 router.pubrec(session, pid, 0)

@@ -20,8 +20,9 @@ def _load(h: Harness, n: int, qos: int = 1, **kw: object) -> None:
     h.run()
 
 
-def test_replay_is_sent_as_runs_within_the_receive_maximum(h: Harness) -> None:
-    _load(h, 100)
+def test_replay_is_sent_as_runs_within_the_receive_maximum(tmp_path: Path) -> None:
+    h = Harness(tmp_path / "data", RouterConfig(max_inflight=100))
+    _load(h, 150)
     link, s = h.connect("sub", 5, receive_maximum=10)
     h.subscribe(s, "$replay/earliest/t/+", 1)
     assert link.runs == 0  # 5.0 replay deliveries carry mqlog-offset: one by one
@@ -35,7 +36,9 @@ def test_replay_is_sent_as_runs_within_the_receive_maximum(h: Harness) -> None:
     assert [p.payload for p in got] == [b"%d" % i for i in range(100)]
     assert all(p.qos == 1 and not p.retain and not p.dup for p in got)
     assert sorted(s.inflight) == list(range(1, 101))
-    assert [s.inflight[i][1] for i in range(1, 101)] == list(range(100))
+    assert [s.inflight_entry(i) for i in range(1, 101)] == [
+        (("default", 0), i, 1, False, False, None, "$replay/earliest/t/+") for i in range(100)]
+    h.streams.close()
 
 
 def test_quota_and_packet_ids_in_use(tmp_path: Path) -> None:
@@ -135,7 +138,7 @@ def test_puback_run_is_puback_for_each(tmp_path: Path, acks: str) -> None:
                 h.router.puback(s, pid, pump=False)
         else:
             h.router.puback_run(s, ids)
-        state = {pid: (e[1], e[2]) for pid, e in s.inflight.items()}
+        state = {pid: (e[1], e[2]) for pid, e in s.inflight_entries()}
         h.router.pump_session(s)
         h.run()
         outcomes.append((sent, state, [(p.packet_id, p.payload) for p in link.take()],
