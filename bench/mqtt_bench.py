@@ -6,12 +6,12 @@ order alternates), with the same load generator (:mod:`bench.loadgen`: raw uvloo
 pre-encoded packets, deliveries framed with numpy and checked per publisher).
 
 * mqlog: ``mqlog serve -c config/broker.toml`` (the shipped defaults: fsync = "interval",
-  every message appended to the log, max_inflight = 100) with its own ports and a temporary
+  every message appended to the log, max_inflight = 1000) with its own ports and a temporary
   data directory.
 * Mosquitto (``/usr/sbin/mosquitto``): ``listener <port> 127.0.0.1``, ``allow_anonymous
   true``, ``persistence false``, ``max_queued_messages 0`` (unlimited: its default of 1000
-  drops QoS 1 fan-in), ``max_inflight_messages 100`` (the same delivery window as mqlog's
-  max_inflight), ``set_tcp_nodelay true`` (mqlog sets TCP_NODELAY too).
+  drops QoS 1 fan-in), ``max_inflight_messages`` = the max_inflight of the mqlog config
+  run (the same delivery window), ``set_tcp_nodelay true`` (mqlog sets TCP_NODELAY too).
 
 Scenarios (MQTT 3.1.1, 64-byte payloads, topics ``<prefix>/<nnnnn>/telemetry``):
 
@@ -60,6 +60,7 @@ import numpy as np
 import orjson
 
 from bench import loadgen
+from broker.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
@@ -181,12 +182,14 @@ class Mqlog(Broker):
 class Mosquitto(Broker):
     name = "mosquitto"
     CONFIG = ("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-              "max_queued_messages 0\nmax_inflight_messages 100\nset_tcp_nodelay true\n"
+              "max_queued_messages 0\nmax_inflight_messages {window}\nset_tcp_nodelay true\n"
               "log_dest none\n")
 
     def start(self) -> None:
         conf = self.tmp / "mosquitto.conf"
-        conf.write_text(self.CONFIG.format(port=self.port))
+        # The delivery window mqlog runs with (replay QoS 1 is bound by it).
+        window = load_config(REPO / "config" / "broker.toml").router.max_inflight
+        conf.write_text(self.CONFIG.format(port=self.port, window=window))
         self.proc = subprocess.Popen([MOSQUITTO, "-c", str(conf)], cwd=self.tmp)
         wait_port(self.port, self.proc)
         self.pid = self.proc.pid
