@@ -502,8 +502,9 @@ class Router:
 
     # ================================================================ publish
 
-    def publish(self, session: Session, packet: Publish) -> None:
-        """Store a client's PUBLISH; the ack goes out once it is in the log."""
+    def publish(self, session: Session, packet: Publish, timestamp: int | None = None) -> None:
+        """Store a client's PUBLISH; the ack goes out once it is in the log. ``timestamp``
+        (ms): the time its read was stamped with (:meth:`publish_run`), else now."""
         qos = packet.qos
         pid = packet.packet_id
         link = session.link
@@ -528,7 +529,7 @@ class Router:
             session.dirty = session.persistent
             ack = _Ack(self, session, link, PubRec, pid)  # type: ignore[arg-type]
         self._store_publish(session.client_id, packet.topic, packet.payload, qos, packet.retain,
-                            packet.properties, ack)
+                            packet.properties, ack, timestamp)
 
     def publish_run(self, session: Session, packets: list[Publish]) -> None:
         """Store consecutive PUBLISHes of one read, in order; the same as :meth:`publish`
@@ -539,7 +540,10 @@ class Router:
         one timestamp and one step into the partition's pending batch. Anything else (QoS 2,
         retained, properties, denied) takes :meth:`publish`. Each QoS 1 message keeps its own
         acknowledgement, sent after the append [MQTT-4.3.2-2]; per-publisher order holds
-        because runs are gathered in arrival order and one topic has one partition.
+        because runs are gathered in arrival order and one topic has one partition. Every
+        message of the read carries the read's timestamp, those that take :meth:`publish`
+        too: a partition's timestamps do not go back from one offset to the next within a
+        read (a read from a time starts at a partition's first record at or after it).
         """
         link = session.link
         assert link is not None
@@ -552,7 +556,7 @@ class Router:
             topic = packet.topic
             if (packet.qos == 2 or packet.retain or packet.properties
                     or not self._may_publish(client_id, topic)):
-                self.publish(session, packet)
+                self.publish(session, packet, timestamp)
                 i += 1
                 continue
             j = i + 1
@@ -612,9 +616,12 @@ class Router:
 
     def _store_publish(self, client_id: str, topic: str, payload: bytes, qos: int,
                        retain: bool, properties: dict[int, Any],
-                       ack: Callable[[int | None], None] | None) -> None:
+                       ack: Callable[[int | None], None] | None,
+                       timestamp: int | None = None) -> None:
         blob = encode_properties(properties) if properties else b""
-        record = Record(-1, self._now_ms(), topic, payload, qos, retain, client_id, blob)
+        if timestamp is None:
+            timestamp = self._now_ms()
+        record = Record(-1, timestamp, topic, payload, qos, retain, client_id, blob)
         self._enqueue(record, ack)
         if retain:
             # [MQTT-3.3.1-5] store it; an empty payload removes it [MQTT-3.3.1-10]. The

@@ -93,6 +93,23 @@ def test_acks_follow_the_append_in_arrival_order(h: Harness) -> None:
     assert h.log_payloads("d/1/t") == [b"0", b"1", b"2", b"3", b"4"]
 
 
+def test_one_read_is_stamped_once(h: Harness) -> None:
+    """A read's messages that take the one-by-one path (properties, retain) keep the read's
+    timestamp: with one per call, a partition's timestamps alternated (a time-based read in
+    tests/integration/test_spark.py then started at an earlier record)."""
+    ticks = iter(range(1_000, 10_000))
+    h.router.clock = lambda: next(ticks)  # every reading is a second later
+    _, s = h.connect("pub", 5)
+    props = {PropertyId.CONTENT_TYPE: "t"}
+    h.router.publish_run(s, [Publish("d/1/t", b"%d" % i, 1, False, False, i + 1,
+                                     props if i % 2 else {}) for i in range(6)])
+    h.run()
+    key = h.streams.partition_for("d/1/t")
+    log = h.streams.log(*key)
+    stamps = [r.timestamp for r in log.read(log.log_start_offset, 100)]
+    assert len(stamps) == 6 and len(set(stamps)) == 1
+
+
 def test_a_failed_append_answers_every_message_of_the_run(h: Harness) -> None:
     link, s = h.connect("pub", 5)
     h.router.publish_run(s, [Publish("d/1/t", b"x", 1, packet_id=i) for i in (1, 2)])
