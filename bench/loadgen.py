@@ -65,9 +65,19 @@ def _str(s: str | bytes) -> bytes:
     return struct.pack(">H", len(b)) + b
 
 
-def connect_packet(client_id: str, clean: bool = True, keepalive: int = 0) -> bytes:
-    body = _str("MQTT") + bytes([4, 0x02 if clean else 0x00]) + struct.pack(">H", keepalive)
+#: The user name every connection gives: amqtt keeps no offline messages for anonymous
+#: sessions (the replay scenario's persistent session), and the brokers under test accept
+#: any user name without a password.
+USER = "bench"
+
+
+def connect_packet(client_id: str, clean: bool = True, keepalive: int = 0,
+                   username: str | None = None) -> bytes:
+    flags = (0x02 if clean else 0x00) | (0x80 if username is not None else 0x00)
+    body = _str("MQTT") + bytes([4, flags]) + struct.pack(">H", keepalive)
     body += _str(client_id)
+    if username is not None:
+        body += _str(username)
     return b"\x10" + varint(len(body)) + body
 
 
@@ -159,7 +169,7 @@ class Conn(asyncio.Protocol):
         sock = transport.get_extra_info("socket")
         if sock is not None:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        out = connect_packet(self.client_id, self.clean)
+        out = connect_packet(self.client_id, self.clean, username=USER)
         if self.sub is not None:
             out += subscribe_packet(self.sub, self.sub_qos)
         self.transport.write(out)  # type: ignore[union-attr]
