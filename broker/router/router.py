@@ -1213,23 +1213,28 @@ class Router:
         while cursor < end:
             if not link.can_write():
                 break
-            cols = self._read_columns(part, cursor)
-            if cols is None:
-                cursor = part.log.log_start_offset
-                continue
-            if not cols:
-                break
-            if len(cols) >= RUN_MIN:
-                taken = self._send_run(session, consumer, key, cols, link, quota, authz)
-                if taken > 0:
-                    cursor = cols.offsets[cols.start + taken - 1] + 1
+            if end - cursor >= RUN_MIN:
+                # Fewer records than a run cannot make one: no columns for them (a fleet's
+                # caught-up subscriber reads 1-3 records at a time).
+                cols = self._read_columns(part, cursor)
+                if cols is None:
+                    cursor = part.log.log_start_offset
                     continue
-                if taken == QUOTA_FULL:
+                if not cols:
                     break
+                if len(cols) >= RUN_MIN:
+                    taken = self._send_run(session, consumer, key, cols, link, quota, authz)
+                    if taken > 0:
+                        cursor = cols.offsets[cols.start + taken - 1] + 1
+                        continue
+                    if taken == QUOTA_FULL:
+                        break
             records = self._read(part, cursor)
             if records is None:
                 cursor = part.log.log_start_offset
                 continue
+            if not records:
+                break
             for rec in records:
                 match = self._match_cached(consumer, rec.topic, authz)
                 if match is None:
