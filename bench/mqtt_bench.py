@@ -33,6 +33,9 @@ replay         N stored messages (1,000,000; --quick 100,000) to one subscriber:
   3.1.1 only, anonymous-auth plugin only; a tenth of the counted scenarios' messages (its
   rates would make the full counts take many minutes); replay is not measured (its offline
   queue stopped after 4-5% of the stored messages).
+* floor (optional: ``--brokers mqlog,mosquitto,floor``): :mod:`bench.floor_server`, not a
+  broker but the least a Python + uvloop server does per message (frame, one log write per
+  iteration, PUBACK, deliver to the one subscriber), in the scenarios it can serve.
 
 Prints one table (figure per broker, mqlog/Mosquitto ratio, throughput per broker
 CPU-second, broker and generator CPU seconds, losses), appends JSON lines to
@@ -121,6 +124,10 @@ class Broker:
                 if line.startswith("VmRSS:"):
                     return int(line.split()[1])
         return 0
+
+    def settle(self) -> None:
+        """Return once the broker is idle: the next scenario (on any broker) must not share
+        the machine with this one's backlog."""
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
@@ -228,6 +235,18 @@ class Amqtt(Broker):
               "    await asyncio.Event().wait()\n"
               "asyncio.run(main())\n")
 
+    def settle(self, timeout: float = 180) -> None:
+        """amqtt acknowledges before it delivers: when the fleet's generator stops it is tens
+        of seconds behind and goes on delivering. Wait until it uses under 10% of a core."""
+        deadline = time.monotonic() + timeout
+        before = self.cpu()
+        while time.monotonic() < deadline:
+            time.sleep(0.5)
+            now = self.cpu()
+            if now - before < 0.05:
+                return
+            before = now
+
     def start(self) -> None:
         conf = self.tmp / "amqtt.yaml"
         conf.write_text(self.CONFIG.format(port=self.port))
@@ -235,6 +254,27 @@ class Amqtt(Broker):
                                      cwd=self.tmp)
         wait_port(self.port, self.proc, timeout=60)
         self.pid = self.proc.pid
+
+
+class Floor(Broker):
+    """:mod:`bench.floor_server` (optional, ``--brokers ...,floor``): not a broker, the least
+    a Python + uvloop server does per message; measured only where one subscriber gets
+    everything (``SCENARIOS``)."""
+
+    name = "floor"
+    SCENARIOS = frozenset({"storm", "fanin0", "fanin1", "fleet", "latency"})
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "bench.floor_server", str(self.port),
+             str(self.tmp / "floor.log")],
+            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+        wait_port(self.port, self.proc)
+        self.pid = self.proc.pid
+
+
+#: Brokers shown after mqlog and Mosquitto when run (figure, mqlog/broker ratio, losses).
+EXTRA_BROKERS = ("amqtt", "floor")
 
 
 @dataclass
@@ -509,7 +549,8 @@ ROWS: dict[str, tuple[str, str]] = {
 }
 
 
-def expand(scenario: str, broker: str, figs: list[Figure]) -> dict[str, dict[str, Any]]:
+def expand(scenario: str, broker: str, figs: list[Figure],
+           run: int) -> dict[str, dict[str, Any]]:
     """A scenario's figures as table rows: row key -> {value, per_cpu, cpu, gen, lost}."""
     f = figs[0]
     m = f.m
@@ -522,10 +563,10 @@ def expand(scenario: str, broker: str, figs: list[Figure]) -> dict[str, dict[str
         rows["fleet_p99"] = {**base, "value": m.get("p99_ms", float("nan")), "per_cpu": None}
         rows["fleet_rss"] = {**base, "value": m["rss_kb"] / 1024, "per_cpu": None}
     if scenario == "storm":
-        # A broker that grew in an earlier run reuses that memory: no growth is no figure
-        # (None, left out of the median), not 0 bytes per connection.
-        grown = m["bytes_per_conn"] > 0
-        rows["storm_mem"] = {**base, "value": m["bytes_per_conn"] if grown else None,
+        # Only a fresh broker's growth is its memory per connection: in later runs it reuses
+        # what the first one grew (a few bytes or none per connection; None is left out of
+        # the median).
+        rows["storm_mem"] = {**base, "value": m["bytes_per_conn"] if run == 0 else None,
                              "per_cpu": None}
     if scenario == "latency":
         rows["latency_p99"] = {**base, "value": m.get("p99_ms", float("nan")),
@@ -547,12 +588,19 @@ def fmt(v: float | None) -> str:
     return f"{v:.2f}"
 
 
+def fmt_ratio(r: float | None) -> str:
+    """``r`` as ``1.23x``; below 0.01 as ``1/456x`` (amqtt's latencies are seconds)."""
+    if r is None:
+        return "-"
+    return f"{r:.2f}x" if r >= 0.01 else f"1/{1 / r:,.0f}x"
+
+
 def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
-    amqtt = any("amqtt" in per for per in rows.values())
+    extras = [name for name in EXTRA_BROKERS if any(name in per for per in rows.values())]
     head = ["scenario", "unit", "mqlog", "mosquitto", "ratio", "mqlog/CPU-s", "mosq/CPU-s",
             "CPU s mqlog (gen)", "CPU s mosq (gen)", "lost mqlog/mosq"]
-    if amqtt:
-        head += ["amqtt", "mqlog/amqtt", "lost amqtt"]
+    for name in extras:
+        head += [name, f"mqlog/{name}", f"lost {name}"]
     lines = []
     for key, (label, unit) in ROWS.items():
         if key not in rows:
@@ -561,13 +609,13 @@ def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
         b = rows[key].get("mosquitto")
         ratio = (a["value"] / b["value"]
                  if a and b and a["value"] is not None and b["value"] else None)
-        c = rows[key].get("amqtt")
         extra = []
-        if amqtt:
+        for name in extras:
+            c = rows[key].get(name)
             vs = (a["value"] / c["value"]
                   if a and c and a["value"] is not None and c["value"] else None)
-            extra = [fmt(c["value"]) if c else "-", f"{vs:.2f}x" if vs is not None else "-",
-                     str(c["lost"] + c["dup_reorder"]) if c else "-"]
+            extra += [fmt(c["value"]) if c else "-", fmt_ratio(vs),
+                      str(c["lost"] + c["dup_reorder"]) if c else "-"]
         lines.append([
             label, unit, fmt(a["value"]) if a else "-", fmt(b["value"]) if b else "-",
             f"{ratio:.2f}x" if ratio is not None else "-",
@@ -616,7 +664,10 @@ LOWER_BETTER = {"fleet", "fleet_p50", "fleet_p99", "fleet_rss", "storm_mem", "la
 
 
 def run_scenario(name: str, broker: Broker, quick: bool, run: int) -> list[Figure]:
+    """The scenario's figures; none when ``broker`` cannot run it."""
     tag = f"{name}-r{run}-{broker.name}"
+    if isinstance(broker, Floor) and name not in Floor.SCENARIOS:
+        return []
     if name in ("fanin0", "fanin1"):
         return [fanin(broker, int(name[-1]), quick, tag)]
     if name in ("fanout0", "fanout1"):
@@ -645,7 +696,8 @@ def main(argv: list[str] | None = None) -> int:
                     help=f"comma-separated subset of {','.join(ALL)}")
     ap.add_argument("--runs", type=int, default=1, help="repeat; the table shows medians")
     ap.add_argument("--brokers", default="mqlog,mosquitto",
-                    help="comma-separated: mqlog, mosquitto, amqtt (optional, 3.1.1 only)")
+                    help="comma-separated: mqlog, mosquitto, amqtt (optional, 3.1.1 only), "
+                         "floor (optional: bench/floor_server.py, not a broker)")
     ap.add_argument("--profile", help="run mqlog under py-spy, raw samples to this file")
     ap.add_argument("--chart", help="PNG path (default bench/results/mqtt_bench.png)")
     ap.add_argument("--baseline", metavar="DIR",
@@ -666,6 +718,8 @@ def main(argv: list[str] | None = None) -> int:
         brokers.append(Mosquitto(tmp))
     if "amqtt" in names:
         brokers.append(Amqtt(tmp))
+    if "floor" in names:
+        brokers.append(Floor(tmp))
     if args.baseline:
         brokers.append(Mqlog(tmp, src=Path(args.baseline).resolve(), name="mqlog-base"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -682,10 +736,11 @@ def main(argv: list[str] | None = None) -> int:
                 for b in order:
                     t = time.monotonic()
                     figs = run_scenario(name, b, args.quick, run)
+                    b.settle()
                     if not figs:
                         print(f"  run {run} {name:8s} {b.name:9s} not measured", flush=True)
                         continue
-                    rows = expand(name, b.name, figs)
+                    rows = expand(name, b.name, figs, run)
                     for key, row in rows.items():
                         collected.setdefault(key, {}).setdefault(b.name, []).append(row)
                     head = figs[0]
