@@ -23,6 +23,8 @@ import sys
 
 import uvloop
 
+from bench.loadgen import varint
+
 CONNACK = b"\x20\x02\x00\x00"
 PINGRESP = b"\xd0\x00"
 PUBLISH, PUBACK, CONNECT, SUBSCRIBE, PINGREQ, DISCONNECT = 3, 4, 1, 8, 12, 14
@@ -61,16 +63,7 @@ class Floor:
             body = len(topic).to_bytes(2, "big") + topic + pid.to_bytes(2, "big") + payload
         else:
             body = len(topic).to_bytes(2, "big") + topic + payload
-        self.deliveries.append(bytes((head & 0x36,)) + _varint(len(body)) + body)
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+        self.deliveries.append(bytes((head & 0x36,)) + varint(len(body)) + body)
 
 
 class FloorProtocol(asyncio.Protocol):

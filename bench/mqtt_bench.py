@@ -600,7 +600,7 @@ def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
     head = ["scenario", "unit", "mqlog", "mosquitto", "ratio", "mqlog/CPU-s", "mosq/CPU-s",
             "CPU s mqlog (gen)", "CPU s mosq (gen)", "lost mqlog/mosq"]
     for name in extras:
-        head += [name, f"mqlog/{name}", f"lost {name}"]
+        head += [name, f"mqlog/{name}", f"{name}/CPU-s", f"CPU s {name} (gen)", f"lost {name}"]
     lines = []
     for key, (label, unit) in ROWS.items():
         if key not in rows:
@@ -615,6 +615,8 @@ def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
             vs = (a["value"] / c["value"]
                   if a and c and a["value"] is not None and c["value"] else None)
             extra += [fmt(c["value"]) if c else "-", fmt_ratio(vs),
+                      fmt(c["per_cpu"]) if c else "-",
+                      f"{c['cpu']:.2f} ({c['gen_cpu']:.2f})" if c else "-",
                       str(c["lost"] + c["dup_reorder"]) if c else "-"]
         lines.append([
             label, unit, fmt(a["value"]) if a else "-", fmt(b["value"]) if b else "-",
