@@ -127,7 +127,8 @@ class Broker:
 
     def settle(self) -> None:
         """Return once the broker is idle: the next scenario (on any broker) must not share
-        the machine with this one's backlog."""
+        the machine with this one's backlog. Here at once: a broker that delivers what it
+        accepted within the scenario has none (amqtt overrides it)."""
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
