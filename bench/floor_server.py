@@ -7,10 +7,10 @@ what is in the log) and one write of the iteration's deliveries to the last subs
 publish's QoS with its own packet ids. No sessions, topic matching, routing, partitions, ACLs
 or index: everything mqlog adds to that is what mqlog costs above this floor.
 
-Measured on the fleet scenario (5,000 devices x 1 QoS 1 message/s): this server used 21-24%
-of a core against Mosquitto's 19% in the same runs, mqlog 64% with one worker and 98% with
-two. So Python and uvloop are not what keeps mqlog from 2x Mosquitto's CPU there; mqlog's
-per-iteration path is (see README, Performance).
+Measured on the fleet scenario (5,000 devices x 1 QoS 1 message/s): this server used 18-24%
+of a core against Mosquitto's 18-20% in the same runs, mqlog 63-65% with one worker and
+87-105% with two. So Python and uvloop are not what keeps mqlog from 2x Mosquitto's CPU
+there; mqlog's per-iteration path is (see README, Performance).
 
 Run: ``python -m bench.floor_server PORT LOGFILE`` (the bench starts it: ``--brokers floor``).
 """
@@ -27,7 +27,7 @@ from bench.loadgen import varint
 
 CONNACK = b"\x20\x02\x00\x00"
 PINGRESP = b"\xd0\x00"
-PUBLISH, PUBACK, CONNECT, SUBSCRIBE, PINGREQ, DISCONNECT = 3, 4, 1, 8, 12, 14
+PUBLISH, CONNECT, SUBSCRIBE, PINGREQ, DISCONNECT = 3, 1, 8, 12, 14
 
 
 class Floor:
@@ -57,12 +57,12 @@ class Floor:
 
     def deliver(self, head: int, topic: bytes, payload: bytes) -> None:
         """Queue a PUBLISH of ``topic`` for the subscriber (QoS from ``head``'s flags)."""
+        body = len(topic).to_bytes(2, "big") + topic
         if head & 0x06:
             pid = self.next_id
             self.next_id = pid % 65535 + 1
-            body = len(topic).to_bytes(2, "big") + topic + pid.to_bytes(2, "big") + payload
-        else:
-            body = len(topic).to_bytes(2, "big") + topic + payload
+            body += pid.to_bytes(2, "big")
+        body += payload
         self.deliveries.append(bytes((head & 0x36,)) + varint(len(body)) + body)
 
 
