@@ -15,6 +15,15 @@ One implementation serves every listener: plain TCP uses it directly, TLS
 adapter that carries the same MQTT bytes. Logins (:mod:`broker.auth`) that need a password
 check run scrypt in a worker thread; packets arriving meanwhile are held and processed, in
 order, once the CONNECT is answered.
+
+The device path (:meth:`MQTTProtocol._plain_publish`): a read that is exactly one QoS 0/1
+PUBLISH without retain flag or properties, to the topic this connection's previous such
+PUBLISH went to, skips the decoder and the router's checks: its topic bytes are compared with
+the last ones, whose validity, ACL decision and partition were established by the full path
+(:meth:`~broker.router.router.Router.plain_route`), and it goes straight into the partition's
+batch (:meth:`~broker.router.router.Router.publish_plain`); its PUBACK is written from the
+packet id when the append returns. A fleet of devices each publishing one message per second
+to its own topic arrives that way; anything else takes the full path.
 """
 
 from __future__ import annotations
@@ -24,12 +33,13 @@ import logging
 import socket
 from collections.abc import Sequence
 from concurrent.futures import Future
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from broker.auth import LoginResult, PendingLogin
 from broker.mqtt.connection import ServerConnection, keepalive_expired
 from broker.mqtt.decode import PubAckRun
-from broker.mqtt.encode import encode
+from broker.mqtt.encode import encode, encode_puback_success
 from broker.mqtt.errors import MQTTError, ProtocolError, UnsupportedProtocolVersion
 from broker.mqtt.packets import (
     REASON_CODES_V5,
@@ -55,7 +65,7 @@ from broker.router.router import TOPIC_ALIAS_MAXIMUM
 from broker.workers.sessions import STATE
 
 if TYPE_CHECKING:
-    from broker.router.router import Router
+    from broker.router.router import PartitionKey, Router
     from broker.router.session import Session
     from broker.server import Server
 
@@ -115,6 +125,12 @@ class MQTTProtocol(asyncio.Protocol):
         self._graceful = False
         self._high_water = min(cfg.max_queued_bytes, WRITE_HIGH_WATER)
         self._budget = min(self._high_water, OUTPUT_PER_ITERATION)
+        #: The device path (module docstring): the topic name field (length and UTF-8) of
+        #: the last plain PUBLISH, its topic and partition; b"" until there is one.
+        self._plain_field = b""
+        self._plain_topic = ""
+        self._plain_key: PartitionKey = ("", 0)
+        self._max_packet_size = cfg.max_packet_size
 
     # ---------------------------------------------------------------- asyncio callbacks
 
@@ -145,7 +161,57 @@ class MQTTProtocol(asyncio.Protocol):
                 # 0x16 is no valid MQTT first byte (CONNECT with reserved flags 0110).
                 self._wrong_protocol()
                 return
+        if self._plain_field and self._plain_publish(data):
+            return
         self._receive(data, None)
+
+    def _plain_publish(self, data: bytes) -> bool:
+        """The device path (module docstring): take ``data`` if it is exactly one QoS 0/1
+        PUBLISH (no DUP, no retain flag, no 5.0 properties) to the last plain topic, with
+        nothing buffered before it; False leaves it to the decoder, which also reports
+        whatever is wrong with it."""
+        first = data[0]
+        if first != 0x32 and first != 0x30:
+            return False
+        n = len(data)
+        length = data[1] if n > 1 else 0x80
+        pos = 2
+        if length & 0x80:  # a second byte of remaining length (up to 16,383 bytes)
+            if n < 3 or data[2] & 0x80:
+                return False
+            length = (length & 0x7F) | (data[2] << 7)
+            pos = 3
+        field = self._plain_field
+        if (pos + length != n or n > self._max_packet_size or not data.startswith(field, pos)
+                or self.conn.buffered):
+            return False
+        pos += len(field)
+        ack = None
+        conn = self.conn
+        if first == 0x32:
+            if pos + 2 > n:
+                return False
+            packet_id = (data[pos] << 8) | data[pos + 1]
+            pos += 2
+            if not packet_id:
+                return False  # the decoder refuses it [MQTT-2.2.1-3]
+            if conn.version == 5:
+                # s4.9: the client's quota (our Receive Maximum) as the decoder keeps it.
+                unacked = conn.inbound_unacked
+                if packet_id in unacked or len(unacked) >= conn.receive_maximum:
+                    return False
+                unacked.add(packet_id)
+            ack = partial(self._plain_acked, packet_id)
+        if conn.version == 5:
+            if pos >= n or data[pos]:
+                return False  # properties (or none announced): the full path
+            pos += 1
+        qos = first >> 1 & 1
+        self.metrics.messages_in[qos] += 1
+        router = self.router
+        router.publish_plain(self.client_id, self._plain_topic, self._plain_key, data[pos:],
+                             qos, int(router.clock() * 1000), ack)
+        return True
 
     def _receive(self, data: bytes | None, packets: list[Packet | PubAckRun] | None) -> None:
         """Decode ``data`` (or take already decoded ``packets``) and dispatch, in order."""
@@ -175,7 +241,7 @@ class MQTTProtocol(asyncio.Protocol):
                 # One pump for all the PUBACKs of this read, not one per PUBACK.
                 self._acked = False
                 if self.session is not None:
-                    self.router.pump_session(self.session)
+                    self.router.pump_acked(self.session)
         except MQTTError as e:
             self._protocol_error(e)
         except Exception:
@@ -222,6 +288,30 @@ class MQTTProtocol(asyncio.Protocol):
         for packet in run:
             messages_in[packet.qos] += 1
         self.router.publish_run(self.session, run)  # type: ignore[arg-type]
+        last = run[-1]
+        if (last.qos < 2 and not last.retain and not last.properties
+                and last.topic != self._plain_topic):
+            # Where the device path takes the next ones (module docstring) from.
+            key = self.router.plain_route(self.client_id, last.topic)
+            if key is not None:
+                topic = last.topic.encode()
+                self._plain_field = len(topic).to_bytes(2, "big") + topic
+                self._plain_topic = last.topic
+                self._plain_key = key
+
+    def _plain_acked(self, packet_id: int, offset: int | None) -> None:
+        """A PUBLISH of the device path is in the log (``offset``; None: the append failed):
+        acknowledge it as :class:`~broker.router.router.Router.publish` would."""
+        if self._closing:
+            return
+        if offset is None:
+            if self.version == 5:
+                self.send(PubAck(packet_id, ReasonCode.UNSPECIFIED_ERROR))
+            else:
+                self.close()  # 3.1.1 has no negative acknowledgement
+            return
+        self.conn.inbound_unacked.discard(packet_id)  # the client's quota comes back (s4.9)
+        self._write(encode_puback_success(packet_id))
 
     def _handle(self, packet: Packet | PubAckRun) -> None:
         kind = type(packet)

@@ -151,6 +151,11 @@ class ServerConnection:
         return out
 
     @property
+    def buffered(self) -> int:
+        """Bytes received and not yet returned as packets (part of a packet)."""
+        return self._decoder.buffered
+
+    @property
     def requested_level(self) -> int | None:
         """Protocol level the client asked for: known even when the CONNECT was refused."""
         if self.version is not None:

@@ -567,23 +567,49 @@ class Router:
                     break
                 j += 1
             key = self._topic_key(topic)
-            part = self.partition(key)
             if j == i + 1:
                 # One packet (a device's read): no lists to build.
                 qos = packet.qos
-                part.add(_new_record(Record, (part.next_offset(), timestamp, topic,
-                                              packet.payload, qos, False, client_id, b"")),
-                         _Ack(self, session, link, PubAck, packet.packet_id)  # type: ignore[arg-type]
-                         if qos else None)
+                self.publish_plain(client_id, topic, key, packet.payload, qos, timestamp,
+                                   _Ack(self, session, link, PubAck, packet.packet_id)  # type: ignore[arg-type]
+                                   if qos else None)
             else:
+                part = self.partition(key)
                 run = packets[i:j] if j - i < n else packets
                 part.add_run(timestamp, topic, client_id, [p.payload for p in run],
                              [p.qos for p in run],
                              [_Ack(self, session, link, PubAck, p.packet_id)  # type: ignore[arg-type]
                               if p.qos else None for p in run])
-            self._dirty[key] = part
+                self._dirty[key] = part
             i = j
         self._flush_soon()
+
+    def plain_route(self, client_id: str, topic: str) -> PartitionKey | None:
+        """The partition of ``client_id`` 's QoS 0/1 PUBLISHes to ``topic`` without retain
+        flag or properties, or None if it may not make them (ACL, ``$SYS``). The answer
+        holds while its session lives (the ACL is read once, at start): a connection that
+        keeps publishing to one topic (a device) asks once and then goes straight to
+        :meth:`publish_plain` (see broker.transport, the device path)."""
+        if not self._may_publish(client_id, topic):
+            return None
+        return self._topic_key(topic)
+
+    def publish_plain(self, client_id: str, topic: str, key: PartitionKey, payload: bytes,
+                      qos: int, timestamp: int, ack: Callable[[int | None], None] | None
+                      ) -> None:
+        """Gather one QoS 0/1 PUBLISH without retain flag or properties to ``topic``, whose
+        partition is ``key`` and which the client may make (:meth:`plain_route`), for this
+        iteration's group commit; ``ack`` is called with its offset after the append
+        [MQTT-4.3.2-2] (None if it failed). ``timestamp``: ms."""
+        part = self.partitions.get(key)
+        if part is None:
+            part = self.partition(key)
+        part.add(_new_record(Record, (part.next_offset(), timestamp, topic, payload, qos,
+                                      False, client_id, b"")), ack)
+        self._dirty[key] = part
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            self._schedule(self.flush)
 
     def _may_publish(self, client_id: str, topic: str) -> bool:
         """Clients never write ``$SYS/...`` (the broker's own); else the ACL decides.
@@ -1136,6 +1162,7 @@ class Router:
         its output drained, or once after a read that carried acknowledgements."""
         if session.link is None:
             return
+        session.waiting = False
         self._send_retained(session)
         if session.group_queue:
             self._send_group_queue(session)
@@ -1146,6 +1173,14 @@ class Router:
             group = self.groups.get(full)
             if group is not None:
                 self._pump_group(group)
+
+    def pump_acked(self, session: Session) -> None:
+        """After a read of PUBACKs: :meth:`pump_session` if what they freed is awaited (a
+        consumer stopped at the send quota, or retained messages or shared groups, which
+        are always pumped). A subscriber well within its quota (a fleet's, acknowledging a
+        delivery or two per read) was pumped on every read for nothing: 4% of the broker."""
+        if session.waiting or session.pending_retained or session.group_queue or session.shared:
+            self.pump_session(session)
 
     def _send_retained(self, session: Session) -> None:
         pending = session.pending_retained
@@ -1228,6 +1263,7 @@ class Router:
                         cursor = cols.offsets[cols.start + taken - 1] + 1
                         continue
                     if taken == QUOTA_FULL:
+                        session.waiting = True
                         break
             records = self._read(part, cursor)
             if records is None:
@@ -1248,6 +1284,7 @@ class Router:
                     qos = rec.qos  # [MQTT-3.8.4-8] the minimum of both
                 if qos and len(inflight) >= quota:
                     consumer.cursors[key] = cursor
+                    session.waiting = True
                     return
                 self._deliver(session, rec, key, qos, rec.retain and rap,
                               ids if version == 5 else (), annotate, consumer.name)

@@ -162,6 +162,8 @@ class Session:
     request_problem_information: bool = True
     next_packet_id: int = 1
     dirty: bool = False  # persisted state changed since last written
+    #: A consumer stopped at the send quota: the next PUBACK pumps (Router.pump_acked).
+    waiting: bool = False
 
     @property
     def main(self) -> Consumer:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from broker.config import RouterConfig
-from broker.mqtt.packets import PubAck, PubComp, PubRec, PubRel
+from broker.mqtt.packets import PubAck, PubComp, Publish, PubRec, PubRel
 from broker.mqtt.properties import PropertyId
 from broker.router.session import Session
 from tests.unit.router.conftest import Harness
@@ -195,3 +195,24 @@ def test_qos2_delivery_is_persisted_in_the_same_commit(h: Harness) -> None:
     link, s = h.connect("sub", 5, clean=False, expiry=600)
     (again,) = link.take()
     assert (again.payload, again.packet_id, again.dup) == (b"once", first.packet_id, True)
+
+
+def test_pubacks_resume_a_run_stopped_at_the_quota(h: Harness) -> None:
+    """A read of PUBACKs pumps a subscriber whose run of deliveries stopped at its send
+    quota (receive maximum, s4.9), and only then (Router.pump_acked)."""
+    sub_link, sub = h.connect("s", 5, receive_maximum=10)
+    h.subscribe(sub, "a/#", 1)
+    _, pub = h.connect("p", 5)
+    h.router.publish_run(pub, [Publish("a/b", b"%d" % i, 1, False, False, i + 1, {})
+                               for i in range(50)])
+    h.run()
+    assert len(sub_link.publishes) == 10 and sub_link.runs == 1
+    assert sub.waiting
+    while len(sub_link.publishes) < 50:
+        sent = len(sub_link.publishes)
+        h.router.puback_run(sub, [p.packet_id for p in sub_link.publishes[-10:]])
+        h.router.pump_acked(sub)
+        assert len(sub_link.publishes) == sent + 10
+    assert [p.payload for p in sub_link.publishes] == [b"%d" % i for i in range(50)]
+    h.router.puback_run(sub, [p.packet_id for p in sub_link.publishes[-10:]])
+    assert not sub.waiting  # nothing left to send: the last pump did not stop at the quota

@@ -1,0 +1,273 @@
+"""The device path of the transport (broker.transport, ``MQTTProtocol._plain_publish``)
+changes nothing a client or the log can see.
+
+Two real transports over real routers and logs are fed the same reads: one takes the device
+path, the other has it switched off, so every read goes through the decoder and
+``Router.publish_run``. Whatever the reads hold (PUBLISHes to a few topics, one of them
+``$SYS``, at QoS 0-2, with DUP, retain, properties, a topic alias, packet id 0, over the 5.0
+receive maximum, split across reads or several in one), both must write the same bytes to
+the client, close it at the same point, and leave the same records in the log.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import struct
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from broker.auth import AuthService
+from broker.commitlog import Streams
+from broker.commitlog.config import LogConfig, StreamSpec
+from broker.config import Config, RouterConfig
+from broker.keepalive import KeepaliveWheel
+from broker.metrics import Metrics
+from broker.router.router import Router
+from broker.server import TICK_SECONDS
+from broker.transport import MQTTProtocol
+
+TOPICS = ["devices/1/telemetry", "devices/2/telemetry", "$SYS/x"]
+#: Receive Maximum the server announces (RouterConfig.max_inflight): small, so a 5.0
+#: client exceeds it within a few unacknowledged PUBLISHes.
+QUOTA = 3
+
+
+class Transport:
+    """What uvloop's transport is to MQTTProtocol, recording writes and the close."""
+
+    def __init__(self) -> None:
+        self.written: list[bytes] = []
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    abort = close
+
+    def get_extra_info(self, name: str) -> Any:
+        return ("127.0.0.1", 50000) if name == "peername" else None
+
+    def set_write_buffer_limits(self, high: int) -> None:
+        pass
+
+
+class Server:
+    """The parts of broker.server.Server a transport uses, around a real router."""
+
+    def __init__(self, data: Path) -> None:
+        self.config = Config(router=dataclasses.replace(RouterConfig(), max_inflight=QUOTA))
+        self.monotonic = lambda: 1000.0
+        self.scheduled: list[Any] = []
+        self.streams = Streams(data, [
+            StreamSpec("telemetry", ("devices/#",), 4, LogConfig(fsync="never")),
+            StreamSpec("default", (), 1, LogConfig(fsync="never"))])
+        self.router = Router(self.streams, self.config.router, schedule=self.scheduled.append,
+                             clock=lambda: 1_700_000_000.0)
+        self.metrics = Metrics()
+        self.auth = AuthService(self.config.auth, self.monotonic)
+        self.links: set[Any] = set()
+        self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, 1000.0)
+        self.runtime = None
+        self.flush_due: list[MQTTProtocol] = []
+
+    def want_flush(self, link: MQTTProtocol) -> None:
+        self.flush_due.append(link)
+
+    def end_iteration(self) -> None:
+        """The end of an event-loop iteration: group commit, then the links' output."""
+        while self.scheduled:
+            self.scheduled.pop(0)()
+        due, self.flush_due = self.flush_due, []
+        for link in due:
+            link.flush_output()
+
+    def records(self) -> list[tuple[Any, ...]]:
+        out = []
+        for spec in self.streams.specs.values():
+            for p in range(spec.partitions):
+                log = self.streams.log(spec.name, p)
+                out += [(spec.name, p, *r[2:]) for r in log.read(0, max_records=10_000)]
+        return out
+
+
+class FullPathOnly(MQTTProtocol):
+    def _plain_publish(self, data: bytes) -> bool:
+        return False
+
+
+def varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte, n = n % 128, n // 128
+        out.append(byte | (0x80 if n else 0))
+        if not n:
+            return bytes(out)
+
+
+def publish(version: int, topic: str, payload: bytes, qos: int, packet_id: int, dup: bool,
+            retain: bool, props: bytes) -> bytes:
+    name = topic.encode()
+    body = struct.pack("!H", len(name)) + name
+    if qos:
+        body += struct.pack("!H", packet_id)
+    if version == 5:
+        body += varint(len(props)) + props
+    body += payload
+    first = 0x30 | qos << 1 | (0x08 if dup else 0) | (0x01 if retain else 0)
+    return bytes([first]) + varint(len(body)) + body
+
+
+def connect(version: int) -> bytes:
+    body = struct.pack("!H", 4) + b"MQTT" + bytes([version, 0x02]) + struct.pack("!H", 60)
+    if version == 5:
+        body += b"\x00"
+    body += struct.pack("!H", 3) + b"dev"
+    return b"\x10" + varint(len(body)) + body
+
+
+PROPERTIES = [
+    b"",
+    b"\x26\x00\x01k\x00\x01v",  # a user property
+    b"\x23\x00\x01",            # topic alias 1 (with the topic: sets it)
+    b"\x01\x01",                # payload format indicator
+]
+
+packets = st.tuples(
+    # "" : only a topic alias names it (5.0); mostly one topic, as a device publishes.
+    st.sampled_from([TOPICS[0]] * 4 + TOPICS[1:] + [""]),
+    st.binary(max_size=20) | st.just(b"x" * 300),  # 300: two bytes of remaining length
+    st.sampled_from([0, 1, 1, 1, 1, 2]),
+    st.sampled_from([1, 2, 3, 4, 5, 6, 7, 0]),     # packet id 0 is refused [MQTT-2.2.1-3]
+    st.sampled_from([False, False, False, True]),  # DUP (QoS 0 with DUP is malformed)
+    st.sampled_from([False, False, False, True]),  # retain
+    st.sampled_from([b""] * 4 + PROPERTIES[1:]),
+)
+
+
+@st.composite
+def sessions(draw: st.DrawFn) -> tuple[int, list[bytes], list[int]]:
+    """A protocol level, the reads after the CONNECT, and after which reads an event-loop
+    iteration ends (acknowledgements leave only then)."""
+    version = draw(st.sampled_from([4, 5]))
+    stream = b""
+    cuts = []
+    for spec in draw(st.lists(packets, min_size=1, max_size=40)):
+        topic, payload, qos, pid, dup, retain, props = spec
+        if version == 4:
+            props = b""
+            topic = topic or TOPICS[0]
+        stream += publish(version, topic, payload, qos, pid, dup, retain, props)
+        # Mostly one packet per read (a device); sometimes two together, or a split.
+        how = draw(st.sampled_from(["one"] * 6 + ["join", "split"]))
+        if how == "one":
+            cuts.append(len(stream))
+        elif how == "split":
+            cuts.append(len(stream) - draw(st.integers(1, 3)))
+            cuts.append(len(stream))
+    cuts = sorted({c for c in cuts if 0 < c < len(stream)} | {len(stream)})
+    reads = [stream[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
+    ends = sorted(draw(st.sets(st.integers(0, len(reads) - 1))) | {len(reads) - 1})
+    return version, reads, ends
+
+
+def serve(cls: type[MQTTProtocol], data: Path, version: int, reads: list[bytes],
+          ends: list[int]) -> tuple[list[bytes], bool, list[tuple[Any, ...]]]:
+    server = Server(data)
+    proto = cls(server)  # type: ignore[arg-type]
+    transport = Transport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.data_received(connect(version))
+    server.end_iteration()
+    for i, read in enumerate(reads):
+        proto.data_received(read)
+        if i in ends:
+            server.end_iteration()
+        if transport.closed:
+            break
+    server.end_iteration()
+    records = server.records()
+    server.streams.close()
+    return transport.written, transport.closed, records
+
+
+@settings(max_examples=300, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@given(sessions())
+def test_device_path_is_invisible(tmp_path_factory: Any,
+                                  session: tuple[int, list[bytes], list[int]]) -> None:
+    version, reads, ends = session
+    base = tmp_path_factory.mktemp("device")
+    fast = serve(MQTTProtocol, base / "fast", version, reads, ends)
+    full = serve(FullPathOnly, base / "full", version, reads, ends)
+    assert fast[0] == full[0], "different bytes written to the client"
+    assert fast[1] == full[1], "closed on one path and not the other"
+    assert fast[2] == full[2], "different records in the log"
+
+
+def test_device_path_is_taken(tmp_path: Path) -> None:
+    """The second and later plain PUBLISHes to one topic skip the decoder (else the test
+    above compares the full path with itself), and are stored and acknowledged."""
+    decoded: list[bytes | None] = []
+
+    class Spy(MQTTProtocol):
+        def _receive(self, data: bytes | None, packets: Any) -> None:
+            decoded.append(data)
+            super()._receive(data, packets)
+
+    server = Server(tmp_path)
+    proto = Spy(server)  # type: ignore[arg-type]
+    transport = Transport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.data_received(connect(4))
+    first, second, other = (publish(4, topic, payload, 1, pid, False, False, b"")
+                            for topic, payload, pid in [(TOPICS[0], b"a", 1),
+                                                        (TOPICS[0], b"b", 2),
+                                                        (TOPICS[1], b"c", 3)])
+    for read in (first, second, second.replace(b"b", b"B"), other):
+        proto.data_received(read)
+    server.end_iteration()
+    assert decoded == [connect(4), first, other]
+    assert sorted(r[3] for r in server.records()) == sorted([b"a", b"b", b"B", b"c"])
+    acks = b"".join(transport.written)[4:]  # after the CONNACK
+    assert acks == b"".join(b"\x40\x02\x00" + bytes([pid]) for pid in (1, 2, 2, 3))
+    server.streams.close()
+
+
+def _plain(pid: int, payload: bytes = b"p", version: int = 5) -> bytes:
+    return publish(version, TOPICS[0], payload, 1, pid, False, False, b"")
+
+
+_INNER = _plain(9, version=4)
+#: Named read sequences the generator above rarely makes: (version, reads, iteration ends,
+#: whether the client is disconnected).
+SCENARIOS = {
+    # One more unacknowledged QoS 1 PUBLISH than our Receive Maximum: DISCONNECT 0x93.
+    "over the receive maximum": (5, [_plain(i) for i in range(1, QUOTA + 2)], [QUOTA], True),
+    # Acknowledged ones give their quota back (s4.9): no disconnect.
+    "quota given back": (5, [_plain(i) for i in range(1, 2 * QUOTA + 1)],
+                         [QUOTA - 1, 2 * QUOTA - 1], False),
+    # A PUBLISH (to "t") whose payload is a plain PUBLISH, the payload in its own read: it
+    # completes the buffered packet, it is not a packet of its own.
+    "a publish in a payload": (4, [_plain(1, version=4),
+                                   b"\x30" + varint(3 + len(_INNER)) + b"\x00\x01t", _INNER],
+                               [2], False),
+}
+
+
+@pytest.mark.parametrize("name", SCENARIOS)
+def test_device_path_scenarios(tmp_path: Path, name: str) -> None:
+    version, reads, ends, closed = SCENARIOS[name]
+    fast = serve(MQTTProtocol, tmp_path / "fast", version, reads, ends)
+    full = serve(FullPathOnly, tmp_path / "full", version, reads, ends)
+    assert fast == full
+    assert fast[1] is closed
