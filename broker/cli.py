@@ -48,7 +48,7 @@ from broker.auth import (
 )
 from broker.commitlog import CommitLogError
 from broker.commitlog.streams import check_format
-from broker.config import Config, ConfigError, load_config
+from broker.config import Config, ConfigError, check_ports, load_config
 from broker.server import ServeError, Server
 from broker.workers.runtime import WorkerSpec
 from broker.workers.supervisor import Supervisor, die_with_parent
@@ -67,6 +67,8 @@ def _apply_overrides(cfg: Config, args: argparse.Namespace) -> Config:
     if args.workers is not None:
         cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router,
                                                                   workers=args.workers))
+    check_ports(cfg, str(args.config) if args.port is None and args.http_port is None
+                else f"{args.config} with the command line's ports")
     return cfg
 
 

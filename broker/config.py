@@ -373,6 +373,24 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
                   auth=auth)
 
 
+def check_ports(cfg: Config, source: str = "<config>") -> None:
+    """Raise ConfigError when two listeners are given one port number (``mqlog serve
+    --port / --http-port`` included): with several workers the MQTT listeners share their
+    port (SO_REUSEPORT), so the clash surfaced late, as the HTTP API's failure to bind in
+    worker 0 while worker 1 already served (a flaky test picked one free port twice)."""
+    ports = [("server.port", cfg.server.port), ("server.tls_port", cfg.server.tls_port),
+             ("server.ws_port", cfg.server.ws_port)]
+    if cfg.http.enabled:
+        ports.append(("http.port", cfg.http.port))
+    seen: dict[int, str] = {}
+    for key, port in ports:
+        if not port:
+            continue  # off, or picked by the system (port 0)
+        if port in seen:
+            raise ConfigError(f"{source}: {key} = {port} is also {seen[port]}")
+        seen[port] = key
+
+
 def load_config(path: str | os.PathLike[str]) -> Config:
     """Read and parse a TOML config file. Relative ``data_dir`` is resolved from the CWD."""
     p = Path(path)

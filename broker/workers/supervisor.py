@@ -120,6 +120,11 @@ class Supervisor:
         port = self._claim(server.host, server.port)
         tls = self._claim(server.host, server.tls_port) if server.tls_port else 0
         ws = self._claim(server.host, server.ws_port) if server.ws_port else 0  # 0: off
+        http = config.http
+        if http.enabled and http.port:
+            # Worker 0 alone serves it: a port in use is refused here rather than there,
+            # after worker 1 serves and worker 0 waits for it to stop.
+            self._claim(http.host, http.port)
         return replace(config, server=replace(server, port=port, tls_port=tls, ws_port=ws))
 
     def _claim(self, host: str, port: int) -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 from tests.integration.conftest import ROOT, BrokerFactory, free_port
@@ -39,3 +40,29 @@ def test_port_in_use_is_a_clear_error(broker_factory: BrokerFactory, tmp_path: P
     # The lock was released: the same data directory serves normally afterwards.
     b.start()
     assert b.alive()
+
+
+def test_http_port_in_use_is_a_clear_error(broker_factory: BrokerFactory) -> None:
+    """Refused at once, before any worker serves (with several, worker 0 alone binds it and
+    used to fail after worker 1 served, then wait for it)."""
+    b = broker_factory(start=False)
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        started = time.monotonic()
+        out = _serve(b.config_path, "--http-port", str(port), "--workers", str(b.workers))
+        took = time.monotonic() - started
+    assert out.returncode == 2
+    assert "cannot listen" in out.stderr and "address already in use" in out.stderr.lower()
+    assert "Traceback" not in out.stderr
+    assert took < 8, f"took {took:.1f} s to refuse"
+
+
+def test_one_port_for_two_listeners_is_refused(broker_factory: BrokerFactory) -> None:
+    b = broker_factory(start=False)
+    out = _serve(b.config_path, "--http-port", str(b.port), "--workers", str(b.workers))
+    assert out.returncode == 2
+    assert f"http.port = {b.port} is also server.port" in out.stderr
+    assert str(b.config_path) in out.stderr
+    assert "Traceback" not in out.stderr

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from broker.config import ConfigError, RouterConfig, load_config, parse_config
+from broker.config import ConfigError, RouterConfig, check_ports, load_config, parse_config
 
 ROOT = Path(__file__).resolve().parents[2]
 SHIPPED = ROOT / "config" / "broker.toml"
@@ -162,3 +162,11 @@ def test_serve_with_bad_config_exits_nonzero(tmp_path: Path, text: str, key: str
     assert proc.returncode != 0
     assert key in proc.stderr and str(p) in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr
+
+
+def test_two_listeners_on_one_port_are_refused() -> None:
+    cfg = parse_config({"server": {"port": 1883, "ws_port": 1883}}, "b.toml")
+    with pytest.raises(ConfigError, match=r"^b.toml: server.ws_port = 1883 is also server.port$"):
+        check_ports(cfg, "b.toml")
+    check_ports(parse_config({"server": {"port": 0, "ws_port": 0}, "http": {"port": 0}}))
+    check_ports(parse_config({"server": {"port": 8080}, "http": {"enabled": False}}))
