@@ -84,6 +84,14 @@ TLS_HANDSHAKE_BYTE = 0x16
 class MQTTProtocol(asyncio.Protocol):
     """One client connection. Implements :class:`broker.router.link.Link`."""
 
+    # Slots: an idle connection's attributes took a 1,584-byte dict (33 keys) before.
+    __slots__ = ("_acked", "_authorizing", "_budget", "_closing", "_fresh", "_graceful",
+                 "_held", "_held_data", "_high_water", "_max_packet_size", "_out",
+                 "_out_bytes", "_paused", "_plain_field", "_plain_key", "_plain_topic",
+                 "client_id", "conn", "connect_timeout", "connected_at", "keepalive",
+                 "last_received", "metrics", "peer", "peer_host", "router", "server",
+                 "session", "tls", "tls_identity", "transport", "username", "version")
+
     def __init__(self, server: Server, *, tls: bool = False) -> None:
         self.server = server
         self.router: Router = server.router

@@ -844,6 +844,8 @@ class Router:
             if topic_matches(sub.topic_filter, topic) and (
                     authz is None or authz.can_read(topic)):
                 ids = [sub.identifier] if sub.identifier else []
+                if session.pending_retained is None:
+                    session.pending_retained = deque()
                 session.pending_retained.append((rec.offset, min(rec.qos, sub.qos), ids))
 
     def unsubscribe(self, session: Session, packet: Unsubscribe) -> None:
@@ -935,10 +937,10 @@ class Router:
                     orphans.append((key, offset))
                     del session.inflight[pid]
         # Records a group elsewhere sent that never left go back whatever the session is.
-        for item in list(session.group_queue):
+        for item in list(session.group_queue or ()):
             if item[0] == full:
                 orphans.append((item[1], item[2]))
-                session.group_queue.remove(item)
+                session.group_queue.remove(item)  # type: ignore[union-attr]
         home = self._group_home(full)
         if home is not None:
             assert self.group_peers is not None
@@ -1016,6 +1018,8 @@ class Router:
             if home is not None and self.group_peers is not None:
                 self.group_peers.leave(home, full, client_id, [(key, offset)])
             return
+        if session.group_queue is None:
+            session.group_queue = deque()
         session.group_queue.append((full, key, offset, qos))
         self._send_group_queue(session)
 
