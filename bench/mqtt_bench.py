@@ -78,10 +78,19 @@ ALL = ["storm", "fanin0", "fanin1", "fanout0", "fanout1", "fleet", "latency", "r
 MP = mp.get_context("fork")
 
 
+#: Ports free_port gave (never twice: the system may pick a port it just freed again, and a
+#: broker given one port for MQTT and HTTP does not start).
+_given_ports: set[int] = set()
+
+
 def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    while True:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = int(s.getsockname()[1])
+        if port not in _given_ports:
+            _given_ports.add(port)
+            return port
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:
