@@ -30,6 +30,7 @@ from broker.commitlog import LogCleaner, SegmentedLog, Streams
 from broker.commitlog.reader import LogReader
 from broker.config import Config
 from broker.http_api import HttpApi, sessions_view
+from broker.iteration import IterationEnd
 from broker.keepalive import KeepaliveWheel
 from broker.metrics import BrokerCollector, Metrics
 from broker.mqtt.reason_codes import ReasonCode
@@ -98,7 +99,10 @@ class Server:
                                clock=clock)
         self.runtime = (WorkerRuntime(worker.index, worker.count, self.streams)
                         if worker is not None and worker.count > 1 else None)
-        self.router = Router(self.streams, config.router, schedule=self.loop.call_soon,
+        #: Where the group commit, the links' output and the mesh's frames wait for the end
+        #: of the iteration, and run in one pass (broker.iteration).
+        self.iteration_end = IterationEnd(self.loop)
+        self.router = Router(self.streams, config.router, schedule=self.iteration_end.call_soon,
                              clock=clock, monotonic=monotonic,
                              partition_factory=(self.runtime.make_partition
                                                 if self.runtime is not None else None),
@@ -128,6 +132,7 @@ class Server:
     def _join_runtime(self, runtime: WorkerRuntime) -> None:
         """Connect the router and the worker runtime (see broker.workers.runtime)."""
         router = self.router
+        runtime.mesh.schedule = self.iteration_end.call_soon
         router.on_session_end = runtime.sessions.ended
         router.group_peers = runtime.groups
         router.is_home = runtime.is_home
@@ -208,7 +213,7 @@ class Server:
     def want_flush(self, link: MQTTProtocol) -> None:
         """``link`` queued output: flush it at the end of this iteration."""
         if not self._flush_pending:
-            self.loop.call_soon(self._flush_links)
+            self.iteration_end.call_soon(self._flush_links)
         self._flush_pending.append(link)
 
     def _flush_links(self) -> None:

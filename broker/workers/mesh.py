@@ -147,6 +147,9 @@ class Mesh:
         self._flush_due: list[_PeerProtocol] = []
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        #: Schedules the frames' write at the end of the iteration (the server's
+        #: broker.iteration.IterationEnd); None: the loop's call_soon.
+        self.schedule: Callable[[Callable[[], None]], None] | None = None
 
     # ------------------------------------------------------------ lifecycle
 
@@ -263,7 +266,10 @@ class Mesh:
 
     def _want_flush(self, proto: _PeerProtocol) -> None:
         if not self._flush_due and self._loop is not None:
-            self._loop.call_soon(self._flush)
+            if self.schedule is not None:
+                self.schedule(self._flush)
+            else:
+                self._loop.call_soon(self._flush)
         self._flush_due.append(proto)
 
     def _flush(self) -> None:
