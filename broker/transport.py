@@ -194,8 +194,7 @@ class MQTTProtocol(asyncio.Protocol):
                 or self.conn.buffered):
             return False
         pos += len(field)
-        ack = None
-        conn = self.conn
+        packet_id = 0
         if first == 0x32:
             if pos + 2 > n:
                 return False
@@ -203,17 +202,20 @@ class MQTTProtocol(asyncio.Protocol):
             pos += 2
             if not packet_id:
                 return False  # the decoder refuses it [MQTT-2.2.1-3]
-            if conn.version == 5:
+        conn = self.conn
+        ack = None
+        if conn.version == 5:
+            if pos >= n or data[pos]:
+                return False  # properties (or none announced): the full path
+            pos += 1
+            if packet_id:
                 # s4.9: the client's quota (our Receive Maximum) as the decoder keeps it.
                 unacked = conn.inbound_unacked
                 if packet_id in unacked or len(unacked) >= conn.receive_maximum:
                     return False
                 unacked.add(packet_id)
+        if packet_id:
             ack = partial(self._plain_acked, packet_id)
-        if conn.version == 5:
-            if pos >= n or data[pos]:
-                return False  # properties (or none announced): the full path
-            pos += 1
         qos = first >> 1 & 1
         self.metrics.messages_in[qos] += 1
         router = self.router
