@@ -29,6 +29,7 @@ from broker.metrics import Metrics
 from broker.router.router import Router
 from broker.server import TICK_SECONDS
 from broker.transport import MQTTProtocol
+from tests.integration.rawclient import varint
 
 TOPICS = ["devices/1/telemetry", "devices/2/telemetry", "$SYS/x"]
 #: Receive Maximum the server announces (RouterConfig.max_inflight): small, so a 5.0
@@ -103,15 +104,6 @@ class Server:
 class FullPathOnly(MQTTProtocol):
     def _plain_publish(self, data: bytes) -> bool:
         return False
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte, n = n % 128, n // 128
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def publish(version: int, topic: str, payload: bytes, qos: int, packet_id: int, dup: bool,
