@@ -190,8 +190,9 @@ class MQTTProtocol(asyncio.Protocol):
             length = (length & 0x7F) | (data[2] << 7)
             pos = 3
         field = self._plain_field
+        conn = self.conn
         if (pos + length != n or n > self._max_packet_size or not data.startswith(field, pos)
-                or self.conn.buffered):
+                or conn.buffered):
             return False
         pos += len(field)
         packet_id = 0
@@ -202,7 +203,6 @@ class MQTTProtocol(asyncio.Protocol):
             pos += 2
             if not packet_id:
                 return False  # the decoder refuses it [MQTT-2.2.1-3]
-        conn = self.conn
         ack = None
         if conn.version == 5:
             if pos >= n or data[pos]:
