@@ -96,7 +96,7 @@ class ServerConnection:
     """
 
     __slots__ = ("_decoder", "_head", "client_max_packet_size", "client_receive_maximum",
-                 "client_topic_alias_maximum", "connect", "inbound_aliases", "inbound_unacked",
+                 "client_topic_alias_maximum", "connected", "inbound_aliases", "inbound_unacked",
                  "max_topic_length", "max_topic_levels", "outbound_aliases", "receive_maximum",
                  "topic_alias_maximum", "version")
 
@@ -106,7 +106,9 @@ class ServerConnection:
         self._decoder = Decoder(max_packet_size=max_packet_size, puback_runs=True)
         self._head = b""  # first bytes until the CONNECT is decoded (see requested_level)
         self.version: int | None = None
-        self.connect: Connect | None = None
+        #: The CONNECT was decoded. Only the fact is kept: the packet (its password, its will)
+        #: goes to the transport and the router, which keep what they need.
+        self.connected = False
         self.topic_alias_maximum = topic_alias_maximum  # what we accept from the client
         self.max_topic_length = max_topic_length
         self.max_topic_levels = max_topic_levels
@@ -130,14 +132,14 @@ class ServerConnection:
         Raises MQTTError for the first violation; packets decoded before it in the same
         call are lost with the connection, which is what the spec asks [MQTT-4.13.1-1].
         """
-        if self.connect is None and len(self._head) < 64:
+        if not self.connected and len(self._head) < 64:
             self._head += data[: 64 - len(self._head)]
         self._decoder.feed(data)
         out: list[Packet | PubAckRun] = []
         for packet in self._decoder.packets():
             if type(packet) is Publish:
                 packet = self._inbound_publish(packet)
-            elif self.connect is None:
+            elif not self.connected:
                 # The decoder guarantees the first packet is a CONNECT [MQTT-3.1.0-1].
                 assert isinstance(packet, Connect)
                 self._on_connect(packet)
@@ -164,7 +166,7 @@ class ServerConnection:
 
     def _on_connect(self, packet: Connect) -> None:
         self._head = b""
-        self.connect = packet
+        self.connected = True
         self.version = packet.protocol_level
         props = packet.properties
         if props:
@@ -185,7 +187,7 @@ class ServerConnection:
             self._check_response_topic(will.properties)
 
     def _inbound_publish(self, packet: Publish) -> Publish:
-        if self.connect is None:
+        if not self.connected:
             raise ProtocolError("PUBLISH before CONNECT [MQTT-3.1.0-1]")
         props = packet.properties
         if props and PropertyId.TOPIC_ALIAS in props:

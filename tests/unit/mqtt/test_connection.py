@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.mqtt import Decoder, PubAck, PubComp, Publish, PubRec
+from broker.mqtt import Connect, Decoder, PubAck, PubComp, Publish, PubRec
 from broker.mqtt.connection import ServerConnection, TopicAliasInvalid
 from broker.mqtt.errors import (
     MQTTError,
@@ -50,7 +50,7 @@ def publish(topic: str, *, qos: int = 0, pid: int = 1, props: bytes | None = b""
 def conn5(props: bytes = b"", **kw: int) -> ServerConnection:
     c = ServerConnection(max_packet_size=1 << 20, topic_alias_maximum=kw.pop("tam", 4), **kw)
     (packet,) = c.receive_data(connect5(props))
-    assert c.version == 5 and c.connect is packet
+    assert c.version == 5 and c.connected and isinstance(packet, Connect)
     return c
 
 
@@ -292,3 +292,14 @@ def test_will_topic_limits() -> None:
     c = ServerConnection(max_packet_size=1 << 20, max_topic_levels=3)
     with pytest.raises(TopicNameInvalid):
         c.receive_data(b"\x10" + varint(len(body)) + body)
+
+
+def test_the_connect_packet_is_not_kept() -> None:
+    """The CONNECT (its password) is handed on, not held for the connection's life."""
+    c = ServerConnection(max_packet_size=1 << 20)
+    body = (b"\x00\x04MQTT\x04\xc2\x00\x3c" + b"\x00\x01c" + b"\x00\x01u" + b"\x00\x06secret")
+    (packet,) = c.receive_data(b"\x10" + bytes([len(body)]) + body)
+    assert isinstance(packet, Connect) and packet.password == b"secret"
+    assert c.connected
+    held = [getattr(c, name) for name in ServerConnection.__slots__ if hasattr(c, name)]
+    assert not any(isinstance(v, Connect) or v == b"secret" for v in held)
