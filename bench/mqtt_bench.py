@@ -712,7 +712,9 @@ def main(argv: list[str] | None = None) -> int:
                     help="comma-separated: mqlog, mosquitto, amqtt (optional, 3.1.1 only), "
                          "floor (optional: bench/floor_server.py, not a broker)")
     ap.add_argument("--profile", help="run mqlog under py-spy, raw samples to this file")
-    ap.add_argument("--chart", help="PNG path (default bench/results/mqtt_bench.png)")
+    ap.add_argument("--results", type=Path, default=RESULTS,
+                    help="folder of the JSON lines and the chart (default bench/results)")
+    ap.add_argument("--chart", help="PNG path (default RESULTS/mqtt_bench.png)")
     ap.add_argument("--baseline", metavar="DIR",
                     help="also run the mqlog of another checkout (as mqlog-base), for A/B")
     args = ap.parse_args(argv)
@@ -721,7 +723,8 @@ def main(argv: list[str] | None = None) -> int:
         if s not in ALL:
             ap.error(f"unknown scenario {s!r}; choose from {','.join(ALL)}")
     loadgen.raise_nofile()
-    RESULTS.mkdir(parents=True, exist_ok=True)
+    results: Path = args.results
+    results.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix="mqtt-bench-"))
     brokers: list[Broker] = []
     names = args.brokers.split(",")
@@ -739,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {started}  load {load_avg()}  cpus {os.cpu_count()}  quick={args.quick} "
           f"runs={args.runs}", flush=True)
     collected: dict[str, dict[str, list[dict[str, Any]]]] = {}
-    jsonl = RESULTS / "mqtt_bench.jsonl"
+    jsonl = results / "mqtt_bench.jsonl"
     try:
         for b in brokers:
             b.start()
@@ -813,7 +816,7 @@ def main(argv: list[str] | None = None) -> int:
     with jsonl.open("ab") as f:
         f.write(line + b"\n")
     if ratios:
-        path = Path(args.chart) if args.chart else RESULTS / "mqtt_bench.png"
+        path = Path(args.chart) if args.chart else results / "mqtt_bench.png"
         chart(ratios, path, f"{'quick, ' if args.quick else ''}median of {args.runs}, "
                             f"{os.cpu_count()} cores, load {load_avg()}")
         print(f"chart: {path}")
