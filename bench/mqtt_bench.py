@@ -68,6 +68,7 @@ import numpy as np
 import orjson
 
 from bench import loadgen
+from bench.ports import free_port
 from broker.config import load_config
 
 REPO = Path(__file__).resolve().parent.parent
@@ -76,21 +77,6 @@ MOSQUITTO = "/usr/sbin/mosquitto"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
 ALL = ["storm", "fanin0", "fanin1", "fanout0", "fanout1", "fleet", "latency", "replay"]
 MP = mp.get_context("fork")
-
-
-#: Ports free_port gave (never twice: the system may pick a port it just freed again, and a
-#: broker given one port for MQTT and HTTP does not start).
-_given_ports: set[int] = set()
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _given_ports:
-            _given_ports.add(port)
-            return port
 
 
 def wait_port(port: int, proc: subprocess.Popen[bytes], timeout: float = 20) -> None:

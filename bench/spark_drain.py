@@ -48,6 +48,7 @@ import orjson
 from pyspark.sql.datasource import DataSourceReader, DataSourceStreamReader, InputPartition
 from pyspark.sql.types import StructType
 
+from bench.ports import free_port
 from broker.commitlog import Record, Streams, StreamSpec
 from spark_sink.source import (
     MqlogBatchReader,
@@ -130,14 +131,6 @@ def build_log(data_dir: Path, records: int, batch_records: int) -> float:
                 streams.log("telemetry", p).append(batch)
                 written += n
     return time.perf_counter() - start
-
-
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def start_broker(tmp: Path, data_dir: Path) -> tuple[subprocess.Popen[bytes], str]:

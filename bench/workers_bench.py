@@ -32,10 +32,10 @@ from bench.mqtt_bench import (
     Mqlog,
     fanin,
     fanout,
-    free_port,
     load_avg,
     wait_port,
 )
+from bench.ports import free_port
 
 SCENARIOS = ("fanin0", "fanin1", "fanout0", "fanout1")
 

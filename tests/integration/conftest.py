@@ -22,24 +22,11 @@ from pathlib import Path
 
 import pytest
 
+from bench.ports import free_port
+
 ROOT = Path(__file__).resolve().parents[2]
 READY = "listening on mqtt://"
 WORKERS = [int(n) for n in os.environ.get("MQLOG_TEST_WORKERS", "1,2").split(",")]
-
-
-#: Every port free_port gave: never given twice in one test run (the system may pick a
-#: port it just freed again; a broker whose MQTT and HTTP ports were one failed to start).
-_given_ports: set[int] = set()
-
-
-def free_port() -> int:
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = int(s.getsockname()[1])
-        if port not in _given_ports:
-            _given_ports.add(port)
-            return port
 
 
 class BrokerProcess:
