@@ -28,7 +28,7 @@ from pathlib import Path
 import orjson
 
 from broker.commitlog import LogConfig, Record, SegmentedLog
-from broker.fetch import columns_to_record_batch, to_ipc_stream, to_record_batch
+from broker.http.arrow import columns_to_record_batch, to_ipc_stream, to_record_batch
 
 MAX_BYTES = 4 << 20
 

@@ -29,17 +29,17 @@ from broker.auth import AuthFileError, AuthService
 from broker.commitlog import LogCleaner, SegmentedLog, Streams
 from broker.commitlog.reader import LogReader
 from broker.config import Config
-from broker.http_api import HttpApi, sessions_view
-from broker.iteration import IterationEnd
-from broker.keepalive import KeepaliveWheel
-from broker.metrics import BrokerCollector, Metrics
+from broker.http.api import HttpApi, sessions_view
+from broker.metrics.collector import BrokerCollector, Metrics
+from broker.metrics.sys_topics import SYS_SPEC, SysPublisher, sys_values
 from broker.mqtt.reason_codes import ReasonCode
+from broker.net.iteration import IterationEnd
+from broker.net.keepalive import KeepaliveWheel
+from broker.net.tls import TLSConfigError, TLSProtocol, server_context
+from broker.net.transport import MQTTProtocol
+from broker.net.websocket import WebSocketListener
 from broker.router.router import Router
-from broker.sys_topics import SYS_SPEC, SysPublisher, sys_values
-from broker.tls_transport import TLSConfigError, TLSProtocol, server_context
-from broker.transport import MQTTProtocol
 from broker.workers.runtime import WorkerRuntime, WorkerSpec, records_between
-from broker.ws_transport import WebSocketListener
 
 log = logging.getLogger("broker.server")
 
@@ -100,7 +100,7 @@ class Server:
         self.runtime = (WorkerRuntime(worker.index, worker.count, self.streams)
                         if worker is not None and worker.count > 1 else None)
         #: Where the group commit, the links' output and the mesh's frames wait for the end
-        #: of the iteration, and run in one pass (broker.iteration).
+        #: of the iteration, and run in one pass (broker.net.iteration).
         self.iteration_end = IterationEnd(self.loop)
         self.router = Router(self.streams, config.router, schedule=self.iteration_end.call_soon,
                              clock=clock, monotonic=monotonic,

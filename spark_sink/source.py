@@ -10,7 +10,7 @@ Spark plans on the driver and reads in Python workers:
   partition, ``[start, end)``, topic filter, data-loss policy), plain picklable values; no
   reader holds a connection or other unpicklable state;
 - :func:`read_range` fetches the range through the HTTP fetch API as Arrow record batches
-  (schema :data:`broker.fetch.SCHEMA`) and yields them as they are, filtered by topic;
+  (schema :data:`broker.http.arrow.SCHEMA`) and yields them as they are, filtered by topic;
 - ``maxRecordsPerTrigger`` is admission control through ``ReadMaxRows``: a micro-batch takes
   at most that many log records, shared among partitions in proportion to their backlog;
   ``Trigger.AvailableNow`` fixes the high-water marks at query start and drains up to them.
@@ -54,7 +54,7 @@ from spark_sink.options import EARLIEST, LATEST, Positions, SourceOptions, parse
 
 logger = logging.getLogger("spark_sink")
 
-#: The Spark schema of every row (DESIGN.md "Spark"); :data:`broker.fetch.SCHEMA` in Arrow.
+#: The Spark schema of every row (DESIGN.md "Spark"); :data:`broker.http.arrow.SCHEMA` in Arrow.
 SCHEMA_DDL = ("stream string, partition int, offset long, timestamp timestamp, topic string, "
               "payload binary, qos int, retain boolean, client_id string, "
               "properties map<string, string>")

@@ -4,7 +4,7 @@
 offsets, limits and errors) as a :class:`ColumnRead`: for every batch the read crossed, the
 slice of each stored column (:mod:`broker.commitlog.batch`) that holds the returned records.
 The batch layout is already columnar, so a consumer that wants columns (the Arrow fetch API,
-:func:`broker.fetch.columns_to_record_batch`) joins the slices into one buffer per column
+:func:`broker.http.arrow.columns_to_record_batch`) joins the slices into one buffer per column
 instead of building a :class:`~broker.commitlog.Record` per record and pulling the tuples apart
 again. The decoding work per batch is a header, the string table (memoised on its bytes) and
 one span tuple, whatever the record count: issue 7 measured ~1.2 us per record for

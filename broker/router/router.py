@@ -589,7 +589,7 @@ class Router:
         flag or properties, or None if it may not make them (ACL, ``$SYS``). The answer
         holds while its session lives (the ACL is read once, at start): a connection that
         keeps publishing to one topic (a device) asks once and then goes straight to
-        :meth:`publish_plain` (see broker.transport, the device path)."""
+        :meth:`publish_plain` (see broker.net.transport, the device path)."""
         if not self._may_publish(client_id, topic):
             return None
         return self._topic_key(topic)

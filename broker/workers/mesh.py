@@ -148,7 +148,7 @@ class Mesh:
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Schedules the frames' write at the end of the iteration (the server's
-        #: broker.iteration.IterationEnd); None: the loop's call_soon.
+        #: broker.net.iteration.IterationEnd); None: the loop's call_soon.
         self.schedule: Callable[[Callable[[], None]], None] | None = None
 
     # ------------------------------------------------------------ lifecycle

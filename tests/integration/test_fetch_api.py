@@ -18,7 +18,7 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from broker.commitlog import LogConfig, Record, Streams, StreamSpec
-from broker.fetch import SCHEMA
+from broker.http.arrow import SCHEMA
 from tests.integration.clients import V5, Client
 from tests.integration.conftest import BrokerFactory, BrokerProcess
 

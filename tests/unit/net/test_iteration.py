@@ -1,4 +1,4 @@
-"""broker.iteration: the end-of-iteration work runs in one pass of the loop, two rounds."""
+"""broker.net.iteration: the end-of-iteration work runs in one pass of the loop, two rounds."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import logging
 import pytest
 import uvloop
 
-from broker.iteration import IterationEnd
+from broker.net.iteration import IterationEnd
 
 
 def run_in_loop(body: object) -> list[str]:

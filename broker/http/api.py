@@ -8,7 +8,7 @@ Routes (JSON bodies, encoded with orjson):
   (``log_start_offset``) and the high-water mark (``end_offset``: every offset below it is
   committed);
 - ``GET /api/v1/streams/<stream>/partitions/<p>/records`` and ``.../offset``: the fetch API
-  (records as Arrow or JSON, offset by timestamp), see :mod:`broker.fetch_api`;
+  (records as Arrow or JSON, offset by timestamp), see :mod:`broker.http.fetch_api`;
 - ``GET /api/v1/sessions``: each persistent session (client id, connected or not, its
   subscriptions, per consumer and partition its position and lag behind the high-water mark,
   in-flight deliveries), and each shared-subscription group with its positions and members.
@@ -30,8 +30,8 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from broker.commitlog import SegmentedLog, StreamSpec
 from broker.commitlog.reader import LogReader
-from broker.fetch_api import FetchApi
-from broker.metrics import merge_expositions
+from broker.http.fetch_api import FetchApi
+from broker.metrics.collector import merge_expositions
 from broker.router.session import MAIN, Consumer, Session, SharedGroup
 
 if TYPE_CHECKING:
@@ -99,7 +99,7 @@ class HttpApi:
         return _json({"status": "ok", **info})
 
     async def metrics(self, request: web.Request) -> web.Response:
-        """Prometheus text exposition (see broker/metrics.py); with several workers, their
+        """Prometheus text exposition (see broker/metrics/collector.py); with several workers, their
         figures added up."""
         runtime = self.server.runtime
         body = (self.server.metrics.exposition() if runtime is None

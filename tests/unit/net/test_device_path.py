@@ -1,4 +1,4 @@
-"""The device path of the transport (broker.transport, ``MQTTProtocol._plain_publish``)
+"""The device path of the transport (broker.net.transport, ``MQTTProtocol._plain_publish``)
 changes nothing a client or the log can see.
 
 Two real transports over real routers and logs are fed the same reads: one takes the device
@@ -24,11 +24,11 @@ from broker.auth import AuthService
 from broker.commitlog import Streams
 from broker.commitlog.config import LogConfig, StreamSpec
 from broker.config import Config, RouterConfig
-from broker.keepalive import KeepaliveWheel
-from broker.metrics import Metrics
+from broker.metrics.collector import Metrics
+from broker.net.keepalive import KeepaliveWheel
+from broker.net.transport import MQTTProtocol
 from broker.router.router import Router
 from broker.server import TICK_SECONDS
-from broker.transport import MQTTProtocol
 from tests.integration.rawclient import varint
 
 TOPICS = ["devices/1/telemetry", "devices/2/telemetry", "$SYS/x"]

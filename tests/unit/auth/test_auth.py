@@ -1,4 +1,4 @@
-"""broker/auth.py: password hashes and file, ACL matching, the login rate limiter."""
+"""broker/auth/: password hashes and file, ACL matching, the login rate limiter."""
 
 from __future__ import annotations
 
@@ -14,12 +14,12 @@ from broker.auth import (
     LoginLimiter,
     filter_covers,
     hash_password,
-    parse_password_file,
     read_password_file,
     verify_login,
     verify_password,
     write_password_file,
 )
+from broker.auth.passwords import parse_password_file
 
 # ------------------------------------------------------------------ passwords
 

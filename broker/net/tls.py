@@ -1,5 +1,5 @@
 """MQTT over TLS ([server] tls_port): TLS done with :mod:`ssl` memory BIOs around the one
-MQTT connection implementation (:class:`~broker.transport.MQTTProtocol`).
+MQTT connection implementation (:class:`~broker.net.transport.MQTTProtocol`).
 
 Doing the handshake ourselves, rather than through the loop's ``ssl=`` transport, lets the
 listener see the first bytes: a plain MQTT client on the TLS port (first byte not 0x16, a TLS
@@ -19,8 +19,8 @@ import logging
 import ssl
 from typing import TYPE_CHECKING, Any
 
-from broker.carrier import Carrier
-from broker.transport import TLS_HANDSHAKE_BYTE, MQTTProtocol
+from broker.net.carrier import Carrier
+from broker.net.transport import TLS_HANDSHAKE_BYTE, MQTTProtocol
 
 if TYPE_CHECKING:
     from broker.config import ServerConfig

@@ -35,7 +35,7 @@ from typing import TYPE_CHECKING
 import orjson
 
 from broker.commitlog import LogConfig, StreamSpec
-from broker.metrics import count_subscriptions
+from broker.metrics.collector import count_subscriptions
 
 if TYPE_CHECKING:
     from broker.server import Server

@@ -9,10 +9,10 @@ from pathlib import Path
 import pyarrow as pa
 import pytest
 
-from broker import fetch
+from broker.http import arrow as fetch
 from broker.commitlog import LogConfig, Record, SegmentedLog
 from broker.commitlog.reader import LogReader
-from broker.fetch import SCHEMA, columns_to_record_batch, to_ipc_stream, to_record_batch
+from broker.http.arrow import SCHEMA, columns_to_record_batch, to_ipc_stream, to_record_batch
 from broker.mqtt.properties import PropertyId, encode_properties
 
 CONFIG = LogConfig(segment_bytes=64 << 10, index_interval_bytes=1024, fsync="never",

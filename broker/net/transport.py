@@ -11,7 +11,7 @@ Errors are translated here and only here (CONVENTIONS habit 4): an
 any other exception is a bug, logged with its traceback, and also closes just this connection.
 
 One implementation serves every listener: plain TCP uses it directly, TLS
-(:mod:`broker.tls_transport`) and WebSocket (:mod:`broker.ws_transport`) hand it a transport
+(:mod:`broker.net.tls`) and WebSocket (:mod:`broker.net.websocket`) hand it a transport
 adapter that carries the same MQTT bytes. Logins (:mod:`broker.auth`) that need a password
 check run scrypt in a worker thread; packets arriving meanwhile are held and processed, in
 order, once the CONNECT is answered.
@@ -69,7 +69,7 @@ if TYPE_CHECKING:
     from broker.router.session import Session
     from broker.server import Server
 
-log = logging.getLogger("broker.transport")
+log = logging.getLogger("broker.net.transport")
 
 #: Output bytes queued in the kernel-side transport buffer before we stop feeding a client.
 WRITE_HIGH_WATER = 1 << 20

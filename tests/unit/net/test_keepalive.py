@@ -13,11 +13,11 @@ import pytest
 
 from broker.auth import AuthService
 from broker.config import Config, RouterConfig
-from broker.keepalive import KeepaliveWheel
-from broker.metrics import Metrics
+from broker.metrics.collector import Metrics
 from broker.mqtt.connection import keepalive_expired
+from broker.net.keepalive import KeepaliveWheel
+from broker.net.transport import MQTTProtocol
 from broker.server import TICK_SECONDS, Server
-from broker.transport import MQTTProtocol
 
 
 class FakeClock:

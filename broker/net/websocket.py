@@ -1,6 +1,6 @@
 """MQTT over WebSocket ([server] ws_port, path ``/mqtt``, subprotocol ``mqtt``), via aiohttp.
 
-Each binary frame's bytes go into the same :class:`~broker.transport.MQTTProtocol` a TCP
+Each binary frame's bytes go into the same :class:`~broker.net.transport.MQTTProtocol` a TCP
 connection uses; an MQTT packet may span frames and a frame may hold several packets
 [MQTT-6.0.0-2]. A text frame is a protocol violation [MQTT-6.0.0-1] and closes the
 connection. Browser clients (MQTT.js) and paho's ``websockets`` transport connect here.
@@ -19,8 +19,8 @@ from typing import TYPE_CHECKING
 
 from aiohttp import WSMsgType, web
 
-from broker.carrier import Carrier
-from broker.transport import MQTTProtocol
+from broker.net.carrier import Carrier
+from broker.net.transport import MQTTProtocol
 
 if TYPE_CHECKING:
     from broker.server import Server

@@ -1,12 +1,12 @@
 """The HTTP fetch API: read a partition's records by offset, find an offset by time.
 
-Routes (mounted by :class:`broker.http_api.HttpApi`):
+Routes (mounted by :class:`broker.http.api.HttpApi`):
 
 - ``GET /api/v1/streams/<stream>/partitions/<p>/records?offset=N[&max_records=M][&max_bytes=B]``:
   records with offset >= N in order, at most ``M`` (default :data:`DEFAULT_MAX_RECORDS`, capped
   at :data:`MAX_RECORDS_LIMIT`) and about ``B`` bytes of stored records (capped at
   :data:`MAX_BYTES_LIMIT`; at least one record when one exists). The body is an Arrow IPC
-  stream with schema :data:`broker.fetch.SCHEMA`, or JSON with ``Accept: application/json``
+  stream with schema :data:`broker.http.arrow.SCHEMA`, or JSON with ``Accept: application/json``
   (``{"records": [...], "next_offset", ...}``, payload in base64, timestamp in epoch ms).
   Headers ``X-Mqlog-Next-Offset`` (where to continue: past the last record returned, or N when
   there was none), ``X-Mqlog-High-Water-Mark`` and ``X-Mqlog-Earliest-Offset``.
@@ -34,7 +34,7 @@ from aiohttp import web
 from broker.commitlog import CommitLogError, OffsetOutOfRange, Record, SegmentedLog
 from broker.commitlog.columns import ColumnRead
 from broker.commitlog.reader import LogReader
-from broker.fetch import (
+from broker.http.arrow import (
     ARROW_STREAM_TYPE,
     columns_to_record_batch,
     to_ipc_stream,

@@ -1,4 +1,4 @@
-"""What :class:`~broker.transport.MQTTProtocol` needs of a transport, for carriers that are
+"""What :class:`~broker.net.transport.MQTTProtocol` needs of a transport, for carriers that are
 not a plain asyncio socket transport (TLS over memory BIOs, WebSocket frames).
 
 A carrier adapts its medium to this small surface (write, close, abort, is_closing,

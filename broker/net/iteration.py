@@ -9,7 +9,7 @@ that were ready when it started): a device's PUBLISH took three passes, each wit
 ``epoll_wait`` and uvloop's own work, where the commit, the acknowledgements and the frames
 can leave in one. :class:`IterationEnd` runs what is scheduled while it runs in the same
 pass, for one more round; what the second round schedules waits for the next pass, so a
-link whose output filled its per-iteration budget (and pumps on, broker.transport) still
+link whose output filled its per-iteration budget (and pumps on, broker.net.transport) still
 lets the loop read in between.
 """
 

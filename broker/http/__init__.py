@@ -1,0 +1,6 @@
+"""The admin HTTP server (aiohttp): health, metrics, the admin API and the fetch API.
+
+- :mod:`broker.http.api`: routes, ``/healthz``, ``/metrics``, ``/api/v1/...`` admin views.
+- :mod:`broker.http.fetch_api`: records by offset or time, as Arrow IPC or JSON (Spark).
+- :mod:`broker.http.arrow`: records and column reads as Arrow record batches.
+"""
