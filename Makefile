@@ -28,6 +28,7 @@ run: $(STAMP)-run
 
 lint: $(STAMP)-test
 	$(VENV)/bin/ruff check broker spark_sink tests bench examples
+	$(VENV)/bin/ruff format --check broker spark_sink tests bench examples
 	$(VENV)/bin/mypy
 
 test: $(STAMP)-test lint

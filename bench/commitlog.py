@@ -275,8 +275,7 @@ _DD_RE = re.compile(r"^(\d+) bytes .* copied, ([0-9.,e-]+) s", re.MULTILINE)
 def run_dd(directory: Path, nbytes: int, fdatasync: bool) -> DdResult:
     """``dd`` writing exactly ``nbytes`` from /dev/zero into ``directory`` in 1 MiB blocks."""
     target = directory / "dd.out"
-    cmd = ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={nbytes}",
-           "iflag=count_bytes"]
+    cmd = ["dd", "if=/dev/zero", f"of={target}", "bs=1M", f"count={nbytes}", "iflag=count_bytes"]
     if fdatasync:
         cmd.append("conv=fdatasync")
     start = time.perf_counter()
@@ -318,8 +317,11 @@ def run_matrix(args: argparse.Namespace) -> tuple[list[AppendResult], list[ReadR
                 settle()
                 res_read = run_read(work / f"{payload}-1000-never", payload, path, args.read_cap)
                 reads.append(res_read)
-                print(f"  {path:>12} {payload:>5} B: {res_read.records_s:>11,.0f} records/s",
-                      file=sys.stderr, flush=True)
+                print(
+                    f"  {path:>12} {payload:>5} B: {res_read.records_s:>11,.0f} records/s",
+                    file=sys.stderr,
+                    flush=True,
+                )
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return appends, reads
@@ -342,8 +344,9 @@ def run_pair(args: argparse.Namespace, log_first: bool) -> Pair:
             shutil.rmtree(log_dir, ignore_errors=True)
             settle()
             if side == "log":
-                log = run_append(log_dir, payload, batch, policy, math.inf,
-                                 appends * payload * batch)
+                log = run_append(
+                    log_dir, payload, batch, policy, math.inf, appends * payload * batch
+                )
                 assert log.disk_bytes == nbytes, (log.disk_bytes, nbytes)
             else:
                 dd_sync = run_dd(work, nbytes, True)
@@ -354,9 +357,12 @@ def run_pair(args: argparse.Namespace, log_first: bool) -> Pair:
         shutil.rmtree(work, ignore_errors=True)
     assert log is not None and dd_sync is not None
     pair = Pair(log_first, log, dd_sync, dd_nosync, load_before, os.getloadavg()[0])
-    print(f"  pair ({'log, dd' if log_first else 'dd, log'}): log {log.disk_mb_s:7.1f} MB/s, "
-          f"dd {dd_sync.mb_s:7.1f} MB/s, ratio {pair.ratio:.2f}, load {load_before:.2f}",
-          file=sys.stderr, flush=True)
+    print(
+        f"  pair ({'log, dd' if log_first else 'dd, log'}): log {log.disk_mb_s:7.1f} MB/s, "
+        f"dd {dd_sync.mb_s:7.1f} MB/s, ratio {pair.ratio:.2f}, load {load_before:.2f}",
+        file=sys.stderr,
+        flush=True,
+    )
     return pair
 
 
@@ -378,8 +384,7 @@ def table(appends: list[AppendResult], reads: list[ReadResult]) -> str:
         )
     lines.append("")
     lines.append(
-        f"{'read':>7} {'path':>14} {'records':>10} {'s':>6} {'records/s':>11} "
-        f"{'records/CPU-s':>14}"
+        f"{'read':>7} {'path':>14} {'records':>10} {'s':>6} {'records/s':>11} {'records/CPU-s':>14}"
     )
     for r in reads:
         lines.append(
@@ -404,17 +409,31 @@ def pair_table(pairs: list[Pair]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m bench.commitlog", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="python -m bench.commitlog",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     parser.add_argument("--time-cap", type=float, default=1.5, help="seconds per append cell")
-    parser.add_argument("--bytes-cap", type=int, default=256,
-                        help="payload MiB per cell (the dd pairs' reference cell: exactly)")
+    parser.add_argument(
+        "--bytes-cap",
+        type=int,
+        default=256,
+        help="payload MiB per cell (the dd pairs' reference cell: exactly)",
+    )
     parser.add_argument("--read-cap", type=float, default=3.0, help="seconds per read run")
-    parser.add_argument("--runs", type=int, default=1,
-                        help="matrix repeats, medians per cell (0: no matrix, no reads)")
-    parser.add_argument("--pairs", type=int, default=6,
-                        help="reference cell / dd pairs for the ratio, even: both orders "
-                             "equally (0: none)")
+    parser.add_argument(
+        "--runs",
+        type=int,
+        default=1,
+        help="matrix repeats, medians per cell (0: no matrix, no reads)",
+    )
+    parser.add_argument(
+        "--pairs",
+        type=int,
+        default=6,
+        help="reference cell / dd pairs for the ratio, even: both orders equally (0: none)",
+    )
     parser.add_argument("--dir", type=Path, default=RESULTS_DIR, help="parent of the data dir")
     args = parser.parse_args(argv)
 
@@ -432,20 +451,21 @@ def main(argv: list[str] | None = None) -> int:
         "loadavg_start": load_start,
         "loadavg_end": load_end,
     }
-    print(f"batch CRC-32 by {crc.IMPLEMENTATION}; load average {load_start[0]:.2f} "
-          f"{load_start[1]:.2f} {load_start[2]:.2f} at start, {load_end[0]:.2f} {load_end[1]:.2f} "
-          f"{load_end[2]:.2f} at end")
+    print(
+        f"batch CRC-32 by {crc.IMPLEMENTATION}; load average {load_start[0]:.2f} "
+        f"{load_start[1]:.2f} {load_start[2]:.2f} at start, {load_end[0]:.2f} {load_end[1]:.2f} "
+        f"{load_end[2]:.2f} at end"
+    )
     if matrix:
         print(f"\nmatrix, medians of {len(matrix)} run(s)")
         print(table(appends, reads))
         summary["appends"] = [
-            asdict(a) | {"records_s": a.records_s, "disk_mb_s": a.disk_mb_s,
-                         "disk_mb_cpu_s": a.disk_mb_cpu_s}
+            asdict(a)
+            | {"records_s": a.records_s, "disk_mb_s": a.disk_mb_s, "disk_mb_cpu_s": a.disk_mb_cpu_s}
             for a in appends
         ]
         summary["reads"] = [
-            asdict(r) | {"records_s": r.records_s, "records_cpu_s": r.records_cpu_s}
-            for r in reads
+            asdict(r) | {"records_s": r.records_s, "records_cpu_s": r.records_cpu_s} for r in reads
         ]
         targets: dict[str, bool] = {}
         for r in reads:
@@ -455,35 +475,50 @@ def main(argv: list[str] | None = None) -> int:
             ]
             if r.payload == 64:
                 targets[f"{r.path}_records_s"] = r.records_s >= TARGET_READ_RECORDS_S
-                print(f"sequential {r.path}(), 64 B records: {r.records_s:,.0f} records/s "
-                      f"(target >= {TARGET_READ_RECORDS_S:,}); per CPU-second: "
-                      f"{r.records_cpu_s:,.0f}")
+                print(
+                    f"sequential {r.path}(), 64 B records: {r.records_s:,.0f} records/s "
+                    f"(target >= {TARGET_READ_RECORDS_S:,}); per CPU-second: "
+                    f"{r.records_cpu_s:,.0f}"
+                )
         summary["targets_met"] = targets
     if pairs:
         ratios = [p.ratio for p in pairs]
         ratio = median(ratios)
         print(f"\n1 KiB x 1000 fsync=interval against dd on the same bytes, {len(pairs)} pairs")
         print(pair_table(pairs))
-        by_order = {first: median([p.ratio for p in pairs if p.log_first == first])
-                    for first in (True, False) if any(p.log_first == first for p in pairs)}
-        print(f"ratio to dd conv=fdatasync: median {ratio:.2f} (min {min(ratios):.2f}, max "
-              f"{max(ratios):.2f}; target >= {TARGET_DD_RATIO:.2f}); by order: "
-              + ", ".join(f"{'log' if first else 'dd'} first {r:.2f}"
-                          for first, r in by_order.items())
-              + f"; to dd without sync: median {median([p.nosync_ratio for p in pairs]):.2f}; "
-              f"log MB/CPU-s median {median([p.log.disk_mb_cpu_s for p in pairs]):.1f}")
+        by_order = {
+            first: median([p.ratio for p in pairs if p.log_first == first])
+            for first in (True, False)
+            if any(p.log_first == first for p in pairs)
+        }
+        print(
+            f"ratio to dd conv=fdatasync: median {ratio:.2f} (min {min(ratios):.2f}, max "
+            f"{max(ratios):.2f}; target >= {TARGET_DD_RATIO:.2f}); by order: "
+            + ", ".join(
+                f"{'log' if first else 'dd'} first {r:.2f}" for first, r in by_order.items()
+            )
+            + f"; to dd without sync: median {median([p.nosync_ratio for p in pairs]):.2f}; "
+            f"log MB/CPU-s median {median([p.log.disk_mb_cpu_s for p in pairs]):.1f}"
+        )
         summary["pairs"] = [
-            {"log_first": p.log_first, "log": asdict(p.log) | {"disk_mb_s": p.log.disk_mb_s,
-                                                              "disk_mb_cpu_s": p.log.disk_mb_cpu_s},
-             "dd_fdatasync_mb_s": p.dd_sync.mb_s, "dd_nosync_mb_s": p.dd_nosync.mb_s,
-             "ratio": p.ratio, "load_before": p.load_before, "load_after": p.load_after}
+            {
+                "log_first": p.log_first,
+                "log": asdict(p.log)
+                | {"disk_mb_s": p.log.disk_mb_s, "disk_mb_cpu_s": p.log.disk_mb_cpu_s},
+                "dd_fdatasync_mb_s": p.dd_sync.mb_s,
+                "dd_nosync_mb_s": p.dd_nosync.mb_s,
+                "ratio": p.ratio,
+                "load_before": p.load_before,
+                "load_after": p.load_after,
+            }
             for p in pairs
         ]
         summary["ratio_vs_dd_fdatasync"] = ratio
         summary["ratio_vs_dd_fdatasync_min"] = min(ratios)
         summary["ratio_vs_dd_fdatasync_max"] = max(ratios)
         summary["ratio_vs_dd_fdatasync_by_order"] = {
-            "log_first" if first else "dd_first": r for first, r in by_order.items()}
+            "log_first" if first else "dd_first": r for first, r in by_order.items()
+        }
         summary["ratio_vs_dd_nosync"] = median([p.nosync_ratio for p in pairs])
         met = summary.setdefault("targets_met", {})
         assert isinstance(met, dict)

@@ -38,12 +38,29 @@ def build(directory: Path, records: int, batch: int) -> SegmentedLog:
     devices = [f"dev-{i:03d}" for i in range(25)]
     base_ms = int(time.time() * 1000) - records
     for start in range(0, records, batch):
-        log.append([
-            Record(0, base_ms + i, f"devices/{devices[i % 25]}/telemetry", orjson.dumps({
-                "device": devices[i % 25], "seq": i // 25, "ts": base_ms + i,
-                "temperature": round(21 + (i % 40) / 10, 2), "humidity": 45.0 + i % 10,
-                "battery": 90.0 - (i % 50) / 10}), 1, False, devices[i % 25])
-            for i in range(start, min(start + batch, records))])
+        log.append(
+            [
+                Record(
+                    0,
+                    base_ms + i,
+                    f"devices/{devices[i % 25]}/telemetry",
+                    orjson.dumps(
+                        {
+                            "device": devices[i % 25],
+                            "seq": i // 25,
+                            "ts": base_ms + i,
+                            "temperature": round(21 + (i % 40) / 10, 2),
+                            "humidity": 45.0 + i % 10,
+                            "battery": 90.0 - (i % 50) / 10,
+                        }
+                    ),
+                    1,
+                    False,
+                    devices[i % 25],
+                )
+                for i in range(start, min(start + batch, records))
+            ]
+        )
     return log
 
 
@@ -61,8 +78,7 @@ def drain(log: SegmentedLog, fetch: int, encode: Fetch) -> float:
 
 def tuples(log: SegmentedLog, offset: int, fetch: int) -> tuple[bytes, int]:
     records = log.read(offset, fetch, MAX_BYTES)
-    return (to_ipc_stream(to_record_batch("telemetry", 0, records)),
-            records[-1].offset + 1)
+    return (to_ipc_stream(to_record_batch("telemetry", 0, records)), records[-1].offset + 1)
 
 
 def columns(log: SegmentedLog, offset: int, fetch: int) -> tuple[bytes, int]:
@@ -76,8 +92,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--batch", type=int, default=1000, help="records per stored batch")
     parser.add_argument("--fetch", type=int, default=10_000, help="records per fetch")
     parser.add_argument("--runs", type=int, default=3)
-    parser.add_argument("--columns-only", action="store_true",
-                        help="skip the tuples reference (slow on small batches)")
+    parser.add_argument(
+        "--columns-only",
+        action="store_true",
+        help="skip the tuples reference (slow on small batches)",
+    )
     args = parser.parse_args(argv)
     ways: dict[str, Fetch] = {"columns": columns}
     if not args.columns_only:
@@ -94,18 +113,24 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     print(f"{'path':<8} {'CPU s per 1M (median)':>22}  runs")
     for name, runs in results.items():
-        print(f"{name:<8} {statistics.median(runs):22.3f}  "
-              + " ".join(f"{r:.3f}" for r in runs))
-    summary = {"bench": "fetch_encode", "records": args.records, "batch": args.batch,
-               "fetch": args.fetch, "runs": args.runs}
+        print(f"{name:<8} {statistics.median(runs):22.3f}  " + " ".join(f"{r:.3f}" for r in runs))
+    summary = {
+        "bench": "fetch_encode",
+        "records": args.records,
+        "batch": args.batch,
+        "fetch": args.fetch,
+        "runs": args.runs,
+    }
     for name, runs in results.items():
         summary[f"{name}_cpu_s_per_1m"] = round(statistics.median(runs), 3)
     if "tuples" in results:
         ratio = statistics.median(results["tuples"]) / statistics.median(results["columns"])
         summary["ratio"] = round(ratio, 2)
         print(f"columns is {ratio:.1f}x less CPU")
-    print(f"batch {args.batch}, fetch {args.fetch}; "
-          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
+    print(
+        f"batch {args.batch}, fetch {args.fetch}; "
+        f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
     summary["load"] = [round(x, 2) for x in load]
     print(orjson.dumps(summary).decode())
     return 0

@@ -135,8 +135,7 @@ class FloorProtocol(asyncio.Protocol):
 async def serve(port: int, log_path: str) -> None:
     floor = Floor(os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644))
     loop = asyncio.get_running_loop()
-    server = await loop.create_server(lambda: FloorProtocol(floor), "127.0.0.1", port,
-                                      backlog=4096)
+    server = await loop.create_server(lambda: FloorProtocol(floor), "127.0.0.1", port, backlog=4096)
     await server.serve_forever()
 
 

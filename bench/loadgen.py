@@ -39,8 +39,12 @@ def topic_for(prefix: str, n: int) -> bytes:
 
 
 def publish_dtype(qos: int) -> np.dtype:
-    fields: list[tuple[str, str]] = [("h", "u1"), ("rl", "u1"), ("tl", ">u2"),
-                                     ("topic", f"S{TOPIC_LEN}")]
+    fields: list[tuple[str, str]] = [
+        ("h", "u1"),
+        ("rl", "u1"),
+        ("tl", ">u2"),
+        ("topic", f"S{TOPIC_LEN}"),
+    ]
     if qos:
         fields.append(("pid", ">u2"))
     fields += [("pub", "<u4"), ("seq", "<u4"), ("ts", "<u8"), ("pad", "S48")]
@@ -71,8 +75,9 @@ def _str(s: str | bytes) -> bytes:
 USER = "bench"
 
 
-def connect_packet(client_id: str, clean: bool = True, keepalive: int = 0,
-                   username: str | None = None) -> bytes:
+def connect_packet(
+    client_id: str, clean: bool = True, keepalive: int = 0, username: str | None = None
+) -> bytes:
     flags = (0x02 if clean else 0x00) | (0x80 if username is not None else 0x00)
     body = _str("MQTT") + bytes([4, flags]) + struct.pack(">H", keepalive)
     body += _str(client_id)
@@ -140,9 +145,18 @@ class Conn(asyncio.Protocol):
     """One MQTT 3.1.1 client connection. ``fast_dt`` is the shape of the packets it expects
     in bulk (deliveries for a subscriber, PUBACKs for a publisher)."""
 
-    def __init__(self, client_id: str, *, clean: bool = True, sub: str | None = None,
-                 sub_qos: int = 0, fast_dt: np.dtype = PUBACK_DT, fast_h: int = 0x40,
-                 check: Check | None = None, track_lat_from: list[int] | None = None) -> None:
+    def __init__(
+        self,
+        client_id: str,
+        *,
+        clean: bool = True,
+        sub: str | None = None,
+        sub_qos: int = 0,
+        fast_dt: np.dtype = PUBACK_DT,
+        fast_h: int = 0x40,
+        check: Check | None = None,
+        track_lat_from: list[int] | None = None,
+    ) -> None:
         self.client_id = client_id
         self.clean = clean
         self.sub = sub
@@ -272,7 +286,7 @@ class Conn(asyncio.Protocol):
             j = i + 2 + tl
             if qos:
                 assert self.transport is not None
-                self.transport.write(b"\x40\x02" + buf[j:j + 2])
+                self.transport.write(b"\x40\x02" + buf[j : j + 2])
                 j += 2
             if self.check is not None:
                 if pos + total - j >= 16:
@@ -289,8 +303,9 @@ class Conn(asyncio.Protocol):
 class Publisher:
     """Pre-encoded PUBLISH packets for one publisher index; sequence numbers from 0."""
 
-    def __init__(self, conn: Conn, index: int, prefix: str, topic_n: int, qos: int,
-                 batch: int) -> None:
+    def __init__(
+        self, conn: Conn, index: int, prefix: str, topic_n: int, qos: int, batch: int
+    ) -> None:
         self.conn = conn
         self.index = index
         self.qos = qos
@@ -375,6 +390,7 @@ def _cpu() -> float:
 
 # ============================================================== roles
 
+
 async def _sub_role(spec: dict[str, Any], ctl: Any) -> dict[str, Any]:
     qos = spec["qos"]
     dt = publish_dtype(qos)
@@ -384,9 +400,16 @@ async def _sub_role(spec: dict[str, Any], ctl: Any) -> dict[str, Any]:
     def make(i: int) -> Conn:
         check = Check(spec["n_pubs"])
         checks.append(check)
-        return Conn(f"{spec['id']}-{i}", clean=spec.get("clean", True), sub=spec["filter"],
-                    sub_qos=spec["sub_qos"], fast_dt=dt, fast_h=0x30 | (qos << 1),
-                    check=check, track_lat_from=lat_from if spec.get("latency") else None)
+        return Conn(
+            f"{spec['id']}-{i}",
+            clean=spec.get("clean", True),
+            sub=spec["filter"],
+            sub_qos=spec["sub_qos"],
+            fast_dt=dt,
+            fast_h=0x30 | (qos << 1),
+            check=check,
+            track_lat_from=lat_from if spec.get("latency") else None,
+        )
 
     if spec.get("connect_on_go"):
         ctl.ready_q.put(("ready", spec["id"]))
@@ -414,21 +437,30 @@ async def _sub_role(spec: dict[str, Any], ctl: Any) -> dict[str, Any]:
         elif ctl.stop.is_set() and now - last_change > idle_timeout:
             break
     cpu = _cpu() - cpu0
-    lat = np.concatenate([a for c in checks for a in c.lat]) if spec.get("latency") and any(
-        c.lat for c in checks) else np.zeros(0, dtype=np.int64)
+    lat = (
+        np.concatenate([a for c in checks for a in c.lat])
+        if spec.get("latency") and any(c.lat for c in checks)
+        else np.zeros(0, dtype=np.int64)
+    )
     closed = sum(c.closed for c in conns)
     for c in conns:
         if c.transport is not None:
             c.transport.write(DISCONNECT)
             c.transport.close()
     await asyncio.sleep(0.05)
-    return {"role": "sub", "closed": closed, "received": sum(c.received for c in checks),
-            "per_sub_min": min(c.received for c in checks),
-            "gaps": sum(c.gaps for c in checks),
-            "dup_reorder": sum(c.dup_reorder for c in checks),
-            "other": sum(c.other for c in checks),
-            "errors": sum(c.errors for c in conns),
-            "last_ns": max(c.last_ns for c in checks), "cpu": cpu, "lat": lat}
+    return {
+        "role": "sub",
+        "closed": closed,
+        "received": sum(c.received for c in checks),
+        "per_sub_min": min(c.received for c in checks),
+        "gaps": sum(c.gaps for c in checks),
+        "dup_reorder": sum(c.dup_reorder for c in checks),
+        "other": sum(c.other for c in checks),
+        "errors": sum(c.errors for c in conns),
+        "last_ns": max(c.last_ns for c in checks),
+        "cpu": cpu,
+        "lat": lat,
+    }
 
 
 async def _pub_role(spec: dict[str, Any], ctl: Any) -> dict[str, Any]:
@@ -437,8 +469,9 @@ async def _pub_role(spec: dict[str, Any], ctl: Any) -> dict[str, Any]:
     count = spec["count"]
     batch = spec.get("batch", 256)
     conns = await open_conns(spec["port"], lambda i: Conn(f"{spec['id']}-{first + i}"), count)
-    pubs = [Publisher(c, first + i, spec["prefix"], first + i, qos, batch)
-            for i, c in enumerate(conns)]
+    pubs = [
+        Publisher(c, first + i, spec["prefix"], first + i, qos, batch) for i, c in enumerate(conns)
+    ]
     ctl.ready_q.put(("ready", spec["id"]))
     ctl.go.wait()
     cpu0 = _cpu()
@@ -472,9 +505,15 @@ async def _pub_role(spec: dict[str, Any], ctl: Any) -> dict[str, Any]:
     if mode == "blast":
         await asyncio.sleep(0)  # let the last writes leave before the (blocking) stop wait
     cpu = _cpu() - cpu0
-    result = {"role": "pub", "sent": sum(p.sent for p in pubs),
-              "acked": sum(p.conn.acked for p in pubs), "t0": t0, "t1": t1, "cpu": cpu,
-              "errors": sum(c.errors for c in conns)}
+    result = {
+        "role": "pub",
+        "sent": sum(p.sent for p in pubs),
+        "acked": sum(p.conn.acked for p in pubs),
+        "t0": t0,
+        "t1": t1,
+        "cpu": cpu,
+        "errors": sum(c.errors for c in conns),
+    }
     ctl.result_q.put(result)
     # Stay connected until the subscribers are done (a QoS 0 publisher's close could
     # otherwise race its last bytes); the orchestrator sets ``stop`` then ``release``.
@@ -493,12 +532,24 @@ async def _storm_role(spec: dict[str, Any], ctl: Any) -> dict[str, Any]:
     ctl.go.wait()
     cpu0 = _cpu()
     t0 = time.monotonic_ns()
-    conns = await open_conns(spec["port"], lambda i: Conn(f"{spec['id']}-{i}"), spec["count"],
-                             spec.get("concurrency", 200))
+    conns = await open_conns(
+        spec["port"],
+        lambda i: Conn(f"{spec['id']}-{i}"),
+        spec["count"],
+        spec.get("concurrency", 200),
+    )
     t1 = time.monotonic_ns()
     cpu = _cpu() - cpu0
-    ctl.result_q.put({"role": "storm", "connected": len(conns), "t0": t0, "t1": t1, "cpu": cpu,
-                      "errors": sum(c.errors for c in conns)})
+    ctl.result_q.put(
+        {
+            "role": "storm",
+            "connected": len(conns),
+            "t0": t0,
+            "t1": t1,
+            "cpu": cpu,
+            "errors": sum(c.errors for c in conns),
+        }
+    )
     while not ctl.release.is_set():
         await asyncio.sleep(0.05)
     for c in conns:

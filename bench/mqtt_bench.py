@@ -140,8 +140,9 @@ class Broker:
 class Mqlog(Broker):
     name = "mqlog"
 
-    def __init__(self, tmp: Path, profile: Path | None = None, src: Path = REPO,
-                 name: str = "mqlog") -> None:
+    def __init__(
+        self, tmp: Path, profile: Path | None = None, src: Path = REPO, name: str = "mqlog"
+    ) -> None:
         super().__init__(tmp)
         self.profile = profile
         self.src = src
@@ -149,14 +150,39 @@ class Mqlog(Broker):
 
     def start(self) -> None:
         data = self.tmp / f"{self.name}-data"
-        cmd = [sys.executable, "-m", "broker.cli", "--log-level", "WARNING", "serve",
-               "-c", str(self.src / "config" / "broker.toml"), "--port", str(self.port),
-               "--http-port", str(free_port()), "--data-dir", str(data)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "-c",
+            str(self.src / "config" / "broker.toml"),
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(free_port()),
+            "--data-dir",
+            str(data),
+        ]
         if self.profile is not None:
             spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
             # --subprocesses: with several workers the supervisor itself does little.
-            cmd = [spy, "record", "-r", "250", "--native", "--subprocesses", "-f", "raw",
-                   "-o", str(self.profile), "--", *cmd]
+            cmd = [
+                spy,
+                "record",
+                "-r",
+                "250",
+                "--native",
+                "--subprocesses",
+                "-f",
+                "raw",
+                "-o",
+                str(self.profile),
+                "--",
+                *cmd,
+            ]
         env = {**os.environ, "PYTHONPATH": str(self.src)}
         self.proc = subprocess.Popen(cmd, cwd=self.src, env=env)
         wait_port(self.port, self.proc)
@@ -194,9 +220,11 @@ class Mqlog(Broker):
 
 class Mosquitto(Broker):
     name = "mosquitto"
-    CONFIG = ("listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
-              "max_queued_messages 0\nmax_inflight_messages {window}\nset_tcp_nodelay true\n"
-              "log_dest none\n")
+    CONFIG = (
+        "listener {port} 127.0.0.1\nallow_anonymous true\npersistence false\n"
+        "max_queued_messages 0\nmax_inflight_messages {window}\nset_tcp_nodelay true\n"
+        "log_dest none\n"
+    )
 
     def start(self) -> None:
         conf = self.tmp / "mosquitto.conf"
@@ -224,17 +252,21 @@ class Amqtt(Broker):
     # Its offline queue delivered 4-5% of the stored messages to the reconnected session,
     # then nothing more (10,000 stored, --quick, two runs): replay is not measured.
     scenarios = frozenset(ALL) - {"replay"}
-    CONFIG = ("listeners:\n  default:\n    type: tcp\n    bind: 127.0.0.1:{port}\n"
-              "    max_connections: 0\nplugins:\n"
-              "  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: false\n")
-    LAUNCH = ("import asyncio, logging, sys, yaml\n"
-              "from amqtt.broker import Broker\n"
-              "logging.basicConfig(level=logging.ERROR)\n"
-              "async def main():\n"
-              "    broker = Broker(yaml.safe_load(open(sys.argv[1])))\n"
-              "    await broker.start()\n"
-              "    await asyncio.Event().wait()\n"
-              "asyncio.run(main())\n")
+    CONFIG = (
+        "listeners:\n  default:\n    type: tcp\n    bind: 127.0.0.1:{port}\n"
+        "    max_connections: 0\nplugins:\n"
+        "  amqtt.plugins.authentication.AnonymousAuthPlugin:\n    allow_anonymous: false\n"
+    )
+    LAUNCH = (
+        "import asyncio, logging, sys, yaml\n"
+        "from amqtt.broker import Broker\n"
+        "logging.basicConfig(level=logging.ERROR)\n"
+        "async def main():\n"
+        "    broker = Broker(yaml.safe_load(open(sys.argv[1])))\n"
+        "    await broker.start()\n"
+        "    await asyncio.Event().wait()\n"
+        "asyncio.run(main())\n"
+    )
 
     def settle(self, timeout: float = 180) -> None:
         """amqtt acknowledges before it delivers: when the fleet's generator stops it is tens
@@ -251,8 +283,7 @@ class Amqtt(Broker):
     def start(self) -> None:
         conf = self.tmp / "amqtt.yaml"
         conf.write_text(self.CONFIG.format(port=self.port))
-        self.proc = subprocess.Popen([sys.executable, "-c", self.LAUNCH, str(conf)],
-                                     cwd=self.tmp)
+        self.proc = subprocess.Popen([sys.executable, "-c", self.LAUNCH, str(conf)], cwd=self.tmp)
         wait_port(self.port, self.proc, timeout=60)
         self.pid = self.proc.pid
 
@@ -267,9 +298,16 @@ class Floor(Broker):
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "bench.floor_server", str(self.port),
-             str(self.tmp / "floor.log")],
-            cwd=REPO, env={**os.environ, "PYTHONPATH": str(REPO)})
+            [
+                sys.executable,
+                "-m",
+                "bench.floor_server",
+                str(self.port),
+                str(self.tmp / "floor.log"),
+            ],
+            cwd=REPO,
+            env={**os.environ, "PYTHONPATH": str(REPO)},
+        )
         wait_port(self.port, self.proc)
         self.pid = self.proc.pid
 
@@ -292,8 +330,15 @@ class Ctl:
 
     @classmethod
     def new(cls) -> Ctl:
-        return cls(MP.Queue(), MP.Queue(), MP.Event(), MP.Event(), MP.Event(),
-                   MP.Value("q", 0), MP.Value("q", 0))
+        return cls(
+            MP.Queue(),
+            MP.Queue(),
+            MP.Event(),
+            MP.Event(),
+            MP.Event(),
+            MP.Value("q", 0),
+            MP.Value("q", 0),
+        )
 
 
 def _get(q: Any, timeout: float, what: str) -> Any:
@@ -308,10 +353,16 @@ def _get(q: Any, timeout: float, what: str) -> Any:
     return item
 
 
-def run_load(broker: Broker, subs: list[dict[str, Any]], pubs: list[dict[str, Any]],
-             storms: list[dict[str, Any]] = (), *, expected: int = 0,  # type: ignore[assignment]
-             window: tuple[float, float] | None = None,
-             setup_timeout: float = 120) -> dict[str, Any]:
+def run_load(
+    broker: Broker,
+    subs: list[dict[str, Any]],
+    pubs: list[dict[str, Any]],
+    storms: list[dict[str, Any]] = (),  # type: ignore[assignment]
+    *,
+    expected: int = 0,
+    window: tuple[float, float] | None = None,
+    setup_timeout: float = 120,
+) -> dict[str, Any]:
     """Start the generator processes, wait until every connection is up, set ``go``,
     collect results. ``window`` = (warm-up, duration): broker CPU is measured only there."""
     ctl = Ctl.new()
@@ -360,7 +411,10 @@ def run_load(broker: Broker, subs: list[dict[str, Any]], pubs: list[dict[str, An
             if p.is_alive():
                 p.kill()
     out: dict[str, Any] = {
-        "broker_cpu": cpu, "wall": wall, "rss_kb": rss, "rss0_kb": rss0,
+        "broker_cpu": cpu,
+        "wall": wall,
+        "rss_kb": rss,
+        "rss0_kb": rss0,
         "gen_cpu": sum(r["cpu"] for r in [*results, *sub_res]),
         "sent": sum(r["sent"] for r in pub_res),
         "acked": sum(r["acked"] for r in pub_res),
@@ -386,8 +440,7 @@ def run_load(broker: Broker, subs: list[dict[str, Any]], pubs: list[dict[str, An
     if storm_res:
         n = sum(r["connected"] for r in storm_res)
         out["connected"] = n
-        out["connect_s"] = (max(r["t1"] for r in storm_res)
-                            - min(r["t0"] for r in storm_res)) / 1e9
+        out["connect_s"] = (max(r["t1"] for r in storm_res) - min(r["t0"] for r in storm_res)) / 1e9
         out["rss_storm_kb"] = rss_storm
         out["bytes_per_conn"] = (rss_storm - rss0) * 1024 / n
     return out
@@ -411,6 +464,7 @@ def losses(m: dict[str, Any], subs: int = 1) -> int:
 
 # ============================================================== scenarios
 
+
 @dataclass
 class Figure:
     """One scenario's headline figure for one broker."""
@@ -426,11 +480,31 @@ class Figure:
 def fanin(broker: Broker, qos: int, quick: bool, tag: str) -> Figure:
     n_pubs = 50
     n = int((2000 if quick else 6000) * broker.scale)
-    subs = [{"role": "sub", "id": f"{tag}-s", "count": 1, "filter": "devices/+/telemetry",
-             "qos": qos, "sub_qos": qos, "n_pubs": n_pubs}]
-    pubs = [{"role": "pub", "id": f"{tag}-p{i}", "first": first, "count": count, "qos": qos,
-             "prefix": "devices", "n": n, "mode": "window" if qos else "blast",
-             "window": 100} for i, (first, count) in enumerate(split(n_pubs, 2))]
+    subs = [
+        {
+            "role": "sub",
+            "id": f"{tag}-s",
+            "count": 1,
+            "filter": "devices/+/telemetry",
+            "qos": qos,
+            "sub_qos": qos,
+            "n_pubs": n_pubs,
+        }
+    ]
+    pubs = [
+        {
+            "role": "pub",
+            "id": f"{tag}-p{i}",
+            "first": first,
+            "count": count,
+            "qos": qos,
+            "prefix": "devices",
+            "n": n,
+            "mode": "window" if qos else "blast",
+            "window": 100,
+        }
+        for i, (first, count) in enumerate(split(n_pubs, 2))
+    ]
     m = run_load(broker, subs, pubs)
     rate = m["received"] / m["elapsed"]
     return Figure(rate, "msg/s", True, m["received"] / m["broker_cpu"], m, losses(m))
@@ -440,48 +514,112 @@ def fanout(broker: Broker, qos: int, quick: bool, tag: str) -> Figure:
     n_subs = 50
     n = int((10_000 if quick else 30_000) * broker.scale)
     topic = "fanouts/00000/telemetry"
-    subs = [{"role": "sub", "id": f"{tag}-s{i}", "count": count, "filter": topic, "qos": qos,
-             "sub_qos": qos, "n_pubs": 1} for i, (_, count) in enumerate(split(n_subs, 2))]
-    pubs = [{"role": "pub", "id": f"{tag}-p", "first": 0, "count": 1, "qos": qos,
-             "prefix": "fanouts", "n": n, "mode": "window" if qos else "blast",
-             "window": 100}]
+    subs = [
+        {
+            "role": "sub",
+            "id": f"{tag}-s{i}",
+            "count": count,
+            "filter": topic,
+            "qos": qos,
+            "sub_qos": qos,
+            "n_pubs": 1,
+        }
+        for i, (_, count) in enumerate(split(n_subs, 2))
+    ]
+    pubs = [
+        {
+            "role": "pub",
+            "id": f"{tag}-p",
+            "first": 0,
+            "count": 1,
+            "qos": qos,
+            "prefix": "fanouts",
+            "n": n,
+            "mode": "window" if qos else "blast",
+            "window": 100,
+        }
+    ]
     m = run_load(broker, subs, pubs)
     rate = m["received"] / m["elapsed"]
-    return Figure(rate, "deliveries/s", True, m["received"] / m["broker_cpu"], m,
-                  losses(m, n_subs))
+    return Figure(rate, "deliveries/s", True, m["received"] / m["broker_cpu"], m, losses(m, n_subs))
 
 
 def fleet(broker: Broker, quick: bool, tag: str) -> Figure:
     devices = 5000
     warmup, duration = (2.0, 5.0) if quick else (3.0, 10.0)
-    subs = [{"role": "sub", "id": f"{tag}-s", "count": 1, "filter": "devices/+/telemetry",
-             "qos": 1, "sub_qos": 1, "n_pubs": devices, "latency": True, "warmup": warmup}]
-    pubs = [{"role": "pub", "id": f"{tag}-p{i}", "first": first, "count": count, "qos": 1,
-             "prefix": "devices", "mode": "paced", "rate": count,
-             "duration": warmup + duration + 0.5}
-            for i, (first, count) in enumerate(split(devices, 2))]
+    subs = [
+        {
+            "role": "sub",
+            "id": f"{tag}-s",
+            "count": 1,
+            "filter": "devices/+/telemetry",
+            "qos": 1,
+            "sub_qos": 1,
+            "n_pubs": devices,
+            "latency": True,
+            "warmup": warmup,
+        }
+    ]
+    pubs = [
+        {
+            "role": "pub",
+            "id": f"{tag}-p{i}",
+            "first": first,
+            "count": count,
+            "qos": 1,
+            "prefix": "devices",
+            "mode": "paced",
+            "rate": count,
+            "duration": warmup + duration + 0.5,
+        }
+        for i, (first, count) in enumerate(split(devices, 2))
+    ]
     m = run_load(broker, subs, pubs, window=(warmup, duration), setup_timeout=300)
     return Figure(m["cpu_pct"], "% CPU", False, None, m, losses(m))
 
 
 def storm(broker: Broker, quick: bool, tag: str) -> Figure:
     conns = 5000
-    storms = [{"role": "storm", "id": f"{tag}-c{i}", "count": count, "concurrency": 200}
-              for i, (_, count) in enumerate(split(conns, 2))]
+    storms = [
+        {"role": "storm", "id": f"{tag}-c{i}", "count": count, "concurrency": 200}
+        for i, (_, count) in enumerate(split(conns, 2))
+    ]
     m = run_load(broker, [], [], storms)
     rate = m["connected"] / m["connect_s"]
     time.sleep(1.0)  # the broker closes 5,000 sessions before the next scenario
-    return Figure(rate, "connects/s", True, m["connected"] / m["broker_cpu"], m,
-                  conns - m["connected"])
+    return Figure(
+        rate, "connects/s", True, m["connected"] / m["broker_cpu"], m, conns - m["connected"]
+    )
 
 
 def latency(broker: Broker, quick: bool, tag: str) -> Figure:
     warmup, duration = (1.0, 4.0) if quick else (2.0, 10.0)
-    subs = [{"role": "sub", "id": f"{tag}-s", "count": 1, "filter": "latency/00000/telemetry",
-             "qos": 1, "sub_qos": 1, "n_pubs": 1, "latency": True, "warmup": warmup}]
-    pubs = [{"role": "pub", "id": f"{tag}-p", "first": 0, "count": 1, "qos": 1,
-             "prefix": "latency", "mode": "paced", "rate": 5000,
-             "duration": warmup + duration}]
+    subs = [
+        {
+            "role": "sub",
+            "id": f"{tag}-s",
+            "count": 1,
+            "filter": "latency/00000/telemetry",
+            "qos": 1,
+            "sub_qos": 1,
+            "n_pubs": 1,
+            "latency": True,
+            "warmup": warmup,
+        }
+    ]
+    pubs = [
+        {
+            "role": "pub",
+            "id": f"{tag}-p",
+            "first": 0,
+            "count": 1,
+            "qos": 1,
+            "prefix": "latency",
+            "mode": "paced",
+            "rate": 5000,
+            "duration": warmup + duration,
+        }
+    ]
     m = run_load(broker, subs, pubs, window=(warmup, duration))
     return Figure(m["p50_ms"], "ms p50", False, None, m, losses(m))
 
@@ -489,8 +627,10 @@ def latency(broker: Broker, quick: bool, tag: str) -> Figure:
 def _persistent_subscribe(port: int, client_id: str, topic_filter: str) -> None:
     """Create a persistent session subscribed at QoS 1, then leave (Mosquitto queues)."""
     with socket.create_connection(("127.0.0.1", port)) as s:
-        s.sendall(loadgen.connect_packet(client_id, clean=False, username=loadgen.USER)
-                  + loadgen.subscribe_packet(topic_filter, 1))
+        s.sendall(
+            loadgen.connect_packet(client_id, clean=False, username=loadgen.USER)
+            + loadgen.subscribe_packet(topic_filter, 1)
+        )
         got = b""
         while len(got) < 9:
             chunk = s.recv(64)
@@ -508,9 +648,20 @@ def replay(broker: Broker, quick: bool, tag: str, run: int) -> list[Figure]:
     sub_id = f"{tag}-replayer"
     if not isinstance(broker, Mqlog):
         _persistent_subscribe(broker.port, f"{sub_id}-0", wild)  # the id the sub role uses
-    pubs = [{"role": "pub", "id": f"{tag}-load{i}", "first": first, "count": count, "qos": 1,
-             "prefix": prefix, "n": total // n_pubs, "mode": "window", "window": 100}
-            for i, (first, count) in enumerate(split(n_pubs, 2))]
+    pubs = [
+        {
+            "role": "pub",
+            "id": f"{tag}-load{i}",
+            "first": first,
+            "count": count,
+            "qos": 1,
+            "prefix": prefix,
+            "n": total // n_pubs,
+            "mode": "window",
+            "window": 100,
+        }
+        for i, (first, count) in enumerate(split(n_pubs, 2))
+    ]
     load = run_load(broker, [], pubs)
     figs = []
     for qos in (1, 0) if isinstance(broker, Mqlog) else (1,):
@@ -519,14 +670,21 @@ def replay(broker: Broker, quick: bool, tag: str, run: int) -> list[Figure]:
             spec = {"filter": f"$replay/earliest/{wild}", "sub_qos": qos, "clean": True}
         else:
             spec = {"filter": None, "sub_qos": 1, "clean": False}
-        subs = [{"role": "sub", "id": sub_id if not isinstance(broker, Mqlog)
-                 else f"{sub_id}{qos}", "count": 1, "qos": qos, "n_pubs": n_pubs,
-                 "connect_on_go": True, **spec}]
+        subs = [
+            {
+                "role": "sub",
+                "id": sub_id if not isinstance(broker, Mqlog) else f"{sub_id}{qos}",
+                "count": 1,
+                "qos": qos,
+                "n_pubs": n_pubs,
+                "connect_on_go": True,
+                **spec,
+            }
+        ]
         m = run_load(broker, subs, [], expected=load["acked"])
         m["loaded"] = load["acked"]
         rate = m["received"] / m["elapsed"]
-        figs.append(Figure(rate, "msg/s", True, m["received"] / m["broker_cpu"], m,
-                           losses(m)))
+        figs.append(Figure(rate, "msg/s", True, m["received"] / m["broker_cpu"], m, losses(m)))
     return figs
 
 
@@ -550,15 +708,25 @@ ROWS: dict[str, tuple[str, str]] = {
 }
 
 
-def expand(scenario: str, broker: str, figs: list[Figure],
-           run: int) -> dict[str, dict[str, Any]]:
+def expand(scenario: str, broker: str, figs: list[Figure], run: int) -> dict[str, dict[str, Any]]:
     """A scenario's figures as table rows: row key -> {value, per_cpu, cpu, gen, lost}."""
     f = figs[0]
     m = f.m
-    base = {"broker": broker, "cpu": m["broker_cpu"], "gen_cpu": m["gen_cpu"],
-            "lost": f.lost, "dup_reorder": m["dup_reorder"], "errors": m["errors"]}
-    rows = {scenario if scenario != "replay" else "replay1":
-            {**base, "value": f.value, "per_cpu": f.per_cpu}}
+    base = {
+        "broker": broker,
+        "cpu": m["broker_cpu"],
+        "gen_cpu": m["gen_cpu"],
+        "lost": f.lost,
+        "dup_reorder": m["dup_reorder"],
+        "errors": m["errors"],
+    }
+    rows = {
+        scenario if scenario != "replay" else "replay1": {
+            **base,
+            "value": f.value,
+            "per_cpu": f.per_cpu,
+        }
+    }
     if scenario == "fleet":
         rows["fleet_p50"] = {**base, "value": m.get("p50_ms", float("nan")), "per_cpu": None}
         rows["fleet_p99"] = {**base, "value": m.get("p99_ms", float("nan")), "per_cpu": None}
@@ -567,15 +735,23 @@ def expand(scenario: str, broker: str, figs: list[Figure],
         # Only a fresh broker's growth is its memory per connection: in later runs it reuses
         # what the first one grew (a few bytes or none per connection; None is left out of
         # the median).
-        rows["storm_mem"] = {**base, "value": m["bytes_per_conn"] if run == 0 else None,
-                             "per_cpu": None}
+        rows["storm_mem"] = {
+            **base,
+            "value": m["bytes_per_conn"] if run == 0 else None,
+            "per_cpu": None,
+        }
     if scenario == "latency":
-        rows["latency_p99"] = {**base, "value": m.get("p99_ms", float("nan")),
-                               "per_cpu": None}
+        rows["latency_p99"] = {**base, "value": m.get("p99_ms", float("nan")), "per_cpu": None}
     if scenario == "replay" and len(figs) > 1:
         g = figs[1]
-        rows["replay0"] = {**base, "cpu": g.m["broker_cpu"], "gen_cpu": g.m["gen_cpu"],
-                           "lost": g.lost, "value": g.value, "per_cpu": g.per_cpu}
+        rows["replay0"] = {
+            **base,
+            "cpu": g.m["broker_cpu"],
+            "gen_cpu": g.m["gen_cpu"],
+            "lost": g.lost,
+            "value": g.value,
+            "per_cpu": g.per_cpu,
+        }
     return rows
 
 
@@ -598,8 +774,18 @@ def fmt_ratio(r: float | None) -> str:
 
 def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
     extras = [name for name in EXTRA_BROKERS if any(name in per for per in rows.values())]
-    head = ["scenario", "unit", "mqlog", "mosquitto", "ratio", "mqlog/CPU-s", "mosq/CPU-s",
-            "CPU s mqlog (gen)", "CPU s mosq (gen)", "lost mqlog/mosq"]
+    head = [
+        "scenario",
+        "unit",
+        "mqlog",
+        "mosquitto",
+        "ratio",
+        "mqlog/CPU-s",
+        "mosq/CPU-s",
+        "CPU s mqlog (gen)",
+        "CPU s mosq (gen)",
+        "lost mqlog/mosq",
+    ]
     for name in extras:
         head += [name, f"mqlog/{name}", f"{name}/CPU-s", f"CPU s {name} (gen)", f"lost {name}"]
     lines = []
@@ -608,32 +794,49 @@ def table(rows: dict[str, dict[str, dict[str, Any]]]) -> str:
             continue
         a = rows[key].get("mqlog")
         b = rows[key].get("mosquitto")
-        ratio = (a["value"] / b["value"]
-                 if a and b and a["value"] is not None and b["value"] else None)
+        ratio = (
+            a["value"] / b["value"] if a and b and a["value"] is not None and b["value"] else None
+        )
         extra = []
         for name in extras:
             c = rows[key].get(name)
-            vs = (a["value"] / c["value"]
-                  if a and c and a["value"] is not None and c["value"] else None)
-            extra += [fmt(c["value"]) if c else "-", fmt_ratio(vs),
-                      fmt(c["per_cpu"]) if c else "-",
-                      f"{c['cpu']:.2f} ({c['gen_cpu']:.2f})" if c else "-",
-                      str(c["lost"] + c["dup_reorder"]) if c else "-"]
-        lines.append([
-            label, unit, fmt(a["value"]) if a else "-", fmt(b["value"]) if b else "-",
-            f"{ratio:.2f}x" if ratio is not None else "-",
-            fmt(a["per_cpu"]) if a else "-", fmt(b["per_cpu"]) if b else "-",
-            f"{a['cpu']:.2f} ({a['gen_cpu']:.2f})" if a else "-",
-            f"{b['cpu']:.2f} ({b['gen_cpu']:.2f})" if b else "-",
-            f"{a['lost'] + a['dup_reorder'] if a else '-'}/"
-            f"{b['lost'] + b['dup_reorder'] if b else '-'}",
-            *extra,
-        ])
+            vs = (
+                a["value"] / c["value"]
+                if a and c and a["value"] is not None and c["value"]
+                else None
+            )
+            extra += [
+                fmt(c["value"]) if c else "-",
+                fmt_ratio(vs),
+                fmt(c["per_cpu"]) if c else "-",
+                f"{c['cpu']:.2f} ({c['gen_cpu']:.2f})" if c else "-",
+                str(c["lost"] + c["dup_reorder"]) if c else "-",
+            ]
+        lines.append(
+            [
+                label,
+                unit,
+                fmt(a["value"]) if a else "-",
+                fmt(b["value"]) if b else "-",
+                f"{ratio:.2f}x" if ratio is not None else "-",
+                fmt(a["per_cpu"]) if a else "-",
+                fmt(b["per_cpu"]) if b else "-",
+                f"{a['cpu']:.2f} ({a['gen_cpu']:.2f})" if a else "-",
+                f"{b['cpu']:.2f} ({b['gen_cpu']:.2f})" if b else "-",
+                f"{a['lost'] + a['dup_reorder'] if a else '-'}/"
+                f"{b['lost'] + b['dup_reorder'] if b else '-'}",
+                *extra,
+            ]
+        )
     widths = [max(len(str(r[i])) for r in [head, *lines]) for i in range(len(head))]
     out = []
     for r in [head, *lines]:
-        out.append("  ".join(str(c).ljust(w) if i < 2 else str(c).rjust(w)
-                             for i, (c, w) in enumerate(zip(r, widths, strict=True))))
+        out.append(
+            "  ".join(
+                str(c).ljust(w) if i < 2 else str(c).rjust(w)
+                for i, (c, w) in enumerate(zip(r, widths, strict=True))
+            )
+        )
     out.insert(1, "-" * len(out[0]))
     return "\n".join(out)
 
@@ -662,8 +865,15 @@ def chart(ratios: dict[str, float], path: Path, subtitle: str) -> None:
 
 
 #: For "lower is better" figures the chart shows Mosquitto/mqlog so that >1 favours mqlog.
-LOWER_BETTER = {"fleet", "fleet_p50", "fleet_p99", "fleet_rss", "storm_mem", "latency",
-                "latency_p99"}
+LOWER_BETTER = {
+    "fleet",
+    "fleet_p50",
+    "fleet_p99",
+    "fleet_rss",
+    "storm_mem",
+    "latency",
+    "latency_p99",
+}
 
 
 def run_scenario(name: str, broker: Broker, quick: bool, run: int) -> list[Figure]:
@@ -676,7 +886,10 @@ def run_scenario(name: str, broker: Broker, quick: bool, run: int) -> list[Figur
     if name in ("fanout0", "fanout1"):
         return [fanout(broker, int(name[-1]), quick, tag)]
     fn: dict[str, Callable[[Broker, bool, str], Figure]] = {
-        "fleet": fleet, "storm": storm, "latency": latency}
+        "fleet": fleet,
+        "storm": storm,
+        "latency": latency,
+    }
     if name in fn:
         return [fn[name](broker, quick, tag)]
     if name == "replay":
@@ -691,18 +904,29 @@ def load_avg() -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mqlog bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller counts and durations")
-    ap.add_argument("--scenario", default=",".join(ALL),
-                    help=f"comma-separated subset of {','.join(ALL)}")
+    ap.add_argument(
+        "--scenario", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}"
+    )
     ap.add_argument("--runs", type=int, default=1, help="repeat; the table shows medians")
-    ap.add_argument("--brokers", default="mqlog,mosquitto",
-                    help="comma-separated: mqlog, mosquitto, amqtt (optional, 3.1.1 only), "
-                         "floor (optional: bench/floor_server.py, not a broker)")
+    ap.add_argument(
+        "--brokers",
+        default="mqlog,mosquitto",
+        help="comma-separated: mqlog, mosquitto, amqtt (optional, 3.1.1 only), "
+        "floor (optional: bench/floor_server.py, not a broker)",
+    )
     ap.add_argument("--profile", help="run mqlog under py-spy, raw samples to this file")
-    ap.add_argument("--results", type=Path, default=RESULTS,
-                    help="folder of the JSON lines and the chart (default bench/results)")
+    ap.add_argument(
+        "--results",
+        type=Path,
+        default=RESULTS,
+        help="folder of the JSON lines and the chart (default bench/results)",
+    )
     ap.add_argument("--chart", help="PNG path (default RESULTS/mqtt_bench.png)")
-    ap.add_argument("--baseline", metavar="DIR",
-                    help="also run the mqlog of another checkout (as mqlog-base), for A/B")
+    ap.add_argument(
+        "--baseline",
+        metavar="DIR",
+        help="also run the mqlog of another checkout (as mqlog-base), for A/B",
+    )
     args = ap.parse_args(argv)
     scenarios = [s for s in args.scenario.split(",") if s]
     for s in scenarios:
@@ -725,8 +949,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.baseline:
         brokers.append(Mqlog(tmp, src=Path(args.baseline).resolve(), name="mqlog-base"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
-    print(f"# {started}  load {load_avg()}  cpus {os.cpu_count()}  quick={args.quick} "
-          f"runs={args.runs}", flush=True)
+    print(
+        f"# {started}  load {load_avg()}  cpus {os.cpu_count()}  quick={args.quick} "
+        f"runs={args.runs}",
+        flush=True,
+    )
     collected: dict[str, dict[str, list[dict[str, Any]]]] = {}
     jsonl = results / "mqtt_bench.jsonl"
     try:
@@ -746,18 +973,38 @@ def main(argv: list[str] | None = None) -> int:
                     for key, row in rows.items():
                         collected.setdefault(key, {}).setdefault(b.name, []).append(row)
                     head = figs[0]
-                    print(f"  run {run} {name:8s} {b.name:9s} {fmt(head.value):>10s} "
-                          f"{head.unit:13s} lost {head.lost} dup/reorder "
-                          f"{head.m['dup_reorder']} cpu {head.m['broker_cpu']:.2f}s gen "
-                          f"{head.m['gen_cpu']:.2f}s ({time.monotonic() - t:.1f}s, load "
-                          f"{load_avg()})", flush=True)
+                    print(
+                        f"  run {run} {name:8s} {b.name:9s} {fmt(head.value):>10s} "
+                        f"{head.unit:13s} lost {head.lost} dup/reorder "
+                        f"{head.m['dup_reorder']} cpu {head.m['broker_cpu']:.2f}s gen "
+                        f"{head.m['gen_cpu']:.2f}s ({time.monotonic() - t:.1f}s, load "
+                        f"{load_avg()})",
+                        flush=True,
+                    )
                     with jsonl.open("ab") as f:
-                        f.write(orjson.dumps({
-                            "ts": started, "run": run, "scenario": name, "broker": b.name,
-                            "quick": args.quick, "load": load_avg(),
-                            "figures": [{"value": g.value, "unit": g.unit, "lost": g.lost,
-                                         **{k: v for k, v in g.m.items()}} for g in figs],
-                        }, default=lambda o: None) + b"\n")
+                        f.write(
+                            orjson.dumps(
+                                {
+                                    "ts": started,
+                                    "run": run,
+                                    "scenario": name,
+                                    "broker": b.name,
+                                    "quick": args.quick,
+                                    "load": load_avg(),
+                                    "figures": [
+                                        {
+                                            "value": g.value,
+                                            "unit": g.unit,
+                                            "lost": g.lost,
+                                            **{k: v for k, v in g.m.items()},
+                                        }
+                                        for g in figs
+                                    ],
+                                },
+                                default=lambda o: None,
+                            )
+                            + b"\n"
+                        )
     finally:
         for b in brokers:
             b.stop()
@@ -774,37 +1021,53 @@ def main(argv: list[str] | None = None) -> int:
             med["dup_reorder"] = sum(r["dup_reorder"] for r in rows_)
             medians[key][bname] = med
     print()
-    print(f"mqlog vs Mosquitto 2 ({'median of ' + str(args.runs) if args.runs > 1 else '1 run'}"
-          f", load at end {load_avg()}; lost = missing + duplicated/reordered deliveries)")
+    print(
+        f"mqlog vs Mosquitto 2 ({'median of ' + str(args.runs) if args.runs > 1 else '1 run'}"
+        f", load at end {load_avg()}; lost = missing + duplicated/reordered deliveries)"
+    )
     print(table(medians))
     ratios: dict[str, float] = {}
     per_run_ratios: dict[str, list[float]] = {}
     for key, per in collected.items():
         if "mqlog" in per and "mosquitto" in per:
-            rs = [a["value"] / b["value"] for a, b in zip(per["mqlog"], per["mosquitto"],
-                                                          strict=True)
-                  if a["value"] is not None and b["value"]]
+            rs = [
+                a["value"] / b["value"]
+                for a, b in zip(per["mqlog"], per["mosquitto"], strict=True)
+                if a["value"] is not None and b["value"]
+            ]
             if key in LOWER_BETTER:
                 rs = [1 / r for r in rs if r]
             if rs:
                 per_run_ratios[key] = rs
                 ratios[ROWS[key][0]] = statistics.median(rs)
-    summary = {"ts": started, "summary": True, "quick": args.quick, "runs": args.runs,
-               "load": load_avg(),
-               "ratios_favouring_mqlog": {k: statistics.median(v)
-                                          for k, v in per_run_ratios.items()},
-               "per_run": per_run_ratios,
-               "medians": {k: {b: {f: r[f] for f in ("value", "per_cpu", "cpu", "gen_cpu",
-                                                       "lost")} for b, r in v.items()}
-                           for k, v in medians.items()}}
+    summary = {
+        "ts": started,
+        "summary": True,
+        "quick": args.quick,
+        "runs": args.runs,
+        "load": load_avg(),
+        "ratios_favouring_mqlog": {k: statistics.median(v) for k, v in per_run_ratios.items()},
+        "per_run": per_run_ratios,
+        "medians": {
+            k: {
+                b: {f: r[f] for f in ("value", "per_cpu", "cpu", "gen_cpu", "lost")}
+                for b, r in v.items()
+            }
+            for k, v in medians.items()
+        },
+    }
     line = orjson.dumps(summary)
     print(line.decode())
     with jsonl.open("ab") as f:
         f.write(line + b"\n")
     if ratios:
         path = Path(args.chart) if args.chart else results / "mqtt_bench.png"
-        chart(ratios, path, f"{'quick, ' if args.quick else ''}median of {args.runs}, "
-                            f"{os.cpu_count()} cores, load {load_avg()}")
+        chart(
+            ratios,
+            path,
+            f"{'quick, ' if args.quick else ''}median of {args.runs}, "
+            f"{os.cpu_count()} cores, load {load_avg()}",
+        )
         print(f"chart: {path}")
     return 0
 

@@ -121,13 +121,20 @@ def build_log(data_dir: Path, records: int, batch_records: int) -> float:
                 for i in range(n):
                     device = names[i % len(names)]
                     ts = base_ms + written + i
-                    payload = orjson.dumps({
-                        "device": device, "seq": seq[device], "ts": ts,
-                        "temperature": round(21 + (i % 40) / 10, 2),
-                        "humidity": 45.0 + i % 10, "battery": 90.0 - (i % 50) / 10})
+                    payload = orjson.dumps(
+                        {
+                            "device": device,
+                            "seq": seq[device],
+                            "ts": ts,
+                            "temperature": round(21 + (i % 40) / 10, 2),
+                            "humidity": 45.0 + i % 10,
+                            "battery": 90.0 - (i % 50) / 10,
+                        }
+                    )
                     seq[device] += 1
-                    batch.append(Record(0, ts, f"devices/{device}/telemetry", payload, 1,
-                                        False, device))
+                    batch.append(
+                        Record(0, ts, f"devices/{device}/telemetry", payload, 1, False, device)
+                    )
                 streams.log("telemetry", p).append(batch)
                 written += n
     return time.perf_counter() - start
@@ -141,11 +148,16 @@ def start_broker(tmp: Path, data_dir: Path) -> tuple[subprocess.Popen[bytes], st
         f'[commitlog]\ndata_dir = "{data_dir}"\n'
         f'[[streams]]\nname = "telemetry"\ntopic_filter = ["devices/#"]\n'
         f'partitions = {PARTITIONS}\nretention = "forever"\n'
-        f'[http]\nhost = "127.0.0.1"\nport = {http_port}\n')
+        f'[http]\nhost = "127.0.0.1"\nport = {http_port}\n'
+    )
     log_path = tmp / "broker.log"
     with open(log_path, "wb") as log:
-        proc = subprocess.Popen([sys.executable, "-m", "broker.cli", "serve", "-c",
-                                 str(config)], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "broker.cli", "serve", "-c", str(config)],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
     deadline = time.monotonic() + 30
     while "listening on mqtt://" not in log_path.read_text(errors="replace"):
         if proc.poll() is not None or time.monotonic() > deadline:
@@ -156,8 +168,7 @@ def start_broker(tmp: Path, data_dir: Path) -> tuple[subprocess.Popen[bytes], st
 
 
 # ------------------------------------------------------------------ the measurement
-def drain_once(spark: Any, broker: str, work: Path, fmt: str, records: int
-               ) -> tuple[float, float]:
+def drain_once(spark: Any, broker: str, work: Path, fmt: str, records: int) -> tuple[float, float]:
     """Seconds of one drain from query start to its end, and of its micro-batches alone."""
     from spark_sink.drain import start_drain
 
@@ -165,8 +176,15 @@ def drain_once(spark: Any, broker: str, work: Path, fmt: str, records: int
     shutil.rmtree(out, ignore_errors=True)
     shutil.rmtree(checkpoint, ignore_errors=True)
     start = time.perf_counter()
-    query = start_drain(spark, broker, str(out), str(checkpoint), streams=["telemetry"],
-                        once=True, source_format=fmt)
+    query = start_drain(
+        spark,
+        broker,
+        str(out),
+        str(checkpoint),
+        streams=["telemetry"],
+        once=True,
+        source_format=fmt,
+    )
     query.awaitTermination()
     elapsed = time.perf_counter() - start
     if query.exception() is not None:
@@ -183,15 +201,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--master", default="local[2]")
-    parser.add_argument("--batch-records", type=int, default=1000,
-                        help="records per stored log batch (default 1000)")
-    parser.add_argument("--warmup", type=int, default=1,
-                        help="untimed rounds first (JIT, Python workers; default 1)")
+    parser.add_argument(
+        "--batch-records",
+        type=int,
+        default=1000,
+        help="records per stored log batch (default 1000)",
+    )
+    parser.add_argument(
+        "--warmup",
+        type=int,
+        default=1,
+        help="untimed rounds first (JIT, Python workers; default 1)",
+    )
     args = parser.parse_args(argv)
 
     # Workers import this module (the reference source) and our packages.
     os.environ["PYTHONPATH"] = os.pathsep.join(
-        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])])
+        [str(ROOT), *filter(None, [os.environ.get("PYTHONPATH")])]
+    )
     os.environ.setdefault("SPARK_LOCAL_IP", "127.0.0.1")
     from spark_sink.drain import spark_session
 
@@ -202,8 +229,9 @@ def main(argv: list[str] | None = None) -> int:
         print(f"built {args.records} records in {build_s:.1f}s", flush=True)
         broker, url = start_broker(tmp, tmp / "data")
         session_start = time.perf_counter()
-        spark = spark_session(master=args.master, app="mqlog-bench",
-                              extra={"spark.driver.memory": "2g"})
+        spark = spark_session(
+            master=args.master, app="mqlog-bench", extra={"spark.driver.memory": "2g"}
+        )
         session_s = time.perf_counter() - session_start
         print(f"session started in {session_s:.1f}s (outside the timed drains)", flush=True)
         spark.dataSource.register(TupleDataSource)
@@ -212,15 +240,20 @@ def main(argv: list[str] | None = None) -> int:
         for _ in range(args.warmup):
             for fmt in results:
                 drain_once(spark, url, tmp, fmt, args.records)
-        print(f"{'run':>3}  {'source':<13} {'seconds':>8} {'rows/s':>10} "
-              f"{'batch rows/s':>13}", flush=True)
+        print(
+            f"{'run':>3}  {'source':<13} {'seconds':>8} {'rows/s':>10} {'batch rows/s':>13}",
+            flush=True,
+        )
         for run in range(args.runs):
             for fmt in results:
                 elapsed, batches = drain_once(spark, url, tmp, fmt, args.records)
                 results[fmt].append(args.records / elapsed)
                 in_batches[fmt].append(args.records / batches)
-                print(f"{run + 1:>3}  {fmt:<13} {elapsed:8.2f} {args.records / elapsed:10,.0f} "
-                      f"{args.records / batches:13,.0f}", flush=True)
+                print(
+                    f"{run + 1:>3}  {fmt:<13} {elapsed:8.2f} {args.records / elapsed:10,.0f} "
+                    f"{args.records / batches:13,.0f}",
+                    flush=True,
+                )
         spark.stop()
     finally:
         if broker is not None:
@@ -232,27 +265,39 @@ def main(argv: list[str] | None = None) -> int:
     load = os.getloadavg()
     with_session = args.records / (session_s + args.records / arrow)
     print()
-    print(f"median of {args.runs}: arrow {arrow:,.0f} rows/s, tuples (reference) "
-          f"{tuples:,.0f} rows/s, ratio {arrow / tuples:.2f}x; target >= {TARGET_ROWS_S:,} "
-          f"rows/s: {'met' if arrow >= TARGET_ROWS_S else 'NOT met'}; micro-batches alone: "
-          f"arrow {statistics.median(in_batches['mqlog']):,.0f}, tuples "
-          f"{statistics.median(in_batches['mqlog_tuples']):,.0f} rows/s; with one session "
-          f"start-up added: arrow {with_session:,.0f} rows/s; load average "
-          f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
-    print(orjson.dumps({
-        "bench": "spark_drain", "records": args.records, "master": args.master,
-        "batch_records": args.batch_records, "session_s": round(session_s, 2),
-        "arrow_rows_s_with_session": round(with_session),
-        "runs": args.runs, "warmup": args.warmup, "arrow_rows_s": round(arrow),
-        "tuples_rows_s": round(tuples),
-        "arrow_batch_rows_s": round(statistics.median(in_batches["mqlog"])),
-        "tuples_batch_rows_s": round(statistics.median(in_batches["mqlog_tuples"])),
-        "load": [round(x, 2) for x in load],
-        "ratio": round(arrow / tuples, 2), "target_rows_s": TARGET_ROWS_S,
-        "target_met": arrow >= TARGET_ROWS_S,
-        "arrow_runs": [round(r) for r in results["mqlog"]],
-        "tuples_runs": [round(r) for r in results["mqlog_tuples"]],
-    }).decode())
+    print(
+        f"median of {args.runs}: arrow {arrow:,.0f} rows/s, tuples (reference) "
+        f"{tuples:,.0f} rows/s, ratio {arrow / tuples:.2f}x; target >= {TARGET_ROWS_S:,} "
+        f"rows/s: {'met' if arrow >= TARGET_ROWS_S else 'NOT met'}; micro-batches alone: "
+        f"arrow {statistics.median(in_batches['mqlog']):,.0f}, tuples "
+        f"{statistics.median(in_batches['mqlog_tuples']):,.0f} rows/s; with one session "
+        f"start-up added: arrow {with_session:,.0f} rows/s; load average "
+        f"{load[0]:.2f} {load[1]:.2f} {load[2]:.2f}"
+    )
+    print(
+        orjson.dumps(
+            {
+                "bench": "spark_drain",
+                "records": args.records,
+                "master": args.master,
+                "batch_records": args.batch_records,
+                "session_s": round(session_s, 2),
+                "arrow_rows_s_with_session": round(with_session),
+                "runs": args.runs,
+                "warmup": args.warmup,
+                "arrow_rows_s": round(arrow),
+                "tuples_rows_s": round(tuples),
+                "arrow_batch_rows_s": round(statistics.median(in_batches["mqlog"])),
+                "tuples_batch_rows_s": round(statistics.median(in_batches["mqlog_tuples"])),
+                "load": [round(x, 2) for x in load],
+                "ratio": round(arrow / tuples, 2),
+                "target_rows_s": TARGET_ROWS_S,
+                "target_met": arrow >= TARGET_ROWS_S,
+                "arrow_runs": [round(r) for r in results["mqlog"]],
+                "tuples_runs": [round(r) for r in results["mqlog_tuples"]],
+            }
+        ).decode()
+    )
     return 0
 
 

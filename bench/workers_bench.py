@@ -51,10 +51,24 @@ class MqlogWorkers(Mqlog):
     def start(self) -> None:
         data = self.tmp / f"{self.name}-data"
         self.http_port = free_port()
-        cmd = [sys.executable, "-m", "broker.cli", "--log-level", "WARNING", "serve",
-               "-c", str(self.src / "config" / "broker.toml"), "--port", str(self.port),
-               "--http-port", str(self.http_port), "--data-dir", str(data),
-               "--workers", str(self.workers)]
+        cmd = [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "--log-level",
+            "WARNING",
+            "serve",
+            "-c",
+            str(self.src / "config" / "broker.toml"),
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(self.http_port),
+            "--data-dir",
+            str(data),
+            "--workers",
+            str(self.workers),
+        ]
         env = {**os.environ, "PYTHONPATH": str(self.src)}
         self.proc = subprocess.Popen(cmd, cwd=self.src, env=env)
         wait_port(self.port, self.proc)
@@ -62,8 +76,9 @@ class MqlogWorkers(Mqlog):
         time.sleep(0.5)  # every worker listening, not just the first
 
     def forwarded(self) -> float:
-        with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}/metrics",
-                                    timeout=10) as resp:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.http_port}/metrics", timeout=10
+        ) as resp:
             text = resp.read().decode()
         m = re.search(r"^mqlog_records_forwarded_total (\S+)$", text, re.M)
         return float(m.group(1)) if m else 0.0
@@ -75,12 +90,20 @@ def run(scenario: str, broker: MqlogWorkers, quick: bool, tag: str) -> dict[str,
     qos = int(scenario[-1])
     fig: Figure = (fanin if scenario.startswith("fanin") else fanout)(broker, qos, quick, tag)
     cpu1 = broker.cpu_by_process()
-    return {"scenario": scenario, "workers": broker.workers, "value": fig.value,
-            "unit": fig.unit, "lost": fig.lost, "broker_cpu": fig.m["broker_cpu"],
-            "gen_cpu": fig.m["gen_cpu"], "elapsed": fig.m["elapsed"],
-            "cpu_by_process": [round(b - a, 2) for a, b in zip(cpu0, cpu1, strict=False)],
-            "forwarded": broker.forwarded() - fwd0, "received": fig.m["received"],
-            "load": load_avg()}
+    return {
+        "scenario": scenario,
+        "workers": broker.workers,
+        "value": fig.value,
+        "unit": fig.unit,
+        "lost": fig.lost,
+        "broker_cpu": fig.m["broker_cpu"],
+        "gen_cpu": fig.m["gen_cpu"],
+        "elapsed": fig.m["elapsed"],
+        "cpu_by_process": [round(b - a, 2) for a, b in zip(cpu0, cpu1, strict=False)],
+        "forwarded": broker.forwarded() - fwd0,
+        "received": fig.m["received"],
+        "load": load_avg(),
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -116,9 +139,11 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def table(rows: list[dict[str, Any]], n: int) -> str:
-    lines = [f"| scenario | unit | workers=1 | workers={n} | scaling | broker CPU s (1 / {n}) "
-             f"| CPU s per process, workers={n} (supervisor, workers...) | forwarded | lost |",
-             "|---|---|---:|---:|---:|---|---|---:|---:|"]
+    lines = [
+        f"| scenario | unit | workers=1 | workers={n} | scaling | broker CPU s (1 / {n}) "
+        f"| CPU s per process, workers={n} (supervisor, workers...) | forwarded | lost |",
+        "|---|---|---:|---:|---:|---|---|---:|---:|",
+    ]
     for scenario in dict.fromkeys(r["scenario"] for r in rows):
         one = [r for r in rows if r["scenario"] == scenario and r["workers"] == 1]
         many = [r for r in rows if r["scenario"] == scenario and r["workers"] == n]
@@ -131,7 +156,8 @@ def table(rows: list[dict[str, Any]], n: int) -> str:
             f"{statistics.median(r['broker_cpu'] for r in many):.1f} | "
             f"{', '.join(map(str, last['cpu_by_process']))} | "
             f"{statistics.median(r['forwarded'] for r in many):,.0f} | "
-            f"{sum(r['lost'] for r in one + many)} |")
+            f"{sum(r['lost'] for r in one + many)} |"
+        )
     return "\n".join(lines)
 
 

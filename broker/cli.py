@@ -63,12 +63,16 @@ def _apply_overrides(cfg: Config, args: argparse.Namespace) -> Config:
         cfg = dataclasses.replace(cfg, http=dataclasses.replace(cfg.http, port=args.http_port))
     if args.data_dir is not None:
         cfg = dataclasses.replace(
-            cfg, commitlog=dataclasses.replace(cfg.commitlog, data_dir=Path(args.data_dir)))
+            cfg, commitlog=dataclasses.replace(cfg.commitlog, data_dir=Path(args.data_dir))
+        )
     if args.workers is not None:
-        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router,
-                                                                  workers=args.workers))
-    check_ports(cfg, str(args.config) if args.port is None and args.http_port is None
-                else f"{args.config} with the command line's ports")
+        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, workers=args.workers))
+    check_ports(
+        cfg,
+        str(args.config)
+        if args.port is None and args.http_port is None
+        else f"{args.config} with the command line's ports",
+    )
     return cfg
 
 
@@ -88,8 +92,13 @@ async def _serve(cfg: Config, worker: WorkerSpec | None = None) -> None:
             log.info("listening on %s", listener)
     else:
         owned = server.runtime.owned_keys() if server.runtime is not None else []
-        log.info("worker %d (pid %d): serving %s; owns %s", worker.index, os.getpid(),
-                 ", ".join(listeners), ", ".join(f"{s}/{p}" for s, p in owned) or "nothing")
+        log.info(
+            "worker %d (pid %d): serving %s; owns %s",
+            worker.index,
+            os.getpid(),
+            ", ".join(listeners),
+            ", ".join(f"{s}/{p}" for s, p in owned) or "nothing",
+        )
         worker.ready()
     await stop.wait()
     log.info("stopping: closing connections, persisting sessions, flushing logs")
@@ -147,22 +156,25 @@ def _get(broker: str, path: str) -> Any:
         reason = getattr(e, "reason", e)
         raise BrokerUnreachable(
             f"cannot reach the broker's HTTP API at {broker} ({reason}); is `mqlog serve` "
-            "running with [http] enabled, and is --broker right?") from None
+            "running with [http] enabled, and is --broker right?"
+        ) from None
     except orjson.JSONDecodeError:
-        raise BrokerUnreachable(f"{url}: the answer is not JSON; is it an mqlog broker?") \
-            from None
+        raise BrokerUnreachable(f"{url}: the answer is not JSON; is it an mqlog broker?") from None
 
 
 def _table(headers: list[str], rows: list[list[Any]]) -> str:
     """Left-aligned text columns; numbers right-aligned."""
     cells = [[str(c) for c in row] for row in rows]
     widths = [max([len(h), *(len(r[i]) for r in cells)]) for i, h in enumerate(headers)]
-    numeric = [all(isinstance(row[i], int) for row in rows) and bool(rows)
-               for i in range(len(headers))]
+    numeric = [
+        all(isinstance(row[i], int) for row in rows) and bool(rows) for i in range(len(headers))
+    ]
 
     def line(values: list[str]) -> str:
-        return "  ".join(v.rjust(w) if num else v.ljust(w)
-                         for v, w, num in zip(values, widths, numeric, strict=True)).rstrip()
+        return "  ".join(
+            v.rjust(w) if num else v.ljust(w)
+            for v, w, num in zip(values, widths, numeric, strict=True)
+        ).rstrip()
 
     return "\n".join([line(headers), *(line(r) for r in cells)])
 
@@ -171,8 +183,13 @@ def _duration(ms: int | None) -> str:
     """Milliseconds in the config's own units: 604800000 -> "7d"; None -> "forever"."""
     if ms is None:
         return "forever"
-    for unit, size in (("w", 604_800_000), ("d", 86_400_000), ("h", 3_600_000),
-                       ("m", 60_000), ("s", 1000)):
+    for unit, size in (
+        ("w", 604_800_000),
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1000),
+    ):
         if ms and ms % size == 0:
             return f"{ms // size}{unit}"
     return f"{ms}ms"
@@ -183,17 +200,32 @@ def cmd_streams(args: argparse.Namespace) -> int:
     rows = []
     for st in streams:
         cfg = st["config"]
-        rows.append([st["name"], st["partitions"], ",".join(st["topic_filters"]) or "-",
-                     _duration(cfg.get("retention_ms")), cfg.get("fsync", "-")])
+        rows.append(
+            [
+                st["name"],
+                st["partitions"],
+                ",".join(st["topic_filters"]) or "-",
+                _duration(cfg.get("retention_ms")),
+                cfg.get("fsync", "-"),
+            ]
+        )
     print(_table(["STREAM", "PARTITIONS", "TOPIC FILTERS", "RETENTION", "FSYNC"], rows))
     print()
     rows = []
     for st in streams:
-        parts = _get(args.broker, f"/api/v1/streams/{urllib.parse.quote(st['name'])}"
-                                  "/partitions")["partitions"]
+        parts = _get(args.broker, f"/api/v1/streams/{urllib.parse.quote(st['name'])}/partitions")[
+            "partitions"
+        ]
         for p in parts:
-            rows.append([st["name"], p["partition"], p["earliest_offset"],
-                         p["high_water_mark"], p["high_water_mark"] - p["earliest_offset"]])
+            rows.append(
+                [
+                    st["name"],
+                    p["partition"],
+                    p["earliest_offset"],
+                    p["high_water_mark"],
+                    p["high_water_mark"] - p["earliest_offset"],
+                ]
+            )
     print(_table(["STREAM", "PARTITION", "EARLIEST", "HIGH-WATER", "RECORDS"], rows))
     return 0
 
@@ -206,23 +238,47 @@ def cmd_offsets(args: argparse.Namespace) -> int:
         if not s["positions"]:
             rows.append([s["client_id"], state, "-", "-", "-", "-", "-", "-"])
         for p in s["positions"]:
-            rows.append([s["client_id"], state, p["consumer"], p["stream"], p["partition"],
-                         p["offset"], p["high_water_mark"], p["lag"]])
+            rows.append(
+                [
+                    s["client_id"],
+                    state,
+                    p["consumer"],
+                    p["stream"],
+                    p["partition"],
+                    p["offset"],
+                    p["high_water_mark"],
+                    p["lag"],
+                ]
+            )
     print(f"sessions ({len(data['sessions'])} persistent)")
-    print(_table(["CLIENT", "STATE", "CONSUMER", "STREAM", "PARTITION", "OFFSET", "HIGH-WATER",
-                  "LAG"], rows))
+    print(
+        _table(
+            ["CLIENT", "STATE", "CONSUMER", "STREAM", "PARTITION", "OFFSET", "HIGH-WATER", "LAG"],
+            rows,
+        )
+    )
     groups = data.get("shared_groups", [])
     if groups:
         rows = []
         for g in groups:
             members = ",".join(g["members"]) or "-"
             for p in g["positions"]:
-                rows.append([g["subscription"], members, p["stream"], p["partition"],
-                             p["offset"], p["high_water_mark"], p["lag"]])
+                rows.append(
+                    [
+                        g["subscription"],
+                        members,
+                        p["stream"],
+                        p["partition"],
+                        p["offset"],
+                        p["high_water_mark"],
+                        p["lag"],
+                    ]
+                )
         print()
         print(f"shared groups ({len(groups)})")
-        print(_table(["GROUP", "MEMBERS", "STREAM", "PARTITION", "OFFSET", "HIGH-WATER", "LAG"],
-                     rows))
+        print(
+            _table(["GROUP", "MEMBERS", "STREAM", "PARTITION", "OFFSET", "HIGH-WATER", "LAG"], rows)
+        )
     return 0
 
 
@@ -300,16 +356,23 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mqlog", description="MQTT broker on a commit log")
     parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
     sub = parser.add_subparsers(dest="command", required=True)
-    sub.add_parser("bench", add_help=False,
-                   help="mqlog vs Mosquitto side by side (bench/mqtt_bench.py; see --help)")
+    sub.add_parser(
+        "bench",
+        add_help=False,
+        help="mqlog vs Mosquitto side by side (bench/mqtt_bench.py; see --help)",
+    )
     serve = sub.add_parser("serve", help="run the broker")
     serve.add_argument("-c", "--config", default="config/broker.toml", help="TOML config file")
     serve.add_argument("--port", type=int, help="MQTT TCP port (overrides server.port)")
     serve.add_argument("--http-port", type=int, help="HTTP port (overrides http.port)")
     serve.add_argument("--data-dir", help="log directory (overrides commitlog.data_dir)")
     serve.add_argument("--workers", type=int, help="worker processes (overrides router.workers)")
-    serve.add_argument("--log-format", choices=("text", "json"), default="text",
-                       help="text lines, or one JSON object per line")
+    serve.add_argument(
+        "--log-format",
+        choices=("text", "json"),
+        default="text",
+        help="text lines, or one JSON object per line",
+    )
     serve.set_defaults(func=cmd_serve)
     passwd = sub.add_parser("passwd", help="add, change or delete a user in a password file")
     passwd.add_argument("file", help="password file (created if missing)")
@@ -318,25 +381,40 @@ def build_parser() -> argparse.ArgumentParser:
     passwd.add_argument("--password", help="the password (else prompted, or read from stdin)")
     passwd.set_defaults(func=cmd_passwd)
     for name, func, text in (
-            ("streams", cmd_streams, "list streams, partitions and high-water marks"),
-            ("offsets", cmd_offsets, "each persistent session's position and lag")):
+        ("streams", cmd_streams, "list streams, partitions and high-water marks"),
+        ("offsets", cmd_offsets, "each persistent session's position and lag"),
+    ):
         cmd = sub.add_parser(name, help=text)
-        cmd.add_argument("--broker", default=DEFAULT_BROKER,
-                         help=f"the broker's HTTP API (default {DEFAULT_BROKER})")
+        cmd.add_argument(
+            "--broker",
+            default=DEFAULT_BROKER,
+            help=f"the broker's HTTP API (default {DEFAULT_BROKER})",
+        )
         cmd.set_defaults(func=func)
     drain = sub.add_parser("spark-drain", help="drain streams into Parquet with Spark")
-    drain.add_argument("--broker", default=DEFAULT_BROKER,
-                       help=f"the broker's HTTP API (default {DEFAULT_BROKER})")
-    drain.add_argument("--stream", action="append",
-                       help="a stream to drain (repeatable; default: every user stream)")
+    drain.add_argument(
+        "--broker", default=DEFAULT_BROKER, help=f"the broker's HTTP API (default {DEFAULT_BROKER})"
+    )
+    drain.add_argument(
+        "--stream",
+        action="append",
+        help="a stream to drain (repeatable; default: every user stream)",
+    )
     drain.add_argument("--output", required=True, help="Parquet output directory")
     drain.add_argument("--checkpoint", required=True, help="Spark checkpoint directory")
-    drain.add_argument("--once", action="store_true",
-                       help="drain what the broker holds now and exit (Trigger.AvailableNow)")
-    drain.add_argument("--trigger-interval", default="10 seconds",
-                       help="micro-batch interval without --once (default: 10 seconds)")
-    drain.add_argument("--max-records-per-trigger", type=int,
-                       help="at most this many records per micro-batch")
+    drain.add_argument(
+        "--once",
+        action="store_true",
+        help="drain what the broker holds now and exit (Trigger.AvailableNow)",
+    )
+    drain.add_argument(
+        "--trigger-interval",
+        default="10 seconds",
+        help="micro-batch interval without --once (default: 10 seconds)",
+    )
+    drain.add_argument(
+        "--max-records-per-trigger", type=int, help="at most this many records per micro-batch"
+    )
     drain.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
     drain.set_defaults(func=cmd_spark_drain)
     return parser

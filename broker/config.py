@@ -24,11 +24,25 @@ from broker.mqtt.topics import validate_topic_filter
 T = TypeVar("T")
 
 MAX_PACKET_SIZE_LIMIT = 268_435_455  # the largest remaining length plus header MQTT allows
-_DURATION_UNITS_MS = {"ms": 1, "s": 1000, "m": 60_000, "h": 3_600_000, "d": 86_400_000,
-                      "w": 604_800_000}
+_DURATION_UNITS_MS = {
+    "ms": 1,
+    "s": 1000,
+    "m": 60_000,
+    "h": 3_600_000,
+    "d": 86_400_000,
+    "w": 604_800_000,
+}
 _DURATION_RE = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)\s*$")
-_SIZE_UNITS = {"": 1, "b": 1, "kb": 1000, "mb": 1000**2, "gb": 1000**3,
-               "kib": 1024, "mib": 1024**2, "gib": 1024**3}
+_SIZE_UNITS = {
+    "": 1,
+    "b": 1,
+    "kb": 1000,
+    "mb": 1000**2,
+    "gb": 1000**3,
+    "kib": 1024,
+    "mib": 1024**2,
+    "gib": 1024**3,
+}
 _SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
 _STREAM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
 
@@ -41,45 +55,45 @@ class ConfigError(Exception):
 class ServerConfig:
     host: str = "0.0.0.0"
     port: int = 1883
-    tls_port: int = 0                     # MQTT over TLS (8883 by convention); 0 = off
-    certfile: Path | None = None          # server certificate chain (PEM)
-    keyfile: Path | None = None           # its private key (PEM)
-    cafile: Path | None = None            # CAs that sign client certificates (PEM)
-    require_certificate: bool = False     # TLS clients must present a certificate from cafile
-    ws_port: int = 0                      # MQTT over WebSocket (8083 by convention); 0 = off
-    sys_interval: int = 10_000            # ms between $SYS/broker/... updates; 0 = off
+    tls_port: int = 0  # MQTT over TLS (8883 by convention); 0 = off
+    certfile: Path | None = None  # server certificate chain (PEM)
+    keyfile: Path | None = None  # its private key (PEM)
+    cafile: Path | None = None  # CAs that sign client certificates (PEM)
+    require_certificate: bool = False  # TLS clients must present a certificate from cafile
+    ws_port: int = 0  # MQTT over WebSocket (8083 by convention); 0 = off
+    sys_interval: int = 10_000  # ms between $SYS/broker/... updates; 0 = off
 
 
 @dataclass(frozen=True, slots=True)
 class AuthConfig:
-    allow_anonymous: bool = True          # clients without a user name may connect
-    password_file: Path | None = None     # `mqlog passwd FILE USER`; None = names not checked
-    acl_file: Path | None = None          # mosquitto-style ACL; None = everything allowed
+    allow_anonymous: bool = True  # clients without a user name may connect
+    password_file: Path | None = None  # `mqlog passwd FILE USER`; None = names not checked
+    acl_file: Path | None = None  # mosquitto-style ACL; None = everything allowed
     use_identity_as_username: bool = False  # TLS: the client certificate's CN is the user
-    max_failures: int = 5                 # failed logins per address within failure_window ...
-    failure_window: int = 60_000          # ms
-    lockout: int = 60_000                 # ... refuse that address for this long (ms)
+    max_failures: int = 5  # failed logins per address within failure_window ...
+    failure_window: int = 60_000  # ms
+    lockout: int = 60_000  # ... refuse that address for this long (ms)
 
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    workers: int = 0                      # 0 = one worker per core
+    workers: int = 0  # 0 = one worker per core
     max_connections: int = 100_000
-    max_packet_size: int = 1024 * 1024    # bytes, checked from the fixed header
+    max_packet_size: int = 1024 * 1024  # bytes, checked from the fixed header
     # QoS 1/2 deliveries in flight per client (5.0: the least of this and its Receive Maximum).
     # A window, so a bound on a catching-up reader's rate: 100 made a $replay a round trip per
     # 100 messages (~200k msg/s here, 45k on a loaded host); 1,000 keeps it streaming. A live
     # subscriber rarely has more than a few in flight, so the bound costs it nothing.
     max_inflight: int = 1000
-    max_queued_bytes: int = 8 * 1024 * 1024   # per-connection output buffer before pausing
-    max_topic_length: int = 1024          # bytes of UTF-8
+    max_queued_bytes: int = 8 * 1024 * 1024  # per-connection output buffer before pausing
+    max_topic_length: int = 1024  # bytes of UTF-8
     max_topic_levels: int = 32
-    keepalive_min: int = 0                # seconds; 0 = a client may disable keepalive
-    keepalive_max: int = 65_535           # seconds; longer requests are clamped (5.0: announced)
-    connect_timeout: int = 10             # seconds a new connection has to send its CONNECT
+    keepalive_min: int = 0  # seconds; 0 = a client may disable keepalive
+    keepalive_max: int = 65_535  # seconds; longer requests are clamped (5.0: announced)
+    connect_timeout: int = 10  # seconds a new connection has to send its CONNECT
     session_expiry_max: int = 7 * 86_400  # seconds
-    slow_qos0_policy: str = "drop"        # "drop" or "disconnect" when a QoS 0 reader lags
-    max_lag_records: int = 100_000        # QoS 0 lag before the policy applies
+    slow_qos0_policy: str = "drop"  # "drop" or "disconnect" when a QoS 0 reader lags
+    max_lag_records: int = 100_000  # QoS 0 lag before the policy applies
 
 
 @dataclass(frozen=True, slots=True)
@@ -176,8 +190,13 @@ class _Section:
 
     def integer(self, key: str, default: int, lo: int = 0, hi: int | None = None) -> int:
         def ok(v: Any) -> bool:
-            return (isinstance(v, int) and not isinstance(v, bool) and v >= lo
-                    and (hi is None or v <= hi))
+            return (
+                isinstance(v, int)
+                and not isinstance(v, bool)
+                and v >= lo
+                and (hi is None or v <= hi)
+            )
+
         what = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
         return self.get(key, default, ok, what)
 
@@ -186,8 +205,9 @@ class _Section:
 
     def string(self, key: str, default: str, choices: tuple[str, ...] = ()) -> str:
         what = "one of " + ", ".join(repr(c) for c in choices) if choices else "a string"
-        return self.get(key, default,
-                        lambda v: isinstance(v, str) and (not choices or v in choices), what)
+        return self.get(
+            key, default, lambda v: isinstance(v, str) and (not choices or v in choices), what
+        )
 
     def duration(self, key: str, default: int | None) -> int | None:
         self.seen.add(key)
@@ -219,7 +239,8 @@ def _log_config(sec: _Section, base: LogConfig) -> LogConfig:
     segment_ms = sec.duration("segment_age", base.segment_ms)
     fsync_interval = sec.duration("fsync_interval", base.fsync_interval_ms)
     fsync: FsyncPolicy = sec.string(  # type: ignore[assignment]
-        "fsync", base.fsync, ("always", "interval", "never"))
+        "fsync", base.fsync, ("always", "interval", "never")
+    )
     if not segment_bytes or segment_bytes < 1024:
         raise ConfigError(f"{sec.source}: {sec.key('segment_bytes')} must be at least 1KiB")
     if segment_ms is None or segment_ms <= 0:
@@ -247,9 +268,11 @@ def _stream(table: Any, i: int, source: str, defaults: LogConfig) -> StreamSpec:
         )
     sec.name = f"streams[{name}]"
     filters: Any = sec.get(
-        "topic_filter", None,
-        lambda v: isinstance(v, str)
-        or (isinstance(v, list) and all(isinstance(x, str) for x in v)),
+        "topic_filter",
+        None,
+        lambda v: (
+            isinstance(v, str) or (isinstance(v, list) and all(isinstance(x, str) for x in v))
+        ),
         "a topic filter or a list of them",
     )
     if filters is None:
@@ -295,21 +318,26 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
             raise ConfigError(f"{source}: unknown section [{key}]")
 
     s = _Section(data.get("server", {}), "server", source)
-    server = ServerConfig(host=s.string("host", _SERVER.host),
-                          port=s.integer("port", _SERVER.port, hi=65535),
-                          tls_port=s.integer("tls_port", _SERVER.tls_port, hi=65535),
-                          certfile=_path(s, "certfile"), keyfile=_path(s, "keyfile"),
-                          cafile=_path(s, "cafile"),
-                          require_certificate=s.boolean("require_certificate",
-                                                        _SERVER.require_certificate),
-                          ws_port=s.integer("ws_port", _SERVER.ws_port, hi=65535),
-                          sys_interval=s.duration("sys_interval", _SERVER.sys_interval) or 0)
+    server = ServerConfig(
+        host=s.string("host", _SERVER.host),
+        port=s.integer("port", _SERVER.port, hi=65535),
+        tls_port=s.integer("tls_port", _SERVER.tls_port, hi=65535),
+        certfile=_path(s, "certfile"),
+        keyfile=_path(s, "keyfile"),
+        cafile=_path(s, "cafile"),
+        require_certificate=s.boolean("require_certificate", _SERVER.require_certificate),
+        ws_port=s.integer("ws_port", _SERVER.ws_port, hi=65535),
+        sys_interval=s.duration("sys_interval", _SERVER.sys_interval) or 0,
+    )
     if server.tls_port and (server.certfile is None or server.keyfile is None):
-        raise ConfigError(f"{source}: server.tls_port is set: server.certfile and "
-                          "server.keyfile are required")
+        raise ConfigError(
+            f"{source}: server.tls_port is set: server.certfile and server.keyfile are required"
+        )
     if server.require_certificate and server.cafile is None:
-        raise ConfigError(f"{source}: server.require_certificate needs server.cafile "
-                          "(the CA that signs client certificates)")
+        raise ConfigError(
+            f"{source}: server.require_certificate needs server.cafile "
+            "(the CA that signs client certificates)"
+        )
     s.finish()
 
     a = _Section(data.get("auth", {}), "auth", source)
@@ -318,8 +346,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
         allow_anonymous=a.boolean("allow_anonymous", da.allow_anonymous),
         password_file=_path(a, "password_file"),
         acl_file=_path(a, "acl_file"),
-        use_identity_as_username=a.boolean("use_identity_as_username",
-                                           da.use_identity_as_username),
+        use_identity_as_username=a.boolean("use_identity_as_username", da.use_identity_as_username),
         max_failures=a.integer("max_failures", da.max_failures, lo=1),
         failure_window=a.duration("failure_window", da.failure_window) or da.failure_window,
         lockout=a.duration("lockout", da.lockout) or 0,
@@ -331,11 +358,13 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
     router = RouterConfig(
         workers=r.integer("workers", d.workers, hi=256),
         max_connections=r.integer("max_connections", d.max_connections, lo=1),
-        max_packet_size=r.integer("max_packet_size", d.max_packet_size, lo=64,
-                              hi=MAX_PACKET_SIZE_LIMIT),
+        max_packet_size=r.integer(
+            "max_packet_size", d.max_packet_size, lo=64, hi=MAX_PACKET_SIZE_LIMIT
+        ),
         max_inflight=r.integer("max_inflight", d.max_inflight, lo=1, hi=65535),
-        max_queued_bytes=_positive(r.size("max_queued_bytes", d.max_queued_bytes),
-                                   r.key("max_queued_bytes"), source),
+        max_queued_bytes=_positive(
+            r.size("max_queued_bytes", d.max_queued_bytes), r.key("max_queued_bytes"), source
+        ),
         max_topic_length=r.integer("max_topic_length", d.max_topic_length, lo=1, hi=65535),
         max_topic_levels=r.integer("max_topic_levels", d.max_topic_levels, lo=1),
         keepalive_min=r.integer("keepalive_min", d.keepalive_min, hi=65535),
@@ -365,12 +394,15 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
             raise ConfigError(f"{source}: stream {name!r} is defined twice")
 
     h = _Section(data.get("http", {}), "http", source)
-    http = HttpConfig(enabled=h.boolean("enabled", _HTTP.enabled),
-                      host=h.string("host", _HTTP.host),
-                      port=h.integer("port", _HTTP.port, hi=65535))
+    http = HttpConfig(
+        enabled=h.boolean("enabled", _HTTP.enabled),
+        host=h.string("host", _HTTP.host),
+        port=h.integer("port", _HTTP.port, hi=65535),
+    )
     h.finish()
-    return Config(server=server, router=router, commitlog=commitlog, streams=streams, http=http,
-                  auth=auth)
+    return Config(
+        server=server, router=router, commitlog=commitlog, streams=streams, http=http, auth=auth
+    )
 
 
 def check_ports(cfg: Config, source: str = "<config>") -> None:
@@ -378,8 +410,11 @@ def check_ports(cfg: Config, source: str = "<config>") -> None:
     --port / --http-port`` included): with several workers the MQTT listeners share their
     port (SO_REUSEPORT), so the clash surfaced late, as the HTTP API's failure to bind in
     worker 0 while worker 1 already served (a flaky test picked one free port twice)."""
-    ports = [("server.port", cfg.server.port), ("server.tls_port", cfg.server.tls_port),
-             ("server.ws_port", cfg.server.ws_port)]
+    ports = [
+        ("server.port", cfg.server.port),
+        ("server.tls_port", cfg.server.tls_port),
+        ("server.ws_port", cfg.server.ws_port),
+    ]
     if cfg.http.enabled:
         ports.append(("http.port", cfg.http.port))
     seen: dict[int, str] = {}

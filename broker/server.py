@@ -68,25 +68,28 @@ def lock_data_dir(data_dir: Path) -> int:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
-        raise ServeError(f"{data_dir}: data directory is in use by another mqlog process") \
-            from None
+        raise ServeError(f"{data_dir}: data directory is in use by another mqlog process") from None
     return fd
 
 
 class Server:
     """A broker worker bound to the current event loop (the whole broker when alone)."""
 
-    def __init__(self, config: Config, *, monotonic: Callable[[], float] = time.monotonic,
-                 clock: Callable[[], float] = time.time,
-                 worker: WorkerSpec | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        *,
+        monotonic: Callable[[], float] = time.monotonic,
+        clock: Callable[[], float] = time.time,
+        worker: WorkerSpec | None = None,
+    ) -> None:
         self.config = config
         self.worker = worker
         self.monotonic = monotonic
         self.loop = asyncio.get_running_loop()
         try:
             self.auth = AuthService(config.auth, monotonic)
-            self.tls_context = (server_context(config.server) if config.server.tls_port
-                                else None)
+            self.tls_context = server_context(config.server) if config.server.tls_port else None
         except (AuthFileError, TLSConfigError) as e:
             raise ServeError(str(e)) from None
         self.metrics = Metrics()
@@ -95,18 +98,26 @@ class Server:
         # Several workers: the supervisor holds the lock for all of them.
         self._lock_fd = lock_data_dir(config.commitlog.data_dir) if worker is None else -1
         # $SYS topics first: their own internal stream, whatever the user's filters say.
-        self.streams = Streams(config.commitlog.data_dir, [SYS_SPEC, *config.stream_specs()],
-                               clock=clock)
-        self.runtime = (WorkerRuntime(worker.index, worker.count, self.streams)
-                        if worker is not None and worker.count > 1 else None)
+        self.streams = Streams(
+            config.commitlog.data_dir, [SYS_SPEC, *config.stream_specs()], clock=clock
+        )
+        self.runtime = (
+            WorkerRuntime(worker.index, worker.count, self.streams)
+            if worker is not None and worker.count > 1
+            else None
+        )
         #: Where the group commit, the links' output and the mesh's frames wait for the end
         #: of the iteration, and run in one pass (broker.net.iteration).
         self.iteration_end = IterationEnd(self.loop)
-        self.router = Router(self.streams, config.router, schedule=self.iteration_end.call_soon,
-                             clock=clock, monotonic=monotonic,
-                             partition_factory=(self.runtime.make_partition
-                                                if self.runtime is not None else None),
-                             load=self.runtime is None)
+        self.router = Router(
+            self.streams,
+            config.router,
+            schedule=self.iteration_end.call_soon,
+            clock=clock,
+            monotonic=monotonic,
+            partition_factory=(self.runtime.make_partition if self.runtime is not None else None),
+            load=self.runtime is None,
+        )
         if self.runtime is not None:
             self._join_runtime(self.runtime)
         self.router.acl = self.auth.acl
@@ -122,11 +133,18 @@ class Server:
         first = worker is None or worker.index == 0
         #: The admin HTTP API ([http]); it logs its own "listening on http://..." line.
         self.http = HttpApi(self, config.http) if config.http.enabled and first else None
-        self.websocket = (WebSocketListener(self, config.server.host, config.server.ws_port,
-                                            reuse_port=worker is not None)
-                          if config.server.ws_port else None)
-        self.sys = (SysPublisher(self, config.server.sys_interval / 1000)
-                    if config.server.sys_interval and first else None)
+        self.websocket = (
+            WebSocketListener(
+                self, config.server.host, config.server.ws_port, reuse_port=worker is not None
+            )
+            if config.server.ws_port
+            else None
+        )
+        self.sys = (
+            SysPublisher(self, config.server.sys_interval / 1000)
+            if config.server.sys_interval and first
+            else None
+        )
         self.stopped = asyncio.Event()
 
     def _join_runtime(self, runtime: WorkerRuntime) -> None:
@@ -165,8 +183,9 @@ class Server:
         cfg = self.config.server
         runtime = self.runtime
         if runtime is not None:
-            await runtime.start(self.router, lambda: [self.router.partition(key)
-                                                      for key in runtime.owned_keys()])
+            await runtime.start(
+                self.router, lambda: [self.router.partition(key) for key in runtime.owned_keys()]
+            )
             loaded = self.router.load(skip=runtime.sessions.registry)
             runtime.sessions.loaded(loaded)
         # Alone, no SO_REUSEPORT: a second broker on the same port must fail to bind, not
@@ -174,7 +193,8 @@ class Server:
         # supervisor checked it was free and holds the data directory.
         reuse = self.worker is not None
         server = await self.loop.create_server(
-            lambda: MQTTProtocol(self), cfg.host, cfg.port, backlog=4096, reuse_port=reuse)
+            lambda: MQTTProtocol(self), cfg.host, cfg.port, backlog=4096, reuse_port=reuse
+        )
         self._listeners.append(server)
         ready = []
         for sock in server.sockets:
@@ -183,8 +203,12 @@ class Server:
         if self.tls_context is not None:
             context = self.tls_context
             tls = await self.loop.create_server(
-                lambda: TLSProtocol(self, context), cfg.host, cfg.tls_port, backlog=4096,
-                reuse_port=reuse)
+                lambda: TLSProtocol(self, context),
+                cfg.host,
+                cfg.tls_port,
+                backlog=4096,
+                reuse_port=reuse,
+            )
             self._listeners.append(tls)
             for sock in tls.sockets:
                 host, port = sock.getsockname()[:2]
@@ -198,9 +222,12 @@ class Server:
         if self.http is not None:
             await self.http.start()
         auth = self.config.auth
-        log.info("auth: anonymous %s, password file %s, acl file %s",
-                 "ALLOWED" if auth.allow_anonymous else "refused",
-                 auth.password_file or "none", auth.acl_file or "none (all topics allowed)")
+        log.info(
+            "auth: anonymous %s, password file %s, acl file %s",
+            "ALLOWED" if auth.allow_anonymous else "refused",
+            auth.password_file or "none",
+            auth.acl_file or "none (all topics allowed)",
+        )
         # The broker allocates millions of short-lived tuples (records, packets): with the
         # default thresholds the collector ran every 700 allocations and, on a replay of
         # 1,000,000 records, took half the broker's time (py-spy, gc_collect_main). What
@@ -282,8 +309,11 @@ class Server:
         self.stopped.set()
 
     def describe(self) -> dict[str, Any]:
-        info = {"ready": self.ready, "connections": len(self.links),
-                "sessions": len(self.router.sessions)}
+        info = {
+            "ready": self.ready,
+            "connections": len(self.links),
+            "sessions": len(self.router.sessions),
+        }
         if self.runtime is not None:
             info.update(self.runtime.describe())
         return info

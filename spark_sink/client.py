@@ -35,8 +35,9 @@ class UnknownStream(MqlogSourceError):
 class OffsetOutOfRange(MqlogSourceError):
     """An offset outside ``[earliest_offset, high_water_mark]`` of a partition."""
 
-    def __init__(self, message: str, offset: int, earliest_offset: int,
-                 high_water_mark: int) -> None:
+    def __init__(
+        self, message: str, offset: int, earliest_offset: int, high_water_mark: int
+    ) -> None:
         super().__init__(message)
         self.offset = offset
         self.earliest_offset = earliest_offset
@@ -66,7 +67,8 @@ class BrokerClient:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise MqlogSourceError(
-                f"option 'broker' must be the broker's HTTP API as http://host:port, got {url!r}")
+                f"option 'broker' must be the broker's HTTP API as http://host:port, got {url!r}"
+            )
         self.url = url.rstrip("/")
         self.host = parts.hostname
         self.port = parts.port or 80
@@ -89,8 +91,7 @@ class BrokerClient:
         """GET ``path``; one retry on a fresh connection if a kept-alive one went stale."""
         for attempt in (0, 1):
             if self._conn is None:
-                self._conn = http.client.HTTPConnection(self.host, self.port,
-                                                        timeout=self.timeout)
+                self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             try:
                 self._conn.request("GET", path, headers={"Accept": accept})
                 resp = self._conn.getresponse()
@@ -101,7 +102,8 @@ class BrokerClient:
                     raise BrokerUnavailable(
                         f"cannot reach the mqlog broker's HTTP API at {self.url} ({e}); is "
                         "`mqlog serve` running with [http] enabled, and is option 'broker' "
-                        "right?") from None
+                        "right?"
+                    ) from None
         raise AssertionError("unreachable")
 
     def _json(self, path: str) -> tuple[int, Any]:
@@ -111,7 +113,8 @@ class BrokerClient:
         except orjson.JSONDecodeError:
             raise BrokerUnavailable(
                 f"{self.url}{path}: HTTP {status}, the answer is not JSON; is {self.url} an "
-                "mqlog broker?") from None
+                "mqlog broker?"
+            ) from None
 
     @staticmethod
     def _path(stream: str, partition: int | None = None) -> str:
@@ -123,8 +126,10 @@ class BrokerClient:
             return data
         message = data.get("error", data) if isinstance(data, dict) else data
         if status == 404:
-            raise UnknownStream(f"{what}: {message} (broker {self.url}); streams: "
-                                f"{', '.join(self.user_streams()) or 'none'}")
+            raise UnknownStream(
+                f"{what}: {message} (broker {self.url}); streams: "
+                f"{', '.join(self.user_streams()) or 'none'}"
+            )
         raise BrokerUnavailable(f"{what}: broker {self.url} answered HTTP {status}: {message}")
 
     # ------------------------------------------------------------------ calls
@@ -140,24 +145,29 @@ class BrokerClient:
     def partitions(self, stream: str) -> list[PartitionOffsets]:
         status, data = self._json(self._path(stream))
         data = self._check(status, data, f"stream {stream!r}")
-        return [PartitionOffsets(p["partition"], p["earliest_offset"], p["high_water_mark"])
-                for p in data["partitions"]]
+        return [
+            PartitionOffsets(p["partition"], p["earliest_offset"], p["high_water_mark"])
+            for p in data["partitions"]
+        ]
 
     def offset_for_time(self, stream: str, partition: int, timestamp_ms: int) -> int:
-        status, data = self._json(f"{self._path(stream, partition)}/offset"
-                                  f"?timestamp={timestamp_ms}")
-        return int(self._check(status, data, f"stream {stream!r} partition {partition}")
-                   ["offset"])
+        status, data = self._json(
+            f"{self._path(stream, partition)}/offset?timestamp={timestamp_ms}"
+        )
+        return int(self._check(status, data, f"stream {stream!r} partition {partition}")["offset"])
 
-    def fetch(self, stream: str, partition: int, offset: int, max_records: int,
-              max_bytes: int = 4 << 20) -> Fetched:
+    def fetch(
+        self, stream: str, partition: int, offset: int, max_records: int, max_bytes: int = 4 << 20
+    ) -> Fetched:
         """Records from ``offset`` (at most ``max_records``) as one Arrow batch.
 
         Raises :class:`OffsetOutOfRange` (with the valid range) for an offset the partition
         does not hold, :class:`UnknownStream` for an unknown stream or partition.
         """
-        path = (f"{self._path(stream, partition)}/records?offset={offset}"
-                f"&max_records={max_records}&max_bytes={max_bytes}")
+        path = (
+            f"{self._path(stream, partition)}/records?offset={offset}"
+            f"&max_records={max_records}&max_bytes={max_bytes}"
+        )
         status, resp, body = self._request(path, "application/vnd.apache.arrow.stream")
         what = f"stream {stream!r} partition {partition}"
         if status != 200:
@@ -166,16 +176,18 @@ class BrokerClient:
             except orjson.JSONDecodeError:
                 data = {"error": body[:200].decode(errors="replace")}
             if status == 416:
-                raise OffsetOutOfRange(data["error"], offset, data["earliest_offset"],
-                                       data["high_water_mark"])
+                raise OffsetOutOfRange(
+                    data["error"], offset, data["earliest_offset"], data["high_water_mark"]
+                )
             self._check(status, data, what)
         try:
             next_offset = int(resp.headers["X-Mqlog-Next-Offset"])
             hwm = int(resp.headers["X-Mqlog-High-Water-Mark"])
             table = pa.ipc.open_stream(body).read_all()
         except (KeyError, ValueError, pa.ArrowInvalid) as e:
-            raise BrokerUnavailable(f"{what}: unexpected fetch answer from {self.url}: {e}") \
-                from None
+            raise BrokerUnavailable(
+                f"{what}: unexpected fetch answer from {self.url}: {e}"
+            ) from None
         batches = table.to_batches()
         batch = None
         if len(batches) == 1:

@@ -65,15 +65,18 @@ def java_home() -> str | None:
     return str(Path(os.path.realpath(java)).parent.parent)
 
 
-def spark_session(master: str = "local[2]", app: str = "mqlog",
-                  extra: dict[str, str] | None = None) -> SparkSession:
+def spark_session(
+    master: str = "local[2]", app: str = "mqlog", extra: dict[str, str] | None = None
+) -> SparkSession:
     """A SparkSession with the ``mqlog`` source registered; workers use this interpreter
     (``PYSPARK_PYTHON`` when set), through :func:`spark_sink.worker_python.worker_python`'s
     launcher where it applies."""
     home = java_home()
     if home is None:
-        raise MqlogSourceError("Spark needs Java 17: no `java` on PATH and JAVA_HOME unset "
-                               "(Debian: apt-get install openjdk-17-jre-headless)")
+        raise MqlogSourceError(
+            "Spark needs Java 17: no `java` on PATH and JAVA_HOME unset "
+            "(Debian: apt-get install openjdk-17-jre-headless)"
+        )
     os.environ.setdefault("JAVA_HOME", home)
     os.environ.setdefault("PYSPARK_DRIVER_PYTHON", sys.executable)
     from pyspark.sql import SparkSession
@@ -104,16 +107,25 @@ def resolve_streams(broker: str, streams: list[str] | None) -> list[str]:
         return known
     unknown = [s for s in streams if s not in known]
     if unknown:
-        raise MqlogSourceError(f"unknown stream(s) {', '.join(map(repr, unknown))} on broker "
-                               f"{broker}; streams: {', '.join(known) or 'none'}")
+        raise MqlogSourceError(
+            f"unknown stream(s) {', '.join(map(repr, unknown))} on broker "
+            f"{broker}; streams: {', '.join(known) or 'none'}"
+        )
     return streams
 
 
-def start_drain(spark: SparkSession, broker: str, output: str, checkpoint: str, *,
-                streams: list[str] | None = None, once: bool = False,
-                trigger_interval: str = "10 seconds",
-                max_records_per_trigger: int | None = None,
-                source_format: str = "mqlog") -> StreamingQuery:
+def start_drain(
+    spark: SparkSession,
+    broker: str,
+    output: str,
+    checkpoint: str,
+    *,
+    streams: list[str] | None = None,
+    once: bool = False,
+    trigger_interval: str = "10 seconds",
+    max_records_per_trigger: int | None = None,
+    source_format: str = "mqlog",
+) -> StreamingQuery:
     """Start the drain query; the caller waits on it (``awaitTermination``).
 
     ``source_format`` names a registered data source with the ``mqlog`` options and schema
@@ -121,28 +133,41 @@ def start_drain(spark: SparkSession, broker: str, output: str, checkpoint: str, 
     from pyspark.sql import functions as F
 
     names = resolve_streams(broker, streams)
-    reader = (spark.readStream.format(source_format).option("broker", broker)
-              .option("stream", ",".join(names)).option("startingOffsets", "earliest"))
+    reader = (
+        spark.readStream.format(source_format)
+        .option("broker", broker)
+        .option("stream", ",".join(names))
+        .option("startingOffsets", "earliest")
+    )
     if max_records_per_trigger is not None:
         reader = reader.option("maxRecordsPerTrigger", str(max_records_per_trigger))
     df = reader.load().withColumn("date", F.to_date(F.col("timestamp")))
-    writer = (df.writeStream.format("parquet").option("path", output)
-              # Payloads are nearly all distinct and offsets always are, timestamps nearly
-              # (telemetry at 1 ms): a dictionary for them is built, probed (Binary.equals
-              # was 7% of the JVM's samples in the 1M drain) and thrown away when it
-              # outgrows its page.
-              .option("parquet.enable.dictionary#payload", "false")
-              .option("parquet.enable.dictionary#offset", "false")
-              .option("parquet.enable.dictionary#timestamp", "false")
-              .option("checkpointLocation", checkpoint).partitionBy("date")
-              .queryName("mqlog_drain"))
-    writer = writer.trigger(availableNow=True) if once else \
-        writer.trigger(processingTime=trigger_interval)
+    writer = (
+        df.writeStream.format("parquet")
+        .option("path", output)
+        # Payloads are nearly all distinct and offsets always are, timestamps nearly
+        # (telemetry at 1 ms): a dictionary for them is built, probed (Binary.equals
+        # was 7% of the JVM's samples in the 1M drain) and thrown away when it
+        # outgrows its page.
+        .option("parquet.enable.dictionary#payload", "false")
+        .option("parquet.enable.dictionary#offset", "false")
+        .option("parquet.enable.dictionary#timestamp", "false")
+        .option("checkpointLocation", checkpoint)
+        .partitionBy("date")
+        .queryName("mqlog_drain")
+    )
+    writer = (
+        writer.trigger(availableNow=True)
+        if once
+        else writer.trigger(processingTime=trigger_interval)
+    )
     return writer.start()
 
 
-_OUR_ERROR = re.compile(r"(?:spark_sink\.\w+\.)?(?:MqlogSourceError|BrokerUnavailable|"
-                        r"UnknownStream|OffsetOutOfRange|DataLoss|OptionError): (.+)")
+_OUR_ERROR = re.compile(
+    r"(?:spark_sink\.\w+\.)?(?:MqlogSourceError|BrokerUnavailable|"
+    r"UnknownStream|OffsetOutOfRange|DataLoss|OptionError): (.+)"
+)
 
 
 def error_message(e: BaseException) -> str:
@@ -167,11 +192,22 @@ def run_cli(args: argparse.Namespace) -> int:
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
     try:
-        query = start_drain(spark, args.broker, args.output, args.checkpoint, streams=streams,
-                            once=args.once, trigger_interval=args.trigger_interval,
-                            max_records_per_trigger=args.max_records_per_trigger)
-        print(f"mqlog spark-drain: draining {', '.join(streams)} from {args.broker} into "
-              f"{args.output}", file=sys.stderr, flush=True)
+        query = start_drain(
+            spark,
+            args.broker,
+            args.output,
+            args.checkpoint,
+            streams=streams,
+            once=args.once,
+            trigger_interval=args.trigger_interval,
+            max_records_per_trigger=args.max_records_per_trigger,
+        )
+        print(
+            f"mqlog spark-drain: draining {', '.join(streams)} from {args.broker} into "
+            f"{args.output}",
+            file=sys.stderr,
+            flush=True,
+        )
         while query.isActive and not stop.is_set():
             query.awaitTermination(1)
         if query.isActive:
@@ -181,8 +217,11 @@ def run_cli(args: argparse.Namespace) -> int:
             raise failure
         progress = query.recentProgress
         rows = sum(p.numInputRows for p in progress)
-        print(f"mqlog spark-drain: stopped after {len(progress)} micro-batch(es), "
-              f"{rows} record(s)", file=sys.stderr, flush=True)
+        print(
+            f"mqlog spark-drain: stopped after {len(progress)} micro-batch(es), {rows} record(s)",
+            file=sys.stderr,
+            flush=True,
+        )
         return 0
     except Exception as e:  # Spark wraps the source's errors: show the source's message
         print(f"mqlog spark-drain: error: {error_message(e)}", file=sys.stderr)

@@ -80,8 +80,9 @@ def _positive_int(options: Mapping[str, str], key: str) -> int | None:
     return value
 
 
-def parse_positions(key: str, raw: str, streams: tuple[str, ...],
-                    allowed: tuple[str, ...]) -> str | Positions:
+def parse_positions(
+    key: str, raw: str, streams: tuple[str, ...], allowed: tuple[str, ...]
+) -> str | Positions:
     """``earliest``/``latest`` (when ``allowed``) or a JSON object of offsets per partition."""
     text = raw.strip()
     if text.lower() in allowed:
@@ -91,29 +92,41 @@ def parse_positions(key: str, raw: str, streams: tuple[str, ...],
     except orjson.JSONDecodeError:
         raise OptionError(
             f"option {key!r} must be {' | '.join(allowed)} or a JSON object like "
-            f'{{"0": 42}} or {{"{streams[0]}": {{"0": 42}}}}, got {raw!r}') from None
+            f'{{"0": 42}} or {{"{streams[0]}": {{"0": 42}}}}, got {raw!r}'
+        ) from None
     if not isinstance(data, dict) or not data:
         raise OptionError(f"option {key!r} must be a non-empty JSON object, got {raw!r}")
     if all(not isinstance(v, dict) for v in data.values()):
         if len(streams) != 1:
-            raise OptionError(f"option {key!r}: with several streams give offsets per stream, "
-                              f'like {{"{streams[0]}": {{"0": 42}}}}')
+            raise OptionError(
+                f"option {key!r}: with several streams give offsets per stream, "
+                f'like {{"{streams[0]}": {{"0": 42}}}}'
+            )
         data = {streams[0]: data}
     out: Positions = {}
     for stream, parts in data.items():
         if stream not in streams:
-            raise OptionError(f"option {key!r} names stream {stream!r}, which is not in option "
-                              f"'stream' ({', '.join(streams)})")
+            raise OptionError(
+                f"option {key!r} names stream {stream!r}, which is not in option "
+                f"'stream' ({', '.join(streams)})"
+            )
         if not isinstance(parts, dict):
-            raise OptionError(f"option {key!r}: offsets of stream {stream!r} must be a JSON "
-                              f"object of partition -> offset, got {parts!r}")
+            raise OptionError(
+                f"option {key!r}: offsets of stream {stream!r} must be a JSON "
+                f"object of partition -> offset, got {parts!r}"
+            )
         out[stream] = {}
         for p, offset in parts.items():
-            if not str(p).isdigit() or not isinstance(offset, int) or isinstance(offset, bool) \
-                    or offset < EARLIEST:
+            if (
+                not str(p).isdigit()
+                or not isinstance(offset, int)
+                or isinstance(offset, bool)
+                or offset < EARLIEST
+            ):
                 raise OptionError(
                     f"option {key!r}: stream {stream!r} needs partition numbers mapped to "
-                    f"offsets >= 0 (or -2 earliest, -1 latest), got {p!r}: {offset!r}")
+                    f"offsets >= 0 (or -2 earliest, -1 latest), got {p!r}: {offset!r}"
+                )
             out[stream][int(p)] = offset
     return out
 
@@ -123,12 +136,16 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
     options = _CaseInsensitive(options)
     broker = options.get("broker")
     if not broker:
-        raise OptionError("option 'broker' is required: the broker's HTTP API, e.g. "
-                          ".option('broker', 'http://127.0.0.1:8080')")
+        raise OptionError(
+            "option 'broker' is required: the broker's HTTP API, e.g. "
+            ".option('broker', 'http://127.0.0.1:8080')"
+        )
     raw_streams = options.get("stream")
     if not raw_streams:
-        raise OptionError("option 'stream' is required: a stream name such as 'telemetry' "
-                          "(`mqlog streams` lists them), or several separated by commas")
+        raise OptionError(
+            "option 'stream' is required: a stream name such as 'telemetry' "
+            "(`mqlog streams` lists them), or several separated by commas"
+        )
     streams = tuple(s.strip() for s in raw_streams.split(",") if s.strip())
     if len(set(streams)) != len(streams):
         raise OptionError(f"option 'stream' names a stream twice: {raw_streams!r}")
@@ -140,18 +157,20 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         try:
             validate_topic_filter(topic_filter)
         except Exception as e:
-            raise OptionError(f"option 'topicFilter' {topic_filter!r} is not a valid MQTT "
-                              f"topic filter: {e}") from None
+            raise OptionError(
+                f"option 'topicFilter' {topic_filter!r} is not a valid MQTT topic filter: {e}"
+            ) from None
     starting: str | Positions | None = None
     if options.get("startingOffsets") is not None:
-        starting = parse_positions("startingOffsets", options["startingOffsets"], streams,
-                                   ("earliest", "latest"))
+        starting = parse_positions(
+            "startingOffsets", options["startingOffsets"], streams, ("earliest", "latest")
+        )
     ending: str | Positions = "latest"
     if options.get("endingOffsets") is not None:
-        ending = parse_positions("endingOffsets", options["endingOffsets"], streams,
-                                 ("latest",))
-        if isinstance(ending, dict) and any(o == EARLIEST for ps in ending.values()
-                                            for o in ps.values()):
+        ending = parse_positions("endingOffsets", options["endingOffsets"], streams, ("latest",))
+        if isinstance(ending, dict) and any(
+            o == EARLIEST for ps in ending.values() for o in ps.values()
+        ):
             raise OptionError("option 'endingOffsets': -2 (earliest) is not a valid end")
     starting_timestamp = None
     if options.get("startingTimestamp") is not None:
@@ -159,16 +178,22 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         try:
             starting_timestamp = int(raw)
         except ValueError:
-            raise OptionError(f"option 'startingTimestamp' must be epoch milliseconds, "
-                              f"got {raw!r}") from None
+            raise OptionError(
+                f"option 'startingTimestamp' must be epoch milliseconds, got {raw!r}"
+            ) from None
     fail = (options.get("failOnDataLoss") or "true").strip().lower()
     if fail not in ("true", "false"):
         raise OptionError(f"option 'failOnDataLoss' must be true or false, got {fail!r}")
     return SourceOptions(
-        broker=broker, streams=streams, topic_filter=topic_filter, starting=starting,
-        ending=ending, starting_timestamp=starting_timestamp,
+        broker=broker,
+        streams=streams,
+        topic_filter=topic_filter,
+        starting=starting,
+        ending=ending,
+        starting_timestamp=starting_timestamp,
         max_records_per_trigger=_positive_int(options, "maxRecordsPerTrigger"),
         fail_on_data_loss=fail == "true",
-        max_records_per_fetch=(_positive_int(options, "maxRecordsPerFetch")
-                               or DEFAULT_MAX_RECORDS_PER_FETCH),
+        max_records_per_fetch=(
+            _positive_int(options, "maxRecordsPerFetch") or DEFAULT_MAX_RECORDS_PER_FETCH
+        ),
     )

@@ -55,9 +55,11 @@ from spark_sink.options import EARLIEST, LATEST, Positions, SourceOptions, parse
 logger = logging.getLogger("spark_sink")
 
 #: The Spark schema of every row (DESIGN.md "Spark"); :data:`broker.http.arrow.SCHEMA` in Arrow.
-SCHEMA_DDL = ("stream string, partition int, offset long, timestamp timestamp, topic string, "
-              "payload binary, qos int, retain boolean, client_id string, "
-              "properties map<string, string>")
+SCHEMA_DDL = (
+    "stream string, partition int, offset long, timestamp timestamp, topic string, "
+    "payload binary, qos int, retain boolean, client_id string, "
+    "properties map<string, string>"
+)
 
 #: A partition's offset range is split into Spark partitions of at most this many records,
 #: so one busy log partition still spreads over the executor cores.
@@ -73,8 +75,17 @@ class DataLoss(MqlogSourceError):
 class OffsetRangePartition(InputPartition):
     """Records ``[start, end)`` of one stream partition; picklable, self-contained."""
 
-    def __init__(self, broker: str, stream: str, partition: int, start: int, end: int,
-                 topic_filter: str | None, fail_on_data_loss: bool, fetch_records: int) -> None:
+    def __init__(
+        self,
+        broker: str,
+        stream: str,
+        partition: int,
+        start: int,
+        end: int,
+        topic_filter: str | None,
+        fail_on_data_loss: bool,
+        fetch_records: int,
+    ) -> None:
         super().__init__((stream, partition, start, end))
         self.broker = broker
         self.stream = stream
@@ -112,8 +123,10 @@ def _lost(part: OffsetRangePartition, message: str) -> None:
     """Raise :class:`DataLoss`, or warn when the query runs with ``failOnDataLoss=false``."""
     where = f"stream {part.stream!r} partition {part.partition}"
     if part.fail_on_data_loss:
-        raise DataLoss(f"{where}: {message}. Set option failOnDataLoss=false to skip the "
-                       "missing records with a warning instead of failing")
+        raise DataLoss(
+            f"{where}: {message}. Set option failOnDataLoss=false to skip the "
+            "missing records with a warning instead of failing"
+        )
     logger.warning("%s: %s; skipping them (failOnDataLoss=false)", where, message)
 
 
@@ -128,9 +141,15 @@ def read_range(part: OffsetRangePartition) -> Iterator[pa.RecordBatch]:
     if part.start >= part.end:
         return
     with BrokerClient(part.broker) as client, ThreadPoolExecutor(1) as ahead:
+
         def fetch(offset: int) -> Future[Fetched]:
-            return ahead.submit(client.fetch, part.stream, part.partition, offset,
-                                min(part.fetch_records, part.end - offset))
+            return ahead.submit(
+                client.fetch,
+                part.stream,
+                part.partition,
+                offset,
+                min(part.fetch_records, part.end - offset),
+            )
 
         offset = part.start
         pending = fetch(offset)
@@ -139,22 +158,31 @@ def read_range(part: OffsetRangePartition) -> Iterator[pa.RecordBatch]:
                 fetched = pending.result()
             except OffsetOutOfRange as e:
                 if offset < e.earliest_offset:
-                    _lost(part, f"offsets {offset}..{min(e.earliest_offset, part.end) - 1} "
-                                f"were deleted by retention (earliest retained offset is "
-                                f"{e.earliest_offset})")
+                    _lost(
+                        part,
+                        f"offsets {offset}..{min(e.earliest_offset, part.end) - 1} "
+                        f"were deleted by retention (earliest retained offset is "
+                        f"{e.earliest_offset})",
+                    )
                     offset = e.earliest_offset
                     if offset >= part.end:
                         return
                     pending = fetch(offset)
                     continue
-                _lost(part, f"offset {offset} is past the high-water mark "
-                            f"{e.high_water_mark}: the broker no longer holds records "
-                            f"{e.high_water_mark}..{part.end - 1} it reported before")
+                _lost(
+                    part,
+                    f"offset {offset} is past the high-water mark "
+                    f"{e.high_water_mark}: the broker no longer holds records "
+                    f"{e.high_water_mark}..{part.end - 1} it reported before",
+                )
                 return
             batch = fetched.batch
             if batch is None:  # caught up below the planned end: the log lost its tail
-                _lost(part, f"the high-water mark {fetched.high_water_mark} is below the "
-                            f"planned end offset {part.end}")
+                _lost(
+                    part,
+                    f"the high-water mark {fetched.high_water_mark} is below the "
+                    f"planned end offset {part.end}",
+                )
                 return
             offset = fetched.next_offset
             if offset < part.end:
@@ -179,13 +207,21 @@ def _read(partition: InputPartition) -> Iterator[pa.RecordBatch]:
 
 
 # ------------------------------------------------------------------------------ planning
-def _resolve(client: BrokerClient, opts: SourceOptions, stream: str,
-             parts: list[PartitionOffsets], spec: str | Positions, *,
-             starting: bool) -> dict[int, int]:
+def _resolve(
+    client: BrokerClient,
+    opts: SourceOptions,
+    stream: str,
+    parts: list[PartitionOffsets],
+    spec: str | Positions,
+    *,
+    starting: bool,
+) -> dict[int, int]:
     """Concrete offsets per partition for ``spec`` (``earliest``/``latest``/positions)."""
     if starting and opts.starting_timestamp is not None:
-        return {p.partition: client.offset_for_time(stream, p.partition, opts.starting_timestamp)
-                for p in parts}
+        return {
+            p.partition: client.offset_for_time(stream, p.partition, opts.starting_timestamp)
+            for p in parts
+        }
     known = {p.partition for p in parts}
     given: dict[int, int] = {}
     if isinstance(spec, dict):
@@ -195,15 +231,24 @@ def _resolve(client: BrokerClient, opts: SourceOptions, stream: str,
             key = "startingOffsets" if starting else "endingOffsets"
             raise OffsetOutOfRange(
                 f"option {key!r} names partition(s) {unknown} of stream {stream!r}, which has "
-                f"partitions 0..{len(parts) - 1}", unknown[0], 0, 0)
+                f"partitions 0..{len(parts) - 1}",
+                unknown[0],
+                0,
+                0,
+            )
     out = {}
     for p in parts:
         default = EARLIEST if starting else LATEST
         if isinstance(spec, str):
             default = EARLIEST if spec == "earliest" else LATEST
         offset = given.get(p.partition, default)
-        out[p.partition] = (p.earliest_offset if offset == EARLIEST
-                            else p.high_water_mark if offset == LATEST else offset)
+        out[p.partition] = (
+            p.earliest_offset
+            if offset == EARLIEST
+            else p.high_water_mark
+            if offset == LATEST
+            else offset
+        )
     return out
 
 
@@ -214,31 +259,49 @@ def _check_start(opts: SourceOptions, stream: str, p: PartitionOffsets, offset: 
     if offset > p.high_water_mark:
         raise OffsetOutOfRange(
             f"{where}: starting offset {offset} is out of range: valid offsets are "
-            f"[{p.earliest_offset}, {p.high_water_mark}]", offset, p.earliest_offset,
-            p.high_water_mark)
+            f"[{p.earliest_offset}, {p.high_water_mark}]",
+            offset,
+            p.earliest_offset,
+            p.high_water_mark,
+        )
     if offset < p.earliest_offset:
-        message = (f"{where}: starting offset {offset} is out of range: valid offsets are "
-                   f"[{p.earliest_offset}, {p.high_water_mark}] (offsets below "
-                   f"{p.earliest_offset} were deleted by retention)")
+        message = (
+            f"{where}: starting offset {offset} is out of range: valid offsets are "
+            f"[{p.earliest_offset}, {p.high_water_mark}] (offsets below "
+            f"{p.earliest_offset} were deleted by retention)"
+        )
         if opts.fail_on_data_loss:
-            raise OffsetOutOfRange(message + "; set failOnDataLoss=false to start at the "
-                                   "earliest retained offset", offset, p.earliest_offset,
-                                   p.high_water_mark)
+            raise OffsetOutOfRange(
+                message + "; set failOnDataLoss=false to start at the earliest retained offset",
+                offset,
+                p.earliest_offset,
+                p.high_water_mark,
+            )
         logger.warning("%s; starting at %d (failOnDataLoss=false)", message, p.earliest_offset)
         return p.earliest_offset
     return offset
 
 
-def split_ranges(opts: SourceOptions, ranges: Sequence[tuple[str, int, int, int]]
-                 ) -> list[OffsetRangePartition]:
+def split_ranges(
+    opts: SourceOptions, ranges: Sequence[tuple[str, int, int, int]]
+) -> list[OffsetRangePartition]:
     """Input partitions for ``(stream, partition, start, end)`` ranges (empty ones dropped),
     each at most :data:`SPLIT_RECORDS` records."""
     out = []
     for stream, partition, start, end in ranges:
         for lo in range(start, end, SPLIT_RECORDS):
-            out.append(OffsetRangePartition(
-                opts.broker, stream, partition, lo, min(end, lo + SPLIT_RECORDS),
-                opts.topic_filter, opts.fail_on_data_loss, opts.max_records_per_fetch))
+            out.append(
+                OffsetRangePartition(
+                    opts.broker,
+                    stream,
+                    partition,
+                    lo,
+                    min(end, lo + SPLIT_RECORDS),
+                    opts.topic_filter,
+                    opts.fail_on_data_loss,
+                    opts.max_records_per_fetch,
+                )
+            )
     return out
 
 
@@ -282,8 +345,9 @@ class MqlogBatchReader(DataSourceReader):
         with BrokerClient(opts.broker) as client:
             for stream in opts.streams:
                 parts = client.partitions(stream)
-                starts = _resolve(client, opts, stream, parts, opts.starting or "earliest",
-                                  starting=True)
+                starts = _resolve(
+                    client, opts, stream, parts, opts.starting or "earliest", starting=True
+                )
                 ends = _resolve(client, opts, stream, parts, opts.ending, starting=False)
                 for p in parts:
                     start = _check_start(opts, stream, p, starts[p.partition])
@@ -291,13 +355,19 @@ class MqlogBatchReader(DataSourceReader):
                     if end > p.high_water_mark:
                         raise OffsetOutOfRange(
                             f"stream {stream!r} partition {p.partition}: ending offset {end} "
-                            f"is past the high-water mark {p.high_water_mark}", end,
-                            p.earliest_offset, p.high_water_mark)
+                            f"is past the high-water mark {p.high_water_mark}",
+                            end,
+                            p.earliest_offset,
+                            p.high_water_mark,
+                        )
                     if end < start:
                         raise OffsetOutOfRange(
                             f"stream {stream!r} partition {p.partition}: ending offset {end} "
-                            f"is below the starting offset {start}", end, p.earliest_offset,
-                            p.high_water_mark)
+                            f"is below the starting offset {start}",
+                            end,
+                            p.earliest_offset,
+                            p.high_water_mark,
+                        )
                     ranges.append((stream, p.partition, start, end))
         return split_ranges(opts, ranges)
 
@@ -331,10 +401,12 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         opts = self.opts
         out: dict[str, dict[int, int]] = {}
         for stream, parts in self._partitions().items():
-            starts = _resolve(self.client, opts, stream, parts, opts.starting or "latest",
-                              starting=True)
-            out[stream] = {p.partition: _check_start(opts, stream, p, starts[p.partition])
-                           for p in parts}
+            starts = _resolve(
+                self.client, opts, stream, parts, opts.starting or "latest", starting=True
+            )
+            out[stream] = {
+                p.partition: _check_start(opts, stream, p, starts[p.partition]) for p in parts
+            }
         return to_spark(out)
 
     def getDefaultReadLimit(self) -> ReadLimit:
@@ -342,12 +414,18 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
         return ReadMaxRows(n) if n else ReadAllAvailable()
 
     def prepareForTriggerAvailableNow(self) -> None:
-        self._target = {s: {p.partition: p.high_water_mark for p in parts}
-                        for s, parts in self._partitions().items()}
+        self._target = {
+            s: {p.partition: p.high_water_mark for p in parts}
+            for s, parts in self._partitions().items()
+        }
 
     def reportLatestOffset(self) -> dict:
-        return to_spark({s: {p.partition: p.high_water_mark for p in parts}
-                         for s, parts in self._partitions().items()})
+        return to_spark(
+            {
+                s: {p.partition: p.high_water_mark for p in parts}
+                for s, parts in self._partitions().items()
+            }
+        )
 
     def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
         begin = from_spark(start)
@@ -380,8 +458,11 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             for stream, current in self._partitions().items():
                 for p in current:
                     begin.setdefault(stream, {}).setdefault(p.partition, p.earliest_offset)
-        ranges = [(stream, p, begin.get(stream, {}).get(p, 0), o)
-                  for stream, parts in stop.items() for p, o in sorted(parts.items())]
+        ranges = [
+            (stream, p, begin.get(stream, {}).get(p, 0), o)
+            for stream, parts in stop.items()
+            for p, o in sorted(parts.items())
+        ]
         return split_ranges(self.opts, ranges)
 
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:

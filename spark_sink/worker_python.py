@@ -70,8 +70,11 @@ def worker_python(python: str, master: str) -> str | None:
     The launcher lives in a temporary directory removed when this process exits; it must
     outlive every Spark session of the process, which stops with it in local mode.
     """
-    if not master.startswith("local") or not _same_interpreter(python) \
-            or not _spark_home_is_installed_package():
+    if (
+        not master.startswith("local")
+        or not _same_interpreter(python)
+        or not _spark_home_is_installed_package()
+    ):
         return None
     directory = tempfile.mkdtemp(prefix="mqlog-spark-python-")
     atexit.register(shutil.rmtree, directory, ignore_errors=True)

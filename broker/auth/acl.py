@@ -49,7 +49,7 @@ _ACCESS = {"read": READ, "write": WRITE, "readwrite": READ | WRITE, "deny": DENY
 
 @dataclass(frozen=True, slots=True)
 class AclRule:
-    access: int       # READ, WRITE, READ | WRITE or DENY
+    access: int  # READ, WRITE, READ | WRITE or DENY
     topic_filter: str  # may hold %u / %c when it comes from a `pattern` line
 
 
@@ -85,8 +85,9 @@ class Acl:
                 rule = _parse_rule(rest, where, pattern=word == "pattern")
                 (acl.patterns if word == "pattern" else current).append(rule)
             else:
-                raise AuthFileError(f"{where}: unknown directive {word!r} (expected user, "
-                                    "client, topic or pattern)")
+                raise AuthFileError(
+                    f"{where}: unknown directive {word!r} (expected user, client, topic or pattern)"
+                )
         return acl
 
     @classmethod
@@ -204,5 +205,3 @@ class Authorizer:
                 if rule.access & READ:
                     granted = True
         return granted
-
-

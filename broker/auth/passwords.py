@@ -48,13 +48,14 @@ class AuthFileError(Exception):
 # ==================================================================== passwords
 
 
-def hash_password(password: str, *, n: int = SCRYPT_N, r: int = SCRYPT_R,
-                  p: int = SCRYPT_P) -> str:
+def hash_password(password: str, *, n: int = SCRYPT_N, r: int = SCRYPT_R, p: int = SCRYPT_P) -> str:
     """The stored form of ``password``: scrypt with a fresh random salt and its parameters."""
     salt = secrets.token_bytes(SALT_BYTES)
     digest = _scrypt(password.encode(), salt, n, r, p, HASH_BYTES)
-    return (f"$scrypt$n={n},r={r},p={p}${base64.b64encode(salt).decode()}"
-            f"${base64.b64encode(digest).decode()}")
+    return (
+        f"$scrypt$n={n},r={r},p={p}${base64.b64encode(salt).decode()}"
+        f"${base64.b64encode(digest).decode()}"
+    )
 
 
 def verify_password(password: bytes, encoded: str) -> bool:
@@ -95,12 +96,15 @@ def parse_password_file(text: str, source: str) -> dict[str, str]:
         if m is None:
             raise AuthFileError(
                 f"{source}:{lineno}: user {user!r}: not an scrypt hash (plain-text passwords "
-                "are not accepted; set it with `mqlog passwd FILE USER`)")
+                "are not accepted; set it with `mqlog passwd FILE USER`)"
+            )
         n, r, p = int(m.group(1)), int(m.group(2)), int(m.group(3))
         if n < 2 or n & (n - 1) or n > _MAX_N or not 1 <= r <= _MAX_R or not 1 <= p <= _MAX_P:
-            raise AuthFileError(f"{source}:{lineno}: user {user!r}: scrypt parameters out of "
-                                f"range (n a power of two <= {_MAX_N}, r <= {_MAX_R}, "
-                                f"p <= {_MAX_P})")
+            raise AuthFileError(
+                f"{source}:{lineno}: user {user!r}: scrypt parameters out of "
+                f"range (n a power of two <= {_MAX_N}, r <= {_MAX_R}, "
+                f"p <= {_MAX_P})"
+            )
         users[user] = encoded
     return users
 
@@ -135,7 +139,6 @@ def write_password_file(path: Path, users: dict[str, str]) -> None:
 
 def valid_user_name(user: str) -> bool:
     return bool(_USER_RE.match(user))
-
 
 
 class PasswordStore:
@@ -175,4 +178,3 @@ def verify_login(users: dict[str, str], username: str, password: bytes | None) -
         verify_password(password or b"", _DUMMY_HASH)
         return False
     return verify_password(password, encoded)
-

@@ -33,8 +33,14 @@ class LoginLimiter:
     most ``max_tracked`` addresses are remembered; the oldest is forgotten first.
     """
 
-    def __init__(self, max_failures: int, window: float, lockout: float,
-                 clock: Callable[[], float], max_tracked: int = 100_000) -> None:
+    def __init__(
+        self,
+        max_failures: int,
+        window: float,
+        lockout: float,
+        clock: Callable[[], float],
+        max_tracked: int = 100_000,
+    ) -> None:
         self.max_failures = max_failures
         self.window = window
         self.lockout = lockout
@@ -87,7 +93,6 @@ class LoginResult:
     message: str = ""
 
 
-
 class AuthService:
     """The broker's login decisions and ACL, built once from ``[auth]``.
 
@@ -101,32 +106,47 @@ class AuthService:
         self.config = config
         self.passwords = PasswordStore(config.password_file) if config.password_file else None
         self.acl = Acl.load(config.acl_file) if config.acl_file else None
-        self.limiter = LoginLimiter(config.max_failures, config.failure_window / 1000,
-                                    config.lockout / 1000, monotonic)
+        self.limiter = LoginLimiter(
+            config.max_failures, config.failure_window / 1000, config.lockout / 1000, monotonic
+        )
         # A small pool: scrypt holds 16 MiB per call; a flood of CONNECTs queues here
         # (and is cut short by the limiter) instead of exhausting memory.
         self.executor = ThreadPoolExecutor(max_workers=2, thread_name_prefix="mqlog-scrypt")
-        self.failures = 0   # refused logins (metrics)
+        self.failures = 0  # refused logins (metrics)
         #: Told of each failed login counted against its address (other workers count it).
         self.on_failure: Callable[[str], None] | None = None
-        self.lockouts = 0   # addresses locked out (metrics)
+        self.lockouts = 0  # addresses locked out (metrics)
 
-    def precheck(self, address: str, username: str | None, password: bytes | None, *,
-                 tls_identity: str | None, tls: bool) -> LoginResult | PendingLogin:
+    def precheck(
+        self,
+        address: str,
+        username: str | None,
+        password: bytes | None,
+        *,
+        tls_identity: str | None,
+        tls: bool,
+    ) -> LoginResult | PendingLogin:
         cfg = self.config
         if self.limiter.blocked(address):
-            return self._fail(address, ReasonCode.BANNED,
-                              "too many failed logins from this address", count=False)
+            return self._fail(
+                address, ReasonCode.BANNED, "too many failed logins from this address", count=False
+            )
         if cfg.use_identity_as_username and tls:
             if tls_identity is None:
-                return self._fail(address, ReasonCode.NOT_AUTHORIZED,
-                                  "no client certificate (use_identity_as_username)")
+                return self._fail(
+                    address,
+                    ReasonCode.NOT_AUTHORIZED,
+                    "no client certificate (use_identity_as_username)",
+                )
             return LoginResult(0, tls_identity)
         if username is None:
             if cfg.allow_anonymous:
                 return LoginResult(0, None)
-            return self._fail(address, ReasonCode.NOT_AUTHORIZED,
-                              "anonymous access is disabled (allow_anonymous = false)")
+            return self._fail(
+                address,
+                ReasonCode.NOT_AUTHORIZED,
+                "anonymous access is disabled (allow_anonymous = false)",
+            )
         if self.passwords is None:
             if cfg.allow_anonymous:
                 return LoginResult(0, username)  # no password file: names are not checked
@@ -138,8 +158,11 @@ class AuthService:
         if ok:
             self.limiter.success(address)
             return LoginResult(0, pending.username)
-        return self._fail(address, ReasonCode.BAD_USER_NAME_OR_PASSWORD,
-                          f"bad user name or password for {pending.username!r}")
+        return self._fail(
+            address,
+            ReasonCode.BAD_USER_NAME_OR_PASSWORD,
+            f"bad user name or password for {pending.username!r}",
+        )
 
     def _fail(self, address: str, reason: int, message: str, *, count: bool = True) -> LoginResult:
         self.failures += 1
@@ -148,9 +171,13 @@ class AuthService:
                 self.on_failure(address)
             if self.limiter.failure(address):
                 self.lockouts += 1
-                log.warning("%s: %d failed logins within %.0fs; refusing it for %.0fs",
-                            address, self.limiter.max_failures, self.limiter.window,
-                            self.limiter.lockout)
+                log.warning(
+                    "%s: %d failed logins within %.0fs; refusing it for %.0fs",
+                    address,
+                    self.limiter.max_failures,
+                    self.limiter.window,
+                    self.limiter.lockout,
+                )
         return LoginResult(reason, None, message)
 
     def peer_failure(self, address: str) -> None:

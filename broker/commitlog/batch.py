@@ -193,8 +193,9 @@ def encode_batch(
         raise InvalidRecord("a record batch needs at least one record")
     try:
         # One transposition in C: a tuple per field, each holding that field of every record.
-        (offsets, stamps, topics, payloads, qoss, retains, client_ids,
-         props) = zip(*records, strict=True)
+        (offsets, stamps, topics, payloads, qoss, retains, client_ids, props) = zip(
+            *records, strict=True
+        )
         if keep_offsets:
             deltas = tuple(map(sub, offsets, repeat(base_offset)))
             if deltas[0] < 0 or not all(map(lt, deltas, deltas[1:])):
@@ -246,11 +247,23 @@ def encode_batch(
     if length > 0xFFFFFFFF:
         raise InvalidRecord(f"record batch of {length} bytes exceeds 4 GiB")
     BATCH_HEADER.pack_into(
-        buf, 0, base_offset, length, MAGIC, 0, 0, leader_epoch, last_delta, n,
-        first_ts, max_ts, 0,
+        buf,
+        0,
+        base_offset,
+        length,
+        MAGIC,
+        0,
+        0,
+        leader_epoch,
+        last_delta,
+        n,
+        first_ts,
+        max_ts,
+        0,
     )
-    _CRC.pack_into(buf, CRC_OFFSET, crc32(buf, BATCH_HEADER_SIZE, length,
-                                          crc32(buf, 0, CRC_OFFSET)))
+    _CRC.pack_into(
+        buf, CRC_OFFSET, crc32(buf, BATCH_HEADER_SIZE, length, crc32(buf, 0, CRC_OFFSET))
+    )
     return buf
 
 
@@ -275,8 +288,7 @@ def _small_columns(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q{5 * n}I{2 * n}B")
 
 
-def encode_small(base_offset: int, records: Sequence[Record], *,
-                 leader_epoch: int = 0) -> bytes:
+def encode_small(base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0) -> bytes:
     """:func:`encode_batch` (consecutive offsets) of 1 .. SMALL_BATCH records: the same
     bytes in fewer steps (a dict for the string table, one struct call for every fixed
     column, the CRC of the header and the body as two pieces instead of patched in place).
@@ -290,8 +302,9 @@ def encode_small(base_offset: int, records: Sequence[Record], *,
     try:
         if len(records) == 1:
             return _encode_one(base_offset, records[0], leader_epoch)
-        (_offsets, stamps, topics, payloads, qoss, retains, client_ids,
-         props) = zip(*records, strict=True)
+        (_offsets, stamps, topics, payloads, qoss, retains, client_ids, props) = zip(
+            *records, strict=True
+        )
         n = len(stamps)
         names = [*dict.fromkeys(topics + client_ids)]  # first appearance: topics, then ids
         strings = [*map(str.encode, names)]
@@ -300,16 +313,33 @@ def encode_small(base_offset: int, records: Sequence[Record], *,
         parts = [
             _table_head(len(strings)).pack(len(strings), *map(len, strings)),
             *strings,
-            _small_columns(n).pack(*stamps, *_SMALL_DELTAS[n], *map(find, topics),
-                                   *map(find, client_ids), *map(len, props),
-                                   *map(len, payloads), *qoss, *retains),
+            _small_columns(n).pack(
+                *stamps,
+                *_SMALL_DELTAS[n],
+                *map(find, topics),
+                *map(find, client_ids),
+                *map(len, props),
+                *map(len, payloads),
+                *qoss,
+                *retains,
+            ),
             *props,
             *payloads,
         ]
         body = b"".join(parts)
         first_ts = stamps[0]
-        head = _HEAD.pack(base_offset, BATCH_HEADER_SIZE + len(body), MAGIC, 0, 0,
-                          leader_epoch, n - 1, n, first_ts, max(stamps) if n > 1 else first_ts)
+        head = _HEAD.pack(
+            base_offset,
+            BATCH_HEADER_SIZE + len(body),
+            MAGIC,
+            0,
+            0,
+            leader_epoch,
+            n - 1,
+            n,
+            first_ts,
+            max(stamps) if n > 1 else first_ts,
+        )
     except (struct.error, AttributeError, TypeError, ValueError, OverflowError):
         return bytes(encode_batch(base_offset, records, leader_epoch=leader_epoch))
     return b"".join((head, _CRC.pack(zlib.crc32(body, zlib.crc32(head))), body))
@@ -329,11 +359,19 @@ def _encode_one(base_offset: int, record: Record, leader_epoch: int) -> bytes:
     else:
         who = client_id.encode()
         table, index = _TWO_STRINGS.pack(2, len(name), len(who)), 1
-    body = b"".join((table, name, who,
-                     _ONE_RECORD.pack(stamp, 0, 0, index, len(props), len(payload), qos, retain),
-                     props, payload))
-    head = _HEAD.pack(base_offset, BATCH_HEADER_SIZE + len(body), MAGIC, 0, 0, leader_epoch,
-                      0, 1, stamp, stamp)
+    body = b"".join(
+        (
+            table,
+            name,
+            who,
+            _ONE_RECORD.pack(stamp, 0, 0, index, len(props), len(payload), qos, retain),
+            props,
+            payload,
+        )
+    )
+    head = _HEAD.pack(
+        base_offset, BATCH_HEADER_SIZE + len(body), MAGIC, 0, 0, leader_epoch, 0, 1, stamp, stamp
+    )
     return b"".join((head, _CRC.pack(zlib.crc32(body, zlib.crc32(head))), body))
 
 
@@ -385,8 +423,9 @@ def validate_batch(
     n = h.record_count
     if n < 1 or h.last_offset_delta < n - 1:
         raise CorruptRecordBatch(
-            f"record count {n} inconsistent with last offset delta "
-            f"{h.last_offset_delta}", where, path,
+            f"record count {n} inconsistent with last offset delta {h.last_offset_delta}",
+            where,
+            path,
         )
     end = pos + length
     try:
@@ -459,8 +498,9 @@ def decode_into(
     :meth:`SegmentedLog.read`: no Python loop per record. ``buf`` must be ``bytes`` (records
     hold slices of it).
     """
-    (base, length, _magic, _attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts,
-     _crc) = BATCH_HEADER.unpack_from(buf, pos)
+    (base, length, _magic, _attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts, _crc) = (
+        BATCH_HEADER.unpack_from(buf, pos)
+    )
     strings, p = _read_table(buf, pos + BATCH_HEADER_SIZE, pos + length)
     consecutive = last_delta == n - 1  # strictly increasing deltas: exactly 0 .. n-1
     size = pos + length - p  # of all records: columns, properties and payloads
@@ -482,7 +522,8 @@ def decode_into(
         indexes = _array("I", 2 * n).unpack_from(buf, p + 12 * n)
         topic_indexes, client_id_indexes = indexes[:n], indexes[n:]
         prop_lengths: Sequence[int] = (
-            () if buf.count(0, p + 20 * n, p + 24 * n) == 4 * n
+            ()
+            if buf.count(0, p + 20 * n, p + 24 * n) == 4 * n
             else _array("I", n).unpack_from(buf, p + 20 * n)
         )
         payloads_at = data + sum(prop_lengths)
@@ -493,8 +534,9 @@ def decode_into(
         flags = buf[p + 29 * n : data]
     else:
         cols = columns(n).unpack_from(buf, p)
-        first, stop, bytes_left, stop_offset = _limit(cols, n, base, consecutive, len(out),
-                                                      min_offset, max_records, max_bytes)
+        first, stop, bytes_left, stop_offset = _limit(
+            cols, n, base, consecutive, len(out), min_offset, max_records, max_bytes
+        )
         if first == stop:
             return bytes_left, stop_offset
         ints = cast("tuple[int, ...]", cols[: 6 * n])
@@ -523,25 +565,31 @@ def decode_into(
     if equal_sizes and _EQUAL_SLICES_MIN <= count <= _EQUAL_SLICES_MAX:
         # Equal sizes (fixed-format telemetry): one struct call cuts them all.
         payloads = _equal_slices(payload_size, count).unpack_from(
-            buf, payloads_at + payload_size * first)
+            buf, payloads_at + payload_size * first
+        )
     else:
-        bounds = list(accumulate(sizes[:stop] or repeat(payload_size, stop),
-                                 initial=payloads_at))
+        bounds = list(accumulate(sizes[:stop] or repeat(payload_size, stop), initial=payloads_at))
         payloads = map(_slice, repeat(buf), map(slice, bounds[first:stop], bounds[first + 1 :]))
     retains: Iterable[bool] = (
         repeat(False) if flags.count(0) == count else map(_RETAIN.__getitem__, flags)
     )
-    out.extend(map(_new, repeat(Record), zip(
-        offsets,
-        stamps,
-        _strings(strings, topic_indexes),
-        payloads,
-        qos,
-        retains,
-        _strings(strings, client_id_indexes),
-        props,
-        strict=False,  # repeat() columns are endless; the others hold stop - first items
-    )))
+    out.extend(
+        map(
+            _new,
+            repeat(Record),
+            zip(
+                offsets,
+                stamps,
+                _strings(strings, topic_indexes),
+                payloads,
+                qos,
+                retains,
+                _strings(strings, client_id_indexes),
+                props,
+                strict=False,  # repeat() columns are endless; the others hold stop - first items
+            ),
+        )
+    )
     return bytes_left, stop_offset
 
 
@@ -553,8 +601,16 @@ def _strings(strings: list[str], indexes: Sequence[int]) -> Sequence[str]:
     return itemgetter(*indexes)(strings)
 
 
-def _limit(cols: tuple[int | bytes, ...], n: int, base: int, consecutive: bool, have: int,
-           min_offset: int, max_records: int, max_bytes: int) -> tuple[int, int, int, int]:
+def _limit(
+    cols: tuple[int | bytes, ...],
+    n: int,
+    base: int,
+    consecutive: bool,
+    have: int,
+    min_offset: int,
+    max_records: int,
+    max_bytes: int,
+) -> tuple[int, int, int, int]:
     """The records ``[first, stop)`` of a batch that a read with these limits returns, the byte
     budget left and the stop offset (see :func:`decode_into`), for a batch that does not fit
     whole: it starts before ``min_offset`` or exceeds a limit."""
@@ -566,9 +622,15 @@ def _limit(cols: tuple[int | bytes, ...], n: int, base: int, consecutive: bool, 
         first = bisect_left(cols, min_offset - base, n, 2 * n) - n
     room = max(0, max_records - have)
     # Running total of the record sizes from ``first``: columns, properties and payload.
-    sizes = list(accumulate(map(add, map(add, cols[4 * n + first : 5 * n],
-                                         cols[5 * n + first : 6 * n]),
-                                repeat(RECORD_FIXED_SIZE))))
+    sizes = list(
+        accumulate(
+            map(
+                add,
+                map(add, cols[4 * n + first : 5 * n], cols[5 * n + first : 6 * n]),
+                repeat(RECORD_FIXED_SIZE),
+            )
+        )
+    )
     take = min(bisect_right(sizes, max_bytes), room)
     if not take and not have and room > 0 and sizes:
         take = 1  # a read always returns at least one record

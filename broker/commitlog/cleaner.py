@@ -37,8 +37,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger("broker.commitlog")
 
 
-def retention_victims(segments: Sequence[Segment], now_ms: int, retention_ms: int | None,
-                      retention_bytes: int | None) -> int:
+def retention_victims(
+    segments: Sequence[Segment], now_ms: int, retention_ms: int | None, retention_bytes: int | None
+) -> int:
     """How many segments, from the start of ``segments``, retention deletes.
 
     The last segment (the active one) is never counted.
@@ -78,12 +79,14 @@ def cleaned_batches(segment: Segment, latest: dict[str, int]) -> Iterator[bytear
     """Re-encoded batches of ``segment`` holding only the records compaction keeps."""
     for buf, rel, _pos in segment.iter_batches():
         records = decode_batch(buf, rel)
-        kept = [r for r in records
-                if r.payload and latest.get(r.topic, r.offset) == r.offset]
+        kept = [r for r in records if r.payload and latest.get(r.topic, r.offset) == r.offset]
         if kept:
-            yield encode_batch(kept[0].offset, kept,
-                               leader_epoch=read_header(buf, rel).leader_epoch,
-                               keep_offsets=True)
+            yield encode_batch(
+                kept[0].offset,
+                kept,
+                leader_epoch=read_header(buf, rel).leader_epoch,
+                keep_offsets=True,
+            )
 
 
 class LogCleaner:
@@ -94,8 +97,9 @@ class LogCleaner:
     logged and does not stop the others or the thread.
     """
 
-    def __init__(self, streams: Streams, interval_s: float = 30.0, *,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, streams: Streams, interval_s: float = 30.0, *, clock: Callable[[], float] = time.time
+    ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.streams = streams

@@ -34,9 +34,16 @@ from broker.commitlog.batch import (
 
 #: Byte width and position (in widths of one record: the column starts at ``p + at * n``) of
 #: each fixed-size column in a batch of ``n`` records whose columns start at ``p``.
-FIXED_COLUMNS = {"timestamps": (8, 0), "deltas": (4, 8), "topic_indexes": (4, 12),
-                 "client_id_indexes": (4, 16), "property_lengths": (4, 20),
-                 "payload_lengths": (4, 24), "qos": (1, 28), "flags": (1, 29)}
+FIXED_COLUMNS = {
+    "timestamps": (8, 0),
+    "deltas": (4, 8),
+    "topic_indexes": (4, 12),
+    "client_id_indexes": (4, 16),
+    "property_lengths": (4, 20),
+    "payload_lengths": (4, 24),
+    "qos": (1, 28),
+    "flags": (1, 29),
+}
 
 #: One slice of a stored batch: ``(buffer, view of it, p, n, first, stop, properties from,
 #: properties to, payloads from, payloads to)``: records ``first .. stop - 1`` of the batch of
@@ -80,8 +87,18 @@ class ColumnRead:
     for a ``ColumnRead`` as for a ``list[Record]``.
     """
 
-    __slots__ = ("_buf", "_view", "_views", "bases", "count", "next_offset", "run_ends", "spans",
-                 "strings", "table_starts")
+    __slots__ = (
+        "_buf",
+        "_view",
+        "_views",
+        "bases",
+        "count",
+        "next_offset",
+        "run_ends",
+        "spans",
+        "strings",
+        "table_starts",
+    )
 
     def __init__(self) -> None:
         # The buffer the last batch came from and a view of it: a read's batches mostly share
@@ -110,8 +127,12 @@ class ColumnRead:
         if column == "payloads":
             return b"".join([b[x:y] for b, _v, _p, _n, _f, _s, _x, _y, x, y in spans])
         w, at = FIXED_COLUMNS[column]
-        return b"".join([b[p + at * n + w * f : p + at * n + w * s]
-                         for b, _v, p, n, f, s, _x, _y, _a, _b in spans])
+        return b"".join(
+            [
+                b[p + at * n + w * f : p + at * n + w * s]
+                for b, _v, p, n, f, s, _x, _y, _a, _b in spans
+            ]
+        )
 
     def _slices(self, column: str) -> list[memoryview]:
         made = self._views.get(column)
@@ -125,8 +146,10 @@ class ColumnRead:
             views = [v[x:y] for _b, v, _p, _n, _f, _s, _x, _y, x, y in spans]
         else:
             w, at = FIXED_COLUMNS[column]
-            views = [v[p + at * n + w * f : p + at * n + w * s]
-                     for _b, v, p, n, f, s, _x, _y, _a, _c in spans]
+            views = [
+                v[p + at * n + w * f : p + at * n + w * s]
+                for _b, v, p, n, f, s, _x, _y, _a, _c in spans
+            ]
         self._views[column] = (len(spans), views)
         return views
 
@@ -158,8 +181,9 @@ def decode_columns_into(
     per record: only a batch cut by ``min_offset`` or a limit unpacks its fixed columns to
     find where to cut.
     """
-    (base, length, _magic, _attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts,
-     _crc) = BATCH_HEADER.unpack_from(buf, pos)
+    (base, length, _magic, _attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts, _crc) = (
+        BATCH_HEADER.unpack_from(buf, pos)
+    )
     end = pos + length
     strings, p = _table(buf, pos + BATCH_HEADER_SIZE, end)
     data = p + n * RECORD_FIXED_SIZE  # the properties, then the payloads
@@ -175,9 +199,9 @@ def decode_columns_into(
         payloads_to = end
     else:
         cols = columns(n).unpack_from(buf, p)
-        first, stop, bytes_left, stop_offset = _limit(cols, n, base, last_delta == n - 1,
-                                                      out.count, min_offset, max_records,
-                                                      max_bytes)
+        first, stop, bytes_left, stop_offset = _limit(
+            cols, n, base, last_delta == n - 1, out.count, min_offset, max_records, max_bytes
+        )
         if first == stop:
             return bytes_left, stop_offset
         ints = cast("tuple[int, ...]", cols[: 6 * n])  # the six integer columns
@@ -197,8 +221,9 @@ def decode_columns_into(
     out.run_ends.append(out.count)
     out.table_starts.append(len(out.strings))
     out.strings += strings
-    out.spans.append((buf, out._view, p, n, first, stop, props_from, props_to, payloads_from,
-                      payloads_to))
+    out.spans.append(
+        (buf, out._view, p, n, first, stop, props_from, props_to, payloads_from, payloads_to)
+    )
     return bytes_left, stop_offset
 
 

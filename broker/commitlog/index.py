@@ -121,8 +121,9 @@ class OffsetIndex:
 
     def entries(self) -> list[tuple[int, int]]:
         """All entries as (absolute offset, position) (tests, tools)."""
-        return [(self.base_offset + o, p) for o, p in zip(self._offsets, self._positions,
-                                                          strict=True)]
+        return [
+            (self.base_offset + o, p) for o, p in zip(self._offsets, self._positions, strict=True)
+        ]
 
     def to_bytes(self) -> bytes:
         pairs = array("I", bytes(8 * len(self._offsets)))
@@ -207,13 +208,13 @@ class TimeIndex:
 
     def entries(self) -> list[tuple[int, int]]:
         """All entries as (timestamp, absolute offset) (tests, tools)."""
-        return [(t, self.base_offset + o) for t, o in zip(self._timestamps, self._offsets,
-                                                          strict=True)]
+        return [
+            (t, self.base_offset + o) for t, o in zip(self._timestamps, self._offsets, strict=True)
+        ]
 
     def to_bytes(self) -> bytes:
         pack = TIME_ENTRY.pack
-        return b"".join(pack(t, o) for t, o in zip(self._timestamps, self._offsets,
-                                                   strict=True))
+        return b"".join(pack(t, o) for t, o in zip(self._timestamps, self._offsets, strict=True))
 
     def write(self, *, fsync: bool) -> None:
         """Persist the entries to :attr:`path` atomically if they changed."""

@@ -105,8 +105,13 @@ def _parse_base_offset(name: str) -> tuple[int, str] | None:
 class SegmentedLog:
     """One partition's log; see the module docstring. Create with :meth:`open`."""
 
-    def __init__(self, directory: Path, config: LogConfig, clock: Callable[[], float],
-                 segments: list[Segment]) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        config: LogConfig,
+        clock: Callable[[], float],
+        segments: list[Segment],
+    ) -> None:
         self.directory = directory
         self.config = config
         self._clock = clock
@@ -127,8 +132,9 @@ class SegmentedLog:
 
     # ------------------------------------------------------------------------- open
     @classmethod
-    def open(cls, directory: Path, config: LogConfig, *,
-             clock: Callable[[], float] = time.time) -> SegmentedLog:
+    def open(
+        cls, directory: Path, config: LogConfig, *, clock: Callable[[], float] = time.time
+    ) -> SegmentedLog:
         """Open (creating if needed) and recover the log in ``directory``.
 
         Raises :class:`LogIOError` (permission denied, disk full...), :class:`UnsupportedFormat`
@@ -148,16 +154,16 @@ class SegmentedLog:
         try:
             for i, base in enumerate(bases):
                 is_active = i == len(bases) - 1
-                segment, truncated = Segment.open(directory, base, config, now_ms,
-                                                  recover=is_active and not clean)
+                segment, truncated = Segment.open(
+                    directory, base, config, now_ms, recover=is_active and not clean
+                )
                 if segments and base < segments[-1].next_offset:
                     segment.close()
                     raise CommitLogError(
                         f"{segment.log_path}: base offset {base} overlaps the previous segment "
                         f"ending at offset {segments[-1].next_offset - 1}"
                     )
-                if (segments and base > segments[-1].next_offset
-                        and not config.compacted):
+                if segments and base > segments[-1].next_offset and not config.compacted:
                     # The previous segment lost its tail in a crash before the interval's
                     # flush (see the module doc): what follows does not continue it.
                     segment.close()
@@ -165,7 +171,7 @@ class SegmentedLog:
                     break
                 segments.append(segment)
                 if truncated and not is_active:
-                    cls._drop_after_truncation(directory, segment, bases[i + 1:])
+                    cls._drop_after_truncation(directory, segment, bases[i + 1 :])
                     break
             if not segments:
                 segments.append(Segment.create(directory, 0, config, now_ms))
@@ -208,7 +214,10 @@ class SegmentedLog:
         for base in later:
             logger.warning(
                 "%s: deleting segment %d after the truncated segment %s (log end offset %d)",
-                directory, base, truncated.log_path.name, truncated.next_offset,
+                directory,
+                base,
+                truncated.log_path.name,
+                truncated.next_offset,
             )
             for suffix in (INDEX_SUFFIX, TIMEINDEX_SUFFIX, LOG_SUFFIX):
                 (directory / f"{base:020d}{suffix}").unlink(missing_ok=True)
@@ -327,14 +336,16 @@ class SegmentedLog:
         """
         return self._read(offset, max_records, max_bytes, [], decode_into)
 
-    def read_columns(self, offset: int, max_records: int = 1000,
-                     max_bytes: int = 1 << 20) -> ColumnRead:
+    def read_columns(
+        self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20
+    ) -> ColumnRead:
         """The records :meth:`read` returns (same arguments, limits and errors), as the
         stored batches' columns (:mod:`broker.commitlog.columns`): no tuple per record."""
         return self._read(offset, max_records, max_bytes, ColumnRead(), decode_columns_into)
 
-    def _read(self, offset: int, max_records: int, max_bytes: int, out: _Out,
-              decode: Decoder[_Out]) -> _Out:
+    def _read(
+        self, offset: int, max_records: int, max_bytes: int, out: _Out, decode: Decoder[_Out]
+    ) -> _Out:
         with self._lock:
             self._check_open()
             segments = self._segments
@@ -347,8 +358,9 @@ class SegmentedLog:
             i = bisect_right(self._bases, offset) - 1
             last = len(segments) - 1
             while True:
-                max_bytes, stopped = segments[i].read_into(out, offset, max_records, max_bytes,
-                                                           decode)
+                max_bytes, stopped = segments[i].read_into(
+                    out, offset, max_records, max_bytes, decode
+                )
                 if stopped or i == last:
                     return out
                 i += 1
@@ -400,8 +412,9 @@ class SegmentedLog:
         with self._lock:
             self._check_open()
             now = self._now_ms() if now_ms is None else now_ms
-            if (now - self._last_flush_ms < self.config.fsync_interval_ms
-                    or not (self._segments[-1].dirty or self._rolled)):
+            if now - self._last_flush_ms < self.config.fsync_interval_ms or not (
+                self._segments[-1].dirty or self._rolled
+            ):
                 return False
             self._flush_locked(now)
             return True
@@ -414,16 +427,22 @@ class SegmentedLog:
             now = self._now_ms() if now_ms is None else now_ms
             with self._lock:
                 self._check_open()
-                count = retention_victims(self._segments, now, self.config.retention_ms,
-                                          self.config.retention_bytes)
+                count = retention_victims(
+                    self._segments, now, self.config.retention_ms, self.config.retention_bytes
+                )
                 victims = self._segments[:count]
                 del self._segments[:count]
                 del self._bases[:count]
                 self._rolled = [s for s in self._rolled if s not in victims]
             for segment in victims:
-                logger.info("%s: retention deletes segment %s (offsets %d..%d, %d bytes)",
-                            self.directory, segment.log_path.name, segment.base_offset,
-                            segment.next_offset - 1, segment.size)
+                logger.info(
+                    "%s: retention deletes segment %s (offsets %d..%d, %d bytes)",
+                    self.directory,
+                    segment.log_path.name,
+                    segment.base_offset,
+                    segment.next_offset - 1,
+                    segment.size,
+                )
                 segment.delete()
             return count
 
@@ -443,8 +462,7 @@ class SegmentedLog:
                 state = (active.base_offset, active.next_offset)
                 if state == self._compacted_state or len(segments) < 2:
                     return 0
-            latest = build_offset_map([(s, s.size) for s in segments[:-1]]
-                                      + [(active, active_end)])
+            latest = build_offset_map([(s, s.size) for s in segments[:-1]] + [(active, active_end)])
             removed = 0
             for segment in segments[:-1]:
                 removable = count_removable(segment, latest)
@@ -456,13 +474,18 @@ class SegmentedLog:
                 logger.info("%s: compaction removed %d records", self.directory, removed)
             return removed
 
-    def _replace_cleaned(self, segment: Segment, latest: dict[str, int], *,
-                         first: bool) -> None:
+    def _replace_cleaned(self, segment: Segment, latest: dict[str, int], *, first: bool) -> None:
         """Write the cleaned copy of ``segment`` and swap it in (crash-safe order: old indexes
         removed, log renamed over, new indexes renamed in; a missing index is rebuilt)."""
         sync = self._sync_on_roll
-        cleaned = write_segment(self.directory, segment.base_offset, self.config,
-                                cleaned_batches(segment, latest), CLEANED_SUFFIX, fsync=sync)
+        cleaned = write_segment(
+            self.directory,
+            segment.base_offset,
+            self.config,
+            cleaned_batches(segment, latest),
+            CLEANED_SUFFIX,
+            fsync=sync,
+        )
         with self._lock:
             position = self._segments.index(segment)
             if cleaned.size == 0 and not first:
@@ -525,5 +548,7 @@ class SegmentedLog:
         self.close()
 
     def __repr__(self) -> str:
-        return (f"SegmentedLog({str(self.directory)!r}, log_start_offset="
-                f"{self.log_start_offset}, end_offset={self.end_offset})")
+        return (
+            f"SegmentedLog({str(self.directory)!r}, log_start_offset="
+            f"{self.log_start_offset}, end_offset={self.end_offset})"
+        )

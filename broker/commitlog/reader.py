@@ -60,8 +60,15 @@ class _SegmentView:
         self.offsets = [base]  # batch base offsets, every INDEX_INTERVAL bytes
         self.positions = [0]
 
-    def read_into(self, out: _Out, offset: int, end: int, max_records: int, max_bytes: int,
-                  decode: Decoder[_Out]) -> tuple[int, bool]:
+    def read_into(
+        self,
+        out: _Out,
+        offset: int,
+        end: int,
+        max_records: int,
+        max_bytes: int,
+        decode: Decoder[_Out],
+    ) -> tuple[int, bool]:
         """Like :meth:`Segment.read_into`, bounded by the announced ``end`` offset.
 
         Returns the byte budget left and whether the read is over (a limit, or ``end``,
@@ -82,16 +89,19 @@ class _SegmentView:
                 if base >= end:
                     return max_bytes, True  # not announced yet: maybe still being written
                 if length < MIN_BATCH_SIZE:
-                    raise CorruptRecordBatch(f"batch length {length} too small", pos + p,
-                                             self.path)
+                    raise CorruptRecordBatch(f"batch length {length} too small", pos + p, self.path)
                 if length > n - p:
                     if p:
                         break  # read again from this batch
                     buf = os.pread(self.fd, length, pos)
                     n = len(buf)
                     if n < length:
-                        raise CorruptRecordBatch(f"short read: {n} of {length} bytes of a "
-                                                 "batch below the high-water mark", pos, self.path)
+                        raise CorruptRecordBatch(
+                            f"short read: {n} of {length} bytes of a "
+                            "batch below the high-water mark",
+                            pos,
+                            self.path,
+                        )
                     continue
                 if pos + p - last_indexed >= INDEX_INTERVAL and base > self.offsets[-1]:
                     self.offsets.append(base)
@@ -158,13 +168,15 @@ class LogReader:
             out.pop()
         return out
 
-    def read_columns(self, offset: int, max_records: int = 1000,
-                     max_bytes: int = 1 << 20) -> ColumnRead:
+    def read_columns(
+        self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20
+    ) -> ColumnRead:
         """The records :meth:`read` returns, as columns (:meth:`SegmentedLog.read_columns`)."""
         return self._read(offset, max_records, max_bytes, ColumnRead(), decode_columns_into)
 
-    def _read(self, offset: int, max_records: int, max_bytes: int, out: _Out,
-              decode: Decoder[_Out]) -> _Out:
+    def _read(
+        self, offset: int, max_records: int, max_bytes: int, out: _Out, decode: Decoder[_Out]
+    ) -> _Out:
         end = self._end
         if offset > end:
             raise OffsetOutOfRange(offset, self.log_start_offset, end)
@@ -177,8 +189,9 @@ class LogReader:
         i = bisect_right(self._bases, offset) - 1
         try:
             while True:
-                max_bytes, done = self._segments[i].read_into(out, offset, end, max_records,
-                                                              max_bytes, decode)
+                max_bytes, done = self._segments[i].read_into(
+                    out, offset, end, max_records, max_bytes, decode
+                )
                 if done:
                     break
                 if i == len(self._segments) - 1:
@@ -216,8 +229,11 @@ class LogReader:
             names = []
         except OSError as exc:
             raise LogIOError(self.directory, "list log directory", exc) from exc
-        bases = sorted(int(name[:-len(LOG_SUFFIX)]) for name in names
-                       if name.endswith(LOG_SUFFIX) and name[:-len(LOG_SUFFIX)].isdigit())
+        bases = sorted(
+            int(name[: -len(LOG_SUFFIX)])
+            for name in names
+            if name.endswith(LOG_SUFFIX) and name[: -len(LOG_SUFFIX)].isdigit()
+        )
         known = {view.base: view for view in self._segments}
         views: list[_SegmentView] = []
         for base in bases:

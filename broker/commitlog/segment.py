@@ -138,8 +138,15 @@ class Segment:
         "timeindex_path",
     )
 
-    def __init__(self, directory: Path, base_offset: int, config: LogConfig, fd: int,
-                 size: int, rolling_base_ms: int) -> None:
+    def __init__(
+        self,
+        directory: Path,
+        base_offset: int,
+        config: LogConfig,
+        fd: int,
+        size: int,
+        rolling_base_ms: int,
+    ) -> None:
         self.directory = directory
         self.base_offset = base_offset
         self.config = config
@@ -168,8 +175,7 @@ class Segment:
 
     # ----------------------------------------------------------------- open / create
     @classmethod
-    def create(cls, directory: Path, base_offset: int, config: LogConfig,
-               now_ms: int) -> Segment:
+    def create(cls, directory: Path, base_offset: int, config: LogConfig, now_ms: int) -> Segment:
         """Create an empty segment; raises :class:`LogIOError` (e.g. EACCES, ENOSPC, EEXIST)."""
         path = directory / file_name(base_offset, LOG_SUFFIX)
         try:
@@ -179,8 +185,9 @@ class Segment:
         return cls(directory, base_offset, config, fd, 0, now_ms)
 
     @classmethod
-    def open(cls, directory: Path, base_offset: int, config: LogConfig, now_ms: int, *,
-             recover: bool) -> tuple[Segment, int]:
+    def open(
+        cls, directory: Path, base_offset: int, config: LogConfig, now_ms: int, *, recover: bool
+    ) -> tuple[Segment, int]:
         """Open an existing segment; return it and the number of bytes recovery truncated.
 
         With ``recover`` the whole ``.log`` is scanned and both indexes rebuilt. Otherwise the
@@ -218,8 +225,10 @@ class Segment:
         if len(offset_index):
             head = os.pread(self._fd, BATCH_HEADER_SIZE, pos)
             if len(head) < BATCH_HEADER_SIZE or read_header(head).base_offset != last_offset:
-                raise CorruptIndex(self.index_path, f"entry ({last_offset}, {pos}) points "
-                                                    "at no batch with that base offset")
+                raise CorruptIndex(
+                    self.index_path,
+                    f"entry ({last_offset}, {pos}) points at no batch with that base offset",
+                )
         self.offset_index = offset_index
         self.next_offset = self.base_offset
         end, reason = self._scan(pos, last_offset, build=False)
@@ -251,7 +260,11 @@ class Segment:
         if truncated:
             logger.warning(
                 "%s: truncating %d bytes at position %d (%s); log end offset is now %d",
-                self.log_path, truncated, end, reason, self.next_offset,
+                self.log_path,
+                truncated,
+                end,
+                reason,
+                self.next_offset,
             )
             os.ftruncate(self._fd, end)
             _fsync_data(self._fd)
@@ -302,10 +315,15 @@ class Segment:
         :class:`LogIOError` is raised; the segment's state is unchanged.
         """
         if self._broken is not None:
-            raise LogIOError(self.log_path, "append to segment (a failed append could not be "
-                             "rolled back; reopen the log to recover)", self._broken)
-        (base, _len, _m, _a, _r, _e, lod, _c, _ft, max_ts,
-         _crc) = BATCH_HEADER.unpack_from(batch, 0)
+            raise LogIOError(
+                self.log_path,
+                "append to segment (a failed append could not be "
+                "rolled back; reopen the log to recover)",
+                self._broken,
+            )
+        (base, _len, _m, _a, _r, _e, lod, _c, _ft, max_ts, _crc) = BATCH_HEADER.unpack_from(
+            batch, 0
+        )
         pos = self.size
         length = len(batch)
         fd = self._fd
@@ -325,8 +343,10 @@ class Segment:
         self.next_offset = base + lod + 1
         if not fsync:
             self._dirty = True
-            if (self.size - self._writeback_from >= WRITEBACK_BYTES
-                    and self.config.fsync == "interval"):
+            if (
+                self.size - self._writeback_from >= WRITEBACK_BYTES
+                and self.config.fsync == "interval"
+            ):
                 self.start_writeback()
 
     def start_writeback(self) -> None:
@@ -342,9 +362,13 @@ class Segment:
         try:
             os.ftruncate(self._fd, size)
         except OSError as exc:
-            logger.error("%s: cannot truncate back to %d bytes after a failed append (%s): "
-                         "segment refuses appends until the log is reopened",
-                         self.log_path, size, exc)
+            logger.error(
+                "%s: cannot truncate back to %d bytes after a failed append (%s): "
+                "segment refuses appends until the log is reopened",
+                self.log_path,
+                size,
+                exc,
+            )
             self._broken = cause
 
     def _index_batch(self, base: int, last: int, max_ts: int, pos: int, length: int) -> None:
@@ -359,8 +383,9 @@ class Segment:
         self._bytes_since_index += length
 
     # ------------------------------------------------------------------------ reads
-    def read_into(self, out: _Out, offset: int, max_records: int, max_bytes: int,
-                  decode: Decoder[_Out]) -> tuple[int, bool]:
+    def read_into(
+        self, out: _Out, offset: int, max_records: int, max_bytes: int, decode: Decoder[_Out]
+    ) -> tuple[int, bool]:
         """Add records with offset >= ``offset`` to ``out`` within the limits, each batch
         by ``decode`` (:func:`~broker.commitlog.batch.decode_into` for records,
         :mod:`~broker.commitlog.columns` for columns).
@@ -388,12 +413,12 @@ class Segment:
                 if n - p >= BATCH_HEADER_SIZE:
                     base, length, _m, _a, _r, _e, lod = unpack_header(buf, p)[:7]
                     if length < MIN_BATCH_SIZE:
-                        raise CorruptRecordBatch(f"batch length {length} too small",
-                                                 buf_pos + p, self.log_path)
+                        raise CorruptRecordBatch(
+                            f"batch length {length} too small", buf_pos + p, self.log_path
+                        )
                     if length <= n - p:
                         if base + lod >= offset:
-                            max_bytes, stop = decode(buf, p, out, offset, max_records,
-                                                     max_bytes)
+                            max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
                             if stop >= 0:
                                 self._hint_offset, self._hint_pos = stop, buf_pos + p
                                 return max_bytes, True
@@ -414,14 +439,14 @@ class Segment:
                 buf = os.pread(self._fd, min(end - at, max(need, want, READ_CHUNK_MIN)), at)
                 buf_pos, p, n = at, 0, len(buf)
                 if n < need:
-                    raise CorruptRecordBatch(f"short read: {n} of {need} bytes", at,
-                                             self.log_path)
+                    raise CorruptRecordBatch(f"short read: {n} of {need} bytes", at, self.log_path)
             return max_bytes, False
         finally:
             self._cache_buf, self._cache_pos = buf, buf_pos
 
-    def iter_batches(self, pos: int = 0,
-                     end: int | None = None) -> Iterator[tuple[bytes, int, int]]:
+    def iter_batches(
+        self, pos: int = 0, end: int | None = None
+    ) -> Iterator[tuple[bytes, int, int]]:
         """Yield ``(buffer, offset_in_buffer, file_position)`` for each batch from ``pos``.
 
         Batches are trusted (written or recovered by this process); ``end`` defaults to the
@@ -541,12 +566,21 @@ class Segment:
             path.unlink(missing_ok=True)
 
     def __repr__(self) -> str:
-        return (f"Segment(base_offset={self.base_offset}, next_offset={self.next_offset}, "
-                f"size={self.size})")
+        return (
+            f"Segment(base_offset={self.base_offset}, next_offset={self.next_offset}, "
+            f"size={self.size})"
+        )
 
 
-def write_segment(directory: Path, base_offset: int, config: LogConfig,
-                  batches: Iterable[bytes | bytearray], suffix: str, *, fsync: bool) -> Segment:
+def write_segment(
+    directory: Path,
+    base_offset: int,
+    config: LogConfig,
+    batches: Iterable[bytes | bytearray],
+    suffix: str,
+    *,
+    fsync: bool,
+) -> Segment:
     """Write a new segment from encoded batches to ``<base><.log|.index|.timeindex><suffix>``.
 
     Used by compaction: the files are complete (and fsynced when ``fsync``) before the caller
@@ -561,7 +595,8 @@ def write_segment(directory: Path, base_offset: int, config: LogConfig,
     seg.log_path = path
     seg.offset_index.path = seg.index_path = seg.index_path.with_name(seg.index_path.name + suffix)
     seg.time_index.path = seg.timeindex_path = seg.timeindex_path.with_name(
-        seg.timeindex_path.name + suffix)
+        seg.timeindex_path.name + suffix
+    )
     try:
         for batch in batches:
             seg.append(batch, fsync=False)

@@ -69,8 +69,9 @@ def check_format(data_dir: Path) -> int:
 class Streams:
     """The data directory's streams and their partition logs (opened on first use)."""
 
-    def __init__(self, data_dir: Path, specs: Sequence[StreamSpec], *,
-                 clock: Callable[[], float] = time.time) -> None:
+    def __init__(
+        self, data_dir: Path, specs: Sequence[StreamSpec], *, clock: Callable[[], float] = time.time
+    ) -> None:
         self.data_dir = Path(data_dir)
         self._clock = clock
         by_name: dict[str, StreamSpec] = {}
@@ -124,8 +125,9 @@ class Streams:
                 raise CommitLogError(f"{self.data_dir}: streams are closed")
             log = self._logs.get(key)
             if log is None:
-                log = SegmentedLog.open(self.partition_dir(stream, partition), spec.log,
-                                        clock=self._clock)
+                log = SegmentedLog.open(
+                    self.partition_dir(stream, partition), spec.log, clock=self._clock
+                )
                 self._logs[key] = log
             return log
 

@@ -58,14 +58,16 @@ class HttpApi:
         self.server = server
         self.config = config
         self.app = web.Application()
-        self.app.add_routes([
-            web.get("/healthz", self.healthz),
-            web.get("/metrics", self.metrics),
-            web.get(f"{API}/streams", self.streams),
-            web.get(f"{API}/streams/{{stream}}/partitions", self.partitions),
-            web.get(f"{API}/sessions", self.sessions),
-            *FetchApi(server).routes(),
-        ])
+        self.app.add_routes(
+            [
+                web.get("/healthz", self.healthz),
+                web.get("/metrics", self.metrics),
+                web.get(f"{API}/streams", self.streams),
+                web.get(f"{API}/streams/{{stream}}/partitions", self.partitions),
+                web.get(f"{API}/sessions", self.sessions),
+                *FetchApi(server).routes(),
+            ]
+        )
         self._runner: web.AppRunner | None = None
         self.url = ""
 
@@ -73,8 +75,7 @@ class HttpApi:
         """Bind the listener; logs and returns ``http://host:port`` (the bound port)."""
         self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.config.host, self.config.port,
-                           reuse_address=True)
+        site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         await site.start()
         host, port = self.config.host, self.config.port
         if self._runner.addresses:  # the bound address (port 0 picks a free one)
@@ -102,8 +103,11 @@ class HttpApi:
         """Prometheus text exposition (see broker/metrics/collector.py); with several workers, their
         figures added up."""
         runtime = self.server.runtime
-        body = (self.server.metrics.exposition() if runtime is None
-                else merge_expositions(await runtime.gather("metrics")))
+        body = (
+            self.server.metrics.exposition()
+            if runtime is None
+            else merge_expositions(await runtime.gather("metrics"))
+        )
         return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def streams(self, request: web.Request) -> web.Response:
@@ -126,9 +130,15 @@ class HttpApi:
         if runtime is None:
             return _json(sessions_view(self.server))
         views = [orjson.loads(part) for part in await runtime.gather("sessions")]
-        return _json({key: sorted((item for view in views for item in view[key]),
-                                  key=lambda item: item.get("client_id") or item["subscription"])
-                      for key in ("sessions", "shared_groups")})
+        return _json(
+            {
+                key: sorted(
+                    (item for view in views for item in view[key]),
+                    key=lambda item: item.get("client_id") or item["subscription"],
+                )
+                for key in ("sessions", "shared_groups")
+            }
+        )
 
 
 def sessions_view(server: Server) -> dict[str, Any]:
@@ -136,9 +146,11 @@ def sessions_view(server: Server) -> dict[str, Any]:
     view = _Views(server)
     router = server.router
     return {
-        "sessions": [view.session_info(s) for s in sorted(router.sessions.values(),
-                                                          key=lambda s: s.client_id)
-                     if s.persistent],
+        "sessions": [
+            view.session_info(s)
+            for s in sorted(router.sessions.values(), key=lambda s: s.client_id)
+            if s.persistent
+        ],
         "shared_groups": [view.group_info(key, g) for key, g in sorted(router.groups.items())],
     }
 
@@ -154,8 +166,15 @@ class _Views:
         out = []
         for (stream, p), offset in sorted(consumer.cursors.items()):
             hwm = self.server.partition_log((stream, p)).end_offset
-            out.append({"stream": stream, "partition": p, "offset": offset,
-                        "high_water_mark": hwm, "lag": max(0, hwm - offset)})
+            out.append(
+                {
+                    "stream": stream,
+                    "partition": p,
+                    "offset": offset,
+                    "high_water_mark": hwm,
+                    "lag": max(0, hwm - offset),
+                }
+            )
         return out
 
     def session_info(self, session: Session) -> dict[str, Any]:
@@ -164,8 +183,9 @@ class _Views:
         for name, consumer in sorted(session.consumers.items()):
             for sub in consumer.subscriptions.values():
                 # Replay consumers are named by the full $replay/... filter they came from.
-                subscriptions.append({"filter": name if name != MAIN else sub.topic_filter,
-                                      "qos": sub.qos})
+                subscriptions.append(
+                    {"filter": name if name != MAIN else sub.topic_filter, "qos": sub.qos}
+                )
             for pos in self._positions(consumer):
                 positions.append({"consumer": name or "main", **pos})
         for full, sub in sorted(session.shared.items()):
@@ -181,9 +201,14 @@ class _Views:
         }
 
     def group_info(self, key: str, group: SharedGroup) -> dict[str, Any]:
-        return {"group": group.name, "filter": group.topic_filter, "subscription": key,
-                "members": list(group.members), "orphans": len(group.orphans),
-                "positions": self._positions(group.consumer)}
+        return {
+            "group": group.name,
+            "filter": group.topic_filter,
+            "subscription": key,
+            "members": list(group.members),
+            "orphans": len(group.orphans),
+            "positions": self._positions(group.consumer),
+        }
 
 
 def _offsets(plog: SegmentedLog | LogReader) -> dict[str, int]:

@@ -40,18 +40,20 @@ from broker.mqtt.properties import PropertyId, decode_properties
 
 PROPERTIES_TYPE = pa.map_(pa.string(), pa.string())
 
-SCHEMA = pa.schema([
-    pa.field("stream", pa.string()),
-    pa.field("partition", pa.int32()),
-    pa.field("offset", pa.int64()),
-    pa.field("timestamp", pa.timestamp("us", tz="UTC")),
-    pa.field("topic", pa.string()),
-    pa.field("payload", pa.binary()),
-    pa.field("qos", pa.int32()),
-    pa.field("retain", pa.bool_()),
-    pa.field("client_id", pa.string()),
-    pa.field("properties", PROPERTIES_TYPE),
-])
+SCHEMA = pa.schema(
+    [
+        pa.field("stream", pa.string()),
+        pa.field("partition", pa.int32()),
+        pa.field("offset", pa.int64()),
+        pa.field("timestamp", pa.timestamp("us", tz="UTC")),
+        pa.field("topic", pa.string()),
+        pa.field("payload", pa.binary()),
+        pa.field("qos", pa.int32()),
+        pa.field("retain", pa.bool_()),
+        pa.field("client_id", pa.string()),
+        pa.field("properties", PROPERTIES_TYPE),
+    ]
+)
 
 #: Arrow IPC stream media type (https://www.iana.org/assignments/media-types/).
 ARROW_STREAM_TYPE = "application/vnd.apache.arrow.stream"
@@ -83,7 +85,8 @@ def to_record_batch(stream: str, partition: int, records: Sequence[Record]) -> p
     if n == 0:
         return pa.record_batch([pa.array([], f.type) for f in SCHEMA], schema=SCHEMA)
     offsets, timestamps, topics, payloads, qos, retain, client_ids, props = zip(
-        *records, strict=True)
+        *records, strict=True
+    )
     millis = pa.array(timestamps, pa.int64())
     columns = [
         pa.repeat(pa.scalar(stream, pa.string()), n),
@@ -111,10 +114,12 @@ def columns_to_record_batch(stream: str, partition: int, read: ColumnRead) -> pa
     if n == 0:
         return to_record_batch(stream, partition, [])
     run_ends = pa.array(read.run_ends, pa.int32())
-    bases = pc.run_end_decode(pa.RunEndEncodedArray.from_arrays(
-        run_ends, pa.array(read.bases, pa.int64())))
-    table_starts = pc.run_end_decode(pa.RunEndEncodedArray.from_arrays(
-        run_ends, pa.array(read.table_starts, pa.uint32())))
+    bases = pc.run_end_decode(
+        pa.RunEndEncodedArray.from_arrays(run_ends, pa.array(read.bases, pa.int64()))
+    )
+    table_starts = pc.run_end_decode(
+        pa.RunEndEncodedArray.from_arrays(run_ends, pa.array(read.table_starts, pa.uint32()))
+    )
     strings = pa.array(read.strings, pa.string())
     millis, deltas, topics, client_ids, payload_lengths, qos, flags = _stored_fixed(read)
     columns = [
@@ -133,9 +138,15 @@ def columns_to_record_batch(stream: str, partition: int, read: ColumnRead) -> pa
 
 
 #: The fixed-size columns :func:`columns_to_record_batch` uses, and their Arrow types.
-_FIXED = [("timestamps", pa.int64()), ("deltas", pa.uint32()), ("topic_indexes", pa.uint32()),
-          ("client_id_indexes", pa.uint32()), ("payload_lengths", pa.uint32()),
-          ("qos", pa.uint8()), ("flags", pa.uint8())]
+_FIXED = [
+    ("timestamps", pa.int64()),
+    ("deltas", pa.uint32()),
+    ("topic_indexes", pa.uint32()),
+    ("client_id_indexes", pa.uint32()),
+    ("payload_lengths", pa.uint32()),
+    ("qos", pa.uint8()),
+    ("flags", pa.uint8()),
+]
 #: Above this many records per slice on average, joining each column's slices is cheaper.
 _GATHER_BELOW = 32
 
@@ -154,17 +165,19 @@ def _stored_fixed(read: ColumnRead) -> list[pa.Array]:
     n = read.count
     spans = read.spans
     if n >= _GATHER_BELOW * len(spans):
-        return [pa.Array.from_buffers(type_, n, [None, pa.py_buffer(read.joined(name))])
-                for name, type_ in _FIXED]
-    data = b"".join([b[p : p + RECORD_FIXED_SIZE * k]
-                     for b, _v, p, k, _f, _s, _x, _y, _a, _c in spans])
+        return [
+            pa.Array.from_buffers(type_, n, [None, pa.py_buffer(read.joined(name))])
+            for name, type_ in _FIXED
+        ]
+    data = b"".join(
+        [b[p : p + RECORD_FIXED_SIZE * k] for b, _v, p, k, _f, _s, _x, _y, _a, _c in spans]
+    )
     blocks = pa.Array.from_buffers(pa.uint8(), len(data), [None, pa.py_buffer(data)])
     counts = _int64s(map(itemgetter(3), spans))
     firsts = _int64s(map(itemgetter(4), spans))
     ends = pa.array(read.run_ends, pa.int64())
     run_starts = pc.subtract(ends, pc.subtract(_int64s(map(itemgetter(5), spans)), firsts))
-    block_starts = pc.multiply(pc.subtract(pc.cumulative_sum(counts), counts),
-                               RECORD_FIXED_SIZE)
+    block_starts = pc.multiply(pc.subtract(pc.cumulative_sum(counts), counts), RECORD_FIXED_SIZE)
     firsts_less_starts = pc.subtract(firsts, run_starts)
     out = []
     for name, type_ in _FIXED:
@@ -172,18 +185,22 @@ def _stored_fixed(read: ColumnRead) -> list[pa.Array]:
         # Byte q of the output, in slice j, is byte q + starts[j] of the blocks: slice j's
         # output begins at width * run_starts[j], its bytes at block_starts[j] + at * n_j
         # + width * firsts[j].
-        starts = pc.add(pc.add(block_starts, pc.multiply(counts, at)),
-                        pc.multiply(firsts_less_starts, width))
-        index = pc.add(_arange(width * n), pc.run_end_decode(
-            pa.RunEndEncodedArray.from_arrays(pc.multiply(ends, width), starts)))
+        starts = pc.add(
+            pc.add(block_starts, pc.multiply(counts, at)), pc.multiply(firsts_less_starts, width)
+        )
+        index = pc.add(
+            _arange(width * n),
+            pc.run_end_decode(pa.RunEndEncodedArray.from_arrays(pc.multiply(ends, width), starts)),
+        )
         out.append(pa.Array.from_buffers(type_, n, [None, blocks.take(index).buffers()[1]]))
     return out
 
 
 def _int64s(values: Iterable[int]) -> pa.Array:
     """``values`` as an int64 array (through ``array``: no per-value pyarrow conversion)."""
-    return pa.Array.from_buffers(pa.int64(), len(buf := array("q", values)),
-                                 [None, pa.py_buffer(buf)])
+    return pa.Array.from_buffers(
+        pa.int64(), len(buf := array("q", values)), [None, pa.py_buffer(buf)]
+    )
 
 
 _ARANGE = [pa.array(range(1 << 16), pa.int64())]
@@ -202,8 +219,9 @@ def _binary(n: int, lengths: bytes, data: bytes) -> pa.Array:
     """A binary array: the stored lengths summed into Arrow's n + 1 int32 offsets (a zero
     first), the stored bytes as its data."""
     ends = pa.Array.from_buffers(pa.int32(), n + 1, [None, pa.py_buffer(b"\0\0\0\0" + lengths)])
-    return pa.Array.from_buffers(pa.binary(), n, [None, pc.cumulative_sum(ends).buffers()[1],
-                                                  pa.py_buffer(data)])
+    return pa.Array.from_buffers(
+        pa.binary(), n, [None, pc.cumulative_sum(ends).buffers()[1], pa.py_buffer(data)]
+    )
 
 
 def _stored_properties(n: int, read: ColumnRead) -> pa.Array:
@@ -230,8 +248,9 @@ def _properties_column(blobs: Sequence[bytes]) -> pa.Array:
 
 def _empty_maps(n: int) -> pa.Array:
     """The common case (MQTT 3.1.1 telemetry): n empty maps, built from offsets alone."""
-    return pa.MapArray.from_arrays(pa.repeat(pa.scalar(0, pa.int32()), n + 1),
-                                   _NO_STRINGS, _NO_STRINGS)
+    return pa.MapArray.from_arrays(
+        pa.repeat(pa.scalar(0, pa.int32()), n + 1), _NO_STRINGS, _NO_STRINGS
+    )
 
 
 _NO_STRINGS = pa.array([], pa.string())

@@ -58,12 +58,14 @@ class BadRequest(Exception):
 
 
 def _json(data: Any, status: int = 200, headers: dict[str, str] | None = None) -> web.Response:
-    return web.Response(body=orjson.dumps(data), status=status,
-                        content_type="application/json", headers=headers)
+    return web.Response(
+        body=orjson.dumps(data), status=status, content_type="application/json", headers=headers
+    )
 
 
-def _int_param(request: web.Request, name: str, default: int | None = None,
-               minimum: int = 0) -> int:
+def _int_param(
+    request: web.Request, name: str, default: int | None = None, minimum: int = 0
+) -> int:
     raw = request.query.get(name)
     if raw is None:
         if default is None:
@@ -90,8 +92,9 @@ class FetchApi:
             web.get(f"{PARTITION_PATH}/offset", self.offset_for_time),
         ]
 
-    def _log(self, request: web.Request
-             ) -> tuple[str, int, SegmentedLog | LogReader] | web.Response:
+    def _log(
+        self, request: web.Request
+    ) -> tuple[str, int, SegmentedLog | LogReader] | web.Response:
         """The partition named by the path, or a 404 response."""
         name = request.match_info["stream"]
         spec = self.server.streams.specs.get(name)
@@ -99,8 +102,10 @@ class FetchApi:
             return _json({"error": f"no stream named {name!r}"}, 404)
         raw = request.match_info["partition"]
         if not raw.isdigit() or int(raw) >= spec.partitions:
-            return _json({"error": f"stream {name!r} has partitions 0..{spec.partitions - 1}, "
-                                   f"not {raw!r}"}, 404)
+            return _json(
+                {"error": f"stream {name!r} has partitions 0..{spec.partitions - 1}, not {raw!r}"},
+                404,
+            )
         partition = int(raw)
         try:
             return name, partition, self.server.partition_log((name, partition))
@@ -114,10 +119,10 @@ class FetchApi:
         stream, partition, plog = found
         try:
             offset = _int_param(request, "offset")
-            max_records = min(_int_param(request, "max_records", DEFAULT_MAX_RECORDS, 1),
-                              MAX_RECORDS_LIMIT)
-            max_bytes = min(_int_param(request, "max_bytes", DEFAULT_MAX_BYTES, 1),
-                            MAX_BYTES_LIMIT)
+            max_records = min(
+                _int_param(request, "max_records", DEFAULT_MAX_RECORDS, 1), MAX_RECORDS_LIMIT
+            )
+            max_bytes = min(_int_param(request, "max_bytes", DEFAULT_MAX_BYTES, 1), MAX_BYTES_LIMIT)
         except BadRequest as e:
             return _json({"error": str(e)}, 400)
         as_json = "application/json" in request.headers.get("Accept", "")
@@ -127,9 +132,15 @@ class FetchApi:
             else:
                 read = plog.read_columns(offset, max_records, max_bytes)
         except OffsetOutOfRange as e:
-            return _json({"error": f"stream {stream!r} partition {partition}: {e}",
-                          "offset": e.offset, "earliest_offset": e.log_start_offset,
-                          "high_water_mark": e.end_offset}, 416)
+            return _json(
+                {
+                    "error": f"stream {stream!r} partition {partition}: {e}",
+                    "offset": e.offset,
+                    "earliest_offset": e.log_start_offset,
+                    "high_water_mark": e.end_offset,
+                },
+                416,
+            )
         if as_json:
             next_offset = records[-1].offset + 1 if records else offset
         else:
@@ -141,8 +152,9 @@ class FetchApi:
         }
         loop = asyncio.get_running_loop()
         if as_json:
-            body = await loop.run_in_executor(None, _json_body, stream, partition, records,
-                                              next_offset, plog.end_offset)
+            body = await loop.run_in_executor(
+                None, _json_body, stream, partition, records, next_offset, plog.end_offset
+            )
             return web.Response(body=body, content_type="application/json", headers=headers)
         body = await loop.run_in_executor(None, _arrow_body, stream, partition, read)
         return web.Response(body=body, content_type=ARROW_STREAM_TYPE, headers=headers)
@@ -156,20 +168,31 @@ class FetchApi:
             timestamp = _int_param(request, "timestamp")
         except BadRequest as e:
             return _json({"error": f"{e} (epoch milliseconds)"}, 400)
-        return _json({"stream": stream, "partition": partition, "timestamp": timestamp,
-                      "offset": plog.offset_for_time(timestamp),
-                      "earliest_offset": plog.log_start_offset,
-                      "high_water_mark": plog.end_offset})
+        return _json(
+            {
+                "stream": stream,
+                "partition": partition,
+                "timestamp": timestamp,
+                "offset": plog.offset_for_time(timestamp),
+                "earliest_offset": plog.log_start_offset,
+                "high_water_mark": plog.end_offset,
+            }
+        )
 
 
 def _arrow_body(stream: str, partition: int, read: ColumnRead) -> bytes:
     return to_ipc_stream(columns_to_record_batch(stream, partition, read))
 
 
-def _json_body(stream: str, partition: int, records: list[Record], next_offset: int,
-               high_water_mark: int) -> bytes:
-    return orjson.dumps({
-        "stream": stream, "partition": partition, "next_offset": next_offset,
-        "high_water_mark": high_water_mark,
-        "records": [to_json_record(stream, partition, r) for r in records],
-    })
+def _json_body(
+    stream: str, partition: int, records: list[Record], next_offset: int, high_water_mark: int
+) -> bytes:
+    return orjson.dumps(
+        {
+            "stream": stream,
+            "partition": partition,
+            "next_offset": next_offset,
+            "high_water_mark": high_water_mark,
+            "records": [to_json_record(stream, partition, r) for r in records],
+        }
+    )

@@ -24,30 +24,57 @@ if TYPE_CHECKING:
     from broker.server import Server
 
 #: fsync latency buckets (seconds): a page-cache-only device is ~50 us, a disk ~10 ms.
-FSYNC_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1,
-                 0.25, 0.5, 1.0, 2.5)
+FSYNC_BUCKETS = (
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+    0.5,
+    1.0,
+    2.5,
+)
 
 
 class Metrics:
     """Counters the transport bumps per connection, packet and write."""
 
-    __slots__ = ("bytes_in", "bytes_out", "connections_closed", "connections_opened",
-                 "fsync_seconds", "messages_in", "messages_out", "oversize_dropped",
-                 "registry", "started")
+    __slots__ = (
+        "bytes_in",
+        "bytes_out",
+        "connections_closed",
+        "connections_opened",
+        "fsync_seconds",
+        "messages_in",
+        "messages_out",
+        "oversize_dropped",
+        "registry",
+        "started",
+    )
 
     def __init__(self) -> None:
         self.started = time.time()
         self.connections_opened = 0
         self.connections_closed = 0
-        self.messages_in = [0, 0, 0]   # client PUBLISHes received, per QoS
+        self.messages_in = [0, 0, 0]  # client PUBLISHes received, per QoS
         self.messages_out = [0, 0, 0]  # PUBLISHes sent to clients, per QoS
         self.bytes_in = 0
         self.bytes_out = 0
-        self.oversize_dropped = 0      # deliveries over a client's maximum packet size
+        self.oversize_dropped = 0  # deliveries over a client's maximum packet size
         self.registry = CollectorRegistry(auto_describe=False)
         self.fsync_seconds = Histogram(
-            "mqlog_fsync_seconds", "Latency of log fsyncs (interval flushes and fsync=always "
-            "appends, which include the write)", buckets=FSYNC_BUCKETS, registry=self.registry)
+            "mqlog_fsync_seconds",
+            "Latency of log fsyncs (interval flushes and fsync=always "
+            "appends, which include the write)",
+            buckets=FSYNC_BUCKETS,
+            registry=self.registry,
+        )
 
     def exposition(self) -> bytes:
         """The Prometheus text format of every metric."""
@@ -66,55 +93,74 @@ class BrokerCollector(Collector):
         router = server.router
         auth = server.auth
 
-        yield _gauge("mqlog_uptime_seconds", "Seconds since the broker started",
-                     time.time() - m.started)
-        yield _gauge("mqlog_connections", "Open network connections (any listener)",
-                     len(server.links))
-        yield _gauge("mqlog_clients_connected", "Clients with an accepted CONNECT",
-                     router.connections)
-        yield _counter("mqlog_connections_opened", "Connections accepted",
-                       m.connections_opened)
-        yield _gauge("mqlog_sessions", "Sessions (connected and persistent offline)",
-                     len(router.sessions))
-        yield _gauge("mqlog_subscriptions", "Subscriptions over all sessions",
-                     count_subscriptions(server))
+        yield _gauge(
+            "mqlog_uptime_seconds", "Seconds since the broker started", time.time() - m.started
+        )
+        yield _gauge(
+            "mqlog_connections", "Open network connections (any listener)", len(server.links)
+        )
+        yield _gauge(
+            "mqlog_clients_connected", "Clients with an accepted CONNECT", router.connections
+        )
+        yield _counter("mqlog_connections_opened", "Connections accepted", m.connections_opened)
+        yield _gauge(
+            "mqlog_sessions", "Sessions (connected and persistent offline)", len(router.sessions)
+        )
+        yield _gauge(
+            "mqlog_subscriptions", "Subscriptions over all sessions", count_subscriptions(server)
+        )
         for name, help_, values in (
-                ("mqlog_messages_received", "PUBLISH packets received from clients",
-                 m.messages_in),
-                ("mqlog_messages_sent", "PUBLISH packets sent to clients", m.messages_out)):
+            ("mqlog_messages_received", "PUBLISH packets received from clients", m.messages_in),
+            ("mqlog_messages_sent", "PUBLISH packets sent to clients", m.messages_out),
+        ):
             fam = CounterMetricFamily(name, help_, labels=["qos"])
             for qos, value in enumerate(values):
                 fam.add_metric([str(qos)], value)
             yield fam
         yield _counter("mqlog_bytes_received", "Bytes received from clients", m.bytes_in)
         yield _counter("mqlog_bytes_sent", "Bytes sent to clients", m.bytes_out)
-        yield _counter("mqlog_log_appends", "Record batches appended to partition logs",
-                       router.log_appends)
-        yield _counter("mqlog_log_records_appended", "Records appended to partition logs",
-                       router.records_appended)
-        dropped = CounterMetricFamily("mqlog_messages_dropped",
-                                      "Messages not stored or not delivered",
-                                      labels=["reason"])
+        yield _counter(
+            "mqlog_log_appends", "Record batches appended to partition logs", router.log_appends
+        )
+        yield _counter(
+            "mqlog_log_records_appended",
+            "Records appended to partition logs",
+            router.records_appended,
+        )
+        dropped = CounterMetricFamily(
+            "mqlog_messages_dropped", "Messages not stored or not delivered", labels=["reason"]
+        )
         dropped.add_metric(["slow_qos0"], router.dropped)
         dropped.add_metric(["oversize"], m.oversize_dropped)
         dropped.add_metric(["not_authorized"], router.acl_denied)
         yield dropped
         if server.runtime is not None:
-            yield _counter("mqlog_session_handovers", "Sessions handed from one worker to "
-                           "another (their client reconnected to another worker)",
-                           server.runtime.sessions.takeovers)
-            yield _counter("mqlog_records_forwarded", "Records sent to the worker owning "
-                           "their partition", server.runtime.partitions.forwarded)
+            yield _counter(
+                "mqlog_session_handovers",
+                "Sessions handed from one worker to "
+                "another (their client reconnected to another worker)",
+                server.runtime.sessions.takeovers,
+            )
+            yield _counter(
+                "mqlog_records_forwarded",
+                "Records sent to the worker owning their partition",
+                server.runtime.partitions.forwarded,
+            )
         yield _counter("mqlog_auth_failures", "Refused logins", auth.failures)
-        yield _counter("mqlog_auth_lockouts", "Addresses locked out after failed logins",
-                       auth.lockouts)
+        yield _counter(
+            "mqlog_auth_lockouts", "Addresses locked out after failed logins", auth.lockouts
+        )
 
-        hwm = GaugeMetricFamily("mqlog_partition_high_water_mark",
-                                "Next offset to be written (all below are committed)",
-                                labels=["stream", "partition"])
-        start = GaugeMetricFamily("mqlog_partition_log_start_offset",
-                                  "Earliest offset still retained",
-                                  labels=["stream", "partition"])
+        hwm = GaugeMetricFamily(
+            "mqlog_partition_high_water_mark",
+            "Next offset to be written (all below are committed)",
+            labels=["stream", "partition"],
+        )
+        start = GaugeMetricFamily(
+            "mqlog_partition_log_start_offset",
+            "Earliest offset still retained",
+            labels=["stream", "partition"],
+        )
         runtime = server.runtime
         for (stream, p), part in sorted(router.partitions.items()):
             if runtime is not None and not runtime.partitions.owns((stream, p)):
@@ -124,9 +170,12 @@ class BrokerCollector(Collector):
         yield hwm
         yield start
 
-        lag = GaugeMetricFamily("mqlog_consumer_lag_records",
-                                "Records a persistent session or shared group has not read "
-                                "yet, summed over its partitions", labels=["client_id"])
+        lag = GaugeMetricFamily(
+            "mqlog_consumer_lag_records",
+            "Records a persistent session or shared group has not read "
+            "yet, summed over its partitions",
+            labels=["client_id"],
+        )
         for client_id, session in sorted(router.sessions.items()):
             if session.persistent:
                 total = 0
@@ -135,8 +184,10 @@ class BrokerCollector(Collector):
                         total += max(0, router.partition(key).end_offset - offset)
                 lag.add_metric([client_id], total)
         for name, group in sorted(router.groups.items()):
-            total = sum(max(0, router.partition(k).end_offset - off)
-                        for k, off in group.consumer.cursors.items())
+            total = sum(
+                max(0, router.partition(k).end_offset - off)
+                for k, off in group.consumer.cursors.items()
+            )
             lag.add_metric([name], total)
         yield lag
 
@@ -175,8 +226,9 @@ def merge_expositions(parts: list[bytes]) -> bytes:
             merged = values.setdefault(family.name, {})
             for sample in family.samples:
                 key = (sample.name, tuple(sorted(sample.labels.items())))
-                if key in merged and (family.name in _NOT_ADDED
-                                      or sample.name.endswith("_created")):
+                if key in merged and (
+                    family.name in _NOT_ADDED or sample.name.endswith("_created")
+                ):
                     merged[key] = max(merged[key], sample.value)
                 else:
                     merged[key] = merged.get(key, 0.0) + sample.value
@@ -187,8 +239,11 @@ def merge_expositions(parts: list[bytes]) -> bytes:
         out.append(f"# TYPE {name} {kind}")
         for (sample_name, labels), value in values[name].items():
             text = ",".join(f'{k}="{_label(v)}"' for k, v in labels)
-            out.append(f"{sample_name}{{{text}}} {_number(value)}" if text
-                       else f"{sample_name} {_number(value)}")
+            out.append(
+                f"{sample_name}{{{text}}} {_number(value)}"
+                if text
+                else f"{sample_name} {_number(value)}"
+            )
     return ("\n".join(out) + "\n").encode()
 
 

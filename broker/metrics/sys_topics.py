@@ -46,9 +46,12 @@ PREFIX = "$SYS/broker/"
 #: The internal stream ``$SYS/...`` topics are written to, kept out of the user's streams:
 #: small segments, an hour of history, no fsync (the values are recomputed anyway).
 SYS_STREAM = "$sys"
-SYS_SPEC = StreamSpec(SYS_STREAM, ("$SYS/#",), 1,
-                      LogConfig(segment_bytes=1 << 20, segment_ms=3_600_000,
-                                retention_ms=3_600_000, fsync="never"))
+SYS_SPEC = StreamSpec(
+    SYS_STREAM,
+    ("$SYS/#",),
+    1,
+    LogConfig(segment_bytes=1 << 20, segment_ms=3_600_000, retention_ms=3_600_000, fsync="never"),
+)
 
 
 def broker_version() -> str:

@@ -50,8 +50,19 @@ SHARED_QOS0_ENTRIES = 4096
 SHARED_QOS0_MAX_PAYLOAD = 1024
 _shared_qos0: dict[tuple[str, bytes, bool, int], bytes] = {}
 
-_CLIENT_TO_SERVER = (Publish, PubAck, PubAckRun, PubRec, PubRel, PubComp, Subscribe,
-                     Unsubscribe, PingReq, Disconnect, Auth)
+_CLIENT_TO_SERVER = (
+    Publish,
+    PubAck,
+    PubAckRun,
+    PubRec,
+    PubRel,
+    PubComp,
+    Subscribe,
+    Unsubscribe,
+    PingReq,
+    Disconnect,
+    Auth,
+)
 
 
 class TopicAliasInvalid(MQTTError):
@@ -95,14 +106,32 @@ class ServerConnection:
     returned by :meth:`receive_data` after it has a resolved topic (no inbound alias left).
     """
 
-    __slots__ = ("_decoder", "_head", "client_max_packet_size", "client_receive_maximum",
-                 "client_topic_alias_maximum", "connected", "inbound_aliases", "inbound_unacked",
-                 "max_topic_length", "max_topic_levels", "outbound_aliases", "receive_maximum",
-                 "topic_alias_maximum", "version")
+    __slots__ = (
+        "_decoder",
+        "_head",
+        "client_max_packet_size",
+        "client_receive_maximum",
+        "client_topic_alias_maximum",
+        "connected",
+        "inbound_aliases",
+        "inbound_unacked",
+        "max_topic_length",
+        "max_topic_levels",
+        "outbound_aliases",
+        "receive_maximum",
+        "topic_alias_maximum",
+        "version",
+    )
 
-    def __init__(self, *, max_packet_size: int, topic_alias_maximum: int = 0,
-                 max_topic_length: int = 65535, max_topic_levels: int = 1 << 16,
-                 receive_maximum: int = 65535) -> None:
+    def __init__(
+        self,
+        *,
+        max_packet_size: int,
+        topic_alias_maximum: int = 0,
+        max_topic_length: int = 65535,
+        max_topic_levels: int = 1 << 16,
+        receive_maximum: int = 65535,
+    ) -> None:
         self._decoder = Decoder(max_packet_size=max_packet_size, puback_runs=True)
         self._head = b""  # first bytes until the CONNECT is decoded (see requested_level)
         self.version: int | None = None
@@ -228,15 +257,15 @@ class ServerConnection:
                     # exceeding it is answered with DISCONNECT 0x93.
                     raise ProtocolError(
                         f"more than {self.receive_maximum} unacknowledged QoS 1/2 PUBLISHes",
-                        ReasonCode.RECEIVE_MAXIMUM_EXCEEDED)
+                        ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
+                    )
                 unacked.add(pid)  # type: ignore[arg-type]  # QoS > 0 has an id
         return packet
 
     def _check_topic(self, topic: str) -> None:
         """A topic name to publish to: valid (s4.7) and within the configured limits."""
         # A code point is at most 4 bytes of UTF-8: encode only topics that may be too long.
-        if (len(topic) * 4 > self.max_topic_length or "+" in topic or "#" in topic
-                or not topic):
+        if len(topic) * 4 > self.max_topic_length or "+" in topic or "#" in topic or not topic:
             validate_topic_name(topic)  # raises with the precise reason
             if len(topic.encode()) > self.max_topic_length:
                 raise TopicNameInvalid(f"topic longer than {self.max_topic_length} bytes")
@@ -263,14 +292,23 @@ class ServerConnection:
             self.inbound_unacked.discard(packet.packet_id)  # its quota comes back (s4.9)
             return encode_puback_success(packet.packet_id)
         if isinstance(packet, (PubAck, PubComp, PubRec)) and (
-                kind is not PubRec or packet.reason_code >= 0x80):
+            kind is not PubRec or packet.reason_code >= 0x80
+        ):
             # The client's send quota for this id comes back (s4.9): after PUBACK, PUBCOMP,
             # or a PUBREC refusing the message (reason code >= 0x80).
             self.inbound_unacked.discard(packet.packet_id)
         return encode(packet, self.version)
 
-    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
-                     packet_id: int | None, properties: dict[int, Any] | None) -> bytes | None:
+    def send_publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        dup: bool,
+        packet_id: int | None,
+        properties: dict[int, Any] | None,
+    ) -> bytes | None:
         """Encode a PUBLISH, using an outbound topic alias when the client allows them.
 
         Returns ``None`` when the packet would exceed the client's maximum packet size: the
@@ -292,8 +330,9 @@ class ServerConnection:
                 data = encode_publish(topic, payload, qos, retain, dup, packet_id, props, version)
                 # The mapping exists for the client only once a PUBLISH carrying both topic
                 # and alias reached it: one skipped for its size [MQTT-3.1.2-25] set nothing.
-                if new_alias is not None and (self.client_max_packet_size is None
-                                              or len(data) <= self.client_max_packet_size):
+                if new_alias is not None and (
+                    self.client_max_packet_size is None or len(data) <= self.client_max_packet_size
+                ):
                     self.outbound_aliases[topic] = new_alias
         elif qos == 0 and not properties and len(payload) <= SHARED_QOS0_MAX_PAYLOAD:
             # The same QoS 0 bytes go to every subscriber of a record: encode them once.
@@ -302,18 +341,25 @@ class ServerConnection:
             if data is None:
                 if len(_shared_qos0) >= SHARED_QOS0_ENTRIES:
                     _shared_qos0.clear()
-                data = _shared_qos0[key] = encode_publish(topic, payload, 0, retain, False,
-                                                          None, None, version)
+                data = _shared_qos0[key] = encode_publish(
+                    topic, payload, 0, retain, False, None, None, version
+                )
         else:
-            data = encode_publish(topic, payload, qos, retain, dup, packet_id, properties or None,
-                                  version)
+            data = encode_publish(
+                topic, payload, qos, retain, dup, packet_id, properties or None, version
+            )
         if self.client_max_packet_size is not None and len(data) > self.client_max_packet_size:
             return None
         return data
 
-    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
-                         retains: Sequence[bool] | None, qos: int,
-                         first_packet_id: int | None) -> bytes | None:
+    def send_publish_run(
+        self,
+        topics: Sequence[str],
+        payloads: Sequence[bytes],
+        retains: Sequence[bool] | None,
+        qos: int,
+        first_packet_id: int | None,
+    ) -> bytes | None:
         """Encode PUBLISHes without properties for a run of messages in one pass (see
         :func:`~broker.mqtt.encode.encode_publish_run`).
 

@@ -108,8 +108,9 @@ def _puback_run(buf: bytes, pos: int, n: int) -> PubAckRun | None:
     chunk = buf[pos:stop]
     firsts = chunk[0::4]
     lengths = chunk[1::4]
-    count = min(len(firsts) - len(firsts.lstrip(b"\x40")),
-                len(lengths) - len(lengths.lstrip(b"\x02")))
+    count = min(
+        len(firsts) - len(firsts.lstrip(b"\x40")), len(lengths) - len(lengths.lstrip(b"\x02"))
+    )
     if count < 2:
         return None
     words = array("H", chunk[: 4 * count])
@@ -122,6 +123,7 @@ def _puback_run(buf: bytes, pos: int, n: int) -> PubAckRun | None:
             return None
         ids = ids[:count]
     return PubAckRun(ids)
+
 
 # Protocol (name, level) pairs a CONNECT may carry (s3.1.2.1-3.1.2.2; 3.1 used "MQIsdp").
 _PROTOCOLS = frozenset({("MQTT", 4), ("MQTT", 5), ("MQIsdp", 3)})
@@ -409,12 +411,23 @@ class Decoder:
     MQTT 5's Maximum Packet Size does (s3.1.2.11.4).
     """
 
-    __slots__ = ("_buf", "_chunks", "_error", "_pending", "_pos", "max_packet_size",
-                 "puback_runs", "version")
+    __slots__ = (
+        "_buf",
+        "_chunks",
+        "_error",
+        "_pending",
+        "_pos",
+        "max_packet_size",
+        "puback_runs",
+        "version",
+    )
 
     def __init__(
-        self, max_packet_size: int = DEFAULT_MAX_PACKET_SIZE, version: int | None = None,
-        *, puback_runs: bool = False,
+        self,
+        max_packet_size: int = DEFAULT_MAX_PACKET_SIZE,
+        version: int | None = None,
+        *,
+        puback_runs: bool = False,
     ) -> None:
         if version not in (None, 3, 4, 5):
             raise ValueError(f"unsupported MQTT protocol version {version!r}")
@@ -607,9 +620,15 @@ class Decoder:
                         props,
                     )
                 )
-            elif (first == 0x40 and length == 2 and runs and version is not None
-                  and end + 4 <= n and buf[end] == 0x40
-                  and (run := _puback_run(buf, pos, n)) is not None):
+            elif (
+                first == 0x40
+                and length == 2
+                and runs
+                and version is not None
+                and end + 4 <= n
+                and buf[end] == 0x40
+                and (run := _puback_run(buf, pos, n)) is not None
+            ):
                 append(run)
                 end = pos + 4 * len(run.packet_ids)
             else:

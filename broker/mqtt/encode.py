@@ -420,10 +420,13 @@ def encode_publish_run(
         return b""
     tails: Iterable[bytes] | None = None
     if qos == 1 or qos == 2:
-        if (type(first_packet_id) is not int or first_packet_id <= 0
-                or first_packet_id + n - 1 > 0xFFFF):
+        if (
+            type(first_packet_id) is not int
+            or first_packet_id <= 0
+            or first_packet_id + n - 1 > 0xFFFF
+        ):
             raise LocalProtocolError(f"PUBLISH run of {n} needs packet ids within 1..65535")
-        tails = _packet_id_tails(version == 5)[first_packet_id:first_packet_id + n]
+        tails = _packet_id_tails(version == 5)[first_packet_id : first_packet_id + n]
     elif qos == 0 and not isinstance(qos, bool) and first_packet_id is None:
         if version == 5:
             tails = repeat(_NO_PROPS, n)
@@ -437,15 +440,30 @@ def encode_publish_run(
         distinct = list(set(topics))
         # The cached heads looked up in C (a QoS 1 window of 100 messages on 50 topics
         # would otherwise call _publish_head once per 2 messages).
-        cached = list(map(_heads.get, zip(distinct, repeat(size), repeat(False), repeat(qos),
-                                          repeat(version), strict=False)))  # endless repeat()
-        found = cast("list[bytes]", cached) if None not in cached else [
-            _publish_head(t, size, False, qos, version) for t in distinct]
+        cached = list(
+            map(
+                _heads.get,
+                zip(
+                    distinct,
+                    repeat(size),
+                    repeat(False),
+                    repeat(qos),
+                    repeat(version),
+                    strict=False,
+                ),
+            )
+        )  # endless repeat()
+        found = (
+            cast("list[bytes]", cached)
+            if None not in cached
+            else [_publish_head(t, size, False, qos, version) for t in distinct]
+        )
         by_topic = dict(zip(distinct, found, strict=True))
         heads = map(by_topic.__getitem__, topics)
     else:
-        keys = list(zip(topics, sizes, repeat(False) if retains is None else retains,
-                        strict=False))  # repeat() is endless
+        keys = list(
+            zip(topics, sizes, repeat(False) if retains is None else retains, strict=False)
+        )  # repeat() is endless
         by_key = {key: _publish_head(*key, qos, version) for key in set(keys)}
         heads = map(by_key.__getitem__, keys)
     width = 2 if tails is None else 3
@@ -453,7 +471,7 @@ def encode_publish_run(
     parts[::width] = heads
     if tails is not None:
         parts[1::width] = tails
-    parts[width - 1::width] = payloads
+    parts[width - 1 :: width] = payloads
     return b"".join(parts)
 
 
@@ -474,7 +492,7 @@ def _publish_head(topic: str, payload_size: int, retain: bool, qos: int, version
     if size > MAX_VBI:
         raise LocalProtocolError(f"PUBLISH of {size} bytes exceeds {MAX_VBI}")
     after_topic = (2 if qos else 0) + (version == 5)  # packet id, empty property block
-    head = empty[:1] + encode_vbi(size) + empty[i + 1:len(empty) - after_topic]
+    head = empty[:1] + encode_vbi(size) + empty[i + 1 : len(empty) - after_topic]
     if len(_heads) >= PUBLISH_HEAD_ENTRIES:
         _heads.clear()
     _heads[key] = head

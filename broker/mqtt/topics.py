@@ -61,7 +61,7 @@ def validate_topic_filter(topic_filter: str) -> None:
     if "\x00" in topic_filter:
         raise TopicFilterInvalid("topic filter contains U+0000 [MQTT-4.7.3-2]")
     if topic_filter.startswith(SHARE_PREFIX):
-        group, _, rest = topic_filter[len(SHARE_PREFIX):].partition("/")
+        group, _, rest = topic_filter[len(SHARE_PREFIX) :].partition("/")
         if not group or "+" in group or "#" in group:
             raise TopicFilterInvalid(
                 f"shared subscription {topic_filter!r} has an invalid group name [MQTT-4.8.2-2]"
@@ -95,7 +95,7 @@ def parse_shared(topic_filter: str) -> tuple[str | None, str]:
     The filter is assumed valid (see :func:`validate_topic_filter`).
     """
     if topic_filter.startswith(SHARE_PREFIX):
-        group, _, rest = topic_filter[len(SHARE_PREFIX):].partition("/")
+        group, _, rest = topic_filter[len(SHARE_PREFIX) :].partition("/")
         return group, rest
     return None, topic_filter
 

@@ -44,8 +44,9 @@ def server_context(cfg: ServerConfig) -> ssl.SSLContext:
     try:
         ctx.load_cert_chain(str(cfg.certfile), str(cfg.keyfile))
     except (OSError, ssl.SSLError) as e:
-        raise TLSConfigError(f"server.certfile {cfg.certfile} / server.keyfile {cfg.keyfile}: "
-                             f"cannot load: {e}") from None
+        raise TLSConfigError(
+            f"server.certfile {cfg.certfile} / server.keyfile {cfg.keyfile}: cannot load: {e}"
+        ) from None
     if cfg.cafile is not None:
         try:
             ctx.load_verify_locations(cafile=str(cfg.cafile))
@@ -86,7 +87,8 @@ class TLSProtocol(asyncio.Protocol):
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
         self._timer = self.server.loop.call_later(
-            self.server.config.router.connect_timeout, self._handshake_timeout)
+            self.server.config.router.connect_timeout, self._handshake_timeout
+        )
 
     def _handshake_timeout(self) -> None:
         log.warning("%s: TLS handshake not completed in time; closing", self.peer)
@@ -98,8 +100,11 @@ class TLSProtocol(asyncio.Protocol):
                 self._first = False
                 if data[0] != TLS_HANDSHAKE_BYTE:
                     what = " (an MQTT CONNECT)" if data[0] == 0x10 else ""
-                    log.warning("%s: plain (non-TLS) data%s on the MQTT over TLS port; closing",
-                                self.peer, what)
+                    log.warning(
+                        "%s: plain (non-TLS) data%s on the MQTT over TLS port; closing",
+                        self.peer,
+                        what,
+                    )
                     self._abort()
                     return
             self._incoming.write(data)
@@ -117,8 +122,11 @@ class TLSProtocol(asyncio.Protocol):
             return False
         except ssl.SSLError as e:
             self._send_pending()  # the alert tells the client why
-            log.warning("%s: TLS handshake failed: %s", self.peer,
-                        getattr(e, "verify_message", None) or e.reason or e)
+            log.warning(
+                "%s: TLS handshake failed: %s",
+                self.peer,
+                getattr(e, "verify_message", None) or e.reason or e,
+            )
             self._close()
             return False
         self._send_pending()

@@ -85,12 +85,41 @@ class MQTTProtocol(asyncio.Protocol):
     """One client connection. Implements :class:`broker.router.link.Link`."""
 
     # Slots: an idle connection's attributes took a 1,584-byte dict (33 keys) before.
-    __slots__ = ("_acked", "_authorizing", "_budget", "_closing", "_fresh", "_graceful",
-                 "_held", "_held_data", "_high_water", "_max_packet_size", "_out",
-                 "_out_bytes", "_paused", "_plain_field", "_plain_key", "_plain_topic",
-                 "client_id", "conn", "connect_timeout", "connected_at", "keepalive",
-                 "last_received", "metrics", "peer", "peer_host", "router", "server",
-                 "session", "tls", "tls_identity", "transport", "username", "version")
+    __slots__ = (
+        "_acked",
+        "_authorizing",
+        "_budget",
+        "_closing",
+        "_fresh",
+        "_graceful",
+        "_held",
+        "_held_data",
+        "_high_water",
+        "_max_packet_size",
+        "_out",
+        "_out_bytes",
+        "_paused",
+        "_plain_field",
+        "_plain_key",
+        "_plain_topic",
+        "client_id",
+        "conn",
+        "connect_timeout",
+        "connected_at",
+        "keepalive",
+        "last_received",
+        "metrics",
+        "peer",
+        "peer_host",
+        "router",
+        "server",
+        "session",
+        "tls",
+        "tls_identity",
+        "transport",
+        "username",
+        "version",
+    )
 
     def __init__(self, server: Server, *, tls: bool = False) -> None:
         self.server = server
@@ -191,8 +220,12 @@ class MQTTProtocol(asyncio.Protocol):
             pos = 3
         field = self._plain_field
         conn = self.conn
-        if (pos + length != n or n > self._max_packet_size or not data.startswith(field, pos)
-                or conn.buffered):
+        if (
+            pos + length != n
+            or n > self._max_packet_size
+            or not data.startswith(field, pos)
+            or conn.buffered
+        ):
             return False
         pos += len(field)
         packet_id = 0
@@ -219,8 +252,15 @@ class MQTTProtocol(asyncio.Protocol):
         qos = first >> 1 & 1
         self.metrics.messages_in[qos] += 1
         router = self.router
-        router.publish_plain(self.client_id, self._plain_topic, self._plain_key, data[pos:],
-                             qos, int(router.clock() * 1000), ack)
+        router.publish_plain(
+            self.client_id,
+            self._plain_topic,
+            self._plain_key,
+            data[pos:],
+            qos,
+            int(router.clock() * 1000),
+            ack,
+        )
         return True
 
     def _receive(self, data: bytes | None, packets: list[Packet | PubAckRun] | None) -> None:
@@ -255,16 +295,23 @@ class MQTTProtocol(asyncio.Protocol):
         except MQTTError as e:
             self._protocol_error(e)
         except Exception:
-            log.exception("bug while serving %s (%s); closing that connection",
-                          self.client_id or "?", self.peer)
+            log.exception(
+                "bug while serving %s (%s); closing that connection",
+                self.client_id or "?",
+                self.peer,
+            )
             self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
 
     def _wrong_protocol(self) -> None:
         tls_port = self.server.config.server.tls_port
-        hint = f"; MQTT over TLS is on port {tls_port}" if tls_port else \
-            " and this broker has no TLS listener ([server] tls_port)"
-        log.warning("%s: TLS handshake (ClientHello) on the plain MQTT port; closing%s",
-                    self.peer, hint)
+        hint = (
+            f"; MQTT over TLS is on port {tls_port}"
+            if tls_port
+            else " and this broker has no TLS listener ([server] tls_port)"
+        )
+        log.warning(
+            "%s: TLS handshake (ClientHello) on the plain MQTT port; closing%s", self.peer, hint
+        )
         self._closing = True
         self._flush_and_close()
 
@@ -299,8 +346,12 @@ class MQTTProtocol(asyncio.Protocol):
             messages_in[packet.qos] += 1
         self.router.publish_run(self.session, run)  # type: ignore[arg-type]
         last = run[-1]
-        if (last.qos < 2 and not last.retain and not last.properties
-                and last.topic != self._plain_topic):
+        if (
+            last.qos < 2
+            and not last.retain
+            and not last.properties
+            and last.topic != self._plain_topic
+        ):
             # Where the device path takes the next ones (module docstring) from.
             key = self.router.plain_route(self.client_id, last.topic)
             if key is not None:
@@ -330,12 +381,10 @@ class MQTTProtocol(asyncio.Protocol):
             self.router.puback_run(session, packet.packet_ids)  # type: ignore[arg-type, union-attr]
             self._acked = True
         elif kind is PubAck:
-            self.router.puback(session, packet.packet_id,  # type: ignore[arg-type, union-attr]
-                               pump=False)
+            self.router.puback(session, packet.packet_id, pump=False)  # type: ignore[arg-type, union-attr]
             self._acked = True  # the freed quota is used once per read, in _receive
         elif kind is PubRec:
-            self.router.pubrec(session, packet.packet_id,  # type: ignore[arg-type, union-attr]
-                               packet.reason_code)  # type: ignore[union-attr]
+            self.router.pubrec(session, packet.packet_id, packet.reason_code)  # type: ignore[arg-type, union-attr]
         elif kind is PubRel:
             self.router.pubrel(session, packet.packet_id)  # type: ignore[arg-type, union-attr]
         elif kind is PubComp:
@@ -364,8 +413,12 @@ class MQTTProtocol(asyncio.Protocol):
             self._connect_router(packet)
             return
         decision = self.server.auth.precheck(
-            self.peer_host, packet.username, packet.password,
-            tls_identity=self.tls_identity, tls=self.tls)
+            self.peer_host,
+            packet.username,
+            packet.password,
+            tls_identity=self.tls_identity,
+            tls=self.tls,
+        )
         if isinstance(decision, PendingLogin):
             # scrypt takes tens of ms: verify in a worker thread, answer when it is done.
             self._authorizing = True
@@ -380,8 +433,7 @@ class MQTTProtocol(asyncio.Protocol):
             return
         self._login_decided(packet, decision)
 
-    def _login_verified(self, packet: Connect, pending: PendingLogin,
-                        future: Future[bool]) -> None:
+    def _login_verified(self, packet: Connect, pending: PendingLogin, future: Future[bool]) -> None:
         """Back on the loop with the scrypt answer: finish the CONNECT, replay held input."""
         self._authorizing = False
         if self._closing:
@@ -389,15 +441,17 @@ class MQTTProtocol(asyncio.Protocol):
         try:
             ok = future.result()
         except Exception:
-            log.exception("bug while verifying the password of %s (%s)",
-                          packet.username, self.peer)
+            log.exception("bug while verifying the password of %s (%s)", packet.username, self.peer)
             ok = False
         result = self.server.auth.complete(self.peer_host, pending, ok)
         try:
             self._login_decided(packet, result)
         except Exception:
-            log.exception("bug while connecting %s (%s); closing that connection",
-                          packet.client_id or "?", self.peer)
+            log.exception(
+                "bug while connecting %s (%s); closing that connection",
+                packet.client_id or "?",
+                self.peer,
+            )
             self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
             return
         if not self._authorizing:
@@ -413,10 +467,16 @@ class MQTTProtocol(asyncio.Protocol):
 
     def _login_decided(self, packet: Connect, result: LoginResult) -> None:
         if result.reason:
-            log.info("%s (%s): login refused: %s (reason 0x%02X)", packet.client_id or "-",
-                     self.peer, result.message, result.reason)
-            code = (result.reason if self.version == 5
-                    else CONNACK_311_FOR_REASON.get(result.reason, 5))
+            log.info(
+                "%s (%s): login refused: %s (reason 0x%02X)",
+                packet.client_id or "-",
+                self.peer,
+                result.message,
+                result.reason,
+            )
+            code = (
+                result.reason if self.version == 5 else CONNACK_311_FOR_REASON.get(result.reason, 5)
+            )
             self.send(ConnAck(False, code))
             self._closing = True
             self._flush_and_close()  # [MQTT-3.2.2-7]
@@ -430,8 +490,9 @@ class MQTTProtocol(asyncio.Protocol):
             # One of several workers: the session may be held by another one. Its home
             # worker decides (broker.workers.sessions); input is held meanwhile.
             self._authorizing = True
-            claim = runtime.sessions.claim(packet.client_id,
-                                           lambda answer: self._claimed(packet, answer))
+            claim = runtime.sessions.claim(
+                packet.client_id, lambda answer: self._claimed(packet, answer)
+            )
             self.server.loop.create_task(claim).add_done_callback(self._claim_failed)
             return
         self._connect_session(packet)
@@ -447,8 +508,9 @@ class MQTTProtocol(asyncio.Protocol):
         try:
             self._connect_session(packet)
         except Exception:
-            log.exception("bug while connecting %s (%s); closing that connection",
-                          packet.client_id, self.peer)
+            log.exception(
+                "bug while connecting %s (%s); closing that connection", packet.client_id, self.peer
+            )
             self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
             return
         self._resume_input()
@@ -459,8 +521,14 @@ class MQTTProtocol(asyncio.Protocol):
         log.error("%s: cannot take the session over: %s", self.peer, task.exception())
         self._authorizing = False
         if not self._closing:
-            self.send(ConnAck(False, ReasonCode.SERVER_UNAVAILABLE if self.version == 5
-                              else ConnackReturnCode311.SERVER_UNAVAILABLE))
+            self.send(
+                ConnAck(
+                    False,
+                    ReasonCode.SERVER_UNAVAILABLE
+                    if self.version == 5
+                    else ConnackReturnCode311.SERVER_UNAVAILABLE,
+                )
+            )
             self._closing = True
             self._flush_and_close()
 
@@ -480,8 +548,13 @@ class MQTTProtocol(asyncio.Protocol):
     # ---------------------------------------------------------------- errors
 
     def _protocol_error(self, error: MQTTError) -> None:
-        log.info("%s (%s): %s (reason 0x%02X); closing", self.client_id or "-", self.peer,
-                 error.message, error.reason_code)
+        log.info(
+            "%s (%s): %s (reason 0x%02X); closing",
+            self.client_id or "-",
+            self.peer,
+            error.message,
+            error.reason_code,
+        )
         if self.session is None:
             level = self.conn.requested_level
             if isinstance(error, UnsupportedProtocolVersion):
@@ -491,8 +564,10 @@ class MQTTProtocol(asyncio.Protocol):
                 if level is not None and level >= 5:
                     self._write(encode(ConnAck(False, error.reason_code), 5))
                 else:
-                    self._write(b"\x20\x02\x00" + bytes(
-                        [ConnackReturnCode311.UNACCEPTABLE_PROTOCOL_VERSION]))
+                    self._write(
+                        b"\x20\x02\x00"
+                        + bytes([ConnackReturnCode311.UNACCEPTABLE_PROTOCOL_VERSION])
+                    )
             elif level == 5:
                 # A 5.0 CONNECT we cannot accept (malformed, bad property...): CONNACK with
                 # the reason code (s3.2.2.2), then close [MQTT-3.2.2-7]. 3.1.1 has no code
@@ -513,8 +588,16 @@ class MQTTProtocol(asyncio.Protocol):
     def send(self, packet: Packet) -> None:
         self._write(self.conn.send(packet))
 
-    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
-                     packet_id: int | None, properties: dict[int, Any] | None) -> bool:
+    def send_publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        dup: bool,
+        packet_id: int | None,
+        properties: dict[int, Any] | None,
+    ) -> bool:
         data = self.conn.send_publish(topic, payload, qos, retain, dup, packet_id, properties)
         if data is None:
             self.metrics.oversize_dropped += 1
@@ -523,9 +606,14 @@ class MQTTProtocol(asyncio.Protocol):
         self._write(data)
         return True
 
-    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
-                         retains: Sequence[bool] | None, qos: int,
-                         first_packet_id: int | None) -> bool:
+    def send_publish_run(
+        self,
+        topics: Sequence[str],
+        payloads: Sequence[bytes],
+        retains: Sequence[bool] | None,
+        qos: int,
+        first_packet_id: int | None,
+    ) -> bool:
         data = self.conn.send_publish_run(topics, payloads, retains, qos, first_packet_id)
         if data is None:
             return False
@@ -544,8 +632,12 @@ class MQTTProtocol(asyncio.Protocol):
     def close(self, reason_code: int | None = None, reason: str = "") -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        if (reason_code is not None and self.version == 5 and self.session is not None
-                and not self._closing):
+        if (
+            reason_code is not None
+            and self.version == 5
+            and self.session is not None
+            and not self._closing
+        ):
             props: dict[int, Any] = {}
             if reason and self._problem_info():
                 props[PropertyId.REASON_STRING] = reason

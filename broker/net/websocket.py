@@ -37,8 +37,9 @@ SHUTDOWN_SECONDS = 5.0
 class WebSocketCarrier(Carrier):
     """Transport for one MQTTProtocol over one WebSocket."""
 
-    def __init__(self, ws: web.WebSocketResponse, request: web.Request,
-                 protocol: MQTTProtocol) -> None:
+    def __init__(
+        self, ws: web.WebSocketResponse, request: web.Request, protocol: MQTTProtocol
+    ) -> None:
         super().__init__(request.transport)
         self.ws = ws
         self.request = request
@@ -94,8 +95,7 @@ class WebSocketCarrier(Carrier):
 class WebSocketListener:
     """The aiohttp site for MQTT over WebSocket; started and stopped by the server."""
 
-    def __init__(self, server: Server, host: str, port: int, *,
-                 reuse_port: bool = False) -> None:
+    def __init__(self, server: Server, host: str, port: int, *, reuse_port: bool = False) -> None:
         self.server = server
         self.host = host
         self.port = port
@@ -106,11 +106,13 @@ class WebSocketListener:
         self._sockets: set[web.WebSocketResponse] = set()
 
     async def start(self) -> str:
-        self._runner = web.AppRunner(self.app, access_log=None, handle_signals=False,
-                                     shutdown_timeout=SHUTDOWN_SECONDS)
+        self._runner = web.AppRunner(
+            self.app, access_log=None, handle_signals=False, shutdown_timeout=SHUTDOWN_SECONDS
+        )
         await self._runner.setup()
-        site = web.TCPSite(self._runner, self.host, self.port, backlog=4096,
-                           reuse_port=self.reuse_port or None)
+        site = web.TCPSite(
+            self._runner, self.host, self.port, backlog=4096, reuse_port=self.reuse_port or None
+        )
         await site.start()
         host, port = self.host, self.port
         if self._runner.addresses:
@@ -129,8 +131,9 @@ class WebSocketListener:
         if not ready.ok:
             return web.Response(status=400, text="MQTT over WebSocket: upgrade required\n")
         if ready.protocol != SUBPROTOCOL:
-            log.info("websocket %s: no 'mqtt' subprotocol offered; serving MQTT anyway",
-                     request.remote)
+            log.info(
+                "websocket %s: no 'mqtt' subprotocol offered; serving MQTT anyway", request.remote
+            )
         await ws.prepare(request)
         protocol = MQTTProtocol(self.server)
         carrier = WebSocketCarrier(ws, request, protocol)
@@ -142,8 +145,10 @@ class WebSocketListener:
                 if msg.type is WSMsgType.BINARY:
                     protocol.data_received(msg.data)
                 elif msg.type is WSMsgType.TEXT:
-                    log.info("websocket %s: text frame; MQTT uses binary frames "
-                             "[MQTT-6.0.0-1]; closing", protocol.peer)
+                    log.info(
+                        "websocket %s: text frame; MQTT uses binary frames [MQTT-6.0.0-1]; closing",
+                        protocol.peer,
+                    )
                     break
                 elif msg.type is WSMsgType.ERROR:
                     error = ws.exception()

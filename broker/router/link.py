@@ -21,15 +21,28 @@ class Link(Protocol):
     def send(self, packet: Packet) -> None:
         """Queue a packet; bytes leave at the end of this loop iteration."""
 
-    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
-                     packet_id: int | None, properties: dict[int, Any] | None) -> bool:
+    def send_publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        dup: bool,
+        packet_id: int | None,
+        properties: dict[int, Any] | None,
+    ) -> bool:
         """Queue a PUBLISH; False if it exceeded the client's maximum packet size and was
         discarded as the spec requires [MQTT-3.1.2-25]."""
         ...
 
-    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
-                         retains: Sequence[bool] | None, qos: int,
-                         first_packet_id: int | None) -> bool:
+    def send_publish_run(
+        self,
+        topics: Sequence[str],
+        payloads: Sequence[bytes],
+        retains: Sequence[bool] | None,
+        qos: int,
+        first_packet_id: int | None,
+    ) -> bool:
         """Queue PUBLISHes without properties for a run of messages (not DUP; packet ids
         consecutive from ``first_packet_id`` for QoS 1; ``retains`` None: none retained).
         False, with nothing queued, when the connection needs them one by one
@@ -58,20 +71,32 @@ class GroupPeers(Protocol):
         """The worker holding ``group`` (the full ``$share/...`` filter); None for this one."""
         ...
 
-    def join(self, home: int, group: str, client_id: str, qos: int, identifier: int | None,
-             version: int, window: int, username: str | None) -> None:
+    def join(
+        self,
+        home: int,
+        group: str,
+        client_id: str,
+        qos: int,
+        identifier: int | None,
+        version: int,
+        window: int,
+        username: str | None,
+    ) -> None:
         """A session here is a member; ``window``: records it may have outstanding;
         ``username``: the user it logged in as (its ACL rules)."""
 
-    def leave(self, home: int, group: str, client_id: str,
-              orphans: list[tuple[tuple[str, int], int]]) -> None:
+    def leave(
+        self, home: int, group: str, client_id: str, orphans: list[tuple[tuple[str, int], int]]
+    ) -> None:
         """It is a member no more (or could not take a record); ``orphans`` (partition,
         offset) go back to the group for another member."""
 
-    def deliver(self, worker: int, group: str, client_id: str, key: tuple[str, int],
-                offset: int, qos: int) -> None:
+    def deliver(
+        self, worker: int, group: str, client_id: str, key: tuple[str, int], offset: int, qos: int
+    ) -> None:
         """Home to member: deliver this record of the group to ``client_id`` at ``qos``."""
 
-    def done(self, home: int, group: str, client_id: str, key: tuple[str, int],
-             offset: int) -> None:
+    def done(
+        self, home: int, group: str, client_id: str, key: tuple[str, int], offset: int
+    ) -> None:
         """Member to home: that delivery is complete (sent at QoS 0, or acknowledged)."""

@@ -64,8 +64,19 @@ class Columns:
     call per batch), or from records in memory (the caught-up tail). Immutable once built.
     """
 
-    __slots__ = ("_read", "offsets", "payloads", "properties", "publishers", "qos", "retains",
-                 "start", "stop", "strings", "topics")
+    __slots__ = (
+        "_read",
+        "offsets",
+        "payloads",
+        "properties",
+        "publishers",
+        "qos",
+        "retains",
+        "start",
+        "stop",
+        "strings",
+        "topics",
+    )
 
     topics: Sequence[str]
     payloads: Sequence[bytes]
@@ -74,8 +85,9 @@ class Columns:
     publishers: Callable[[], Sequence[str]]
     properties: Sequence[int | bytes]
 
-    def __init__(self, offsets: Sequence[int], strings: Sequence[str],
-                 read: ColumnRead | None) -> None:
+    def __init__(
+        self, offsets: Sequence[int], strings: Sequence[str], read: ColumnRead | None
+    ) -> None:
         self.offsets = offsets
         self.strings = strings
         self._read = read
@@ -110,7 +122,8 @@ class Columns:
         if not records:
             return cls((), (), None).built()
         offsets, _stamps, topics, payloads, qos, retains, client_ids, props = zip(
-            *records, strict=True)
+            *records, strict=True
+        )
         cols = cls(offsets, topics, None)
         cols.topics, cols.payloads, cols.qos = topics, payloads, bytes(qos)
         cols.retains, cols.publishers, cols.properties = retains, lambda: client_ids, props
@@ -153,8 +166,7 @@ class Columns:
             size = bytes(lengths[:4])
             if count and size * count == lengths:
                 # Payloads of one size (telemetry): split by one struct call.
-                payloads += _equal_parts(int.from_bytes(size, "little"), count
-                                         ).unpack_from(data)
+                payloads += _equal_parts(int.from_bytes(size, "little"), count).unpack_from(data)
             else:
                 ends = list(accumulate(lengths.cast("I"), initial=0))
                 payloads += map(bytes(data).__getitem__, map(slice, ends, ends[1:]))
@@ -170,8 +182,10 @@ class Columns:
         self.qos = b"".join(read.qos)
         self.retains = b"".join(read.flags).translate(_RETAIN_BIT)
         self.properties = (
-            memoryview(b"".join(read.property_lengths)).cast("I") if any(read.properties)
-            else bytes(read.count))
+            memoryview(b"".join(read.property_lengths)).cast("I")
+            if any(read.properties)
+            else bytes(read.count)
+        )
         self._read = None
         return self
 
@@ -183,8 +197,19 @@ class PartitionBase:
     (broker.workers.partitions) forwards instead, and reads the owner's log and the records
     the owner announced."""
 
-    __slots__ = ("acks", "columns_ahead", "key", "log", "pending", "read_ahead", "read_base",
-                 "tail", "tail_base", "tail_bytes", "watchers")
+    __slots__ = (
+        "acks",
+        "columns_ahead",
+        "key",
+        "log",
+        "pending",
+        "read_ahead",
+        "read_base",
+        "tail",
+        "tail_base",
+        "tail_bytes",
+        "watchers",
+    )
 
     #: This worker appends to it.
     appends_here = True
@@ -227,25 +252,36 @@ class PartitionBase:
         self.pending.append(record)
         self.acks.append(ack)
 
-    def add_run(self, timestamp: int, topic: str, client_id: str, payloads: list[bytes],
-                qos: list[int], acks: Sequence[Callable[[int | None], None] | None]) -> None:
+    def add_run(
+        self,
+        timestamp: int,
+        topic: str,
+        client_id: str,
+        payloads: list[bytes],
+        qos: list[int],
+        acks: Sequence[Callable[[int | None], None] | None],
+    ) -> None:
         """Gather consecutive PUBLISHes of one client to one topic, without properties or
         retain flag, in one step (the router's :meth:`~broker.router.router.Router.publish_run`):
         one record per payload, numbered from :meth:`next_offset`."""
         new = tuple.__new__  # Record(...) without the NamedTuple constructor's call
         offsets = zip(self._offsets(), payloads, qos, strict=False)  # offsets never end
-        self.pending += [new(Record, (offset, timestamp, topic, payload, q, False, client_id, b""))
-                         for offset, payload, q in offsets]
+        self.pending += [
+            new(Record, (offset, timestamp, topic, payload, q, False, client_id, b""))
+            for offset, payload, q in offsets
+        ]
         self.acks += acks
 
-    def add_rows(self, rows: list[tuple[Any, ...]],
-                 ack: Callable[[int | None], None] | None) -> None:
+    def add_rows(
+        self, rows: list[tuple[Any, ...]], ack: Callable[[int | None], None] | None
+    ) -> None:
         """Gather records given as rows without their offset (a batch another worker
         forwarded, see broker.workers.partitions), consecutively and in one step; ``ack``
         gets the first record's offset."""
         new = tuple.__new__
-        self.pending += [new(Record, (offset, *row))
-                         for offset, row in zip(self._offsets(), rows, strict=False)]
+        self.pending += [
+            new(Record, (offset, *row)) for offset, row in zip(self._offsets(), rows, strict=False)
+        ]
         self.acks.append(ack)
         self.acks += [None] * (len(rows) - 1)
 
@@ -279,7 +315,7 @@ class PartitionBase:
         if ahead is not None:
             return ahead
         i = offset - self.tail_base
-        cols = self.columns_ahead = Columns.from_records(self.tail[i:i + READ_BATCH])
+        cols = self.columns_ahead = Columns.from_records(self.tail[i : i + READ_BATCH])
         return cols
 
     def _columns_ahead(self, offset: int) -> Columns | None:
@@ -315,7 +351,7 @@ class PartitionBase:
         ahead = self.read_ahead
         i = offset - self.read_base
         if ahead and 0 <= i < len(ahead) and ahead[i].offset == offset:
-            return ahead[i:i + max_records]
+            return ahead[i : i + max_records]
         records = self.log.read(offset, max_records=max_records)
         if max_records >= READ_BATCH and records and records[0].offset == offset:
             self.read_ahead = records
@@ -407,7 +443,7 @@ class Partition(PartitionBase):
         base = self.tail_base
         if self.tail and offset >= base:
             i = offset - base
-            return self.tail[i:i + max_records]
+            return self.tail[i : i + max_records]
         return super().read(offset, max_records)
 
     def read_columns(self, offset: int) -> Columns:

@@ -42,7 +42,7 @@ def parse_replay(topic_filter: str, now_ms: int) -> tuple[ReplayStart, str]:
 
     Raises :class:`TopicFilterInvalid` (0x8F) naming what is wrong.
     """
-    rest = topic_filter[len(REPLAY_PREFIX):]
+    rest = topic_filter[len(REPLAY_PREFIX) :]
     spec, sep, plain = rest.partition("/")
     if not sep or not plain:
         raise TopicFilterInvalid(f"{topic_filter!r}: expected $replay/<from>/<filter>")

@@ -103,12 +103,17 @@ _SESSIONS: PartitionKey = (SESSIONS_STREAM, 0)
 class Router:
     """Owns every session and partition of one worker. See the module docstring."""
 
-    def __init__(self, streams: Streams, config: RouterConfig, *,
-                 schedule: Callable[[Callable[[], None]], Any],
-                 clock: Callable[[], float] = time.time,
-                 monotonic: Callable[[], float] = time.monotonic,
-                 partition_factory: Callable[[PartitionKey], PartitionBase] | None = None,
-                 load: bool = True) -> None:
+    def __init__(
+        self,
+        streams: Streams,
+        config: RouterConfig,
+        *,
+        schedule: Callable[[Callable[[], None]], Any],
+        clock: Callable[[], float] = time.time,
+        monotonic: Callable[[], float] = time.monotonic,
+        partition_factory: Callable[[PartitionKey], PartitionBase] | None = None,
+        load: bool = True,
+    ) -> None:
         """``partition_factory`` makes the partition objects (one worker of several: owned
         or remote ones); ``load=False`` defers :meth:`load` (a worker first learns where
         its peers' sessions are)."""
@@ -138,8 +143,8 @@ class Router:
         #: Per client id: the user name it logged in with (a shared group held by another
         #: worker applies that user's ACL rules to it).
         self._usernames: dict[str, str | None] = {}
-        self.acl_denied = 0       # PUBLISHes dropped and subscriptions refused by the ACL
-        self.log_appends = 0      # batches appended (one write each)
+        self.acl_denied = 0  # PUBLISHes dropped and subscriptions refused by the ACL
+        self.log_appends = 0  # batches appended (one write each)
         self.records_appended = 0
         #: Called with the seconds an fsync=always append (write + fdatasync) took.
         self.on_sync_append: Callable[[float], None] | None = None
@@ -176,8 +181,9 @@ class Router:
             self.partitions[key] = part
         return part
 
-    def append_forwarded(self, key: PartitionKey, rows: list[tuple[Any, ...]],
-                         ack: Callable[[int | None], None]) -> None:
+    def append_forwarded(
+        self, key: PartitionKey, rows: list[tuple[Any, ...]], ack: Callable[[int | None], None]
+    ) -> None:
         """Records another worker forwarded to partition ``key``, which this worker owns, as
         rows without their offset (:meth:`PartitionBase.add_rows`): appended in this
         iteration's group commit, consecutively; ``ack`` gets the first record's offset
@@ -209,13 +215,16 @@ class Router:
         for spec in self.streams.specs.values():
             if spec.name.startswith("$") and not spec.topic_filters:
                 continue  # compacted broker state ($retained, $sessions), not messages
-            if spec.name == "default" or any(filters_overlap(f, plain)
-                                             for f in spec.topic_filters):
+            if spec.name == "default" or any(filters_overlap(f, plain) for f in spec.topic_filters):
                 keys.extend((spec.name, p) for p in range(spec.partitions))
         return keys
 
-    def _enqueue(self, record: Record, ack: Callable[[int | None], None] | None,
-                 key: PartitionKey | None = None) -> None:
+    def _enqueue(
+        self,
+        record: Record,
+        ack: Callable[[int | None], None] | None,
+        key: PartitionKey | None = None,
+    ) -> None:
         """Gather a record for the next group commit; ``key`` defaults to its topic's."""
         if key is None:
             key = self._topic_key(record.topic)
@@ -274,8 +283,9 @@ class Router:
                         continue
                     self._persist(session, _Each(waiters) if waiters else None)
 
-    def _persist_before_acks(self, session: Session,
-                             then: Callable[[int | None], None] | None = None) -> None:
+    def _persist_before_acks(
+        self, session: Session, then: Callable[[int | None], None] | None = None
+    ) -> None:
         """Persist ``session`` within the current group commit (see :meth:`flush`).
 
         Output queued during :meth:`flush` leaves after it returns, so what is sent there
@@ -303,8 +313,9 @@ class Router:
 
     # ================================================================ connect
 
-    def connect(self, link: Link, packet: Connect,
-                username: str | None = None) -> tuple[Session, int] | None:
+    def connect(
+        self, link: Link, packet: Connect, username: str | None = None
+    ) -> tuple[Session, int] | None:
         """Handle CONNECT: answer CONNACK, resume or create the session.
 
         ``username`` is the authenticated identity (the transport checked the password or
@@ -366,7 +377,8 @@ class Router:
         session.disconnected_at = None
         session.receive_maximum = props.get(PropertyId.RECEIVE_MAXIMUM, 65535)
         session.request_problem_information = bool(
-            props.get(PropertyId.REQUEST_PROBLEM_INFORMATION, 1))
+            props.get(PropertyId.REQUEST_PROBLEM_INFORMATION, 1)
+        )
         session.dirty = session.persistent
         link.client_id = client_id
         self.connections += 1
@@ -455,8 +467,9 @@ class Router:
             log.info("%s: will to %r dropped: not authorized", session.client_id, will.topic)
             return
         props = {k: v for k, v in will.properties.items() if k != PropertyId.WILL_DELAY_INTERVAL}
-        self._store_publish(session.client_id, will.topic, will.payload, will.qos, will.retain,
-                            props, None)
+        self._store_publish(
+            session.client_id, will.topic, will.payload, will.qos, will.retain, props, None
+        )
 
     def _end_session(self, session: Session) -> None:
         """The session ends: its will goes out now if still pending, its state is deleted."""
@@ -491,8 +504,11 @@ class Router:
             if session.link is None:
                 if session.will_due is not None and session.will_due <= mono:
                     self._publish_will(session)
-                if (session.expiry_interval != EXPIRY_NEVER and session.disconnected_at
-                        is not None and session.disconnected_at + session.expiry_interval <= now):
+                if (
+                    session.expiry_interval != EXPIRY_NEVER
+                    and session.disconnected_at is not None
+                    and session.disconnected_at + session.expiry_interval <= now
+                ):
                     self._end_session(session)
                     continue
             if session.dirty and session.persistent:
@@ -528,8 +544,16 @@ class Router:
             session.pending_qos2[pid] = 0  # type: ignore[index]
             session.dirty = session.persistent
             ack = _Ack(self, session, link, PubRec, pid)  # type: ignore[arg-type]
-        self._store_publish(session.client_id, packet.topic, packet.payload, qos, packet.retain,
-                            packet.properties, ack, timestamp)
+        self._store_publish(
+            session.client_id,
+            packet.topic,
+            packet.payload,
+            qos,
+            packet.retain,
+            packet.properties,
+            ack,
+            timestamp,
+        )
 
     def publish_run(self, session: Session, packets: list[Publish]) -> None:
         """Store consecutive PUBLISHes of one read, in order; the same as :meth:`publish`
@@ -554,32 +578,52 @@ class Router:
         while i < n:
             packet = packets[i]
             topic = packet.topic
-            if (packet.qos == 2 or packet.retain or packet.properties
-                    or not self._may_publish(client_id, topic)):
+            if (
+                packet.qos == 2
+                or packet.retain
+                or packet.properties
+                or not self._may_publish(client_id, topic)
+            ):
                 self.publish(session, packet, timestamp)
                 i += 1
                 continue
             j = i + 1
             while j < n:
                 other = packets[j]
-                if (other.topic != topic or other.qos == 2 or other.retain
-                        or other.properties):
+                if other.topic != topic or other.qos == 2 or other.retain or other.properties:
                     break
                 j += 1
             key = self._topic_key(topic)
             if j == i + 1:
                 # One packet (a device's read): no lists to build.
                 qos = packet.qos
-                self.publish_plain(client_id, topic, key, packet.payload, qos, timestamp,
-                                   _Ack(self, session, link, PubAck, packet.packet_id)  # type: ignore[arg-type]
-                                   if qos else None)
+                self.publish_plain(
+                    client_id,
+                    topic,
+                    key,
+                    packet.payload,
+                    qos,
+                    timestamp,
+                    _Ack(self, session, link, PubAck, packet.packet_id)  # type: ignore[arg-type]
+                    if qos
+                    else None,
+                )
             else:
                 part = self.partition(key)
                 run = packets[i:j] if j - i < n else packets
-                part.add_run(timestamp, topic, client_id, [p.payload for p in run],
-                             [p.qos for p in run],
-                             [_Ack(self, session, link, PubAck, p.packet_id)  # type: ignore[arg-type]
-                              if p.qos else None for p in run])
+                part.add_run(
+                    timestamp,
+                    topic,
+                    client_id,
+                    [p.payload for p in run],
+                    [p.qos for p in run],
+                    [
+                        _Ack(self, session, link, PubAck, p.packet_id)  # type: ignore[arg-type]
+                        if p.qos
+                        else None
+                        for p in run
+                    ],
+                )
                 self._dirty[key] = part
             i = j
         self._flush_soon()
@@ -594,9 +638,16 @@ class Router:
             return None
         return self._topic_key(topic)
 
-    def publish_plain(self, client_id: str, topic: str, key: PartitionKey, payload: bytes,
-                      qos: int, timestamp: int, ack: Callable[[int | None], None] | None
-                      ) -> None:
+    def publish_plain(
+        self,
+        client_id: str,
+        topic: str,
+        key: PartitionKey,
+        payload: bytes,
+        qos: int,
+        timestamp: int,
+        ack: Callable[[int | None], None] | None,
+    ) -> None:
         """Gather one QoS 0/1 PUBLISH without retain flag or properties to ``topic``, whose
         partition is ``key`` and which the client may make (:meth:`plain_route`), for this
         iteration's group commit; ``ack`` is called with its offset after the append
@@ -604,8 +655,12 @@ class Router:
         part = self.partitions.get(key)
         if part is None:
             part = self.partition(key)
-        part.add(_new_record(Record, (part.next_offset(), timestamp, topic, payload, qos,
-                                      False, client_id, b"")), ack)
+        part.add(
+            _new_record(
+                Record, (part.next_offset(), timestamp, topic, payload, qos, False, client_id, b"")
+            ),
+            ack,
+        )
         self._dirty[key] = part
         self._flush_soon()
 
@@ -638,10 +693,17 @@ class Router:
         delivered like a client's."""
         self._store_publish("", topic, payload, 0, True, {}, None)
 
-    def _store_publish(self, client_id: str, topic: str, payload: bytes, qos: int,
-                       retain: bool, properties: dict[int, Any],
-                       ack: Callable[[int | None], None] | None,
-                       timestamp: int | None = None) -> None:
+    def _store_publish(
+        self,
+        client_id: str,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        properties: dict[int, Any],
+        ack: Callable[[int | None], None] | None,
+        timestamp: int | None = None,
+    ) -> None:
         blob = encode_properties(properties) if properties else b""
         if timestamp is None:
             timestamp = self._now_ms()
@@ -680,8 +742,11 @@ class Router:
         # or the tuples of deliveries sent one by one, checked in C.
         got = set(map(inflight.get, packet_ids))
         singles = cast(list[Inflight], [e for e in got if type(e) is tuple])
-        if (None not in got and sum(map(_QOS_OF, singles)) == len(singles)
-                and not any(map(_GROUP_OF, singles))):
+        if (
+            None not in got
+            and sum(map(_QOS_OF, singles)) == len(singles)
+            and not any(map(_GROUP_OF, singles))
+        ):
             deque(map(inflight.pop, packet_ids, repeat(None)), 0)  # a repeated id: no-op
             session.dirty = session.persistent
             return
@@ -759,8 +824,9 @@ class Router:
         full = req.topic_filter
         if len(full.encode()) > self.config.max_topic_length:
             raise TopicFilterInvalid(f"longer than {self.config.max_topic_length} bytes")
-        sub = Subscription(full, req.qos, req.no_local, req.retain_as_published,
-                           req.retain_handling, sub_id)
+        sub = Subscription(
+            full, req.qos, req.no_local, req.retain_as_published, req.retain_handling, sub_id
+        )
         if is_replay(full):
             start, plain = parse_replay(full, self._now_ms())
             self._check_levels(plain)
@@ -839,8 +905,7 @@ class Router:
     def _queue_retained(self, session: Session, sub: Subscription) -> None:
         authz = self._authz.get(session.client_id) if self.acl is not None else None
         for topic, rec in self.retained.items():
-            if topic_matches(sub.topic_filter, topic) and (
-                    authz is None or authz.can_read(topic)):
+            if topic_matches(sub.topic_filter, topic) and (authz is None or authz.can_read(topic)):
                 ids = [sub.identifier] if sub.identifier else []
                 if session.pending_retained is None:
                     session.pending_retained = deque()
@@ -917,9 +982,16 @@ class Router:
             assert self.group_peers is not None
             sub = session.shared[full]
             window = min(session.receive_maximum, self.config.max_inflight)
-            self.group_peers.join(home, full, session.client_id, sub.qos, sub.identifier,
-                                  session.version, window,
-                                  self._usernames.get(session.client_id))
+            self.group_peers.join(
+                home,
+                full,
+                session.client_id,
+                sub.qos,
+                sub.identifier,
+                session.version,
+                window,
+                self._usernames.get(session.client_id),
+            )
             return
         group = self._group(full)
         if session.client_id not in group.members:
@@ -955,22 +1027,33 @@ class Router:
 
     # ------------------------------------------------ groups across workers
 
-    def remote_join(self, worker: int, full: str, client_id: str, qos: int,
-                    identifier: int | None, version: int, window: int,
-                    username: str | None) -> None:
+    def remote_join(
+        self,
+        worker: int,
+        full: str,
+        client_id: str,
+        qos: int,
+        identifier: int | None,
+        version: int,
+        window: int,
+        username: str | None,
+    ) -> None:
         """A session on ``worker`` is a member of group ``full``, held here; ``username``
         selects its ACL rules, applied here as for a member of this worker."""
         group = self._group(full)
-        authz = (Authorizer(self.acl.rules_for(username, client_id)) if self.acl is not None
-                 else None)
-        group.remote[client_id] = RemoteMember(client_id, worker, qos, identifier, version,
-                                               window, authz)
+        authz = (
+            Authorizer(self.acl.rules_for(username, client_id)) if self.acl is not None else None
+        )
+        group.remote[client_id] = RemoteMember(
+            client_id, worker, qos, identifier, version, window, authz
+        )
         if client_id not in group.members:
             group.members.append(client_id)
         self._pump_group(group)
 
-    def remote_leave(self, full: str, client_id: str,
-                     orphans: list[tuple[PartitionKey, int]]) -> None:
+    def remote_leave(
+        self, full: str, client_id: str, orphans: list[tuple[PartitionKey, int]]
+    ) -> None:
         """A member elsewhere left (or gave records back): ``orphans`` go to the others."""
         group = self.groups.get(full)
         if group is None:
@@ -997,8 +1080,7 @@ class Router:
         for group in list(self.groups.values()):
             gone = [m for m in group.remote.values() if m.worker == worker]
             for member in gone:
-                self.remote_leave(group.consumer.name, member.client_id,
-                                  sorted(member.outstanding))
+                self.remote_leave(group.consumer.name, member.client_id, sorted(member.outstanding))
 
     def rejoin_groups(self, worker: int) -> None:
         """``worker`` (re)started: the members here of the groups it holds join again."""
@@ -1007,8 +1089,9 @@ class Router:
                 if self._group_home(full) == worker:
                     self._join_group(session, full)
 
-    def remote_deliver(self, full: str, client_id: str, key: PartitionKey, offset: int,
-                       qos: int) -> None:
+    def remote_deliver(
+        self, full: str, client_id: str, key: PartitionKey, offset: int, qos: int
+    ) -> None:
         """The worker holding group ``full`` sent this record for ``client_id`` here."""
         session = self.sessions.get(client_id)
         if session is None or session.link is None or full not in session.shared:
@@ -1109,8 +1192,15 @@ class Router:
         sessions = (self.sessions.get(cid) for cid in group.members)
         return any(s is not None and self._may_read(s, topic) for s in sessions)
 
-    def _group_send(self, group: SharedGroup, member: Session | RemoteMember, qos: int,
-                    ids: list[int], rec: Record, key: PartitionKey) -> None:
+    def _group_send(
+        self,
+        group: SharedGroup,
+        member: Session | RemoteMember,
+        qos: int,
+        ids: list[int],
+        rec: Record,
+        key: PartitionKey,
+    ) -> None:
         full = group.consumer.name
         if isinstance(member, RemoteMember):
             assert self.group_peers is not None
@@ -1119,8 +1209,9 @@ class Router:
         else:
             self._deliver(member, rec, key, qos, False, ids, False, full, group=full)
 
-    def _group_member(self, group: SharedGroup, rec_qos: int, topic: str
-                      ) -> tuple[Session | RemoteMember, int, list[int]] | None:
+    def _group_member(
+        self, group: SharedGroup, rec_qos: int, topic: str
+    ) -> tuple[Session | RemoteMember, int, list[int]] | None:
         """The next member, round robin, that may read ``topic`` and can take a record of
         ``rec_qos`` now: with the QoS it gets it at and its subscription identifier (5.0);
         None if none can. A member on another worker can while it has fewer records
@@ -1154,8 +1245,9 @@ class Router:
         link = session.link
         if link is None or not link.can_write():
             return False
-        return qos == 0 or len(session.inflight) < min(session.receive_maximum,
-                                                        self.config.max_inflight)
+        return qos == 0 or len(session.inflight) < min(
+            session.receive_maximum, self.config.max_inflight
+        )
 
     def pump_session(self, session: Session) -> None:
         """Send what ``session`` can take now: retained first, then each consumer's records.
@@ -1202,8 +1294,12 @@ class Router:
         try:
             return part.read(offset)
         except OffsetOutOfRange:
-            log.warning("%s/%d: offset %d was deleted by retention; skipping to %d",
-                        *part.key, offset, part.log.log_start_offset)
+            log.warning(
+                "%s/%d: offset %d was deleted by retention; skipping to %d",
+                *part.key,
+                offset,
+                part.log.log_start_offset,
+            )
             return None
 
     def _read_columns(self, part: PartitionBase, offset: int) -> Columns | None:
@@ -1211,8 +1307,12 @@ class Router:
         try:
             return part.read_columns(offset)
         except OffsetOutOfRange:
-            log.warning("%s/%d: offset %d was deleted by retention; skipping to %d",
-                        *part.key, offset, part.log.log_start_offset)
+            log.warning(
+                "%s/%d: offset %d was deleted by retention; skipping to %d",
+                *part.key,
+                offset,
+                part.log.log_start_offset,
+            )
             return None
 
     def _read_exact(self, key: PartitionKey, offset: int) -> Record | None:
@@ -1236,8 +1336,11 @@ class Router:
             return
         # The slow-subscriber policy is for live subscriptions that fell behind; a $replay
         # asked for the history (its reads are paced by the socket, the log is the buffer).
-        if (end - cursor > self.config.max_lag_records and consumer.name == MAIN
-                and self._qos0_only(consumer)):
+        if (
+            end - cursor > self.config.max_lag_records
+            and consumer.name == MAIN
+            and self._qos0_only(consumer)
+        ):
             if not self._slow_qos0(session, consumer, key, end - cursor):
                 return
             cursor = consumer.cursors[key]
@@ -1289,8 +1392,16 @@ class Router:
                     consumer.cursors[key] = cursor
                     session.waiting = True
                     return
-                self._deliver(session, rec, key, qos, rec.retain and rap,
-                              ids if version == 5 else (), annotate, consumer.name)
+                self._deliver(
+                    session,
+                    rec,
+                    key,
+                    qos,
+                    rec.retain and rap,
+                    ids if version == 5 else (),
+                    annotate,
+                    consumer.name,
+                )
                 cursor = rec.offset + 1
                 if not link.can_write():
                     break
@@ -1299,8 +1410,9 @@ class Router:
         consumer.cursors[key] = cursor
         session.dirty = session.persistent
 
-    def _match_cached(self, consumer: Consumer, topic: str,
-                      authz: Authorizer | None) -> tuple[int, list[int], bool, bool] | None:
+    def _match_cached(
+        self, consumer: Consumer, topic: str, authz: Authorizer | None
+    ) -> tuple[int, list[int], bool, bool] | None:
         """:meth:`_match` with the ACL's read rule, cached per topic on the consumer."""
         cache = consumer.match_cache
         match = cache.get(topic, _MISS)
@@ -1313,8 +1425,16 @@ class Router:
             cache[topic] = match
         return match
 
-    def _send_run(self, session: Session, consumer: Consumer, key: PartitionKey,
-                  cols: Columns, link: Link, quota: int, authz: Authorizer | None) -> int:
+    def _send_run(
+        self,
+        session: Session,
+        consumer: Consumer,
+        key: PartitionKey,
+        cols: Columns,
+        link: Link,
+        quota: int,
+        authz: Authorizer | None,
+    ) -> int:
         """Deliver a prefix of the read ``cols`` as one run, when no per-message rule
         applies, or pass over it all when none matches; returns how many records it took
         (0: the caller goes message by message; QUOTA_FULL: the first record waits for a
@@ -1368,7 +1488,8 @@ class Router:
         # Compared in C when every topic's match is cached (equal tuples; usually the same).
         known = list(map(consumer.match_cache.get, distinct, repeat(_MISS)))
         if known.count(match) != len(known) and any(
-                self._match_cached(consumer, t, authz) != match for t in distinct):
+            self._match_cached(consumer, t, authz) != match for t in distinct
+        ):
             return 0
         if session.version == 5 and (ids or consumer.annotate):
             return 0
@@ -1399,12 +1520,13 @@ class Router:
                 return 0
         if take < n:
             run_topics, payloads = run_topics[:take], payloads[:take]
-        retains = list(map(bool, cols.retains[start:start + take])) if rap else None
+        retains = list(map(bool, cols.retains[start : start + take])) if rap else None
         if not link.send_publish_run(run_topics, payloads, retains, qos, first_pid):
             return 0
         if first_pid is not None:
-            run = InflightRun(key, first_pid, cols.offsets[start:start + take], retains,
-                              consumer.name)
+            run = InflightRun(
+                key, first_pid, cols.offsets[start : start + take], retains, consumer.name
+            )
             inflight.update(dict.fromkeys(range(first_pid, first_pid + take), run))
             nxt = first_pid + take
             session.next_packet_id = nxt if nxt <= 65535 else 1
@@ -1413,12 +1535,15 @@ class Router:
     def _qos0_only(self, consumer: Consumer) -> bool:
         return all(s.qos == 0 for s in consumer.subscriptions.values())
 
-    def _slow_qos0(self, session: Session, consumer: Consumer, key: PartitionKey,
-                   lag: int) -> bool:
+    def _slow_qos0(self, session: Session, consumer: Consumer, key: PartitionKey, lag: int) -> bool:
         """Apply ``slow_qos0_policy`` to a QoS 0 reader too far behind. True to go on."""
         if self.config.slow_qos0_policy == "disconnect":
-            log.info("%s: %d records behind on %s/%d; disconnecting (slow_qos0_policy)",
-                     session.client_id, lag, *key)
+            log.info(
+                "%s: %d records behind on %s/%d; disconnecting (slow_qos0_policy)",
+                session.client_id,
+                lag,
+                *key,
+            )
             link = session.link
             assert link is not None
             self.connection_lost(session, link, graceful=False)
@@ -1449,10 +1574,21 @@ class Router:
             return None
         return qos, ids, no_local_all, rap
 
-    def _deliver(self, session: Session, rec: Record, key: PartitionKey, qos: int,
-                 retain: bool, ids: Iterable[int], annotate: bool, consumer: str, *,
-                 group: str | None = None, dup: bool = False,
-                 packet_id: int | None = None) -> None:
+    def _deliver(
+        self,
+        session: Session,
+        rec: Record,
+        key: PartitionKey,
+        qos: int,
+        retain: bool,
+        ids: Iterable[int],
+        annotate: bool,
+        consumer: str,
+        *,
+        group: str | None = None,
+        dup: bool = False,
+        packet_id: int | None = None,
+    ) -> None:
         link = session.link
         assert link is not None
         props: dict[int, Any] | None = None
@@ -1487,8 +1623,7 @@ class Router:
         if qos:
             if packet_id is None:
                 packet_id = session.allocate_packet_id()
-                session.inflight[packet_id] = (key, rec.offset, qos, retain, False, group,
-                                               consumer)
+                session.inflight[packet_id] = (key, rec.offset, qos, retain, False, group, consumer)
                 if qos == 2 and session.persistent:
                     # Exactly once across a crash: were this delivery (its packet id and the
                     # advanced cursor) lost, the record would go out again under a new packet
@@ -1506,8 +1641,15 @@ class Router:
         """On session resume, resend unacknowledged deliveries with DUP [MQTT-4.4.0-1]."""
         link = session.link
         assert link is not None
-        for pid, (key, offset, qos, retain, released, group, consumer) in (
-                session.inflight_entries()):
+        for pid, (
+            key,
+            offset,
+            qos,
+            retain,
+            released,
+            group,
+            consumer,
+        ) in session.inflight_entries():
             if released:
                 link.send(PubRel(pid))
                 continue
@@ -1515,13 +1657,23 @@ class Router:
             if rec is None:
                 del session.inflight[pid]  # gone by retention: nothing left to deliver
                 continue
-            self._deliver(session, rec, key, qos, retain, (), False, consumer, group=group,
-                          dup=True, packet_id=pid)
+            self._deliver(
+                session,
+                rec,
+                key,
+                qos,
+                retain,
+                (),
+                False,
+                consumer,
+                group=group,
+                dup=True,
+                packet_id=pid,
+            )
 
     # ================================================================ persistence
 
-    def _persist(self, session: Session,
-                 ack: Callable[[int | None], None] | None = None) -> None:
+    def _persist(self, session: Session, ack: Callable[[int | None], None] | None = None) -> None:
         """Write the session's state to the compacted ``$sessions`` stream; ``ack`` is
         called once it is in the log."""
         if not session.persistent:
@@ -1535,8 +1687,11 @@ class Router:
         self._groups_dirty = False
         for full, group in self.groups.items():
             cursors = [[k[0], k[1], off] for k, off in group.consumer.cursors.items()]
-            self._enqueue(Record(-1, self._now_ms(), full, orjson.dumps({"cursors": cursors})),
-                          None, _SESSIONS)
+            self._enqueue(
+                Record(-1, self._now_ms(), full, orjson.dumps({"cursors": cursors})),
+                None,
+                _SESSIONS,
+            )
 
     def close(self) -> None:
         """Persist every session and flush: called on shutdown."""
@@ -1603,8 +1758,10 @@ class Router:
             # deferred to this start as s3.1.2.5 allows. tick() publishes it.
             left = state.get("will_left")
             if left is None:
-                left = min(session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0),
-                           session.expiry_interval)
+                left = min(
+                    session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0),
+                    session.expiry_interval,
+                )
             session.will_due = self.monotonic() + left
         self.sessions[client_id] = session
         for consumer in session.consumers.values():
@@ -1663,8 +1820,9 @@ class _Ack:
 
     __slots__ = ("cls", "link", "packet_id", "router", "session")
 
-    def __init__(self, router: Router, session: Session, link: Link, cls: type,
-                 packet_id: int) -> None:
+    def __init__(
+        self, router: Router, session: Session, link: Link, cls: type, packet_id: int
+    ) -> None:
         self.router = router
         self.session = session
         self.link = link
@@ -1683,7 +1841,8 @@ class _Ack:
                 # The packet id must be known as received before the PUBREC can leave, also
                 # across a crash, or a resend after restart would be stored twice (s4.3.3).
                 self.router._persist_before_acks(
-                    session, lambda _state_offset: self._answer(offset, resends))
+                    session, lambda _state_offset: self._answer(offset, resends)
+                )
                 return
         self._answer(offset, resends)
 

@@ -83,8 +83,14 @@ class InflightRun:
 
     __slots__ = ("consumer", "first", "key", "offsets", "retains")
 
-    def __init__(self, key: PartitionKey, first: int, offsets: Sequence[int],
-                 retains: Sequence[bool] | None, consumer: str) -> None:
+    def __init__(
+        self,
+        key: PartitionKey,
+        first: int,
+        offsets: Sequence[int],
+        retains: Sequence[bool] | None,
+        consumer: str,
+    ) -> None:
         self.key = key
         self.first = first
         self.offsets = offsets
@@ -182,8 +188,10 @@ class Session:
 
     def inflight_entries(self) -> list[tuple[int, Inflight]]:
         """Every in-flight delivery in the order it was sent (a copy: callers delete)."""
-        return [(pid, e.entry(pid) if isinstance(e, InflightRun) else e)
-                for pid, e in self.inflight.items()]
+        return [
+            (pid, e.entry(pid) if isinstance(e, InflightRun) else e)
+            for pid, e in self.inflight.items()
+        ]
 
     def allocate_packet_id(self) -> int:
         """A packet id not in use by an in-flight delivery [MQTT-2.2.1-3]."""
@@ -203,11 +211,16 @@ class Session:
         """
         will = self.will
         return {
-            "will": None if will is None else [
-                will.topic, base64.b64encode(will.payload).decode(), will.qos, will.retain,
-                base64.b64encode(encode_properties(will.properties)).decode()],
-            "will_left": None if self.will_due is None else max(
-                0.0, self.will_due - monotonic_now),
+            "will": None
+            if will is None
+            else [
+                will.topic,
+                base64.b64encode(will.payload).decode(),
+                will.qos,
+                will.retain,
+                base64.b64encode(encode_properties(will.properties)).decode(),
+            ],
+            "will_left": None if self.will_due is None else max(0.0, self.will_due - monotonic_now),
             "v": 1,
             "version": self.version,
             "expiry": self.expiry_interval,
@@ -223,8 +236,15 @@ class Session:
             "shared": {key: _sub_state(s) for key, s in self.shared.items()},
             "inflight": [
                 [pid, key[0], key[1], offset, qos, retain, released, group, consumer]
-                for pid, (key, offset, qos, retain, released, group, consumer)
-                in self.inflight_entries()
+                for pid, (
+                    key,
+                    offset,
+                    qos,
+                    retain,
+                    released,
+                    group,
+                    consumer,
+                ) in self.inflight_entries()
             ],
             "incoming_qos2": sorted(self.incoming_qos2),
             "next_packet_id": self.next_packet_id,
@@ -232,8 +252,13 @@ class Session:
 
     @classmethod
     def from_state(cls, client_id: str, state: dict[str, Any]) -> Session:
-        s = cls(client_id=client_id, version=state["version"], persistent=True,
-                expiry_interval=state["expiry"], disconnected_at=state.get("disconnected_at"))
+        s = cls(
+            client_id=client_id,
+            version=state["version"],
+            persistent=True,
+            expiry_interval=state["expiry"],
+            disconnected_at=state.get("disconnected_at"),
+        )
         for name, c in state["consumers"].items():
             consumer = Consumer(name, annotate=c.get("annotate", False))
             for sub in c["subs"]:
@@ -243,22 +268,33 @@ class Session:
             s.consumers[name] = consumer
         s.shared = {key: _sub_from_state(sub) for key, sub in state.get("shared", {}).items()}
         for pid, stream, part, off, qos, retain, released, group, consumer_name in state[
-                "inflight"]:
-            s.inflight[pid] = ((stream, part), off, qos, retain, released, group,
-                               consumer_name)
+            "inflight"
+        ]:
+            s.inflight[pid] = ((stream, part), off, qos, retain, released, group, consumer_name)
         s.incoming_qos2 = set(state.get("incoming_qos2", ()))
         s.next_packet_id = state.get("next_packet_id", 1)
         will = state.get("will")
         if will is not None:
             topic, payload, qos, retain, props = will
-            s.will = Will(topic, base64.b64decode(payload), qos, retain,
-                          decode_properties(base64.b64decode(props)))
+            s.will = Will(
+                topic,
+                base64.b64decode(payload),
+                qos,
+                retain,
+                decode_properties(base64.b64decode(props)),
+            )
         return s
 
 
 def _sub_state(s: Subscription) -> dict[str, Any]:
-    return {"filter": s.topic_filter, "qos": s.qos, "nl": s.no_local,
-            "rap": s.retain_as_published, "rh": s.retain_handling, "id": s.identifier}
+    return {
+        "filter": s.topic_filter,
+        "qos": s.qos,
+        "nl": s.no_local,
+        "rap": s.retain_as_published,
+        "rh": s.retain_handling,
+        "id": s.identifier,
+    }
 
 
 def _sub_from_state(d: dict[str, Any]) -> Subscription:

@@ -41,8 +41,12 @@ class MeshGroupPeers:
         self.JOIN, self.LEAVE, self.DELIVER, self.DONE = range(first_kind, first_kind + 4)
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
-        return {self.JOIN: self._on_join, self.LEAVE: self._on_leave,
-                self.DELIVER: self._on_deliver, self.DONE: self._on_done}
+        return {
+            self.JOIN: self._on_join,
+            self.LEAVE: self._on_leave,
+            self.DELIVER: self._on_deliver,
+            self.DONE: self._on_done,
+        }
 
     def home(self, group: str) -> int | None:
         home = self.home_of(group)
@@ -56,23 +60,30 @@ class MeshGroupPeers:
 
     # ------------------------------------------------------------ to the home
 
-    def join(self, home: int, group: str, client_id: str, qos: int, identifier: int | None,
-             version: int, window: int, username: str | None) -> None:
-        self._send(home, self.JOIN, [group, client_id, qos, identifier, version, window,
-                                     username])
+    def join(
+        self,
+        home: int,
+        group: str,
+        client_id: str,
+        qos: int,
+        identifier: int | None,
+        version: int,
+        window: int,
+        username: str | None,
+    ) -> None:
+        self._send(home, self.JOIN, [group, client_id, qos, identifier, version, window, username])
 
-    def leave(self, home: int, group: str, client_id: str,
-              orphans: list[tuple[Key, int]]) -> None:
-        self._send(home, self.LEAVE, [group, client_id,
-                                      [[k[0], k[1], off] for k, off in orphans]])
+    def leave(self, home: int, group: str, client_id: str, orphans: list[tuple[Key, int]]) -> None:
+        self._send(home, self.LEAVE, [group, client_id, [[k[0], k[1], off] for k, off in orphans]])
 
     def done(self, home: int, group: str, client_id: str, key: Key, offset: int) -> None:
         self._send(home, self.DONE, [group, client_id, key[0], key[1], offset])
 
     # ------------------------------------------------------------ to the member's worker
 
-    def deliver(self, worker: int, group: str, client_id: str, key: Key, offset: int,
-                qos: int) -> None:
+    def deliver(
+        self, worker: int, group: str, client_id: str, key: Key, offset: int, qos: int
+    ) -> None:
         self._send(worker, self.DELIVER, [group, client_id, key[0], key[1], offset, qos])
 
     # ------------------------------------------------------------ received
@@ -80,8 +91,7 @@ class MeshGroupPeers:
     def _on_join(self, peer: int, request: int, body: memoryview) -> None:
         group, client_id, qos, identifier, version, window, username = orjson.loads(body)
         assert self.router is not None
-        self.router.remote_join(peer, group, client_id, qos, identifier, version, window,
-                                username)
+        self.router.remote_join(peer, group, client_id, qos, identifier, version, window, username)
 
     def _on_leave(self, peer: int, request: int, body: memoryview) -> None:
         group, client_id, orphans = orjson.loads(body)

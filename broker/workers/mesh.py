@@ -78,14 +78,15 @@ class _PeerProtocol(asyncio.Protocol):
         while size - pos >= HEADER.size:
             length, kind, request = HEADER.unpack_from(buf, pos)
             if length > MAX_FRAME or length < HEADER.size - 4:
-                log.error("peer %s sent a frame of %d bytes; dropping the connection",
-                          self.peer, length)
+                log.error(
+                    "peer %s sent a frame of %d bytes; dropping the connection", self.peer, length
+                )
                 self.close()
                 return
             end = pos + 4 + length
             if end > size:
                 break
-            with memoryview(buf)[pos + HEADER.size:end] as body:
+            with memoryview(buf)[pos + HEADER.size : end] as body:
                 if kind == HELLO:
                     self.peer = struct.unpack_from("<I", body)[0]
                     self.mesh._attach(self)
@@ -122,10 +123,16 @@ class Mesh:
     leaves (a restarted peer is "up" again once its channel is open).
     """
 
-    def __init__(self, data_dir: Path, worker: int, count: int,
-                 handlers: dict[int, Handler], *,
-                 on_peer_up: Callable[[int], None] | None = None,
-                 on_peer_down: Callable[[int], None] | None = None) -> None:
+    def __init__(
+        self,
+        data_dir: Path,
+        worker: int,
+        count: int,
+        handlers: dict[int, Handler],
+        *,
+        on_peer_up: Callable[[int], None] | None = None,
+        on_peer_down: Callable[[int], None] | None = None,
+    ) -> None:
         if any(kind < FIRST_USER_KIND for kind in handlers):
             raise ValueError(f"frame kinds below {FIRST_USER_KIND} are the mesh's own")
         self.data_dir = Path(data_dir)
@@ -141,8 +148,9 @@ class Mesh:
         self._lost: dict[int, asyncio.Event] = {}
         #: Requests sent and not answered: the peer asked and who waits (a future of
         #: :meth:`call`, or the callback of :meth:`request`).
-        self._pending: dict[int, tuple[int, asyncio.Future[bytes] | Callable[[bytes | None],
-                                                                            None]]] = {}
+        self._pending: dict[
+            int, tuple[int, asyncio.Future[bytes] | Callable[[bytes | None], None]]
+        ] = {}
         self._next_request = 1
         self._flush_due: list[_PeerProtocol] = []
         self._closing = False
@@ -164,7 +172,8 @@ class Mesh:
                 sock.close()
                 raise
             self._server = await loop.create_unix_server(
-                lambda: _PeerProtocol(self, None), sock=sock)
+                lambda: _PeerProtocol(self, None), sock=sock
+            )
         for peer in range(self.worker):
             self._dialers.append(loop.create_task(self._dial(peer)))
 
@@ -190,7 +199,8 @@ class Mesh:
                 continue
             lost.clear()
             _, proto = await loop.create_unix_connection(
-                lambda: _PeerProtocol(self, peer), sock=sock)
+                lambda: _PeerProtocol(self, peer), sock=sock
+            )
             proto.queue(HELLO, 0, struct.pack("<I", self.worker))
             self._attach(proto)
             await lost.wait()
@@ -226,8 +236,9 @@ class Mesh:
         for proto in self.peers.values():
             proto.queue(kind, 0, body)
 
-    def call(self, peer: int, kind: int,
-             body: bytes | bytearray | memoryview = b"") -> asyncio.Future[bytes]:
+    def call(
+        self, peer: int, kind: int, body: bytes | bytearray | memoryview = b""
+    ) -> asyncio.Future[bytes]:
         """Ask ``peer``; the future has the reply's body, or :class:`PeerDown` if the peer
         goes away first."""
         proto = self._peer(peer)
@@ -239,8 +250,13 @@ class Mesh:
         proto.queue(kind, request, body)
         return future
 
-    def request(self, peer: int, kind: int, body: bytes | bytearray | memoryview,
-                on_reply: Callable[[bytes | None], None]) -> None:
+    def request(
+        self,
+        peer: int,
+        kind: int,
+        body: bytes | bytearray | memoryview,
+        on_reply: Callable[[bytes | None], None],
+    ) -> None:
         """Ask ``peer``; ``on_reply`` is called with the reply's body, or with None if the
         peer goes away first. Raises :class:`PeerDown` if its channel is not open now.
 
@@ -335,8 +351,9 @@ class Mesh:
         try:
             handler(peer, request, body)
         except Exception:
-            log.exception("worker %d: bug handling frame kind %d from peer %d",
-                          self.worker, kind, peer)
+            log.exception(
+                "worker %d: bug handling frame kind %d from peer %d", self.worker, kind, peer
+            )
 
 
 def owner_of(key: tuple[str, int], count: int) -> int:

@@ -74,7 +74,7 @@ def unpack_key(body: memoryview | bytes, pos: int = 0) -> tuple[Key, int]:
     """The key at ``pos`` and the position after it."""
     size, partition = _KEY.unpack_from(body, pos)
     start = pos + _KEY.size
-    return (bytes(body[start:start + size]).decode(), partition), start + size
+    return (bytes(body[start : start + size]).decode(), partition), start + size
 
 
 class OwnedPartition(Partition):
@@ -83,8 +83,9 @@ class OwnedPartition(Partition):
 
     __slots__ = ("announce",)
 
-    def __init__(self, key: Key, log: SegmentedLog,
-                 announce: Callable[[OwnedPartition, list[Record]], None]) -> None:
+    def __init__(
+        self, key: Key, log: SegmentedLog, announce: Callable[[OwnedPartition, list[Record]], None]
+    ) -> None:
         super().__init__(key, log)
         self.announce = announce
 
@@ -112,9 +113,13 @@ class RemotePartition(PartitionBase):
 
     log: LogReader
 
-    def __init__(self, key: Key, reader: LogReader, owner: int,
-                 forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None]
-                 ) -> None:
+    def __init__(
+        self,
+        key: Key,
+        reader: LogReader,
+        owner: int,
+        forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None],
+    ) -> None:
         super().__init__(key, reader)
         self.owner = owner
         self.forward = forward
@@ -139,7 +144,7 @@ class RemotePartition(PartitionBase):
         records: a large batch, a peer's :meth:`committed_through`)."""
         i = offset - self.tail_base
         if 0 <= i < len(self.tail):
-            return self.tail[i:i + max_records]
+            return self.tail[i : i + max_records]
         return super().read(offset, max_records)
 
     def read_columns(self, offset: int) -> Columns:
@@ -160,9 +165,14 @@ class PartitionService:
     messages).
     """
 
-    def __init__(self, worker: int, count: int, owner_of: Callable[[Key, int], int],
-                 directory_of: Callable[[Key], Any], config_of: Callable[[Key], LogConfig]
-                 ) -> None:
+    def __init__(
+        self,
+        worker: int,
+        count: int,
+        owner_of: Callable[[Key, int], int],
+        directory_of: Callable[[Key], Any],
+        config_of: Callable[[Key], LogConfig],
+    ) -> None:
         self.worker = worker
         self.count = count
         self.owner_of = owner_of
@@ -178,7 +188,7 @@ class PartitionService:
         #: Every other worker's partitions: (earliest offset, high-water mark) as announced.
         self.marks: dict[Key, tuple[int, int]] = {}
         self.forwarded = 0  # records sent to their owner
-        self.received = 0   # records appended for a peer
+        self.received = 0  # records appended for a peer
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
         return {FORWARD: self._on_forward, APPENDED: self._on_appended, MARKS: self._on_marks}
@@ -230,8 +240,12 @@ class PartitionService:
         mesh = self.mesh
         assert mesh is not None and self.enqueue is not None
         if not self.owns(key):
-            log.error("worker %d: peer %d forwarded to %s/%d, which it does not own",
-                      self.worker, peer, *key)
+            log.error(
+                "worker %d: peer %d forwarded to %s/%d, which it does not own",
+                self.worker,
+                peer,
+                *key,
+            )
             mesh.reply(peer, request, _OFFSET.pack(-1))
             return
         rows = marshal.loads(body[pos:])
@@ -244,15 +258,20 @@ class PartitionService:
 
     # ------------------------------------------------------------ elsewhere
 
-    def _forward(self, part: RemotePartition, records: list[Record],
-                 acks: list[Ack | None]) -> None:
+    def _forward(
+        self, part: RemotePartition, records: list[Record], acks: list[Ack | None]
+    ) -> None:
         self.forwarded += len(records)
 
         def done(body: bytes | None) -> None:
             first = None
             if body is None:
-                log.warning("%s/%d: worker %d went away; %d records not stored", *part.key,
-                            part.owner, len(records))
+                log.warning(
+                    "%s/%d: worker %d went away; %d records not stored",
+                    *part.key,
+                    part.owner,
+                    len(records),
+                )
             else:
                 first = _OFFSET.unpack(body)[0]
                 if first < 0:
@@ -261,9 +280,12 @@ class PartitionService:
 
         try:
             assert self.mesh is not None
-            self.mesh.request(part.owner, FORWARD,
-                              pack_key(part.key) + marshal.dumps([r[1:] for r in records]),
-                              done)
+            self.mesh.request(
+                part.owner,
+                FORWARD,
+                pack_key(part.key) + marshal.dumps([r[1:] for r in records]),
+                done,
+            )
         except PeerDown as e:
             log.warning("%s/%d: %s; %d records not stored", *part.key, e, len(records))
             _settle(acks, None)
@@ -280,8 +302,9 @@ class PartitionService:
                 rows = marshal.loads(body[pos:])
                 new = tuple.__new__
                 first = end - len(rows)
-                part.keep_tail(first, [new(Record, (offset, *row))
-                                       for offset, row in zip(count(first), rows)])
+                part.keep_tail(
+                    first, [new(Record, (offset, *row)) for offset, row in zip(count(first), rows)]
+                )
             else:
                 part.tail = []  # what follows is in the files only
         self._moved(key, start, end)

@@ -74,16 +74,27 @@ class WorkerRuntime:
         self.index = index
         self.count = count
         self.streams = streams
-        self.partitions = PartitionService(index, count, owner_of, self._directory,
-                                           self._log_config)
+        self.partitions = PartitionService(
+            index, count, owner_of, self._directory, self._log_config
+        )
         self.sessions = SessionDirectory(index, count)
         self.groups = MeshGroupPeers(index, lambda group: home_of(group, count), GROUP_KINDS)
-        self.mesh = Mesh(streams.data_dir, index, count,
-                         {**self.partitions.handlers(), **self.sessions.handlers(),
-                          **self.groups.handlers(),
-                          FINISHED: self._on_finished, VIEW: self._on_view,
-                          CONNECTIONS: self._on_connections, LOGIN_FAILED: self._on_login_failed},
-                         on_peer_up=self._peer_up, on_peer_down=self._peer_down)
+        self.mesh = Mesh(
+            streams.data_dir,
+            index,
+            count,
+            {
+                **self.partitions.handlers(),
+                **self.sessions.handlers(),
+                **self.groups.handlers(),
+                FINISHED: self._on_finished,
+                VIEW: self._on_view,
+                CONNECTIONS: self._on_connections,
+                LOGIN_FAILED: self._on_login_failed,
+            },
+            on_peer_up=self._peer_up,
+            on_peer_down=self._peer_down,
+        )
         self._finished: set[int] = set()
         #: Admin views by name: each returns this worker's part as bytes (set by the server).
         self.views: dict[str, Callable[[], bytes]] = {}
@@ -104,8 +115,9 @@ class WorkerRuntime:
         return self.streams.specs[key[0]].log
 
     def all_keys(self) -> list[tuple[str, int]]:
-        return [(spec.name, p) for spec in self.streams.specs.values()
-                for p in range(spec.partitions)]
+        return [
+            (spec.name, p) for spec in self.streams.specs.values() for p in range(spec.partitions)
+        ]
 
     def owned_keys(self) -> list[tuple[str, int]]:
         return [k for k in self.all_keys() if owner_of(k, self.count) == self.index]
@@ -130,8 +142,10 @@ class WorkerRuntime:
             await self.mesh.wait_connected(PEER_WAIT_SECONDS)
         except TimeoutError:
             missing = sorted(set(range(self.count)) - {self.index, *self.mesh.peers})
-            raise RuntimeError(f"worker {self.index}: workers {missing} did not come up "
-                               f"within {PEER_WAIT_SECONDS:.0f} s") from None
+            raise RuntimeError(
+                f"worker {self.index}: workers {missing} did not come up "
+                f"within {PEER_WAIT_SECONDS:.0f} s"
+            ) from None
         await self.partitions.sync_marks()
         await self.sessions.held_elsewhere()
 
@@ -204,11 +218,16 @@ class WorkerRuntime:
         await self.close()
 
     def describe(self) -> dict[str, Any]:
-        return {"worker": self.index, "workers": self.count,
-                "owned": [f"{s}/{p}" for s, p in self.owned_keys()],
-                "peers_up": sorted(self.mesh.peers),
-                "forwarded": self.partitions.forwarded, "received": self.partitions.received,
-                "claims": self.sessions.claims, "takeovers": self.sessions.takeovers}
+        return {
+            "worker": self.index,
+            "workers": self.count,
+            "owned": [f"{s}/{p}" for s, p in self.owned_keys()],
+            "peers_up": sorted(self.mesh.peers),
+            "forwarded": self.partitions.forwarded,
+            "received": self.partitions.received,
+            "claims": self.sessions.claims,
+            "takeovers": self.sessions.takeovers,
+        }
 
     async def close(self) -> None:
         await self.mesh.close()

@@ -86,8 +86,12 @@ class SessionDirectory:
         self.takeovers = 0  # sessions handed from one worker to another
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
-        return {CLAIM: self._on_claim, RELEASE: self._on_release, ENDED: self._on_ended,
-                HELD: self._on_held}
+        return {
+            CLAIM: self._on_claim,
+            RELEASE: self._on_release,
+            ENDED: self._on_ended,
+            HELD: self._on_held,
+        }
 
     def home(self, client_id: str) -> int:
         return home_of(client_id, self.count)
@@ -185,13 +189,19 @@ class SessionDirectory:
                 return
             error = task.exception()
             if error is not None:
-                log.error("worker %d: claim of %r for worker %d failed: %r", self.worker,
-                          client_id, peer, error)
+                log.error(
+                    "worker %d: claim of %r for worker %d failed: %r",
+                    self.worker,
+                    client_id,
+                    peer,
+                    error,
+                )
                 return  # the claimant's call fails when it gives up
             mesh.reply(peer, request, task.result())
 
-        asyncio.get_running_loop().create_task(
-            self._decide(client_id, peer)).add_done_callback(answer)
+        asyncio.get_running_loop().create_task(self._decide(client_id, peer)).add_done_callback(
+            answer
+        )
 
     def _on_release(self, peer: int, request: int, body: memoryview) -> None:
         client_id = bytes(body).decode()
@@ -227,8 +237,13 @@ class SessionDirectory:
                 self.registry[cid] = self.worker
             else:
                 del self.registry[cid]
-        log.warning("worker %d: worker %d died holding %d sessions homed here; %d restored "
-                    "from the log", self.worker, peer, len(lost), len(found))
+        log.warning(
+            "worker %d: worker %d died holding %d sessions homed here; %d restored from the log",
+            self.worker,
+            peer,
+            len(lost),
+            len(found),
+        )
 
     async def held_elsewhere(self) -> dict[str, int]:
         """At start: which sessions homed here the peers hold (they stay there)."""

@@ -187,11 +187,14 @@ class Supervisor:
                 pid, status = os.waitpid(worker.pid, 0 if said is None else os.WNOHANG)
                 if pid:
                     worker.pid = 0
-                    raise ServeError(f"worker {worker.index} failed to start "
-                                     f"({_describe(status)}); see its message above")
+                    raise ServeError(
+                        f"worker {worker.index} failed to start "
+                        f"({_describe(status)}); see its message above"
+                    )
                 if time.monotonic() > deadline:
-                    raise ServeError(f"worker {worker.index} did not start within "
-                                     f"{START_SECONDS:.0f} s")
+                    raise ServeError(
+                        f"worker {worker.index} did not start within {START_SECONDS:.0f} s"
+                    )
 
     def _read_ready(self, worker: _Worker, timeout: float) -> bool | None:
         """True once ``worker`` said it serves; False while it has not yet; None when its
@@ -219,8 +222,9 @@ class Supervisor:
                 continue
             pid, status = os.waitpid(worker.pid, os.WNOHANG)
             if pid:
-                log.error("worker %d (pid %d) %s; restarting it", worker.index, pid,
-                          _describe(status))
+                log.error(
+                    "worker %d (pid %d) %s; restarting it", worker.index, pid, _describe(status)
+                )
                 worker.pid = 0
                 if worker.ready_fd >= 0:
                     os.close(worker.ready_fd)
@@ -232,7 +236,7 @@ class Supervisor:
                 self._restart(worker)
 
     def _restart(self, worker: _Worker) -> None:
-        delay = min(RESTART_DELAY * 2 ** worker.quick_deaths, RESTART_MAX)
+        delay = min(RESTART_DELAY * 2**worker.quick_deaths, RESTART_MAX)
         if time.monotonic() - worker.started < delay:
             return  # the next step (at most a second away) tries again
         self._start(worker)
@@ -256,8 +260,12 @@ class Supervisor:
             if running:
                 time.sleep(0.05)
         for pid, worker in running.items():
-            log.error("worker %d (pid %d) did not stop in %.0f s; killing it",
-                      worker.index, pid, STOP_SECONDS)
+            log.error(
+                "worker %d (pid %d) did not stop in %.0f s; killing it",
+                worker.index,
+                pid,
+                STOP_SECONDS,
+            )
             _signal(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
             status_all = 1

@@ -66,18 +66,24 @@ class Dashboard:
     def render(self) -> str:
         now = time.monotonic()
         with self.lock:
-            rows = [(dev, v.count, v.rate(now), v.latest, v.latency_ms)
-                    for dev, v in sorted(self.devices.items())]
+            rows = [
+                (dev, v.count, v.rate(now), v.latest, v.latency_ms)
+                for dev, v in sorted(self.devices.items())
+            ]
             bad = self.bad
         total = sum(r[1] for r in rows)
-        lines = [f"{time.strftime('%H:%M:%S')}  {len(rows)} devices, {total} messages"
-                 + (f", {bad} not JSON" if bad else ""),
-                 f"{'DEVICE':<12} {'MSGS':>7} {'MSG/S':>6} {'SEQ':>7} {'TEMP':>7} "
-                 f"{'HUM':>6} {'BATT':>6} {'AGE ms':>7}"]
+        lines = [
+            f"{time.strftime('%H:%M:%S')}  {len(rows)} devices, {total} messages"
+            + (f", {bad} not JSON" if bad else ""),
+            f"{'DEVICE':<12} {'MSGS':>7} {'MSG/S':>6} {'SEQ':>7} {'TEMP':>7} "
+            f"{'HUM':>6} {'BATT':>6} {'AGE ms':>7}",
+        ]
         for dev, count, rate, r, latency in rows:
-            lines.append(f"{dev:<12} {count:>7} {rate:>6.1f} {r.get('seq', '-'):>7} "
-                         f"{r.get('temperature', '-'):>7} {r.get('humidity', '-'):>6} "
-                         f"{r.get('battery', '-'):>6} {latency:>7.0f}")
+            lines.append(
+                f"{dev:<12} {count:>7} {rate:>6.1f} {r.get('seq', '-'):>7} "
+                f"{r.get('temperature', '-'):>7} {r.get('humidity', '-'):>6} "
+                f"{r.get('battery', '-'):>6} {latency:>7.0f}"
+            )
         return "\n".join(lines)
 
 

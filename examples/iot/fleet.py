@@ -36,30 +36,35 @@ class Device:
         self._lock = threading.Lock()
         self._phase = random.random() * math.tau
         self._battery = random.uniform(60, 100)
-        self.client = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=device_id,
-                                  protocol=mqtt.MQTTv5 if args.mqtt5 else mqtt.MQTTv311)
+        self.client = mqtt.Client(
+            mqtt.CallbackAPIVersion.VERSION2,
+            client_id=device_id,
+            protocol=mqtt.MQTTv5 if args.mqtt5 else mqtt.MQTTv311,
+        )
         self.client.max_queued_messages_set(10_000)
         self.client.on_publish = self._on_publish
         self.client.connect(args.host, args.port, keepalive=30)
         self.client.loop_start()
 
-    def _on_publish(self, client: Any, userdata: Any, mid: int, rc: Any,
-                    props: Any = None) -> None:
+    def _on_publish(self, client: Any, userdata: Any, mid: int, rc: Any, props: Any = None) -> None:
         with self._lock:
             self.acked += 1
 
     def reading(self) -> bytes:
         now = time.time()
         self._battery = max(0.0, self._battery - 0.001)
-        return orjson.dumps({
-            "device": self.id,
-            "seq": self.seq,
-            "ts": int(now * 1000),
-            "temperature": round(21 + 4 * math.sin(now / 30 + self._phase)
-                                 + random.gauss(0, 0.2), 2),
-            "humidity": round(45 + 10 * math.cos(now / 45 + self._phase), 1),
-            "battery": round(self._battery, 2),
-        })
+        return orjson.dumps(
+            {
+                "device": self.id,
+                "seq": self.seq,
+                "ts": int(now * 1000),
+                "temperature": round(
+                    21 + 4 * math.sin(now / 30 + self._phase) + random.gauss(0, 0.2), 2
+                ),
+                "humidity": round(45 + 10 * math.cos(now / 45 + self._phase), 1),
+                "battery": round(self._battery, 2),
+            }
+        )
 
     def publish(self) -> None:
         self.client.publish(self.topic, self.reading(), qos=self.qos)
@@ -92,8 +97,11 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as e:
         print(f"fleet: cannot connect to {args.host}:{args.port}: {e}", file=sys.stderr)
         return 1
-    print(f"fleet: {args.devices} devices -> devices/<id>/telemetry at {args.rate:g} msg/s "
-          f"each, QoS {args.qos}", flush=True)
+    print(
+        f"fleet: {args.devices} devices -> devices/<id>/telemetry at {args.rate:g} msg/s "
+        f"each, QoS {args.qos}",
+        flush=True,
+    )
 
     interval = 1.0 / args.rate
     start = time.monotonic()
@@ -111,8 +119,10 @@ def main(argv: list[str] | None = None) -> int:
                 next_tick = now + interval
         if now >= next_report:
             sent = sum(d.seq for d in devices)
-            print(f"fleet: {now - start:5.1f}s sent {sent} ({sent / (now - start):.0f} msg/s)",
-                  flush=True)
+            print(
+                f"fleet: {now - start:5.1f}s sent {sent} ({sent / (now - start):.0f} msg/s)",
+                flush=True,
+            )
             next_report += 1
         stop.wait(max(0.0, min(next_tick, next_report) - time.monotonic()))
 
@@ -125,8 +135,11 @@ def main(argv: list[str] | None = None) -> int:
     acked = sum(d.acked for d in devices)
     for d in devices:
         d.stop()
-    print(f"fleet: done: {len(devices)} devices sent {sent} messages in {elapsed:.1f}s "
-          f"({sent / elapsed if elapsed else 0:.0f} msg/s), acknowledged {acked}", flush=True)
+    print(
+        f"fleet: done: {len(devices)} devices sent {sent} messages in {elapsed:.1f}s "
+        f"({sent / elapsed if elapsed else 0:.0f} msg/s), acknowledged {acked}",
+        flush=True,
+    )
     return 0
 
 

@@ -39,8 +39,10 @@ def describe(payload: bytes) -> str:
     except orjson.JSONDecodeError:
         return payload.decode(errors="replace")
     if isinstance(r, dict) and "device" in r:
-        return (f"seq={r.get('seq')} ts={r.get('ts')} temperature={r.get('temperature')} "
-                f"humidity={r.get('humidity')} battery={r.get('battery')}")
+        return (
+            f"seq={r.get('seq')} ts={r.get('ts')} temperature={r.get('temperature')} "
+            f"humidity={r.get('humidity')} battery={r.get('battery')}"
+        )
     return orjson.dumps(r).decode()
 
 
@@ -50,13 +52,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--port", type=int, default=1883)
     parser.add_argument("--filter", default="devices/+/telemetry", help="topic filter")
     start = parser.add_mutually_exclusive_group()
-    start.add_argument("--from", dest="start", default="earliest",
-                       help="earliest | latest | offset:N | offsets:P=N,... | time:...")
+    start.add_argument(
+        "--from",
+        dest="start",
+        default="earliest",
+        help="earliest | latest | offset:N | offsets:P=N,... | time:...",
+    )
     start.add_argument("--since", help="how far back: 10m, 1h, 2d (= --from time:-10m ...)")
     start.add_argument("--offset", type=int, help="shorthand for --from offset:N")
     parser.add_argument("--count", type=int, default=0, help="stop after N messages")
-    parser.add_argument("--idle", type=float, default=0,
-                        help="stop when nothing arrived for this many seconds")
+    parser.add_argument(
+        "--idle", type=float, default=0, help="stop when nothing arrived for this many seconds"
+    )
     parser.add_argument("--qos", type=int, choices=(0, 1, 2), default=1)
     args = parser.parse_args(argv)
     origin = args.start
@@ -109,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         last = time.monotonic()
         n += 1
         up = user_properties(msg)
-        print(f"partition={up.get('mqlog-partition', '?')} offset={up.get('mqlog-offset', '?')} "
-              f"{msg.topic} {describe(bytes(msg.payload))}", flush=True)
+        print(
+            f"partition={up.get('mqlog-partition', '?')} offset={up.get('mqlog-offset', '?')} "
+            f"{msg.topic} {describe(bytes(msg.payload))}",
+            flush=True,
+        )
     client.disconnect()
     client.loop_stop()
     print(f"replay: {n} messages", flush=True)

@@ -25,8 +25,9 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 
 #: The fleet's payload: {"device", "seq", "ts", "temperature", "humidity", "battery"}.
-PAYLOAD_SCHEMA = ("device string, seq long, ts long, temperature double, humidity double, "
-                  "battery double")
+PAYLOAD_SCHEMA = (
+    "device string, seq long, ts long, temperature double, humidity double, battery double"
+)
 
 AGGREGATES_SQL = """
 SELECT reading.device                              AS device,
@@ -54,9 +55,22 @@ def device_aggregates(spark: Any, output: str) -> Any:
 
 
 def run_fleet(args: argparse.Namespace) -> None:
-    cmd = [sys.executable, str(HERE / "fleet.py"), "--host", args.host, "--port",
-           str(args.port), "--devices", str(args.devices), "--rate", str(args.rate),
-           "--qos", "1", "--duration", str(args.fleet_duration)]
+    cmd = [
+        sys.executable,
+        str(HERE / "fleet.py"),
+        "--host",
+        args.host,
+        "--port",
+        str(args.port),
+        "--devices",
+        str(args.devices),
+        "--rate",
+        str(args.rate),
+        "--qos",
+        "1",
+        "--duration",
+        str(args.fleet_duration),
+    ]
     done = subprocess.run(cmd, check=False)
     if done.returncode != 0:
         raise SystemExit(f"spark_aggregates: the fleet simulator failed ({done.returncode})")
@@ -64,20 +78,31 @@ def run_fleet(args: argparse.Namespace) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--broker", default="http://127.0.0.1:8080",
-                        help="the broker's HTTP API (default http://127.0.0.1:8080)")
+    parser.add_argument(
+        "--broker",
+        default="http://127.0.0.1:8080",
+        help="the broker's HTTP API (default http://127.0.0.1:8080)",
+    )
     parser.add_argument("--host", default="127.0.0.1", help="MQTT host for the fleet")
     parser.add_argument("--port", type=int, default=1883, help="MQTT port for the fleet")
     parser.add_argument("--devices", type=int, default=10)
     parser.add_argument("--rate", type=float, default=5.0, help="messages/s per device")
-    parser.add_argument("--fleet-duration", type=float, default=0,
-                        help="seconds to run the fleet first (default 0: do not run it)")
+    parser.add_argument(
+        "--fleet-duration",
+        type=float,
+        default=0,
+        help="seconds to run the fleet first (default 0: do not run it)",
+    )
     parser.add_argument("--stream", default="telemetry")
-    parser.add_argument("--output", default="spark-output/telemetry",
-                        help="Parquet directory (default spark-output/telemetry)")
+    parser.add_argument(
+        "--output",
+        default="spark-output/telemetry",
+        help="Parquet directory (default spark-output/telemetry)",
+    )
     parser.add_argument("--checkpoint", help="default: OUTPUT + '-checkpoint'")
-    parser.add_argument("--no-drain", action="store_true",
-                        help="aggregate what is already in OUTPUT")
+    parser.add_argument(
+        "--no-drain", action="store_true", help="aggregate what is already in OUTPUT"
+    )
     args = parser.parse_args(argv)
 
     if args.fleet_duration > 0:
@@ -93,21 +118,38 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     try:
         if not args.no_drain:
-            query = start_drain(spark, args.broker, args.output,
-                                args.checkpoint or args.output.rstrip("/") + "-checkpoint",
-                                streams=[args.stream], once=True)
+            query = start_drain(
+                spark,
+                args.broker,
+                args.output,
+                args.checkpoint or args.output.rstrip("/") + "-checkpoint",
+                streams=[args.stream],
+                once=True,
+            )
             query.awaitTermination()
             drained = sum(p.numInputRows for p in query.recentProgress)
-            print(f"spark_aggregates: drained {drained} new record(s) of stream "
-                  f"{args.stream!r} into {args.output}", flush=True)
+            print(
+                f"spark_aggregates: drained {drained} new record(s) of stream "
+                f"{args.stream!r} into {args.output}",
+                flush=True,
+            )
         rows = device_aggregates(spark, args.output).collect()
     except Exception as e:  # the source's own message, not the JVM stack
         print(f"spark_aggregates: error: {error_message(e)}", file=sys.stderr)
         return 1
     finally:
         spark.stop()
-    columns = ["device", "readings", "temp_min", "temp_avg", "temp_max", "humidity_avg",
-               "battery", "missing", "last_seen"]
+    columns = [
+        "device",
+        "readings",
+        "temp_min",
+        "temp_avg",
+        "temp_max",
+        "humidity_avg",
+        "battery",
+        "missing",
+        "last_seen",
+    ]
     table = [[str(r[c]) for c in columns] for r in rows]
     widths = [max([len(c), *(len(row[i]) for row in table)]) for i, c in enumerate(columns)]
     print("  ".join(c.ljust(w) for c, w in zip(columns, widths, strict=True)))

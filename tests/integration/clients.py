@@ -33,12 +33,20 @@ class Client:
     ``connect()`` waits for CONNACK and returns the reason code (0 = accepted).
     """
 
-    def __init__(self, port: int, client_id: str = "", protocol: int = V311, *,
-                 clean: bool = True, session_expiry: int | None = None,
-                 keepalive: int = 30, will: tuple[str, bytes, int, bool] | None = None,
-                 will_properties: Properties | None = None,
-                 connect_properties: Properties | None = None,
-                 manual_ack: bool = False) -> None:
+    def __init__(
+        self,
+        port: int,
+        client_id: str = "",
+        protocol: int = V311,
+        *,
+        clean: bool = True,
+        session_expiry: int | None = None,
+        keepalive: int = 30,
+        will: tuple[str, bytes, int, bool] | None = None,
+        will_properties: Properties | None = None,
+        connect_properties: Properties | None = None,
+        manual_ack: bool = False,
+    ) -> None:
         self.port = port
         self.protocol = protocol
         self.clean = clean
@@ -52,8 +60,11 @@ class Client:
         self.disconnects: queue.Queue[int] = queue.Queue()
         self.published: set[int] = set()
         self._pub_lock = threading.Lock()
-        kwargs: dict[str, Any] = {"client_id": client_id, "protocol": protocol,
-                                  "manual_ack": manual_ack}
+        kwargs: dict[str, Any] = {
+            "client_id": client_id,
+            "protocol": protocol,
+            "manual_ack": manual_ack,
+        }
         if protocol != V5:
             kwargs["clean_session"] = clean
         self.paho = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, **kwargs)
@@ -71,8 +82,16 @@ class Client:
         self.connacks.put((int(rc.value), bool(flags.session_present), _props(props)))
 
     def _on_message(self, c: Any, u: Any, msg: mqtt.MQTTMessage) -> None:
-        self.messages.put(Message(msg.topic, msg.payload, msg.qos, bool(msg.retain),
-                                  _props(getattr(msg, "properties", None)), bool(msg.dup)))
+        self.messages.put(
+            Message(
+                msg.topic,
+                msg.payload,
+                msg.qos,
+                bool(msg.retain),
+                _props(getattr(msg, "properties", None)),
+                bool(msg.dup),
+            )
+        )
 
     def _on_subscribe(self, c: Any, u: Any, mid: int, rcs: Any, props: Any = None) -> None:
         self.subacks.put([int(r.value) for r in rcs])
@@ -101,8 +120,14 @@ class Client:
         rc, self.session_present, self.connack_properties = self.connacks.get(timeout=timeout)
         return rc
 
-    def subscribe(self, topic: str, qos: int = 0, timeout: float = 10.0,
-                  properties: Properties | None = None, **options: Any) -> list[int]:
+    def subscribe(
+        self,
+        topic: str,
+        qos: int = 0,
+        timeout: float = 10.0,
+        properties: Properties | None = None,
+        **options: Any,
+    ) -> list[int]:
         """SUBACK reason codes. ``options``: noLocal, retainAsPublished, retainHandling."""
         if self.protocol == V5:
             opts = mqtt.SubscribeOptions(qos=qos, **options)
@@ -111,8 +136,15 @@ class Client:
             self.paho.subscribe(topic, qos)
         return self.subacks.get(timeout=timeout)
 
-    def publish(self, topic: str, payload: bytes | str, qos: int = 0, retain: bool = False,
-                properties: Properties | None = None, wait: bool = True) -> int:
+    def publish(
+        self,
+        topic: str,
+        payload: bytes | str,
+        qos: int = 0,
+        retain: bool = False,
+        properties: Properties | None = None,
+        wait: bool = True,
+    ) -> int:
         info = self.paho.publish(topic, payload, qos, retain, properties=properties)
         if wait and qos > 0:
             info.wait_for_publish(timeout=10)
@@ -154,19 +186,59 @@ def _props(props: Any) -> dict[str, Any]:
     return {k: v for k, v in props.json().items()}
 
 
-def mosquitto_pub(port: int, topic: str, message: str, qos: int = 0, *extra: str,
-                  version: str = "mqttv311") -> None:
-    subprocess.run(["mosquitto_pub", "-h", "127.0.0.1", "-p", str(port), "-t", topic, "-m",
-                    message, "-q", str(qos), "-V", version, *extra],
-                   check=True, timeout=15, capture_output=True)
+def mosquitto_pub(
+    port: int, topic: str, message: str, qos: int = 0, *extra: str, version: str = "mqttv311"
+) -> None:
+    subprocess.run(
+        [
+            "mosquitto_pub",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-t",
+            topic,
+            "-m",
+            message,
+            "-q",
+            str(qos),
+            "-V",
+            version,
+            *extra,
+        ],
+        check=True,
+        timeout=15,
+        capture_output=True,
+    )
 
 
-def mosquitto_sub(port: int, topic: str, count: int, *extra: str, version: str = "mqttv311",
-                  timeout: int = 15) -> list[str]:
+def mosquitto_sub(
+    port: int, topic: str, count: int, *extra: str, version: str = "mqttv311", timeout: int = 15
+) -> list[str]:
     """Run mosquitto_sub -v until ``count`` messages arrived; returns its output lines."""
-    out = subprocess.run(["mosquitto_sub", "-h", "127.0.0.1", "-p", str(port), "-t", topic,
-                          "-v", "-C", str(count), "-W", str(timeout), "-V", version, *extra],
-                         check=True, timeout=timeout + 5, capture_output=True, text=True)
+    out = subprocess.run(
+        [
+            "mosquitto_sub",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(port),
+            "-t",
+            topic,
+            "-v",
+            "-C",
+            str(count),
+            "-W",
+            str(timeout),
+            "-V",
+            version,
+            *extra,
+        ],
+        check=True,
+        timeout=timeout + 5,
+        capture_output=True,
+        text=True,
+    )
     return out.stdout.splitlines()
 
 
@@ -175,9 +247,23 @@ class SubProcess:
 
     def __init__(self, port: int, topic: str, *extra: str, version: str = "mqttv311") -> None:
         self.proc = subprocess.Popen(
-            ["mosquitto_sub", "-h", "127.0.0.1", "-p", str(port), "-t", topic, "-v",
-             "-V", version, *extra],
-            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            [
+                "mosquitto_sub",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(port),
+                "-t",
+                topic,
+                "-v",
+                "-V",
+                version,
+                *extra,
+            ],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         self._lines: list[str] = []
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()

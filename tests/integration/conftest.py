@@ -32,8 +32,14 @@ WORKERS = [int(n) for n in os.environ.get("MQLOG_TEST_WORKERS", "1,2").split(","
 class BrokerProcess:
     """A broker child process; restartable on the same port and data directory."""
 
-    def __init__(self, tmp: Path, config: str = "", fsync: str = "interval",
-                 server: str = "", workers: int = 1) -> None:
+    def __init__(
+        self,
+        tmp: Path,
+        config: str = "",
+        fsync: str = "interval",
+        server: str = "",
+        workers: int = 1,
+    ) -> None:
         self.workers = workers
         self.host = "127.0.0.1"
         self.port = free_port()
@@ -53,9 +59,19 @@ class BrokerProcess:
     def start(self, timeout: float = 20.0) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "broker.cli", "serve", "-c", str(self.config_path),
-             "--workers", str(self.workers)],
-            cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,
+            [
+                sys.executable,
+                "-m",
+                "broker.cli",
+                "serve",
+                "-c",
+                str(self.config_path),
+                "--workers",
+                str(self.workers),
+            ],
+            cwd=ROOT,
+            stdout=log,
+            stderr=subprocess.STDOUT,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
         log.close()
@@ -103,8 +119,9 @@ class BrokerProcess:
                     fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
                 except OSError:
                     if time.monotonic() > deadline:
-                        raise RuntimeError(f"{path} still locked {timeout}s after the kill")\
-                            from None
+                        raise RuntimeError(
+                            f"{path} still locked {timeout}s after the kill"
+                        ) from None
                     time.sleep(0.01)
                     continue
                 fcntl.flock(f, fcntl.LOCK_UN)
@@ -145,8 +162,9 @@ def broker_factory(tmp_path: Path, workers: int) -> Iterator[BrokerFactory]:
     ``server`` adds keys to the [server] section (which holds host and port already)."""
     started: list[BrokerProcess] = []
 
-    def make(config: str = "", fsync: str = "interval", start: bool = True,
-             server: str = "") -> BrokerProcess:
+    def make(
+        config: str = "", fsync: str = "interval", start: bool = True, server: str = ""
+    ) -> BrokerProcess:
         b = BrokerProcess(tmp_path / f"b{len(started)}", config, fsync, server, workers)
         started.append(b)
         if start:
@@ -194,8 +212,6 @@ def recv_until_closed(s: socket.socket, timeout: float = 5.0) -> bytes:
                 return buf
             buf += chunk
     except TimeoutError:
-        raise AssertionError(f"connection not closed within {timeout}s; got {buf.hex()}") \
-            from None
+        raise AssertionError(f"connection not closed within {timeout}s; got {buf.hex()}") from None
     except ConnectionResetError:
         return buf
-

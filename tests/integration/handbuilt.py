@@ -26,16 +26,28 @@ def mqtt_str(s: str | bytes) -> bytes:
 # CONNECT bodies (s3.1.2): protocol name "MQTT", level, flags, keepalive.
 def connect311(client_id: str = "", *, flags: int = 0x02, keepalive: int = 60) -> bytes:
     # 00 04 'MQTT' | 04 level 3.1.1 | flags (0x02 clean session) | keepalive
-    return pkt(0x10, bytes.fromhex("00044d51545404") + bytes([flags])
-               + keepalive.to_bytes(2, "big") + mqtt_str(client_id))
+    return pkt(
+        0x10,
+        bytes.fromhex("00044d51545404")
+        + bytes([flags])
+        + keepalive.to_bytes(2, "big")
+        + mqtt_str(client_id),
+    )
 
 
-def connect5(client_id: str = "", *, flags: int = 0x02, keepalive: int = 60,
-             props: bytes = b"") -> bytes:
+def connect5(
+    client_id: str = "", *, flags: int = 0x02, keepalive: int = 60, props: bytes = b""
+) -> bytes:
     # 00 04 'MQTT' | 05 level 5.0 | flags (0x02 clean start) | keepalive | properties
-    return pkt(0x10, bytes.fromhex("00044d51545405") + bytes([flags])
-               + keepalive.to_bytes(2, "big") + varint(len(props)) + props
-               + mqtt_str(client_id))
+    return pkt(
+        0x10,
+        bytes.fromhex("00044d51545405")
+        + bytes([flags])
+        + keepalive.to_bytes(2, "big")
+        + varint(len(props))
+        + props
+        + mqtt_str(client_id),
+    )
 
 
 def read_packet(s: socket.socket, timeout: float = 5.0) -> tuple[int, bytes]:
@@ -117,21 +129,21 @@ def read_props(buf: bytes, pos: int) -> tuple[dict[int, Any], int]:
         if pid in _BYTE:
             value, pos = buf[pos], pos + 1
         elif pid in _TWO:
-            value, pos = int.from_bytes(buf[pos:pos + 2], "big"), pos + 2
+            value, pos = int.from_bytes(buf[pos : pos + 2], "big"), pos + 2
         elif pid in _FOUR:
-            value, pos = int.from_bytes(buf[pos:pos + 4], "big"), pos + 4
+            value, pos = int.from_bytes(buf[pos : pos + 4], "big"), pos + 4
         elif pid in _VARINT:
             value, pos = _read_varint(buf, pos)
         elif pid in _STRING or pid in _BINARY:
-            n = int.from_bytes(buf[pos:pos + 2], "big")
-            raw = buf[pos + 2:pos + 2 + n]
+            n = int.from_bytes(buf[pos : pos + 2], "big")
+            raw = buf[pos + 2 : pos + 2 + n]
             value, pos = (raw.decode() if pid in _STRING else raw), pos + 2 + n
         elif pid in _PAIR:
-            k = int.from_bytes(buf[pos:pos + 2], "big")
-            key = buf[pos + 2:pos + 2 + k].decode()
+            k = int.from_bytes(buf[pos : pos + 2], "big")
+            key = buf[pos + 2 : pos + 2 + k].decode()
             pos += 2 + k
-            v = int.from_bytes(buf[pos:pos + 2], "big")
-            value = (key, buf[pos + 2:pos + 2 + v].decode())
+            v = int.from_bytes(buf[pos : pos + 2], "big")
+            value = (key, buf[pos + 2 : pos + 2 + v].decode())
             pos += 2 + v
         else:
             raise AssertionError(f"unknown property id {pid:#x} in {buf.hex()}")
@@ -166,11 +178,11 @@ def publish5(first: int, body: bytes) -> tuple[str, int | None, dict[int, Any], 
     """A 5.0 PUBLISH: (topic, packet id or None, properties, payload)."""
     assert first >> 4 == 3, f"expected PUBLISH, got {first:#x} {body.hex()}"
     n = int.from_bytes(body[:2], "big")
-    topic = body[2:2 + n].decode()
+    topic = body[2 : 2 + n].decode()
     pos = 2 + n
     pid = None
     if (first >> 1) & 3:
-        pid = int.from_bytes(body[pos:pos + 2], "big")
+        pid = int.from_bytes(body[pos : pos + 2], "big")
         pos += 2
     props, pos = read_props(body, pos)
     return topic, pid, props, body[pos:]

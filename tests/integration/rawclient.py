@@ -37,11 +37,17 @@ def packet(first: int, body: bytes) -> bytes:
     return bytes([first]) + varint(len(body)) + body
 
 
-def connect_bytes(client_id: str, version: int = 4, *, clean: bool = True,
-                  keepalive: int = 60, session_expiry: int | None = None,
-                  receive_maximum: int | None = None,
-                  will: tuple[str, bytes, int, bool] | None = None,
-                  will_delay: int | None = None) -> bytes:
+def connect_bytes(
+    client_id: str,
+    version: int = 4,
+    *,
+    clean: bool = True,
+    keepalive: int = 60,
+    session_expiry: int | None = None,
+    receive_maximum: int | None = None,
+    will: tuple[str, bytes, int, bool] | None = None,
+    will_delay: int | None = None,
+) -> bytes:
     """CONNECT (s3.1). 5.0 properties: Session Expiry Interval (0x11), Receive Maximum
     (0x21); will property: Will Delay Interval (0x18)."""
     flags = 0x02 if clean else 0
@@ -120,11 +126,19 @@ class RawClient:
         rest = p.body[2:]
         if self.version == 5:
             plen, n = _read_varint(rest, 0)
-            rest = rest[n + plen:]
+            rest = rest[n + plen :]
         return list(rest)
 
-    def publish(self, topic: str, payload: bytes, qos: int, packet_id: int | None = None,
-                *, dup: bool = False, retain: bool = False) -> None:
+    def publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        packet_id: int | None = None,
+        *,
+        dup: bool = False,
+        retain: bool = False,
+    ) -> None:
         first = 0x30 | (0x08 if dup else 0) | (qos << 1) | (0x01 if retain else 0)
         body = utf8(topic)
         if qos:
@@ -136,8 +150,9 @@ class RawClient:
 
     def ack(self, kind: int, packet_id: int) -> None:
         """PUBACK / PUBREC / PUBREL / PUBCOMP (PUBREL has flags 0b0010, s3.6.1)."""
-        self.send(packet((kind << 4) | (0x02 if kind == PUBREL else 0),
-                         struct.pack("!H", packet_id)))
+        self.send(
+            packet((kind << 4) | (0x02 if kind == PUBREL else 0), struct.pack("!H", packet_id))
+        )
 
     def disconnect(self, reason: int | None = None) -> None:
         """DISCONNECT (5.0: with ``reason``), then close."""
@@ -183,7 +198,7 @@ class RawClient:
         if len(buf) < end:
             return None
         self._buf = buf[end:]
-        return Packet(buf[0] >> 4, buf[0] & 0x0F, buf[1 + n:end])
+        return Packet(buf[0] >> 4, buf[0] & 0x0F, buf[1 + n : end])
 
     def expect(self, kind: int, timeout: float | None = None) -> Packet:
         for i, p in enumerate(self.backlog):
@@ -202,11 +217,11 @@ class RawClient:
         assert p.type == PUBLISH
         qos = (p.flags >> 1) & 3
         tlen = struct.unpack("!H", p.body[:2])[0]
-        topic = p.body[2:2 + tlen].decode()
+        topic = p.body[2 : 2 + tlen].decode()
         i = 2 + tlen
         pid = 0
         if qos:
-            pid = struct.unpack("!H", p.body[i:i + 2])[0]
+            pid = struct.unpack("!H", p.body[i : i + 2])[0]
             i += 2
         if self.version == 5:
             plen, n = _read_varint(p.body, i)

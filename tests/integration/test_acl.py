@@ -33,15 +33,15 @@ DENIED_5 = 0x87
 
 @pytest.fixture
 def acl_broker(broker_factory: BrokerFactory, tmp_path: Path) -> BrokerProcess:
-    pw = make_password_file(tmp_path / "passwd",
-                            {"alice": "a-pw", "bob": "b-pw", "carol": "c-pw"})
+    pw = make_password_file(tmp_path / "passwd", {"alice": "a-pw", "bob": "b-pw", "carol": "c-pw"})
     acl = tmp_path / "acl"
     acl.write_text(ACL)
     return broker_factory(config=f'[auth]\npassword_file = "{pw}"\nacl_file = "{acl}"\n')
 
 
-def user(broker: BrokerProcess, name: str | None, protocol: int = V311,
-         client_id: str = "") -> Client:
+def user(
+    broker: BrokerProcess, name: str | None, protocol: int = V311, client_id: str = ""
+) -> Client:
     c = Client(broker.port, client_id or f"{name}-{protocol}", protocol)
     if name is not None:
         c.paho.username_pw_set(name, f"{name[0]}-pw")
@@ -111,7 +111,7 @@ def test_publish_denied_311_is_acked_and_dropped(acl_broker: BrokerProcess) -> N
 def test_publish_denied_5_reason_code(acl_broker: BrokerProcess) -> None:
     bob = raw_login(acl_broker, "bob", 5)
     assert raw_publish(bob, "alice/x", 1, 1) == b"\x00\x01\x87"
-    assert raw_publish(bob, "alice/x", 2, 2) == b"\x00\x02\x87"   # the QoS 2 flow ends here
+    assert raw_publish(bob, "alice/x", 2, 2) == b"\x00\x02\x87"  # the QoS 2 flow ends here
     assert raw_publish(bob, "bob/x", 1, 3) in (b"\x00\x03", b"\x00\x03\x00")
     bob.send(packet(0xC0, b""))  # PINGREQ: the connection is still fine
     bob.expect(0xD)

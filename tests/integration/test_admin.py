@@ -32,8 +32,13 @@ def get(broker: BrokerProcess, path: str) -> Any:
 
 
 def mqlog(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "broker.cli", *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def rows(output: str, first: str) -> list[list[str]]:
@@ -112,16 +117,23 @@ def test_sessions_report_position_and_lag(broker_factory: BrokerFactory) -> None
     assert set(sessions) == {"away", "here"}
     assert sessions["away"]["connected"] is False and sessions["here"]["connected"] is True
     assert {s["filter"] for s in sessions["here"]["subscriptions"]} == {
-        "devices/d1/telemetry", "$share/workers/devices/#"}
+        "devices/d1/telemetry",
+        "$share/workers/devices/#",
+    }
     (pos,) = sessions["away"]["positions"]
     assert (pos["stream"], pos["offset"], pos["high_water_mark"], pos["lag"]) == (
-        "telemetry", 0, 5, 5)
+        "telemetry",
+        0,
+        5,
+        5,
+    )
     (pos,) = sessions["here"]["positions"]
     assert (pos["offset"], pos["lag"]) == (5, 0)
     (group,) = get(broker, "/api/v1/sessions")["shared_groups"]
     assert group["members"] == ["here"]
-    assert sorted((p["stream"], p["partition"]) for p in group["positions"]
-                  if p["stream"] == "telemetry") == [("telemetry", i) for i in range(4)]
+    assert sorted(
+        (p["stream"], p["partition"]) for p in group["positions"] if p["stream"] == "telemetry"
+    ) == [("telemetry", i) for i in range(4)]
 
     out = mqlog("offsets", "--broker", broker.http_url)
     assert out.returncode == 0, out.stderr

@@ -23,8 +23,14 @@ BANNED_5 = 0x8A
 
 
 def passwd(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "broker.cli", "passwd", *args], cwd=ROOT,
-                          input=stdin, capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", "passwd", *args],
+        cwd=ROOT,
+        input=stdin,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def make_password_file(path: Path, users: dict[str, str]) -> Path:
@@ -34,8 +40,13 @@ def make_password_file(path: Path, users: dict[str, str]) -> Path:
     return path
 
 
-def login(broker: BrokerProcess, user: str | None, password: str | None,
-          protocol: int = V311, client_id: str = "c") -> int:
+def login(
+    broker: BrokerProcess,
+    user: str | None,
+    password: str | None,
+    protocol: int = V311,
+    client_id: str = "c",
+) -> int:
     c = Client(broker.port, client_id, protocol)
     if user is not None:
         c.paho.username_pw_set(user, password)
@@ -47,8 +58,9 @@ def login(broker: BrokerProcess, user: str | None, password: str | None,
 
 def secured(broker_factory: BrokerFactory, tmp_path: Path, extra: str = "") -> BrokerProcess:
     pw = make_password_file(tmp_path / "passwd", {"alice": "wonderland", "bob": "builder"})
-    return broker_factory(config=f'[auth]\nallow_anonymous = false\npassword_file = "{pw}"\n'
-                          + extra)
+    return broker_factory(
+        config=f'[auth]\nallow_anonymous = false\npassword_file = "{pw}"\n' + extra
+    )
 
 
 def test_passwords_checked_311_and_5(broker_factory: BrokerFactory, tmp_path: Path) -> None:
@@ -79,8 +91,7 @@ def connect311_bytes(client_id: str, user: str | None, password: str | None) -> 
 
 def test_311_return_codes_on_the_wire(broker_factory: BrokerFactory, tmp_path: Path) -> None:
     broker = secured(broker_factory, tmp_path)
-    for user, password, code in (("alice", "wonderland", 0), ("alice", "x", 4),
-                                 (None, None, 5)):
+    for user, password, code in (("alice", "wonderland", 0), ("alice", "x", 4), (None, None, 5)):
         c = RawClient(broker.port)
         c.send(connect311_bytes("raw", user, password))
         assert c.expect(CONNACK).body == bytes([0, code]), (user, password)
@@ -119,8 +130,7 @@ def test_failed_logins_are_rate_limited(broker_factory: BrokerFactory, tmp_path:
     assert login(broker, "alice", "wonderland") == 0, "lockout expired"
 
 
-def test_passwd_file_round_trip_and_reload(broker_factory: BrokerFactory,
-                                           tmp_path: Path) -> None:
+def test_passwd_file_round_trip_and_reload(broker_factory: BrokerFactory, tmp_path: Path) -> None:
     path = tmp_path / "passwd"
     assert passwd(str(path), "alice", stdin="one\n").returncode == 0
     assert passwd(str(path), "bob", "--password", "two").returncode == 0
@@ -128,8 +138,7 @@ def test_passwd_file_round_trip_and_reload(broker_factory: BrokerFactory,
     assert text.startswith("alice:$scrypt$n=16384,r=8,p=1$")
     assert "one" not in text.split("\n")[0].split("$")[-3:] and "two" not in text
     assert path.stat().st_mode & 0o777 == 0o600
-    broker = broker_factory(
-        config=f'[auth]\nallow_anonymous = false\npassword_file = "{path}"\n')
+    broker = broker_factory(config=f'[auth]\nallow_anonymous = false\npassword_file = "{path}"\n')
     assert login(broker, "alice", "one") == 0
     assert login(broker, "bob", "two") == 0
     # Change and delete while the broker runs: the next CONNECT sees the new file.
@@ -149,12 +158,12 @@ def test_passwd_file_round_trip_and_reload(broker_factory: BrokerFactory,
     assert path.read_text().count("\n") == 1
 
 
-def test_plain_text_password_file_refused_at_start(broker_factory: BrokerFactory,
-                                                   tmp_path: Path) -> None:
+def test_plain_text_password_file_refused_at_start(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
     path = tmp_path / "passwd"
     path.write_text("alice:wonderland\n")
-    broker = broker_factory(
-        config=f'[auth]\npassword_file = "{path}"\n', start=False)
+    broker = broker_factory(config=f'[auth]\npassword_file = "{path}"\n', start=False)
     try:
         broker.start(timeout=10)
     except RuntimeError as e:
@@ -164,18 +173,25 @@ def test_plain_text_password_file_refused_at_start(broker_factory: BrokerFactory
 
 
 def test_packets_behind_connect_wait_for_the_password_check(
-        broker_factory: BrokerFactory, tmp_path: Path) -> None:
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
     """CONNECT, SUBSCRIBE and PUBLISH in one write: processed in order once scrypt is done."""
     broker = secured(broker_factory, tmp_path)
-    body = (utf8("MQTT") + bytes([4, 0x02 | 0x80 | 0x40]) + (30).to_bytes(2, "big")
-            + utf8("pipelined") + utf8("alice") + utf8("wonderland"))
+    body = (
+        utf8("MQTT")
+        + bytes([4, 0x02 | 0x80 | 0x40])
+        + (30).to_bytes(2, "big")
+        + utf8("pipelined")
+        + utf8("alice")
+        + utf8("wonderland")
+    )
     subscribe = packet(0x82, (1).to_bytes(2, "big") + utf8("pipe/#") + b"\x01")
     publish = packet(0x32, utf8("pipe/a") + (2).to_bytes(2, "big") + b"hello")
     c = RawClient(broker.port)
     c.send(packet(0x10, body) + subscribe + publish)
     assert c.expect(CONNACK).body == b"\x00\x00"
-    assert c.expect(0x9).body == b"\x00\x01\x01"   # SUBACK granted QoS 1
-    assert c.expect(0x4).packet_id == 2             # PUBACK
+    assert c.expect(0x9).body == b"\x00\x01\x01"  # SUBACK granted QoS 1
+    assert c.expect(0x4).packet_id == 2  # PUBACK
     d = c.deliveries(1)[0]
     assert (d.topic, d.payload) == ("pipe/a", b"hello")
     c.close()

@@ -51,8 +51,9 @@ class StalledSubscriber:
         self.sock.connect(("127.0.0.1", port))
         self.buf = b""
         # CONNECT: persistent session (clean session 0), keepalive 0 (never times out).
-        self.sock.sendall(_packet(0x10, _str("MQTT") + bytes([4, 0x00]) + b"\x00\x00"
-                                  + _str(client_id)))
+        self.sock.sendall(
+            _packet(0x10, _str("MQTT") + bytes([4, 0x00]) + b"\x00\x00" + _str(client_id))
+        )
         assert self._next(5.0) == (0x20, b"\x00\x00"), "CONNACK accepted"
         self.sock.sendall(_packet(0x82, b"\x00\x01" + _str(topic_filter) + bytes([qos])))
         assert self._next(5.0) == (0x90, b"\x00\x01" + bytes([qos])), "SUBACK"
@@ -92,8 +93,8 @@ class StalledSubscriber:
                 break
         if len(buf) < pos + n:
             return None
-        self.buf = buf[pos + n:]
-        return buf[0], buf[pos:pos + n]
+        self.buf = buf[pos + n :]
+        return buf[0], buf[pos : pos + n]
 
     def read_publishes(self, want: int, timeout: float) -> list[int]:
         """Read PUBLISH packets (acknowledging QoS 1) until ``want`` arrived or the time is
@@ -110,9 +111,9 @@ class StalledSubscriber:
             tlen = struct.unpack_from("!H", body)[0]
             pos = 2 + tlen
             if (first >> 1) & 3:
-                self.sock.sendall(b"\x40\x02" + body[pos:pos + 2])  # PUBACK
+                self.sock.sendall(b"\x40\x02" + body[pos : pos + 2])  # PUBACK
                 pos += 2
-            seqs.append(int(body[pos:pos + 8]))
+            seqs.append(int(body[pos : pos + 8]))
         return seqs
 
     def close(self) -> None:
@@ -163,7 +164,8 @@ def wait_until(predicate: Any, timeout: float, what: str) -> None:
 
 
 def test_stalled_subscriber_does_not_slow_publisher_or_healthy_subscriber(
-        broker_factory: BrokerFactory) -> None:
+    broker_factory: BrokerFactory,
+) -> None:
     # A quota of in-flight messages large enough that the stall is the TCP window's.
     broker = broker_factory(config="[router]\nmax_inflight = 65535\n")
     healthy = Client(broker.port, "healthy")
@@ -178,9 +180,11 @@ def test_stalled_subscriber_does_not_slow_publisher_or_healthy_subscriber(
     stalled = StalledSubscriber(broker.port, "stalled", "load/#", 1)
     try:
         stall_ack, stall_recv = publish_phase(pub, healthy, N, N)
-        print(f"\n{N} x {PAYLOAD} B QoS 1: alone acked {base_ack:.2f}s received "
-              f"{base_recv:.2f}s; with a stalled subscriber acked {stall_ack:.2f}s "
-              f"received {stall_recv:.2f}s")
+        print(
+            f"\n{N} x {PAYLOAD} B QoS 1: alone acked {base_ack:.2f}s received "
+            f"{base_recv:.2f}s; with a stalled subscriber acked {stall_ack:.2f}s "
+            f"received {stall_recv:.2f}s"
+        )
         # The stalled one really is stalled: the broker stopped feeding it (it is behind).
         lag = sessions(broker)["stalled"]["positions"][0]["lag"]
         assert lag > N // 10, f"stalled subscriber only {lag} behind: not stalled"
@@ -202,8 +206,11 @@ def test_stalled_subscriber_does_not_slow_publisher_or_healthy_subscriber(
         # the log loses nothing.
         seqs = stalled.read_publishes(N, timeout=30)
         assert seqs == list(range(N, 2 * N))
-        wait_until(lambda: sessions(broker)["stalled"]["positions"][0]["lag"] == 0, 5,
-                   "stalled subscriber caught up")
+        wait_until(
+            lambda: sessions(broker)["stalled"]["positions"][0]["lag"] == 0,
+            5,
+            "stalled subscriber caught up",
+        )
     finally:
         stalled.close()
     pub.disconnect()
@@ -223,8 +230,9 @@ def _qos0_setup(broker: BrokerProcess) -> tuple[StalledSubscriber, Client]:
 
 def test_slow_qos0_policy_drop(broker_factory: BrokerFactory) -> None:
     max_lag = 200
-    broker = broker_factory(config=f"[router]\nslow_qos0_policy = \"drop\"\n"
-                                   f"max_lag_records = {max_lag}\n")
+    broker = broker_factory(
+        config=f'[router]\nslow_qos0_policy = "drop"\nmax_lag_records = {max_lag}\n'
+    )
     stalled, pub = _qos0_setup(broker)
     try:
         assert sessions(broker)["slow0"]["connected"] is True  # kept connected
@@ -245,12 +253,16 @@ def test_slow_qos0_policy_drop(broker_factory: BrokerFactory) -> None:
 
 
 def test_slow_qos0_policy_disconnect(broker_factory: BrokerFactory) -> None:
-    broker = broker_factory(config="[router]\nslow_qos0_policy = \"disconnect\"\n"
-                                   "max_lag_records = 200\n")
+    broker = broker_factory(
+        config='[router]\nslow_qos0_policy = "disconnect"\nmax_lag_records = 200\n'
+    )
     stalled, pub = _qos0_setup(broker)
     try:
-        wait_until(lambda: sessions(broker)["slow0"]["connected"] is False, 5,
-                   "the broker disconnects a QoS 0 subscriber too far behind")
+        wait_until(
+            lambda: sessions(broker)["slow0"]["connected"] is False,
+            5,
+            "the broker disconnects a QoS 0 subscriber too far behind",
+        )
         assert "disconnecting (slow_qos0_policy)" in broker.log()
 
         # Reset, not a graceful close that would wait forever for a reader that is not
@@ -274,8 +286,7 @@ def test_slow_qos0_policy_disconnect(broker_factory: BrokerFactory) -> None:
 def test_qos0_replay_is_not_cut_by_the_slow_policy(broker_factory: BrokerFactory) -> None:
     # A $replay asks for the history: it is paced by its socket, the log is its buffer, so
     # the slow-subscriber policy (for live subscriptions) must not drop any of it.
-    broker = broker_factory(config="[router]\nslow_qos0_policy = \"drop\"\n"
-                                   "max_lag_records = 200\n")
+    broker = broker_factory(config='[router]\nslow_qos0_policy = "drop"\nmax_lag_records = 200\n')
     pub = Client(broker.port, "pub")
     pub.paho.max_inflight_messages_set(200)
     assert pub.connect() == 0

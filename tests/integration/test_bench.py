@@ -17,15 +17,33 @@ from tests.integration.conftest import ROOT
 
 def test_quick_bench_measures_mqlog_and_mosquitto(tmp_path: Path) -> None:
     out = subprocess.run(
-        [sys.executable, "-m", "bench.mqtt_bench", "--quick", "--runs", "1",
-         "--scenario", "fanin1,fanout0", "--brokers", "mqlog,mosquitto",
-         "--results", str(tmp_path)],
-        cwd=ROOT, capture_output=True, text=True, timeout=240)
+        [
+            sys.executable,
+            "-m",
+            "bench.mqtt_bench",
+            "--quick",
+            "--runs",
+            "1",
+            "--scenario",
+            "fanin1,fanout0",
+            "--brokers",
+            "mqlog,mosquitto",
+            "--results",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
     assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     for scenario in ("fanin1", "fanout0"):
         for broker in ("mqlog", "mosquitto"):
-            line = re.search(rf"run 0 {scenario}\s+{broker}\s+([\d,.]+) \S+\s+lost (\d+) "
-                             rf"dup/reorder (\d+)", out.stdout)
+            line = re.search(
+                rf"run 0 {scenario}\s+{broker}\s+([\d,.]+) \S+\s+lost (\d+) "
+                rf"dup/reorder (\d+)",
+                out.stdout,
+            )
             assert line is not None, (scenario, broker, out.stdout)
             assert float(line[1].replace(",", "")) > 0
             assert line[2] == line[3] == "0", line[0]  # every delivery arrived, once, in order

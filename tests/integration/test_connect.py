@@ -29,8 +29,7 @@ from tests.integration.handbuilt import (
 
 
 @pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory,
-       module_workers: int) -> Iterator[BrokerProcess]:
+def mb(tmp_path_factory: pytest.TempPathFactory, module_workers: int) -> Iterator[BrokerProcess]:
     """One broker for the tests of this module that need no special configuration."""
     b = BrokerProcess(Path(tmp_path_factory.mktemp("connect")), workers=module_workers)
     b.start()
@@ -49,6 +48,7 @@ def refused(port: int, data: bytes) -> bytes:
 
 # ------------------------------------------------------------------ protocol name and level
 
+
 def test_311_connect_accepted(mb: BrokerProcess) -> None:
     s, body = open_session(mb.port, connect311("c311"))
     assert body == bytes.fromhex("0000")  # no session present, return code 0
@@ -57,7 +57,7 @@ def test_311_connect_accepted(mb: BrokerProcess) -> None:
 
 def test_mqisdp_level_3_accepted(mb: BrokerProcess) -> None:
     # 10 len | 00 06 'MQIsdp' | 03 level 3.1 | 02 clean | 00 3c keepalive | 00 02 'c3'
-    body = bytes.fromhex("00064d514973647003" "02" "003c" "00026333")
+    body = bytes.fromhex("00064d51497364700302003c00026333")
     s, ack = open_session(mb.port, pkt(0x10, body))
     assert ack == bytes.fromhex("0000")
     s.sendall(bytes.fromhex("c000"))  # PINGREQ
@@ -65,30 +65,37 @@ def test_mqisdp_level_3_accepted(mb: BrokerProcess) -> None:
     s.close()
 
 
-@pytest.mark.parametrize(("body", "answer"), [
-    # 'MQTT' level 6 (a future version): 5.0-form CONNACK, reason 0x84 [MQTT-3.1.2-2]
-    pytest.param("00044d51545406" "02" "003c" "0000", "20030084" "00", id="mqtt-level-6"),
-    # 'MQTT' level 3 (3.1 uses 'MQIsdp'): 3.1.1 CONNACK return code 1
-    pytest.param("00044d51545403" "02" "003c" "0000", "20020001", id="mqtt-level-3"),
-    # 'MQIsdp' level 4
-    pytest.param("00064d514973647004" "02" "003c" "0000", "20020001", id="mqisdp-level-4"),
-    # protocol name 'MQTX'
-    pytest.param("00044d51545804" "02" "003c" "0000", "20020001", id="name-mqtx"),
-])
-def test_unsupported_protocol_refused_then_closed(mb: BrokerProcess, body: str,
-                                                  answer: str) -> None:
+@pytest.mark.parametrize(
+    ("body", "answer"),
+    [
+        # 'MQTT' level 6 (a future version): 5.0-form CONNACK, reason 0x84 [MQTT-3.1.2-2]
+        pytest.param("00044d5154540602003c0000", "2003008400", id="mqtt-level-6"),
+        # 'MQTT' level 3 (3.1 uses 'MQIsdp'): 3.1.1 CONNACK return code 1
+        pytest.param("00044d5154540302003c0000", "20020001", id="mqtt-level-3"),
+        # 'MQIsdp' level 4
+        pytest.param("00064d51497364700402003c0000", "20020001", id="mqisdp-level-4"),
+        # protocol name 'MQTX'
+        pytest.param("00044d5154580402003c0000", "20020001", id="name-mqtx"),
+    ],
+)
+def test_unsupported_protocol_refused_then_closed(
+    mb: BrokerProcess, body: str, answer: str
+) -> None:
     assert refused(mb.port, pkt(0x10, bytes.fromhex(body))).hex() == answer
 
 
-@pytest.mark.parametrize("flags", [
-    pytest.param(0x03, id="reserved-bit"),               # [MQTT-3.1.2-3]
-    pytest.param(0x0A, id="will-qos-without-will"),      # [MQTT-3.1.2-13]
-    pytest.param(0x22, id="will-retain-without-will"),   # [MQTT-3.1.2-15]
-    pytest.param(0x1E, id="will-qos-3"),                 # [MQTT-3.1.2-14]
-])
+@pytest.mark.parametrize(
+    "flags",
+    [
+        pytest.param(0x03, id="reserved-bit"),  # [MQTT-3.1.2-3]
+        pytest.param(0x0A, id="will-qos-without-will"),  # [MQTT-3.1.2-13]
+        pytest.param(0x22, id="will-retain-without-will"),  # [MQTT-3.1.2-15]
+        pytest.param(0x1E, id="will-qos-3"),  # [MQTT-3.1.2-14]
+    ],
+)
 def test_bad_connect_flags_close_311(mb: BrokerProcess, flags: int) -> None:
     # Will flags set need will topic/payload; give them so only the flag rule is broken.
-    extra = bytes.fromhex("0001" "77" "0000") if flags & 0x04 else b""
+    extra = bytes.fromhex("0001770000") if flags & 0x04 else b""
     data = connect311("flags", flags=flags)
     data = pkt(0x10, data[2:] + extra)
     assert refused(mb.port, data) == b""  # 3.1.1: no CONNACK code for it, just close
@@ -106,13 +113,16 @@ def test_password_without_username(mb: BrokerProcess) -> None:
 
 def test_reserved_flag_5_gets_connack_malformed(mb: BrokerProcess) -> None:
     out = refused(mb.port, connect5("flags5", flags=0x03))
-    assert out == bytes.fromhex("20030081" "00")  # CONNACK 0x81, then close
+    assert out == bytes.fromhex("2003008100")  # CONNACK 0x81, then close
 
 
-@pytest.mark.parametrize(("will", "answer5"), [
-    pytest.param("0003612f23" "0001" "78", "2003009000", id="will-topic-wildcard"),
-    pytest.param("0000" "0001" "78", "2003009000", id="will-topic-empty"),
-])
+@pytest.mark.parametrize(
+    ("will", "answer5"),
+    [
+        pytest.param("0003612f23000178", "2003009000", id="will-topic-wildcard"),
+        pytest.param("0000000178", "2003009000", id="will-topic-empty"),
+    ],
+)
 def test_invalid_will_topic_refused(mb: BrokerProcess, will: str, answer5: str) -> None:
     # flags 0x06: will flag, clean; a will published later must have a valid topic name
     w = bytes.fromhex(will)
@@ -123,20 +133,21 @@ def test_invalid_will_topic_refused(mb: BrokerProcess, will: str, answer5: str) 
 
 def test_will_response_topic_with_wildcard_refused(mb: BrokerProcess) -> None:
     # will properties: 08 0001 '#' (Response Topic); will topic 'a', payload 'x'
-    w = bytes.fromhex("04" "08000123" "000161" "000178")
+    w = bytes.fromhex("0408000123000161000178")
     out = refused(mb.port, pkt(0x10, connect5("badresp", flags=0x06)[2:] + w))
     assert out.hex() == "2003008200"
 
 
 def test_will_flag_consistency_accepted(mb: BrokerProcess) -> None:
     # flags 0x2e: will retain, will QoS 1, will flag, clean; will topic 'w', payload 'x'
-    body = connect311("willok", flags=0x2E)[2:] + bytes.fromhex("0001" "77" "0001" "78")
+    body = connect311("willok", flags=0x2E)[2:] + bytes.fromhex("000177000178")
     s, ack = open_session(mb.port, pkt(0x10, body))
     assert ack == bytes.fromhex("0000")
     s.close()
 
 
 # ------------------------------------------------------------------ client identifier
+
 
 def test_311_empty_id_needs_clean_session(mb: BrokerProcess) -> None:
     # [MQTT-3.1.3-8]: empty id with CleanSession = 0 -> return code 0x02, then close.
@@ -171,6 +182,7 @@ def test_5_given_id_gets_no_assigned_identifier(mb: BrokerProcess) -> None:
 
 
 # ------------------------------------------------------------------ sessions
+
 
 @pytest.mark.parametrize("protocol", [V311, V5])
 def test_session_present_flag(mb: BrokerProcess, protocol: int) -> None:
@@ -224,13 +236,19 @@ def test_takeover_5_sends_0x8e_to_old_connection(mb: BrokerProcess) -> None:
 
 # ------------------------------------------------------------------ DISCONNECT
 
+
 def test_disconnect_with_will_reason_publishes_will(mb: BrokerProcess) -> None:
     watcher = Client(mb.port, "will-watch", V5)
     watcher.connect()
     watcher.subscribe("lastwill/#", 1)
     # flags 0x0e: will QoS 1, will flag, clean start; will props empty; topic, payload
-    will = bytes.fromhex("00") + bytes.fromhex("000a") + b"lastwill/a" + bytes.fromhex(
-        "0004") + b"gone"
+    will = (
+        bytes.fromhex("00")
+        + bytes.fromhex("000a")
+        + b"lastwill/a"
+        + bytes.fromhex("0004")
+        + b"gone"
+    )
     normal = pkt(0x10, connect5("w-normal", flags=0x0E)[2:] + will)
     s, _ = open_session(mb.port, normal)
     s.sendall(bytes.fromhex("e00100"))  # DISCONNECT 0x00: will discarded [MQTT-3.1.2-10]
@@ -250,12 +268,12 @@ def test_disconnect_with_will_reason_publishes_will(mb: BrokerProcess) -> None:
 def test_disconnect_cannot_set_expiry_after_zero(mb: BrokerProcess) -> None:
     s, _ = open_session(mb.port, connect5("exp0"))  # Session Expiry 0 (absent)
     # DISCONNECT 0x00 with Session Expiry Interval 16 (11 00000010) [MQTT-3.14.2-2]
-    s.sendall(bytes.fromhex("e007" "00" "05" "1100000010"))
+    s.sendall(bytes.fromhex("e00700051100000010"))
     out, _ = wait_closed(s)
     assert disconnect5(out[0], out[2:])[0] == 0x82
     s.close()
     s, _ = open_session(mb.port, connect5("exp10", props=bytes.fromhex("110000000a")))
-    s.sendall(bytes.fromhex("e007" "00" "05" "1100000010"))  # 10 -> 16 is allowed
+    s.sendall(bytes.fromhex("e00700051100000010"))  # 10 -> 16 is allowed
     assert wait_closed(s)[0] == b""  # the server sends nothing back [MQTT-3.14.4-1]
     s.close()
 
@@ -287,13 +305,15 @@ def test_paho_disconnect_with_reason_code(mb: BrokerProcess) -> None:
     assert c.connect() == 0
     props = Properties(PacketTypes.DISCONNECT)
     props.UserProperty = ("why", "test")
-    c.paho.disconnect(reasoncode=PahoReason(PacketTypes.DISCONNECT, "Normal disconnection"),
-                      properties=props)
+    c.paho.disconnect(
+        reasoncode=PahoReason(PacketTypes.DISCONNECT, "Normal disconnection"), properties=props
+    )
     assert c.disconnects.get(timeout=5) == 0
     c.paho.loop_stop()
 
 
 # ------------------------------------------------------------------ keepalive
+
 
 def test_keepalive_closes_after_one_and_a_half_times(mb: BrokerProcess) -> None:
     s, _ = open_session(mb.port, connect311("ka1", keepalive=1))

@@ -31,8 +31,9 @@ def replay_all(port: int, topic: str, protocol: int = V5) -> list[bytes]:
 
 
 @pytest.mark.parametrize("protocol", [pytest.param(V311, id="v311"), pytest.param(V5, id="v5")])
-def test_retained_sessions_and_inflight_survive_restart(broker_factory: BrokerFactory,
-                                                        protocol: int) -> None:
+def test_retained_sessions_and_inflight_survive_restart(
+    broker_factory: BrokerFactory, protocol: int
+) -> None:
     broker = broker_factory(fsync="always")
     version = 5 if protocol == V5 else 4
     kw = {"session_expiry": 600} if version == 5 else {}
@@ -62,7 +63,8 @@ def test_retained_sessions_and_inflight_survive_restart(broker_factory: BrokerFa
     assert sub.expect(PUBREL).packet_id == d[0].packet_id
     again = sub.deliveries(3)
     assert [(x.payload, x.packet_id, x.dup) for x in again] == [
-        (x.payload, x.packet_id, True) for x in d[1:]]
+        (x.payload, x.packet_id, True) for x in d[1:]
+    ]
     sub.ack(PUBCOMP, d[0].packet_id)
     for x in again:
         sub.ack(PUBREC, x.packet_id)
@@ -120,7 +122,8 @@ def test_sigkill_keeps_every_acknowledged_qos1_publish(broker_factory: BrokerFac
 
 
 def test_sigkill_keeps_persistent_session_and_offline_messages(
-        broker_factory: BrokerFactory) -> None:
+    broker_factory: BrokerFactory,
+) -> None:
     broker = broker_factory(fsync="always")
     sub = Client(broker.port, "crash-sub", V5, clean=False, session_expiry=600)
     sub.connect()
@@ -141,7 +144,8 @@ def test_sigkill_keeps_persistent_session_and_offline_messages(
 
 
 def test_sigkill_qos2_publish_resent_after_crash_is_stored_once(
-        broker_factory: BrokerFactory) -> None:
+    broker_factory: BrokerFactory,
+) -> None:
     """The PUBREC is only sent once the packet id is durably known (s4.3.3)."""
     broker = broker_factory(fsync="always")
     pub = RawClient(broker.port, 5)

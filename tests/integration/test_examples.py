@@ -13,13 +13,23 @@ EXAMPLES = ROOT / "examples" / "iot"
 
 
 def run(script: str, *args: str, timeout: float = 30) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT,
-                          capture_output=True, text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, str(EXAMPLES / script), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 def start(script: str, *args: str) -> subprocess.Popen[str]:
-    return subprocess.Popen([sys.executable, str(EXAMPLES / script), *args], cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return subprocess.Popen(
+        [sys.executable, str(EXAMPLES / script), *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
 
 
 def wait_for_line(proc: subprocess.Popen[str], prefix: str) -> None:
@@ -33,11 +43,21 @@ def test_fleet_dashboard_replay(broker: BrokerProcess) -> None:
     dashboard = start("dashboard.py", "--port", port, "--interval", "1", "--duration", "3")
     wait_for_line(dashboard, "dashboard: subscribed to devices/+/telemetry")
 
-    fleet = run("fleet.py", "--port", port, "--devices", "3", "--rate", "10", "--qos", "1",
-                "--duration", "1.5")
+    fleet = run(
+        "fleet.py",
+        "--port",
+        port,
+        "--devices",
+        "3",
+        "--rate",
+        "10",
+        "--qos",
+        "1",
+        "--duration",
+        "1.5",
+    )
     assert fleet.returncode == 0, fleet.stderr
-    m = re.search(r"fleet: done: 3 devices sent (\d+) messages .* acknowledged (\d+)",
-                  fleet.stdout)
+    m = re.search(r"fleet: done: 3 devices sent (\d+) messages .* acknowledged (\d+)", fleet.stdout)
     assert m, fleet.stdout
     sent, acked = int(m.group(1)), int(m.group(2))
     assert sent >= 3 * 10 and acked == sent  # ~10 msg/s each for 1.5 s, all acknowledged
@@ -57,8 +77,10 @@ def test_fleet_dashboard_replay(broker: BrokerProcess) -> None:
     assert replay.returncode == 0, replay.stderr
     lines = [ln for ln in replay.stdout.splitlines() if ln.startswith("partition=")]
     assert len(lines) == sent
-    seen = {tuple(re.match(r"partition=(\d+) offset=(\d+)", ln).groups())  # type: ignore[union-attr]
-            for ln in lines}
+    seen = {
+        tuple(re.match(r"partition=(\d+) offset=(\d+)", ln).groups())  # type: ignore[union-attr]
+        for ln in lines
+    }
     assert len(seen) == sent  # a distinct (partition, offset) per message
     assert f"replay: {sent} messages" in replay.stdout
 
@@ -68,8 +90,17 @@ def test_fleet_dashboard_replay(broker: BrokerProcess) -> None:
     offsets = [int(x) for x in re.findall(r"offset=(\d+)", tail.stdout)]
     assert offsets == list(range(sent - 5, sent))
 
-    since = run("replay.py", "--port", port, "--since", "1h", "--idle", "1",
-                "--filter", "devices/dev-001/telemetry")
+    since = run(
+        "replay.py",
+        "--port",
+        port,
+        "--since",
+        "1h",
+        "--idle",
+        "1",
+        "--filter",
+        "devices/dev-001/telemetry",
+    )
     assert since.returncode == 0, since.stderr
     assert since.stdout.count("devices/dev-001/telemetry seq=") == int(rows["dev-001"][1])
 
@@ -78,8 +109,11 @@ def test_examples_report_unreachable_broker() -> None:
     from tests.integration.conftest import free_port
 
     port = str(free_port())
-    for script, extra in (("fleet.py", ["--duration", "1"]), ("dashboard.py", []),
-                          ("replay.py", [])):
+    for script, extra in (
+        ("fleet.py", ["--duration", "1"]),
+        ("dashboard.py", []),
+        ("replay.py", []),
+    ):
         out = run(script, "--port", port, *extra, timeout=20)
         assert out.returncode == 1
         assert "cannot connect to 127.0.0.1:" + port in out.stderr

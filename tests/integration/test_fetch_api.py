@@ -31,8 +31,9 @@ partitions = 2
 RECORDS = "/api/v1/streams/{}/partitions/{}/records"
 
 
-def fetch(broker: BrokerProcess, path: str, json: bool = False
-          ) -> tuple[int, dict[str, str], bytes]:
+def fetch(
+    broker: BrokerProcess, path: str, json: bool = False
+) -> tuple[int, dict[str, str], bytes]:
     req = urllib.request.Request(broker.http_url + path)
     if json:
         req.add_header("Accept", "application/json")
@@ -56,10 +57,8 @@ def published(broker_factory: BrokerFactory) -> tuple[BrokerProcess, list[tuple[
     """A broker with 30 QoS 1 publishes (acked, so committed) on one topic of partition 0
     (with MQTT 5 properties on every third) and one on the other partition."""
     broker = broker_factory(config=STREAMS)
-    topic = next(t for t in (f"devices/d{i}/telemetry" for i in range(50))
-                 if partition_of(t) == 0)
-    other = next(t for t in (f"devices/d{i}/telemetry" for i in range(50))
-                 if partition_of(t) == 1)
+    topic = next(t for t in (f"devices/d{i}/telemetry" for i in range(50)) if partition_of(t) == 0)
+    other = next(t for t in (f"devices/d{i}/telemetry" for i in range(50)) if partition_of(t) == 1)
     client = Client(broker.port, "sensor-1", V5)
     assert client.connect() == 0
     sent = []
@@ -95,22 +94,25 @@ def test_arrow_records_equal_what_was_published(published: Any) -> None:
     for i, r in enumerate(rows):
         props = dict(r["properties"])
         if i % 3 == 0:
-            assert props == {"unit": "celsius", "seq": str(i),
-                             "mqtt.content_type": "application/json"}
+            assert props == {
+                "unit": "celsius",
+                "seq": str(i),
+                "mqtt.content_type": "application/json",
+            }
         else:
             assert props == {}
     assert headers["X-Mqlog-Next-Offset"] == "30"
     assert headers["X-Mqlog-High-Water-Mark"] == "30"
     assert headers["X-Mqlog-Earliest-Offset"] == "0"
     _, _, other = fetch(broker, RECORDS.format("telemetry", 1) + "?offset=0")
-    assert [(r["partition"], r["payload"]) for r in arrow(other).to_pylist()] == \
-        [(1, b"elsewhere")]
+    assert [(r["partition"], r["payload"]) for r in arrow(other).to_pylist()] == [(1, b"elsewhere")]
 
 
 def test_json_records_carry_the_same_data(published: Any) -> None:
     broker, sent = published
-    status, headers, body = fetch(broker, RECORDS.format("telemetry", 0)
-                                  + "?offset=3&max_records=4", json=True)
+    status, headers, body = fetch(
+        broker, RECORDS.format("telemetry", 0) + "?offset=3&max_records=4", json=True
+    )
     assert status == 200 and headers["Content-Type"].startswith("application/json")
     data = orjson.loads(body)
     assert data["next_offset"] == 7 and data["high_water_mark"] == 30
@@ -125,8 +127,9 @@ def test_paging_by_next_offset_reads_every_record_once(published: Any) -> None:
     broker, _ = published
     offset, pages, seen = 5, 0, []
     while True:
-        status, headers, body = fetch(broker, RECORDS.format("telemetry", 0)
-                                      + f"?offset={offset}&max_records=7")
+        status, headers, body = fetch(
+            broker, RECORDS.format("telemetry", 0) + f"?offset={offset}&max_records=7"
+        )
         assert status == 200
         rows = arrow(body).to_pylist()
         assert len(rows) <= 7
@@ -154,8 +157,12 @@ def test_unknown_stream_partition_and_bad_parameters(published: Any) -> None:
     assert status == 404 and "nope" in orjson.loads(body)["error"]
     status, _, body = fetch(broker, RECORDS.format("telemetry", 2) + "?offset=0")
     assert status == 404 and "partitions 0..1" in orjson.loads(body)["error"]
-    for query, word in (("", "'offset' is required"), ("?offset=x", "integer"),
-                        ("?offset=-1", ">= 0"), ("?offset=0&max_records=0", "max_records")):
+    for query, word in (
+        ("", "'offset' is required"),
+        ("?offset=x", "integer"),
+        ("?offset=-1", ">= 0"),
+        ("?offset=0&max_records=0", "max_records"),
+    ):
         status, _, body = fetch(broker, RECORDS.format("telemetry", 0) + query)
         assert status == 400, query
         assert word in orjson.loads(body)["error"], query
@@ -181,12 +188,16 @@ def test_offset_for_timestamp(published: Any) -> None:
     assert status == 400 and "epoch milliseconds" in orjson.loads(body)["error"]
 
 
-def test_reading_below_the_earliest_retained_offset_is_416(broker_factory: BrokerFactory,
-                                                          tmp_path: Path) -> None:
+def test_reading_below_the_earliest_retained_offset_is_416(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
     """Retention dropped the oldest segments: a read below the log start offset names the
     valid range instead of returning other data."""
-    broker = broker_factory(config=STREAMS.replace("partitions = 2", "partitions = 1")
-                            + 'segment_bytes = "1KiB"\nretention = "forever"\n', start=False)
+    broker = broker_factory(
+        config=STREAMS.replace("partitions = 2", "partitions = 1")
+        + 'segment_bytes = "1KiB"\nretention = "forever"\n',
+        start=False,
+    )
     small = LogConfig(segment_bytes=1024, retention_bytes=4096)
     with Streams(broker.data_dir, [StreamSpec("telemetry", ("devices/#",), 1, small)]) as s:
         plog = s.log("telemetry", 0)
@@ -209,16 +220,28 @@ def test_reading_below_the_earliest_retained_offset_is_416(broker_factory: Broke
 def test_columns_that_vary_per_record(broker_factory: BrokerFactory) -> None:
     """QoS and retain are encoded per record when they vary (constant columns take a
     shortcut), and every column keeps the record's own value."""
-    broker = broker_factory(config=STREAMS.replace("partitions = 2", "partitions = 1"),
-                            start=False)
-    written = [Record(0, 1_700_000_000_000 + i, f"devices/d{i % 3}", b"%d" % i, i % 3,
-                      i % 4 == 0, f"c{i % 2}") for i in range(12)]
+    broker = broker_factory(config=STREAMS.replace("partitions = 2", "partitions = 1"), start=False)
+    written = [
+        Record(
+            0, 1_700_000_000_000 + i, f"devices/d{i % 3}", b"%d" % i, i % 3, i % 4 == 0, f"c{i % 2}"
+        )
+        for i in range(12)
+    ]
     with Streams(broker.data_dir, [StreamSpec("telemetry", ("devices/#",), 1)]) as s:
         s.log("telemetry", 0).append(written)
     broker.start()
     status, _, body = fetch(broker, RECORDS.format("telemetry", 0) + "?offset=0")
     assert status == 200
     rows = arrow(body).to_pylist()
-    assert [(r["offset"], int(r["timestamp"].timestamp() * 1000), r["topic"], r["payload"],
-             r["qos"], r["retain"], r["client_id"]) for r in rows] == \
-        [(i, *r[1:7]) for i, r in enumerate(written)]
+    assert [
+        (
+            r["offset"],
+            int(r["timestamp"].timestamp() * 1000),
+            r["topic"],
+            r["payload"],
+            r["qos"],
+            r["retain"],
+            r["client_id"],
+        )
+        for r in rows
+    ] == [(i, *r[1:7]) for i, r in enumerate(written)]

@@ -32,18 +32,23 @@ MAX_INFLIGHT = 2
 
 
 @pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory,
-       module_workers: int) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(Path(tmp_path_factory.mktemp("limits")), (
-        f"[router]\nmax_topic_length = {MAX_TOPIC_LENGTH}\n"
-        f"max_topic_levels = {MAX_TOPIC_LEVELS}\nmax_inflight = {MAX_INFLIGHT}\n"
-        "session_expiry_max = 60\n"), workers=module_workers)
+def mb(tmp_path_factory: pytest.TempPathFactory, module_workers: int) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(
+        Path(tmp_path_factory.mktemp("limits")),
+        (
+            f"[router]\nmax_topic_length = {MAX_TOPIC_LENGTH}\n"
+            f"max_topic_levels = {MAX_TOPIC_LEVELS}\nmax_inflight = {MAX_INFLIGHT}\n"
+            "session_expiry_max = 60\n"
+        ),
+        workers=module_workers,
+    )
     b.start()
     yield b
     b.stop()
 
 
 # ------------------------------------------------------------------ max_connections
+
 
 def test_max_connections(broker_factory: BrokerFactory) -> None:
     b = broker_factory(config="[router]\nmax_connections = 3\n")
@@ -64,9 +69,24 @@ def test_max_connections(broker_factory: BrokerFactory) -> None:
     s.close()
     # Real clients see the refusal too.
     for version, words in [("mqttv311", "unavailable"), ("mqttv5", "busy")]:
-        proc = subprocess.run(["mosquitto_pub", "-h", "127.0.0.1", "-p", str(b.port), "-t",
-                               "mc/y", "-m", "no", "-V", version], capture_output=True,
-                              text=True, timeout=15)
+        proc = subprocess.run(
+            [
+                "mosquitto_pub",
+                "-h",
+                "127.0.0.1",
+                "-p",
+                str(b.port),
+                "-t",
+                "mc/y",
+                "-m",
+                "no",
+                "-V",
+                version,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=15,
+        )
         assert proc.returncode != 0 and words in proc.stderr.lower(), proc.stderr
     # A takeover replaces a connection: allowed at the limit [MQTT-3.1.4-3].
     again = Client(b.port, "c2", V311)
@@ -92,16 +112,20 @@ def test_max_connections(broker_factory: BrokerFactory) -> None:
 
 # ------------------------------------------------------------------ topic length and levels
 
+
 @pytest.mark.parametrize("version", [4, 5])
-@pytest.mark.parametrize(("topic", "ok"), [
-    pytest.param("t" * MAX_TOPIC_LENGTH, True, id="at-length"),
-    pytest.param("t" * (MAX_TOPIC_LENGTH + 1), False, id="over-length"),
-    # 16 x U+00E9 is 16 characters but 32 bytes; 17 of them are 34 bytes: the limit is bytes
-    pytest.param("\u00e9" * 16, True, id="multibyte-at-length"),
-    pytest.param("\u00e9" * 17, False, id="multibyte-over-length"),
-    pytest.param("a/b/c/d", True, id="at-levels"),
-    pytest.param("a/b/c/d/e", False, id="over-levels"),
-])
+@pytest.mark.parametrize(
+    ("topic", "ok"),
+    [
+        pytest.param("t" * MAX_TOPIC_LENGTH, True, id="at-length"),
+        pytest.param("t" * (MAX_TOPIC_LENGTH + 1), False, id="over-length"),
+        # 16 x U+00E9 is 16 characters but 32 bytes; 17 of them are 34 bytes: the limit is bytes
+        pytest.param("\u00e9" * 16, True, id="multibyte-at-length"),
+        pytest.param("\u00e9" * 17, False, id="multibyte-over-length"),
+        pytest.param("a/b/c/d", True, id="at-levels"),
+        pytest.param("a/b/c/d/e", False, id="over-levels"),
+    ],
+)
 def test_publish_topic_limits(mb: BrokerProcess, version: int, topic: str, ok: bool) -> None:
     s, _ = open_session(mb.port, connect5("tl") if version == 5 else connect311("tl"))
     props = b"\x00" if version == 5 else b""
@@ -120,22 +144,35 @@ def test_publish_topic_limits(mb: BrokerProcess, version: int, topic: str, ok: b
 
 
 @pytest.mark.parametrize("version", [4, 5])
-@pytest.mark.parametrize(("topic_filter", "ok"), [
-    pytest.param("f" * MAX_TOPIC_LENGTH, True, id="at-length"),
-    pytest.param("f" * (MAX_TOPIC_LENGTH + 1), False, id="over-length"),
-    pytest.param("a/+/c/#", True, id="at-levels"),
-    pytest.param("a/+/c/d/#", False, id="over-levels"),
-    # the $share/<group>/ prefix is not a level of the filter
-    pytest.param("$share/g/a/b/c/d", True, id="shared-at-levels"),
-    pytest.param("$share/g/a/b/c/d/e", False, id="shared-over-levels"),
-])
-def test_subscribe_filter_limits(mb: BrokerProcess, version: int, topic_filter: str,
-                                 ok: bool) -> None:
+@pytest.mark.parametrize(
+    ("topic_filter", "ok"),
+    [
+        pytest.param("f" * MAX_TOPIC_LENGTH, True, id="at-length"),
+        pytest.param("f" * (MAX_TOPIC_LENGTH + 1), False, id="over-length"),
+        pytest.param("a/+/c/#", True, id="at-levels"),
+        pytest.param("a/+/c/d/#", False, id="over-levels"),
+        # the $share/<group>/ prefix is not a level of the filter
+        pytest.param("$share/g/a/b/c/d", True, id="shared-at-levels"),
+        pytest.param("$share/g/a/b/c/d/e", False, id="shared-over-levels"),
+    ],
+)
+def test_subscribe_filter_limits(
+    mb: BrokerProcess, version: int, topic_filter: str, ok: bool
+) -> None:
     s, _ = open_session(mb.port, connect5("fl") if version == 5 else connect311("fl"))
     props = b"\x00" if version == 5 else b""
     # SUBSCRIBE id 5, a valid filter 'ok' then the one under test, both QoS 1
-    s.sendall(pkt(0x82, bytes.fromhex("0005") + props + mqtt_str("ok") + b"\x01"
-                  + mqtt_str(topic_filter) + b"\x01"))
+    s.sendall(
+        pkt(
+            0x82,
+            bytes.fromhex("0005")
+            + props
+            + mqtt_str("ok")
+            + b"\x01"
+            + mqtt_str(topic_filter)
+            + b"\x01",
+        )
+    )
     first, body = read_packet(s)
     assert first == 0x90 and body[:2] == b"\x00\x05"
     codes = body[-2:]
@@ -147,6 +184,7 @@ def test_subscribe_filter_limits(mb: BrokerProcess, version: int, topic_filter: 
 
 
 # ------------------------------------------------------------------ max_inflight, 3.1.1
+
 
 def test_max_inflight_bounds_311_deliveries(mb: BrokerProcess) -> None:
     s, _ = open_session(mb.port, connect311("inflight311"))
@@ -169,6 +207,7 @@ def test_max_inflight_bounds_311_deliveries(mb: BrokerProcess) -> None:
 
 
 # ------------------------------------------------------------------ session_expiry_max
+
 
 def test_session_expiry_clamped_and_announced(mb: BrokerProcess) -> None:
     # CONNECT with Session Expiry Interval 100000 (11 000186a0)

@@ -30,8 +30,9 @@ def scrape(broker: BrokerProcess) -> dict[tuple[str, tuple[tuple[str, str], ...]
     return out
 
 
-def value(m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str,
-          **labels: str) -> float:
+def value(
+    m: dict[tuple[str, tuple[tuple[str, str], ...]], float], name: str, **labels: str
+) -> float:
     return m[(name, tuple(sorted(labels.items())))]
 
 
@@ -61,13 +62,19 @@ def test_metrics_move_when_messages_flow(broker_factory: BrokerFactory) -> None:
     assert value(after, "mqlog_bytes_received_total") > n * 100
     assert value(after, "mqlog_bytes_sent_total") > n * 100
     assert value(after, "mqlog_log_records_appended_total") >= n + 1
-    assert 0 < value(after, "mqlog_log_appends_total") <= value(
-        after, "mqlog_log_records_appended_total")
+    assert (
+        0
+        < value(after, "mqlog_log_appends_total")
+        <= value(after, "mqlog_log_records_appended_total")
+    )
     # fsync = "always": every append was timed.
     assert value(after, "mqlog_fsync_seconds_count") >= 1
     assert value(after, "mqlog_fsync_seconds_sum") > 0
-    hwm = sum(v for (name, labels), v in after.items()
-              if name == "mqlog_partition_high_water_mark" and ("stream", "default") in labels)
+    hwm = sum(
+        v
+        for (name, labels), v in after.items()
+        if name == "mqlog_partition_high_water_mark" and ("stream", "default") in labels
+    )
     assert hwm == n + 1
     assert value(after, "mqlog_messages_dropped_total", reason="slow_qos0") == 0
     for c in (sub, pub):
@@ -113,10 +120,12 @@ def test_sys_topics(broker_factory: BrokerFactory) -> None:
     for i in range(3):
         pub.publish("plain/topic", str(i), qos=1)
     deadline = time.monotonic() + 10
-    while seen.get("$SYS/broker/messages/received") != "3" or \
-            seen.get("$SYS/broker/clients/connected") != "2" or \
-            seen.get("$SYS/broker/subscriptions/count") != "2" or \
-            int(seen.get("$SYS/broker/bytes/received", "0")) == 0:
+    while (
+        seen.get("$SYS/broker/messages/received") != "3"
+        or seen.get("$SYS/broker/clients/connected") != "2"
+        or seen.get("$SYS/broker/subscriptions/count") != "2"
+        or int(seen.get("$SYS/broker/bytes/received", "0")) == 0
+    ):
         assert time.monotonic() < deadline, seen
         msg = sub.expect(1)[0]
         if msg.topic.startswith("$SYS/"):
@@ -158,10 +167,23 @@ def test_healthz_reports_readiness(broker: BrokerProcess) -> None:
 def test_json_log_format(broker_factory: BrokerFactory) -> None:
     broker = broker_factory(start=False)
     proc = subprocess.Popen(
-        [sys.executable, "-m", "broker.cli", "serve", "-c", str(broker.config_path),
-         "--workers", str(broker.workers), "--log-format", "json"], cwd=ROOT,
-        stderr=subprocess.PIPE, text=True,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            "-c",
+            str(broker.config_path),
+            "--workers",
+            str(broker.workers),
+            "--log-format",
+            "json",
+        ],
+        cwd=ROOT,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
     try:
         assert proc.stderr is not None
         events = []

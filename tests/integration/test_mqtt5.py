@@ -32,10 +32,12 @@ MAX_INFLIGHT = 3
 
 
 @pytest.fixture(scope="module")
-def mb(tmp_path_factory: pytest.TempPathFactory,
-       module_workers: int) -> Iterator[BrokerProcess]:
-    b = BrokerProcess(Path(tmp_path_factory.mktemp("mqtt5")),
-                      f"[router]\nmax_inflight = {MAX_INFLIGHT}\n", workers=module_workers)
+def mb(tmp_path_factory: pytest.TempPathFactory, module_workers: int) -> Iterator[BrokerProcess]:
+    b = BrokerProcess(
+        Path(tmp_path_factory.mktemp("mqtt5")),
+        f"[router]\nmax_inflight = {MAX_INFLIGHT}\n",
+        workers=module_workers,
+    )
     b.start()
     yield b
     b.stop()
@@ -50,14 +52,26 @@ def sub_client(mb: BrokerProcess, cid: str, topic: str, qos: int = 1, **kw: obje
 
 def raw_subscribe(s: socket.socket, topic: str, qos: int = 1, props: bytes = b"") -> None:
     # SUBSCRIBE (82) | packet id 00 01 | properties | filter | options (QoS)
-    s.sendall(pkt(0x82, bytes.fromhex("0001") + bytes([len(props)]) + props
-                  + mqtt_str(topic) + bytes([qos])))
+    s.sendall(
+        pkt(
+            0x82,
+            bytes.fromhex("0001") + bytes([len(props)]) + props + mqtt_str(topic) + bytes([qos]),
+        )
+    )
     first, body = read_packet(s)
     assert first == 0x90 and body[-1] == qos, body.hex()  # SUBACK granted
 
 
-def raw_publish(s: socket.socket, topic: str, payload: bytes, *, qos: int = 0, pid: int = 0,
-                props: bytes = b"", dup: bool = False) -> None:
+def raw_publish(
+    s: socket.socket,
+    topic: str,
+    payload: bytes,
+    *,
+    qos: int = 0,
+    pid: int = 0,
+    props: bytes = b"",
+    dup: bool = False,
+) -> None:
     body = mqtt_str(topic) + (pid.to_bytes(2, "big") if qos else b"")
     first = 0x30 | (qos << 1) | (0x08 if dup else 0)
     s.sendall(pkt(first, body + bytes([len(props)]) + props + payload))
@@ -65,31 +79,38 @@ def raw_publish(s: socket.socket, topic: str, payload: bytes, *, qos: int = 0, p
 
 # ------------------------------------------------------------------ topic aliases, inbound
 
+
 def test_inbound_topic_alias_resolved(mb: BrokerProcess) -> None:
     sub = sub_client(mb, "alias-in-sub", "alias/#")
     s, body = open_session(mb.port, connect5("alias-in"))
     assert connack5(body)[2][0x22] >= 1  # Topic Alias Maximum announced (s3.2.2.3.8)
     raw_publish(s, "alias/one", b"first", props=bytes.fromhex("230001"))  # set alias 1
-    raw_publish(s, "", b"second", props=bytes.fromhex("230001"))          # use alias 1
+    raw_publish(s, "", b"second", props=bytes.fromhex("230001"))  # use alias 1
     raw_publish(s, "alias/two", b"third", props=bytes.fromhex("230001"))  # remap alias 1
     raw_publish(s, "", b"fourth", props=bytes.fromhex("230001"))
     msgs = sub.expect(4)
     assert [(m.topic, m.payload) for m in msgs] == [
-        ("alias/one", b"first"), ("alias/one", b"second"),
-        ("alias/two", b"third"), ("alias/two", b"fourth")]
+        ("alias/one", b"first"),
+        ("alias/one", b"second"),
+        ("alias/two", b"third"),
+        ("alias/two", b"fourth"),
+    ]
     assert all("TopicAlias" not in m.properties for m in msgs)  # not forwarded
     s.close()
     sub.disconnect()
 
 
-@pytest.mark.parametrize(("publish", "code"), [
-    # PUBLISH 'a' with Topic Alias 0 [MQTT-3.3.2-8] -> 0x94
-    pytest.param("3008000161032300 0078", 0x94, id="alias-0"),
-    # Topic Alias 65535, above the maximum we announced [MQTT-3.3.2-9] -> 0x94
-    pytest.param("300800016103 23ffff 78", 0x94, id="alias-above-maximum"),
-    # empty topic with alias 5 never set (s3.3.2.3.4) -> Protocol Error 0x82
-    pytest.param("3007 0000 03 230005 78", 0x82, id="alias-unknown"),
-])
+@pytest.mark.parametrize(
+    ("publish", "code"),
+    [
+        # PUBLISH 'a' with Topic Alias 0 [MQTT-3.3.2-8] -> 0x94
+        pytest.param("3008000161032300 0078", 0x94, id="alias-0"),
+        # Topic Alias 65535, above the maximum we announced [MQTT-3.3.2-9] -> 0x94
+        pytest.param("300800016103 23ffff 78", 0x94, id="alias-above-maximum"),
+        # empty topic with alias 5 never set (s3.3.2.3.4) -> Protocol Error 0x82
+        pytest.param("3007 0000 03 230005 78", 0x82, id="alias-unknown"),
+    ],
+)
 def test_inbound_topic_alias_errors(mb: BrokerProcess, publish: str, code: int) -> None:
     bystander = sub_client(mb, "alias-err-by", "alias-err/#")
     s, _ = open_session(mb.port, connect5("alias-err"))
@@ -107,21 +128,31 @@ def test_inbound_topic_alias_errors(mb: BrokerProcess, publish: str, code: int) 
 
 # ------------------------------------------------------------------ topic aliases, outbound
 
+
 def test_outbound_topic_alias_on_raw_socket(mb: BrokerProcess) -> None:
     # CONNECT with Topic Alias Maximum 2 (22 00 02)
     s, _ = open_session(mb.port, connect5("alias-out", props=bytes.fromhex("220002")))
     raw_subscribe(s, "ao/#", qos=0)
     pub = Client(mb.port, "alias-out-pub", V5)
     assert pub.connect() == 0
-    for topic, payload in [("ao/a", "1"), ("ao/a", "2"), ("ao/b", "3"), ("ao/c", "4"),
-                           ("ao/b", "5")]:
+    for topic, payload in [
+        ("ao/a", "1"),
+        ("ao/a", "2"),
+        ("ao/b", "3"),
+        ("ao/c", "4"),
+        ("ao/b", "5"),
+    ]:
         pub.publish(topic, payload, qos=1)
     got = [publish5(*read_packet(s)) for _ in range(5)]
     # (topic as sent, alias, payload): the second PUBLISH to a topic carries an empty topic
     # and the alias [MQTT-3.3.2-12]; only 2 aliases exist, so ao/c goes out in full.
     assert [(t, p.get(0x23), pl) for t, _, p, pl in got] == [
-        ("ao/a", 1, b"1"), ("", 1, b"2"), ("ao/b", 2, b"3"), ("ao/c", None, b"4"),
-        ("", 2, b"5")]
+        ("ao/a", 1, b"1"),
+        ("", 1, b"2"),
+        ("ao/b", 2, b"3"),
+        ("ao/c", None, b"4"),
+        ("", 2, b"5"),
+    ]
     s.close()
     pub.disconnect()
 
@@ -131,7 +162,7 @@ def test_outbound_aliases_are_per_connection(mb: BrokerProcess) -> None:
     # (both refuse a zero-length topic), so this is checked on raw sockets [MQTT-3.3.2-7]:
     # a new connection of the same session starts with no aliases.
     cid = "alias-reconnect"
-    tam = bytes.fromhex("220004" "1100000078")  # Topic Alias Maximum 4, Session Expiry 120
+    tam = bytes.fromhex("2200041100000078")  # Topic Alias Maximum 4, Session Expiry 120
     pub = Client(mb.port, "alias-reconnect-pub", V5)
     assert pub.connect() == 0
     for round_ in range(2):
@@ -142,8 +173,7 @@ def test_outbound_aliases_are_per_connection(mb: BrokerProcess) -> None:
         pub.publish("ar/x", "a", qos=1)
         pub.publish("ar/x", "b", qos=1)
         got = [publish5(*read_packet(s)) for _ in range(2)]
-        assert [(t, p[0x23], pl) for t, _, p, pl in got] == [("ar/x", 1, b"a"),
-                                                             ("", 1, b"b")]
+        assert [(t, p[0x23], pl) for t, _, p, pl in got] == [("ar/x", 1, b"a"), ("", 1, b"b")]
         s.sendall(bytes.fromhex("e000"))  # DISCONNECT
         wait_closed(s)
         s.close()
@@ -164,6 +194,7 @@ def test_no_outbound_alias_without_client_maximum(mb: BrokerProcess) -> None:
 
 
 # ------------------------------------------------------------------ maximum packet size
+
 
 def test_client_maximum_packet_size_skips_larger_deliveries(mb: BrokerProcess) -> None:
     # CONNECT with Maximum Packet Size 64 (27 00000040) and Topic Alias Maximum 4 (22 0004)
@@ -190,6 +221,7 @@ def test_client_maximum_packet_size_skips_larger_deliveries(mb: BrokerProcess) -
 
 
 # ------------------------------------------------------------------ receive maximum
+
 
 def test_receive_maximum_announced_and_enforced_inbound(mb: BrokerProcess) -> None:
     s, body = open_session(mb.port, connect5("rm-in"))
@@ -251,6 +283,7 @@ def test_receive_maximum_outbound(mb: BrokerProcess) -> None:
 
 # ------------------------------------------------------------------ properties passed through
 
+
 def test_publish_properties_pass_through_unchanged(mb: BrokerProcess) -> None:
     sub = sub_client(mb, "props-sub", "props/#")
     pub = Client(mb.port, "props-pub", V5)
@@ -281,8 +314,14 @@ def test_properties_on_raw_socket(mb: BrokerProcess) -> None:
     s, _ = open_session(mb.port, connect5("props-raw"))
     raw_subscribe(s, "pr/#", qos=0)
     # 01 01 payload format UTF-8 | 03 'text/plain' content type | 26 'a' 'b' user property
-    props = (bytes.fromhex("0101") + b"\x03" + mqtt_str("text/plain")
-             + b"\x26" + mqtt_str("a") + mqtt_str("b"))
+    props = (
+        bytes.fromhex("0101")
+        + b"\x03"
+        + mqtt_str("text/plain")
+        + b"\x26"
+        + mqtt_str("a")
+        + mqtt_str("b")
+    )
     raw_publish(s, "pr/x", b"hello", props=props)
     topic, _, got, payload = publish5(*read_packet(s))
     assert (topic, payload) == ("pr/x", b"hello")
@@ -292,16 +331,46 @@ def test_properties_on_raw_socket(mb: BrokerProcess) -> None:
 
 def test_properties_with_mosquitto_clients(mb: BrokerProcess) -> None:
     # A retained message is delivered on SUBSCRIBE, so mosquitto_sub needs no start-up wait.
-    props = ["-D", "publish", "user-property", "k", "v",
-             "-D", "publish", "content-type", "text/plain",
-             "-D", "publish", "response-topic", "mq/reply",
-             "-D", "publish", "correlation-data", "abc",
-             "-D", "publish", "payload-format-indicator", "1",
-             "-D", "publish", "message-expiry-interval", "100"]
+    props = [
+        "-D",
+        "publish",
+        "user-property",
+        "k",
+        "v",
+        "-D",
+        "publish",
+        "content-type",
+        "text/plain",
+        "-D",
+        "publish",
+        "response-topic",
+        "mq/reply",
+        "-D",
+        "publish",
+        "correlation-data",
+        "abc",
+        "-D",
+        "publish",
+        "payload-format-indicator",
+        "1",
+        "-D",
+        "publish",
+        "message-expiry-interval",
+        "100",
+    ]
     mosquitto_pub(mb.port, "mq/a", "hi", 1, "-r", *props, version="mqttv5")
-    (line,) = mosquitto_sub(mb.port, "mq/#", 1, "-F", "%t|%C|%R|%D|%F|%P|%S|%E|%p",
-                            "-D", "subscribe", "subscription-identifier", "42",
-                            version="mqttv5")
+    (line,) = mosquitto_sub(
+        mb.port,
+        "mq/#",
+        1,
+        "-F",
+        "%t|%C|%R|%D|%F|%P|%S|%E|%p",
+        "-D",
+        "subscribe",
+        "subscription-identifier",
+        "42",
+        version="mqttv5",
+    )
     fields = line.split("|")
     assert fields[:7] == ["mq/a", "text/plain", "mq/reply", "abc", "1", "k:v", "42"]
     assert 98 <= int(fields[7]) <= 100 and fields[8] == "hi"
@@ -310,10 +379,11 @@ def test_properties_with_mosquitto_clients(mb: BrokerProcess) -> None:
 
 # ------------------------------------------------------------------ problem / response info
 
+
 @pytest.mark.parametrize(("rpi", "has_reason"), [(None, True), (1, True), (0, False)])
-def test_reason_string_only_when_problem_information_allowed(mb: BrokerProcess,
-                                                             rpi: int | None,
-                                                             has_reason: bool) -> None:
+def test_reason_string_only_when_problem_information_allowed(
+    mb: BrokerProcess, rpi: int | None, has_reason: bool
+) -> None:
     props = b"" if rpi is None else bytes([0x17, rpi])  # Request Problem Information
     s, _ = open_session(mb.port, connect5(f"rpi-{rpi}", props=props))
     s.sendall(bytes.fromhex("3005000123007a"))  # PUBLISH to '#': Topic Name invalid
@@ -341,6 +411,7 @@ def test_request_response_information(mb: BrokerProcess) -> None:
 
 
 # ------------------------------------------------------------------ subscription identifiers
+
 
 def test_subscription_identifiers_delivered(mb: BrokerProcess) -> None:
     c = Client(mb.port, "subid", V5)
@@ -372,6 +443,7 @@ def test_subscription_identifier_on_raw_socket(mb: BrokerProcess) -> None:
 
 
 # ------------------------------------------------------------------ message expiry
+
 
 def test_expired_message_not_delivered_to_late_session(mb: BrokerProcess) -> None:
     sub = Client(mb.port, "expiry-sub", V5, clean=False, session_expiry=300)

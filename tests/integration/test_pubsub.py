@@ -14,8 +14,9 @@ PROTOCOLS = [pytest.param(V311, id="v311"), pytest.param(V5, id="v5")]
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
 @pytest.mark.parametrize("qos", [0, 1, 2])
-def test_publish_reaches_subscriber_at_min_qos(broker: BrokerProcess, protocol: int,
-                                               qos: int) -> None:
+def test_publish_reaches_subscriber_at_min_qos(
+    broker: BrokerProcess, protocol: int, qos: int
+) -> None:
     sub = Client(broker.port, "sub", protocol)
     assert sub.connect() == 0
     assert sub.subscribe("devices/+/telemetry", qos=1) == [1]
@@ -25,7 +26,8 @@ def test_publish_reaches_subscriber_at_min_qos(broker: BrokerProcess, protocol: 
         pub.publish(f"devices/{i}/telemetry", f"m{i}", qos=qos)
     msgs = sub.expect(20)
     assert [m.payload for m in sorted(msgs, key=lambda m: int(m.payload[1:]))] == [
-        f"m{i}".encode() for i in range(20)]
+        f"m{i}".encode() for i in range(20)
+    ]
     assert {m.qos for m in msgs} == {min(qos, 1)}  # [MQTT-3.8.4-8]
     sub.expect_none(0.3)
     pub.disconnect()

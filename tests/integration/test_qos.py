@@ -137,8 +137,9 @@ def test_qos2_dedup_survives_broker_restart(broker: BrokerProcess) -> None:
 
 @pytest.mark.parametrize("version", VERSIONS)
 @pytest.mark.parametrize("restart", [False, True], ids=["reconnect", "restart"])
-def test_unacknowledged_qos1_redelivered_with_dup(broker: BrokerProcess, version: int,
-                                                  restart: bool) -> None:
+def test_unacknowledged_qos1_redelivered_with_dup(
+    broker: BrokerProcess, version: int, restart: bool
+) -> None:
     kw = {"session_expiry": 300} if version == 5 else {}
     sub = RawClient(broker.port, version)
     sub.connect("redeliver", clean=False, **kw)
@@ -160,7 +161,8 @@ def test_unacknowledged_qos1_redelivered_with_dup(broker: BrokerProcess, version
     again = sub.deliveries(2)
     # [MQTT-4.4.0-1]: same packet ids, DUP = 1, in the original order [MQTT-4.6.0-1].
     assert [(d.payload, d.packet_id, d.dup, d.qos) for d in again] == [
-        (d.payload, d.packet_id, True, 1) for d in first[1:]]
+        (d.payload, d.packet_id, True, 1) for d in first[1:]
+    ]
     for d in again:
         sub.ack(PUBACK, d.packet_id)
     sub.expect_nothing(3, 0.3)

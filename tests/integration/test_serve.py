@@ -12,14 +12,26 @@ from tests.integration.conftest import ROOT, BrokerFactory, free_port
 
 
 def _serve(config: Path, *args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "broker.cli", "serve", "-c", str(config), *args],
-                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", "serve", "-c", str(config), *args],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
 
 
 def test_second_broker_on_the_same_data_dir_is_refused(broker_factory: BrokerFactory) -> None:
     first = broker_factory()
-    out = _serve(first.config_path, "--port", str(free_port()), "--http-port", str(free_port()),
-                 "--workers", str(first.workers))
+    out = _serve(
+        first.config_path,
+        "--port",
+        str(free_port()),
+        "--http-port",
+        str(free_port()),
+        "--workers",
+        str(first.workers),
+    )
     assert out.returncode == 2
     assert "data directory is in use by another mqlog process" in out.stderr
     assert str(first.data_dir) in out.stderr

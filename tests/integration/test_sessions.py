@@ -21,8 +21,9 @@ PROTOCOLS = [pytest.param(V311, id="v311"), pytest.param(V5, id="v5")]
 
 def persistent(port: int, client_id: str, protocol: int, expiry: int = 300) -> Client:
     """A client whose session outlives its connection (clean = False)."""
-    return Client(port, client_id, protocol, clean=False,
-                  session_expiry=expiry if protocol == V5 else None)
+    return Client(
+        port, client_id, protocol, clean=False, session_expiry=expiry if protocol == V5 else None
+    )
 
 
 def payloads(msgs: list) -> list[bytes]:  # type: ignore[type-arg]
@@ -30,8 +31,9 @@ def payloads(msgs: list) -> list[bytes]:  # type: ignore[type-arg]
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_offline_messages_delivered_in_order_on_resume(broker: BrokerProcess,
-                                                       protocol: int) -> None:
+def test_offline_messages_delivered_in_order_on_resume(
+    broker: BrokerProcess, protocol: int
+) -> None:
     sub = persistent(broker.port, "s1", protocol)
     assert sub.connect() == 0
     assert sub.session_present is False  # no session existed [MQTT-3.2.2-3]
@@ -59,8 +61,7 @@ def test_offline_messages_delivered_in_order_on_resume(broker: BrokerProcess,
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_persistent_session_survives_broker_restart(broker: BrokerProcess,
-                                                    protocol: int) -> None:
+def test_persistent_session_survives_broker_restart(broker: BrokerProcess, protocol: int) -> None:
     sub = persistent(broker.port, "s-restart", protocol)
     sub.connect()
     sub.subscribe("fleet/#", qos=2)
@@ -83,7 +84,8 @@ def test_persistent_session_survives_broker_restart(broker: BrokerProcess,
     assert sub.session_present is True
     msgs = sub.expect(15)  # (all QoS 2: paho hands QoS 2 messages over at PUBREL time)
     assert payloads(msgs) == [f"before-{i}".encode() for i in range(10)] + [
-        f"after-{i}".encode() for i in range(5)]
+        f"after-{i}".encode() for i in range(5)
+    ]
     assert {m.qos for m in msgs} == {2}
     sub.expect_none(0.3)
     sub.disconnect()
@@ -115,8 +117,7 @@ def test_clean_start_discards_the_session(broker: BrokerProcess, protocol: int) 
     pub.disconnect()
 
 
-def test_session_present_false_for_unknown_client_with_clean_false(
-        broker: BrokerProcess) -> None:
+def test_session_present_false_for_unknown_client_with_clean_false(broker: BrokerProcess) -> None:
     raw = RawClient(broker.port, 4)
     assert raw.connect("never-seen", clean=False) == (False, 0)
     raw.disconnect()
@@ -132,8 +133,13 @@ def test_session_expiry_ends_the_session(broker: BrokerProcess) -> None:
     watcher.connect()
     watcher.subscribe("wills/#", qos=1)
     raw = RawClient(broker.port, 5)
-    assert raw.connect("short", clean=False, session_expiry=1,
-                       will=("wills/short", b"ended", 1, False), will_delay=3600) == (False, 0)
+    assert raw.connect(
+        "short",
+        clean=False,
+        session_expiry=1,
+        will=("wills/short", b"ended", 1, False),
+        will_delay=3600,
+    ) == (False, 0)
     raw.subscribe("e/#", 1)
     raw.close()  # abnormal: the will waits for its delay or the end of the session
     (will,) = watcher.expect(1, timeout=5)
@@ -236,8 +242,23 @@ def test_mosquitto_sub_persistent_session(broker: BrokerProcess, version: str) -
     ident = ["-c", "-i", "mosq-persist", "-q", "1"]
     if version == "mqttv5":
         ident += ["-x", "600"]
-    subprocess.run(["mosquitto_sub", "-h", "127.0.0.1", "-p", str(broker.port), "-t", "mosq/#",
-                    "-E", "-V", version, *ident], check=True, timeout=15)  # -E: exit on SUBACK
+    subprocess.run(
+        [
+            "mosquitto_sub",
+            "-h",
+            "127.0.0.1",
+            "-p",
+            str(broker.port),
+            "-t",
+            "mosq/#",
+            "-E",
+            "-V",
+            version,
+            *ident,
+        ],
+        check=True,
+        timeout=15,
+    )  # -E: exit on SUBACK
     for i in range(3):
         mosquitto_pub(broker.port, "mosq/a", f"v{i}", 1, version=version)
     broker.restart()

@@ -75,8 +75,11 @@ def sessions(broker: BrokerProcess) -> dict[str, Any]:
 
 
 def test_each_message_to_exactly_one_member_of_each_group(broker: BrokerProcess) -> None:
-    members = [Client(broker.port, "a", V311), Client(broker.port, "b", V5),
-               Client(broker.port, "c", V311)]
+    members = [
+        Client(broker.port, "a", V311),
+        Client(broker.port, "b", V5),
+        Client(broker.port, "c", V311),
+    ]
     for m in members:
         assert m.connect() == 0
         assert m.subscribe(GROUP, qos=1) == [1]
@@ -147,12 +150,19 @@ def test_no_retained_messages_for_shared_subscriptions(broker: BrokerProcess) ->
 @pytest.mark.parametrize("protocol", [pytest.param(V311, id="v311"), pytest.param(V5, id="v5")])
 @pytest.mark.parametrize("leave", ["dropped", "disconnected", "unsubscribed"])
 def test_unacked_deliveries_of_a_leaving_member_go_to_another(
-        broker: BrokerProcess, protocol: int, leave: str) -> None:
+    broker: BrokerProcess, protocol: int, leave: str
+) -> None:
     # "slow" never acknowledges; when its clean session ends, or it unsubscribes (even with a
     # persistent session that stays), what it held goes to "fast".
     persistent = leave == "unsubscribed"
-    slow = Client(broker.port, "slow", protocol, manual_ack=True, clean=not persistent,
-                  session_expiry=300 if persistent and protocol == V5 else None)
+    slow = Client(
+        broker.port,
+        "slow",
+        protocol,
+        manual_ack=True,
+        clean=not persistent,
+        session_expiry=300 if persistent and protocol == V5 else None,
+    )
     fast = Client(broker.port, "fast", protocol)
     for c in (slow, fast):
         assert c.connect() == 0
@@ -232,8 +242,12 @@ def test_mosquitto_sub_members(broker: BrokerProcess) -> None:
             time.sleep(0.02)
         lines = [s.wait_for(0, 0) for s in subs]
         assert all(lines), "both mosquitto_sub members get a share"
-        payloads = [ln.split(" ", 1)[1].encode() for out in lines for ln in out
-                    if not ln.startswith("devices/sync")]
+        payloads = [
+            ln.split(" ", 1)[1].encode()
+            for out in lines
+            for ln in out
+            if not ln.startswith("devices/sync")
+        ]
         assert Counter(payloads) == Counter(sent)
         assert all(ln.startswith("devices/") for out in lines for ln in out)
     finally:
@@ -241,8 +255,7 @@ def test_mosquitto_sub_members(broker: BrokerProcess) -> None:
             s.stop()
 
 
-def test_persistent_member_keeps_unacked_until_its_session_expires(
-        broker: BrokerProcess) -> None:
+def test_persistent_member_keeps_unacked_until_its_session_expires(broker: BrokerProcess) -> None:
     # A persistent member that drops keeps what it held (it may come back for it, s4.8.2);
     # once its session expires, those messages go to another member.
     p = Client(broker.port, "p", V5, clean=False, session_expiry=300, manual_ack=True)

@@ -31,20 +31,28 @@ from tests.integration.conftest import ROOT, BrokerProcess, free_port
 
 pytestmark = pytest.mark.spark
 
-STREAMS = "".join(
-    f'[[streams]]\nname = "{name}"\ntopic_filter = ["{name}/#"]\npartitions = {parts}\n{extra}'
-    for name, parts, extra in (
-        ("batch", 2, ""), ("flow", 2, ""), ("crash", 2, ""), ("limit", 2, ""),
-        ("old", 1, 'segment_bytes = "1KiB"\nretention = "forever"\n'),
-    )) + '[[streams]]\nname = "telemetry"\ntopic_filter = ["devices/#"]\npartitions = 2\n'
+STREAMS = (
+    "".join(
+        f'[[streams]]\nname = "{name}"\ntopic_filter = ["{name}/#"]\npartitions = {parts}\n{extra}'
+        for name, parts, extra in (
+            ("batch", 2, ""),
+            ("flow", 2, ""),
+            ("crash", 2, ""),
+            ("limit", 2, ""),
+            ("old", 1, 'segment_bytes = "1KiB"\nretention = "forever"\n'),
+        )
+    )
+    + '[[streams]]\nname = "telemetry"\ntopic_filter = ["devices/#"]\npartitions = 2\n'
+)
 OLD_RECORDS = 200
 
 Published = dict[str, list[tuple[bytes, dict[str, str]]]]  # topic -> [(payload, properties)]
 
 
 @pytest.fixture(scope="module")
-def broker(tmp_path_factory: pytest.TempPathFactory,
-           module_workers: int) -> Iterator[BrokerProcess]:
+def broker(
+    tmp_path_factory: pytest.TempPathFactory, module_workers: int
+) -> Iterator[BrokerProcess]:
     b = BrokerProcess(tmp_path_factory.mktemp("broker"), STREAMS, workers=module_workers)
     # Stream "old" lost its first segments to retention before the broker started.
     small = LogConfig(segment_bytes=1024, retention_bytes=4096)
@@ -60,16 +68,19 @@ def broker(tmp_path_factory: pytest.TempPathFactory,
 
 #: Short-lived test JVMs (this one and the drain subprocesses) start and warm up about twice
 #: as fast with the C1 compiler only and the serial collector.
-FAST_JVM = {"SPARK_LOCAL_IP": "127.0.0.1",
-            "JDK_JAVA_OPTIONS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC"}
+FAST_JVM = {
+    "SPARK_LOCAL_IP": "127.0.0.1",
+    "JDK_JAVA_OPTIONS": "-XX:TieredStopAtLevel=1 -XX:+UseSerialGC",
+}
 
 
 @pytest.fixture(scope="module")
 def spark() -> Iterator[Any]:
     saved = {k: os.environ.get(k) for k in FAST_JVM}
     os.environ.update(FAST_JVM)
-    session = spark_session(extra={"spark.driver.memory": "768m",
-                                   "spark.sql.streaming.minBatchesToRetain": "5"})
+    session = spark_session(
+        extra={"spark.driver.memory": "768m", "spark.sql.streaming.minBatchesToRetain": "5"}
+    )
     yield session
     session.stop()
     for key, value in saved.items():
@@ -79,8 +90,14 @@ def spark() -> Iterator[Any]:
             os.environ[key] = value
 
 
-def publish(broker: BrokerProcess, stream: str, n: int, start: int = 0,
-            topics: int = 4, with_properties: bool = False) -> Published:
+def publish(
+    broker: BrokerProcess,
+    stream: str,
+    n: int,
+    start: int = 0,
+    topics: int = 4,
+    with_properties: bool = False,
+) -> Published:
     """``n`` QoS 1 publishes over ``topics`` topics of ``stream``, all acknowledged
     (committed) on return; returns what was sent per topic, in order."""
     client = Client(broker.port, f"pub-{stream}", V5)
@@ -107,8 +124,7 @@ def publish(broker: BrokerProcess, stream: str, n: int, start: int = 0,
 
 
 def read(spark: Any, broker: BrokerProcess, stream: str, **options: str) -> list[Any]:
-    reader = spark.read.format("mqlog").option("broker", broker.http_url) \
-        .option("stream", stream)
+    reader = spark.read.format("mqlog").option("broker", broker.http_url).option("stream", stream)
     for key, value in options.items():
         reader = reader.option(key, value)
     return sorted(reader.load().collect(), key=lambda r: (r["partition"], r["offset"]))
@@ -144,11 +160,14 @@ def test_worker_launcher_drops_only_sparks_zips(tmp_path: Path) -> None:
     assert worker_python("/usr/bin/env", "local[2]") is None
     home = tmp_path / "spark home"
     kept = [str(tmp_path / "a b"), "/x/*/python/lib", "", "/y/pyspark.zip.d"]
-    path = [f"{home}/python/lib/pyspark.zip", f"{home}/python/lib/py4j-0.10.9.9-src.zip",
-            *kept]
-    out = subprocess.run([launcher, "-c", "import os; print(os.environ['PYTHONPATH'])"],
-                         env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
-                         capture_output=True, text=True, check=True).stdout
+    path = [f"{home}/python/lib/pyspark.zip", f"{home}/python/lib/py4j-0.10.9.9-src.zip", *kept]
+    out = subprocess.run(
+        [launcher, "-c", "import os; print(os.environ['PYTHONPATH'])"],
+        env={**os.environ, "PYTHONPATH": os.pathsep.join(path)},
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
     assert out.rstrip("\n").split(os.pathsep) == kept
 
 
@@ -158,8 +177,11 @@ def test_spark_workers_import_the_installed_pyspark(spark: Any) -> None:
     Spark prepends to their PYTHONPATH."""
     import pyspark
 
-    where = spark.sparkContext.parallelize([0], 1) \
-        .map(lambda _: __import__("pyspark").__file__).collect()
+    where = (
+        spark.sparkContext.parallelize([0], 1)
+        .map(lambda _: __import__("pyspark").__file__)
+        .collect()
+    )
     assert where == [pyspark.__file__]
 
 
@@ -174,33 +196,48 @@ def test_batch_read_equals_what_was_published(spark: Any, broker: BrokerProcess)
         assert r["client_id"] == "pub-batch"
         index = [p for p, _ in sent[r["topic"]]].index(bytes(r["payload"]))
         assert dict(r["properties"]) == sent[r["topic"]][index][1]
-    schema = spark.read.format("mqlog").option("broker", broker.http_url) \
-        .option("stream", "batch").load().schema.simpleString()
-    assert schema == ("struct<stream:string,partition:int,offset:bigint,timestamp:timestamp,"
-                      "topic:string,payload:binary,qos:int,retain:boolean,client_id:string,"
-                      "properties:map<string,string>>")
+    schema = (
+        spark.read.format("mqlog")
+        .option("broker", broker.http_url)
+        .option("stream", "batch")
+        .load()
+        .schema.simpleString()
+    )
+    assert schema == (
+        "struct<stream:string,partition:int,offset:bigint,timestamp:timestamp,"
+        "topic:string,payload:binary,qos:int,retain:boolean,client_id:string,"
+        "properties:map<string,string>>"
+    )
 
     # An offset range: [5, 20) of partition 0, [3, high-water mark) of partition 1.
     hwm = {p: len(o) for p, o in offsets_by_partition(rows).items()}
-    ranged = read(spark, broker, "batch", startingOffsets='{"0": 5, "1": 3}',
-                  endingOffsets='{"batch": {"0": 20, "1": -1}}')
+    ranged = read(
+        spark,
+        broker,
+        "batch",
+        startingOffsets='{"0": 5, "1": 3}',
+        endingOffsets='{"batch": {"0": 20, "1": -1}}',
+    )
     assert offsets_by_partition(ranged) == {0: list(range(5, 20)), 1: list(range(3, hwm[1]))}
     expected = {(r["partition"], r["offset"]): bytes(r["payload"]) for r in rows}
     assert all(expected[(r["partition"], r["offset"])] == bytes(r["payload"]) for r in ranged)
 
-    filtered = read(spark, broker, "batch", topicFilter="batch/+/telemetry",
-                    startingOffsets="latest")
+    filtered = read(
+        spark, broker, "batch", topicFilter="batch/+/telemetry", startingOffsets="latest"
+    )
     assert filtered == []
     one = read(spark, broker, "batch", topicFilter="batch/dev1/#")
-    assert [bytes(r["payload"]) for r in sorted(one, key=lambda r: r["offset"])] == \
-        [p for p, _ in sent["batch/dev1/telemetry"]]
+    assert [bytes(r["payload"]) for r in sorted(one, key=lambda r: r["offset"])] == [
+        p for p, _ in sent["batch/dev1/telemetry"]
+    ]
 
     # startingTimestamp: each partition from its first record at or after the time.
     cut = sorted(rows, key=lambda r: r["timestamp"])[60]["timestamp"]
     ms = round(cut.timestamp() * 1000)  # naive local time, as PySpark returns timestamps
     later = read(spark, broker, "batch", startingTimestamp=str(ms))
-    assert {(r["partition"], r["offset"]) for r in later} == \
-        {(r["partition"], r["offset"]) for r in rows if r["timestamp"] >= cut}
+    assert {(r["partition"], r["offset"]) for r in later} == {
+        (r["partition"], r["offset"]) for r in rows if r["timestamp"] >= cut
+    }
 
 
 def test_bad_input_gives_clear_errors(spark: Any, broker: BrokerProcess) -> None:
@@ -241,27 +278,38 @@ def test_data_deleted_by_retention(spark: Any, broker: BrokerProcess) -> None:
     assert "failOnDataLoss=false" in message
     rows = read(spark, broker, "old", startingOffsets='{"0": 0}', failOnDataLoss="false")
     assert [r["offset"] for r in rows] == list(range(earliest, OLD_RECORDS))
-    assert [bytes(r["payload"]) for r in rows] == [b"%d" % i for i in range(earliest,
-                                                                           OLD_RECORDS)]
+    assert [bytes(r["payload"]) for r in rows] == [b"%d" % i for i in range(earliest, OLD_RECORDS)]
 
 
 # ------------------------------------------------------------------------------ streaming
-def drain_in_process(spark: Any, broker: BrokerProcess, stream: str, out: Path,
-                     checkpoint: Path, **options: str) -> Any:
+def drain_in_process(
+    spark: Any, broker: BrokerProcess, stream: str, out: Path, checkpoint: Path, **options: str
+) -> Any:
     """One Trigger.AvailableNow run of the stream into Parquet; returns the finished query."""
-    reader = spark.readStream.format("mqlog").option("broker", broker.http_url) \
-        .option("stream", stream).option("startingOffsets", "earliest")
+    reader = (
+        spark.readStream.format("mqlog")
+        .option("broker", broker.http_url)
+        .option("stream", stream)
+        .option("startingOffsets", "earliest")
+    )
     for key, value in options.items():
         reader = reader.option(key, value)
-    query = (reader.load().writeStream.format("parquet").option("path", str(out))
-             .option("checkpointLocation", str(checkpoint)).trigger(availableNow=True).start())
+    query = (
+        reader.load()
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(availableNow=True)
+        .start()
+    )
     assert query.awaitTermination(120), "AvailableNow query did not finish"
     assert query.exception() is None
     return query
 
 
 def test_streaming_restarts_append_without_duplicates_or_gaps(
-        spark: Any, broker: BrokerProcess, tmp_path: Path) -> None:
+    spark: Any, broker: BrokerProcess, tmp_path: Path
+) -> None:
     out, checkpoint = tmp_path / "out", tmp_path / "checkpoint"
     sent: Published = defaultdict(list)
     total = 0
@@ -277,11 +325,17 @@ def test_streaming_restarts_append_without_duplicates_or_gaps(
         assert_exactly_once(rows, sent)
 
     # A continuous query (processing-time trigger) picks up records published while it runs.
-    reader = spark.readStream.format("mqlog").option("broker", broker.http_url) \
-        .option("stream", "flow")
-    query = (reader.load().writeStream.format("parquet").option("path", str(out))
-             .option("checkpointLocation", str(checkpoint))
-             .trigger(processingTime="200 milliseconds").start())
+    reader = (
+        spark.readStream.format("mqlog").option("broker", broker.http_url).option("stream", "flow")
+    )
+    query = (
+        reader.load()
+        .writeStream.format("parquet")
+        .option("path", str(out))
+        .option("checkpointLocation", str(checkpoint))
+        .trigger(processingTime="200 milliseconds")
+        .start()
+    )
     try:
         for topic, items in publish(broker, "flow", 30, start=total).items():
             sent[topic] += items
@@ -296,37 +350,53 @@ def test_streaming_restarts_append_without_duplicates_or_gaps(
 
 
 def test_max_records_per_trigger_bounds_each_micro_batch(
-        spark: Any, broker: BrokerProcess, tmp_path: Path) -> None:
+    spark: Any, broker: BrokerProcess, tmp_path: Path
+) -> None:
     sent = publish(broker, "limit", 250)
-    query = drain_in_process(spark, broker, "limit", tmp_path / "out", tmp_path / "cp",
-                             maxRecordsPerTrigger="60")
+    query = drain_in_process(
+        spark, broker, "limit", tmp_path / "out", tmp_path / "cp", maxRecordsPerTrigger="60"
+    )
     sizes = [p["numInputRows"] for p in query.recentProgress]
     assert sizes == [60, 60, 60, 60, 10]
     assert_exactly_once(spark.read.parquet(str(tmp_path / "out")).collect(), sent)
 
 
 # ------------------------------------------------------------------------------ drain job
-def drain_command(broker: BrokerProcess, out: Path, checkpoint: Path, *extra: str
-                  ) -> list[str]:
-    return [sys.executable, "-m", "broker.cli", "spark-drain", "--broker", broker.http_url,
-            "--output", str(out), "--checkpoint", str(checkpoint), *extra]
+def drain_command(broker: BrokerProcess, out: Path, checkpoint: Path, *extra: str) -> list[str]:
+    return [
+        sys.executable,
+        "-m",
+        "broker.cli",
+        "spark-drain",
+        "--broker",
+        broker.http_url,
+        "--output",
+        str(out),
+        "--checkpoint",
+        str(checkpoint),
+        *extra,
+    ]
 
 
 def test_drain_survives_sigkill_mid_batch_exactly_once(
-        spark: Any, broker: BrokerProcess, tmp_path: Path) -> None:
+    spark: Any, broker: BrokerProcess, tmp_path: Path
+) -> None:
     """SIGKILL the drain's driver (Python and its JVM) while a micro-batch is in flight
     (its offsets logged, its commit not), restart it: every record exactly once."""
     sent = publish(broker, "crash", 4000)
     out, checkpoint = tmp_path / "out", tmp_path / "cp"
-    cmd = drain_command(broker, out, checkpoint, "--stream", "crash", "--once",
-                        "--max-records-per-trigger", "1000")
-    proc = subprocess.Popen(cmd, cwd=ROOT, start_new_session=True,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    cmd = drain_command(
+        broker, out, checkpoint, "--stream", "crash", "--once", "--max-records-per-trigger", "1000"
+    )
+    proc = subprocess.Popen(
+        cmd, cwd=ROOT, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+    )
     try:
         # Batch 1 in flight: offsets/1 written, commits/1 not yet.
         deadline = time.monotonic() + 120
-        while not ((checkpoint / "offsets" / "1").exists()
-                   and not (checkpoint / "commits" / "1").exists()):
+        while not (
+            (checkpoint / "offsets" / "1").exists() and not (checkpoint / "commits" / "1").exists()
+        ):
             assert proc.poll() is None, proc.stdout.read().decode() if proc.stdout else ""
             assert time.monotonic() < deadline, "the drain never started batch 1"
             time.sleep(0.01)
@@ -340,8 +410,15 @@ def test_drain_survives_sigkill_mid_batch_exactly_once(
 
     # The restart: the same drain query (start_drain, as the CLI runs it) on the same
     # checkpoint, in this process to spare a second JVM start.
-    query = start_drain(spark, broker.http_url, str(out), str(checkpoint), streams=["crash"],
-                        once=True, max_records_per_trigger=1000)
+    query = start_drain(
+        spark,
+        broker.http_url,
+        str(out),
+        str(checkpoint),
+        streams=["crash"],
+        once=True,
+        max_records_per_trigger=1000,
+    )
     assert query.awaitTermination(120) and query.exception() is None
     assert sum(p["numInputRows"] for p in query.recentProgress) >= 1000  # batch 1 re-ran
     rows = spark.read.parquet(str(out)).collect()
@@ -353,31 +430,54 @@ def test_drain_survives_sigkill_mid_batch_exactly_once(
 
 
 def test_drain_unknown_stream_is_a_clear_error(broker: BrokerProcess, tmp_path: Path) -> None:
-    done = subprocess.run(drain_command(broker, tmp_path / "o", tmp_path / "c", "--stream",
-                                        "nope", "--once"),
-                          cwd=ROOT, capture_output=True, text=True, timeout=60)
+    done = subprocess.run(
+        drain_command(broker, tmp_path / "o", tmp_path / "c", "--stream", "nope", "--once"),
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert done.returncode == 1
     assert "unknown stream(s) 'nope'" in done.stderr and "batch" in done.stderr
 
 
-def test_example_fleet_drain_and_per_device_aggregates(broker: BrokerProcess,
-                                                        tmp_path: Path) -> None:
+def test_example_fleet_drain_and_per_device_aggregates(
+    broker: BrokerProcess, tmp_path: Path
+) -> None:
     """examples/iot/spark_aggregates.py: the fleet publishes, the drain writes Parquet, Spark
     SQL reports each device's readings (all of them: none missing)."""
     done = subprocess.run(
-        [sys.executable, str(ROOT / "examples" / "iot" / "spark_aggregates.py"),
-         "--broker", broker.http_url, "--port", str(broker.port), "--devices", "3",
-         "--rate", "20", "--fleet-duration", "1.5", "--output", str(tmp_path / "telemetry")],
-        cwd=ROOT, env={**os.environ, **FAST_JVM}, capture_output=True, text=True,
-        timeout=180)
+        [
+            sys.executable,
+            str(ROOT / "examples" / "iot" / "spark_aggregates.py"),
+            "--broker",
+            broker.http_url,
+            "--port",
+            str(broker.port),
+            "--devices",
+            "3",
+            "--rate",
+            "20",
+            "--fleet-duration",
+            "1.5",
+            "--output",
+            str(tmp_path / "telemetry"),
+        ],
+        cwd=ROOT,
+        env={**os.environ, **FAST_JVM},
+        capture_output=True,
+        text=True,
+        timeout=180,
+    )
     assert done.returncode == 0, done.stdout + done.stderr
-    sent = re.search(r"fleet: done: 3 devices sent (\d+) messages .* acknowledged (\d+)",
-                     done.stdout)
+    sent = re.search(
+        r"fleet: done: 3 devices sent (\d+) messages .* acknowledged (\d+)", done.stdout
+    )
     assert sent and sent.group(1) == sent.group(2), done.stdout
     assert f"drained {sent.group(1)} new record(s)" in done.stdout
     lines = done.stdout.splitlines()
     header = next(i for i, line in enumerate(lines) if line.startswith("device "))
-    devices = [line.split() for line in lines[header + 1:header + 4]]
+    devices = [line.split() for line in lines[header + 1 : header + 4]]
     assert [d[0] for d in devices] == ["dev-000", "dev-001", "dev-002"]
     assert sum(int(d[1]) for d in devices) == int(sent.group(1))
     assert all(d[7] == "0" for d in devices)  # no reading missing from any device's seq

@@ -39,36 +39,62 @@ def _name(cn: str) -> x509.Name:
     return x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, cn)])
 
 
-def _issue(subject: str, key: ec.EllipticCurvePrivateKey, issuer: str,
-           issuer_key: ec.EllipticCurvePrivateKey, *, ca: bool = False,
-           san: list[x509.GeneralName] | None = None) -> x509.Certificate:
+def _issue(
+    subject: str,
+    key: ec.EllipticCurvePrivateKey,
+    issuer: str,
+    issuer_key: ec.EllipticCurvePrivateKey,
+    *,
+    ca: bool = False,
+    san: list[x509.GeneralName] | None = None,
+) -> x509.Certificate:
     now = datetime.datetime.now(datetime.UTC)
-    builder = (x509.CertificateBuilder()
-               .subject_name(_name(subject)).issuer_name(_name(issuer))
-               .public_key(key.public_key()).serial_number(x509.random_serial_number())
-               .not_valid_before(now - datetime.timedelta(minutes=5))
-               .not_valid_after(now + datetime.timedelta(days=1))
-               .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True))
+    builder = (
+        x509.CertificateBuilder()
+        .subject_name(_name(subject))
+        .issuer_name(_name(issuer))
+        .public_key(key.public_key())
+        .serial_number(x509.random_serial_number())
+        .not_valid_before(now - datetime.timedelta(minutes=5))
+        .not_valid_after(now + datetime.timedelta(days=1))
+        .add_extension(x509.BasicConstraints(ca=ca, path_length=None), critical=True)
+    )
     if ca:
-        builder = builder.add_extension(x509.KeyUsage(
-            digital_signature=True, key_cert_sign=True, crl_sign=True, content_commitment=False,
-            key_encipherment=False, data_encipherment=False, key_agreement=False,
-            encipher_only=False, decipher_only=False), critical=True)
         builder = builder.add_extension(
-            x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False)
+            x509.KeyUsage(
+                digital_signature=True,
+                key_cert_sign=True,
+                crl_sign=True,
+                content_commitment=False,
+                key_encipherment=False,
+                data_encipherment=False,
+                key_agreement=False,
+                encipher_only=False,
+                decipher_only=False,
+            ),
+            critical=True,
+        )
+        builder = builder.add_extension(
+            x509.SubjectKeyIdentifier.from_public_key(key.public_key()), critical=False
+        )
     else:
         builder = builder.add_extension(
             x509.AuthorityKeyIdentifier.from_issuer_public_key(issuer_key.public_key()),
-            critical=False)
+            critical=False,
+        )
     if san:
         builder = builder.add_extension(x509.SubjectAlternativeName(san), critical=False)
     return builder.sign(issuer_key, hashes.SHA256())
 
 
 def _write(path: Path, cert: x509.Certificate, key: ec.EllipticCurvePrivateKey) -> Path:
-    path.with_suffix(".key").write_bytes(key.private_bytes(
-        serialization.Encoding.PEM, serialization.PrivateFormat.PKCS8,
-        serialization.NoEncryption()))
+    path.with_suffix(".key").write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
     path.write_bytes(cert.public_bytes(serialization.Encoding.PEM))
     return path
 
@@ -80,39 +106,62 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     ca = _issue("mqlog test CA", ca_key, "mqlog test CA", ca_key, ca=True)
     _write(d / "ca.pem", ca, ca_key)
     server_key = ec.generate_private_key(ec.SECP256R1())
-    server = _issue("localhost", server_key, "mqlog test CA", ca_key, san=[
-        x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))])
+    server = _issue(
+        "localhost",
+        server_key,
+        "mqlog test CA",
+        ca_key,
+        san=[x509.DNSName("localhost"), x509.IPAddress(ipaddress.ip_address("127.0.0.1"))],
+    )
     _write(d / "server.pem", server, server_key)
     client_key = ec.generate_private_key(ec.SECP256R1())
-    _write(d / "client.pem", _issue("device-1", client_key, "mqlog test CA", ca_key),
-           client_key)
+    _write(d / "client.pem", _issue("device-1", client_key, "mqlog test CA", ca_key), client_key)
     other_key = ec.generate_private_key(ec.SECP256R1())
     rogue_key = ec.generate_private_key(ec.SECP256R1())
     _write(d / "rogue.pem", _issue("device-1", rogue_key, "other CA", other_key), rogue_key)
-    return Pki(d / "ca.pem", d / "server.pem", d / "server.key", d / "client.pem",
-               d / "client.key", d / "rogue.pem", d / "rogue.key")
+    return Pki(
+        d / "ca.pem",
+        d / "server.pem",
+        d / "server.key",
+        d / "client.pem",
+        d / "client.key",
+        d / "rogue.pem",
+        d / "rogue.key",
+    )
 
 
-def tls_broker(factory: BrokerFactory, pki: Pki, *, require: bool = False,
-               config: str = "") -> tuple[BrokerProcess, int]:
+def tls_broker(
+    factory: BrokerFactory, pki: Pki, *, require: bool = False, config: str = ""
+) -> tuple[BrokerProcess, int]:
     port = free_port()
-    server = (f'tls_port = {port}\ncertfile = "{pki.server_cert}"\n'
-              f'keyfile = "{pki.server_key}"\ncafile = "{pki.ca}"\n'
-              f"require_certificate = {'true' if require else 'false'}\n")
+    server = (
+        f'tls_port = {port}\ncertfile = "{pki.server_cert}"\n'
+        f'keyfile = "{pki.server_key}"\ncafile = "{pki.ca}"\n'
+        f"require_certificate = {'true' if require else 'false'}\n"
+    )
     broker = factory(server=server, config=config)
     assert f"listening on mqtts://127.0.0.1:{port}" in broker.log()
     return broker, port
 
 
-def tls_client(port: int, pki: Pki, client_id: str, protocol: int = V311, *,
-               cert: bool = True, rogue: bool = False) -> Client:
+def tls_client(
+    port: int,
+    pki: Pki,
+    client_id: str,
+    protocol: int = V311,
+    *,
+    cert: bool = True,
+    rogue: bool = False,
+) -> Client:
     c = Client(port, client_id, protocol)
     if rogue:
-        c.paho.tls_set(ca_certs=str(pki.ca), certfile=str(pki.rogue_cert),
-                       keyfile=str(pki.rogue_key))
+        c.paho.tls_set(
+            ca_certs=str(pki.ca), certfile=str(pki.rogue_cert), keyfile=str(pki.rogue_key)
+        )
     elif cert:
-        c.paho.tls_set(ca_certs=str(pki.ca), certfile=str(pki.client_cert),
-                       keyfile=str(pki.client_key))
+        c.paho.tls_set(
+            ca_certs=str(pki.ca), certfile=str(pki.client_cert), keyfile=str(pki.client_key)
+        )
     else:
         c.paho.tls_set(ca_certs=str(pki.ca))
     return c
@@ -128,8 +177,7 @@ def wait_log(broker: BrokerProcess, text: str, timeout: float = 5.0) -> str:
     raise AssertionError(f"{text!r} not in the broker log:\n{broker.log()}")
 
 
-def test_paho_over_tls_with_client_certificate(broker_factory: BrokerFactory,
-                                               pki: Pki) -> None:
+def test_paho_over_tls_with_client_certificate(broker_factory: BrokerFactory, pki: Pki) -> None:
     broker, port = tls_broker(broker_factory, pki, require=True)
     sub = tls_client(port, pki, "tls-sub", V5)
     assert sub.connect() == 0
@@ -168,14 +216,17 @@ def test_client_certificate_required(broker_factory: BrokerFactory, pki: Pki) ->
     wait_log(broker, "TLS handshake failed: unable to get local issuer certificate")
 
 
-def test_certificate_cn_is_the_user_name(broker_factory: BrokerFactory, pki: Pki,
-                                         tmp_path: Path) -> None:
+def test_certificate_cn_is_the_user_name(
+    broker_factory: BrokerFactory, pki: Pki, tmp_path: Path
+) -> None:
     acl = tmp_path / "acl"
     acl.write_text("user device-1\ntopic readwrite devices/device-1/#\n")
     broker, port = tls_broker(
-        broker_factory, pki,
-        config=f'[auth]\nallow_anonymous = false\nuse_identity_as_username = true\n'
-               f'acl_file = "{acl}"\n')
+        broker_factory,
+        pki,
+        config=f"[auth]\nallow_anonymous = false\nuse_identity_as_username = true\n"
+        f'acl_file = "{acl}"\n',
+    )
     dev = tls_client(port, pki, "dev", V5)
     assert dev.connect() == 0, "the certificate is the credential"
     assert dev.subscribe("devices/device-1/#", 1) == [1]
@@ -187,8 +238,7 @@ def test_certificate_cn_is_the_user_name(broker_factory: BrokerFactory, pki: Pki
     assert Client(broker.port, "plain-anon").connect() == 0x87, "plain port: anonymous"
 
 
-def test_plain_mqtt_on_the_tls_port_is_logged(broker_factory: BrokerFactory,
-                                              pki: Pki) -> None:
+def test_plain_mqtt_on_the_tls_port_is_logged(broker_factory: BrokerFactory, pki: Pki) -> None:
     broker, port = tls_broker(broker_factory, pki)
     with socket.create_connection(("127.0.0.1", port), timeout=5) as s:
         s.sendall(connect_bytes("confused"))
@@ -203,19 +253,27 @@ def test_tls_on_the_plain_port_is_logged(broker_factory: BrokerFactory, pki: Pki
     broker, port = tls_broker(broker_factory, pki)
     ctx = ssl.create_default_context(cafile=str(pki.ca))
     started = time.monotonic()
-    with socket.create_connection(("127.0.0.1", broker.port), timeout=5) as raw, \
-            pytest.raises((ssl.SSLError, ConnectionResetError)):
+    with (
+        socket.create_connection(("127.0.0.1", broker.port), timeout=5) as raw,
+        pytest.raises((ssl.SSLError, ConnectionResetError)),
+    ):
         ctx.wrap_socket(raw, server_hostname="localhost")
     assert time.monotonic() - started < 2
-    wait_log(broker, "TLS handshake (ClientHello) on the plain MQTT port; closing; "
-                     f"MQTT over TLS is on port {port}")
+    wait_log(
+        broker,
+        "TLS handshake (ClientHello) on the plain MQTT port; closing; "
+        f"MQTT over TLS is on port {port}",
+    )
 
 
-def test_tls_config_errors_are_clear(broker_factory: BrokerFactory, pki: Pki,
-                                     tmp_path: Path) -> None:
+def test_tls_config_errors_are_clear(
+    broker_factory: BrokerFactory, pki: Pki, tmp_path: Path
+) -> None:
     missing = tmp_path / "nope.pem"
-    broker = broker_factory(server=f'tls_port = {free_port()}\ncertfile = "{missing}"\n'
-                                   f'keyfile = "{pki.server_key}"\n', start=False)
+    broker = broker_factory(
+        server=f'tls_port = {free_port()}\ncertfile = "{missing}"\nkeyfile = "{pki.server_key}"\n',
+        start=False,
+    )
     with pytest.raises(RuntimeError, match=re.escape(f"server.certfile {missing}")):
         broker.start(timeout=10)
     broker2 = broker_factory(server=f"tls_port = {free_port()}\n", start=False)

@@ -15,8 +15,14 @@ from tests.integration.conftest import BrokerFactory, BrokerProcess, free_port
 from tests.integration.rawclient import connect_bytes, packet, utf8
 from tests.integration.test_auth import make_password_file
 
-_CALLBACKS = ("on_connect", "on_message", "on_subscribe", "on_unsubscribe", "on_disconnect",
-              "on_publish")
+_CALLBACKS = (
+    "on_connect",
+    "on_message",
+    "on_subscribe",
+    "on_unsubscribe",
+    "on_disconnect",
+    "on_publish",
+)
 
 
 def ws_broker(factory: BrokerFactory, config: str = "") -> tuple[BrokerProcess, int]:
@@ -30,8 +36,13 @@ def ws_client(port: int, client_id: str, protocol: int = V311) -> Client:
     """The test wrapper around a paho client using the websockets transport."""
     c = Client(port, client_id, protocol)
     kwargs = {"clean_session": True} if protocol != V5 else {}
-    p = mqtt.Client(mqtt.CallbackAPIVersion.VERSION2, client_id=client_id, protocol=protocol,
-                    transport="websockets", **kwargs)
+    p = mqtt.Client(
+        mqtt.CallbackAPIVersion.VERSION2,
+        client_id=client_id,
+        protocol=protocol,
+        transport="websockets",
+        **kwargs,
+    )
     p.ws_set_options(path="/mqtt")
     for name in _CALLBACKS:
         setattr(p, name, getattr(c.paho, name))
@@ -61,11 +72,13 @@ def test_paho_websocket_pub_sub_with_tcp(broker_factory: BrokerFactory) -> None:
         c.disconnect()
 
 
-def test_websocket_logins_use_the_password_file(broker_factory: BrokerFactory,
-                                                tmp_path: Path) -> None:
+def test_websocket_logins_use_the_password_file(
+    broker_factory: BrokerFactory, tmp_path: Path
+) -> None:
     pw = make_password_file(tmp_path / "passwd", {"web": "socket"})
-    _, port = ws_broker(broker_factory, f'[auth]\nallow_anonymous = false\n'
-                                        f'password_file = "{pw}"\n')
+    _, port = ws_broker(
+        broker_factory, f'[auth]\nallow_anonymous = false\npassword_file = "{pw}"\n'
+    )
     good = ws_client(port, "ws-good")
     good.paho.username_pw_set("web", "socket")
     assert good.connect() == 0
@@ -77,15 +90,19 @@ def test_websocket_logins_use_the_password_file(broker_factory: BrokerFactory,
 
 
 async def _raw_session(port: int) -> tuple[str | None, bytes, bool]:
-    async with aiohttp.ClientSession() as http, \
-            http.ws_connect(f"http://127.0.0.1:{port}/mqtt", protocols=("mqtt",)) as ws:
+    async with (
+        aiohttp.ClientSession() as http,
+        http.ws_connect(f"http://127.0.0.1:{port}/mqtt", protocols=("mqtt",)) as ws,
+    ):
         data = connect_bytes("raw-ws")
         # One packet split over two frames, then two packets in one frame [MQTT-6.0.0-2].
         await ws.send_bytes(data[:5])
         await ws.send_bytes(data[5:])
         connack = await asyncio.wait_for(ws.receive_bytes(), 5)
-        await ws.send_bytes(packet(0x82, b"\x00\x01" + utf8("raw/#") + b"\x00")
-                            + packet(0x30, utf8("raw/x") + b"hi"))
+        await ws.send_bytes(
+            packet(0x82, b"\x00\x01" + utf8("raw/#") + b"\x00")
+            + packet(0x30, utf8("raw/x") + b"hi")
+        )
         frames = b""
         while len(frames) < 5 + 11:
             frames += await asyncio.wait_for(ws.receive_bytes(), 5)
@@ -94,8 +111,7 @@ async def _raw_session(port: int) -> tuple[str | None, bytes, bool]:
         # A text frame is a protocol violation: the broker closes [MQTT-6.0.0-1].
         await ws.send_str("hello")
         msg = await asyncio.wait_for(ws.receive(), 5)
-        return ws.protocol, connack, msg.type in (aiohttp.WSMsgType.CLOSE,
-                                                   aiohttp.WSMsgType.CLOSED)
+        return ws.protocol, connack, msg.type in (aiohttp.WSMsgType.CLOSE, aiohttp.WSMsgType.CLOSED)
 
 
 def test_raw_websocket_frames(broker_factory: BrokerFactory) -> None:
@@ -111,8 +127,7 @@ def test_raw_websocket_frames(broker_factory: BrokerFactory) -> None:
 
 
 async def _plain_get(port: int) -> int:
-    async with aiohttp.ClientSession() as http, \
-            http.get(f"http://127.0.0.1:{port}/mqtt") as resp:
+    async with aiohttp.ClientSession() as http, http.get(f"http://127.0.0.1:{port}/mqtt") as resp:
         return resp.status
 
 

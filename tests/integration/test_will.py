@@ -160,8 +160,9 @@ def test_will_on_takeover_of_connection_with_will(broker: BrokerProcess) -> None
     first = RawClient(broker.port, 5)
     first.connect("dev1", clean=False, session_expiry=60, will=WILL)
     second = RawClient(broker.port, 5)
-    second.connect("dev1", clean=False, session_expiry=60,
-                   will=("will/dev1", b"second gone", 1, False))
+    second.connect(
+        "dev1", clean=False, session_expiry=60, will=("will/dev1", b"second gone", 1, False)
+    )
     (m,) = w.expect(1)
     assert m.payload == b"dev1 gone"
     second.close()
@@ -170,7 +171,8 @@ def test_will_on_takeover_of_connection_with_will(broker: BrokerProcess) -> None
 
 
 def test_will_of_client_connected_when_broker_is_killed_comes_after_restart(
-        broker_factory: BrokerFactory) -> None:
+    broker_factory: BrokerFactory,
+) -> None:
     """s3.1.2.5: the server may defer a will to its next start; it must not lose it."""
     broker = broker_factory(fsync="always")
     c = RawClient(broker.port, 5)
@@ -178,7 +180,8 @@ def test_will_of_client_connected_when_broker_is_killed_comes_after_restart(
     c.subscribe("x/#", 1)  # a round trip after CONNECT; the session is written by the tick
     deadline = time.monotonic() + 5
     while "dev1" not in (broker.data_dir / "$sessions" / "0").joinpath(
-            "00000000000000000000.log").read_bytes().decode("latin-1"):
+        "00000000000000000000.log"
+    ).read_bytes().decode("latin-1"):
         assert time.monotonic() < deadline, "session never written"
         time.sleep(0.05)
     broker.kill()
@@ -190,7 +193,8 @@ def test_will_of_client_connected_when_broker_is_killed_comes_after_restart(
 
 
 def test_delayed_will_pending_at_shutdown_is_published_after_restart(
-        broker_factory: BrokerFactory) -> None:
+    broker_factory: BrokerFactory,
+) -> None:
     broker = broker_factory()
     c = RawClient(broker.port, 5)
     c.connect("dev1", clean=False, session_expiry=600, will=WILL, will_delay=1)

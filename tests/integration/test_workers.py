@@ -57,8 +57,7 @@ def metric(broker: BrokerProcess, name: str) -> float:
     return float(m.group(1))
 
 
-def test_serve_shows_the_workers_and_each_partition_has_one_owner(
-        broker: BrokerProcess) -> None:
+def test_serve_shows_the_workers_and_each_partition_has_one_owner(broker: BrokerProcess) -> None:
     text = broker.log()
     assert "supervisor (pid" in text and "2 workers serving" in text
     found = workers(broker)
@@ -66,14 +65,16 @@ def test_serve_shows_the_workers_and_each_partition_has_one_owner(
     assert found[0][0] != found[1][0]
     owned = found[0][1] + found[1][1]
     expected = {"$retained/0", "$sessions/0", "$sys/0", "default/0"} | {
-        f"telemetry/{p}" for p in range(4)}
+        f"telemetry/{p}" for p in range(4)
+    }
     assert sorted(owned) == sorted(expected)  # each exactly once
     assert {p for p in found[0][1] if p.startswith("telemetry/")}  # both own a share
     assert {p for p in found[1][1] if p.startswith("telemetry/")}
 
 
 def test_a_killed_worker_is_restarted_and_nothing_acknowledged_is_lost(
-        broker: BrokerProcess) -> None:
+    broker: BrokerProcess,
+) -> None:
     topic = "devices/7/telemetry"
     with Streams(broker.data_dir, [StreamSpec("telemetry", ("devices/#",), 4)]) as streams:
         key = streams.partition_for(topic)
@@ -110,15 +111,15 @@ def test_a_killed_worker_is_restarted_and_nothing_acknowledged_is_lost(
     while workers(broker).get(victim, (pid,))[0] == pid:
         assert time.monotonic() < deadline, broker.log()
         time.sleep(0.05)
-    assert re.search(rf"worker {victim} \(pid {pid}\) was killed by SIGKILL; restarting it",
-                     broker.log())
+    assert re.search(
+        rf"worker {victim} \(pid {pid}\) was killed by SIGKILL; restarting it", broker.log()
+    )
     stored = [int(p[1:]) for p in replay_all(broker.port, topic)]
     assert stored == sorted(stored)
     assert set(acked) <= set(stored), sorted(set(acked) - set(stored))[:10]
 
 
-def test_sessions_move_between_workers_without_loss_or_duplicates(
-        broker: BrokerProcess) -> None:
+def test_sessions_move_between_workers_without_loss_or_duplicates(broker: BrokerProcess) -> None:
     """A QoS 2 subscriber and a QoS 2 publisher reconnect a dozen times, each time leaving
     a flow half done; their sessions are handed from worker to worker, and every message
     arrives exactly once, in order."""

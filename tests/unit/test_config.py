@@ -33,6 +33,7 @@ def error_for(tmp_path: Path, text: str) -> str:
 
 # ------------------------------------------------------------------ the shipped file
 
+
 def test_shipped_config_parses_to_the_defaults() -> None:
     cfg = load_config(SHIPPED)
     # The file documents every [router] key with its default value.
@@ -53,8 +54,11 @@ def test_shipped_config_shows_every_router_key() -> None:
 @pytest.mark.parametrize("name", [f.name for f in dataclasses.fields(RouterConfig)])
 def test_every_router_key_is_used_by_the_broker(name: str) -> None:
     """A key nobody reads is a promise nobody keeps: each must be read outside config.py."""
-    users = [p for p in (ROOT / "broker").rglob("*.py")
-             if p.name != "config.py" and re.search(rf"\.{name}\b", p.read_text())]
+    users = [
+        p
+        for p in (ROOT / "broker").rglob("*.py")
+        if p.name != "config.py" and re.search(rf"\.{name}\b", p.read_text())
+    ]
     assert users, f"router.{name} is parsed but never used"
 
 
@@ -65,70 +69,123 @@ def test_empty_file_gives_defaults(tmp_path: Path) -> None:
 
 
 def test_values_are_read(tmp_path: Path) -> None:
-    cfg = load_config(write(tmp_path, (
-        "[router]\nmax_connections = 3\nmax_packet_size = 2048\nkeepalive_max = 30\n"
-        'connect_timeout = 5\nmax_queued_bytes = "2MiB"\n'
-        '[commitlog]\nsegment_bytes = "1MiB"\nsegment_age = "2h"\nretention = "forever"\n'
-        'fsync_interval = "250ms"\n')))
+    cfg = load_config(
+        write(
+            tmp_path,
+            (
+                "[router]\nmax_connections = 3\nmax_packet_size = 2048\nkeepalive_max = 30\n"
+                'connect_timeout = 5\nmax_queued_bytes = "2MiB"\n'
+                '[commitlog]\nsegment_bytes = "1MiB"\nsegment_age = "2h"\nretention = "forever"\n'
+                'fsync_interval = "250ms"\n'
+            ),
+        )
+    )
     r = cfg.router
-    assert (r.max_connections, r.max_packet_size, r.keepalive_max, r.connect_timeout,
-            r.max_queued_bytes) == (3, 2048, 30, 5, 2 * 1024 * 1024)
+    assert (
+        r.max_connections,
+        r.max_packet_size,
+        r.keepalive_max,
+        r.connect_timeout,
+        r.max_queued_bytes,
+    ) == (3, 2048, 30, 5, 2 * 1024 * 1024)
     d = cfg.commitlog.defaults
     assert (d.segment_bytes, d.segment_ms, d.retention_ms, d.fsync_interval_ms) == (
-        1024 * 1024, 2 * 3_600_000, None, 250)
+        1024 * 1024,
+        2 * 3_600_000,
+        None,
+        250,
+    )
 
 
 # ------------------------------------------------------------------ errors
 
-@pytest.mark.parametrize(("text", "key"), [
-    pytest.param("[router]\nmax_conections = 3\n", "router.max_conections", id="unknown-key"),
-    pytest.param("[routr]\n", "[routr]", id="unknown-section"),
-    pytest.param('[router]\nworkers = "2"\n', "router.workers", id="string-for-int"),
-    pytest.param("[router]\nmax_inflight = true\n", "router.max_inflight", id="bool-for-int"),
-    pytest.param("[router]\nmax_inflight = 1.5\n", "router.max_inflight", id="float-for-int"),
-    pytest.param("[router]\nmax_packet_size = 10\n", "router.max_packet_size", id="too-small"),
-    pytest.param("[router]\nmax_inflight = 70000\n", "router.max_inflight", id="too-large"),
-    pytest.param("[router]\nmax_connections = 0\n", "router.max_connections", id="zero"),
-    pytest.param("[router]\nconnect_timeout = 0\n", "router.connect_timeout", id="timeout-0"),
-    pytest.param('[router]\nslow_qos0_policy = "block"\n', "router.slow_qos0_policy",
-                 id="bad-choice"),
-    pytest.param("[router]\nkeepalive_min = 20\nkeepalive_max = 10\n", "router.keepalive_min",
-                 id="keepalive-min-over-max"),
-    pytest.param('[router]\nmax_queued_bytes = "8 MeB"\n', "router.max_queued_bytes",
-                 id="bad-size"),
-    pytest.param('[router]\nmax_queued_bytes = "unlimited"\n', "router.max_queued_bytes",
-                 id="unbounded-buffer"),
-    pytest.param("[router]\nmax_queued_bytes = 0\n", "router.max_queued_bytes",
-                 id="zero-buffer"),
-    pytest.param('[commitlog]\nsegment_bytes = "lots"\n', "commitlog.segment_bytes",
-                 id="bad-size-word"),
-    pytest.param('[commitlog]\nsegment_age = "7 days"\n', "commitlog.segment_age",
-                 id="bad-duration"),
-    pytest.param("[commitlog]\nsegment_age = -5\n", "commitlog.segment_age",
-                 id="negative-duration"),
-    pytest.param('[commitlog]\nfsync = "sometimes"\n', "commitlog.fsync", id="bad-fsync"),
-    pytest.param("[server]\nport = 70000\n", "server.port", id="port-range"),
-    pytest.param('[http]\nenabled = "yes"\n', "http.enabled", id="string-for-bool"),
-    pytest.param('router = 5\n', "[router]", id="section-not-table"),
-    pytest.param('[[streams]]\nname = "a"\ntopic_filter = "x/#"\n'
-                 '[[streams]]\nname = "a"\ntopic_filter = "y/#"\n', "'a'",
-                 id="duplicate-stream"),
-    pytest.param('[[streams]]\nname = "s"\ntopic_filter = "a/#/b"\n',
-                 "streams[s].topic_filter", id="bad-topic-filter"),
-    pytest.param('[[streams]]\nname = "s"\ntopic_filter = ["ok/#", "a+"]\n',
-                 "streams[s].topic_filter", id="bad-filter-in-list"),
-    pytest.param('[[streams]]\nname = "s"\ntopic_filter = "$share/g/a"\n',
-                 "streams[s].topic_filter", id="shared-filter"),
-    pytest.param('[[streams]]\nname = "s"\n', "streams[s].topic_filter",
-                 id="missing-topic-filter"),
-    pytest.param('[[streams]]\nname = "bad name"\ntopic_filter = "a"\n', "streams[0].name",
-                 id="bad-stream-name"),
-    pytest.param('[[streams]]\nname = "s"\ntopic_filter = "a"\npartitions = 0\n',
-                 "streams[s].partitions", id="zero-partitions"),
-    pytest.param('[[streams]]\nname = "s"\ntopic_filter = "a"\nretension = "1d"\n',
-                 "streams[s].retension", id="unknown-stream-key"),
-    pytest.param("streams = 3\n", "streams", id="streams-not-array"),
-])
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        pytest.param("[router]\nmax_conections = 3\n", "router.max_conections", id="unknown-key"),
+        pytest.param("[routr]\n", "[routr]", id="unknown-section"),
+        pytest.param('[router]\nworkers = "2"\n', "router.workers", id="string-for-int"),
+        pytest.param("[router]\nmax_inflight = true\n", "router.max_inflight", id="bool-for-int"),
+        pytest.param("[router]\nmax_inflight = 1.5\n", "router.max_inflight", id="float-for-int"),
+        pytest.param("[router]\nmax_packet_size = 10\n", "router.max_packet_size", id="too-small"),
+        pytest.param("[router]\nmax_inflight = 70000\n", "router.max_inflight", id="too-large"),
+        pytest.param("[router]\nmax_connections = 0\n", "router.max_connections", id="zero"),
+        pytest.param("[router]\nconnect_timeout = 0\n", "router.connect_timeout", id="timeout-0"),
+        pytest.param(
+            '[router]\nslow_qos0_policy = "block"\n', "router.slow_qos0_policy", id="bad-choice"
+        ),
+        pytest.param(
+            "[router]\nkeepalive_min = 20\nkeepalive_max = 10\n",
+            "router.keepalive_min",
+            id="keepalive-min-over-max",
+        ),
+        pytest.param(
+            '[router]\nmax_queued_bytes = "8 MeB"\n', "router.max_queued_bytes", id="bad-size"
+        ),
+        pytest.param(
+            '[router]\nmax_queued_bytes = "unlimited"\n',
+            "router.max_queued_bytes",
+            id="unbounded-buffer",
+        ),
+        pytest.param(
+            "[router]\nmax_queued_bytes = 0\n", "router.max_queued_bytes", id="zero-buffer"
+        ),
+        pytest.param(
+            '[commitlog]\nsegment_bytes = "lots"\n', "commitlog.segment_bytes", id="bad-size-word"
+        ),
+        pytest.param(
+            '[commitlog]\nsegment_age = "7 days"\n', "commitlog.segment_age", id="bad-duration"
+        ),
+        pytest.param(
+            "[commitlog]\nsegment_age = -5\n", "commitlog.segment_age", id="negative-duration"
+        ),
+        pytest.param('[commitlog]\nfsync = "sometimes"\n', "commitlog.fsync", id="bad-fsync"),
+        pytest.param("[server]\nport = 70000\n", "server.port", id="port-range"),
+        pytest.param('[http]\nenabled = "yes"\n', "http.enabled", id="string-for-bool"),
+        pytest.param("router = 5\n", "[router]", id="section-not-table"),
+        pytest.param(
+            '[[streams]]\nname = "a"\ntopic_filter = "x/#"\n'
+            '[[streams]]\nname = "a"\ntopic_filter = "y/#"\n',
+            "'a'",
+            id="duplicate-stream",
+        ),
+        pytest.param(
+            '[[streams]]\nname = "s"\ntopic_filter = "a/#/b"\n',
+            "streams[s].topic_filter",
+            id="bad-topic-filter",
+        ),
+        pytest.param(
+            '[[streams]]\nname = "s"\ntopic_filter = ["ok/#", "a+"]\n',
+            "streams[s].topic_filter",
+            id="bad-filter-in-list",
+        ),
+        pytest.param(
+            '[[streams]]\nname = "s"\ntopic_filter = "$share/g/a"\n',
+            "streams[s].topic_filter",
+            id="shared-filter",
+        ),
+        pytest.param(
+            '[[streams]]\nname = "s"\n', "streams[s].topic_filter", id="missing-topic-filter"
+        ),
+        pytest.param(
+            '[[streams]]\nname = "bad name"\ntopic_filter = "a"\n',
+            "streams[0].name",
+            id="bad-stream-name",
+        ),
+        pytest.param(
+            '[[streams]]\nname = "s"\ntopic_filter = "a"\npartitions = 0\n',
+            "streams[s].partitions",
+            id="zero-partitions",
+        ),
+        pytest.param(
+            '[[streams]]\nname = "s"\ntopic_filter = "a"\nretension = "1d"\n',
+            "streams[s].retension",
+            id="unknown-stream-key",
+        ),
+        pytest.param("streams = 3\n", "streams", id="streams-not-array"),
+    ],
+)
 def test_bad_value_names_key_and_file(tmp_path: Path, text: str, key: str) -> None:
     assert key in error_for(tmp_path, text)
 
@@ -150,15 +207,32 @@ def test_parse_config_source_name() -> None:
 
 # ------------------------------------------------------------------ mqlog serve
 
-@pytest.mark.parametrize(("text", "key"), [
-    pytest.param('[router]\nmax_inflight = "many"\n', "router.max_inflight", id="bad-value"),
-    pytest.param("[router]\nworkers = 300\n", "router.workers", id="too-many-workers"),
-])
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        pytest.param('[router]\nmax_inflight = "many"\n', "router.max_inflight", id="bad-value"),
+        pytest.param("[router]\nworkers = 300\n", "router.workers", id="too-many-workers"),
+    ],
+)
 def test_serve_with_bad_config_exits_nonzero(tmp_path: Path, text: str, key: str) -> None:
     p = write(tmp_path, text)
-    proc = subprocess.run([sys.executable, "-m", "broker.cli", "serve", "-c", str(p),
-                           "--data-dir", str(tmp_path / "data")],
-                          cwd=ROOT, capture_output=True, text=True, timeout=30)
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            "-c",
+            str(p),
+            "--data-dir",
+            str(tmp_path / "data"),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=30,
+    )
     assert proc.returncode != 0
     assert key in proc.stderr and str(p) in proc.stderr, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -61,12 +61,15 @@ def test_password_file_round_trip(tmp_path: Path) -> None:
     assert not verify_login(users, "alice", None)
 
 
-@pytest.mark.parametrize("line, message", [
-    ("alice:secret", "plain-text passwords are not accepted"),
-    ("alice", "expected 'user:$scrypt$...'"),
-    ("alice:$scrypt$n=3,r=8,p=1$AAAA$AAAA", "parameters out of range"),
-    ("alice:$scrypt$n=1073741824,r=8,p=1$AAAA$AAAA", "parameters out of range"),
-])
+@pytest.mark.parametrize(
+    "line, message",
+    [
+        ("alice:secret", "plain-text passwords are not accepted"),
+        ("alice", "expected 'user:$scrypt$...'"),
+        ("alice:$scrypt$n=3,r=8,p=1$AAAA$AAAA", "parameters out of range"),
+        ("alice:$scrypt$n=1073741824,r=8,p=1$AAAA$AAAA", "parameters out of range"),
+    ],
+)
 def test_password_file_errors_name_the_line(line: str, message: str) -> None:
     with pytest.raises(AuthFileError) as e:
         parse_password_file(f"# users\n\n{line}\n", "pw.txt")
@@ -150,29 +153,35 @@ def test_subscribe_needs_a_covering_read_rule() -> None:
     assert not a.can_subscribe("log/alice"), "write-only"
 
 
-@pytest.mark.parametrize("outer, inner, expected", [
-    ("#", "a/b", True),
-    ("#", "$SYS/x", False),
-    ("$SYS/#", "$SYS/broker/+", True),
-    ("a/+", "a/b", True),
-    ("a/+", "a/+", True),
-    ("a/+", "a/#", False),
-    ("a/b", "a/+", False),
-    ("a/#", "a", True),
-    ("a/+/c", "a/b/c", True),
-    ("a/+/c", "a/b/c/d", False),
-    ("a/b", "a/b/c", False),
-])
+@pytest.mark.parametrize(
+    "outer, inner, expected",
+    [
+        ("#", "a/b", True),
+        ("#", "$SYS/x", False),
+        ("$SYS/#", "$SYS/broker/+", True),
+        ("a/+", "a/b", True),
+        ("a/+", "a/+", True),
+        ("a/+", "a/#", False),
+        ("a/b", "a/+", False),
+        ("a/#", "a", True),
+        ("a/+/c", "a/b/c", True),
+        ("a/+/c", "a/b/c/d", False),
+        ("a/b", "a/b/c", False),
+    ],
+)
 def test_filter_covers(outer: str, inner: str, expected: bool) -> None:
     assert filter_covers(outer, inner) is expected
 
 
-@pytest.mark.parametrize("text, message", [
-    ("topic read a/#/b", "acl:1:"),
-    ("grant read a", "unknown directive 'grant'"),
-    ("user", "'user' needs a user name"),
-    ("topic read", "missing topic filter"),
-])
+@pytest.mark.parametrize(
+    "text, message",
+    [
+        ("topic read a/#/b", "acl:1:"),
+        ("grant read a", "unknown directive 'grant'"),
+        ("user", "'user' needs a user name"),
+        ("topic read", "missing topic filter"),
+    ],
+)
 def test_acl_errors_name_the_line(text: str, message: str) -> None:
     with pytest.raises(AuthFileError, match=message):
         Acl.parse(text, "acl")

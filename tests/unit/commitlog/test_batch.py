@@ -29,7 +29,9 @@ from broker.commitlog.record import Record
 
 def rec(i: int, **kw: object) -> Record:
     fields: dict[str, object] = {
-        "offset": 0, "timestamp": 1_700_000_000_000 + i, "topic": f"t/{i}",
+        "offset": 0,
+        "timestamp": 1_700_000_000_000 + i,
+        "topic": f"t/{i}",
         "payload": f"payload-{i}".encode(),
     }
     fields.update(kw)
@@ -164,17 +166,22 @@ def test_column_layout_is_stable() -> None:
     ]
     strings = ["a/b", "ü", "c1"]  # each once: the topics, then the other client ids
     encoded = [t.encode() for t in strings]
-    body = b"".join([
-        struct.pack("<I3H", 3, *map(len, encoded)), *encoded,
-        struct.pack("<2q", 1_000, 999),
-        struct.pack("<2I", 0, 1),  # offset deltas
-        struct.pack("<2I", 0, 1),  # topic indexes
-        struct.pack("<2I", 2, 0),  # client id indexes
-        struct.pack("<2I", 1, 0),  # properties lengths
-        struct.pack("<2I", 3, 0),  # payload lengths
-        bytes([1, 2]), bytes([1, 0]),  # qos, flags
-        b"\x01", b"xyz",
-    ])
+    body = b"".join(
+        [
+            struct.pack("<I3H", 3, *map(len, encoded)),
+            *encoded,
+            struct.pack("<2q", 1_000, 999),
+            struct.pack("<2I", 0, 1),  # offset deltas
+            struct.pack("<2I", 0, 1),  # topic indexes
+            struct.pack("<2I", 2, 0),  # client id indexes
+            struct.pack("<2I", 1, 0),  # properties lengths
+            struct.pack("<2I", 3, 0),  # payload lengths
+            bytes([1, 2]),
+            bytes([1, 0]),  # qos, flags
+            b"\x01",
+            b"xyz",
+        ]
+    )
     length = BATCH_HEADER_SIZE + len(body)
     head = struct.pack("<qIBBHiIIqq", 7, length, MAGIC, 0, 0, 3, 1, 2, 1_000, 1_000)
     crc = zlib.crc32(body, zlib.crc32(head))
@@ -210,8 +217,12 @@ def _maybe_equal_sizes(records: list[Record], equal: bool) -> list[Record]:
 
 
 @settings(max_examples=300, deadline=None)
-@given(records=_records, base=st.integers(0, 2**62), epoch=st.integers(0, 2**31 - 1),
-       equal=st.booleans())
+@given(
+    records=_records,
+    base=st.integers(0, 2**62),
+    epoch=st.integers(0, 2**31 - 1),
+    equal=st.booleans(),
+)
 def test_round_trip_property(records: list[Record], base: int, epoch: int, equal: bool) -> None:
     records = _maybe_equal_sizes(records, equal)
     buf = encode_batch(base, records, leader_epoch=epoch)
@@ -227,10 +238,14 @@ def test_round_trip_property(records: list[Record], base: int, epoch: int, equal
 
 
 @settings(max_examples=200, deadline=None)
-@given(records=_records, gaps=st.lists(st.integers(1, 1000), min_size=40, max_size=40),
-       base=st.integers(0, 2**40))
-def test_keep_offsets_round_trip_property(records: list[Record], gaps: list[int],
-                                          base: int) -> None:
+@given(
+    records=_records,
+    gaps=st.lists(st.integers(1, 1000), min_size=40, max_size=40),
+    base=st.integers(0, 2**40),
+)
+def test_keep_offsets_round_trip_property(
+    records: list[Record], gaps: list[int], base: int
+) -> None:
     offsets = [base]
     for gap in gaps[: len(records) - 1]:
         offsets.append(offsets[-1] + gap)
@@ -240,8 +255,9 @@ def test_keep_offsets_round_trip_property(records: list[Record], gaps: list[int]
     assert decode_batch(buf) == records
 
 
-def _reference_decode_into(records: list[Record], out: list[Record], min_offset: int,
-                           max_records: int, max_bytes: int) -> tuple[int, int]:
+def _reference_decode_into(
+    records: list[Record], out: list[Record], min_offset: int, max_records: int, max_bytes: int
+) -> tuple[int, int]:
     """decode_into's documented semantics, one record at a time."""
     for r in records:
         if r.offset < min_offset:
@@ -255,10 +271,16 @@ def _reference_decode_into(records: list[Record], out: list[Record], min_offset:
 
 
 @settings(max_examples=400, deadline=None)
-@given(records=_records, gapped=st.booleans(), equal=st.booleans(), have=st.integers(0, 3),
-       data=st.data())
-def test_decode_into_matches_reference(records: list[Record], gapped: bool, equal: bool,
-                                       have: int, data: st.DataObject) -> None:
+@given(
+    records=_records,
+    gapped=st.booleans(),
+    equal=st.booleans(),
+    have=st.integers(0, 3),
+    data=st.data(),
+)
+def test_decode_into_matches_reference(
+    records: list[Record], gapped: bool, equal: bool, have: int, data: st.DataObject
+) -> None:
     records = _maybe_equal_sizes(records, equal)
     base = 100
     if gapped:
@@ -283,8 +305,9 @@ def test_decode_into_matches_reference(records: list[Record], gapped: bool, equa
 @pytest.mark.parametrize("gapped", [False, True])
 def test_decode_into_equal_size_payloads_matches_reference(gapped: bool) -> None:
     # Batches of equal-size payloads are cut by one struct call: every window of one.
-    records = [rec(i, payload=bytes([i]) * 7, offset=100 + (5 * i if gapped else i))
-               for i in range(60)]
+    records = [
+        rec(i, payload=bytes([i]) * 7, offset=100 + (5 * i if gapped else i)) for i in range(60)
+    ]
     buf = bytes(encode_batch(100, records, keep_offsets=True))
     for min_offset in (0, 101, 120, 150):
         for max_records in (1, 17, 40, 100):
@@ -292,8 +315,9 @@ def test_decode_into_equal_size_payloads_matches_reference(gapped: bool) -> None
                 out: list[Record] = []
                 expected: list[Record] = []
                 got = decode_into(buf, 0, out, min_offset, max_records, max_bytes)
-                assert got == _reference_decode_into(records, expected, min_offset,
-                                                     max_records, max_bytes)
+                assert got == _reference_decode_into(
+                    records, expected, min_offset, max_records, max_bytes
+                )
                 assert out == expected
 
 
@@ -313,15 +337,19 @@ _fleet_like = st.builds(
 
 
 @settings(max_examples=500, deadline=None)
-@given(records=st.one_of(st.lists(_fleet_like, min_size=1, max_size=SMALL_BATCH),
-                         st.lists(_records.map(lambda rs: rs[0]), min_size=1,
-                                  max_size=SMALL_BATCH)),
-       base=st.integers(0, 2**62), epoch=st.integers(0, 2**31 - 1))
-def test_small_batches_are_byte_identical(records: list[Record], base: int,
-                                          epoch: int) -> None:
+@given(
+    records=st.one_of(
+        st.lists(_fleet_like, min_size=1, max_size=SMALL_BATCH),
+        st.lists(_records.map(lambda rs: rs[0]), min_size=1, max_size=SMALL_BATCH),
+    ),
+    base=st.integers(0, 2**62),
+    epoch=st.integers(0, 2**31 - 1),
+)
+def test_small_batches_are_byte_identical(records: list[Record], base: int, epoch: int) -> None:
     """The append path's small-batch encoder writes exactly the general encoder's batch
     (same format, so every reader, the recovery scan and the cleaner see the same bytes):
     random batches of 1 .. SMALL_BATCH records, repeated and shared strings (a topic that
     is also a client id), retain given as a bool or an int, properties or none."""
     assert encode_small(base, records, leader_epoch=epoch) == bytes(
-        encode_batch(base, records, leader_epoch=epoch))
+        encode_batch(base, records, leader_epoch=epoch)
+    )

@@ -22,11 +22,11 @@ def contents(log: SegmentedLog) -> list[tuple[int, str, bytes]]:
 
 def test_keeps_latest_per_key_and_drops_tombstones(tmp_path: Path) -> None:
     log = SegmentedLog.open(tmp_path, COMPACTED)
-    put(log, ("a", b"a0"), ("b", b"b0"), ("c", b"c0"))   # 0 1 2
+    put(log, ("a", b"a0"), ("b", b"b0"), ("c", b"c0"))  # 0 1 2
     log.roll()
-    put(log, ("a", b"a1"), ("b", b""), ("d", b"d0"))     # 3 4 5 (b deleted)
+    put(log, ("a", b"a1"), ("b", b""), ("d", b"d0"))  # 3 4 5 (b deleted)
     log.roll()
-    put(log, ("c", b"c1"))                               # 6 (active)
+    put(log, ("c", b"c1"))  # 6 (active)
     assert log.compact() == 4  # a0, b0, the b tombstone, and c0 (superseded by the active c1)
     assert contents(log) == [(3, "a", b"a1"), (5, "d", b"d0"), (6, "c", b"c1")]
     assert log.log_start_offset == 0 and log.end_offset == 7
@@ -89,8 +89,12 @@ def test_interrupted_swap_is_recovered(tmp_path: Path) -> None:
     (tmp_path / f"{0:020d}.index").unlink()
     (tmp_path / f"{0:020d}.timeindex.cleaned").write_bytes(b"partial")
     log = SegmentedLog.open(tmp_path, COMPACTED)
-    assert [(o, k) for o, k, _v in contents(log)] == [(37, "k1"), (38, "k2"), (39, "k3"),
-                                                      (40, "k0")]
+    assert [(o, k) for o, k, _v in contents(log)] == [
+        (37, "k1"),
+        (38, "k2"),
+        (39, "k3"),
+        (40, "k0"),
+    ]
     assert not list(tmp_path.glob("*.cleaned"))
     log.close()
     assert (tmp_path / f"{0:020d}.index").exists()  # rebuilt and written back

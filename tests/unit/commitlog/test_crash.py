@@ -460,8 +460,9 @@ def test_rolled_segment_that_lost_its_tail(tmp_path: Path, compacted: bool) -> N
     # not compacted has no gaps between segments: recovery keeps the prefix (the segments
     # after the gap go). In a compacted log a gap is what compaction leaves: it stays.
     d = tmp_path / "p5"
-    config = LogConfig(segment_bytes=1500, index_interval_bytes=100, fsync="interval",
-                       compacted=compacted)
+    config = LogConfig(
+        segment_bytes=1500, index_interval_bytes=100, fsync="interval", compacted=compacted
+    )
     log = SegmentedLog.open(d, config)
     records: list[Record] = []
     ends: dict[int, list[tuple[int, int]]] = {}  # segment -> (batch base, start position)
@@ -486,8 +487,7 @@ def test_rolled_segment_that_lost_its_tail(tmp_path: Path, compacted: bool) -> N
     try:
         if compacted:
             assert log.segments == segments
-            assert read_all(log) == [r for r in records
-                                     if not lost_base <= r.offset < segments[2]]
+            assert read_all(log) == [r for r in records if not lost_base <= r.offset < segments[2]]
         else:
             assert log.segments == segments[:2] and log.end_offset == lost_base
             assert read_all(log) == [r for r in records if r.offset < lost_base]

@@ -23,8 +23,9 @@ BUFFER_TYPES = (bytes, bytearray, lambda b: memoryview(b), lambda b: memoryview(
     value=st.integers(0, 0xFFFFFFFF),
     kind=st.sampled_from(range(len(BUFFER_TYPES))),
 )
-def test_crc32_of_a_range_is_zlibs(data: bytes, cuts: tuple[float, float], value: int,
-                                   kind: int) -> None:
+def test_crc32_of_a_range_is_zlibs(
+    data: bytes, cuts: tuple[float, float], value: int, kind: int
+) -> None:
     start, end = sorted(int(c * len(data)) for c in cuts)
     buf = BUFFER_TYPES[kind](data)
     assert crc.crc32(buf, start, end, value) == zlib.crc32(data[start:end], value)
@@ -44,13 +45,15 @@ def test_implementation_is_named() -> None:
 def test_large_batch_crc_is_zlibs_over_header_and_body() -> None:
     """A batch big enough for the native path still carries zlib's CRC-32 (readers without
     libdeflate must accept it)."""
-    records = [Record(0, 1_700_000_000_000, f"t/{i % 7}", bytes(1024) + bytes([i % 256]))
-               for i in range(64)]
+    records = [
+        Record(0, 1_700_000_000_000, f"t/{i % 7}", bytes(1024) + bytes([i % 256]))
+        for i in range(64)
+    ]
     buf = encode_batch(0, records)
     assert len(buf) > 4 * crc.NATIVE_MIN_BYTES
     view = memoryview(buf)
     expected = zlib.crc32(view[BATCH_HEADER_SIZE:], zlib.crc32(view[:CRC_OFFSET]))
-    assert int.from_bytes(buf[CRC_OFFSET:CRC_OFFSET + 4], "little") == expected
+    assert int.from_bytes(buf[CRC_OFFSET : CRC_OFFSET + 4], "little") == expected
     validate_batch(bytes(buf), 0, 0)
     validate_batch(memoryview(bytes(buf)), 0, 0)
 

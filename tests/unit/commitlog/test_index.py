@@ -66,8 +66,7 @@ def test_offset_index_persists_and_loads(tmp_path: Path) -> None:
         ((5).to_bytes(4, "little") + (500).to_bytes(4, "little"), 100, "beyond"),
     ],
 )
-def test_offset_index_sanity_check(tmp_path: Path, data: bytes, log_size: int,
-                                   reason: str) -> None:
+def test_offset_index_sanity_check(tmp_path: Path, data: bytes, log_size: int, reason: str) -> None:
     path = tmp_path / "bad.index"
     path.write_bytes(data)
     with pytest.raises(CorruptIndex, match=reason):
@@ -83,8 +82,9 @@ def time_reference(entries: list[tuple[int, int]], target: int) -> int | None:
 
 
 @settings(max_examples=60, deadline=None)
-@given(st.lists(st.tuples(st.integers(-5, 50), st.integers(1, 4)), max_size=30),
-       st.integers(0, 1200))
+@given(
+    st.lists(st.tuples(st.integers(-5, 50), st.integers(1, 4)), max_size=30), st.integers(0, 1200)
+)
 def test_time_lookup_before(steps: list[tuple[int, int]], target: int) -> None:
     index = TimeIndex(Path("unused.timeindex"), BASE)
     accepted = []

@@ -37,8 +37,19 @@ class FakeClock:
 
 
 def recs(n: int, ts: int = 1000, size: int = 50, topic: str = "dev/{i}") -> list[Record]:
-    return [Record(0, ts + i, topic.format(i=i), bytes([i % 256]) * size, i % 3, i % 2 == 0,
-                   f"c{i}", b"\x26\x00") for i in range(n)]
+    return [
+        Record(
+            0,
+            ts + i,
+            topic.format(i=i),
+            bytes([i % 256]) * size,
+            i % 3,
+            i % 2 == 0,
+            f"c{i}",
+            b"\x26\x00",
+        )
+        for i in range(n)
+    ]
 
 
 def open_log(path: Path, clock: FakeClock | None = None, **kw: object) -> SegmentedLog:
@@ -187,8 +198,9 @@ def test_reopen_after_clean_close(tmp_path: Path) -> None:
     log.close()
 
 
-def test_unclean_reopen_truncates_torn_tail(tmp_path: Path,
-                                           caplog: pytest.LogCaptureFixture) -> None:
+def test_unclean_reopen_truncates_torn_tail(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     log = open_log(tmp_path, segment_bytes=1 << 20)
     log.append(recs(5))
     log.append(recs(5))
@@ -326,8 +338,9 @@ def test_roll_failure_leaves_log_usable(tmp_path: Path, monkeypatch: pytest.Monk
     log.close()
 
 
-def test_permission_denied_at_open_names_the_path(tmp_path: Path,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_permission_denied_at_open_names_the_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     def deny(path: object) -> list[str]:
         raise PermissionError(errno.EACCES, "Permission denied", str(path))
 
@@ -414,8 +427,12 @@ def test_newer_batch_format_raises_unsupported_format(tmp_path: Path) -> None:
     future = encode_batch(1, recs(1))
     future[12] = MAGIC + 1
     view = memoryview(future)
-    struct.pack_into("<I", future, CRC_OFFSET,
-                     zlib.crc32(view[BATCH_HEADER_SIZE:], zlib.crc32(view[:CRC_OFFSET])))
+    struct.pack_into(
+        "<I",
+        future,
+        CRC_OFFSET,
+        zlib.crc32(view[BATCH_HEADER_SIZE:], zlib.crc32(view[:CRC_OFFSET])),
+    )
     view.release()
     active = tmp_path / f"{0:020d}.log"
     with open(active, "ab") as f:
@@ -449,8 +466,9 @@ def _syncs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
 
 
 @pytest.mark.skipif(not os.path.isdir("/proc/self/fd"), reason="needs /proc/self/fd")
-def test_interval_roll_syncs_at_the_next_flush(tmp_path: Path,
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interval_roll_syncs_at_the_next_flush(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # fsync=interval: a roll blocks on no fsync; the next flush syncs the segments' data
     # oldest first, then the rolled segment's indexes, then the directory (the new segment's
     # entry), so that after a crash the log is a prefix of what was appended.
@@ -465,8 +483,7 @@ def test_interval_roll_syncs_at_the_next_flush(tmp_path: Path,
     clock.advance(1000)
     assert log.flush_if_due()
     first, second = (f"{base:020d}" for base in log.segments)
-    assert calls == [f"{first}.log", f"{second}.log", f"{first}.timeindex",
-                     f"{first}.index", "/"]
+    assert calls == [f"{first}.log", f"{second}.log", f"{first}.timeindex", f"{first}.index", "/"]
     calls.clear()
     log.roll()  # the active segment is clean, the roll still needs the next flush
     clock.advance(1000)
@@ -479,8 +496,9 @@ def test_interval_roll_syncs_at_the_next_flush(tmp_path: Path,
 
 @pytest.mark.parametrize("policy", ["always", "interval"])
 @pytest.mark.parametrize("compacted", [False, True])
-def test_roll_syncs_before_the_append_returns(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                              policy: str, compacted: bool) -> None:
+def test_roll_syncs_before_the_append_returns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, policy: str, compacted: bool
+) -> None:
     # fsync=always (every append durable when it returns) and compacted logs (whose offset
     # gaps make a lost segment tail undetectable at open) keep the synchronous roll.
     calls = _syncs(monkeypatch)

@@ -14,13 +14,23 @@ from hypothesis import strategies as st
 from broker.commitlog import LogConfig, OffsetOutOfRange, Record, SegmentedLog
 from broker.commitlog.reader import LogReader
 
-SMALL = LogConfig(segment_bytes=4096, index_interval_bytes=512, fsync="never",
-                  retention_ms=None)
+SMALL = LogConfig(segment_bytes=4096, index_interval_bytes=512, fsync="never", retention_ms=None)
 
 
 def records(n: int, start: int = 0, size: int = 40) -> list[Record]:
-    return [Record(-1, 1_000 + start + i, f"devices/{(start + i) % 7}/t", os.urandom(size),
-                   (start + i) % 3, False, "c", b"") for i in range(n)]
+    return [
+        Record(
+            -1,
+            1_000 + start + i,
+            f"devices/{(start + i) % 7}/t",
+            os.urandom(size),
+            (start + i) % 3,
+            False,
+            "c",
+            b"",
+        )
+        for i in range(n)
+    ]
 
 
 def test_reads_match_the_writer_across_rolls(tmp_path: Path) -> None:
@@ -68,8 +78,13 @@ def test_a_batch_being_written_past_the_mark_is_not_touched(tmp_path: Path) -> N
 
 
 def test_new_segments_and_retention_are_followed(tmp_path: Path) -> None:
-    config = LogConfig(segment_bytes=4096, index_interval_bytes=512, fsync="never",
-                       retention_ms=None, retention_bytes=20_000)
+    config = LogConfig(
+        segment_bytes=4096,
+        index_interval_bytes=512,
+        fsync="never",
+        retention_ms=None,
+        retention_bytes=20_000,
+    )
     with SegmentedLog.open(tmp_path, config) as log:
         log.append(records(20, size=200))
         reader = LogReader(tmp_path, config, log.end_offset)
@@ -106,11 +121,13 @@ def test_an_empty_or_missing_directory_reads_nothing(tmp_path: Path) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(batches=st.lists(st.integers(1, 40), min_size=1, max_size=30),
-       reads=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 200)), max_size=20))
-def test_sequential_and_random_reads_agree_with_the_writer(tmp_path_factory: pytest.TempPathFactory,
-                                                           batches: list[int],
-                                                           reads: list[tuple[int, int]]) -> None:
+@given(
+    batches=st.lists(st.integers(1, 40), min_size=1, max_size=30),
+    reads=st.lists(st.tuples(st.integers(0, 2000), st.integers(1, 200)), max_size=20),
+)
+def test_sequential_and_random_reads_agree_with_the_writer(
+    tmp_path_factory: pytest.TempPathFactory, batches: list[int], reads: list[tuple[int, int]]
+) -> None:
     path = tmp_path_factory.mktemp("log")
     with SegmentedLog.open(path, SMALL) as log:
         reader = LogReader(path, SMALL)

@@ -32,9 +32,9 @@ def append_segment(log: SegmentedLog, ts: int, n: int = 5) -> None:
 def test_age_retention_deletes_expired_prefix_only(tmp_path: Path) -> None:
     clock = FakeClock(100 * DAY)
     log = open_log(tmp_path, clock, retention_ms=7 * DAY)
-    append_segment(log, 80 * DAY)   # expired
-    append_segment(log, 95 * DAY)   # kept (5 days old)
-    append_segment(log, 81 * DAY)   # expired but after a kept one: kept (no holes)
+    append_segment(log, 80 * DAY)  # expired
+    append_segment(log, 95 * DAY)  # kept (5 days old)
+    append_segment(log, 81 * DAY)  # expired but after a kept one: kept (no holes)
     log.append([Record(0, 1, "old-but-active", b"x")])
     assert log.segments == [0, 5, 10, 15]
     assert log.enforce_retention() == 1

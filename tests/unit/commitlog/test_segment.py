@@ -93,8 +93,9 @@ def test_missing_or_bad_index_is_rebuilt(tmp_path: Path) -> None:
     again.close()
 
 
-def test_recover_truncates_torn_tail_and_logs(tmp_path: Path,
-                                             caplog: pytest.LogCaptureFixture) -> None:
+def test_recover_truncates_torn_tail_and_logs(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     seg = filled(tmp_path, batches=5)
     size = seg.size
     seg.close()
@@ -179,8 +180,9 @@ def test_interval_policy_starts_writeback_every_writeback_bytes(
     else:
         # Contiguous ranges from 0, each at least WRITEBACK_BYTES, none past the data.
         assert calls and calls[0][1] == 0
-        assert all(start == prev + length for (_fd, prev, length), (_f, start, _l)
-                   in pairwise(calls))
+        assert all(
+            start == prev + length for (_fd, prev, length), (_f, start, _l) in pairwise(calls)
+        )
         assert all(length >= 1000 for _fd, _start, length in calls)
         assert calls[-1][1] + calls[-1][2] <= seg.size == 12 * size
         seg.flush()  # everything is synced: the next range starts at the end

@@ -50,15 +50,13 @@ def test_partition_is_crc32_of_topic(tmp_path: Path) -> None:
     with Streams(tmp_path, SPECS) as streams:
         for i in range(20):
             topic = f"devices/{i}/telemetry"
-            assert streams.partition_for(topic) == ("telemetry",
-                                                    zlib.crc32(topic.encode()) % 4)
+            assert streams.partition_for(topic) == ("telemetry", zlib.crc32(topic.encode()) % 4)
         assert streams.partition_for("x/ü") == ("default", 0)
 
 
 def test_internal_streams_exist(tmp_path: Path) -> None:
     with Streams(tmp_path, SPECS) as streams:
-        assert list(streams.specs) == ["telemetry", "devices", "$retained", "$sessions",
-                                       "default"]
+        assert list(streams.specs) == ["telemetry", "devices", "$retained", "$sessions", "default"]
         for name in ("$retained", "$sessions"):
             spec = streams.specs[name]
             assert spec.partitions == 1 and spec.log.compacted

@@ -18,9 +18,9 @@ from broker.mqtt.errors import (
 )
 
 # CONNECT 5.0, client id 'c', no properties: 00 04 'MQTT' 05 | 02 | 00 3c | 00 | 00 01 63
-CONNECT5 = bytes.fromhex("100e00044d5154540502003c0000" "0163")
+CONNECT5 = bytes.fromhex("100e00044d5154540502003c00000163")
 # CONNECT 3.1.1, client id 'c'
-CONNECT4 = bytes.fromhex("100d00044d5154540402003c" "000163")
+CONNECT4 = bytes.fromhex("100d00044d5154540402003c000163")
 
 
 def varint(n: int) -> bytes:
@@ -37,8 +37,9 @@ def connect5(props: bytes) -> bytes:
     return b"\x10" + varint(len(body)) + body
 
 
-def publish(topic: str, *, qos: int = 0, pid: int = 1, props: bytes | None = b"",
-            dup: bool = False) -> bytes:
+def publish(
+    topic: str, *, qos: int = 0, pid: int = 1, props: bytes | None = b"", dup: bool = False
+) -> bytes:
     t = topic.encode()
     body = len(t).to_bytes(2, "big") + t + (pid.to_bytes(2, "big") if qos else b"")
     if props is not None:  # None: 3.1.1, no property block
@@ -62,17 +63,24 @@ def code_of(c: ServerConnection, data: bytes) -> int:
 
 # ------------------------------------------------------------------ CONNECT
 
+
 def test_connect_records_client_limits() -> None:
     # 22 0005 topic alias max | 21 0007 receive max | 27 00000100 maximum packet size
-    c = conn5(bytes.fromhex("220005" "210007" "2700000100"))
-    assert (c.client_topic_alias_maximum, c.client_receive_maximum,
-            c.client_max_packet_size) == (5, 7, 256)
+    c = conn5(bytes.fromhex("2200052100072700000100"))
+    assert (c.client_topic_alias_maximum, c.client_receive_maximum, c.client_max_packet_size) == (
+        5,
+        7,
+        256,
+    )
 
 
 def test_connect_defaults() -> None:
     c = conn5()
-    assert (c.client_topic_alias_maximum, c.client_receive_maximum,
-            c.client_max_packet_size) == (0, 65535, None)
+    assert (c.client_topic_alias_maximum, c.client_receive_maximum, c.client_max_packet_size) == (
+        0,
+        65535,
+        None,
+    )
 
 
 @pytest.mark.parametrize("props", ["210000", "2700000000"])  # receive max 0, max size 0
@@ -97,7 +105,7 @@ def test_requested_level_across_chunks(chunks: int) -> None:
     c = ServerConnection(max_packet_size=1 << 20)
     with pytest.raises(UnsupportedProtocolVersion):
         for i in range(0, len(data), chunks):
-            c.receive_data(data[i:i + chunks])
+            c.receive_data(data[i : i + chunks])
     assert c.requested_level == 3
 
 
@@ -108,10 +116,16 @@ def test_second_connect() -> None:
 
 # ------------------------------------------------------------------ topics
 
-@pytest.mark.parametrize(("topic", "code"), [
-    ("a/+", 0x90), ("#", 0x90), ("a/#", 0x90),
-    ("", 0x82),  # 5.0 s3.3.2.1: empty topic without an alias
-])
+
+@pytest.mark.parametrize(
+    ("topic", "code"),
+    [
+        ("a/+", 0x90),
+        ("#", 0x90),
+        ("a/#", 0x90),
+        ("", 0x82),  # 5.0 s3.3.2.1: empty topic without an alias
+    ],
+)
 def test_bad_publish_topics_5(topic: str, code: int) -> None:
     assert code_of(conn5(), publish(topic)) == code
 
@@ -141,6 +155,7 @@ def test_topic_levels() -> None:
 
 # ------------------------------------------------------------------ inbound aliases
 
+
 def test_inbound_alias_set_used_and_stripped() -> None:
     c = conn5()
     (p1,) = c.receive_data(publish("t/1", props=bytes.fromhex("230002")))
@@ -150,10 +165,13 @@ def test_inbound_alias_set_used_and_stripped() -> None:
     assert p1.properties == {} and p2.properties == {}  # the alias is per connection
 
 
-@pytest.mark.parametrize(("props", "code"), [
-    ("230005", 0x94),   # above our maximum of 4 [MQTT-3.3.2-9]
-    ("230000", 0x94),   # 0 [MQTT-3.3.2-8]
-])
+@pytest.mark.parametrize(
+    ("props", "code"),
+    [
+        ("230005", 0x94),  # above our maximum of 4 [MQTT-3.3.2-9]
+        ("230000", 0x94),  # 0 [MQTT-3.3.2-8]
+    ],
+)
 def test_inbound_alias_out_of_range(props: str, code: int) -> None:
     c = conn5()
     with pytest.raises(MQTTError) as info:
@@ -173,6 +191,7 @@ def test_inbound_alias_without_any_allowed() -> None:
 
 
 # ------------------------------------------------------------------ receive maximum (ours)
+
 
 def test_receive_maximum_exceeded_is_0x93() -> None:
     c = conn5(receive_maximum=2)
@@ -226,6 +245,7 @@ def test_311_has_no_receive_maximum() -> None:
 
 # ------------------------------------------------------------------ outbound aliases, size
 
+
 def decode_out(data: bytes) -> Publish:
     d = Decoder(version=5)
     d.feed(data)
@@ -242,7 +262,13 @@ def test_outbound_aliases() -> None:
         assert data is not None
         out.append(decode_out(data))
     assert [(p.topic, p.properties.get(0x23)) for p in out] == [
-        ("a", 1), ("", 1), ("b", 2), ("c", None), ("", 2), ("c", None)]
+        ("a", 1),
+        ("", 1),
+        ("b", 2),
+        ("c", None),
+        ("", 2),
+        ("c", None),
+    ]
 
 
 def test_no_outbound_alias_for_311_or_without_client_maximum() -> None:
@@ -254,7 +280,7 @@ def test_no_outbound_alias_for_311_or_without_client_maximum() -> None:
 
 def test_too_large_for_client_is_skipped_and_sets_no_alias() -> None:
     # Maximum Packet Size 32, Topic Alias Maximum 4
-    c = conn5(bytes.fromhex("2700000020" "220004"))
+    c = conn5(bytes.fromhex("2700000020220004"))
     assert c.send_publish("big", b"x" * 64, 1, False, False, 1, None) is None  # [MQTT-3.1.2-25]
     assert c.outbound_aliases == {}
     data = c.send_publish("big", b"small", 1, False, False, 2, None)
@@ -264,6 +290,7 @@ def test_too_large_for_client_is_skipped_and_sets_no_alias() -> None:
 
 
 # ------------------------------------------------------------------ properties and wills
+
 
 def test_client_publish_with_subscription_identifier() -> None:
     # [MQTT-3.3.4-6]
@@ -279,16 +306,20 @@ def test_response_topic_must_be_a_topic_name() -> None:
 @pytest.mark.parametrize("topic", ["a/#", "+", ""])
 def test_will_topic_must_be_a_topic_name(topic: str) -> None:
     t = topic.encode()
-    body = (bytes.fromhex("00044d5154540406003c") + b"\x00\x01c" + len(t).to_bytes(2, "big")
-            + t + b"\x00\x01x")
+    body = (
+        bytes.fromhex("00044d5154540406003c")
+        + b"\x00\x01c"
+        + len(t).to_bytes(2, "big")
+        + t
+        + b"\x00\x01x"
+    )
     c = ServerConnection(max_packet_size=1 << 20)
     with pytest.raises(TopicNameInvalid):
         c.receive_data(b"\x10" + varint(len(body)) + body)
 
 
 def test_will_topic_limits() -> None:
-    body = (bytes.fromhex("00044d5154540406003c") + b"\x00\x01c" + b"\x00\x07a/b/c/d"
-            + b"\x00\x01x")
+    body = bytes.fromhex("00044d5154540406003c") + b"\x00\x01c" + b"\x00\x07a/b/c/d" + b"\x00\x01x"
     c = ServerConnection(max_packet_size=1 << 20, max_topic_levels=3)
     with pytest.raises(TopicNameInvalid):
         c.receive_data(b"\x10" + varint(len(body)) + body)
@@ -297,7 +328,7 @@ def test_will_topic_limits() -> None:
 def test_the_connect_packet_is_not_kept() -> None:
     """The CONNECT (its password) is handed on, not held for the connection's life."""
     c = ServerConnection(max_packet_size=1 << 20)
-    body = (b"\x00\x04MQTT\x04\xc2\x00\x3c" + b"\x00\x01c" + b"\x00\x01u" + b"\x00\x06secret")
+    body = b"\x00\x04MQTT\x04\xc2\x00\x3c" + b"\x00\x01c" + b"\x00\x01u" + b"\x00\x06secret"
     (packet,) = c.receive_data(b"\x10" + bytes([len(body)]) + body)
     assert isinstance(packet, Connect) and packet.password == b"secret"
     assert c.connected

@@ -13,19 +13,33 @@ topics = st.sampled_from(["a", "devices/1/t", "é/ü", "x" * 300])
 payloads = st.one_of(st.binary(max_size=200), st.sampled_from([b"", b"x" * 20_000]))
 
 
-@given(st.lists(st.tuples(topics, payloads, st.booleans()), min_size=1, max_size=40),
-       st.sampled_from([0, 1, 2]), st.sampled_from([3, 4, 5]), st.integers(1, 65535),
-       st.booleans())
-def test_same_bytes_as_one_by_one(msgs: list[tuple[str, bytes, bool]], qos: int, version: int,
-                                  first: int, with_retain: bool) -> None:
+@given(
+    st.lists(st.tuples(topics, payloads, st.booleans()), min_size=1, max_size=40),
+    st.sampled_from([0, 1, 2]),
+    st.sampled_from([3, 4, 5]),
+    st.integers(1, 65535),
+    st.booleans(),
+)
+def test_same_bytes_as_one_by_one(
+    msgs: list[tuple[str, bytes, bool]], qos: int, version: int, first: int, with_retain: bool
+) -> None:
     first = min(first, 65536 - len(msgs))
     pid = first if qos else None
     t, p, r = zip(*msgs, strict=True)
     retains = r if with_retain else None
     expected = b"".join(
-        encode_publish(topic, payload, qos, retain and with_retain, False,
-                       first + i if qos else None, None, version)
-        for i, (topic, payload, retain) in enumerate(msgs))
+        encode_publish(
+            topic,
+            payload,
+            qos,
+            retain and with_retain,
+            False,
+            first + i if qos else None,
+            None,
+            version,
+        )
+        for i, (topic, payload, retain) in enumerate(msgs)
+    )
     assert encode_publish_run(t, p, retains, qos, pid, version) == expected
 
 

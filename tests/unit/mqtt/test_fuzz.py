@@ -282,8 +282,12 @@ def _subscribe(draw: st.DrawFn, version: int) -> Subscribe:
         else:
             subs.append(Subscription(draw(_NAME), draw(st.integers(0, 2))))
     props = (
-        draw(_props(SUBSCRIPTION_IDENTIFIER=st.integers(1, 268_435_455).map(lambda n: [n]),
-                    USER_PROPERTY=_USER))
+        draw(
+            _props(
+                SUBSCRIPTION_IDENTIFIER=st.integers(1, 268_435_455).map(lambda n: [n]),
+                USER_PROPERTY=_USER,
+            )
+        )
         if version == 5
         else {}
     )
@@ -511,9 +515,7 @@ def test_stream_split_at_every_point(case: tuple[int, list[Packet], bytes]) -> N
 
 @STREAM
 @given(case=_stream(), sizes=st.lists(st.integers(0, 40), min_size=1, max_size=60))
-def test_stream_random_chunking(
-    case: tuple[int, list[Packet], bytes], sizes: list[int]
-) -> None:
+def test_stream_random_chunking(case: tuple[int, list[Packet], bytes], sizes: list[int]) -> None:
     version, packets, data = case
     chunks, pos = [], 0
     for n in sizes:

@@ -27,12 +27,12 @@ def puback(pid: int) -> bytes:
 #: Packets a subscriber may send among its PUBACKs, and malformed ones.
 OTHERS = {
     "pingreq": bytes.fromhex("c000"),
-    "publish": bytes.fromhex("3005000174616263"),            # QoS 0, topic "t", "abc"
-    "puback5_code": bytes.fromhex("4003000710"),              # 5.0: No matching subscribers
+    "publish": bytes.fromhex("3005000174616263"),  # QoS 0, topic "t", "abc"
+    "puback5_code": bytes.fromhex("4003000710"),  # 5.0: No matching subscribers
     "pubrec": bytes.fromhex("50020009"),
-    "pid0": bytes.fromhex("40020000"),                        # [MQTT-2.2.1-3]
-    "flags": bytes.fromhex("41020001"),                       # reserved flags
-    "long311": bytes.fromhex("4003000100"),                   # 3.1.1: a byte too many
+    "pid0": bytes.fromhex("40020000"),  # [MQTT-2.2.1-3]
+    "flags": bytes.fromhex("41020001"),  # reserved flags
+    "long311": bytes.fromhex("4003000100"),  # 3.1.1: a byte too many
     "short": bytes.fromhex("400100"),
 }
 
@@ -76,16 +76,22 @@ def streams(draw: st.DrawFn) -> tuple[int, bytes]:
 
 @settings(max_examples=300, deadline=None)
 @given(stream=streams(), cuts=st.lists(st.integers(0, 10_000), max_size=6))
-def test_runs_decode_as_the_one_by_one_decoder(stream: tuple[int, bytes],
-                                               cuts: list[int]) -> None:
+def test_runs_decode_as_the_one_by_one_decoder(stream: tuple[int, bytes], cuts: list[int]) -> None:
     _, data = stream
     reads = split(data, cuts)
     assert events(Decoder(puback_runs=True), reads) == events(Decoder(), reads)
 
 
 def test_every_split_of_a_run_followed_by_other_packets() -> None:
-    data = CONNECT4 + b"".join(puback(i) for i in range(1, 31)) + OTHERS["pingreq"] + \
-        puback(40) + puback(41) + OTHERS["pid0"] + puback(42)
+    data = (
+        CONNECT4
+        + b"".join(puback(i) for i in range(1, 31))
+        + OTHERS["pingreq"]
+        + puback(40)
+        + puback(41)
+        + OTHERS["pid0"]
+        + puback(42)
+    )
     for cut in range(len(data) + 1):
         for cut2 in range(cut, len(data) + 1, 7):
             reads = [data[:cut], data[cut:cut2], data[cut2:]]
@@ -120,13 +126,17 @@ def test_pubacks_before_connect_are_refused() -> None:
     assert info.value.reason_code == ReasonCode.PROTOCOL_ERROR
 
 
-@pytest.mark.parametrize(("name", "version", "code"), [
-    ("pid0", 4, ReasonCode.PROTOCOL_ERROR),
-    ("flags", 5, ReasonCode.MALFORMED_PACKET),
-    ("long311", 4, ReasonCode.MALFORMED_PACKET),
-])
-def test_a_bad_packet_after_a_run_closes_with_its_reason(name: str, version: int,
-                                                         code: int) -> None:
+@pytest.mark.parametrize(
+    ("name", "version", "code"),
+    [
+        ("pid0", 4, ReasonCode.PROTOCOL_ERROR),
+        ("flags", 5, ReasonCode.MALFORMED_PACKET),
+        ("long311", 4, ReasonCode.MALFORMED_PACKET),
+    ],
+)
+def test_a_bad_packet_after_a_run_closes_with_its_reason(
+    name: str, version: int, code: int
+) -> None:
     """The server's connection: the bad packet is refused with the reason code of the
     one-by-one path; the PUBACKs of that read are lost with the connection (s4.13)."""
     conn = ServerConnection(max_packet_size=1 << 20)

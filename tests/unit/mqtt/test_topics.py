@@ -242,9 +242,7 @@ def test_topic_matches_spec_examples(topic_filter: str, topic: str, expected: bo
 
 
 @pytest.mark.parametrize(("topic_filter", "topic", "expected"), SPEC_MATCHES)
-def test_reference_agrees_with_spec_examples(
-    topic_filter: str, topic: str, expected: bool
-) -> None:
+def test_reference_agrees_with_spec_examples(topic_filter: str, topic: str, expected: bool) -> None:
     """The reference used by the property test must itself be right on the spec examples."""
     assert reference_matches(topic_filter, topic) is expected
 

@@ -69,11 +69,19 @@ class Server:
         self.config = Config(router=dataclasses.replace(RouterConfig(), max_inflight=QUOTA))
         self.monotonic = lambda: 1000.0
         self.scheduled: list[Any] = []
-        self.streams = Streams(data, [
-            StreamSpec("telemetry", ("devices/#",), 4, LogConfig(fsync="never")),
-            StreamSpec("default", (), 1, LogConfig(fsync="never"))])
-        self.router = Router(self.streams, self.config.router, schedule=self.scheduled.append,
-                             clock=lambda: 1_700_000_000.0)
+        self.streams = Streams(
+            data,
+            [
+                StreamSpec("telemetry", ("devices/#",), 4, LogConfig(fsync="never")),
+                StreamSpec("default", (), 1, LogConfig(fsync="never")),
+            ],
+        )
+        self.router = Router(
+            self.streams,
+            self.config.router,
+            schedule=self.scheduled.append,
+            clock=lambda: 1_700_000_000.0,
+        )
         self.metrics = Metrics()
         self.auth = AuthService(self.config.auth, self.monotonic)
         self.links: set[Any] = set()
@@ -106,8 +114,16 @@ class FullPathOnly(MQTTProtocol):
         return False
 
 
-def publish(version: int, topic: str, payload: bytes, qos: int, packet_id: int, dup: bool,
-            retain: bool, props: bytes) -> bytes:
+def publish(
+    version: int,
+    topic: str,
+    payload: bytes,
+    qos: int,
+    packet_id: int,
+    dup: bool,
+    retain: bool,
+    props: bytes,
+) -> bytes:
     name = topic.encode()
     body = struct.pack("!H", len(name)) + name
     if qos:
@@ -130,8 +146,8 @@ def connect(version: int) -> bytes:
 PROPERTIES = [
     b"",
     b"\x26\x00\x01k\x00\x01v",  # a user property
-    b"\x23\x00\x01",            # topic alias 1 (with the topic: sets it)
-    b"\x01\x01",                # payload format indicator
+    b"\x23\x00\x01",  # topic alias 1 (with the topic: sets it)
+    b"\x01\x01",  # payload format indicator
 ]
 
 packets = st.tuples(
@@ -139,7 +155,7 @@ packets = st.tuples(
     st.sampled_from([TOPICS[0]] * 4 + TOPICS[1:] + [""]),
     st.binary(max_size=20) | st.just(b"x" * 300),  # 300: two bytes of remaining length
     st.sampled_from([0, 1, 1, 1, 1, 2]),
-    st.sampled_from([1, 2, 3, 4, 5, 6, 7, 0]),     # packet id 0 is refused [MQTT-2.2.1-3]
+    st.sampled_from([1, 2, 3, 4, 5, 6, 7, 0]),  # packet id 0 is refused [MQTT-2.2.1-3]
     st.sampled_from([False, False, False, True]),  # DUP (QoS 0 with DUP is malformed)
     st.sampled_from([False, False, False, True]),  # retain
     st.sampled_from([b""] * 4 + PROPERTIES[1:]),
@@ -172,8 +188,9 @@ def sessions(draw: st.DrawFn) -> tuple[int, list[bytes], list[int]]:
     return version, reads, ends
 
 
-def serve(cls: type[MQTTProtocol], data: Path, version: int, reads: list[bytes],
-          ends: list[int]) -> tuple[list[bytes], bool, list[tuple[Any, ...]]]:
+def serve(
+    cls: type[MQTTProtocol], data: Path, version: int, reads: list[bytes], ends: list[int]
+) -> tuple[list[bytes], bool, list[tuple[Any, ...]]]:
     server = Server(data)
     proto = cls(server)  # type: ignore[arg-type]
     transport = Transport()
@@ -192,11 +209,15 @@ def serve(cls: type[MQTTProtocol], data: Path, version: int, reads: list[bytes],
     return transport.written, transport.closed, records
 
 
-@settings(max_examples=300, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
 @given(sessions())
-def test_device_path_is_invisible(tmp_path_factory: Any,
-                                  session: tuple[int, list[bytes], list[int]]) -> None:
+def test_device_path_is_invisible(
+    tmp_path_factory: Any, session: tuple[int, list[bytes], list[int]]
+) -> None:
     version, reads, ends = session
     base = tmp_path_factory.mktemp("device")
     fast = serve(MQTTProtocol, base / "fast", version, reads, ends)
@@ -221,10 +242,14 @@ def test_device_path_is_taken(tmp_path: Path) -> None:
     transport = Transport()
     proto.connection_made(transport)  # type: ignore[arg-type]
     proto.data_received(connect(4))
-    first, second, other = (publish(4, topic, payload, 1, pid, False, False, b"")
-                            for topic, payload, pid in [(TOPICS[0], b"a", 1),
-                                                        (TOPICS[0], b"b", 2),
-                                                        (TOPICS[1], b"c", 3)])
+    first, second, other = (
+        publish(4, topic, payload, 1, pid, False, False, b"")
+        for topic, payload, pid in [
+            (TOPICS[0], b"a", 1),
+            (TOPICS[0], b"b", 2),
+            (TOPICS[1], b"c", 3),
+        ]
+    )
     for read in (first, second, second.replace(b"b", b"B"), other):
         proto.data_received(read)
     server.end_iteration()
@@ -246,13 +271,20 @@ SCENARIOS = {
     # One more unacknowledged QoS 1 PUBLISH than our Receive Maximum: DISCONNECT 0x93.
     "over the receive maximum": (5, [_plain(i) for i in range(1, QUOTA + 2)], [QUOTA], True),
     # Acknowledged ones give their quota back (s4.9): no disconnect.
-    "quota given back": (5, [_plain(i) for i in range(1, 2 * QUOTA + 1)],
-                         [QUOTA - 1, 2 * QUOTA - 1], False),
+    "quota given back": (
+        5,
+        [_plain(i) for i in range(1, 2 * QUOTA + 1)],
+        [QUOTA - 1, 2 * QUOTA - 1],
+        False,
+    ),
     # A PUBLISH (to "t") whose payload is a plain PUBLISH, the payload in its own read: it
     # completes the buffered packet, it is not a packet of its own.
-    "a publish in a payload": (4, [_plain(1, version=4),
-                                   b"\x30" + varint(3 + len(_INNER)) + b"\x00\x01t", _INNER],
-                               [2], False),
+    "a publish in a payload": (
+        4,
+        [_plain(1, version=4), b"\x30" + varint(3 + len(_INNER)) + b"\x00\x01t", _INNER],
+        [2],
+        False,
+    ),
 }
 
 

@@ -42,8 +42,12 @@ def test_what_the_work_schedules_runs_in_the_same_pass_for_one_round() -> None:
         end.call_soon(first)
         loop.call_soon(lambda: events.append("the rest of the pass"))
 
-    assert run_in_loop(body) == ["committed", "links flushed", "the rest of the pass",
-                                 "links flushed again"]
+    assert run_in_loop(body) == [
+        "committed",
+        "links flushed",
+        "the rest of the pass",
+        "links flushed again",
+    ]
 
 
 def test_each_call_runs_once_in_order() -> None:

@@ -40,8 +40,9 @@ class FakeRouter:
 class FakeServer:
     def __init__(self, clock: FakeClock, connect_timeout: int = 10) -> None:
         self.monotonic = clock
-        self.config = Config(router=dataclasses.replace(RouterConfig(),
-                                                        connect_timeout=connect_timeout))
+        self.config = Config(
+            router=dataclasses.replace(RouterConfig(), connect_timeout=connect_timeout)
+        )
         self.router = FakeRouter()
         self.metrics = Metrics()
         self.auth = AuthService(self.config.auth, clock)  # anonymous: no thread needed
@@ -56,8 +57,11 @@ class FakeServer:
 
 def connect311(keepalive: int) -> bytes:
     # CONNECT | 00 04 'MQTT' 04 | flags 02 | keepalive | client id 'k'
-    return bytes.fromhex("100d00044d5154540402") + keepalive.to_bytes(2, "big") + \
-        bytes.fromhex("00016b")
+    return (
+        bytes.fromhex("100d00044d5154540402")
+        + keepalive.to_bytes(2, "big")
+        + bytes.fromhex("00016b")
+    )
 
 
 def connected(keepalive: int) -> tuple[MQTTProtocol, FakeClock]:
@@ -70,17 +74,20 @@ def connected(keepalive: int) -> tuple[MQTTProtocol, FakeClock]:
     return proto, clock
 
 
-@pytest.mark.parametrize(("keepalive", "idle", "expired"), [
-    (10, 0.0, False),
-    (10, 14.99, False),
-    (10, 15.0, False),   # exactly 1.5 x: not yet
-    (10, 15.01, True),
-    (1, 1.49, False),
-    (1, 1.51, True),
-    (0, 10**6, False),   # 0 turns keepalive off (s3.1.2.10)
-    (65535, 98302.0, False),
-    (65535, 98303.0, True),
-])
+@pytest.mark.parametrize(
+    ("keepalive", "idle", "expired"),
+    [
+        (10, 0.0, False),
+        (10, 14.99, False),
+        (10, 15.0, False),  # exactly 1.5 x: not yet
+        (10, 15.01, True),
+        (1, 1.49, False),
+        (1, 1.51, True),
+        (0, 10**6, False),  # 0 turns keepalive off (s3.1.2.10)
+        (65535, 98302.0, False),
+        (65535, 98303.0, True),
+    ],
+)
 def test_keepalive_expired_function(keepalive: int, idle: float, expired: bool) -> None:
     assert keepalive_expired(keepalive, 50.0, 50.0 + idle) is expired
 

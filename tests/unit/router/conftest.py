@@ -59,14 +59,27 @@ class FakeLink:
     def send(self, packet: Packet) -> None:
         self.packets.append(packet)
 
-    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
-                     packet_id: int | None, properties: dict[int, Any] | None) -> bool:
+    def send_publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        dup: bool,
+        packet_id: int | None,
+        properties: dict[int, Any] | None,
+    ) -> bool:
         self.publishes.append(Sent(topic, payload, qos, retain, dup, packet_id, properties))
         return True
 
-    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
-                         retains: Sequence[bool] | None, qos: int,
-                         first_packet_id: int | None) -> bool:
+    def send_publish_run(
+        self,
+        topics: Sequence[str],
+        payloads: Sequence[bytes],
+        retains: Sequence[bool] | None,
+        qos: int,
+        first_packet_id: int | None,
+    ) -> bool:
         self.runs += 1
         for i, (topic, payload) in enumerate(zip(topics, payloads, strict=True)):
             pid = None if first_packet_id is None else first_packet_id + i
@@ -111,10 +124,16 @@ class Harness:
 
     def open(self) -> None:
         self.scheduled: list[Callable[[], None]] = []
-        self.streams = Streams(self.data, [StreamSpec("default", (), 1, LogConfig(fsync="never"))],
-                               clock=self.clock)
-        self.router = Router(self.streams, self.config, schedule=self.scheduled.append,
-                             clock=self.clock, monotonic=self.clock)
+        self.streams = Streams(
+            self.data, [StreamSpec("default", (), 1, LogConfig(fsync="never"))], clock=self.clock
+        )
+        self.router = Router(
+            self.streams,
+            self.config,
+            schedule=self.scheduled.append,
+            clock=self.clock,
+            monotonic=self.clock,
+        )
 
     def restart(self) -> None:
         """A clean shutdown and a new router over the same data directory."""
@@ -127,17 +146,28 @@ class Harness:
         while self.scheduled:
             self.scheduled.pop(0)()
 
-    def connect(self, client_id: str, version: int = 5, *, clean: bool = True,
-                expiry: int | None = None, will: Will | None = None,
-                receive_maximum: int | None = None) -> tuple[FakeLink, Session]:
+    def connect(
+        self,
+        client_id: str,
+        version: int = 5,
+        *,
+        clean: bool = True,
+        expiry: int | None = None,
+        will: Will | None = None,
+        receive_maximum: int | None = None,
+    ) -> tuple[FakeLink, Session]:
         props: dict[int, Any] = {}
         if expiry is not None:
             props[PropertyId.SESSION_EXPIRY_INTERVAL] = expiry
         if receive_maximum is not None:
             props[PropertyId.RECEIVE_MAXIMUM] = receive_maximum
         link = FakeLink(client_id, version)
-        result = self.router.connect(link, Connect(client_id, version, clean_start=clean,
-                                                   keepalive=60, will=will, properties=props))
+        result = self.router.connect(
+            link,
+            Connect(
+                client_id, version, clean_start=clean, keepalive=60, will=will, properties=props
+            ),
+        )
         assert result is not None
         self.run()
         return link, result[0]
@@ -146,11 +176,21 @@ class Harness:
         self.router.subscribe(session, Subscribe(1, [Subscription(topic_filter, qos)]))
         self.run()
 
-    def publish(self, session: Session, topic: str, payload: bytes, qos: int = 0,
-                packet_id: int | None = None, *, dup: bool = False, retain: bool = False,
-                properties: dict[int, Any] | None = None) -> None:
-        self.router.publish(session, Publish(topic, payload, qos, retain, dup, packet_id,
-                                             properties or {}))
+    def publish(
+        self,
+        session: Session,
+        topic: str,
+        payload: bytes,
+        qos: int = 0,
+        packet_id: int | None = None,
+        *,
+        dup: bool = False,
+        retain: bool = False,
+        properties: dict[int, Any] | None = None,
+    ) -> None:
+        self.router.publish(
+            session, Publish(topic, payload, qos, retain, dup, packet_id, properties or {})
+        )
 
     def drop(self, session: Session, link: FakeLink) -> None:
         """The network connection closed without DISCONNECT."""

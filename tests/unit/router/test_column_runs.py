@@ -54,17 +54,30 @@ class BytesLink:
     def send(self, packet: Any) -> None:
         self._write(self.conn.send(packet))
 
-    def send_publish(self, topic: str, payload: bytes, qos: int, retain: bool, dup: bool,
-                     packet_id: int | None, properties: dict[int, Any] | None) -> bool:
+    def send_publish(
+        self,
+        topic: str,
+        payload: bytes,
+        qos: int,
+        retain: bool,
+        dup: bool,
+        packet_id: int | None,
+        properties: dict[int, Any] | None,
+    ) -> bool:
         data = self.conn.send_publish(topic, payload, qos, retain, dup, packet_id, properties)
         if data is None:
             return False
         self._write(data)
         return True
 
-    def send_publish_run(self, topics: Sequence[str], payloads: Sequence[bytes],
-                         retains: Sequence[bool] | None, qos: int,
-                         first_packet_id: int | None) -> bool:
+    def send_publish_run(
+        self,
+        topics: Sequence[str],
+        payloads: Sequence[bytes],
+        retains: Sequence[bool] | None,
+        qos: int,
+        first_packet_id: int | None,
+    ) -> bool:
         data = self.conn.send_publish_run(topics, payloads, retains, qos, first_packet_id)
         if data is None:
             return False
@@ -122,10 +135,16 @@ def records(draw: st.DrawFn) -> Record:
         props = encode_properties({PropertyId.MESSAGE_EXPIRY_INTERVAL: 1})
     elif kind == "user":
         props = encode_properties({PropertyId.USER_PROPERTY: [("k", "v")]})
-    return Record(0, int((NOW - 10) * 1000), draw(st.sampled_from([*TOPICS, OTHER])),
-                  draw(st.binary(max_size=80)),
-                  draw(st.sampled_from([0, 1, 1, 1, 2])), draw(st.booleans()),
-                  draw(st.sampled_from(["p1", "p1", "p2", "sub"])), props)
+    return Record(
+        0,
+        int((NOW - 10) * 1000),
+        draw(st.sampled_from([*TOPICS, OTHER])),
+        draw(st.binary(max_size=80)),
+        draw(st.sampled_from([0, 1, 1, 1, 2])),
+        draw(st.booleans()),
+        draw(st.sampled_from(["p1", "p1", "p2", "sub"])),
+        props,
+    )
 
 
 @st.composite
@@ -137,14 +156,22 @@ def cases(draw: st.DrawFn) -> Case:
         qos = draw(st.sampled_from([0, 1, 1, 2]))
         mine = draw(st.integers(0, 3)) == 0  # the subscriber published some (no-local)
         odd = records().map(lambda r: r._replace(qos=qos))
-        plain = records().map(lambda r: r._replace(
-            properties=b"", qos=qos, topic=r.topic.replace(OTHER, TOPICS[0]),
-            client_id=r.client_id if mine else r.client_id.replace("sub", "p1")))
+        plain = records().map(
+            lambda r: r._replace(
+                properties=b"",
+                qos=qos,
+                topic=r.topic.replace(OTHER, TOPICS[0]),
+                client_id=r.client_id if mine else r.client_id.replace("sub", "p1"),
+            )
+        )
         record = st.integers(0, 15).flatmap(lambda i: odd if i == 0 else plain)
     else:
         record = records()
-    batches = draw(st.lists(st.lists(record, min_size=1, max_size=40), min_size=1, max_size=6)
-                   .filter(lambda bs: sum(map(len, bs)) >= 8))
+    batches = draw(
+        st.lists(st.lists(record, min_size=1, max_size=40), min_size=1, max_size=6).filter(
+            lambda bs: sum(map(len, bs)) >= 8
+        )
+    )
     return Case(
         batches=batches,
         version=version,
@@ -155,7 +182,8 @@ def cases(draw: st.DrawFn) -> Case:
         sub_id=draw(st.sampled_from([None, None, None, 7])) if version == 5 else None,
         max_inflight=draw(st.sampled_from([1, 3, 10, 100, 65535])),
         receive_maximum=draw(st.sampled_from([None, 2, 50])) if version == 5 else None,
-        max_packet_size=draw(st.sampled_from([None, None, None, 60, 1000])) if version == 5
+        max_packet_size=draw(st.sampled_from([None, None, None, 60, 1000]))
+        if version == 5
         else None,
         alias_maximum=draw(st.sampled_from([0, 0, 0, 2])) if version == 5 else 0,
         budget=draw(st.sampled_from([40, 300, 5000, 1 << 20])),
@@ -187,9 +215,14 @@ class Reader:
                 return RemotePartition(key, reader, 1, lambda *a: None)
         else:
             self.streams = Streams(written, SPEC, clock=lambda: NOW)
-        self.router = Router(self.streams, config, schedule=self.scheduled.append,
-                             clock=lambda: NOW, monotonic=lambda: NOW,
-                             partition_factory=factory)
+        self.router = Router(
+            self.streams,
+            config,
+            schedule=self.scheduled.append,
+            clock=lambda: NOW,
+            monotonic=lambda: NOW,
+            partition_factory=factory,
+        )
 
     def run(self) -> None:
         while self.scheduled:
@@ -204,8 +237,15 @@ def _write(path: Path, batches: list[list[Record]]) -> None:
     streams.close()
 
 
-def _deliver(tmp: Path, written: Path, case: Case, *, remote: bool, runs: bool,
-             monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, Any, int]:
+def _deliver(
+    tmp: Path,
+    written: Path,
+    case: Case,
+    *,
+    remote: bool,
+    runs: bool,
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[bytes, Any, int]:
     """Every delivery of the case's records, as bytes; plus the end state and run count."""
     monkeypatch.setattr(router_module, "RUN_MIN", 8 if runs else 1 << 30)
     reader = Reader(tmp, written, RouterConfig(max_inflight=case.max_inflight), remote)
@@ -229,8 +269,12 @@ def _deliver(tmp: Path, written: Path, case: Case, *, remote: bool, runs: bool,
     link.out.clear()
     sub_props = {PropertyId.SUBSCRIPTION_IDENTIFIER: [case.sub_id]} if case.sub_id else {}
     topic_filter = ("$replay/earliest/" if case.replay else "") + "a/+"
-    router.subscribe(session, Subscribe(1, [Subscription(
-        topic_filter, case.sub_qos, case.no_local, case.rap)], sub_props))
+    router.subscribe(
+        session,
+        Subscribe(
+            1, [Subscription(topic_filter, case.sub_qos, case.no_local, case.rap)], sub_props
+        ),
+    )
     reader.run()
     if not case.replay:
         # A live subscription starts at the end: rewind it over the records written.
@@ -249,35 +293,50 @@ def _deliver(tmp: Path, written: Path, case: Case, *, remote: bool, runs: bool,
                 router.pubcomp(session, pid)
         if len(link.out) == sent and not session.inflight:
             break
-    state = (sorted(session.inflight), session.next_packet_id,
-             [dict(c.cursors) for c in session.consumers.values()])
+    state = (
+        sorted(session.inflight),
+        session.next_packet_id,
+        [dict(c.cursors) for c in session.consumers.values()],
+    )
     out = b"".join(link.out)
     router.close()
     reader.streams.close()
     return out, state, link.runs
 
 
-def _both(tmp: Path, written: Path, case: Case, remote: bool,
-          monkeypatch: pytest.MonkeyPatch) -> tuple[bytes, int]:
+def _both(
+    tmp: Path, written: Path, case: Case, remote: bool, monkeypatch: pytest.MonkeyPatch
+) -> tuple[bytes, int]:
     """The case delivered by the general path and with runs: the same bytes and end state
     (asserted); returns the bytes and how many runs went out."""
-    general, general_state, general_runs = _deliver(tmp / "g", written, case, remote=remote,
-                                                    runs=False, monkeypatch=monkeypatch)
-    ran, ran_state, runs = _deliver(tmp / "r", written, case, remote=remote, runs=True,
-                                    monkeypatch=monkeypatch)
+    general, general_state, general_runs = _deliver(
+        tmp / "g", written, case, remote=remote, runs=False, monkeypatch=monkeypatch
+    )
+    ran, ran_state, runs = _deliver(
+        tmp / "r", written, case, remote=remote, runs=True, monkeypatch=monkeypatch
+    )
     assert general_runs == 0
     assert ran == general
     assert ran_state == general_state
     return general, runs
 
 
-@settings(max_examples=120, deadline=None,
-          suppress_health_check=[HealthCheck.function_scoped_fixture,
-                                 HealthCheck.too_slow, HealthCheck.data_too_large])
+@settings(
+    max_examples=120,
+    deadline=None,
+    suppress_health_check=[
+        HealthCheck.function_scoped_fixture,
+        HealthCheck.too_slow,
+        HealthCheck.data_too_large,
+    ],
+)
 @given(case=cases(), remote=st.booleans())
 def test_column_runs_send_the_bytes_of_the_general_path(
-        tmp_path_factory: pytest.TempPathFactory, monkeypatch: pytest.MonkeyPatch,
-        case: Case, remote: bool) -> None:
+    tmp_path_factory: pytest.TempPathFactory,
+    monkeypatch: pytest.MonkeyPatch,
+    case: Case,
+    remote: bool,
+) -> None:
     tmp = tmp_path_factory.mktemp("runs")
     written = tmp / "written"
     _write(written, case.batches)
@@ -285,15 +344,17 @@ def test_column_runs_send_the_bytes_of_the_general_path(
 
 
 @pytest.mark.parametrize("remote", [False, True])
-def test_a_plain_replay_goes_out_as_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                         remote: bool) -> None:
+def test_a_plain_replay_goes_out_as_runs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remote: bool
+) -> None:
     """The case the run path is for (3.1.1, QoS 1, no properties) does take it, across
     batches, packet id wrap and a read-ahead shared by several quota-bounded reads."""
-    batches = [[Record(0, 0, f"a/{i % 3}", b"%d" % i, 1, False, "p1")
-                for i in range(j, j + 1000)] for j in range(0, 5000, 1000)]
+    batches = [
+        [Record(0, 0, f"a/{i % 3}", b"%d" % i, 1, False, "p1") for i in range(j, j + 1000)]
+        for j in range(0, 5000, 1000)
+    ]
     _write(tmp_path / "w", batches)
-    case = Case(batches, 4, 1, True, False, False, None, 100, None, None, 0, 1 << 20, 65000,
-                [99])
+    case = Case(batches, 4, 1, True, False, False, None, 100, None, None, 0, 1 << 20, 65000, [99])
     general, runs = _both(tmp_path, tmp_path / "w", case, remote, monkeypatch)
     assert runs >= 5000 // 100 - 2  # the window at the wrap goes one by one
     assert general.count(b"\x32") >= 5000  # every record went out, QoS 1 heads
@@ -309,33 +370,58 @@ def test_a_mark_inside_a_batch_bounds_the_columns(tmp_path: Path) -> None:
     part.committed_through(19)
     cols = part.read_columns(0)
     assert len(cols) == 20 == len(part.read(0))
-    assert list(cols.offsets[cols.start:cols.stop]) == list(range(20))
+    assert list(cols.offsets[cols.start : cols.stop]) == list(range(20))
     part.committed_through(49)
     cols = part.read_columns(10)
     assert len(cols) == 40
-    assert list(cols.built().payloads[cols.start:cols.stop]) == [b"%d" % i for i in range(10, 50)]
+    assert list(cols.built().payloads[cols.start : cols.stop]) == [b"%d" % i for i in range(10, 50)]
     assert READ_BATCH >= 50
     streams.close()
 
 
 @pytest.mark.parametrize("remote", [False, True])
 @pytest.mark.parametrize("rule", ["no_local", "properties", "qos2", "rap"])
-def test_each_rule_of_the_run_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                   remote: bool, rule: str) -> None:
+def test_each_rule_of_the_run_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remote: bool, rule: str
+) -> None:
     """One case per rule that keeps records off a run (or changes what it sends), each
     compared with the general path: no-local [MQTT-3.8.3-3] (the subscriber's own records
     skipped), properties (expiry [MQTT-3.3.2-5], forwarded user properties), QoS 2 records
     under a QoS 2 subscription, retain-as-published."""
     expired = encode_properties({PropertyId.MESSAGE_EXPIRY_INTERVAL: 1})
     user = encode_properties({PropertyId.USER_PROPERTY: [("k", "v")]})
-    batch = [Record(0, int((NOW - 10) * 1000), "a/x", b"%d" % i,
-                    2 if rule == "qos2" and i % 5 == 0 else 1, rule == "rap" and i % 2 == 0,
-                    "sub" if rule == "no_local" and i % 3 == 0 else "p1",
-                    (expired if i % 4 == 0 else user if i % 4 == 1 else b"")
-                    if rule == "properties" else b"") for i in range(60)]
+    batch = [
+        Record(
+            0,
+            int((NOW - 10) * 1000),
+            "a/x",
+            b"%d" % i,
+            2 if rule == "qos2" and i % 5 == 0 else 1,
+            rule == "rap" and i % 2 == 0,
+            "sub" if rule == "no_local" and i % 3 == 0 else "p1",
+            (expired if i % 4 == 0 else user if i % 4 == 1 else b"")
+            if rule == "properties"
+            else b"",
+        )
+        for i in range(60)
+    ]
     _write(tmp_path / "w", [batch[:25], batch[25:]])
-    case = Case([batch], 5, 2 if rule == "qos2" else 1, False, rule == "no_local",
-                rule == "rap", None, 100, None, None, 0, 1 << 20, 1, [3])
+    case = Case(
+        [batch],
+        5,
+        2 if rule == "qos2" else 1,
+        False,
+        rule == "no_local",
+        rule == "rap",
+        None,
+        100,
+        None,
+        None,
+        0,
+        1 << 20,
+        1,
+        [3],
+    )
     general, runs = _both(tmp_path, tmp_path / "w", case, remote, monkeypatch)
     decoder = Decoder(version=5)
     decoder.feed(general)
@@ -351,15 +437,16 @@ def test_each_rule_of_the_run_path(tmp_path: Path, monkeypatch: pytest.MonkeyPat
 
 
 @pytest.mark.parametrize("remote", [False, True])
-def test_reads_of_other_topics_are_passed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               remote: bool) -> None:
+def test_reads_of_other_topics_are_passed_over(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, remote: bool
+) -> None:
     """A replay behind records of topics it does not want passes over whole reads (from
     their string tables) and delivers the same as the general path."""
-    batches = [[Record(0, 0, OTHER, b"x", 1, False, "p1") for _ in range(1000)]
-               for _ in range(9)]
+    batches = [[Record(0, 0, OTHER, b"x", 1, False, "p1") for _ in range(1000)] for _ in range(9)]
     batches.append([Record(0, 0, "a/x", b"%d" % i, 1, False, "p1") for i in range(50)])
-    batches.append([Record(0, 0, OTHER if i % 2 else "a/y", b"%d" % i, 1, False, "p1")
-                    for i in range(50)])
+    batches.append(
+        [Record(0, 0, OTHER if i % 2 else "a/y", b"%d" % i, 1, False, "p1") for i in range(50)]
+    )
     _write(tmp_path / "w", batches)
     case = Case(batches, 4, 1, True, False, False, None, 100, None, None, 0, 1 << 20, 1, [99])
     general, _ = _both(tmp_path, tmp_path / "w", case, remote, monkeypatch)

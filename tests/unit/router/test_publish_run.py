@@ -21,13 +21,27 @@ def _packets(draw_list: list[tuple[int, int, int, bool, bool]]) -> list[Publish]
     out = []
     for n, (topic, payload, qos, retain, props) in enumerate(draw_list):
         properties = {PropertyId.CONTENT_TYPE: "t"} if props else {}
-        out.append(Publish(_TOPICS[topic], bytes([payload]), qos, retain, False,
-                           n + 1 if qos else None, properties))
+        out.append(
+            Publish(
+                _TOPICS[topic],
+                bytes([payload]),
+                qos,
+                retain,
+                False,
+                n + 1 if qos else None,
+                properties,
+            )
+        )
     return out
 
 
-_PACKET = st.tuples(st.integers(0, len(_TOPICS) - 1), st.integers(0, 255), st.integers(0, 2),
-                    st.booleans(), st.booleans())
+_PACKET = st.tuples(
+    st.integers(0, len(_TOPICS) - 1),
+    st.integers(0, 255),
+    st.integers(0, 2),
+    st.booleans(),
+    st.booleans(),
+)
 
 
 def _stored(h: Harness) -> list[tuple[object, ...]]:
@@ -36,13 +50,15 @@ def _stored(h: Harness) -> list[tuple[object, ...]]:
     for key in sorted(h.router.partitions):
         log = h.streams.log(*key)
         for r in log.read(log.log_start_offset, 10_000):
-            out.append((key, r.offset, r.topic, r.payload, r.qos, r.retain, r.client_id,
-                        r.properties))
+            out.append(
+                (key, r.offset, r.topic, r.payload, r.qos, r.retain, r.client_id, r.properties)
+            )
     return out
 
 
-def _run(data: Path, packets: list[Publish], batch: bool, acl: str | None
-         ) -> tuple[list[tuple[object, ...]], list[object], list[object]]:
+def _run(
+    data: Path, packets: list[Publish], batch: bool, acl: str | None
+) -> tuple[list[tuple[object, ...]], list[object], list[object]]:
     h = Harness(data)
     if acl is not None:
         h.router.acl = Acl.parse(acl, "acl")
@@ -57,27 +73,30 @@ def _run(data: Path, packets: list[Publish], batch: bool, acl: str | None
     acks = [p for p in link.packets if type(p) in (PubAck, PubRec)]
     stored = _stored(h)
     # What caught-up subscribers are fed from: the tail, numbered as the log is.
-    tails = [(key, r.offset, r.topic, r.payload)
-             for key, part in sorted(h.router.partitions.items())
-             for r in getattr(part, "tail", [])]
+    tails = [
+        (key, r.offset, r.topic, r.payload)
+        for key, part in sorted(h.router.partitions.items())
+        for r in getattr(part, "tail", [])
+    ]
     h.streams.close()
-    assert [(k, o, t, p) for k, o, t, p, *_ in stored if (k, o) in {(x[0], x[1]) for x in tails}] \
-        == tails
+    assert [
+        (k, o, t, p) for k, o, t, p, *_ in stored if (k, o) in {(x[0], x[1]) for x in tails}
+    ] == tails
     return stored, before, acks
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(_PACKET, max_size=30), st.booleans())
-def test_run_equals_one_by_one(tmp_path_factory: object, spec: list[tuple[int, int, int, bool,
-                                                                              bool]],
-                               with_acl: bool) -> None:
+def test_run_equals_one_by_one(
+    tmp_path_factory: object, spec: list[tuple[int, int, int, bool, bool]], with_acl: bool
+) -> None:
     packets = _packets(spec)
     acl = "topic readwrite a/#\ntopic readwrite b\n" if with_acl else None
     base = tmp_path_factory.mktemp("run")  # type: ignore[attr-defined]
     one = _run(base / "one", packets, False, acl)
     run = _run(base / "run", packets, True, acl)
-    assert run[0] == one[0]   # same records, same partitions, same offsets
-    assert run[2] == one[2]   # same acknowledgements, same order
+    assert run[0] == one[0]  # same records, same partitions, same offsets
+    assert run[2] == one[2]  # same acknowledgements, same order
     # Nothing stored is acknowledged before the append (a denied one may be answered at once).
     assert all(a.reason_code for a in run[1])
 
@@ -101,8 +120,13 @@ def test_one_read_is_stamped_once(h: Harness) -> None:
     h.router.clock = lambda: next(ticks)  # every reading is a second later
     _, s = h.connect("pub", 5)
     props = {PropertyId.CONTENT_TYPE: "t"}
-    h.router.publish_run(s, [Publish("d/1/t", b"%d" % i, 1, False, False, i + 1,
-                                     props if i % 2 else {}) for i in range(6)])
+    h.router.publish_run(
+        s,
+        [
+            Publish("d/1/t", b"%d" % i, 1, False, False, i + 1, props if i % 2 else {})
+            for i in range(6)
+        ],
+    )
     h.run()
     key = h.streams.partition_for("d/1/t")
     log = h.streams.log(*key)

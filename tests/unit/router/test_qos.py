@@ -203,8 +203,9 @@ def test_pubacks_resume_a_run_stopped_at_the_quota(h: Harness) -> None:
     sub_link, sub = h.connect("s", 5, receive_maximum=10)
     h.subscribe(sub, "a/#", 1)
     _, pub = h.connect("p", 5)
-    h.router.publish_run(pub, [Publish("a/b", b"%d" % i, 1, False, False, i + 1, {})
-                               for i in range(50)])
+    h.router.publish_run(
+        pub, [Publish("a/b", b"%d" % i, 1, False, False, i + 1, {}) for i in range(50)]
+    )
     h.run()
     assert len(sub_link.publishes) == 10 and sub_link.runs == 1
     assert sub.waiting

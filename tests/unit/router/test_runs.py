@@ -37,7 +37,8 @@ def test_replay_is_sent_as_runs_within_the_receive_maximum(tmp_path: Path) -> No
     assert all(p.qos == 1 and not p.retain and not p.dup for p in got)
     assert sorted(s.inflight) == list(range(1, 101))
     assert [s.inflight_entry(i) for i in range(1, 101)] == [
-        (("default", 0), i, 1, False, False, None, "$replay/earliest/t/+") for i in range(100)]
+        (("default", 0), i, 1, False, False, None, "$replay/earliest/t/+") for i in range(100)
+    ]
     h.streams.close()
 
 
@@ -78,8 +79,9 @@ def test_qos_is_the_minimum_and_mixed_runs_go_one_by_one(h: Harness) -> None:
 
 def test_properties_no_local_and_retain_as_published(h: Harness) -> None:
     link, s = h.connect("c", 5)
-    h.router.subscribe(s, Subscribe(1, [Subscription("t/+", 0, no_local=True,
-                                                     retain_as_published=True)]))
+    h.router.subscribe(
+        s, Subscribe(1, [Subscription("t/+", 0, no_local=True, retain_as_published=True)])
+    )
     h.run()
     _, other = h.connect("o", 5)
     for i in range(10):
@@ -111,9 +113,16 @@ def test_records_of_other_topics_are_passed_over(h: Harness) -> None:
     assert s.consumers["$replay/earliest/t/+"].cursors[("default", 0)] == 40
 
 
-@pytest.mark.parametrize("acks", [
-    "all", "unknown", "duplicate", "qos2", "group",
-])
+@pytest.mark.parametrize(
+    "acks",
+    [
+        "all",
+        "unknown",
+        "duplicate",
+        "qos2",
+        "group",
+    ],
+)
 def test_puback_run_is_puback_for_each(tmp_path: Path, acks: str) -> None:
     """Router.puback_run (a read of PUBACKs) leaves the state puback(..., pump=False) one by
     one leaves: unknown ids and PUBACKs for QoS 2 deliveries ignored, shared-group
@@ -141,8 +150,14 @@ def test_puback_run_is_puback_for_each(tmp_path: Path, acks: str) -> None:
         state = {pid: (e[1], e[2]) for pid, e in s.inflight_entries()}
         h.router.pump_session(s)
         h.run()
-        outcomes.append((sent, state, [(p.packet_id, p.payload) for p in link.take()],
-                         [(g.name, len(g.members)) for g in h.router.groups.values()]))
+        outcomes.append(
+            (
+                sent,
+                state,
+                [(p.packet_id, p.payload) for p in link.take()],
+                [(g.name, len(g.members)) for g in h.router.groups.values()],
+            )
+        )
         h.streams.close()
     assert outcomes[0] == outcomes[1]
     sent, state, after, _ = outcomes[0]
@@ -164,9 +179,13 @@ def test_run_deliveries_are_resent_under_their_own_ids(tmp_path: Path, restart: 
     h.subscribe(s, "$replay/earliest/t/+", 1)
     got = link.take()
     assert link.runs >= 2
-    assert [(p.packet_id, p.payload) for p in got] == list(zip(
-        [65531, 65532, 65533, 65534, 65535, 1, 2, 3, 4, 5], [b"%d" % i for i in range(10)],
-        strict=True))
+    assert [(p.packet_id, p.payload) for p in got] == list(
+        zip(
+            [65531, 65532, 65533, 65534, 65535, 1, 2, 3, 4, 5],
+            [b"%d" % i for i in range(10)],
+            strict=True,
+        )
+    )
     acked = [65535, 2, 65532, 3]
     h.router.puback_run(s, acked)
     kept = [(p.packet_id, p.payload) for p in got if p.packet_id not in acked]
@@ -176,7 +195,8 @@ def test_run_deliveries_are_resent_under_their_own_ids(tmp_path: Path, restart: 
     link, s = h.connect("sub", 4, clean=False)
     again = link.take()
     assert [(p.packet_id, p.payload, p.dup) for p in again[:6]] == [
-        (pid, payload, True) for pid, payload in kept]
+        (pid, payload, True) for pid, payload in kept
+    ]
     fresh = again[6:]
     assert [p.payload for p in fresh] == [b"10", b"11", b"12", b"13"]  # the 4 freed slots
     assert not any(p.dup for p in fresh)
@@ -212,8 +232,9 @@ class _Peers:
     def deliver(self, *args: object) -> None:
         pass
 
-    def done(self, home: int, group: str, client_id: str, key: tuple[str, int],
-             offset: int) -> None:
+    def done(
+        self, home: int, group: str, client_id: str, key: tuple[str, int], offset: int
+    ) -> None:
         self.done_offsets.append(offset)
 
 

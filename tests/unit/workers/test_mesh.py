@@ -30,9 +30,18 @@ class Worker:
         self.held: list[tuple[int, int]] = []
         self.ups: list[int] = []
         self.downs: list[int] = []
-        self.mesh = Mesh(data_dir, worker, count, {
-            ECHO: self.echo, NOTE: self.note, LATER: self.later,
-        }, on_peer_up=self.ups.append, on_peer_down=self.downs.append)
+        self.mesh = Mesh(
+            data_dir,
+            worker,
+            count,
+            {
+                ECHO: self.echo,
+                NOTE: self.note,
+                LATER: self.later,
+            },
+            on_peer_up=self.ups.append,
+            on_peer_down=self.downs.append,
+        )
 
     def echo(self, peer: int, request: int, body: memoryview) -> None:
         self.mesh.reply(peer, request, b"echo:" + bytes(body))
@@ -108,7 +117,7 @@ def test_frames_split_at_every_byte_are_reassembled(tmp_path: Path) -> None:
         frame = HEADER.pack(HEADER.size - 4 + 5, NOTE, 0) + b"hello"
         stream = frame * 3
         for i in range(len(stream)):
-            proto.data_received(stream[i:i + 1])
+            proto.data_received(stream[i : i + 1])
         assert w0.notes == [(1, b"hello")] * 3
         await w0.mesh.close()
         await w1.mesh.close()

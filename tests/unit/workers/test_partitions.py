@@ -70,9 +70,18 @@ async def until(cond: Callable[[], bool]) -> None:
 
 
 def records(rng: random.Random, n: int, size: int) -> list[Record]:
-    return [Record(-1, 1_700_000_000_000 + i, f"devices/d{rng.randrange(50)}/telemetry",
-                   rng.randbytes(size), 1, False, f"d{rng.randrange(50)}")
-            for i in range(n)]
+    return [
+        Record(
+            -1,
+            1_700_000_000_000 + i,
+            f"devices/d{rng.randrange(50)}/telemetry",
+            rng.randbytes(size),
+            1,
+            False,
+            f"d{rng.randrange(50)}",
+        )
+        for i in range(n)
+    ]
 
 
 def check_reads(remote: PartitionBase, log: SegmentedLog) -> None:
@@ -89,13 +98,12 @@ def check_reads(remote: PartitionBase, log: SegmentedLog) -> None:
         assert cols and cols.offsets[cols.stop - 1] < end
         # Each read returns what it has at hand (a read-ahead, the tail): compare the prefix.
         n = min(len(cols), len(got))
-        assert list(cols.payloads[cols.start:cols.start + n]) == [r.payload for r in got[:n]]
-        assert list(cols.offsets[cols.start:cols.start + n]) == [r.offset for r in got[:n]]
+        assert list(cols.payloads[cols.start : cols.start + n]) == [r.payload for r in got[:n]]
+        assert list(cols.offsets[cols.start : cols.start + n]) == [r.offset for r in got[:n]]
     assert remote.read(end) == []
 
 
-def test_a_reader_is_fed_the_announced_records_and_the_files_behind_them(
-        tmp_path: Path) -> None:
+def test_a_reader_is_fed_the_announced_records_and_the_files_behind_them(tmp_path: Path) -> None:
     """Random commits (small ones carry their records, large ones only the mark) and
     marks learnt early through ``committed_through``: the reader's every read equals the
     owner's log, the small commits come from its tail, and offsets stay exact across the
@@ -132,8 +140,10 @@ def test_a_reader_is_fed_the_announced_records_and_the_files_behind_them(
             # Every announcement wakes the readers here, also when committed_through had
             # moved the reader's end first (the others watching it learn of it only so).
             assert reader.wakes[-1] == end
-            small = len(batch) <= ANNOUNCED_RECORDS and sum(len(r.payload) for r in batch) \
-                <= ANNOUNCED_BYTES
+            small = (
+                len(batch) <= ANNOUNCED_RECORDS
+                and sum(len(r.payload) for r in batch) <= ANNOUNCED_BYTES
+            )
             if small:
                 assert remote.tail and remote.tail[-1].offset == end - 1
                 assert remote.tail_base <= first
@@ -152,7 +162,8 @@ def test_a_reader_is_fed_the_announced_records_and_the_files_behind_them(
 
 
 def test_a_partition_nobody_reads_keeps_no_tail_and_a_restarted_owner_continues_it(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     """Rows for a partition without a reader here are not kept; once someone reads it the
     tail starts at the next announcement, and it goes on across a restart of the owner
     (offsets continue from its log)."""

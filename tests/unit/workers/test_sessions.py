@@ -22,8 +22,7 @@ class FakeWorker:
         self.dir.hand_over = self.hand_over
         self.dir.restore = self.restore
         self.dir.held_ids = lambda: list(self.held)
-        self.mesh = Mesh(tmp, index, count, self.dir.handlers(),
-                         on_peer_down=self.dir.peer_down)
+        self.mesh = Mesh(tmp, index, count, self.dir.handlers(), on_peer_down=self.dir.peer_down)
         self.dir.mesh = self.mesh
 
     def hand_over(self, client_id: str) -> bytes | None:

@@ -23,8 +23,11 @@ class Running:
         self.log = data_dir.parent / f"{data_dir.name}.log"
         self.proc = subprocess.Popen(
             [sys.executable, str(TOY), str(data_dir), str(port), str(count), *extra],
-            cwd=ROOT, stdout=subprocess.DEVNULL, stderr=self.log.open("w"),
-            env={**os.environ, "PYTHONPATH": str(ROOT)})
+            cwd=ROOT,
+            stdout=subprocess.DEVNULL,
+            stderr=self.log.open("w"),
+            env={**os.environ, "PYTHONPATH": str(ROOT)},
+        )
 
     def text(self) -> str:
         return self.log.read_text()
@@ -63,8 +66,9 @@ def ask(port: int) -> tuple[int, int]:
     return int(index), int(pid)
 
 
-def test_workers_share_the_port_and_a_dead_one_is_restarted(tmp_path: Path,
-                                                            running: list[Running]) -> None:
+def test_workers_share_the_port_and_a_dead_one_is_restarted(
+    tmp_path: Path, running: list[Running]
+) -> None:
     sup = Running(tmp_path / "data", 0, 2)
     running.append(sup)
     sup.wait_for("2 workers serving")
@@ -91,8 +95,9 @@ def test_workers_share_the_port_and_a_dead_one_is_restarted(tmp_path: Path,
             os.kill(pid, 0)
 
 
-def test_a_taken_port_is_one_line_and_no_worker_starts(tmp_path: Path,
-                                                       running: list[Running]) -> None:
+def test_a_taken_port_is_one_line_and_no_worker_starts(
+    tmp_path: Path, running: list[Running]
+) -> None:
     holder = socket.socket()
     holder.bind(("127.0.0.1", 0))
     holder.listen()
@@ -100,12 +105,14 @@ def test_a_taken_port_is_one_line_and_no_worker_starts(tmp_path: Path,
     running.append(sup)
     assert sup.proc.wait(20) == 2
     holder.close()
-    assert re.fullmatch(r"mqlog: cannot listen on 127\.0\.0\.1:\d+: Address already in use\n",
-                        sup.text())
+    assert re.fullmatch(
+        r"mqlog: cannot listen on 127\.0\.0\.1:\d+: Address already in use\n", sup.text()
+    )
 
 
-def test_the_data_directory_is_locked_for_the_whole_broker(tmp_path: Path,
-                                                           running: list[Running]) -> None:
+def test_the_data_directory_is_locked_for_the_whole_broker(
+    tmp_path: Path, running: list[Running]
+) -> None:
     first = Running(tmp_path / "data", 0, 2)
     running.append(first)
     first.wait_for("2 workers serving")
@@ -116,8 +123,7 @@ def test_the_data_directory_is_locked_for_the_whole_broker(tmp_path: Path,
     assert first.stop() == 0
 
 
-def test_a_worker_failing_at_start_fails_the_start(tmp_path: Path,
-                                                   running: list[Running]) -> None:
+def test_a_worker_failing_at_start_fails_the_start(tmp_path: Path, running: list[Running]) -> None:
     sup = Running(tmp_path / "data", 0, 2, "fail")
     running.append(sup)
     assert sup.proc.wait(20) == 2

@@ -27,8 +27,7 @@ def main(config: Config, spec: WorkerSpec) -> int:
     sock.bind((config.server.host, config.server.port))
     sock.listen(64)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    print(f"worker {spec.index} listening on {config.server.port}", file=sys.stderr,
-          flush=True)
+    print(f"worker {spec.index} listening on {config.server.port}", file=sys.stderr, flush=True)
     spec.ready()
     while True:
         conn, _ = sock.accept()
@@ -40,8 +39,10 @@ if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     cfg = Config()
     cfg = dataclasses.replace(
-        cfg, server=dataclasses.replace(cfg.server, host="127.0.0.1", port=int(sys.argv[2])),
-        commitlog=dataclasses.replace(cfg.commitlog, data_dir=Path(sys.argv[1])))
+        cfg,
+        server=dataclasses.replace(cfg.server, host="127.0.0.1", port=int(sys.argv[2])),
+        commitlog=dataclasses.replace(cfg.commitlog, data_dir=Path(sys.argv[1])),
+    )
     try:
         sys.exit(Supervisor(cfg, int(sys.argv[3]), main).run())
     except ServeError as e:
