@@ -29,6 +29,7 @@ run: $(STAMP)-run
 lint: $(STAMP)-test
 	$(VENV)/bin/ruff check broker spark_sink tests bench examples
 	$(VENV)/bin/ruff format --check broker spark_sink tests bench examples
+	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
 test: $(STAMP)-test lint

@@ -33,6 +33,7 @@ from broker.http.api import HttpApi, sessions_view
 from broker.metrics.collector import BrokerCollector, Metrics
 from broker.metrics.sys_topics import SYS_SPEC, SysPublisher, sys_values
 from broker.mqtt.reason_codes import ReasonCode
+from broker.mqtt.topics import topic_matches
 from broker.net.iteration import IterationEnd
 from broker.net.keepalive import KeepaliveWheel
 from broker.net.tls import TLSConfigError, TLSProtocol, server_context
@@ -99,7 +100,10 @@ class Server:
         self._lock_fd = lock_data_dir(config.commitlog.data_dir) if worker is None else -1
         # $SYS topics first: their own internal stream, whatever the user's filters say.
         self.streams = Streams(
-            config.commitlog.data_dir, [SYS_SPEC, *config.stream_specs()], clock=clock
+            config.commitlog.data_dir,
+            [SYS_SPEC, *config.stream_specs()],
+            clock=clock,
+            matches=topic_matches,
         )
         self.runtime = (
             WorkerRuntime(worker.index, worker.count, self.streams)

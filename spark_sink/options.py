@@ -1,6 +1,7 @@
 """The ``mqlog`` source's options, parsed once into a frozen, picklable :class:`SourceOptions`.
 
-Names follow Spark's Kafka source (DESIGN.md "Spark"):
+Names follow Spark's Kafka source (``startingOffsets``, ``maxRecordsPerTrigger``,
+``failOnDataLoss``...):
 
 - ``broker`` (required): the broker's HTTP API, ``http://host:port``;
 - ``stream`` (required): a stream name, or several separated by commas;

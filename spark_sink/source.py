@@ -54,7 +54,7 @@ from spark_sink.options import EARLIEST, LATEST, Positions, SourceOptions, parse
 
 logger = logging.getLogger("spark_sink")
 
-#: The Spark schema of every row (DESIGN.md "Spark"); :data:`broker.http.arrow.SCHEMA` in Arrow.
+#: The Spark schema of every row; :data:`broker.http.arrow.SCHEMA` is the same in Arrow.
 SCHEMA_DDL = (
     "stream string, partition int, offset long, timestamp timestamp, topic string, "
     "payload binary, qos int, retain boolean, client_id string, "

@@ -51,12 +51,6 @@ from pathlib import Path
 from typing import TypeVar
 
 from broker.commitlog.batch import SMALL_BATCH, Decoder, decode_into, encode_batch, encode_small
-from broker.commitlog.cleaner import (
-    build_offset_map,
-    cleaned_batches,
-    count_removable,
-    retention_victims,
-)
 from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import (
@@ -64,6 +58,12 @@ from broker.commitlog.errors import (
     LogClosed,
     LogIOError,
     OffsetOutOfRange,
+)
+from broker.commitlog.policy import (
+    build_offset_map,
+    cleaned_batches,
+    count_removable,
+    retention_victims,
 )
 from broker.commitlog.record import Record
 from broker.commitlog.segment import (
@@ -422,7 +422,7 @@ class SegmentedLog:
     # -------------------------------------------------------------- cleaner thread
     def enforce_retention(self, now_ms: int | None = None) -> int:
         """Delete closed segments past ``retention_ms`` / ``retention_bytes`` (see
-        :mod:`broker.commitlog.cleaner`); return how many. Safe from the cleaner thread."""
+        :mod:`broker.commitlog.policy`); return how many. Safe from the cleaner thread."""
         with self._cleaner_lock:
             now = self._now_ms() if now_ms is None else now_ms
             with self._lock:

@@ -2,9 +2,9 @@
 
 With several workers, each partition has one owning process that appends to it
 (:class:`~broker.commitlog.log.SegmentedLog`); the others read the same files to feed their
-subscribers (DESIGN.md: "a subscriber on another core is fed from the log the owner wrote,
-after the owner announces the new high-water mark"). This view never writes, never recovers
-and never trusts more of a file than the owner announced:
+subscribers: a subscriber on another core is fed from the log the owner wrote, after the
+owner announces the new high-water mark. This view never writes, never recovers and never
+trusts more of a file than the owner announced:
 
 * the owner tells the reader its high-water mark (:meth:`LogReader.advance`) only after the
   ``write()`` of the batches below it returned, so every batch whose base offset is below the

@@ -1,10 +1,10 @@
 """The record: one MQTT publish as stored in the log.
 
-A :class:`Record` is a plain ``NamedTuple`` (CONVENTIONS: tuples on the hot path). ``offset`` is
-assigned by the log on append (the value passed in is ignored); ``timestamp`` is milliseconds
-since the Unix epoch; ``topic`` is also the compaction key of keyed (compacted) streams, where an
-empty ``payload`` is a tombstone that deletes the key. ``properties`` are the MQTT 5 properties
-already encoded by the codec: opaque bytes to the log.
+A :class:`Record` is a plain ``NamedTuple`` (a tuple: the hot path builds one per message).
+``offset`` is assigned by the log on append (the value passed in is ignored); ``timestamp`` is
+milliseconds since the Unix epoch; ``topic`` is also the compaction key of keyed (compacted)
+streams, where an empty ``payload`` is a tombstone that deletes the key. ``properties`` are the
+MQTT 5 properties already encoded by the codec: opaque bytes to the log.
 
 Immutable; safe to share between threads.
 """

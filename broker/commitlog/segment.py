@@ -160,7 +160,8 @@ class Segment:
         #: Wall-clock ms the segment_ms roll deadline counts from: the first append to a new
         #: segment, the open of a reopened one. Never a record timestamp: records may carry
         #: any clock (replayed or imported data, devices), and a restart alone must not roll
-        #: (commitlog_bugs.md #2). A reopened segment thus gets a fresh segment_ms.
+        #: (test_log.py: test_reopened_segment_counts_segment_ms_from_the_open). A reopened
+        #: segment thus gets a fresh segment_ms.
         self.rolling_base_ms = rolling_base_ms
         self.offset_index = OffsetIndex(self.index_path, base_offset)
         self.time_index = TimeIndex(self.timeindex_path, base_offset)

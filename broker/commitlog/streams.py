@@ -1,15 +1,20 @@
-"""Streams registry: which stream and partition an MQTT topic goes to, and the open logs.
+"""Streams registry: which stream and partition a topic goes to, and the open logs.
 
 ``DATA/<stream>/<partition>/`` is one :class:`SegmentedLog`. A topic belongs to the first
-stream spec (in configuration order) with a matching topic filter, else to ``default``; its
-partition is ``crc32(utf-8 topic) % partitions`` so one topic keeps its order. The internal
-compacted streams ``$retained`` (key: topic) and ``$sessions`` (key: client id) always exist
-(1 partition, compacted, kept forever) unless the configuration defines them.
+stream spec (in configuration order) with a topic filter that ``matches`` (a
+:data:`TopicMatcher` the caller passes in) says covers it, else to ``default``; its partition
+is ``crc32(utf-8 topic) % partitions`` so one topic keeps its order. The log knows no wire
+rules: what a topic filter means (MQTT wildcards) is the matcher's business, and the broker
+passes ``broker.mqtt.topics.topic_matches``. Without a matcher the registry still opens and
+closes logs, and routes every topic to ``default`` as long as no spec has a topic filter. The
+internal compacted streams ``$retained`` (key: topic) and ``$sessions`` (key: client id)
+always exist (1 partition, compacted, kept forever) unless the configuration defines them.
 
 ``DATA/FORMAT`` holds the on-disk format version (:data:`broker.commitlog.batch.MAGIC`): it is
 written when the directory is new, and a newer version raises :class:`UnsupportedFormat`.
 
-Threads: ``stream_for`` / ``partition_for`` are pure lookups (a bounded cache); ``log`` opens
+Threads: ``stream_for`` / ``partition_for`` are pure lookups (a bounded cache: the matcher
+runs once per topic until the cache is cleared); ``log`` opens
 a partition on first use under a lock, so the loop thread and the cleaner may both call it.
 Each log's append/read must still come from its owner's loop thread.
 """
@@ -27,7 +32,6 @@ from broker.commitlog.batch import MAGIC
 from broker.commitlog.config import LogConfig, StreamSpec
 from broker.commitlog.errors import CommitLogError, LogConfigError, LogIOError, UnsupportedFormat
 from broker.commitlog.log import SegmentedLog
-from broker.mqtt.topics import topic_matches
 
 FORMAT_FILE = "FORMAT"
 DEFAULT_STREAM = "default"
@@ -37,6 +41,9 @@ SESSIONS_STREAM = "$sessions"
 INTERNAL_LOG = LogConfig(retention_ms=None, retention_bytes=None, compacted=True)
 #: Entries of the topic -> stream cache before it is cleared (bounds memory with many topics).
 TOPIC_CACHE_SIZE = 65536
+
+#: ``matches(topic_filter, topic) -> bool``: whether a stream's topic filter covers a topic.
+TopicMatcher = Callable[[str, str], bool]
 
 
 def check_format(data_dir: Path) -> int:
@@ -67,13 +74,23 @@ def check_format(data_dir: Path) -> int:
 
 
 class Streams:
-    """The data directory's streams and their partition logs (opened on first use)."""
+    """The data directory's streams and their partition logs (opened on first use).
+
+    ``matches`` decides which topics a spec's ``topic_filters`` cover; it is needed only to
+    route topics (:meth:`stream_for`) when some spec has topic filters.
+    """
 
     def __init__(
-        self, data_dir: Path, specs: Sequence[StreamSpec], *, clock: Callable[[], float] = time.time
+        self,
+        data_dir: Path,
+        specs: Sequence[StreamSpec],
+        *,
+        clock: Callable[[], float] = time.time,
+        matches: TopicMatcher | None = None,
     ) -> None:
         self.data_dir = Path(data_dir)
         self._clock = clock
+        self._matches = matches
         by_name: dict[str, StreamSpec] = {}
         for spec in specs:
             if spec.name in by_name:
@@ -93,14 +110,27 @@ class Streams:
 
     def stream_for(self, topic: str) -> StreamSpec:
         """The first spec (in configuration order) with a filter matching ``topic``, else
-        ``default``."""
+        ``default``. Raises :class:`CommitLogError` if a spec has topic filters and no
+        matcher was given."""
         spec = self._topic_cache.get(topic)
         if spec is None:
-            spec = next((s for f, s in self._routes if topic_matches(f, topic)), self._default)
+            spec = self._select(topic)
             if len(self._topic_cache) >= TOPIC_CACHE_SIZE:
                 self._topic_cache.clear()
             self._topic_cache[topic] = spec
         return spec
+
+    def _select(self, topic: str) -> StreamSpec:
+        """:meth:`stream_for` without the cache."""
+        if not self._routes:
+            return self._default
+        matches = self._matches
+        if matches is None:
+            raise CommitLogError(
+                f"stream {self._routes[0][1].name!r} has topic filters: "
+                "routing a topic needs Streams(..., matches=...)"
+            )
+        return next((s for f, s in self._routes if matches(f, topic)), self._default)
 
     def partition_for(self, topic: str) -> tuple[str, int]:
         """``(stream name, crc32(utf-8 topic) % partitions)``."""

@@ -16,13 +16,16 @@ Routes (JSON bodies, encoded with orjson):
 The handlers only read router and log state; they run on the loop that owns the router, so no
 locking is needed, and none of them blocks (a log's offsets are in memory). A stream's logs are
 opened on first use, exactly as a subscriber would open them.
+
+The broker is read through :class:`AdminSource` and :class:`SessionsSource`, Protocols naming
+what is read (:class:`broker.server.Server` is both): this room never imports the server.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 import orjson
 from aiohttp import web
@@ -30,13 +33,13 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from broker.commitlog import SegmentedLog, StreamSpec
 from broker.commitlog.reader import LogReader
-from broker.http.fetch_api import FetchApi
-from broker.metrics.collector import merge_expositions
+from broker.http.fetch_api import FetchApi, PartitionSource
+from broker.metrics.collector import Metrics, WorkerShare, merge_expositions
 from broker.router.session import MAIN, Consumer, Session, SharedGroup
 
 if TYPE_CHECKING:
     from broker.config import HttpConfig
-    from broker.server import Server
+    from broker.router.router import Router
 
 log = logging.getLogger("broker.http")
 
@@ -51,10 +54,35 @@ def _error(status: int, message: str) -> web.Response:
     return _json({"error": message}, status)
 
 
-class HttpApi:
-    """The admin HTTP listener of one broker. Started and stopped by :class:`Server`."""
+class SessionsSource(Protocol):
+    """What the sessions view reads: the router's sessions and groups, and the partitions'
+    high-water marks."""
 
-    def __init__(self, server: Server, config: HttpConfig) -> None:
+    @property
+    def router(self) -> Router: ...
+
+    def partition_log(self, key: tuple[str, int]) -> SegmentedLog | LogReader: ...
+
+
+class AdminSource(PartitionSource, SessionsSource, Protocol):
+    """Everything the admin API reads; ``runtime`` is None when the worker is the whole
+    broker."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def runtime(self) -> WorkerShare | None: ...
+
+    def describe(self) -> dict[str, Any]:
+        """``ready`` and the counts /healthz shows."""
+        ...
+
+
+class HttpApi:
+    """The admin HTTP listener of one broker. Started and stopped by the server."""
+
+    def __init__(self, server: AdminSource, config: HttpConfig) -> None:
         self.server = server
         self.config = config
         self.app = web.Application()
@@ -141,7 +169,7 @@ class HttpApi:
         )
 
 
-def sessions_view(server: Server) -> dict[str, Any]:
+def sessions_view(server: SessionsSource) -> dict[str, Any]:
     """This worker's persistent sessions and shared groups, as /api/v1/sessions shows them."""
     view = _Views(server)
     router = server.router
@@ -158,7 +186,7 @@ def sessions_view(server: Server) -> dict[str, Any]:
 class _Views:
     """JSON views of router state."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: SessionsSource) -> None:
         self.server = server
 
     def _positions(self, consumer: Consumer) -> list[dict[str, Any]]:

@@ -1,6 +1,7 @@
 """Log records as Arrow record batches and JSON: the wire format of the HTTP fetch API.
 
-The Arrow schema is the contract shared with the Spark data source (DESIGN.md "Spark"):
+The Arrow schema is the contract shared with the Spark data source (``spark_sink.source``
+declares the same columns as its Spark schema):
 ``stream string, partition int32, offset int64, timestamp timestamp[us, UTC], topic string,
 payload binary, qos int32, retain bool, client_id string, properties map<string, string>``.
 Types are exact (``string``, never ``large_string``) and fields nullable (as Spark's schema

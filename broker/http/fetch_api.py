@@ -21,17 +21,20 @@ partition, 416 for an offset outside ``[earliest, high-water mark]``; the 416 bo
 Threads: the log read runs on the broker's loop (the log's rule: reads from the owner's loop
 thread), bounded by the limits above; encoding the immutable records as Arrow or JSON runs in
 the loop's default executor, so a fetch holds the loop only for the read itself.
+
+The partitions are found through :class:`PartitionSource` (:class:`broker.server.Server` is
+one): this room never imports the server.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import orjson
 from aiohttp import web
 
-from broker.commitlog import CommitLogError, OffsetOutOfRange, Record, SegmentedLog
+from broker.commitlog import CommitLogError, OffsetOutOfRange, Record, SegmentedLog, Streams
 from broker.commitlog.columns import ColumnRead
 from broker.commitlog.reader import LogReader
 from broker.http.arrow import (
@@ -40,9 +43,6 @@ from broker.http.arrow import (
     to_ipc_stream,
     to_json_record,
 )
-
-if TYPE_CHECKING:
-    from broker.server import Server
 
 DEFAULT_MAX_RECORDS = 1000
 #: Upper bound of one fetch: a read of this many records holds the loop for a few ms.
@@ -80,10 +80,22 @@ def _int_param(
     return value
 
 
+class PartitionSource(Protocol):
+    """Where the fetch API finds a stream's partitions and their logs."""
+
+    @property
+    def streams(self) -> Streams: ...
+
+    def partition_log(self, key: tuple[str, int]) -> SegmentedLog | LogReader:
+        """The log of partition ``key`` for reading (this worker's own, or a reader of the
+        one another worker owns)."""
+        ...
+
+
 class FetchApi:
     """The fetch routes of one broker; handlers run on the loop that owns the logs."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: PartitionSource) -> None:
         self.server = server
 
     def routes(self) -> list[web.RouteDef]:

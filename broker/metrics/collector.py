@@ -7,13 +7,16 @@ latency histogram is a real prometheus Histogram: it is observed per fsync (at m
 per second per partition with ``fsync = "interval"``, per batch with ``"always"``).
 
 Everything here is touched only from the broker's event loop thread.
+
+The collector reads the broker through :class:`Scraped`, a Protocol naming exactly what it
+reads (:class:`broker.server.Server` is one): this room never imports the server.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from typing import TYPE_CHECKING
+from collections.abc import Iterator, Sized
+from typing import TYPE_CHECKING, Protocol
 
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
@@ -21,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
 if TYPE_CHECKING:
-    from broker.server import Server
+    from broker.auth import AuthService
+    from broker.router.router import Router
 
 #: fsync latency buckets (seconds): a page-cache-only device is ~50 us, a disk ~10 ms.
 FSYNC_BUCKETS = (
@@ -81,10 +85,61 @@ class Metrics:
         return generate_latest(self.registry)
 
 
+class SessionHandovers(Protocol):
+    """Sessions this worker handed to another (a ``broker.workers`` session directory)."""
+
+    @property
+    def takeovers(self) -> int: ...
+
+
+class PartitionShare(Protocol):
+    """This worker's share of the partitions (a ``broker.workers`` partition service)."""
+
+    @property
+    def forwarded(self) -> int: ...
+
+    def owns(self, key: tuple[str, int]) -> bool: ...
+
+
+class WorkerShare(Protocol):
+    """One worker of several, as the metrics, ``$SYS`` and the HTTP API read it
+    (``broker.workers.runtime.WorkerRuntime`` is one)."""
+
+    @property
+    def sessions(self) -> SessionHandovers: ...
+
+    @property
+    def partitions(self) -> PartitionShare: ...
+
+    async def gather(self, name: str) -> list[bytes]:
+        """View ``name`` of every worker, this one first."""
+        ...
+
+
+class Scraped(Protocol):
+    """What :class:`BrokerCollector` reads at scrape time; ``runtime`` is None when the
+    worker is the whole broker."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def router(self) -> Router: ...
+
+    @property
+    def auth(self) -> AuthService: ...
+
+    @property
+    def links(self) -> Sized: ...
+
+    @property
+    def runtime(self) -> WorkerShare | None: ...
+
+
 class BrokerCollector(Collector):
     """Reads the broker's state at scrape time."""
 
-    def __init__(self, server: Server) -> None:
+    def __init__(self, server: Scraped) -> None:
         self.server = server
 
     def collect(self) -> Iterator[Metric]:
@@ -107,7 +162,7 @@ class BrokerCollector(Collector):
             "mqlog_sessions", "Sessions (connected and persistent offline)", len(router.sessions)
         )
         yield _gauge(
-            "mqlog_subscriptions", "Subscriptions over all sessions", count_subscriptions(server)
+            "mqlog_subscriptions", "Subscriptions over all sessions", count_subscriptions(router)
         )
         for name, help_, values in (
             ("mqlog_messages_received", "PUBLISH packets received from clients", m.messages_in),
@@ -192,9 +247,10 @@ class BrokerCollector(Collector):
         yield lag
 
 
-def count_subscriptions(server: Server) -> int:
+def count_subscriptions(router: Router) -> int:
+    """Subscriptions over all of ``router``'s sessions (shared ones included)."""
     total = 0
-    for session in server.router.sessions.values():
+    for session in router.sessions.values():
         for consumer in session.consumers.values():
             total += len(consumer.subscriptions)
         total += len(session.shared)

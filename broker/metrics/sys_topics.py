@@ -22,6 +22,9 @@ they are in the log (the internal stream ``$sys``), retained, and delivered to s
 
 With several workers, worker 0 publishes the broker's figures: the sum of every worker's
 (version, uptime and the retained count are the same everywhere).
+
+The values are read through :class:`SysSource` and :class:`SysHost`, Protocols naming what
+is read (:class:`broker.server.Server` is both): this room never imports the server.
 """
 
 from __future__ import annotations
@@ -30,15 +33,15 @@ import asyncio
 import logging
 import time
 from importlib import metadata
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import orjson
 
 from broker.commitlog import LogConfig, StreamSpec
-from broker.metrics.collector import count_subscriptions
+from broker.metrics.collector import Metrics, WorkerShare, count_subscriptions
 
 if TYPE_CHECKING:
-    from broker.server import Server
+    from broker.router.router import Router
 
 log = logging.getLogger("broker.sys")
 
@@ -61,7 +64,28 @@ def broker_version() -> str:
         return "unknown"
 
 
-def sys_values(server: Server) -> dict[str, str]:
+class SysSource(Protocol):
+    """What this worker's ``$SYS`` values are computed from."""
+
+    @property
+    def metrics(self) -> Metrics: ...
+
+    @property
+    def router(self) -> Router: ...
+
+
+class SysHost(SysSource, Protocol):
+    """What :class:`SysPublisher` runs on: the loop, the router it publishes through, and
+    the other workers' values (``runtime`` is None when the worker is the whole broker)."""
+
+    @property
+    def loop(self) -> asyncio.AbstractEventLoop: ...
+
+    @property
+    def runtime(self) -> WorkerShare | None: ...
+
+
+def sys_values(server: SysSource) -> dict[str, str]:
     m = server.metrics
     router = server.router
     return {
@@ -74,7 +98,7 @@ def sys_values(server: Server) -> dict[str, str]:
         "messages/dropped": str(router.dropped + router.acl_denied + m.oversize_dropped),
         "bytes/received": str(m.bytes_in),
         "bytes/sent": str(m.bytes_out),
-        "subscriptions/count": str(count_subscriptions(server)),
+        "subscriptions/count": str(count_subscriptions(router)),
         "retained messages/count": str(len(router.retained)),
     }
 
@@ -82,7 +106,7 @@ def sys_values(server: Server) -> dict[str, str]:
 class SysPublisher:
     """Publishes changed ``$SYS`` values every ``interval`` seconds while started."""
 
-    def __init__(self, server: Server, interval: float) -> None:
+    def __init__(self, server: SysHost, interval: float) -> None:
         self.server = server
         self.interval = interval
         self._last: dict[str, str] = {}

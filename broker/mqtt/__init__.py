@@ -1,7 +1,18 @@
 """Sans-IO MQTT 3.1 / 3.1.1 / 5.0 protocol layer: packets, codec, topics, errors.
 
-Imports no asyncio and no socket. The codec contract is /work/notes/codec_api.md:
-``Decoder`` turns bytes into packets, ``encode`` / ``encode_publish`` turn packets into bytes.
+Imports no asyncio, no socket and nothing else of the broker (pyproject.toml
+``[tool.importlinter]``, tests/unit/test_layers.py). The codec contract:
+
+* ``Decoder`` turns bytes into packets: :meth:`~Decoder.feed` then
+  :meth:`~Decoder.next_packet` / :meth:`~Decoder.packets`; incomplete input is "need more
+  data" (``None``), never an exception; malformed input raises an :class:`MQTTError`
+  subclass carrying the reason code to answer with, and the decoder stays dead after it;
+* ``encode`` / ``encode_publish`` turn packets into bytes the other side decodes back to
+  equal packets (properties are dropped at levels 3/4, which have none); sending what the
+  spec forbids raises :class:`LocalProtocolError`, a bug on our side;
+* packets are plain values (:mod:`broker.mqtt.packets` states their shared conventions).
+
+The invariants are stated in full in :mod:`broker.mqtt.decode` and :mod:`broker.mqtt.encode`.
 """
 
 from broker.mqtt.decode import DEFAULT_MAX_PACKET_SIZE, Decoder

@@ -8,7 +8,7 @@ hold PUBLISH decoding under the 300,000 packets/s target (``bench/codec.py``). T
 as immutable values anyway: the codec never mutates a packet it returned or was given, and
 the router may share one decoded packet between subscribers.
 
-Conventions shared by every packet (see /work/notes/codec_api.md, the binding contract):
+Conventions shared by every packet (the decoder produces and the encoder expects them):
 
 * ``properties`` is a ``dict[int, Any]`` keyed by :class:`~broker.mqtt.properties.PropertyId`;
   it is always empty for protocol levels 3 and 4, which have no properties.

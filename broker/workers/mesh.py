@@ -9,7 +9,8 @@ listens, so a restarted worker rejoins without anyone passing descriptors around
 Frames: ``<u32 length><u8 kind><u64 request id>`` and a body; ``length`` counts kind, id and
 body. Request id 0 is a notification; a request's reply carries its id with :data:`REPLY`.
 Frames sent to one peer during an event-loop iteration leave in one ``write`` at its end
-(the microbatching of DESIGN.md), in the order they were sent.
+(microbatching: one system call for everything an iteration sent a peer), in the order they
+were sent.
 
 The mesh knows nothing about what the frames mean: the worker registers one handler per
 kind. Called only from the worker's event loop.

@@ -235,7 +235,7 @@ def test_packet_over_max_size_refused_from_its_header(
 ) -> None:
     s = _bad_session(mb, version, f"big-{version}")
     # PUBLISH fixed header announcing 8192 bytes (80 40); the body is never sent: the broker
-    # decides from the header alone (s4.13, CONVENTIONS: rejected before buffering).
+    # decides from the header alone (s4.13: rejected before the body is buffered).
     s.sendall(bytes.fromhex("308040"))
     out, _ = wait_closed(s)
     if version == 5:

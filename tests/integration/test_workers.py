@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from broker.commitlog import Streams, StreamSpec
+from broker.mqtt.topics import topic_matches
 from broker.workers.mesh import owner_of
 from tests.integration.clients import V311, Client
 from tests.integration.conftest import BrokerProcess
@@ -76,7 +77,8 @@ def test_a_killed_worker_is_restarted_and_nothing_acknowledged_is_lost(
     broker: BrokerProcess,
 ) -> None:
     topic = "devices/7/telemetry"
-    with Streams(broker.data_dir, [StreamSpec("telemetry", ("devices/#",), 4)]) as streams:
+    specs = [StreamSpec("telemetry", ("devices/#",), 4)]
+    with Streams(broker.data_dir, specs, matches=topic_matches) as streams:
         key = streams.partition_for(topic)
     victim = owner_of(key, 2)  # the worker that owns the partition being written
     pid = workers(broker)[victim][0]

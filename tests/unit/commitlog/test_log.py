@@ -154,8 +154,8 @@ def test_roll_by_time_with_fake_clock(tmp_path: Path) -> None:
 
 
 def test_reopened_segment_counts_segment_ms_from_the_open(tmp_path: Path) -> None:
-    # commitlog_bugs.md #2: record timestamps (here far in the past) never decide a roll; a
-    # reopened segment's age restarts at the open, on the wall clock.
+    # Record timestamps (here far in the past) never decide a roll, or a restart alone would
+    # roll: a reopened segment's age restarts at the open, on the wall clock.
     clock = FakeClock()
     log = open_log(tmp_path, clock, segment_bytes=1 << 20, segment_ms=60_000)
     log.append(recs(1, ts=0))

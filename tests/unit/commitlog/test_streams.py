@@ -1,4 +1,9 @@
-"""Streams registry: topic -> stream/partition, internal streams, FORMAT file, LogCleaner."""
+"""Streams registry: topic -> stream/partition, internal streams, FORMAT file, LogCleaner.
+
+The registry is given its topic matcher; most tests pass the broker's
+(:func:`broker.mqtt.topics.topic_matches`), one a fake that shows the registry applies no
+rule of its own.
+"""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ from broker.commitlog import (
     UnsupportedFormat,
 )
 from broker.commitlog.batch import MAGIC
+from broker.mqtt.topics import topic_matches
 
 DAY = 24 * 3600 * 1000
 
@@ -37,7 +43,7 @@ SPECS = [
 
 
 def test_first_matching_spec_wins_and_default_catches_the_rest(tmp_path: Path) -> None:
-    with Streams(tmp_path, SPECS) as streams:
+    with Streams(tmp_path, SPECS, matches=topic_matches) as streams:
         assert streams.stream_for("devices/7/telemetry").name == "telemetry"
         assert streams.stream_for("devices/7/status").name == "devices"
         assert streams.stream_for("devices").name == "devices"
@@ -47,11 +53,45 @@ def test_first_matching_spec_wins_and_default_catches_the_rest(tmp_path: Path) -
 
 
 def test_partition_is_crc32_of_topic(tmp_path: Path) -> None:
-    with Streams(tmp_path, SPECS) as streams:
+    with Streams(tmp_path, SPECS, matches=topic_matches) as streams:
         for i in range(20):
             topic = f"devices/{i}/telemetry"
             assert streams.partition_for(topic) == ("telemetry", zlib.crc32(topic.encode()) % 4)
         assert streams.partition_for("x/ü") == ("default", 0)
+
+
+def test_the_matcher_decides_asked_in_configuration_order_once_per_topic(
+    tmp_path: Path,
+) -> None:
+    calls: list[tuple[str, str]] = []
+
+    def prefix(topic_filter: str, topic: str) -> bool:  # no MQTT wildcard rule at all
+        calls.append((topic_filter, topic))
+        return topic.startswith(topic_filter)
+
+    specs = [StreamSpec("a", ("x/1",)), StreamSpec("b", ("x", "y"))]
+    with Streams(tmp_path, specs, matches=prefix) as streams:
+        assert streams.stream_for("x/1/z").name == "a"
+        assert streams.stream_for("x/2").name == "b"
+        assert streams.stream_for("x/1/z").name == "a"  # cached: the matcher is not asked
+        assert streams.stream_for("devices/#").name == "default"
+        assert calls == [
+            ("x/1", "x/1/z"),
+            ("x/1", "x/2"),
+            ("x", "x/2"),
+            ("x/1", "devices/#"),
+            ("x", "devices/#"),
+            ("y", "devices/#"),
+        ]
+
+
+def test_without_a_matcher_only_unfiltered_streams_route(tmp_path: Path) -> None:
+    with Streams(tmp_path, [StreamSpec("default", (), partitions=2)]) as streams:
+        assert streams.partition_for("a/b") == ("default", zlib.crc32(b"a/b") % 2)
+    with Streams(tmp_path, SPECS) as streams:
+        assert streams.log("telemetry", 3).end_offset == 0  # storage needs no matcher
+        with pytest.raises(CommitLogError, match="matches="):
+            streams.stream_for("devices/1/telemetry")
 
 
 def test_internal_streams_exist(tmp_path: Path) -> None:
@@ -105,7 +145,7 @@ def test_format_file(tmp_path: Path) -> None:
 
 
 def test_logs_survive_reopen(tmp_path: Path) -> None:
-    with Streams(tmp_path, SPECS) as streams:
+    with Streams(tmp_path, SPECS, matches=topic_matches) as streams:
         stream, partition = streams.partition_for("devices/1/telemetry")
         streams.log(stream, partition).append([Record(0, 1, "devices/1/telemetry", b"x")])
     with Streams(tmp_path, SPECS) as streams:

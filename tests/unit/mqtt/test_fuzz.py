@@ -1,6 +1,6 @@
 """Property tests for the decoder: hostile bytes, mutated packets, arbitrary stream chunking.
 
-What must hold for *any* input (codec_api.md, CONVENTIONS habit 1 and 4):
+What must hold for *any* input (the decoder's invariants, broker/mqtt/decode.py):
 
 * the decoder raises nothing but :class:`MQTTError` subclasses;
 * work is bounded: every call returns, and a feed of N bytes yields at most N/2 packets;

@@ -768,7 +768,7 @@ def test_decode(v: Vector) -> None:
 
 @pytest.mark.parametrize("v", [v for v in VECTORS if len(v.data) < 300], ids=lambda v: v.id)
 def test_decode_byte_by_byte(v: Vector) -> None:
-    """Incomplete input means "need more data", never an exception (CONVENTIONS habit 1)."""
+    """Incomplete input means "need more data", never an exception (broker/mqtt/decode.py)."""
     for dec in _decoders(v):
         data = v.data
         for i in range(len(data) - 1):
@@ -860,14 +860,14 @@ def test_encode_refuses(packet: Packet, version: int, why: str) -> None:
 
 
 def test_311_encodes_no_properties() -> None:
-    """codec_api.md: packets of versions 3/4 encode no properties (3.1.1 has none)."""
+    """Packets of versions 3/4 encode no properties (3.1.1 has none; broker/mqtt/encode.py)."""
     assert encode(Publish("a", b"x", properties={P.PAYLOAD_FORMAT_INDICATOR: 1}), 4) == (
         bytes.fromhex("30 04 00 01 61 78")
     )
 
 
 def test_second_connect_decodes() -> None:
-    """codec_api.md: a second CONNECT decodes; the connection layer rejects it
+    """A second CONNECT decodes; the connection layer rejects it
     ([MQTT-3.1.0-2] is a connection-state rule, not a framing one)."""
     dec = _server(4)
     dec.feed(bytes.fromhex(CONNECT_HEX[4]))
@@ -1336,7 +1336,7 @@ def test_oversized_packet_rejected_from_fixed_header_alone() -> None:
     """Only the fixed header is fed: PUBLISH with RL 1000 against a 100-byte limit.
 
     5.0 s3.1.2.11.4 / [MQTT-3.2.2-15]: packets larger than Maximum Packet Size are refused;
-    CONVENTIONS: rejected from the fixed header, before the body is buffered.
+    the decoder rejects them from the fixed header, before the body is buffered.
     """
     dec = _server(5, max_packet_size=100)
     with pytest.raises(PacketTooLarge) as info:

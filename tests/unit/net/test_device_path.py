@@ -25,6 +25,7 @@ from broker.commitlog import Streams
 from broker.commitlog.config import LogConfig, StreamSpec
 from broker.config import Config, RouterConfig
 from broker.metrics.collector import Metrics
+from broker.mqtt.topics import topic_matches
 from broker.net.keepalive import KeepaliveWheel
 from broker.net.transport import MQTTProtocol
 from broker.router.router import Router
@@ -75,6 +76,7 @@ class Server:
                 StreamSpec("telemetry", ("devices/#",), 4, LogConfig(fsync="never")),
                 StreamSpec("default", (), 1, LogConfig(fsync="never")),
             ],
+            matches=topic_matches,
         )
         self.router = Router(
             self.streams,
