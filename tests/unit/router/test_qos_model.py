@@ -431,3 +431,69 @@ def test_pubcomp_is_sent_for_every_pubrel_of_the_publisher(tmp_path: Path) -> No
         assert pub.incoming_qos2 == set()
     finally:
         h.streams.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Router.pubrec marks the delivery released and sends PUBREL without persisting "
+    "the session (it waits for the next tick): after a crash the PUBLISH is resent with DUP "
+    "instead of the PUBREL, and a receiver that released the id delivers it twice "
+    "[MQTT-4.3.3-6]",
+)
+def test_a_released_qos2_delivery_stays_released_across_a_crash(tmp_path: Path) -> None:
+    """Once PUBREL has left, the PUBLISH is never sent again [MQTT-4.3.3-6]: the receiver
+    forgot the id on PUBREL and would take a resend as a new message [MQTT-4.3.3-12]."""
+    h = Harness(tmp_path / "d")
+    link, s = h.connect("sub", 5, expiry=600)
+    h.subscribe(s, "t/#", 2)
+    _, p = h.connect("pub", 5)
+    h.publish(p, "t/1", b"once", 2, 1)
+    h.run()
+    (first,) = link.take()
+    h.router.pubrec(s, first.packet_id, 0)  # type: ignore[arg-type]
+    h.run()  # the iteration ends: its output (the PUBREL) leaves after the group commit
+    assert [r.packet_id for r in link.of(PubRel)] == [first.packet_id]
+    h.streams.close()  # crash: no close(), no tick
+    h.open()
+    try:
+        link, s = h.connect("sub", 5, clean=False, expiry=600)
+        assert link.take() == []  # not the PUBLISH again
+        assert [r.packet_id for r in link.of(PubRel)] == [first.packet_id]
+    finally:
+        h.streams.close()
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="Router.flush writes the sessions _persist_before_acks asked for only inside its "
+    "'while self._dirty' loop: a QoS 2 delivery made outside a group commit (a PUBACK freed "
+    "the window) schedules a flush that has no record to append, so its state is not "
+    "written until something else is",
+)
+def test_a_qos2_delivery_freed_by_a_puback_is_persisted_before_the_next_iteration(
+    tmp_path: Path,
+) -> None:
+    """As test_qos.py's test_qos2_delivery_is_persisted_in_the_same_commit, for a delivery
+    that a PUBACK lets out (outside the group commit): after a crash at the end of that
+    iteration it is resent with DUP and its packet id, not sent again as new."""
+    h = Harness(tmp_path / "d")
+    link, s = h.connect("sub", 5, expiry=600, receive_maximum=1)
+    h.subscribe(s, "t/#", 2)
+    _, p = h.connect("pub", 5)
+    h.publish(p, "t/1", b"first", 1, 1)
+    h.publish(p, "t/1", b"second", 2, 2)
+    h.run()
+    (first,) = link.take()
+    assert first.qos == 1
+    h.router.puback(s, first.packet_id)  # type: ignore[arg-type]
+    (second,) = link.take()  # the window is free: the QoS 2 delivery leaves
+    assert (second.payload, second.qos) == (b"second", 2)
+    h.run()  # the iteration ends
+    h.streams.close()  # crash: no close(), no tick
+    h.open()
+    try:
+        link, s = h.connect("sub", 5, clean=False, expiry=600, receive_maximum=1)
+        (again,) = link.take()
+        assert (again.payload, again.packet_id, again.dup) == (b"second", second.packet_id, True)
+    finally:
+        h.streams.close()
