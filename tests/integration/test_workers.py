@@ -23,8 +23,9 @@ from broker.commitlog import Streams, StreamSpec
 from broker.workers.mesh import owner_of
 from tests.integration.clients import V311, Client
 from tests.integration.conftest import BrokerProcess
-from tests.integration.rawclient import PUBCOMP, PUBREC, PUBREL, RawClient
+from tests.integration.rawclient import RawClient
 from tests.integration.test_durability import replay_all
+from tests.mqttbytes import PUBCOMP, PUBREC, PUBREL
 
 STREAMS = '[[streams]]\nname = "telemetry"\ntopic_filter = ["devices/#"]\npartitions = 4\n'
 
