@@ -1,7 +1,8 @@
 """MQTT 5 features end to end: topic aliases both ways, receive maximum both ways, maximum
 packet size, properties passed through, problem/response information, subscription
-identifiers, message expiry. Raw sockets use hand-built bytes (tests/mqttbytes.py); paho checks
-that a real client library reads our answers the same way.
+identifiers, the message expiry interval (expiry itself is checked on a fake clock in
+tests/unit/router/test_message_expiry.py). Raw sockets use hand-built bytes
+(tests/mqttbytes.py); paho checks that a real client library reads our answers the same way.
 """
 
 from __future__ import annotations
@@ -424,34 +425,3 @@ def test_subscription_identifier_on_raw_socket(mb: BrokerProcess) -> None:
     _, _, props, _ = publish5(*read_packet(s))
     assert props[0x0B] == [129]
     s.close()
-
-
-# ------------------------------------------------------------------ message expiry
-
-
-def test_expired_message_not_delivered_to_late_session(mb: BrokerProcess) -> None:
-    sub = Client(mb.port, "expiry-sub", V5, clean=False, session_expiry=300)
-    assert sub.connect() == 0
-    sub.subscribe("exp/#", 1)
-    sub.disconnect()
-    pub = Client(mb.port, "expiry-pub", V5)
-    assert pub.connect() == 0
-    short = Properties(PacketTypes.PUBLISH)
-    short.MessageExpiryInterval = 1
-    long = Properties(PacketTypes.PUBLISH)
-    long.MessageExpiryInterval = 600
-    pub.publish("exp/a", "short", qos=1, properties=short)
-    pub.publish("exp/a", "long", qos=1, properties=long)
-    pub.disconnect()
-    s, _ = open_session(mb.port, connect5("expiry-probe"))  # a clock edge to wait on:
-    s.settimeout(1.3)  # the short message's second must pass; nothing here is sent
-    with pytest.raises(TimeoutError):
-        s.recv(1)
-    s.close()
-    sub = Client(mb.port, "expiry-sub", V5, clean=False, session_expiry=300)
-    assert sub.connect() == 0
-    (m,) = sub.expect(1)
-    assert m.payload == b"long"  # s3.3.2.3.3: the expired one is not delivered
-    assert 0 < m.properties["MessageExpiryInterval"] <= 599
-    sub.expect_none(0.3)
-    sub.disconnect()
