@@ -5,7 +5,8 @@ stopped (SIGTERM, then SIGKILL if it hangs) when the test ends.
 
 Every test using a broker runs twice: with one worker and with two worker processes
 (``--workers 2``: the supervisor and two routers sharing the port). ``MQLOG_TEST_WORKERS``
-(e.g. ``2``) narrows that down.
+(e.g. ``1``, as ``make test-fast`` sets it) narrows that down; the tests of test_workers.py,
+which are about several workers, always start two.
 """
 
 from __future__ import annotations

@@ -73,6 +73,7 @@ def test_serve_shows_the_workers_and_each_partition_has_one_owner(broker: Broker
     assert {p for p in found[1][1] if p.startswith("telemetry/")}
 
 
+@pytest.mark.slow  # a worker killed under load, then restarted
 def test_a_killed_worker_is_restarted_and_nothing_acknowledged_is_lost(
     broker: BrokerProcess,
 ) -> None:
