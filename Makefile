@@ -35,6 +35,16 @@ lint: $(STAMP)-test
 test: $(STAMP)-test lint
 	$(PY) -m pytest -q
 
+# Faster tiers while working (README, "The two commands"): the unit tests without the slow
+# ones; then with the integration tests on a one-worker broker (MQLOG_TEST_WORKERS=1 drops
+# the [w2] variants), still without Spark and slow. `make test` runs everything.
+.PHONY: test-unit test-fast
+test-unit: $(STAMP)-test
+	$(PY) -m pytest -q tests/unit -m "not slow"
+
+test-fast: $(STAMP)-test
+	MQLOG_TEST_WORKERS=1 $(PY) -m pytest -q tests/unit tests/integration -m "not slow and not spark"
+
 # On demand, not in CI: each benchmark runs its reference in the same run.
 bench: $(STAMP)-test
 	$(PY) -m pip install --quiet -e '.[test,bench]'

@@ -5,7 +5,8 @@ stopped (SIGTERM, then SIGKILL if it hangs) when the test ends.
 
 Every test using a broker runs twice: with one worker and with two worker processes
 (``--workers 2``: the supervisor and two routers sharing the port). ``MQLOG_TEST_WORKERS``
-(e.g. ``2``) narrows that down.
+(e.g. ``1``, as ``make test-fast`` sets it) narrows that down; the tests of test_workers.py,
+which are about several workers, always start two.
 """
 
 from __future__ import annotations
@@ -13,7 +14,6 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -183,35 +183,3 @@ def broker_factory(tmp_path: Path, workers: int) -> Iterator[BrokerFactory]:
 @pytest.fixture
 def broker(broker_factory: BrokerFactory) -> BrokerProcess:
     return broker_factory()
-
-
-def raw_connect(port: int, timeout: float = 5.0) -> socket.socket:
-    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
-    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-    return s
-
-
-def recv_exactly(s: socket.socket, n: int) -> bytes:
-    buf = b""
-    while len(buf) < n:
-        chunk = s.recv(n - len(buf))
-        if not chunk:
-            break
-        buf += chunk
-    return buf
-
-
-def recv_until_closed(s: socket.socket, timeout: float = 5.0) -> bytes:
-    """Everything the broker sends until it closes the connection (or the timeout)."""
-    s.settimeout(timeout)
-    buf = b""
-    try:
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                return buf
-            buf += chunk
-    except TimeoutError:
-        raise AssertionError(f"connection not closed within {timeout}s; got {buf.hex()}") from None
-    except ConnectionResetError:
-        return buf

@@ -1,9 +1,10 @@
-"""A hand-built MQTT client over a plain socket, written from the spec, not from our codec.
+"""A hand-built MQTT client over a plain socket, and the raw-socket helpers of the tests.
 
 For what paho cannot express: withholding acknowledgements, resending a PUBLISH with DUP after
 a reconnect with the same packet id, reading the DUP flag and packet ids of deliveries,
-sending DISCONNECT with a chosen reason code, or closing the socket at an exact point.
-Nothing here imports ``broker``.
+sending DISCONNECT with a chosen reason code, sending malformed bytes, or closing the socket
+at an exact point. The bytes come from ``tests/mqttbytes.py`` (written from the spec); nothing
+here imports ``broker``.
 """
 
 from __future__ import annotations
@@ -13,60 +14,83 @@ import struct
 import time
 from dataclasses import dataclass
 
-# Fixed-header packet types (s2.1.2).
-CONNACK, PUBLISH, PUBACK, PUBREC, PUBREL, PUBCOMP = 2, 3, 4, 5, 6, 7
-SUBACK, UNSUBACK, PINGRESP, DISCONNECT = 9, 11, 13, 14
+from tests.mqttbytes import (
+    CONNACK,
+    DISCONNECT,
+    PUBLISH,
+    PUBREL,
+    SUBACK,
+    connect_bytes,
+    packet,
+    read_varint,
+    split_packet,
+    utf8,
+)
+from tests.mqttbytes import varint as varint  # re-exported for tests/unit/net/test_device_path.py
+
+# ------------------------------------------------------------------ plain sockets
 
 
-def varint(n: int) -> bytes:
-    """Variable Byte Integer (s1.5.5)."""
-    out = bytearray()
-    while True:
-        byte, n = n % 128, n // 128
-        out.append(byte | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
+def raw_connect(port: int, timeout: float = 5.0) -> socket.socket:
+    s = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+    s.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    return s
 
 
-def utf8(s: str) -> bytes:
-    b = s.encode()
-    return struct.pack("!H", len(b)) + b
+def recv_exactly(s: socket.socket, n: int) -> bytes:
+    """``n`` bytes, or fewer if the peer closed first."""
+    buf = b""
+    while len(buf) < n:
+        chunk = s.recv(n - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
 
 
-def packet(first: int, body: bytes) -> bytes:
-    return bytes([first]) + varint(len(body)) + body
+def read_packet(s: socket.socket, timeout: float = 5.0) -> tuple[int, bytes]:
+    """One packet as (first byte, body); raises AssertionError if the peer closed first."""
+    s.settimeout(timeout)
+    head = recv_exactly(s, 1)
+    assert head, "connection closed while a packet was expected"
+    while len(head) == 1 or head[-1] & 0x80:  # Remaining Length: up to a byte < 0x80
+        b = recv_exactly(s, 1)
+        assert b, "connection closed inside a fixed header"
+        head += b
+    length, _ = read_varint(head, 1)
+    body = recv_exactly(s, length)
+    assert len(body) == length, f"short body: {body.hex()}"
+    return head[0], body
 
 
-def connect_bytes(
-    client_id: str,
-    version: int = 4,
-    *,
-    clean: bool = True,
-    keepalive: int = 60,
-    session_expiry: int | None = None,
-    receive_maximum: int | None = None,
-    will: tuple[str, bytes, int, bool] | None = None,
-    will_delay: int | None = None,
-) -> bytes:
-    """CONNECT (s3.1). 5.0 properties: Session Expiry Interval (0x11), Receive Maximum
-    (0x21); will property: Will Delay Interval (0x18)."""
-    flags = 0x02 if clean else 0
-    will_part = b""
-    if will is not None:
-        topic, payload, qos, retain = will
-        flags |= 0x04 | (qos << 3) | (0x20 if retain else 0)
-        if version == 5:
-            wprops = b"" if will_delay is None else b"\x18" + struct.pack("!I", will_delay)
-            will_part += varint(len(wprops)) + wprops
-        will_part += utf8(topic) + struct.pack("!H", len(payload)) + payload
-    body = utf8("MQTT") + bytes([version, flags]) + struct.pack("!H", keepalive)
-    if version == 5:
-        props = b"" if session_expiry is None else b"\x11" + struct.pack("!I", session_expiry)
-        if receive_maximum is not None:
-            props += b"\x21" + struct.pack("!H", receive_maximum)
-        body += varint(len(props)) + props
-    body += utf8(client_id) + will_part
-    return packet(0x10, body)
+def open_session(port: int, connect: bytes) -> tuple[socket.socket, bytes]:
+    """Connect, send ``connect``, return the socket and the CONNACK body (checked 0x20)."""
+    s = raw_connect(port)
+    s.sendall(connect)
+    first, body = read_packet(s)
+    assert first == 0x20, f"expected CONNACK, got {first:#x} {body.hex()}"
+    return s, body
+
+
+def wait_closed(s: socket.socket, timeout: float = 5.0) -> tuple[bytes, float]:
+    """Read until the broker closes: (bytes received, seconds it took)."""
+    start = time.monotonic()
+    s.settimeout(timeout)
+    buf = b""
+    try:
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            buf += chunk
+    except TimeoutError:
+        raise AssertionError(f"not closed within {timeout}s; got {buf.hex()}") from None
+    except ConnectionResetError:
+        pass
+    return buf, time.monotonic() - start
+
+
+# ------------------------------------------------------------------ a whole client
 
 
 @dataclass
@@ -125,8 +149,8 @@ class RawClient:
         assert p.packet_id == pid
         rest = p.body[2:]
         if self.version == 5:
-            plen, n = _read_varint(rest, 0)
-            rest = rest[n + plen :]
+            plen, pos = read_varint(rest, 0)
+            rest = rest[pos + plen :]
         return list(rest)
 
     def publish(
@@ -187,18 +211,12 @@ class RawClient:
             self._buf += chunk
 
     def _parse(self) -> Packet | None:
-        buf = self._buf
-        if len(buf) < 2:
+        parsed = split_packet(self._buf)
+        if parsed is None:
             return None
-        try:
-            length, n = _read_varint(buf, 1)
-        except IndexError:
-            return None
-        end = 1 + n + length
-        if len(buf) < end:
-            return None
-        self._buf = buf[end:]
-        return Packet(buf[0] >> 4, buf[0] & 0x0F, buf[1 + n : end])
+        first, body, end = parsed
+        self._buf = self._buf[end:]
+        return Packet(first >> 4, first & 0x0F, body)
 
     def expect(self, kind: int, timeout: float | None = None) -> Packet:
         for i, p in enumerate(self.backlog):
@@ -224,8 +242,8 @@ class RawClient:
             pid = struct.unpack("!H", p.body[i : i + 2])[0]
             i += 2
         if self.version == 5:
-            plen, n = _read_varint(p.body, i)
-            i += n + plen
+            plen, i = read_varint(p.body, i)
+            i += plen
         return Delivery(topic, p.body[i:], qos, bool(p.flags & 0x08), bool(p.flags & 1), pid)
 
     def expect_nothing(self, kind: int, wait: float = 0.5) -> None:
@@ -253,14 +271,3 @@ class RawClient:
             if p.type == DISCONNECT:
                 disconnect = p
         raise AssertionError("the broker did not close the connection")
-
-
-def _read_varint(buf: bytes, i: int) -> tuple[int, int]:
-    value, mult, n = 0, 1, 0
-    while True:
-        byte = buf[i + n]
-        n += 1
-        value += (byte & 0x7F) * mult
-        if not byte & 0x80:
-            return value, n
-        mult *= 128

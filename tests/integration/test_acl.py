@@ -9,8 +9,9 @@ import pytest
 
 from tests.integration.clients import V5, V311, Client
 from tests.integration.conftest import BrokerFactory, BrokerProcess
-from tests.integration.rawclient import CONNACK, RawClient, packet, utf8, varint
+from tests.integration.rawclient import RawClient
 from tests.integration.test_auth import make_password_file
+from tests.mqttbytes import CONNACK, packet, utf8, varint
 
 ACL = """\
 # anonymous clients

@@ -1,8 +1,8 @@
 """One stalled subscriber must cost nothing to publishers or to other subscribers.
 
-The stalled subscriber is a raw socket (hand-built MQTT 3.1.1 bytes) with a tiny receive
-buffer that subscribes and then stops reading, so its TCP window closes and the broker's
-per-connection buffer fills: the broker must pause that one connection and go on serving
+The stalled subscriber is a raw socket (hand-built MQTT 3.1.1 bytes, tests/mqttbytes.py) with a
+tiny receive buffer that subscribes and then stops reading, so its TCP window closes and the
+broker's per-connection buffer fills: the broker must pause that one connection and go on serving
 everyone else at the same pace. Being a position in the log, the stalled subscriber still gets
 every QoS 1 message once it reads again; a QoS 0 one that falls more than ``max_lag_records``
 behind is handled by ``slow_qos0_policy`` ("drop" skips ahead, "disconnect" resets it).
@@ -20,25 +20,10 @@ import orjson
 
 from tests.integration.clients import Client, mosquitto_sub
 from tests.integration.conftest import BrokerFactory, BrokerProcess
+from tests.mqttbytes import packet, split_packet, utf8
 
 PAYLOAD = 4000  # bytes: more than the kernel buffers of a stalled socket (~4 MB) hold
 N = 2500
-
-
-# ---------------------------------------------------------------- hand-built MQTT 3.1.1
-
-
-def _packet(first: int, body: bytes) -> bytes:
-    n, rem = len(body), bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        rem.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes([first]) + bytes(rem) + body
-
-
-def _str(s: str) -> bytes:
-    return struct.pack("!H", len(s.encode())) + s.encode()
 
 
 class StalledSubscriber:
@@ -52,10 +37,10 @@ class StalledSubscriber:
         self.buf = b""
         # CONNECT: persistent session (clean session 0), keepalive 0 (never times out).
         self.sock.sendall(
-            _packet(0x10, _str("MQTT") + bytes([4, 0x00]) + b"\x00\x00" + _str(client_id))
+            packet(0x10, utf8("MQTT") + bytes([4, 0x00]) + b"\x00\x00" + utf8(client_id))
         )
         assert self._next(5.0) == (0x20, b"\x00\x00"), "CONNACK accepted"
-        self.sock.sendall(_packet(0x82, b"\x00\x01" + _str(topic_filter) + bytes([qos])))
+        self.sock.sendall(packet(0x82, b"\x00\x01" + utf8(topic_filter) + bytes([qos])))
         assert self._next(5.0) == (0x90, b"\x00\x01" + bytes([qos])), "SUBACK"
 
     def _next(self, timeout: float) -> tuple[int, bytes] | None:
@@ -78,23 +63,12 @@ class StalledSubscriber:
             self.buf += chunk
 
     def _parse(self) -> tuple[int, bytes] | None:
-        buf = self.buf
-        if len(buf) < 2:
+        parsed = split_packet(self.buf)
+        if parsed is None:
             return None
-        n, shift, pos = 0, 0, 1
-        while True:
-            if pos >= len(buf):
-                return None
-            b = buf[pos]
-            pos += 1
-            n |= (b & 0x7F) << shift
-            shift += 7
-            if b < 0x80:
-                break
-        if len(buf) < pos + n:
-            return None
-        self.buf = buf[pos + n :]
-        return buf[0], buf[pos : pos + n]
+        first, body, end = parsed
+        self.buf = self.buf[end:]
+        return first, body
 
     def read_publishes(self, want: int, timeout: float) -> list[int]:
         """Read PUBLISH packets (acknowledging QoS 1) until ``want`` arrived or the time is

@@ -11,10 +11,12 @@ import sys
 from pathlib import Path
 
 import orjson
+import pytest
 
 from tests.integration.conftest import ROOT
 
 
+@pytest.mark.slow  # a benchmark run of two brokers: about a minute
 def test_quick_bench_measures_mqlog_and_mosquitto(tmp_path: Path) -> None:
     out = subprocess.run(
         [

@@ -20,6 +20,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from broker.commitlog.config import LogConfig
 from broker.commitlog.log import SegmentedLog
 from broker.commitlog.record import Record
@@ -112,6 +114,7 @@ def run_and_kill(directory: Path, rng: random.Random) -> list[tuple[int, int]]:
     return reported
 
 
+@pytest.mark.slow  # a kill loop
 def test_sigkill_loses_no_reported_offset(tmp_path: Path) -> None:
     directory = tmp_path / "kill" / "0"
     rng = random.Random()

@@ -1,6 +1,6 @@
 """CONNECT / CONNACK, keepalive, PINGREQ, DISCONNECT and takeover against the real broker.
 
-Raw sockets carry hand-built bytes (tests/integration/handbuilt.py, written from the spec);
+Raw sockets carry hand-built bytes (tests/mqttbytes.py, written from the spec);
 paho covers what a real client library does with the answers.
 """
 
@@ -15,17 +15,9 @@ from paho.mqtt.packettypes import PacketTypes
 from paho.mqtt.properties import Properties
 
 from tests.integration.clients import V5, V311, Client
-from tests.integration.conftest import BrokerFactory, BrokerProcess, raw_connect
-from tests.integration.handbuilt import (
-    connack5,
-    connect5,
-    connect311,
-    disconnect5,
-    open_session,
-    pkt,
-    read_packet,
-    wait_closed,
-)
+from tests.integration.conftest import BrokerFactory, BrokerProcess
+from tests.integration.rawclient import open_session, raw_connect, read_packet, wait_closed
+from tests.mqttbytes import connack5, connect5, connect311, disconnect5, packet
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +50,7 @@ def test_311_connect_accepted(mb: BrokerProcess) -> None:
 def test_mqisdp_level_3_accepted(mb: BrokerProcess) -> None:
     # 10 len | 00 06 'MQIsdp' | 03 level 3.1 | 02 clean | 00 3c keepalive | 00 02 'c3'
     body = bytes.fromhex("00064d51497364700302003c00026333")
-    s, ack = open_session(mb.port, pkt(0x10, body))
+    s, ack = open_session(mb.port, packet(0x10, body))
     assert ack == bytes.fromhex("0000")
     s.sendall(bytes.fromhex("c000"))  # PINGREQ
     assert read_packet(s) == (0xD0, b"")  # PINGRESP [MQTT-3.12.4-1]
@@ -81,7 +73,7 @@ def test_mqisdp_level_3_accepted(mb: BrokerProcess) -> None:
 def test_unsupported_protocol_refused_then_closed(
     mb: BrokerProcess, body: str, answer: str
 ) -> None:
-    assert refused(mb.port, pkt(0x10, bytes.fromhex(body))).hex() == answer
+    assert refused(mb.port, packet(0x10, bytes.fromhex(body))).hex() == answer
 
 
 @pytest.mark.parametrize(
@@ -97,16 +89,16 @@ def test_bad_connect_flags_close_311(mb: BrokerProcess, flags: int) -> None:
     # Will flags set need will topic/payload; give them so only the flag rule is broken.
     extra = bytes.fromhex("0001770000") if flags & 0x04 else b""
     data = connect311("flags", flags=flags)
-    data = pkt(0x10, data[2:] + extra)
+    data = packet(0x10, data[2:] + extra)
     assert refused(mb.port, data) == b""  # 3.1.1: no CONNACK code for it, just close
 
 
 def test_password_without_username(mb: BrokerProcess) -> None:
     # flags 0x42: password, clean; payload: client id 'pw', password 00 02 'pw'
     pw = bytes.fromhex("0002") + b"pw"
-    assert refused(mb.port, pkt(0x10, connect311("pw", flags=0x42)[2:] + pw)) == b""
+    assert refused(mb.port, packet(0x10, connect311("pw", flags=0x42)[2:] + pw)) == b""
     # 5.0 allows a password without a user name (s3.1.2.9)
-    s, body = open_session(mb.port, pkt(0x10, connect5("pw5", flags=0x42)[2:] + pw))
+    s, body = open_session(mb.port, packet(0x10, connect5("pw5", flags=0x42)[2:] + pw))
     assert connack5(body)[:2] == (0, 0)
     s.close()
 
@@ -126,22 +118,22 @@ def test_reserved_flag_5_gets_connack_malformed(mb: BrokerProcess) -> None:
 def test_invalid_will_topic_refused(mb: BrokerProcess, will: str, answer5: str) -> None:
     # flags 0x06: will flag, clean; a will published later must have a valid topic name
     w = bytes.fromhex(will)
-    assert refused(mb.port, pkt(0x10, connect311("badwill", flags=0x06)[2:] + w)) == b""
-    out = refused(mb.port, pkt(0x10, connect5("badwill", flags=0x06)[2:] + b"\x00" + w))
+    assert refused(mb.port, packet(0x10, connect311("badwill", flags=0x06)[2:] + w)) == b""
+    out = refused(mb.port, packet(0x10, connect5("badwill", flags=0x06)[2:] + b"\x00" + w))
     assert out.hex() == answer5  # CONNACK 0x90 Topic Name invalid
 
 
 def test_will_response_topic_with_wildcard_refused(mb: BrokerProcess) -> None:
     # will properties: 08 0001 '#' (Response Topic); will topic 'a', payload 'x'
     w = bytes.fromhex("0408000123000161000178")
-    out = refused(mb.port, pkt(0x10, connect5("badresp", flags=0x06)[2:] + w))
+    out = refused(mb.port, packet(0x10, connect5("badresp", flags=0x06)[2:] + w))
     assert out.hex() == "2003008200"
 
 
 def test_will_flag_consistency_accepted(mb: BrokerProcess) -> None:
     # flags 0x2e: will retain, will QoS 1, will flag, clean; will topic 'w', payload 'x'
     body = connect311("willok", flags=0x2E)[2:] + bytes.fromhex("000177000178")
-    s, ack = open_session(mb.port, pkt(0x10, body))
+    s, ack = open_session(mb.port, packet(0x10, body))
     assert ack == bytes.fromhex("0000")
     s.close()
 
@@ -249,12 +241,12 @@ def test_disconnect_with_will_reason_publishes_will(mb: BrokerProcess) -> None:
         + bytes.fromhex("0004")
         + b"gone"
     )
-    normal = pkt(0x10, connect5("w-normal", flags=0x0E)[2:] + will)
+    normal = packet(0x10, connect5("w-normal", flags=0x0E)[2:] + will)
     s, _ = open_session(mb.port, normal)
     s.sendall(bytes.fromhex("e00100"))  # DISCONNECT 0x00: will discarded [MQTT-3.1.2-10]
     assert wait_closed(s)[0] == b""
     s.close()
-    with_will = pkt(0x10, connect5("w-will", flags=0x0E)[2:] + will)
+    with_will = packet(0x10, connect5("w-will", flags=0x0E)[2:] + will)
     s, _ = open_session(mb.port, with_will)
     s.sendall(bytes.fromhex("e00104"))  # DISCONNECT 0x04: disconnect with will message
     assert wait_closed(s)[0] == b""
@@ -313,6 +305,11 @@ def test_paho_disconnect_with_reason_code(mb: BrokerProcess) -> None:
 
 
 # ------------------------------------------------------------------ keepalive
+# The real timer, end to end: a silent client is closed. That a PINGREQ (any byte) restarts
+# the timer and that keepalive 0 never expires are checked on a fake clock, without waiting
+# 2-4 s here: tests/unit/net/test_keepalive.py (test_any_packet_restarts_the_keepalive_timer,
+# test_a_live_client_is_looked_at_once_per_one_and_a_half_keepalive,
+# test_keepalive_zero_leaves_the_wheel).
 
 
 def test_keepalive_closes_after_one_and_a_half_times(mb: BrokerProcess) -> None:
@@ -329,28 +326,6 @@ def test_keepalive_5_sends_disconnect_0x8d(mb: BrokerProcess) -> None:
     out, took = wait_closed(s, timeout=5)
     assert disconnect5(out[0], out[2:])[0] == 0x8D  # Keep Alive timeout
     assert 1.0 <= took <= 2.8, took
-    s.close()
-
-
-def test_pingreq_keeps_the_connection_alive(mb: BrokerProcess) -> None:
-    s, _ = open_session(mb.port, connect311("ka-ping", keepalive=1))
-    for _ in range(6):  # 3.6 s, well past 1.5 x keepalive, with a PINGREQ every 0.6 s
-        s.settimeout(0.6)
-        try:
-            s.recv(1)
-            raise AssertionError("broker sent or closed while pings were arriving")
-        except TimeoutError:
-            pass
-        s.sendall(bytes.fromhex("c000"))
-        assert read_packet(s) == (0xD0, b"")
-    s.close()
-
-
-def test_keepalive_zero_never_expires(mb: BrokerProcess) -> None:
-    s, _ = open_session(mb.port, connect311("ka0", keepalive=0))
-    s.settimeout(2.2)
-    with pytest.raises(TimeoutError):
-        s.recv(1)  # nothing sent, nothing closed after > 1.5 x any keepalive we used
     s.close()
 
 

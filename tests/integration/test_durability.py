@@ -10,7 +10,8 @@ import pytest
 
 from tests.integration.clients import V5, V311, Client
 from tests.integration.conftest import BrokerFactory
-from tests.integration.rawclient import PUBACK, PUBCOMP, PUBREC, PUBREL, RawClient
+from tests.integration.rawclient import RawClient
+from tests.mqttbytes import PUBACK, PUBCOMP, PUBREC, PUBREL
 
 
 def replay_all(port: int, topic: str, protocol: int = V5) -> list[bytes]:

@@ -13,18 +13,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.clients import V5, V311, Client
-from tests.integration.conftest import BrokerFactory, BrokerProcess, raw_connect
-from tests.integration.handbuilt import (
-    connack5,
-    connect5,
-    connect311,
-    disconnect5,
-    mqtt_str,
-    open_session,
-    pkt,
-    read_packet,
-    wait_closed,
-)
+from tests.integration.conftest import BrokerFactory, BrokerProcess
+from tests.integration.rawclient import open_session, raw_connect, read_packet, wait_closed
+from tests.mqttbytes import connack5, connect5, connect311, disconnect5, packet, utf8
 
 MAX_TOPIC_LENGTH = 32
 MAX_TOPIC_LEVELS = 4
@@ -130,7 +121,7 @@ def test_publish_topic_limits(mb: BrokerProcess, version: int, topic: str, ok: b
     s, _ = open_session(mb.port, connect5("tl") if version == 5 else connect311("tl"))
     props = b"\x00" if version == 5 else b""
     # PUBLISH QoS 1, id 1
-    s.sendall(pkt(0x32, mqtt_str(topic) + bytes.fromhex("0001") + props + b"x"))
+    s.sendall(packet(0x32, utf8(topic) + bytes.fromhex("0001") + props + b"x"))
     if ok:
         first, body = read_packet(s)
         assert first == 0x40 and body[:2] == b"\x00\x01"
@@ -163,14 +154,9 @@ def test_subscribe_filter_limits(
     props = b"\x00" if version == 5 else b""
     # SUBSCRIBE id 5, a valid filter 'ok' then the one under test, both QoS 1
     s.sendall(
-        pkt(
+        packet(
             0x82,
-            bytes.fromhex("0005")
-            + props
-            + mqtt_str("ok")
-            + b"\x01"
-            + mqtt_str(topic_filter)
-            + b"\x01",
+            bytes.fromhex("0005") + props + utf8("ok") + b"\x01" + utf8(topic_filter) + b"\x01",
         )
     )
     first, body = read_packet(s)
@@ -188,7 +174,7 @@ def test_subscribe_filter_limits(
 
 def test_max_inflight_bounds_311_deliveries(mb: BrokerProcess) -> None:
     s, _ = open_session(mb.port, connect311("inflight311"))
-    s.sendall(pkt(0x82, bytes.fromhex("0001") + mqtt_str("mi/#") + b"\x01"))
+    s.sendall(packet(0x82, bytes.fromhex("0001") + utf8("mi/#") + b"\x01"))
     assert read_packet(s) == (0x90, bytes.fromhex("000101"))
     pub = Client(mb.port, "inflight-pub", V311)
     assert pub.connect() == 0

@@ -15,16 +15,9 @@ from pathlib import Path
 import pytest
 
 from tests.integration.clients import V5, Client
-from tests.integration.conftest import BrokerProcess, raw_connect
-from tests.integration.handbuilt import (
-    connect5,
-    connect311,
-    disconnect5,
-    open_session,
-    pkt,
-    read_packet,
-    wait_closed,
-)
+from tests.integration.conftest import BrokerProcess
+from tests.integration.rawclient import open_session, raw_connect, read_packet, wait_closed
+from tests.mqttbytes import connect5, connect311, disconnect5, packet
 
 MAX_PACKET = 2048
 
@@ -173,7 +166,7 @@ def _bad_session(mb: BrokerProcess, version: int, cid: str) -> socket.socket:
     # PUBLISH QoS 1 'by/bad' id 7, payload 'acked' (5.0: empty property list)
     props = b"\x00" if version == 5 else b""
     s.sendall(
-        pkt(0x32, bytes.fromhex("0006") + b"by/bad" + bytes.fromhex("0007") + props + b"acked")
+        packet(0x32, bytes.fromhex("0006") + b"by/bad" + bytes.fromhex("0007") + props + b"acked")
     )
     first, body = read_packet(s)
     assert first == 0x40 and body[:2] == b"\x00\x07"  # PUBACK id 7
@@ -252,7 +245,7 @@ def test_packet_at_max_size_accepted(mb: BrokerProcess, bystander: Client) -> No
     head = bytes.fromhex("0004") + b"by/x" + b"\x00"
     payload_len = MAX_PACKET - 1 - 2 - len(head)  # 1 type byte, 2 length bytes (< 16384)
     s, _ = open_session(mb.port, connect5("exact"))
-    data = pkt(0x30, head + b"p" * payload_len)
+    data = packet(0x30, head + b"p" * payload_len)
     assert len(data) == MAX_PACKET
     s.sendall(data)
     (m,) = bystander.expect(1)
@@ -325,7 +318,7 @@ def test_bad_packet_in_the_connect_segment(
 def test_split_packets_are_reassembled(mb: BrokerProcess, bystander: Client) -> None:
     """Valid input arriving one byte at a time is not an error (need-more-data)."""
     s = raw_connect(mb.port)
-    data = connect311("slow") + pkt(
+    data = connect311("slow") + packet(
         0x32, bytes.fromhex("0004") + b"by/s" + bytes.fromhex("0001") + b"slow"
     )
     for i in range(len(data)):

@@ -1,7 +1,8 @@
 """MQTT 5 features end to end: topic aliases both ways, receive maximum both ways, maximum
 packet size, properties passed through, problem/response information, subscription
-identifiers, message expiry. Raw sockets use hand-built bytes (handbuilt.py); paho checks
-that a real client library reads our answers the same way.
+identifiers, the message expiry interval (expiry itself is checked on a fake clock in
+tests/unit/router/test_message_expiry.py). Raw sockets use hand-built bytes
+(tests/mqttbytes.py); paho checks that a real client library reads our answers the same way.
 """
 
 from __future__ import annotations
@@ -16,17 +17,8 @@ from paho.mqtt.properties import Properties
 
 from tests.integration.clients import V5, Client, mosquitto_pub, mosquitto_sub
 from tests.integration.conftest import BrokerProcess
-from tests.integration.handbuilt import (
-    connack5,
-    connect5,
-    disconnect5,
-    mqtt_str,
-    open_session,
-    pkt,
-    publish5,
-    read_packet,
-    wait_closed,
-)
+from tests.integration.rawclient import open_session, read_packet, wait_closed
+from tests.mqttbytes import connack5, connect5, disconnect5, packet, publish5, utf8
 
 MAX_INFLIGHT = 3
 
@@ -53,9 +45,9 @@ def sub_client(mb: BrokerProcess, cid: str, topic: str, qos: int = 1, **kw: obje
 def raw_subscribe(s: socket.socket, topic: str, qos: int = 1, props: bytes = b"") -> None:
     # SUBSCRIBE (82) | packet id 00 01 | properties | filter | options (QoS)
     s.sendall(
-        pkt(
+        packet(
             0x82,
-            bytes.fromhex("0001") + bytes([len(props)]) + props + mqtt_str(topic) + bytes([qos]),
+            bytes.fromhex("0001") + bytes([len(props)]) + props + utf8(topic) + bytes([qos]),
         )
     )
     first, body = read_packet(s)
@@ -72,9 +64,9 @@ def raw_publish(
     props: bytes = b"",
     dup: bool = False,
 ) -> None:
-    body = mqtt_str(topic) + (pid.to_bytes(2, "big") if qos else b"")
+    body = utf8(topic) + (pid.to_bytes(2, "big") if qos else b"")
     first = 0x30 | (qos << 1) | (0x08 if dup else 0)
-    s.sendall(pkt(first, body + bytes([len(props)]) + props + payload))
+    s.sendall(packet(first, body + bytes([len(props)]) + props + payload))
 
 
 # ------------------------------------------------------------------ topic aliases, inbound
@@ -314,14 +306,7 @@ def test_properties_on_raw_socket(mb: BrokerProcess) -> None:
     s, _ = open_session(mb.port, connect5("props-raw"))
     raw_subscribe(s, "pr/#", qos=0)
     # 01 01 payload format UTF-8 | 03 'text/plain' content type | 26 'a' 'b' user property
-    props = (
-        bytes.fromhex("0101")
-        + b"\x03"
-        + mqtt_str("text/plain")
-        + b"\x26"
-        + mqtt_str("a")
-        + mqtt_str("b")
-    )
+    props = bytes.fromhex("0101") + b"\x03" + utf8("text/plain") + b"\x26" + utf8("a") + utf8("b")
     raw_publish(s, "pr/x", b"hello", props=props)
     topic, _, got, payload = publish5(*read_packet(s))
     assert (topic, payload) == ("pr/x", b"hello")
@@ -440,34 +425,3 @@ def test_subscription_identifier_on_raw_socket(mb: BrokerProcess) -> None:
     _, _, props, _ = publish5(*read_packet(s))
     assert props[0x0B] == [129]
     s.close()
-
-
-# ------------------------------------------------------------------ message expiry
-
-
-def test_expired_message_not_delivered_to_late_session(mb: BrokerProcess) -> None:
-    sub = Client(mb.port, "expiry-sub", V5, clean=False, session_expiry=300)
-    assert sub.connect() == 0
-    sub.subscribe("exp/#", 1)
-    sub.disconnect()
-    pub = Client(mb.port, "expiry-pub", V5)
-    assert pub.connect() == 0
-    short = Properties(PacketTypes.PUBLISH)
-    short.MessageExpiryInterval = 1
-    long = Properties(PacketTypes.PUBLISH)
-    long.MessageExpiryInterval = 600
-    pub.publish("exp/a", "short", qos=1, properties=short)
-    pub.publish("exp/a", "long", qos=1, properties=long)
-    pub.disconnect()
-    s, _ = open_session(mb.port, connect5("expiry-probe"))  # a clock edge to wait on:
-    s.settimeout(1.3)  # the short message's second must pass; nothing here is sent
-    with pytest.raises(TimeoutError):
-        s.recv(1)
-    s.close()
-    sub = Client(mb.port, "expiry-sub", V5, clean=False, session_expiry=300)
-    assert sub.connect() == 0
-    (m,) = sub.expect(1)
-    assert m.payload == b"long"  # s3.3.2.3.3: the expired one is not delivered
-    assert 0 < m.properties["MessageExpiryInterval"] <= 599
-    sub.expect_none(0.3)
-    sub.disconnect()

@@ -10,13 +10,8 @@ import pytest
 
 from tests.integration.clients import V5, V311, Client
 from tests.integration.conftest import BrokerProcess
-from tests.integration.rawclient import (
-    PUBACK,
-    PUBCOMP,
-    PUBREC,
-    PUBREL,
-    RawClient,
-)
+from tests.integration.rawclient import RawClient
+from tests.mqttbytes import PUBACK, PUBCOMP, PUBREC, PUBREL
 
 VERSIONS = [pytest.param(4, id="v311"), pytest.param(5, id="v5")]
 

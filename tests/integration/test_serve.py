@@ -8,6 +8,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from tests.integration.conftest import ROOT, BrokerFactory, free_port
 
 
@@ -78,3 +80,21 @@ def test_one_port_for_two_listeners_is_refused(broker_factory: BrokerFactory) ->
     assert f"http.port = {b.port} is also server.port" in out.stderr
     assert str(b.config_path) in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("text", "key"),
+    [
+        pytest.param('[router]\nmax_inflight = "many"\n', "router.max_inflight", id="bad-value"),
+        pytest.param("[router]\nworkers = 300\n", "router.workers", id="too-many-workers"),
+    ],
+)
+def test_serve_with_bad_config_exits_nonzero(tmp_path: Path, text: str, key: str) -> None:
+    """A bad value is one line naming the key and the file (moved from tests/unit/
+    test_config.py: it starts ``mqlog serve``, a process)."""
+    p = tmp_path / "broker.toml"
+    p.write_text(text)
+    proc = _serve(p, "--data-dir", str(tmp_path / "data"))
+    assert proc.returncode != 0
+    assert key in proc.stderr and str(p) in proc.stderr, proc.stderr
+    assert "Traceback" not in proc.stderr

@@ -14,7 +14,8 @@ from paho.mqtt.properties import Properties
 
 from tests.integration.clients import V5, V311, Client, mosquitto_pub, mosquitto_sub
 from tests.integration.conftest import BrokerProcess
-from tests.integration.rawclient import DISCONNECT, RawClient
+from tests.integration.rawclient import RawClient
+from tests.mqttbytes import DISCONNECT
 
 PROTOCOLS = [pytest.param(V311, id="v311"), pytest.param(V5, id="v5")]
 

@@ -59,10 +59,22 @@ def drain(clients: list[Client], n: int, timeout: float = 10.0) -> list[list[Mes
     return got
 
 
-def quiet(clients: list[Client], wait: float = 0.3) -> None:
-    """No member gets anything more (besides sync markers)."""
-    time.sleep(wait)
+def quiet(broker: BrokerProcess, clients: list[Client]) -> None:
+    """No member gets anything more (besides sync markers). Waited for as events, not for a
+    fixed time: first every shared group is at rest in the admin API (no lag, no orphaned
+    deliveries waiting for a member), so the broker has nothing more to hand out; then each
+    client sends an UNSUBSCRIBE (of a filter it never had): whatever the broker wrote to it
+    before comes ahead of the UNSUBACK on the same connection, and paho hands it over first."""
+    deadline = time.monotonic() + 10
+    while True:
+        groups = sessions(broker)["shared_groups"]
+        if all(not g["orphans"] and all(p["lag"] == 0 for p in g["positions"]) for g in groups):
+            break
+        assert time.monotonic() < deadline, f"shared groups not at rest: {groups}"
+        time.sleep(0.02)
     for c in clients:
+        c.paho.unsubscribe("quiet/barrier")
+        c.unsubacks.get(timeout=10)
         while not c.messages.empty():
             m = c.messages.get()
             assert m.topic == "devices/sync", f"unexpected extra delivery {m}"
@@ -92,7 +104,7 @@ def test_each_message_to_exactly_one_member_of_each_group(broker: BrokerProcess)
 
     sent = publish_all(broker.port, 120)
     got = drain(members, len(sent))
-    quiet(members)
+    quiet(broker, members)
     payloads = [m.payload for g in got for m in g]
     assert Counter(payloads) == Counter(sent)  # each exactly once across the group
     assert all(len(g) >= 10 for g in got), [len(g) for g in got]  # spread over all members
@@ -178,7 +190,7 @@ def test_unacked_deliveries_of_a_leaving_member_go_to_another(
         slow.paho.unsubscribe(GROUP)
     (redelivered,) = drain([fast], len(held))
     assert sorted(m.payload for m in redelivered) == sorted(m.payload for m in held)
-    quiet([fast])
+    quiet(broker, [fast])
     # And the group goes on with the remaining member.
     more = publish_all(broker.port, 10, start=100)
     (after,) = drain([fast], len(more))
@@ -206,7 +218,7 @@ def test_members_join_and_leave(broker: BrokerProcess) -> None:
     sent = publish_all(broker.port, 20, start=200)
     (got_b,) = drain([b], len(sent))
     assert sorted(m.payload for m in got_b) == sorted(sent)
-    quiet([a])
+    quiet(broker, [a])
 
     # With no member left the group keeps its position (a consumer group): what was
     # published meanwhile goes to the next member, from where the group stood.
@@ -221,7 +233,7 @@ def test_members_join_and_leave(broker: BrokerProcess) -> None:
     c.subscribe(GROUP, qos=1)
     (got_c,) = drain([c], len(sent))
     assert sorted(m.payload for m in got_c) == sorted(sent)
-    quiet([c])
+    quiet(broker, [c])
 
 
 def test_mosquitto_sub_members(broker: BrokerProcess) -> None:
@@ -272,7 +284,7 @@ def test_persistent_member_keeps_unacked_until_its_session_expires(broker: Broke
     (again,) = drain([p], len(held))  # resent to it, with DUP [MQTT-4.4.0-1]
     assert sorted(m.payload for m in again) == sorted(m.payload for m in held)
     assert all(m.dup for m in again)
-    quiet([q])
+    quiet(broker, [q])
     p.drop()  # still unacknowledged; its session now expires after 1 s
     (redelivered,) = drain([q], len(held), timeout=10)
     assert sorted(m.payload for m in redelivered) == sorted(m.payload for m in held)

@@ -21,7 +21,7 @@ from cryptography.x509.oid import NameOID
 
 from tests.integration.clients import V5, V311, Client
 from tests.integration.conftest import BrokerFactory, BrokerProcess, free_port
-from tests.integration.rawclient import connect_bytes
+from tests.mqttbytes import connect_bytes
 
 
 @dataclass

@@ -12,8 +12,8 @@ import paho.mqtt.client as mqtt
 
 from tests.integration.clients import V5, V311, Client
 from tests.integration.conftest import BrokerFactory, BrokerProcess, free_port
-from tests.integration.rawclient import connect_bytes, packet, utf8
 from tests.integration.test_auth import make_password_file
+from tests.mqttbytes import connect_bytes, packet, utf8
 
 _CALLBACKS = (
     "on_connect",

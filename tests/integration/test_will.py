@@ -11,7 +11,7 @@ import time
 import pytest
 
 from tests.integration.clients import V5, V311, Client
-from tests.integration.conftest import BrokerFactory, BrokerProcess
+from tests.integration.conftest import WORKERS, BrokerFactory, BrokerProcess
 from tests.integration.rawclient import RawClient
 
 VERSIONS = [pytest.param(4, id="v311"), pytest.param(5, id="v5")]
@@ -90,7 +90,13 @@ def test_paho_will_on_drop(broker: BrokerProcess) -> None:
     assert (m.topic, m.payload) == ("will/paho", b"bye")
 
 
+@pytest.mark.parametrize(
+    "workers", [n for n in WORKERS if n > 1], ids=[f"w{n}" for n in WORKERS if n > 1]
+)
 def test_will_delay_cancelled_by_reconnect(broker: BrokerProcess) -> None:
+    """Only with several workers, where the reconnect may land on another worker than the
+    one whose timer holds the will; on one router the same is checked on a fake clock
+    (tests/unit/router/test_will.py::test_reconnect_within_delay_cancels_the_will)."""
     w = watch(broker.port)
     c = RawClient(broker.port, 5)
     c.connect("dev1", clean=False, session_expiry=60, will=WILL, will_delay=1)

@@ -24,8 +24,9 @@ from broker.mqtt.topics import topic_matches
 from broker.workers.mesh import owner_of
 from tests.integration.clients import V311, Client
 from tests.integration.conftest import BrokerProcess
-from tests.integration.rawclient import PUBCOMP, PUBREC, PUBREL, RawClient
+from tests.integration.rawclient import RawClient
 from tests.integration.test_durability import replay_all
+from tests.mqttbytes import PUBCOMP, PUBREC, PUBREL
 
 STREAMS = '[[streams]]\nname = "telemetry"\ntopic_filter = ["devices/#"]\npartitions = 4\n'
 
@@ -73,6 +74,7 @@ def test_serve_shows_the_workers_and_each_partition_has_one_owner(broker: Broker
     assert {p for p in found[1][1] if p.startswith("telemetry/")}
 
 
+@pytest.mark.slow  # a worker killed under load, then restarted
 def test_a_killed_worker_is_restarted_and_nothing_acknowledged_is_lost(
     broker: BrokerProcess,
 ) -> None:

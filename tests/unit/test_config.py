@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import re
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -203,39 +201,6 @@ def test_missing_file(tmp_path: Path) -> None:
 def test_parse_config_source_name() -> None:
     with pytest.raises(ConfigError, match=r"^<mine>: unknown key 'router.nope'"):
         parse_config({"router": {"nope": 1}}, "<mine>")
-
-
-# ------------------------------------------------------------------ mqlog serve
-
-
-@pytest.mark.parametrize(
-    ("text", "key"),
-    [
-        pytest.param('[router]\nmax_inflight = "many"\n', "router.max_inflight", id="bad-value"),
-        pytest.param("[router]\nworkers = 300\n", "router.workers", id="too-many-workers"),
-    ],
-)
-def test_serve_with_bad_config_exits_nonzero(tmp_path: Path, text: str, key: str) -> None:
-    p = write(tmp_path, text)
-    proc = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "broker.cli",
-            "serve",
-            "-c",
-            str(p),
-            "--data-dir",
-            str(tmp_path / "data"),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
-    assert proc.returncode != 0
-    assert key in proc.stderr and str(p) in proc.stderr, proc.stderr
-    assert "Traceback" not in proc.stderr
 
 
 def test_two_listeners_on_one_port_are_refused() -> None:

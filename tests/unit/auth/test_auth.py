@@ -11,7 +11,10 @@ from broker.auth import (
     Acl,
     AuthFileError,
     Authorizer,
+    AuthService,
     LoginLimiter,
+    LoginResult,
+    PendingLogin,
     filter_covers,
     hash_password,
     read_password_file,
@@ -20,6 +23,8 @@ from broker.auth import (
     write_password_file,
 )
 from broker.auth.passwords import parse_password_file
+from broker.config import AuthConfig
+from broker.mqtt import ReasonCode
 
 # ------------------------------------------------------------------ passwords
 
@@ -234,3 +239,45 @@ def test_limiter_memory_is_bounded() -> None:
     for i in range(1000):
         lim.failure(f"10.0.{i // 256}.{i % 256}")
     assert len(lim._failures) <= 10
+
+
+def _login(auth: AuthService, address: str, user: str, password: bytes) -> int:
+    """One CONNECT through the service as the transport drives it: precheck, then the
+    password check (run here instead of in the executor), then complete."""
+    answer = auth.precheck(address, user, password, tls_identity=None, tls=False)
+    if isinstance(answer, LoginResult):
+        return answer.reason
+    assert isinstance(answer, PendingLogin)
+    return auth.complete(address, answer, answer.run()).reason
+
+
+def test_service_lockout_refuses_the_right_password_until_it_expires(tmp_path: Path) -> None:
+    """The broker's view of the limiter, on its injected clock: after ``max_failures`` bad
+    passwords even the right one is refused (Banned, before any password check) until
+    ``lockout`` has passed; then it is accepted. (tests/integration/test_auth.py checks
+    the lockout on a real broker; its expiry is checked here, without waiting for it.)"""
+    path = tmp_path / "passwd"
+    write_password_file(path, {"alice": hash_password("wonderland", **FAST)})
+    clock = FakeClock()
+    config = AuthConfig(allow_anonymous=False, password_file=path, max_failures=3, lockout=3000)
+    auth = AuthService(config, clock)
+    try:
+        for _ in range(3):
+            assert (
+                _login(auth, "10.0.0.1", "alice", b"guess") == ReasonCode.BAD_USER_NAME_OR_PASSWORD
+            )
+        assert auth.lockouts == 1
+        assert _login(auth, "10.0.0.1", "alice", b"wonderland") == ReasonCode.BANNED
+        assert _login(auth, "10.0.0.2", "alice", b"wonderland") == 0, "per address"
+        clock.now += 2.9
+        assert _login(auth, "10.0.0.1", "alice", b"wonderland") == ReasonCode.BANNED
+        clock.now += 0.2
+        assert _login(auth, "10.0.0.1", "alice", b"wonderland") == 0, "lockout expired"
+        # Failures another worker saw count here too, and their lockout expires the same way.
+        for _ in range(3):
+            auth.peer_failure("10.0.0.3")
+        assert _login(auth, "10.0.0.3", "alice", b"wonderland") == ReasonCode.BANNED
+        clock.now += 3.0
+        assert _login(auth, "10.0.0.3", "alice", b"wonderland") == 0
+    finally:
+        auth.close()

@@ -1,7 +1,8 @@
 """Decoder behaviour: incremental input, limits, error handling and the server-side rules.
 
-Malformed inputs are hand-built bytes (not produced by our encoder) so that the decoder is
-checked against the spec, not against itself.
+Malformed inputs are hand-built bytes (tests/mqttbytes.py, not produced by our encoder) so that
+the decoder is checked against the spec, not against itself. Random and mutated input (fuzzing)
+is in test_fuzz.py.
 """
 
 from __future__ import annotations
@@ -9,8 +10,6 @@ from __future__ import annotations
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, given, settings
-from hypothesis import strategies as st
 
 from broker.mqtt import (
     Auth,
@@ -38,6 +37,7 @@ from broker.mqtt import (
     Will,
     encode,
 )
+from tests.mqttbytes import packet as pkt
 
 P = PropertyId
 
@@ -256,12 +256,6 @@ def test_client_side_decoder() -> None:
         Decoder(version=6)
 
 
-def body(first: int, payload: bytes) -> bytes:
-    """A packet with a correct one-byte remaining length."""
-    assert len(payload) < 128
-    return bytes((first, len(payload))) + payload
-
-
 S = b"\x00\x01a"  # the string "a"
 
 MALFORMED: list[tuple[str, int, bytes, type[MQTTError]]] = [
@@ -269,21 +263,21 @@ MALFORMED: list[tuple[str, int, bytes, type[MQTTError]]] = [
     ("remaining-length-5-bytes", 4, b"\x30\xff\xff\xff\xff\x01", MalformedPacket),
     ("reserved-type-0", 4, b"\x00\x00", MalformedPacket),
     ("type-15-in-311", 4, b"\xf0\x00", MalformedPacket),
-    ("publish-qos3", 4, body(0x36, S + b"\x00\x01"), MalformedPacket),
-    ("publish-qos0-dup", 4, body(0x38, S), MalformedPacket),
-    ("publish-packet-id-0", 4, body(0x32, S + b"\x00\x00"), ProtocolError),
-    ("publish-topic-too-long", 4, body(0x30, b"\x00\x05ab"), MalformedPacket),
-    ("publish-no-topic-length", 4, body(0x30, b"\x00"), MalformedPacket),
-    ("publish-qos1-no-packet-id", 4, body(0x32, S + b"\x00"), MalformedPacket),
-    ("publish-invalid-utf8", 4, body(0x30, b"\x00\x02\xc3\x28"), MalformedPacket),
-    ("publish-overlong-utf8", 4, body(0x30, b"\x00\x02\xc0\xaf"), MalformedPacket),
-    ("publish-surrogate", 4, body(0x30, b"\x00\x03\xed\xa0\x80"), MalformedPacket),
-    ("publish-nul", 4, body(0x30, b"\x00\x03a\x00b"), MalformedPacket),
+    ("publish-qos3", 4, pkt(0x36, S + b"\x00\x01"), MalformedPacket),
+    ("publish-qos0-dup", 4, pkt(0x38, S), MalformedPacket),
+    ("publish-packet-id-0", 4, pkt(0x32, S + b"\x00\x00"), ProtocolError),
+    ("publish-topic-too-long", 4, pkt(0x30, b"\x00\x05ab"), MalformedPacket),
+    ("publish-no-topic-length", 4, pkt(0x30, b"\x00"), MalformedPacket),
+    ("publish-qos1-no-packet-id", 4, pkt(0x32, S + b"\x00"), MalformedPacket),
+    ("publish-invalid-utf8", 4, pkt(0x30, b"\x00\x02\xc3\x28"), MalformedPacket),
+    ("publish-overlong-utf8", 4, pkt(0x30, b"\x00\x02\xc0\xaf"), MalformedPacket),
+    ("publish-surrogate", 4, pkt(0x30, b"\x00\x03\xed\xa0\x80"), MalformedPacket),
+    ("publish-nul", 4, pkt(0x30, b"\x00\x03a\x00b"), MalformedPacket),
     ("puback-flags", 4, b"\x41\x02\x00\x01", MalformedPacket),
     ("pubrel-flags-0", 4, b"\x60\x02\x00\x01", MalformedPacket),
     ("pubrel-flags-3", 4, b"\x63\x02\x00\x01", MalformedPacket),
-    ("subscribe-flags-0", 4, body(0x80, b"\x00\x01" + S + b"\x00"), MalformedPacket),
-    ("unsubscribe-flags-0", 4, body(0xA0, b"\x00\x01" + S), MalformedPacket),
+    ("subscribe-flags-0", 4, pkt(0x80, b"\x00\x01" + S + b"\x00"), MalformedPacket),
+    ("unsubscribe-flags-0", 4, pkt(0xA0, b"\x00\x01" + S), MalformedPacket),
     ("pingreq-flags", 4, b"\xc1\x00", MalformedPacket),
     ("disconnect-flags", 4, b"\xe8\x00", MalformedPacket),
     ("connack-flags", 4, b"\x22\x02\x00\x00", MalformedPacket),
@@ -293,48 +287,48 @@ MALFORMED: list[tuple[str, int, bytes, type[MQTTError]]] = [
     ("pingreq-with-body", 4, b"\xc0\x01\x00", MalformedPacket),
     ("disconnect-311-with-body", 4, b"\xe0\x01\x00", MalformedPacket),
     ("subscribe-no-filters", 4, b"\x82\x02\x00\x01", ProtocolError),
-    ("subscribe-missing-options", 4, body(0x82, b"\x00\x01" + S), MalformedPacket),
-    ("subscribe-reserved-bits-311", 4, body(0x82, b"\x00\x01" + S + b"\x04"), MalformedPacket),
-    ("subscribe-qos3", 4, body(0x82, b"\x00\x01" + S + b"\x03"), MalformedPacket),
-    ("subscribe-reserved-bits-5", 5, body(0x82, b"\x00\x01\x00" + S + b"\x40"), MalformedPacket),
-    ("subscribe-retain-handling-3", 5, body(0x82, b"\x00\x01\x00" + S + b"\x30"), ProtocolError),
+    ("subscribe-missing-options", 4, pkt(0x82, b"\x00\x01" + S), MalformedPacket),
+    ("subscribe-reserved-bits-311", 4, pkt(0x82, b"\x00\x01" + S + b"\x04"), MalformedPacket),
+    ("subscribe-qos3", 4, pkt(0x82, b"\x00\x01" + S + b"\x03"), MalformedPacket),
+    ("subscribe-reserved-bits-5", 5, pkt(0x82, b"\x00\x01\x00" + S + b"\x40"), MalformedPacket),
+    ("subscribe-retain-handling-3", 5, pkt(0x82, b"\x00\x01\x00" + S + b"\x30"), ProtocolError),
     ("unsubscribe-no-filters", 4, b"\xa2\x02\x00\x01", ProtocolError),
     ("connack-return-code-6", 4, b"\x20\x02\x00\x06", ProtocolError),
-    ("suback-bad-code", 4, body(0x90, b"\x00\x01\x03"), ProtocolError),
+    ("suback-bad-code", 4, pkt(0x90, b"\x00\x01\x03"), ProtocolError),
     ("puback-v5-bad-reason", 5, b"\x40\x03\x00\x01\x01", ProtocolError),
-    ("v5-property-length-too-long", 5, body(0x30, S + b"\x05\x01\x01"), MalformedPacket),
-    ("v5-unknown-property", 5, body(0x30, S + b"\x02\x7f\x00"), MalformedPacket),
-    ("v5-property-value-truncated", 5, body(0x30, S + b"\x02\x02\x00"), MalformedPacket),
-    ("v5-property-not-allowed", 5, body(0x30, S + b"\x05\x11\x00\x00\x00\x01"), MalformedPacket),
-    ("v5-duplicate-property", 5, body(0x30, S + b"\x04\x01\x00\x01\x01"), ProtocolError),
+    ("v5-property-length-too-long", 5, pkt(0x30, S + b"\x05\x01\x01"), MalformedPacket),
+    ("v5-unknown-property", 5, pkt(0x30, S + b"\x02\x7f\x00"), MalformedPacket),
+    ("v5-property-value-truncated", 5, pkt(0x30, S + b"\x02\x02\x00"), MalformedPacket),
+    ("v5-property-not-allowed", 5, pkt(0x30, S + b"\x05\x11\x00\x00\x00\x01"), MalformedPacket),
+    ("v5-duplicate-property", 5, pkt(0x30, S + b"\x04\x01\x00\x01\x01"), ProtocolError),
     ("v5-duplicate-sub-id-subscribe", 5,
-     body(0x82, b"\x00\x01\x04\x0b\x01\x0b\x02" + S + b"\x00"), ProtocolError),
-    ("v5-sub-id-0", 5, body(0x82, b"\x00\x01\x02\x0b\x00" + S + b"\x00"), ProtocolError),
-    ("v5-sub-id-5-bytes", 5, body(0x30, S + b"\x06\x0b\xff\xff\xff\xff\x01"), MalformedPacket),
-    ("v5-payload-format-2", 5, body(0x30, S + b"\x02\x01\x02"), ProtocolError),
-    ("v5-user-property-half", 5, body(0x30, S + b"\x04\x26\x00\x01k"), MalformedPacket),
+     pkt(0x82, b"\x00\x01\x04\x0b\x01\x0b\x02" + S + b"\x00"), ProtocolError),
+    ("v5-sub-id-0", 5, pkt(0x82, b"\x00\x01\x02\x0b\x00" + S + b"\x00"), ProtocolError),
+    ("v5-sub-id-5-bytes", 5, pkt(0x30, S + b"\x06\x0b\xff\xff\xff\xff\x01"), MalformedPacket),
+    ("v5-payload-format-2", 5, pkt(0x30, S + b"\x02\x01\x02"), ProtocolError),
+    ("v5-user-property-half", 5, pkt(0x30, S + b"\x04\x26\x00\x01k"), MalformedPacket),
     ("v5-connack-no-properties", 5, b"\x20\x02\x00\x00", MalformedPacket),
     ("v5-disconnect-trailing", 5, b"\xe0\x03\x00\x00\x00", MalformedPacket),
-    ("connect-bad-name", 0, body(0x10, b"\x00\x04MQTX\x04\x02\x00\x00" + S),
+    ("connect-bad-name", 0, pkt(0x10, b"\x00\x04MQTX\x04\x02\x00\x00" + S),
      UnsupportedProtocolVersion),
-    ("connect-bad-level", 0, body(0x10, b"\x00\x04MQTT\x06\x02\x00\x00" + S),
+    ("connect-bad-level", 0, pkt(0x10, b"\x00\x04MQTT\x06\x02\x00\x00" + S),
      UnsupportedProtocolVersion),
-    ("connect-mqisdp-level-4", 0, body(0x10, b"\x00\x06MQIsdp\x04\x02\x00\x00" + S),
+    ("connect-mqisdp-level-4", 0, pkt(0x10, b"\x00\x06MQIsdp\x04\x02\x00\x00" + S),
      UnsupportedProtocolVersion),
-    ("connect-reserved-flag", 0, body(0x10, b"\x00\x04MQTT\x04\x03\x00\x00" + S), MalformedPacket),
-    ("connect-will-qos-without-will", 0, body(0x10, b"\x00\x04MQTT\x04\x0a\x00\x00" + S),
+    ("connect-reserved-flag", 0, pkt(0x10, b"\x00\x04MQTT\x04\x03\x00\x00" + S), MalformedPacket),
+    ("connect-will-qos-without-will", 0, pkt(0x10, b"\x00\x04MQTT\x04\x0a\x00\x00" + S),
      MalformedPacket),
-    ("connect-will-retain-without-will", 0, body(0x10, b"\x00\x04MQTT\x04\x22\x00\x00" + S),
+    ("connect-will-retain-without-will", 0, pkt(0x10, b"\x00\x04MQTT\x04\x22\x00\x00" + S),
      MalformedPacket),
-    ("connect-will-qos-3", 0, body(0x10, b"\x00\x04MQTT\x04\x1e\x00\x00" + S + S + S),
+    ("connect-will-qos-3", 0, pkt(0x10, b"\x00\x04MQTT\x04\x1e\x00\x00" + S + S + S),
      MalformedPacket),
-    ("connect-password-no-user-311", 0, body(0x10, b"\x00\x04MQTT\x04\x42\x00\x00" + S + S),
+    ("connect-password-no-user-311", 0, pkt(0x10, b"\x00\x04MQTT\x04\x42\x00\x00" + S + S),
      MalformedPacket),
-    ("connect-missing-client-id", 0, body(0x10, b"\x00\x04MQTT\x04\x02\x00\x00"), MalformedPacket),
-    ("connect-trailing", 0, body(0x10, b"\x00\x04MQTT\x04\x02\x00\x00" + S + b"\x00"),
+    ("connect-missing-client-id", 0, pkt(0x10, b"\x00\x04MQTT\x04\x02\x00\x00"), MalformedPacket),
+    ("connect-trailing", 0, pkt(0x10, b"\x00\x04MQTT\x04\x02\x00\x00" + S + b"\x00"),
      MalformedPacket),
-    ("connect-flags-nonzero", 0, body(0x11, b"\x00\x04MQTT\x04\x02\x00\x00" + S), MalformedPacket),
-    ("connect-nul-client-id", 0, body(0x10, b"\x00\x04MQTT\x04\x02\x00\x00\x00\x01\x00"),
+    ("connect-flags-nonzero", 0, pkt(0x11, b"\x00\x04MQTT\x04\x02\x00\x00" + S), MalformedPacket),
+    ("connect-nul-client-id", 0, pkt(0x10, b"\x00\x04MQTT\x04\x02\x00\x00\x00\x01\x00"),
      MalformedPacket),
 ]  # fmt: skip
 
@@ -353,7 +347,7 @@ def test_malformed(version: int, data: bytes, error: type[MQTTError]) -> None:
 def test_topic_alias_0_is_topic_alias_invalid() -> None:
     """s3.3.4: Topic Alias 0 is a Protocol Error answered with 0x94 (Topic Alias invalid)."""
     dec = Decoder(version=5)
-    dec.feed(body(0x30, S + b"\x03\x23\x00\x00"))
+    dec.feed(pkt(0x30, S + b"\x03\x23\x00\x00"))
     with pytest.raises(ProtocolError) as info:
         dec.packets()
     assert info.value.reason_code == ReasonCode.TOPIC_ALIAS_INVALID
@@ -373,42 +367,3 @@ def test_v5_puback_forms() -> None:
         PubAck(3),
         PubAck(4, 0x80, {P.REASON_STRING: "x"}),
     ]
-
-
-# --------------------------------------------------------------------------- robustness
-
-
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(
-    prefix=st.sampled_from([b"", CONNECT_V4, CONNECT_V5, CONNECT_V3]),
-    junk=st.binary(max_size=64),
-    cut=st.integers(0, 64),
-)
-def test_arbitrary_bytes_raise_only_mqtt_errors(prefix: bytes, junk: bytes, cut: int) -> None:
-    dec = Decoder(max_packet_size=1 << 16)
-    try:
-        dec.feed(prefix + junk[:cut])
-        dec.packets()
-        dec.feed(junk[cut:])
-        dec.packets()
-    except MQTTError:
-        pass
-
-
-@settings(max_examples=150, deadline=None)
-@given(data=st.data())
-def test_mutated_valid_stream_raises_only_mqtt_errors(data: st.DataObject) -> None:
-    version = data.draw(st.sampled_from([4, 5]))
-    raw = bytearray(stream(version))
-    for _ in range(data.draw(st.integers(1, 4))):
-        index = data.draw(st.integers(0, len(raw) - 1))
-        raw[index] = data.draw(st.integers(0, 255))
-    cut = data.draw(st.integers(0, len(raw)))
-    dec = Decoder()
-    try:
-        dec.feed(raw[:cut])
-        dec.packets()
-        dec.feed(raw[cut:])
-        dec.packets()
-    except MQTTError:
-        pass

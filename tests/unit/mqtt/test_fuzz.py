@@ -2,7 +2,8 @@
 
 What must hold for *any* input (the decoder's invariants, broker/mqtt/decode.py):
 
-* the decoder raises nothing but :class:`MQTTError` subclasses;
+* the decoder raises nothing but :class:`MQTTError` subclasses, whether fed random bytes,
+  mutated golden packets or mutated whole sessions;
 * work is bounded: every call returns, and a feed of N bytes yields at most N/2 packets;
 * once dead, it stays dead with the same error;
 * a prefix of a valid stream is "need more data", never an error;
@@ -10,7 +11,8 @@ What must hold for *any* input (the decoder's invariants, broker/mqtt/decode.py)
 
 Seeds for mutation are the hand-written golden vectors of test_golden.py; streams for the
 chunking tests are built from hypothesis-generated packets and checked against the packets
-themselves (so they are also encode -> decode round trips).
+themselves (so they are also encode -> decode round trips). This is the decoder's one fuzzing
+module; test_decoder.py holds the hand-picked cases.
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from broker.mqtt.packets import (
     Will,
 )
 from broker.mqtt.properties import PropertyId as P
+from tests.mqttbytes import packet, varint
 from tests.unit.mqtt.test_golden import CLIENT, CONNECT_HEX, VECTORS, Vector
 
 pytestmark = pytest.mark.timeout(60)
@@ -103,7 +106,9 @@ def _check_hostile(dec: Decoder, data: bytes, cut: int) -> None:
 
 # --------------------------------------------------------------------------- random bytes
 
-_DECODER_KINDS = st.sampled_from(["fresh-server", "server-4", "server-5", "client-4", "client-5"])
+_DECODER_KINDS = st.sampled_from(
+    ["fresh-server", "server-3", "server-4", "server-5", "client-4", "client-5"]
+)
 
 
 def _make(kind: str) -> Decoder:
@@ -136,17 +141,8 @@ def test_random_bodies_behind_a_right_length_raise_only_mqtt_errors(
 ) -> None:
     """Random bytes rarely get past the fixed header; give them a correct Remaining Length."""
     dec = _make(kind) if not small_limit else Decoder(max_packet_size=64)
-    data = bytes([first]) + _vbi(len(body)) + body
+    data = packet(first, body)
     _check_hostile(dec, data, len(data))
-
-
-def _vbi(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, digit = divmod(n, 128)
-        out.append(digit | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 # --------------------------------------------------------------------------- mutations
@@ -154,12 +150,11 @@ def _vbi(n: int) -> bytes:
 _SEEDS = [v for v in VECTORS if len(v.data) < 400]
 
 
-@st.composite
-def _mutated(draw: st.DrawFn) -> tuple[Vector, bytes]:
-    v = draw(st.sampled_from(_SEEDS))
-    _, data = _decoder_and_bytes(v)
+def _mutate(draw: st.DrawFn, data: bytes, times: int) -> bytes:
+    """``data`` with ``times`` random edits: bit flips, byte changes, truncation, insertion,
+    deletion, or a rewritten length field."""
     buf = bytearray(data)
-    for _ in range(draw(st.integers(1, 3))):
+    for _ in range(times):
         how = draw(st.sampled_from(["flip", "byte", "truncate", "insert", "delete", "length"]))
         if not buf:
             buf.append(draw(st.integers(0, 255)))
@@ -183,11 +178,18 @@ def _mutated(draw: st.DrawFn) -> tuple[Vector, bytes]:
                 st.one_of(
                     st.integers(0, 0xFF).map(lambda n: bytes([n])),
                     st.integers(0, 0xFFFF).map(lambda n: n.to_bytes(2, "big")),
-                    st.integers(0, 268_435_455).map(_vbi),
+                    st.integers(0, 268_435_455).map(varint),
                 )
             )
             buf[j : j + len(new)] = new
-    return v, bytes(buf)
+    return bytes(buf)
+
+
+@st.composite
+def _mutated(draw: st.DrawFn) -> tuple[Vector, bytes]:
+    v = draw(st.sampled_from(_SEEDS))
+    _, data = _decoder_and_bytes(v)
+    return v, _mutate(draw, data, draw(st.integers(1, 3)))
 
 
 @FUZZ
@@ -543,6 +545,23 @@ def test_stream_fed_in_memoryview_and_bytearray_chunks(
         out.extend(dec.packets())
         scratch[:] = b"\xff" * step  # the decoder must have copied what it needs
     assert out == packets
+
+
+@st.composite
+def _mutated_stream(draw: st.DrawFn) -> tuple[bytes, int]:
+    """A valid session (CONNECT, then several packets) with edits anywhere, and a cut."""
+    _, _, raw = draw(_stream())
+    edited = _mutate(draw, raw, draw(st.integers(1, 4)))
+    return edited, draw(st.integers(0, len(edited)))
+
+
+@STREAM
+@given(_mutated_stream())
+def test_mutated_valid_streams_raise_only_mqtt_errors(case: tuple[bytes, int]) -> None:
+    """Edits anywhere in a whole session, not only in a single packet: an error found
+    mid-stream must leave the decoder dead, not confused."""
+    data, cut = case
+    _check_hostile(Decoder(), data, cut)
 
 
 def test_golden_stream_split_at_every_point() -> None:

@@ -18,6 +18,7 @@ from broker.mqtt.connection import keepalive_expired
 from broker.net.keepalive import KeepaliveWheel
 from broker.net.transport import MQTTProtocol
 from broker.server import TICK_SECONDS, Server
+from tests.mqttbytes import connect311
 
 
 class FakeClock:
@@ -55,20 +56,11 @@ class FakeServer:
         self.flushed.append(link)
 
 
-def connect311(keepalive: int) -> bytes:
-    # CONNECT | 00 04 'MQTT' 04 | flags 02 | keepalive | client id 'k'
-    return (
-        bytes.fromhex("100d00044d5154540402")
-        + keepalive.to_bytes(2, "big")
-        + bytes.fromhex("00016b")
-    )
-
-
 def connected(keepalive: int) -> tuple[MQTTProtocol, FakeClock]:
     clock = FakeClock()
     server = FakeServer(clock)
     proto = MQTTProtocol(server)  # type: ignore[arg-type]
-    proto.data_received(connect311(keepalive))
+    proto.data_received(connect311("k", keepalive=keepalive))
     assert server.router.connects, "CONNECT not handed to the router"
     assert proto.keepalive == keepalive
     return proto, clock
@@ -138,7 +130,7 @@ def test_bytes_before_connect_do_not_extend_the_connect_timeout() -> None:
     clock = FakeClock()
     proto = MQTTProtocol(FakeServer(clock, connect_timeout=3))  # type: ignore[arg-type]
     clock.now += 2.0
-    proto.data_received(connect311(60)[:4])  # an incomplete CONNECT
+    proto.data_received(connect311("k", keepalive=60)[:4])  # an incomplete CONNECT
     clock.now += 1.5
     assert proto.keepalive_expired(clock())
 
@@ -213,10 +205,12 @@ def test_keepalive_zero_leaves_the_wheel() -> None:
     proto = MQTTProtocol(server)  # type: ignore[arg-type]
     server.keepalive.file(proto, proto.keepalive_deadline())  # as connection_made does
     assert len(server.keepalive) == 1
-    proto.data_received(connect311(0))
+    proto.data_received(connect311("k", keepalive=0))
     assert proto.keepalive_deadline() is None
     assert len(server.keepalive) == 0
-    assert server.keepalive.due(clock.now + 10**7) == []
+    # Past any deadline a CONNECT could file (the longest keepalive is 65535 s, x 1.5); the
+    # wheel walks every slot up to it, so not further.
+    assert server.keepalive.due(clock.now + 1.5 * 65535 + 1) == []
 
 
 def test_the_connect_timeout_is_kept_by_the_wheel() -> None:
@@ -233,7 +227,7 @@ def test_the_connect_refiles_a_shorter_deadline() -> None:
     server = FakeServer(clock, connect_timeout=30)
     proto = MQTTProtocol(server)  # type: ignore[arg-type]
     server.keepalive.file(proto, proto.keepalive_deadline())
-    proto.data_received(connect311(2))  # keepalive 2: expires at 3 s, not at 30
+    proto.data_received(connect311("k", keepalive=2))  # keepalive 2: expires at 3 s, not at 30
     assert server.keepalive.due(clock.now + 2.9) == []
     assert server.keepalive.due(clock.now + 3.0) == [proto]
 
