@@ -22,6 +22,7 @@ from broker.mqtt.errors import TopicFilterInvalid
 from broker.mqtt.packets import SubAck, Subscribe, Subscription
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
+from broker.mqtt.topics import topic_matches
 from broker.router.replay import ReplayStart, is_replay, parse_replay
 from broker.router.router import Router
 from broker.router.session import Session
@@ -185,7 +186,7 @@ class StreamsHarness(Harness):
 
     def open(self) -> None:
         self.scheduled = []
-        self.streams = Streams(self.data, self.specs, clock=self.clock)
+        self.streams = Streams(self.data, self.specs, clock=self.clock, matches=topic_matches)
         self.router = Router(
             self.streams,
             self.config,
