@@ -216,6 +216,7 @@ def _maybe_equal_sizes(records: list[Record], equal: bool) -> list[Record]:
     return [r._replace(payload=(r.payload * (size + 1))[:size] or bytes(size)) for r in records]
 
 
+@pytest.mark.slow
 @settings(max_examples=300, deadline=None)
 @given(
     records=_records,
@@ -270,6 +271,7 @@ def _reference_decode_into(
     return max_bytes, -1
 
 
+@pytest.mark.slow
 @settings(max_examples=400, deadline=None)
 @given(
     records=_records,
@@ -336,6 +338,7 @@ _fleet_like = st.builds(
 )
 
 
+@pytest.mark.slow
 @settings(max_examples=500, deadline=None)
 @given(
     records=st.one_of(

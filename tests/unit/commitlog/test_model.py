@@ -397,9 +397,9 @@ class CompactedLogModel(LogModel):
         assert final_state(self._read_from(self.start)) == final_state(self.surviving(self.start))
 
 
-TestPlainLog = PlainLogModel.TestCase
+TestPlainLog = pytest.mark.slow(PlainLogModel.TestCase)
 TestPlainLog.settings = SETTINGS
-TestIntervalLog = IntervalLogModel.TestCase
+TestIntervalLog = pytest.mark.slow(IntervalLogModel.TestCase)
 TestIntervalLog.settings = SETTINGS
-TestCompactedLog = CompactedLogModel.TestCase
+TestCompactedLog = pytest.mark.slow(CompactedLogModel.TestCase)
 TestCompactedLog.settings = SETTINGS
