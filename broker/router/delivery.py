@@ -21,7 +21,7 @@ from itertools import accumulate, repeat
 from operator import add
 from typing import Any
 
-from broker.auth import Authorizer
+from broker.auth.acl import Authorizer
 from broker.commitlog import OffsetOutOfRange, Record
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.properties import PropertyId, decode_properties

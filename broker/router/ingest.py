@@ -17,10 +17,9 @@ Called only from the owning event loop's thread.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable
 from typing import Any
 
-from broker.auth import Authorizer
+from broker.auth.acl import Authorizer
 from broker.commitlog import Record
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.packets import PubAck, Publish, PubRec
@@ -83,10 +82,10 @@ class Ingest:
             packet.topic,
             packet.payload,
             qos,
-            packet.retain,
-            packet.properties,
-            ack,
-            timestamp,
+            retain=packet.retain,
+            properties=packet.properties,
+            ack=ack,
+            timestamp=timestamp,
         )
 
     def publish_run(self, session: Session, packets: list[Publish]) -> None:
@@ -238,7 +237,7 @@ class Ingest:
     def publish_broker(self, topic: str, payload: bytes) -> None:
         """A retained QoS 0 message of the broker itself (``$SYS/...``), stored and
         delivered like a client's."""
-        self.store_publish("", topic, payload, 0, True, {}, None)
+        self.store_publish("", topic, payload, 0, retain=True, properties={}, ack=None)
 
     def store_publish(
         self,
@@ -246,9 +245,10 @@ class Ingest:
         topic: str,
         payload: bytes,
         qos: int,
+        *,
         retain: bool,
         properties: dict[int, Any],
-        ack: Callable[[int | None], None] | None,
+        ack: AckCallback | None,
         timestamp: int | None = None,
     ) -> None:
         """Gather a message (a client's, a will, the broker's) for the next group commit;

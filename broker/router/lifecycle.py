@@ -16,7 +16,7 @@ import logging
 import uuid
 from typing import Any
 
-from broker.auth import Authorizer
+from broker.auth.acl import Authorizer
 from broker.commitlog import Record
 from broker.mqtt.errors import ProtocolError
 from broker.mqtt.packets import ConnAck, Connect, Disconnect
@@ -164,7 +164,7 @@ class Lifecycle:
     def _refuse(self, link: Link, version: int, reason: int) -> None:
         """Answer CONNACK with ``reason`` (3.1.1: its return code); the caller closes."""
         code = reason if version == 5 else CONNACK_311_FOR_REASON.get(reason, 3)
-        link.send(ConnAck(False, code))
+        link.send(ConnAck(session_present=False, reason_code=code))
 
     def disconnect(self, session: Session, packet: Disconnect) -> None:
         """A DISCONNECT from the client: the will is dropped unless asked for (0x04)."""
@@ -214,7 +214,13 @@ class Lifecycle:
             return
         props = {k: v for k, v in will.properties.items() if k != PropertyId.WILL_DELAY_INTERVAL}
         self.ingest.store_publish(
-            session.client_id, will.topic, will.payload, will.qos, will.retain, props, None
+            session.client_id,
+            will.topic,
+            will.payload,
+            will.qos,
+            retain=will.retain,
+            properties=props,
+            ack=None,
         )
 
     def end_session(self, session: Session) -> None:

@@ -44,7 +44,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from broker.auth import Acl
+from broker.auth.acl import Acl
 from broker.commitlog import Streams
 from broker.commitlog.keys import PartitionKey
 from broker.config import RouterConfig

@@ -25,7 +25,7 @@ from broker.mqtt.packets import Will
 from broker.mqtt.properties import decode_properties, encode_properties
 
 if TYPE_CHECKING:
-    from broker.auth import Authorizer
+    from broker.auth.acl import Authorizer
     from broker.router.link import Link
 
 __all__ = [

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from collections import deque
 
-from broker.auth import Authorizer
+from broker.auth.acl import Authorizer
 from broker.commitlog import Record
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.topics import parse_shared, topic_matches

@@ -22,7 +22,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from broker.auth import Acl, Authorizer
+from broker.auth.acl import Acl, Authorizer
 from broker.commitlog import Record, Streams
 from broker.commitlog.keys import PartitionKey
 from broker.commitlog.streams import RETAINED_STREAM, SESSIONS_STREAM
