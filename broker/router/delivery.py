@@ -424,7 +424,7 @@ class Delivery:
                 rap = rap or sub.retain_as_published
         if qos < 0:
             return None
-        return Match(qos, ids, no_local_all, rap)
+        return qos, ids, no_local_all, rap
 
     def deliver(
         self,
