@@ -27,6 +27,7 @@ import orjson
 
 from broker.auth import AuthFileError, AuthService
 from broker.commitlog import LogCleaner, SegmentedLog, Streams
+from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
 from broker.config import Config
 from broker.http.api import HttpApi, sessions_view
@@ -40,7 +41,7 @@ from broker.net.tls import TLSConfigError, TLSProtocol, server_context
 from broker.net.transport import MQTTProtocol
 from broker.net.websocket import WebSocketListener
 from broker.router.router import Router
-from broker.workers.runtime import WorkerRuntime, WorkerSpec, records_between
+from broker.workers.runtime import WorkerRuntime, WorkerSpec
 
 log = logging.getLogger("broker.server")
 
@@ -120,12 +121,13 @@ class Server:
             clock=clock,
             monotonic=monotonic,
             partition_factory=(self.runtime.make_partition if self.runtime is not None else None),
+            hooks=self.runtime,  # None: one worker (broker.router.hooks.SingleWorker)
+            acl=self.auth.acl,
+            on_sync_append=self.metrics.fsync_seconds.observe,
             load=self.runtime is None,
         )
         if self.runtime is not None:
             self._join_runtime(self.runtime)
-        self.router.acl = self.auth.acl
-        self.router.on_sync_append = self.metrics.fsync_seconds.observe
         self.metrics.registry.register(BrokerCollector(self))
         self.links: set[MQTTProtocol] = set()
         #: Every link by its keepalive (or CONNECT) deadline, looked at when that passes.
@@ -152,32 +154,18 @@ class Server:
         self.stopped = asyncio.Event()
 
     def _join_runtime(self, runtime: WorkerRuntime) -> None:
-        """Connect the router and the worker runtime (see broker.workers.runtime)."""
-        router = self.router
+        """Connect the worker runtime to the router (which has the runtime as its hooks),
+        the server's output pass, authentication and admin views (see
+        broker.workers.runtime)."""
+        runtime.attach(self.router)
         runtime.mesh.schedule = self.iteration_end.call_soon
-        router.on_session_end = runtime.sessions.ended
-        router.group_peers = runtime.groups
-        router.is_home = runtime.is_home
-        runtime.sessions.hand_over = router.hand_over
-        runtime.sessions.restore = router.restore_sessions
-        runtime.sessions.held_ids = lambda: list(router.sessions)
-        runtime.partitions.enqueue = router.append_forwarded
-        runtime.partitions.wake = router.wake
-
-        def moved(key: tuple[str, int], old_end: int, part: Any) -> None:
-            if key == ("$retained", 0):
-                router.apply_retained(records_between(part, old_end, part.end_offset))
-
-        runtime.partitions.on_moved = moved
-        router.on_connections = runtime.connections_changed
-        router.peer_connections = runtime.connected_elsewhere
         self.auth.on_failure = runtime.login_refused
         runtime.login_failed = self.auth.peer_failure
         runtime.views["sessions"] = lambda: orjson.dumps(sessions_view(self))
         runtime.views["metrics"] = self.metrics.exposition
         runtime.views["sys"] = lambda: orjson.dumps(sys_values(self))
 
-    def partition_log(self, key: tuple[str, int]) -> SegmentedLog | LogReader:
+    def partition_log(self, key: PartitionKey) -> SegmentedLog | LogReader:
         """The log of partition ``key`` for reading: this worker's own, or a read-only view
         of the one another worker owns."""
         return self.router.partition(key).log
@@ -188,7 +176,7 @@ class Server:
         runtime = self.runtime
         if runtime is not None:
             await runtime.start(
-                self.router, lambda: [self.router.partition(key) for key in runtime.owned_keys()]
+                lambda: [self.router.partition(key) for key in runtime.owned_keys()]
             )
             loaded = self.router.load(skip=runtime.sessions.registry)
             runtime.sessions.loaded(loaded)

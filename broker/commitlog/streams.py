@@ -31,6 +31,7 @@ from pathlib import Path
 from broker.commitlog.batch import MAGIC
 from broker.commitlog.config import LogConfig, StreamSpec
 from broker.commitlog.errors import CommitLogError, LogConfigError, LogIOError, UnsupportedFormat
+from broker.commitlog.keys import PartitionKey
 from broker.commitlog.log import SegmentedLog
 
 FORMAT_FILE = "FORMAT"
@@ -103,7 +104,7 @@ class Streams:
         self._routes = [(f, spec) for spec in specs for f in spec.topic_filters]
         self._default = by_name[DEFAULT_STREAM]
         self._topic_cache: dict[str, StreamSpec] = {}
-        self._logs: dict[tuple[str, int], SegmentedLog] = {}
+        self._logs: dict[PartitionKey, SegmentedLog] = {}
         self._lock = threading.Lock()
         self._closed = False
         self.format_version = check_format(self.data_dir)
@@ -132,7 +133,7 @@ class Streams:
             )
         return next((s for f, s in self._routes if matches(f, topic)), self._default)
 
-    def partition_for(self, topic: str) -> tuple[str, int]:
+    def partition_for(self, topic: str) -> PartitionKey:
         """``(stream name, crc32(utf-8 topic) % partitions)``."""
         spec = self.stream_for(topic)
         return spec.name, zlib.crc32(topic.encode()) % spec.partitions
@@ -164,7 +165,7 @@ class Streams:
     def partition_dir(self, stream: str, partition: int) -> Path:
         return self.data_dir / stream / str(partition)
 
-    def open_logs(self) -> dict[tuple[str, int], SegmentedLog]:
+    def open_logs(self) -> dict[PartitionKey, SegmentedLog]:
         """Snapshot of the logs opened so far, keyed by (stream, partition)."""
         with self._lock:
             return dict(self._logs)

@@ -65,7 +65,8 @@ from broker.router.router import TOPIC_ALIAS_MAXIMUM
 from broker.workers.sessions import STATE
 
 if TYPE_CHECKING:
-    from broker.router.router import PartitionKey, Router
+    from broker.commitlog.keys import PartitionKey
+    from broker.router.router import Router
     from broker.router.session import Session
     from broker.server import Server
 

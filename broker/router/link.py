@@ -1,7 +1,8 @@
 """What the router needs from a client connection (rumqttd's "link").
 
 The router talks to connections only through this interface, so it stays synchronous,
-free of sockets, and testable with a recording fake.
+free of sockets, and testable with a recording fake. What it needs from the other workers
+is in broker.router.hooks.
 """
 
 from __future__ import annotations
@@ -59,44 +60,3 @@ class Link(Protocol):
 
     def close(self, reason_code: int | None = None, reason: str = "") -> None:
         """Send DISCONNECT (5.0, when a reason code is given) and close the connection."""
-
-
-class GroupPeers(Protocol):
-    """How the router reaches shared groups held by other workers (several workers; see
-    broker.workers.groups). A group lives on one worker, its *home*, which keeps its
-    positions and spreads its records; members whose session is elsewhere get them through
-    this interface. Called from the router's loop thread; every method only queues."""
-
-    def home(self, group: str) -> int | None:
-        """The worker holding ``group`` (the full ``$share/...`` filter); None for this one."""
-        ...
-
-    def join(
-        self,
-        home: int,
-        group: str,
-        client_id: str,
-        qos: int,
-        identifier: int | None,
-        version: int,
-        window: int,
-        username: str | None,
-    ) -> None:
-        """A session here is a member; ``window``: records it may have outstanding;
-        ``username``: the user it logged in as (its ACL rules)."""
-
-    def leave(
-        self, home: int, group: str, client_id: str, orphans: list[tuple[tuple[str, int], int]]
-    ) -> None:
-        """It is a member no more (or could not take a record); ``orphans`` (partition,
-        offset) go back to the group for another member."""
-
-    def deliver(
-        self, worker: int, group: str, client_id: str, key: tuple[str, int], offset: int, qos: int
-    ) -> None:
-        """Home to member: deliver this record of the group to ``client_id`` at ``qos``."""
-
-    def done(
-        self, home: int, group: str, client_id: str, key: tuple[str, int], offset: int
-    ) -> None:
-        """Member to home: that delivery is complete (sent at QoS 0, or acknowledged)."""

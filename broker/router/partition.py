@@ -15,10 +15,11 @@ from bisect import bisect_left, bisect_right
 from collections.abc import Callable, Iterator, Sequence
 from functools import cache, lru_cache
 from itertools import accumulate, count, pairwise, repeat
-from typing import Any
+from typing import Any, NamedTuple
 
 from broker.commitlog import Record, SegmentedLog
 from broker.commitlog.columns import ColumnRead
+from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
 
 #: Records kept in memory per partition for caught-up subscribers (one iteration of a busy
@@ -31,10 +32,30 @@ TAIL_BYTES = 16 << 20
 #: records/s with 512 per read and 710k with 4096, measured here).
 READ_BATCH = 4096
 #: A read-ahead with fewer records left than this is read again from there, with what follows
-#: (a handful of records is below the run path's minimum, Router._send_run: a QoS 1 replay's
+#: (a handful of records is below the run path's minimum, Delivery.send_run: a QoS 1 replay's
 #: windows of 100 left one read in ~25 with 1-7 records, each then read again as 4,096
 #: Record tuples and sent one by one, ~4% of the replay's time, measured).
 READ_AHEAD_REST = 64
+
+
+class SessionWatcher(NamedTuple):
+    """A session's consumer reading a partition (see :attr:`PartitionBase.watchers`)."""
+
+    client_id: str
+    #: The consumer's name (broker.router.session.MAIN or a ``$replay/...`` filter).
+    consumer: str
+
+
+class GroupWatcher(NamedTuple):
+    """A shared group held by this worker reading a partition."""
+
+    #: The group's full ``$share/<name>/<filter>``.
+    group: str
+
+
+#: Who is woken when a partition has new records. The two are told apart by type, never
+#: equal to each other (a different length).
+Watcher = SessionWatcher | GroupWatcher
 
 
 #: Stored flags byte -> retain (bit 0; the other bits are not ours to read).
@@ -50,7 +71,7 @@ def _equal_parts(size: int, count: int) -> struct.Struct:
 
 class Columns:
     """Committed records of one read as per-record columns, for the run path
-    (:meth:`broker.router.router.Router._send_run`), which needs no ``Record`` per record.
+    (:meth:`broker.router.delivery.Delivery.send_run`), which needs no ``Record`` per record.
 
     Records ``start .. stop - 1`` of the columns are the read (a read-ahead is shared by the
     reads that fall inside it, each with its own ``start``). ``offsets`` (ints, increasing)
@@ -214,14 +235,14 @@ class PartitionBase:
     #: This worker appends to it.
     appends_here = True
 
-    def __init__(self, key: tuple[str, int], log: SegmentedLog | LogReader) -> None:
+    def __init__(self, key: PartitionKey, log: SegmentedLog | LogReader) -> None:
         self.key = key
         self.log = log
         self.pending: list[Record] = []
         #: One callback per pending record, called with its offset (or None on failure).
         self.acks: list[Callable[[int | None], None] | None] = []
-        #: Who reads this partition: ("s", client_id, consumer name) or ("g", group key).
-        self.watchers: set[tuple[Any, ...]] = set()
+        #: Who reads this partition, woken when it has new records.
+        self.watchers: set[Watcher] = set()
         #: The last batch read from the log (for a subscriber behind the tail), so a reader
         #: that takes a few records per call (its send quota) decodes each batch once.
         self.read_ahead: list[Record] = []
@@ -390,7 +411,7 @@ class Partition(PartitionBase):
 
     log: SegmentedLog
 
-    def __init__(self, key: tuple[str, int], log: SegmentedLog) -> None:
+    def __init__(self, key: PartitionKey, log: SegmentedLog) -> None:
         super().__init__(key, log)
         #: The log's end offset as of the last commit (only :meth:`commit` moves it).
         self.end = log.end_offset

@@ -18,16 +18,29 @@ import base64
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
+from broker.commitlog.keys import PartitionKey
 from broker.mqtt.packets import Will
 from broker.mqtt.properties import decode_properties, encode_properties
 
 if TYPE_CHECKING:
-    from broker.auth import Authorizer
+    from broker.auth.acl import Authorizer
     from broker.router.link import Link
 
-PartitionKey = tuple[str, int]  # (stream name, partition number)
+__all__ = [
+    "MAIN",
+    "Consumer",
+    "Inflight",
+    "InflightRun",
+    "Match",
+    "PartitionKey",
+    "RemoteMember",
+    "Session",
+    "SharedGroup",
+    "Subscription",
+    "new_inflight",
+]
 
 #: Main-consumer name; replay consumers are named by their full ``$replay/...`` filter.
 MAIN = ""
@@ -60,22 +73,52 @@ class Consumer:
     annotate: bool = False
     #: Shared group name (None for main and replay consumers).
     group: str | None = None
-    #: Cache: topic -> (qos, subscription ids, no_local, retain_as_published) or None.
-    match_cache: dict[str, tuple[int, list[int], bool, bool] | None] = field(default_factory=dict)
+    #: Cache: topic -> how the consumer's subscriptions match it, None when none does.
+    match_cache: dict[str, Match | None] = field(default_factory=dict)
 
 
-#: A QoS 1/2 delivery to a client, awaiting PUBACK (QoS 1) or PUBREC/PUBCOMP (QoS 2), as
-#: ``(key, offset, qos, retain, released, group, consumer)``: the record's partition and
-#: offset (it stays in the log and is re-read from there for redelivery [MQTT-4.4.0-1]), the
-#: QoS it went out at, its retain flag, whether PUBREC came and PUBREL was sent (s4.3.3),
-#: the shared group it was taken from (or None) and the consumer's name. A plain tuple, not a
-#: class: a QoS 1 replay puts one in flight per message, and a slotted dataclass built per
-#: message was ~30% of the router's time there; a run's tuples are zipped in C.
-Inflight = tuple[PartitionKey, int, int, bool, bool, str | None, str]
+#: How a consumer's subscriptions match one topic, ``(qos, identifiers, no_local,
+#: retain_as_published)``: overlapping subscriptions deliver once at the highest QoS, with
+#: every matching subscription identifier [MQTT-3.3.4-2], [MQTT-3.3.4-3]; ``no_local`` when
+#: every matching subscription has it [MQTT-3.8.3-3], ``retain_as_published`` when one has
+#: (s3.8.3.1). Cached per topic (:attr:`Consumer.match_cache`). A plain tuple, unpacked by
+#: name where it is read: it is unpacked for every record delivered one by one, and CPython
+#: unpacks a ``NamedTuple`` on its generic path (~430 more instructions each, measured).
+Match = tuple[int, list[int], bool, bool]
+
+
+class Inflight(NamedTuple):
+    """A QoS 1/2 delivery to a client, awaiting PUBACK (QoS 1) or PUBREC/PUBCOMP (QoS 2).
+
+    The record stays in the log and is re-read from there for redelivery [MQTT-4.4.0-1].
+    A tuple, not a class: a QoS 1 replay puts one in flight per message, and a slotted
+    dataclass built per message was ~30% of the router's time there. The per-message path
+    builds it with :data:`new_inflight` (no Python call); a run's deliveries share one
+    :class:`InflightRun`. Named, it still costs ~1,000 instructions more per delivery sent
+    one by one than a plain tuple did (made and freed without the tuple free list; valgrind,
+    a caught-up QoS 1 subscriber).
+    """
+
+    key: PartitionKey
+    offset: int
+    #: The QoS it went out at.
+    qos: int
+    retain: bool
+    #: PUBREC came and PUBREL was sent (s4.3.3).
+    released: bool
+    #: The shared group it was taken from, or None.
+    group: str | None
+    #: The consumer's name (:data:`MAIN`, or a ``$replay/...`` filter).
+    consumer: str
+
+
+#: ``new_inflight(Inflight, (key, offset, qos, retain, released, group, consumer))``: an
+#: :class:`Inflight` without the NamedTuple constructor's Python call (per message).
+new_inflight = tuple.__new__
 
 
 class InflightRun:
-    """The in-flight entries of one run of QoS 1 deliveries (``Router._send_run``), sent
+    """The in-flight entries of one run of QoS 1 deliveries (``Delivery.send_run``), sent
     under the consecutive packet ids ``first, first + 1, ...``: one object that each of those
     ids maps to in :attr:`Session.inflight`, read as an :data:`Inflight` by :meth:`entry`
     (QoS 1, not released, of no shared group). A window of 1,000 replayed deliveries built
@@ -100,7 +143,9 @@ class InflightRun:
     def entry(self, packet_id: int) -> Inflight:
         i = packet_id - self.first
         retain = self.retains[i] if self.retains is not None else False
-        return (self.key, self.offsets[i], 1, retain, False, None, self.consumer)
+        return new_inflight(
+            Inflight, (self.key, self.offsets[i], 1, retain, False, None, self.consumer)
+        )
 
 
 @dataclass(slots=True)
@@ -170,7 +215,7 @@ class Session:
     request_problem_information: bool = True
     next_packet_id: int = 1
     dirty: bool = False  # persisted state changed since last written
-    #: A consumer stopped at the send quota: the next PUBACK pumps (Router.pump_acked).
+    #: A consumer stopped at the send quota: the next PUBACK pumps (Delivery.pump_acked).
     waiting: bool = False
 
     @property
@@ -270,7 +315,9 @@ class Session:
         for pid, stream, part, off, qos, retain, released, group, consumer_name in state[
             "inflight"
         ]:
-            s.inflight[pid] = ((stream, part), off, qos, retain, released, group, consumer_name)
+            s.inflight[pid] = Inflight(
+                (stream, part), off, qos, retain, released, group, consumer_name
+            )
         s.incoming_qos2 = set(state.get("incoming_qos2", ()))
         s.next_packet_id = state.get("next_packet_id", 1)
         will = state.get("will")

@@ -1,4 +1,5 @@
-"""Shared subscription groups across workers: the router's :class:`GroupPeers` over the mesh.
+"""Shared subscription groups across workers: the router's
+:class:`~broker.router.hooks.GroupPeers` over the mesh.
 
 A group ``$share/<name>/<filter>`` is held by one worker, its home (``crc32(filter) %
 workers``, the same rule as for client ids), which keeps the group's positions, persists
@@ -22,16 +23,15 @@ from typing import TYPE_CHECKING, Any
 
 import orjson
 
+from broker.commitlog.keys import PartitionKey
 from broker.workers.mesh import Mesh, PeerDown
 
 if TYPE_CHECKING:
     from broker.router.router import Router
 
-Key = tuple[str, int]
-
 
 class MeshGroupPeers:
-    """Implements :class:`broker.router.link.GroupPeers` for worker ``worker``."""
+    """Implements :class:`broker.router.hooks.GroupPeers` for worker ``worker``."""
 
     def __init__(self, worker: int, home_of: Callable[[str], int], first_kind: int) -> None:
         self.worker = worker
@@ -73,16 +73,18 @@ class MeshGroupPeers:
     ) -> None:
         self._send(home, self.JOIN, [group, client_id, qos, identifier, version, window, username])
 
-    def leave(self, home: int, group: str, client_id: str, orphans: list[tuple[Key, int]]) -> None:
+    def leave(
+        self, home: int, group: str, client_id: str, orphans: list[tuple[PartitionKey, int]]
+    ) -> None:
         self._send(home, self.LEAVE, [group, client_id, [[k[0], k[1], off] for k, off in orphans]])
 
-    def done(self, home: int, group: str, client_id: str, key: Key, offset: int) -> None:
+    def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
         self._send(home, self.DONE, [group, client_id, key[0], key[1], offset])
 
     # ------------------------------------------------------------ to the member's worker
 
     def deliver(
-        self, worker: int, group: str, client_id: str, key: Key, offset: int, qos: int
+        self, worker: int, group: str, client_id: str, key: PartitionKey, offset: int, qos: int
     ) -> None:
         self._send(worker, self.DELIVER, [group, client_id, key[0], key[1], offset, qos])
 

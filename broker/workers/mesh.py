@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from broker.commitlog.keys import PartitionKey
+
 log = logging.getLogger("broker.workers.mesh")
 
 HEADER = struct.Struct("<IBQ")
@@ -357,7 +359,7 @@ class Mesh:
             )
 
 
-def owner_of(key: tuple[str, int], count: int) -> int:
+def owner_of(key: PartitionKey, count: int) -> int:
     """The worker that owns partition ``key`` of a broker with ``count`` workers.
 
     A stream's partitions go round robin from a worker picked by the stream's name, so each

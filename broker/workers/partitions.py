@@ -39,6 +39,7 @@ from itertools import count
 from typing import Any
 
 from broker.commitlog import LogConfig, Record, SegmentedLog
+from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
 from broker.workers.mesh import FIRST_USER_KIND, Mesh, PeerDown
@@ -61,16 +62,15 @@ _KEY = struct.Struct("<HI")  # stream name length, partition; the name follows
 _OFFSET = struct.Struct("<q")
 _MARKS = struct.Struct("<qq")
 
-Key = tuple[str, int]
 Ack = Callable[[int | None], None]
 
 
-def pack_key(key: Key) -> bytes:
+def pack_key(key: PartitionKey) -> bytes:
     name = key[0].encode()
     return _KEY.pack(len(name), key[1]) + name
 
 
-def unpack_key(body: memoryview | bytes, pos: int = 0) -> tuple[Key, int]:
+def unpack_key(body: memoryview | bytes, pos: int = 0) -> tuple[PartitionKey, int]:
     """The key at ``pos`` and the position after it."""
     size, partition = _KEY.unpack_from(body, pos)
     start = pos + _KEY.size
@@ -84,7 +84,10 @@ class OwnedPartition(Partition):
     __slots__ = ("announce",)
 
     def __init__(
-        self, key: Key, log: SegmentedLog, announce: Callable[[OwnedPartition, list[Record]], None]
+        self,
+        key: PartitionKey,
+        log: SegmentedLog,
+        announce: Callable[[OwnedPartition, list[Record]], None],
     ) -> None:
         super().__init__(key, log)
         self.announce = announce
@@ -115,7 +118,7 @@ class RemotePartition(PartitionBase):
 
     def __init__(
         self,
-        key: Key,
+        key: PartitionKey,
         reader: LogReader,
         owner: int,
         forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None],
@@ -169,9 +172,9 @@ class PartitionService:
         self,
         worker: int,
         count: int,
-        owner_of: Callable[[Key, int], int],
-        directory_of: Callable[[Key], Any],
-        config_of: Callable[[Key], LogConfig],
+        owner_of: Callable[[PartitionKey, int], int],
+        directory_of: Callable[[PartitionKey], Any],
+        config_of: Callable[[PartitionKey], LogConfig],
     ) -> None:
         self.worker = worker
         self.count = count
@@ -179,24 +182,26 @@ class PartitionService:
         self.directory_of = directory_of
         self.config_of = config_of
         self.mesh: Mesh | None = None
-        self.enqueue: Callable[[Key, list[tuple[Any, ...]], Ack], None] | None = None
+        self.enqueue: Callable[[PartitionKey, list[tuple[Any, ...]], Ack], None] | None = None
         self.wake: Callable[[Any], None] | None = None
-        self.on_moved: Callable[[Key, int, RemotePartition], None] | None = None
+        self.on_moved: Callable[[PartitionKey, int, RemotePartition], None] | None = None
         #: The partitions this worker owns (opened at start, so MARKS can answer for all).
-        self.owned: dict[Key, OwnedPartition] = {}
-        self.remote: dict[Key, RemotePartition] = {}
+        self.owned: dict[PartitionKey, OwnedPartition] = {}
+        self.remote: dict[PartitionKey, RemotePartition] = {}
         #: Every other worker's partitions: (earliest offset, high-water mark) as announced.
-        self.marks: dict[Key, tuple[int, int]] = {}
+        self.marks: dict[PartitionKey, tuple[int, int]] = {}
         self.forwarded = 0  # records sent to their owner
         self.received = 0  # records appended for a peer
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
         return {FORWARD: self._on_forward, APPENDED: self._on_appended, MARKS: self._on_marks}
 
-    def owns(self, key: Key) -> bool:
+    def owns(self, key: PartitionKey) -> bool:
         return self.owner_of(key, self.count) == self.worker
 
-    def make(self, key: Key, open_log: Callable[[Key], SegmentedLog]) -> PartitionBase:
+    def make(
+        self, key: PartitionKey, open_log: Callable[[PartitionKey], SegmentedLog]
+    ) -> PartitionBase:
         """The router's partition object for ``key``: owned or remote."""
         owner = self.owner_of(key, self.count)
         if owner == self.worker:
@@ -309,7 +314,7 @@ class PartitionService:
                 part.tail = []  # what follows is in the files only
         self._moved(key, start, end)
 
-    def _moved(self, key: Key, start: int, end: int) -> None:
+    def _moved(self, key: PartitionKey, start: int, end: int) -> None:
         announced = self.marks.get(key)
         self.marks[key] = (start, end)
         part = self.remote.get(key)

@@ -2,8 +2,10 @@
 
 One object per worker process, built by the server before its router: the mesh to the
 peers, the partition service (ownership, forwarding, high-water marks) and the session
-directory, joined to the router through the router's hooks. With one worker the server
-has none of this and the router reaches every partition directly.
+directory. It is the router's :class:`~broker.router.hooks.WorkerHooks` (passed to the
+router at construction), and :meth:`WorkerRuntime.attach` gives it the router's side in
+turn. With one worker the server has none of this: the router's hooks are
+:class:`~broker.router.hooks.SingleWorker` and it reaches every partition directly.
 
 Start-up order matters, and is :meth:`WorkerRuntime.start`'s:
 
@@ -25,6 +27,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from broker.commitlog import LogConfig, Record, SegmentedLog, Streams
+from broker.commitlog.keys import PartitionKey
 from broker.workers.groups import MeshGroupPeers
 from broker.workers.mesh import Mesh, PeerDown, owner_of
 from broker.workers.partitions import PartitionService
@@ -68,7 +71,8 @@ class WorkerSpec:
 
 
 class WorkerRuntime:
-    """Worker ``index`` of ``count``: see the module docstring."""
+    """Worker ``index`` of ``count``: see the module docstring. Implements
+    :class:`broker.router.hooks.WorkerHooks`."""
 
     def __init__(self, index: int, count: int, streams: Streams) -> None:
         self.index = index
@@ -108,34 +112,72 @@ class WorkerRuntime:
         self.groups.mesh = self.mesh
         self.router: Router | None = None
 
-    def _directory(self, key: tuple[str, int]) -> Any:
+    def attach(self, router: Router) -> None:
+        """Give the mesh's handlers the router's side: sessions handed over, restored and
+        listed, records forwarded here, partitions announced, retained messages moved,
+        shared groups' frames."""
+        self.router = router
+        self.groups.router = router
+        sessions = self.sessions
+        sessions.hand_over = router.hand_over
+        sessions.restore = router.restore_sessions
+        sessions.held_ids = lambda: list(router.sessions)
+        self.partitions.enqueue = router.append_forwarded
+        self.partitions.wake = router.wake
+
+        def moved(key: PartitionKey, old_end: int, part: Any) -> None:
+            if key == ("$retained", 0):
+                router.apply_retained(records_between(part, old_end, part.end_offset))
+
+        self.partitions.on_moved = moved
+
+    # ------------------------------------------------------------ WorkerHooks
+
+    @property
+    def group_peers(self) -> MeshGroupPeers:
+        return self.groups
+
+    def is_home(self, name: str) -> bool:
+        return home_of(name, self.count) == self.index
+
+    def session_ended(self, client_id: str) -> None:
+        self.sessions.ended(client_id)
+
+    def connections_changed(self, count: int) -> None:
+        """This worker's connected clients changed: tell the peers, once per iteration."""
+        if self._connections is None:
+            asyncio.get_running_loop().call_soon(self._announce_connections)
+        self._connections = count
+
+    def connected_elsewhere(self) -> int:
+        return sum(self.peer_connections.values())
+
+    # ------------------------------------------------------------
+
+    def _directory(self, key: PartitionKey) -> Any:
         return self.streams.partition_dir(*key)
 
-    def _log_config(self, key: tuple[str, int]) -> LogConfig:
+    def _log_config(self, key: PartitionKey) -> LogConfig:
         return self.streams.specs[key[0]].log
 
-    def all_keys(self) -> list[tuple[str, int]]:
+    def all_keys(self) -> list[PartitionKey]:
         return [
             (spec.name, p) for spec in self.streams.specs.values() for p in range(spec.partitions)
         ]
 
-    def owned_keys(self) -> list[tuple[str, int]]:
+    def owned_keys(self) -> list[PartitionKey]:
         return [k for k in self.all_keys() if owner_of(k, self.count) == self.index]
 
-    def make_partition(self, key: tuple[str, int]) -> Any:
+    def make_partition(self, key: PartitionKey) -> Any:
         """The router's partition factory."""
         return self.partitions.make(key, self._open_log)
 
-    def _open_log(self, key: tuple[str, int]) -> SegmentedLog:
+    def _open_log(self, key: PartitionKey) -> SegmentedLog:
         return self.streams.log(*key)
 
-    def is_home(self, client_id: str) -> bool:
-        return home_of(client_id, self.count) == self.index
-
-    async def start(self, router: Router, open_owned: Callable[[], object]) -> None:
-        """Steps 1-3 of the module docstring; the caller then loads the router."""
-        self.router = router
-        self.groups.router = router
+    async def start(self, open_owned: Callable[[], object]) -> None:
+        """Steps 1-3 of the module docstring (after :meth:`attach`); the caller then loads
+        the router."""
         open_owned()
         await self.mesh.start()
         try:
@@ -162,12 +204,6 @@ class WorkerRuntime:
         if self.router is not None:
             self.router.worker_left(peer)
 
-    def connections_changed(self, count: int) -> None:
-        """This worker's connected clients changed: tell the peers, once per iteration."""
-        if self._connections is None:
-            asyncio.get_running_loop().call_soon(self._announce_connections)
-        self._connections = count
-
     def _announce_connections(self) -> None:
         count, self._connections = self._connections, None
         if count is not None:
@@ -175,9 +211,6 @@ class WorkerRuntime:
 
     def _on_connections(self, peer: int, request: int, body: memoryview) -> None:
         self.peer_connections[peer] = struct.unpack("<I", body)[0]
-
-    def connected_elsewhere(self) -> int:
-        return sum(self.peer_connections.values())
 
     def login_refused(self, address: str) -> None:
         self.mesh.broadcast(LOGIN_FAILED, address.encode())

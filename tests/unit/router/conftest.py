@@ -27,6 +27,7 @@ from broker.mqtt.packets import (
     Will,
 )
 from broker.mqtt.properties import PropertyId
+from broker.router.hooks import SingleWorker, WorkerHooks
 from broker.router.router import Router
 from broker.router.session import Session
 
@@ -105,11 +106,17 @@ class FakeLink:
 
 
 class Clock:
+    """Wall and monotonic clock in seconds, moved by :meth:`advance` (or by ``step`` at
+    every reading, when set)."""
+
     def __init__(self) -> None:
         self.now = 1_700_000_000.0
+        self.step = 0.0
 
     def __call__(self) -> float:
-        return self.now
+        now = self.now
+        self.now += self.step
+        return now
 
     def advance(self, seconds: float) -> None:
         self.now += seconds
@@ -120,6 +127,8 @@ class Harness:
         self.data = data
         self.config = config or RouterConfig()
         self.clock = Clock()
+        #: The other workers, as the router sees them (:meth:`open` passes them in).
+        self.hooks: WorkerHooks = SingleWorker()
         self.open()
 
     def open(self) -> None:
@@ -133,6 +142,7 @@ class Harness:
             schedule=self.scheduled.append,
             clock=self.clock,
             monotonic=self.clock,
+            hooks=self.hooks,
         )
 
     def restart(self) -> None:

@@ -1,4 +1,4 @@
-"""The run path fed from the log's columns (PartitionBase.read_columns, Router._send_run) sends
+"""The run path fed from the log's columns (PartitionBase.read_columns, Delivery.send_run) sends
 the same bytes as the general path, message by message, whatever the records, options and
 limits: checked through a router :class:`Partition` and through a :class:`RemotePartition`
 reading the files with a :class:`LogReader`, as another worker does.
@@ -19,9 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import broker.router.router as router_module
+import broker.router.delivery as delivery_module
 from broker.commitlog import Record, Streams
 from broker.commitlog.config import LogConfig, StreamSpec
+from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
 from broker.config import RouterConfig
 from broker.mqtt.connection import ServerConnection
@@ -198,7 +199,7 @@ class Reader:
 
     def __init__(self, tmp: Path, written: Path, config: RouterConfig, remote: bool) -> None:
         self.scheduled: list[Callable[[], None]] = []
-        factory: Callable[[tuple[str, int]], PartitionBase] | None = None
+        factory: Callable[[PartitionKey], PartitionBase] | None = None
         if remote:
             self.streams = Streams(tmp / "own", SPEC, clock=lambda: NOW)
             mine = self.streams
@@ -208,7 +209,7 @@ class Reader:
             end = owner_log.log(*KEY).end_offset
             owner_log.close()
 
-            def factory(key: tuple[str, int]) -> PartitionBase:
+            def factory(key: PartitionKey) -> PartitionBase:
                 if key != KEY:
                     return Partition(key, mine.log(*key))
                 reader = LogReader(directory, config_of, end)
@@ -247,7 +248,7 @@ def _deliver(
     monkeypatch: pytest.MonkeyPatch,
 ) -> tuple[bytes, Any, int]:
     """Every delivery of the case's records, as bytes; plus the end state and run count."""
-    monkeypatch.setattr(router_module, "RUN_MIN", 8 if runs else 1 << 30)
+    monkeypatch.setattr(delivery_module, "RUN_MIN", 8 if runs else 1 << 30)
     reader = Reader(tmp, written, RouterConfig(max_inflight=case.max_inflight), remote)
     router = reader.router
     props: dict[int, Any] = {}

@@ -116,8 +116,7 @@ def test_one_read_is_stamped_once(h: Harness) -> None:
     """A read's messages that take the one-by-one path (properties, retain) keep the read's
     timestamp: with one per call, a partition's timestamps alternated (a time-based read in
     tests/integration/test_spark.py then started at an earlier record)."""
-    ticks = iter(range(1_000, 10_000))
-    h.router.clock = lambda: next(ticks)  # every reading is a second later
+    h.clock.step = 1.0  # every reading is a second later
     _, s = h.connect("pub", 5)
     props = {PropertyId.CONTENT_TYPE: "t"}
     h.router.publish_run(

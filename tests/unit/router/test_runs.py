@@ -1,5 +1,5 @@
-"""Runs: a consumer's read delivered in one piece (Router._send_run) when no per-message rule
-applies, and message by message when one does; the deliveries are the same either way."""
+"""Runs: a consumer's read delivered in one piece (Delivery.send_run) when no per-message
+rule applies, and message by message when one does; the deliveries are the same either way."""
 
 from __future__ import annotations
 
@@ -7,9 +7,11 @@ from pathlib import Path
 
 import pytest
 
+from broker.commitlog.keys import PartitionKey
 from broker.config import RouterConfig
 from broker.mqtt.packets import Subscribe, Subscription
 from broker.mqtt.properties import PropertyId
+from broker.router.hooks import SingleWorker
 from tests.unit.router.conftest import Harness
 
 
@@ -213,6 +215,13 @@ def test_run_deliveries_are_resent_under_their_own_ids(tmp_path: Path, restart: 
     h.streams.close()
 
 
+class _GroupsElsewhere(SingleWorker):
+    """One worker of several, whose shared groups are all held by another."""
+
+    def __init__(self, peers: _Peers) -> None:
+        self.group_peers = peers
+
+
 class _Peers:
     """GroupPeers of a broker whose shared groups are all held by worker 1: records what
     this worker tells it."""
@@ -232,9 +241,7 @@ class _Peers:
     def deliver(self, *args: object) -> None:
         pass
 
-    def done(
-        self, home: int, group: str, client_id: str, key: tuple[str, int], offset: int
-    ) -> None:
+    def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
         self.done_offsets.append(offset)
 
 
@@ -242,9 +249,10 @@ def test_puback_run_of_group_deliveries_tells_the_groups_home(h: Harness) -> Non
     """Deliveries of a shared group held by another worker, acknowledged by one read of
     PUBACKs, are each reported done to the group's home (else it keeps them outstanding and
     gives them to another member if this worker goes away), the plain ones are not."""
-    _load(h, 6)
     peers = _Peers()
-    h.router.group_peers = peers
+    h.hooks = _GroupsElsewhere(peers)
+    h.restart()
+    _load(h, 6)
     link, s = h.connect("sub", 4)
     h.subscribe(s, "t/+", 1)
     h.router.subscribe(s, Subscribe(2, [Subscription("$share/g/t/+", 1)]))

@@ -13,7 +13,8 @@ from typing import Any
 import uvloop
 
 from broker.commitlog import LogConfig, Record, SegmentedLog
-from broker.router.partition import PartitionBase
+from broker.commitlog.keys import PartitionKey
+from broker.router.partition import PartitionBase, SessionWatcher
 from broker.workers.mesh import Mesh, owner_of
 from broker.workers.partitions import (
     ANNOUNCED_BYTES,
@@ -26,7 +27,7 @@ from broker.workers.partitions import (
 CONFIG = LogConfig(fsync="never")
 #: A partition worker 0 owns (of two).
 KEY = next(("default", p) for p in range(8) if owner_of(("default", p), 2) == 0)
-WATCHER = ("s", "sub", "main")
+WATCHER = SessionWatcher("sub", "main")
 
 
 def run(coro: Callable[[], Awaitable[Any]]) -> Any:
@@ -44,16 +45,16 @@ class Worker:
         self.mesh = Mesh(tmp / "mesh", index, 2, self.service.handlers())
         self.service.mesh = self.mesh
 
-    def directory(self, key: tuple[str, int]) -> Path:
+    def directory(self, key: PartitionKey) -> Path:
         return self.tmp / "data" / key[0] / str(key[1])
 
-    def open_log(self, key: tuple[str, int]) -> SegmentedLog:
+    def open_log(self, key: PartitionKey) -> SegmentedLog:
         return SegmentedLog.open(self.directory(key), CONFIG)
 
     def _wake(self, part: Any) -> None:
         self.wakes.append(part.end_offset)
 
-    def partition(self, key: tuple[str, int]) -> PartitionBase:
+    def partition(self, key: PartitionKey) -> PartitionBase:
         return self.service.make(key, self.open_log)
 
 

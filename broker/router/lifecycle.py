@@ -1,0 +1,258 @@
+"""Session lifecycle: CONNECT (new, resumed or taken over), DISCONNECT, the connection
+lost, wills (delayed or not), session expiry and the timers that run them.
+
+A session outlives its connection while its expiry interval runs (s3.1.2.11.2); a clean
+start ends the old one [MQTT-3.1.2-4]; a second connection with the same client id takes
+the session over and closes the first [MQTT-3.1.4-3]. The will goes out when the
+connection is lost without DISCONNECT, after its delay if any, or when the session ends
+first [MQTT-3.1.2-8], [MQTT-3.1.3-9].
+
+Called only from the owning event loop's thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import uuid
+from typing import Any
+
+from broker.auth.acl import Authorizer
+from broker.commitlog import Record
+from broker.mqtt.errors import ProtocolError
+from broker.mqtt.packets import ConnAck, Connect, Disconnect
+from broker.mqtt.properties import PropertyId
+from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ReasonCode
+from broker.router.commit import GroupCommit
+from broker.router.delivery import Delivery
+from broker.router.ingest import Ingest
+from broker.router.link import Link
+from broker.router.qos import QosFlows
+from broker.router.session import Session
+from broker.router.shared import SharedGroups
+from broker.router.state import SESSIONS, RouterState
+from broker.router.store import SessionStore
+
+log = logging.getLogger("broker.router")
+
+#: Session expiry of 0xFFFFFFFF means "never" (s3.1.2.11.2).
+EXPIRY_NEVER = 0xFFFFFFFF
+#: Topic aliases a client may use towards us (announced in CONNACK, s3.2.2.3.8).
+TOPIC_ALIAS_MAXIMUM = 64
+
+
+class Lifecycle:
+    """Connections and sessions of one router coming and going. See the module docstring."""
+
+    def __init__(
+        self,
+        state: RouterState,
+        commit: GroupCommit,
+        store: SessionStore,
+        ingest: Ingest,
+        shared: SharedGroups,
+        delivery: Delivery,
+        qos: QosFlows,
+    ) -> None:
+        self.state = state
+        self.commit = commit
+        self.store = store
+        self.ingest = ingest
+        self.shared = shared
+        self.delivery = delivery
+        self.qos = qos
+
+    def connect(
+        self, link: Link, packet: Connect, username: str | None = None
+    ) -> tuple[Session, int] | None:
+        """Handle CONNECT: answer CONNACK, resume or create the session.
+
+        ``username`` is the authenticated identity (the transport checked the password or
+        took the TLS certificate's CN); it selects the client's ACL rules.
+
+        Returns the session and the keepalive to enforce, or None when refused (the CONNACK
+        with the reason was sent and the link should close) [MQTT-3.2.2-7].
+        """
+        version = packet.protocol_level
+        props = packet.properties
+        state = self.state
+        cfg = state.config
+        if version == 5 and PropertyId.AUTHENTICATION_METHOD in props:
+            # Enhanced authentication (s4.12) with a method we do not offer.
+            self._refuse(link, version, ReasonCode.BAD_AUTHENTICATION_METHOD)
+            return None
+        current = state.sessions.get(packet.client_id) if packet.client_id else None
+        connected = state.connections + state.hooks.connected_elsewhere()
+        if connected >= cfg.max_connections and (current is None or current.link is None):
+            # A takeover replaces a connection, so it is let in even at the limit.
+            self._refuse(link, version, ReasonCode.SERVER_BUSY)
+            return None
+        if version < 5 and not cfg.keepalive_min <= packet.keepalive <= cfg.keepalive_max:
+            # 3.1.1 has no Server Keep Alive to tell a client a clamped value, and enforcing
+            # one it does not know would disconnect it while it behaves; so, as mosquitto
+            # does, refuse with "identifier rejected" (3.1.1 s3.2.2.3 has no better code).
+            self._refuse(link, version, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID)
+            return None
+        client_id = packet.client_id
+        assigned = None
+        if not client_id:
+            if version < 5 and not packet.clean_start:
+                self._refuse(link, version, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID)
+                return None
+            client_id = assigned = "mqlog-" + uuid.uuid4().hex  # [MQTT-3.1.3-6]
+        if version == 5:
+            expiry = props.get(PropertyId.SESSION_EXPIRY_INTERVAL, 0)
+        else:
+            expiry = 0 if packet.clean_start else EXPIRY_NEVER
+        expiry = min(expiry, cfg.session_expiry_max)
+
+        existing = state.sessions.get(client_id)
+        if existing is not None and existing.link is not None:
+            old = existing.link
+            self.connection_lost(existing, old, graceful=False)
+            old.close(ReasonCode.SESSION_TAKEN_OVER, "another connection took the session")
+            existing = state.sessions.get(client_id)  # may have ended with the old connection
+        if existing is not None and packet.clean_start:
+            self.end_session(existing)  # [MQTT-3.1.2-4]
+            existing = None
+        session_present = existing is not None  # [MQTT-3.2.2-2], [MQTT-3.2.2-3]
+        session = existing or Session(client_id)
+        state.sessions[client_id] = session
+        session.version = version
+        session.persistent = expiry > 0
+        session.expiry_interval = expiry
+        session.will = packet.will
+        session.will_due = None  # a new connection cancels a delayed will [MQTT-3.1.3-9]
+        session.link = link
+        session.disconnected_at = None
+        session.receive_maximum = props.get(PropertyId.RECEIVE_MAXIMUM, 65535)
+        session.request_problem_information = bool(
+            props.get(PropertyId.REQUEST_PROBLEM_INFORMATION, 1)
+        )
+        session.dirty = session.persistent
+        link.client_id = client_id
+        state.connections += 1
+        state.hooks.connections_changed(state.connections)
+        if state.acl is not None:
+            state.authz[client_id] = Authorizer(state.acl.rules_for(username, client_id))
+            state.usernames[client_id] = username
+            for consumer in session.consumers.values():
+                consumer.match_cache.clear()  # read rights may differ from the last login
+
+        keepalive = packet.keepalive
+        if keepalive > cfg.keepalive_max or (keepalive < cfg.keepalive_min and version == 5):
+            keepalive = max(cfg.keepalive_min, min(keepalive, cfg.keepalive_max))
+        ack_props: dict[int, Any] = {}
+        if version == 5:
+            ack_props[PropertyId.RECEIVE_MAXIMUM] = cfg.max_inflight
+            ack_props[PropertyId.MAXIMUM_PACKET_SIZE] = cfg.max_packet_size
+            ack_props[PropertyId.TOPIC_ALIAS_MAXIMUM] = TOPIC_ALIAS_MAXIMUM
+            if assigned is not None:
+                ack_props[PropertyId.ASSIGNED_CLIENT_IDENTIFIER] = assigned
+            if keepalive != packet.keepalive:
+                ack_props[PropertyId.SERVER_KEEP_ALIVE] = keepalive  # [MQTT-3.2.2-21]
+            if expiry != props.get(PropertyId.SESSION_EXPIRY_INTERVAL, 0):
+                ack_props[PropertyId.SESSION_EXPIRY_INTERVAL] = expiry
+            if props.get(PropertyId.REQUEST_RESPONSE_INFORMATION):
+                ack_props[PropertyId.RESPONSE_INFORMATION] = f"mqlog/response/{client_id}"
+        link.send(ConnAck(session_present, ReasonCode.SUCCESS, ack_props))
+        for key in session.shared:
+            self.shared.join_group(session, key)
+        self.qos.resend_inflight(session)
+        self.delivery.pump_session(session)
+        return session, keepalive
+
+    def _refuse(self, link: Link, version: int, reason: int) -> None:
+        """Answer CONNACK with ``reason`` (3.1.1: its return code); the caller closes."""
+        code = reason if version == 5 else CONNACK_311_FOR_REASON.get(reason, 3)
+        link.send(ConnAck(session_present=False, reason_code=code))
+
+    def disconnect(self, session: Session, packet: Disconnect) -> None:
+        """A DISCONNECT from the client: the will is dropped unless asked for (0x04)."""
+        new_expiry = packet.properties.get(PropertyId.SESSION_EXPIRY_INTERVAL)
+        if new_expiry is not None:
+            if session.expiry_interval == 0 and new_expiry != 0:
+                raise ProtocolError("session expiry set on DISCONNECT after 0 [MQTT-3.14.2-2]")
+            session.expiry_interval = min(new_expiry, self.state.config.session_expiry_max)
+            session.persistent = session.expiry_interval > 0
+        if packet.reason_code != ReasonCode.DISCONNECT_WITH_WILL_MESSAGE:
+            session.will = None  # [MQTT-3.1.2-10]
+
+    def connection_lost(self, session: Session, link: Link, *, graceful: bool) -> None:
+        """The link of ``session`` closed. Publishes or schedules the will unless graceful."""
+        if session.link is not link:
+            return  # taken over already
+        state = self.state
+        session.link = None
+        state.connections -= 1
+        state.hooks.connections_changed(state.connections)
+        session.disconnected_at = state.clock()
+        will = session.will
+        if will is not None and not graceful:
+            delay = will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0)
+            if delay and session.expiry_interval > 0:
+                session.will_due = state.monotonic() + min(delay, session.expiry_interval)
+            else:
+                self.publish_will(session)
+        elif graceful:
+            session.will = None
+        for key in list(session.shared):
+            self.shared.leave_group(session, key)
+        if session.expiry_interval == 0:
+            self.end_session(session)
+        else:
+            session.dirty = True
+            self.store.persist(session)
+
+    def publish_will(self, session: Session) -> None:
+        will = session.will
+        session.will = None
+        session.will_due = None
+        if will is None:
+            return
+        if not self.ingest.may_publish(session.client_id, will.topic):
+            log.info("%s: will to %r dropped: not authorized", session.client_id, will.topic)
+            return
+        props = {k: v for k, v in will.properties.items() if k != PropertyId.WILL_DELAY_INTERVAL}
+        self.ingest.store_publish(
+            session.client_id,
+            will.topic,
+            will.payload,
+            will.qos,
+            retain=will.retain,
+            properties=props,
+            ack=None,
+        )
+
+    def end_session(self, session: Session) -> None:
+        """The session ends: its will goes out now if still pending, its state is deleted."""
+        if session.will_due is not None:
+            self.publish_will(session)
+        for full in list(session.shared):
+            self.shared.leave_group(session, full, orphan_inflight=True)
+            del session.shared[full]
+        self.store.forget(session)
+        if session.persistent or session.dirty:
+            tombstone = Record(-1, self.state.now_ms(), session.client_id, b"")
+            self.commit.enqueue(tombstone, None, SESSIONS)
+        self.state.hooks.session_ended(session.client_id)
+
+    def tick(self) -> None:
+        """Run timers: delayed wills, session expiry, persisting positions. Call every ~1 s."""
+        state = self.state
+        mono = state.monotonic()
+        now = state.clock()
+        for session in list(state.sessions.values()):
+            if session.link is None:
+                if session.will_due is not None and session.will_due <= mono:
+                    self.publish_will(session)
+                if (
+                    session.expiry_interval != EXPIRY_NEVER
+                    and session.disconnected_at is not None
+                    and session.disconnected_at + session.expiry_interval <= now
+                ):
+                    self.end_session(session)
+                    continue
+            if session.dirty and session.persistent:
+                self.store.persist(session)
+        if state.groups_dirty:
+            self.store.persist_groups()

@@ -1,0 +1,330 @@
+"""Shared subscription groups: ``$share/<name>/<filter>`` [MQTT-4.8.2].
+
+A group is one consumer (positions in partitions) whose records are spread round robin over
+its member sessions, each record to exactly one member (like a Kafka consumer group), at the
+minimum of its QoS and that member's subscription QoS [MQTT-3.8.4-8], never as retained.
+
+With several workers a group is held by one worker, its *home* (the ``group_peers`` of
+:class:`~broker.router.hooks.WorkerHooks`): members whose sessions are elsewhere join it
+through the mesh (``remote_*`` here are the home's and the member's side of those calls).
+With one worker every group is held here.
+
+Called only from the owning event loop's thread.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from broker.auth.acl import Authorizer
+from broker.commitlog import Record
+from broker.commitlog.keys import PartitionKey
+from broker.mqtt.topics import parse_shared, topic_matches
+from broker.router.delivery import Delivery
+from broker.router.partition import GroupWatcher
+from broker.router.session import Consumer, RemoteMember, Session, SharedGroup, Subscription
+from broker.router.state import RouterState
+
+
+class SharedGroups:
+    """The shared groups of one router, and its side of groups held elsewhere. See the
+    module docstring."""
+
+    def __init__(self, state: RouterState, delivery: Delivery) -> None:
+        self.state = state
+        self.sessions = state.sessions
+        self.groups = state.groups
+        self.partition = state.partition
+        self.deliver = delivery.deliver
+        self.can_send = delivery.can_send
+        self.read = delivery.read
+        self.read_exact = delivery.read_exact
+
+    def group(self, full: str) -> SharedGroup:
+        """The shared group ``full`` held here, created at the end of its partitions."""
+        group = self.groups.get(full)
+        if group is None:
+            name, plain = parse_shared(full)
+            assert name is not None
+            consumer = Consumer(full, group=name)
+            consumer.subscriptions[plain] = Subscription(plain, 2)
+            group = self.groups[full] = SharedGroup(name, plain, consumer)
+            for key in self.state.keys_for_filter(plain):
+                consumer.cursors[key] = self.partition(key).end_offset
+                self.partition(key).watchers.add(GroupWatcher(full))
+            self.state.groups_dirty = True
+        return group
+
+    def group_home(self, full: str) -> int | None:
+        """The worker holding group ``full``; None when it is this one (always, alone)."""
+        peers = self.state.hooks.group_peers
+        return None if peers is None else peers.home(full)
+
+    def join_group(self, session: Session, full: str) -> None:
+        if session.link is None:
+            return
+        home = self.group_home(full)
+        if home is not None:
+            peers = self.state.hooks.group_peers
+            assert peers is not None
+            sub = session.shared[full]
+            window = min(session.receive_maximum, self.state.config.max_inflight)
+            peers.join(
+                home,
+                full,
+                session.client_id,
+                sub.qos,
+                sub.identifier,
+                session.version,
+                window,
+                self.state.usernames.get(session.client_id),
+            )
+            return
+        group = self.group(full)
+        if session.client_id not in group.members:
+            group.members.append(session.client_id)
+
+    def leave_group(self, session: Session, full: str, *, orphan_inflight: bool = False) -> None:
+        """Remove a member. Its unacknowledged deliveries go to other members when the
+        session is ending (s4.8.2); a persistent session keeps them for its return."""
+        orphans: list[tuple[PartitionKey, int]] = []
+        if orphan_inflight or not session.persistent:
+            for pid, (key, offset, _, _, _, taken_from, _) in session.inflight_entries():
+                if taken_from == full:
+                    orphans.append((key, offset))
+                    del session.inflight[pid]
+        # Records a group elsewhere sent that never left go back whatever the session is.
+        for item in list(session.group_queue or ()):
+            if item[0] == full:
+                orphans.append((item[1], item[2]))
+                session.group_queue.remove(item)  # type: ignore[union-attr]
+        home = self.group_home(full)
+        if home is not None:
+            peers = self.state.hooks.group_peers
+            assert peers is not None
+            peers.leave(home, full, session.client_id, orphans)
+            return
+        group = self.groups.get(full)
+        if group is None:
+            return
+        if session.client_id in group.members:
+            group.members.remove(session.client_id)
+        group.orphans.extend(orphans)
+        if group.orphans and group.members:
+            self.pump_group(group)
+
+    # ------------------------------------------------ groups across workers
+
+    def remote_join(
+        self,
+        worker: int,
+        full: str,
+        client_id: str,
+        qos: int,
+        identifier: int | None,
+        version: int,
+        window: int,
+        username: str | None,
+    ) -> None:
+        """A session on ``worker`` is a member of group ``full``, held here; ``username``
+        selects its ACL rules, applied here as for a member of this worker."""
+        group = self.group(full)
+        acl = self.state.acl
+        authz = Authorizer(acl.rules_for(username, client_id)) if acl is not None else None
+        group.remote[client_id] = RemoteMember(
+            client_id, worker, qos, identifier, version, window, authz
+        )
+        if client_id not in group.members:
+            group.members.append(client_id)
+        self.pump_group(group)
+
+    def remote_leave(
+        self, full: str, client_id: str, orphans: list[tuple[PartitionKey, int]]
+    ) -> None:
+        """A member elsewhere left (or gave records back): ``orphans`` go to the others."""
+        group = self.groups.get(full)
+        if group is None:
+            return
+        member = group.remote.pop(client_id, None)
+        if member is not None and client_id in group.members:
+            group.members.remove(client_id)
+        group.orphans.extend(orphans)
+        if group.orphans and group.members:
+            self.pump_group(group)
+
+    def remote_done(self, full: str, client_id: str, key: PartitionKey, offset: int) -> None:
+        """A member elsewhere completed a delivery: room for the next one."""
+        group = self.groups.get(full)
+        member = group.remote.get(client_id) if group is not None else None
+        if group is not None and member is not None:
+            member.outstanding.discard((key, offset))
+            self.pump_group(group)
+
+    def worker_left(self, worker: int) -> None:
+        """``worker`` died: its members leave every group held here, and what they had
+        outstanding goes to the other members (at least once: a persistent session restored
+        elsewhere may deliver it again)."""
+        for group in list(self.groups.values()):
+            gone = [m for m in group.remote.values() if m.worker == worker]
+            for member in gone:
+                self.remote_leave(group.consumer.name, member.client_id, sorted(member.outstanding))
+
+    def rejoin_groups(self, worker: int) -> None:
+        """``worker`` (re)started: the members here of the groups it holds join again."""
+        for session in list(self.sessions.values()):
+            for full in session.shared:
+                if self.group_home(full) == worker:
+                    self.join_group(session, full)
+
+    def remote_deliver(
+        self, full: str, client_id: str, key: PartitionKey, offset: int, qos: int
+    ) -> None:
+        """The worker holding group ``full`` sent this record for ``client_id`` here."""
+        session = self.sessions.get(client_id)
+        if session is None or session.link is None or full not in session.shared:
+            home = self.group_home(full)
+            peers = self.state.hooks.group_peers
+            if home is not None and peers is not None:
+                peers.leave(home, full, client_id, [(key, offset)])
+            return
+        if session.group_queue is None:
+            session.group_queue = deque()
+        session.group_queue.append((full, key, offset, qos))
+        self.send_group_queue(session)
+
+    def send_group_queue(self, session: Session) -> None:
+        """Deliver the records groups elsewhere sent for ``session``, as its quota allows."""
+        queue = session.group_queue
+        while queue:
+            full, key, offset, qos = queue[0]
+            if not self.can_send(session, qos):
+                return
+            queue.popleft()
+            # The group's worker read it, so it is committed, even if the owner's mark has
+            # not reached this worker yet.
+            self.partition(key).committed_through(offset)
+            rec = self.read_exact(key, offset)
+            sub = session.shared.get(full)
+            if rec is not None and sub is not None:
+                ids = [sub.identifier] if sub.identifier and session.version == 5 else []
+                self.deliver(session, rec, key, qos, ids, full, group=full)
+            if qos == 0 or rec is None or session.link is None:
+                self.group_done(session, full, key, offset)
+
+    def group_done(self, session: Session, full: str, key: PartitionKey, offset: int) -> None:
+        """A delivery of group ``full`` is complete; its home, if elsewhere, is told."""
+        home = self.group_home(full)
+        peers = self.state.hooks.group_peers
+        if home is not None and peers is not None:
+            peers.done(home, full, session.client_id, key, offset)
+
+    def pump_group(self, group: SharedGroup) -> None:
+        """Spread the group's records over members that can take them, round robin.
+
+        Each record goes to exactly one member, at the minimum of its QoS and that member's
+        subscription QoS [MQTT-3.8.4-8], never as retained (s4.8.2).
+        """
+        while group.orphans:
+            key, offset = group.orphans[0]
+            rec = self.read_exact(key, offset)
+            if rec is None:
+                group.orphans.popleft()  # deleted by retention: nothing left to redeliver
+                continue
+            chosen = self._group_member(group, rec.qos, rec.topic)
+            if chosen is None:
+                if self._group_may_read(group, rec.topic):
+                    return
+                group.orphans.popleft()  # no member may read it (ACL): drop, do not block
+                continue
+            group.orphans.popleft()
+            self._group_send(group, *chosen, rec, key)
+        for key in list(group.consumer.cursors):
+            part = self.partition(key)
+            cursor = group.consumer.cursors[key]
+            while cursor < part.end_offset:
+                records = self.read(part, cursor)
+                if records is None:
+                    cursor = part.log.log_start_offset
+                    continue
+                for rec in records:
+                    if not topic_matches(group.topic_filter, rec.topic):
+                        cursor = rec.offset + 1
+                        continue
+                    chosen = self._group_member(group, rec.qos, rec.topic)
+                    if chosen is None and not self._group_may_read(group, rec.topic):
+                        cursor = rec.offset + 1  # no member may read it (ACL): skip it
+                        continue
+                    if chosen is None:
+                        group.consumer.cursors[key] = cursor
+                        self.state.groups_dirty = True
+                        return
+                    self._group_send(group, *chosen, rec, key)
+                    cursor = rec.offset + 1
+            group.consumer.cursors[key] = cursor
+            self.state.groups_dirty = True
+
+    def _may_read(self, session: Session, topic: str) -> bool:
+        """The ACL's read rule for ``topic`` (a deny inside an allowed filter applies)."""
+        if self.state.acl is None:
+            return True
+        authz = self.state.authz.get(session.client_id)
+        return authz is None or authz.can_read(topic)
+
+    def _group_may_read(self, group: SharedGroup, topic: str) -> bool:
+        """False only when the group has members and the ACL lets none of them read
+        ``topic``: then the record is skipped. With no members the group keeps its
+        position for the next one, as a consumer group does."""
+        if self.state.acl is None or not group.members:
+            return True
+        if any(m.authz is None or m.authz.can_read(topic) for m in group.remote.values()):
+            return True
+        sessions = (self.sessions.get(cid) for cid in group.members)
+        return any(s is not None and self._may_read(s, topic) for s in sessions)
+
+    def _group_send(
+        self,
+        group: SharedGroup,
+        member: Session | RemoteMember,
+        qos: int,
+        ids: list[int],
+        rec: Record,
+        key: PartitionKey,
+    ) -> None:
+        full = group.consumer.name
+        if isinstance(member, RemoteMember):
+            peers = self.state.hooks.group_peers
+            assert peers is not None
+            member.outstanding.add((key, rec.offset))
+            peers.deliver(member.worker, full, member.client_id, key, rec.offset, qos)
+        else:
+            self.deliver(member, rec, key, qos, ids, full, group=full)
+
+    def _group_member(
+        self, group: SharedGroup, rec_qos: int, topic: str
+    ) -> tuple[Session | RemoteMember, int, list[int]] | None:
+        """The next member, round robin, that may read ``topic`` and can take a record of
+        ``rec_qos`` now: with the QoS it gets it at and its subscription identifier (5.0);
+        None if none can. A member on another worker can while it has fewer records
+        outstanding than its window (its worker applies the quota)."""
+        n = len(group.members)
+        for i in range(n):
+            idx = (group.next_member + i) % n
+            remote = group.remote.get(group.members[idx])
+            if remote is not None:
+                if remote.authz is not None and not remote.authz.can_read(topic):
+                    continue
+                if len(remote.outstanding) < remote.window:
+                    group.next_member = idx + 1
+                    ids = [remote.identifier] if remote.identifier else []
+                    return remote, min(rec_qos, remote.qos), ids if remote.version == 5 else []
+                continue
+            session = self.sessions.get(group.members[idx])
+            if session is None or not self._may_read(session, topic):
+                continue
+            sub = session.shared.get(group.consumer.name)
+            qos = min(rec_qos, sub.qos) if sub is not None else rec_qos
+            if self.can_send(session, qos):
+                group.next_member = idx + 1
+                ids = [sub.identifier] if sub is not None and sub.identifier else []
+                return session, qos, ids if session.version == 5 else []
+        return None

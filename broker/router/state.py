@@ -1,0 +1,124 @@
+"""The router's shared state: one object every router component reads and writes.
+
+The router (:class:`broker.router.router.Router`) is a front door over components, one per
+responsibility (group commit, session lifecycle, publish ingest, QoS flows, subscriptions,
+shared groups, delivery, session store), the way rumqttd keeps its router's concerns in
+separate files. They share exactly this object: what one component changes, the others see,
+and nothing else is shared between them.
+
+Invariants:
+
+- the dictionaries and sets here are created once and never replaced (components keep
+  references to them on their hot paths; clear or mutate them, never reassign);
+- ``partitions[k]`` is made on first use by :meth:`RouterState.partition` and kept;
+- ``dirty`` holds the partitions with records gathered for the next group commit
+  (broker.router.commit).
+
+Called only from the owning event loop's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from broker.auth.acl import Acl, Authorizer
+from broker.commitlog import Record, Streams
+from broker.commitlog.keys import PartitionKey
+from broker.commitlog.streams import RETAINED_STREAM, SESSIONS_STREAM
+from broker.config import RouterConfig
+from broker.mqtt.topics import filters_overlap, is_wildcard
+from broker.router.hooks import WorkerHooks
+from broker.router.partition import Partition, PartitionBase
+from broker.router.session import Session, SharedGroup
+
+#: The compacted stream of retained messages: one record per topic, the latest wins.
+RETAINED: PartitionKey = (RETAINED_STREAM, 0)
+#: The compacted stream of session and shared-group state: one record per client id or
+#: ``$share/...`` filter, the latest wins; an empty payload deletes.
+SESSIONS: PartitionKey = (SESSIONS_STREAM, 0)
+
+
+class RouterState:
+    """Sessions, groups, partitions, retained messages, clocks, configuration and counters
+    of one worker's router. See the module docstring."""
+
+    def __init__(
+        self,
+        streams: Streams,
+        config: RouterConfig,
+        *,
+        schedule: Callable[[Callable[[], None]], Any],
+        clock: Callable[[], float],
+        monotonic: Callable[[], float],
+        partition_factory: Callable[[PartitionKey], PartitionBase] | None,
+        hooks: WorkerHooks,
+        acl: Acl | None,
+        on_sync_append: Callable[[float], None] | None,
+    ) -> None:
+        self.streams = streams
+        self.config = config
+        #: Runs a callable at the end of this event-loop iteration (the group commit).
+        self.schedule = schedule
+        #: Wall clock (seconds): timestamps, session expiry.
+        self.clock = clock
+        #: Monotonic clock (seconds): will delays.
+        self.monotonic = monotonic
+        #: The other workers (broker.router.hooks.SingleWorker when alone).
+        self.hooks = hooks
+        #: The ACL ([auth] acl_file); None allows everything.
+        self.acl = acl
+        #: Called with the seconds an fsync=always append (write + fdatasync) took.
+        self.on_sync_append = on_sync_append
+        self._make_partition = partition_factory
+
+        self.sessions: dict[str, Session] = {}
+        #: Shared groups held by this worker, by full ``$share/<name>/<filter>``.
+        self.groups: dict[str, SharedGroup] = {}
+        self.partitions: dict[PartitionKey, PartitionBase] = {}
+        #: Topic -> its record in ``$retained`` (with its offset).
+        self.retained: dict[str, Record] = {}
+        #: Partitions with records gathered for the next group commit.
+        self.dirty: dict[PartitionKey, PartitionBase] = {}
+        #: A shared group's position moved since the groups were last persisted.
+        self.groups_dirty = False
+        #: Per client id: its resolved ACL, from CONNECT until its session ends.
+        self.authz: dict[str, Authorizer] = {}
+        #: Per client id: the user name it logged in with (a shared group held by another
+        #: worker applies that user's ACL rules to it).
+        self.usernames: dict[str, str | None] = {}
+
+        # Counters (read by broker.metrics).
+        self.connections = 0  # connected clients of this worker
+        self.dropped = 0  # QoS 0 records skipped by the slow-subscriber policy
+        self.acl_denied = 0  # PUBLISHes dropped and subscriptions refused by the ACL
+        self.log_appends = 0  # batches appended (one write each)
+        self.records_appended = 0
+
+    def partition(self, key: PartitionKey) -> PartitionBase:
+        """The partition ``key``, made on first use: this worker's own, or (several
+        workers) what the partition factory makes (owned, or reached through its owner)."""
+        part = self.partitions.get(key)
+        if part is None:
+            if self._make_partition is not None:
+                part = self._make_partition(key)
+            else:
+                part = Partition(key, self.streams.log(*key))
+            self.partitions[key] = part
+        return part
+
+    def now_ms(self) -> int:
+        """The wall clock in milliseconds (record timestamps)."""
+        return int(self.clock() * 1000)
+
+    def keys_for_filter(self, plain: str) -> list[PartitionKey]:
+        """Partitions a (non-shared, non-replay) filter can receive records from."""
+        if not is_wildcard(plain):
+            return [self.streams.partition_for(plain)]
+        keys: list[PartitionKey] = []
+        for spec in self.streams.specs.values():
+            if spec.name.startswith("$") and not spec.topic_filters:
+                continue  # compacted broker state ($retained, $sessions), not messages
+            if spec.name == "default" or any(filters_overlap(f, plain) for f in spec.topic_filters):
+                keys.extend((spec.name, p) for p in range(spec.partitions))
+        return keys

@@ -1,0 +1,202 @@
+"""The session store: session, shared-group and retained state in the compacted streams.
+
+``$sessions`` holds one record per client id (its :meth:`~broker.router.session.Session.to_state`,
+JSON) or ``$share/...`` filter (the group's positions); an empty payload deletes. ``$retained``
+holds one record per topic. Both are written through the group commit (broker.router.commit)
+and read back whole at start (:meth:`SessionStore.load`). With several workers a session
+moves between workers as its state (:meth:`SessionStore.hand_over`, :meth:`SessionStore.adopt`).
+
+Called only from the owning event loop's thread.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import orjson
+
+from broker.commitlog import Record
+from broker.commitlog.keys import PartitionKey
+from broker.mqtt.properties import PropertyId
+from broker.mqtt.reason_codes import ReasonCode
+from broker.mqtt.topics import parse_shared
+from broker.router.commit import AckCallback, GroupCommit
+from broker.router.partition import GroupWatcher, SessionWatcher
+from broker.router.session import Consumer, Session, SharedGroup, Subscription
+from broker.router.state import RETAINED, SESSIONS, RouterState
+
+
+class SessionStore:
+    """Persistence and loading of one router's sessions, groups and retained messages. See
+    the module docstring."""
+
+    # Set by the router (the lifecycle calls into the store too):
+    #: The link of a session closed (broker.router.lifecycle).
+    connection_lost: Callable[..., None]
+
+    def __init__(self, state: RouterState, commit: GroupCommit) -> None:
+        self.state = state
+        self.commit = commit
+        self.sessions = state.sessions
+        self.partitions = state.partitions
+        self.partition = state.partition
+
+    def load(self, skip: Iterable[str] = ()) -> list[str]:
+        """Load retained messages and the sessions this worker is home to, except those in
+        ``skip`` (held by another worker); returns the client ids loaded."""
+        self._load_retained()
+        return self._load_sessions(skip=set(skip))
+
+    def apply_retained(self, records: Iterable[Record]) -> None:
+        """Committed ``$retained`` records update the retained index [MQTT-3.3.1-5]; an
+        empty payload removes the topic's message [MQTT-3.3.1-10]."""
+        retained = self.state.retained
+        for rec in records:
+            if rec.payload:
+                retained[rec.topic] = rec
+            else:
+                retained.pop(rec.topic, None)
+
+    def forget(self, session: Session) -> None:
+        """Take ``session`` out of this router: its cursors stop watching partitions."""
+        for consumer in session.consumers.values():
+            for key in consumer.cursors:
+                part = self.partitions.get(key)
+                if part is not None:
+                    part.watchers.discard(SessionWatcher(session.client_id, consumer.name))
+        if self.sessions.get(session.client_id) is session:
+            del self.sessions[session.client_id]
+            self.state.authz.pop(session.client_id, None)
+            self.state.usernames.pop(session.client_id, None)
+
+    def persist(self, session: Session, ack: AckCallback | None = None) -> None:
+        """Write the session's state to the compacted ``$sessions`` stream; ``ack`` is
+        called once it is in the log."""
+        if not session.persistent:
+            return
+        session.dirty = False
+        state = self.state
+        payload = orjson.dumps(session.to_state(state.monotonic()))
+        self.commit.enqueue(Record(-1, state.now_ms(), session.client_id, payload), ack, SESSIONS)
+
+    def persist_groups(self) -> None:
+        state = self.state
+        state.groups_dirty = False
+        for full, group in state.groups.items():
+            cursors = [[k[0], k[1], off] for k, off in group.consumer.cursors.items()]
+            self.commit.enqueue(
+                Record(-1, state.now_ms(), full, orjson.dumps({"cursors": cursors})), None, SESSIONS
+            )
+
+    def close(self) -> None:
+        """Persist every session and flush: called on shutdown."""
+        for session in self.sessions.values():
+            if session.persistent:
+                if session.link is not None:
+                    session.disconnected_at = self.state.clock()
+                self.persist(session)
+        self.persist_groups()
+        self.commit.flush()
+
+    def _load_retained(self) -> None:
+        self.apply_retained(self._read_all(RETAINED))
+
+    def _session_states(self) -> dict[str, bytes]:
+        """The latest ``$sessions`` record per key (client id or group filter)."""
+        states: dict[str, bytes] = {}
+        for rec in self._read_all(SESSIONS):
+            states[rec.topic] = rec.payload
+        return states
+
+    def _load_sessions(self, skip: set[str]) -> list[str]:
+        """Sessions and shared groups from ``$sessions`` (those this worker is home to, but
+        not in ``skip``); returns the client ids of the sessions loaded."""
+        loaded = []
+        is_home = self.state.hooks.is_home
+        for name, payload in self._session_states().items():
+            if payload and name not in skip and is_home(name):
+                if name.startswith("$share/"):
+                    self._restore_group(name, orjson.loads(payload))
+                else:
+                    self._restore_session(name, orjson.loads(payload))
+                    loaded.append(name)
+        return loaded
+
+    def restore_sessions(self, client_ids: Iterable[str]) -> list[str]:
+        """Load these sessions from ``$sessions`` as held here, offline (their worker died;
+        wills and expiry run here until their clients come back); returns those found."""
+        wanted = set(client_ids) - set(self.sessions)
+        found = []
+        for name, payload in self._session_states().items():
+            if name in wanted and payload:
+                self._restore_session(name, orjson.loads(payload))
+                found.append(name)
+        return found
+
+    def _restore_group(self, full: str, state: dict[str, Any]) -> None:
+        name, plain = parse_shared(full)
+        assert name is not None
+        consumer = Consumer(full, group=name)
+        consumer.subscriptions[plain] = Subscription(plain, 2)
+        for stream, p, off in state["cursors"]:
+            consumer.cursors[(stream, p)] = off
+            self.partition((stream, p)).watchers.add(GroupWatcher(full))
+        self.state.groups[full] = SharedGroup(name, plain, consumer)
+
+    def _restore_session(self, client_id: str, state: dict[str, Any]) -> Session:
+        """A session from its persisted (or handed over) state, registered as offline."""
+        session = Session.from_state(client_id, state)
+        if session.disconnected_at is None:
+            session.disconnected_at = self.state.clock()
+        if session.will is not None:
+            # A will still pending at shutdown keeps its remaining delay; one of a client
+            # that was connected when the broker died is due as for an abnormal close,
+            # deferred to this start as s3.1.2.5 allows. tick() publishes it.
+            left = state.get("will_left")
+            if left is None:
+                left = min(
+                    session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0),
+                    session.expiry_interval,
+                )
+            session.will_due = self.state.monotonic() + left
+        self.sessions[client_id] = session
+        for consumer in session.consumers.values():
+            for key in consumer.cursors:
+                self.partition(key).watchers.add(SessionWatcher(client_id, consumer.name))
+        return session
+
+    def adopt(self, client_id: str, state: bytes) -> None:
+        """The session of ``client_id``, handed over by the worker that held it, is held
+        here now (offline until :meth:`connect`)."""
+        self._restore_session(client_id, orjson.loads(state))
+
+    def hand_over(self, client_id: str) -> bytes | None:
+        """Give the session of ``client_id`` to another worker, where its client
+        reconnected: the connection here is closed as taken over [MQTT-3.1.4-3] and the
+        session leaves this router (no will beyond what the close itself publishes, no
+        tombstone). Returns its state, None if it has none (a clean session ended)."""
+        session = self.sessions.get(client_id)
+        if session is None:
+            return None
+        link = session.link
+        if link is not None:
+            self.connection_lost(session, link, graceful=False)
+            link.close(ReasonCode.SESSION_TAKEN_OVER, "another connection took the session")
+            session = self.sessions.get(client_id)
+            if session is None:
+                return None  # it ended with its connection
+        state = orjson.dumps(session.to_state(self.state.monotonic()))
+        self.forget(session)
+        return state
+
+    def _read_all(self, key: PartitionKey) -> Iterable[Record]:
+        """Every record of a compacted stream's partition, from its start."""
+        part = self.partition(key)
+        offset = part.log.log_start_offset
+        while offset < part.end_offset:
+            recs = part.log.read(offset, max_records=1000)
+            if not recs:
+                break
+            yield from recs
+            offset = recs[-1].offset + 1
