@@ -563,9 +563,10 @@ def decode_into(
     payloads: Iterable[bytes]
     count = stop - first
     if equal_sizes and _EQUAL_SLICES_MIN <= count <= _EQUAL_SLICES_MAX:
-        # Equal sizes (fixed-format telemetry): one struct call cuts them all.
+        # Equal sizes (fixed-format telemetry): one struct call cuts them all. Equal from
+        # ``first`` on says nothing of the records before it: skip their own sizes.
         payloads = _equal_slices(payload_size, count).unpack_from(
-            buf, payloads_at + payload_size * first
+            buf, payloads_at + sum(sizes[:first])
         )
     else:
         bounds = list(accumulate(sizes[:stop] or repeat(payload_size, stop), initial=payloads_at))

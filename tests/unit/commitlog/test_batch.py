@@ -323,6 +323,21 @@ def test_decode_into_equal_size_payloads_matches_reference(gapped: bool) -> None
                 assert out == expected
 
 
+@pytest.mark.parametrize("head", [1, 9, 20])
+def test_decode_into_equal_sizes_after_a_different_head(head: int) -> None:
+    # A read from inside a batch whose records from there on have equal payloads, but not
+    # the ones before (b"q1/a#9" then b"q1/a#10"...): the cut starts after the head's own
+    # sizes. It started at first * size and read past the batch (or other records' bytes).
+    records = [rec(i, payload=b"p" * (6 if i < head else 7), offset=i) for i in range(head + 40)]
+    buf = bytes(encode_batch(0, records, keep_offsets=True))
+    for min_offset in range(len(records)):
+        out: list[Record] = []
+        expected: list[Record] = []
+        got = decode_into(buf, 0, out, min_offset, 1000, 1 << 20)
+        assert got == _reference_decode_into(records, expected, min_offset, 1000, 1 << 20)
+        assert out == expected
+
+
 # --- the small-batch encoder writes the general encoder's bytes ------------------------------
 
 _fleet_like = st.builds(
