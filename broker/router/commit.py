@@ -86,7 +86,9 @@ class GroupCommit:
         self._scheduled = False
         state = self.state
         dirty = self._dirty
-        while dirty:
+        # Sessions due to be persisted count as work even with no record gathered (a QoS 2
+        # delivery a PUBACK let out, a PUBREC): persist() gathers their state in $sessions.
+        while dirty or self._persist_due:
             batch = list(dirty.items())
             dirty.clear()  # the same dict: the publish path holds it
             for key, part in batch:

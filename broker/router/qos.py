@@ -99,8 +99,14 @@ class QosFlows:
             self.pump_session(session)
             return
         session.inflight[packet_id] = entry._replace(released=True)
-        session.dirty = session.persistent
-        link.send(PubRel(packet_id))
+        if not session.persistent:
+            link.send(PubRel(packet_id))
+            return
+        # Once PUBREL has left, the receiver may forget the id [MQTT-4.3.3-12] and take a
+        # resent PUBLISH as a new message: the released step is in the log before it leaves,
+        # so that a crash in between resends the PUBREL, never the PUBLISH [MQTT-4.3.3-6].
+        session.dirty = True
+        self.commit.persist_before_acks(session, lambda _offset: link.send(PubRel(packet_id)))
 
     def pubrel(self, session: Session, packet_id: int) -> None:
         link = session.link

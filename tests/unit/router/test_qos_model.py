@@ -281,6 +281,10 @@ class QosModel(RuleBasedStateMachine):
             return
         self.harness.router.pubrec(self.session, pid, 0)
         self.inflight[pid].released = True
+        # A persistent session's PUBREL leaves once the released step is in the log: at the
+        # end of the iteration, after the group commit [MQTT-4.3.3-6].
+        self.harness.run()
+        self._committed_all()
         self._receive(released=pid)
 
     @precondition(lambda self: self.connected and self._ids(qos=2, released=True))
@@ -433,13 +437,6 @@ def test_pubcomp_is_sent_for_every_pubrel_of_the_publisher(tmp_path: Path) -> No
         h.streams.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Router.pubrec marks the delivery released and sends PUBREL without persisting "
-    "the session (it waits for the next tick): after a crash the PUBLISH is resent with DUP "
-    "instead of the PUBREL, and a receiver that released the id delivers it twice "
-    "[MQTT-4.3.3-6]",
-)
 def test_a_released_qos2_delivery_stays_released_across_a_crash(tmp_path: Path) -> None:
     """Once PUBREL has left, the PUBLISH is never sent again [MQTT-4.3.3-6]: the receiver
     forgot the id on PUBREL and would take a resend as a new message [MQTT-4.3.3-12]."""
@@ -463,13 +460,6 @@ def test_a_released_qos2_delivery_stays_released_across_a_crash(tmp_path: Path) 
         h.streams.close()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="Router.flush writes the sessions _persist_before_acks asked for only inside its "
-    "'while self._dirty' loop: a QoS 2 delivery made outside a group commit (a PUBACK freed "
-    "the window) schedules a flush that has no record to append, so its state is not "
-    "written until something else is",
-)
 def test_a_qos2_delivery_freed_by_a_puback_is_persisted_before_the_next_iteration(
     tmp_path: Path,
 ) -> None:
