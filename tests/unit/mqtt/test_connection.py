@@ -237,10 +237,15 @@ def test_qos0_uses_no_quota() -> None:
 
 
 def test_311_has_no_receive_maximum() -> None:
+    """More unacknowledged QoS 1 PUBLISHes than the (5.0) quota: a 3.1.1 client gets all of
+    them through, none refused, none dropped, none counted against it."""
     c = ServerConnection(max_packet_size=1 << 20, receive_maximum=1)
     c.receive_data(CONNECT4)
+    events = []
     for pid in range(1, 6):
-        c.receive_data(publish("t", qos=1, pid=pid, props=None))
+        events += c.receive_data(publish("t", qos=1, pid=pid, props=None))
+    assert events == [Publish("t", b"x", qos=1, packet_id=pid) for pid in range(1, 6)]
+    assert c.inbound_unacked == set()
 
 
 # ------------------------------------------------------------------ outbound aliases, size
