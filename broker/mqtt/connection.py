@@ -67,9 +67,6 @@ SHARED_QOS0_ENTRIES = 4096
 SHARED_QOS0_MAX_PAYLOAD = 1024
 _shared_qos0: dict[tuple[str, bytes, bool, int], bytes] = {}
 
-#: First bytes of a PUBLISH the device path takes: QoS 0 or QoS 1, no DUP, no retain (s3.3.1).
-_PLAIN_HEADS = b"\x30\x32"
-
 #: Packets a client may send to a server (s2.1.2 "Direction of flow").
 _CLIENT_TO_SERVER = (
     Publish,
@@ -141,7 +138,6 @@ class ServerConnection:
         "max_topic_length",
         "max_topic_levels",
         "outbound_aliases",
-        "plain_heads",
         "plain_topic",
         "receive_maximum",
         "topic_alias_maximum",
@@ -178,13 +174,10 @@ class ServerConnection:
         self.client_receive_maximum = 65535
         self.client_max_packet_size: int | None = None
         #: The device path (module docstring): the topic :meth:`plain_publish` recognises
-        #: ("" until :meth:`expect_plain`), its topic name field as it appears on the wire
-        #: (length, then UTF-8), and the first bytes such a PUBLISH starts with (QoS 0 or 1,
-        #: no DUP, no retain; none until there is a plain topic): a read starting with any
-        #: other byte is not worth a call to :meth:`plain_publish`.
+        #: ("" until :meth:`expect_plain`: no call is worth making before), and its topic
+        #: name field as it appears on the wire (length, then UTF-8).
         self.plain_topic = ""
         self._plain_field = b""
-        self.plain_heads = b""
 
     # ---------------------------------------------------------------- inbound
 
@@ -238,7 +231,6 @@ class ServerConnection:
         field = topic.encode()
         self._plain_field = len(field).to_bytes(2, "big") + field
         self.plain_topic = topic
-        self.plain_heads = _PLAIN_HEADS
 
     def plain_publish(self, data: bytes) -> tuple[str, bytes, int, int] | None:
         """The device path (module docstring): ``(topic, payload, qos, packet id)`` when
@@ -253,7 +245,7 @@ class ServerConnection:
         per-message path of a fleet of devices: kept to byte comparisons, no decoding.
         """
         first = data[0]
-        if first not in self.plain_heads:
+        if first != 0x32 and first != 0x30:  # QoS 1 or 0; no DUP, no retain (s3.3.1)
             return None
         n = len(data)
         length = data[1] if n > 1 else 0x80
@@ -267,6 +259,7 @@ class ServerConnection:
         if (
             pos + length != n
             or n > self._max_packet_size
+            or not field
             or not data.startswith(field, pos)
             or self._decoder.buffered
         ):

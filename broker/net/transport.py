@@ -185,7 +185,7 @@ class MQTTProtocol(asyncio.Protocol):
                 # 0x16 is no valid MQTT first byte (CONNECT with reserved flags 0110).
                 self._wrong_protocol()
                 return
-        if data[0] in self.conn.plain_heads and self._plain_publish(data):
+        if self.conn.plain_topic and self._plain_publish(data):
             return
         self._receive(data, None)
 

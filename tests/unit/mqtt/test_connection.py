@@ -252,12 +252,6 @@ def test_311_has_no_receive_maximum() -> None:
 # ------------------------------------------------------------------ device path (plain PUBLISH)
 
 
-def plain(c: ServerConnection, data: bytes) -> tuple[str, bytes, int, int] | None:
-    """``plain_publish`` as the transport calls it: only for a read whose first byte it may
-    start with (``plain_heads``)."""
-    return c.plain_publish(data) if data[0] in c.plain_heads else None
-
-
 def conn4() -> ServerConnection:
     c = ServerConnection(max_packet_size=1 << 20, receive_maximum=2)
     c.receive_data(CONNECT4)
@@ -266,11 +260,11 @@ def conn4() -> ServerConnection:
 
 def test_no_plain_topic_no_device_path() -> None:
     c = conn4()
-    assert c.plain_heads == b""
-    assert plain(c, publish("t", qos=1, props=None)) is None
+    assert c.plain_topic == ""
+    assert c.plain_publish(publish("t", qos=1, props=None)) is None
     c.expect_plain("t")
-    assert plain(c, publish("t", qos=1, pid=7, props=None)) == ("t", b"x", 1, 7)
-    assert plain(c, publish("t", props=None)) == ("t", b"x", 0, 0)
+    assert c.plain_publish(publish("t", qos=1, pid=7, props=None)) == ("t", b"x", 1, 7)
+    assert c.plain_publish(publish("t", props=None)) == ("t", b"x", 0, 0)
 
 
 def test_plain_publish_is_what_receive_data_returns() -> None:
@@ -297,7 +291,7 @@ def test_plain_publish_is_what_receive_data_returns() -> None:
     for data in taken:
         c, d = conn4(), conn4()
         c.expect_plain("t")
-        got = plain(c, data)
+        got = c.plain_publish(data)
         assert got is not None, data
         (packet,) = d.receive_data(data)
         assert isinstance(packet, Publish)
@@ -305,7 +299,7 @@ def test_plain_publish_is_what_receive_data_returns() -> None:
     for data in left:
         c = conn4()
         c.expect_plain("t")
-        assert plain(c, data) is None, data
+        assert c.plain_publish(data) is None, data
 
 
 def test_plain_publish_after_a_partial_read_is_the_decoders() -> None:
@@ -313,27 +307,27 @@ def test_plain_publish_after_a_partial_read_is_the_decoders() -> None:
     c.expect_plain("t")
     whole = publish("t", qos=1, pid=1, props=None)
     assert c.receive_data(whole[:3]) == []
-    assert plain(c, whole[3:] + whole) is None  # something is buffered: the decoder's
+    assert c.plain_publish(whole[3:] + whole) is None  # something is buffered: the decoder's
     assert len(c.receive_data(whole[3:] + whole)) == 2
 
 
 def test_plain_publish_5_counts_against_receive_maximum() -> None:
     c = conn5(receive_maximum=2)
     c.expect_plain("t")
-    assert plain(c, publish("t", qos=1, pid=1)) == ("t", b"x", 1, 1)
-    assert plain(c, publish("t", qos=1, pid=1)) is None  # in use: the decoder decides
-    assert plain(c, publish("t", qos=1, pid=2)) == ("t", b"x", 1, 2)
+    assert c.plain_publish(publish("t", qos=1, pid=1)) == ("t", b"x", 1, 1)
+    assert c.plain_publish(publish("t", qos=1, pid=1)) is None  # in use: the decoder decides
+    assert c.plain_publish(publish("t", qos=1, pid=2)) == ("t", b"x", 1, 2)
     assert c.inbound_unacked == {1, 2}
     # Over the quota: left to the decoder, which refuses it with 0x93 [MQTT-3.3.4-7].
-    assert plain(c, publish("t", qos=1, pid=3)) is None
+    assert c.plain_publish(publish("t", qos=1, pid=3)) is None
     assert code_of(c, publish("t", qos=1, pid=3)) == 0x93
     c = conn5(receive_maximum=2)
     c.expect_plain("t")
-    plain(c, publish("t", qos=1, pid=1))
+    c.plain_publish(publish("t", qos=1, pid=1))
     assert c.puback(1) == b"\x40\x02\x00\x01"  # the quota comes back (s4.9)
     assert c.inbound_unacked == set()
-    assert plain(c, publish("t", props=bytes.fromhex("0101"))) is None  # properties
-    assert plain(c, publish("t")) == ("t", b"x", 0, 0)
+    assert c.plain_publish(publish("t", props=bytes.fromhex("0101"))) is None  # properties
+    assert c.plain_publish(publish("t")) == ("t", b"x", 0, 0)
 
 
 # ------------------------------------------------------------------ refusing the CONNECT
