@@ -6,8 +6,18 @@ limits (receive maximum, maximum packet size, topic alias maximum). Session stat
 (subscriptions, offsets, in-flight packets) belongs to the router, so this object can be thrown
 away with its socket.
 
-Errors are raised as :class:`~broker.mqtt.errors.MQTTError` with their reason code; turning them
-into a CONNACK / DISCONNECT and a close is the transport's job. No asyncio, no sockets.
+Errors are raised as :class:`~broker.mqtt.errors.MQTTError` with their reason code; the
+transport turns them into a close, writing first the bytes this object gives for them (a
+CONNACK before the session exists, :meth:`ServerConnection.connect_refusal`; a DISCONNECT
+after). No asyncio, no sockets.
+
+The device path (:meth:`ServerConnection.plain_publish`): a read that is exactly one QoS 0/1
+PUBLISH without DUP, retain flag or properties, to the topic the transport last declared
+plain (:meth:`ServerConnection.expect_plain`), is recognised from its bytes without the
+decoder. What it returns is what :meth:`ServerConnection.receive_data` would have returned for
+those bytes, with the same accounting (the 5.0 Receive Maximum); anything else is left to
+:meth:`~ServerConnection.receive_data`, which also reports whatever is wrong with it. The
+equivalence is tested in ``tests/unit/net/test_device_path.py``.
 """
 
 from __future__ import annotations
@@ -19,16 +29,24 @@ from typing import Any
 from broker.mqtt.decode import Decoder, PubAckRun
 from broker.mqtt.encode import (
     encode,
+    encode_connack_refused,
     encode_puback_success,
     encode_publish,
     encode_publish_run,
 )
-from broker.mqtt.errors import MQTTError, ProtocolError, TopicNameInvalid
+from broker.mqtt.errors import (
+    MQTTError,
+    ProtocolError,
+    TopicNameInvalid,
+    UnsupportedProtocolVersion,
+)
 from broker.mqtt.packets import (
+    REASON_CODES_V5,
     Auth,
     Connect,
     Disconnect,
     Packet,
+    PacketType,
     PingReq,
     PubAck,
     PubComp,
@@ -42,7 +60,6 @@ from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import validate_topic_name
 
-#: Packets a client may send to a server (s2.1.2 "Direction of flow").
 #: QoS 0 PUBLISH bytes shared by every connection (same topic, payload, retain flag and
 #: protocol level -> same bytes): a record fanned out to N subscribers is encoded once. Bounded
 #: by entries and by payload size (at most ~4 MiB held); cleared when full.
@@ -50,6 +67,7 @@ SHARED_QOS0_ENTRIES = 4096
 SHARED_QOS0_MAX_PAYLOAD = 1024
 _shared_qos0: dict[tuple[str, bytes, bool, int], bytes] = {}
 
+#: Packets a client may send to a server (s2.1.2 "Direction of flow").
 _CLIENT_TO_SERVER = (
     Publish,
     PubAck,
@@ -109,6 +127,8 @@ class ServerConnection:
     __slots__ = (
         "_decoder",
         "_head",
+        "_max_packet_size",
+        "_plain_field",
         "client_max_packet_size",
         "client_receive_maximum",
         "client_topic_alias_maximum",
@@ -118,6 +138,7 @@ class ServerConnection:
         "max_topic_length",
         "max_topic_levels",
         "outbound_aliases",
+        "plain_topic",
         "receive_maximum",
         "topic_alias_maximum",
         "version",
@@ -133,6 +154,7 @@ class ServerConnection:
         receive_maximum: int = 65535,
     ) -> None:
         self._decoder = Decoder(max_packet_size=max_packet_size, puback_runs=True)
+        self._max_packet_size = max_packet_size
         self._head = b""  # first bytes until the CONNECT is decoded (see requested_level)
         self.version: int | None = None
         #: The CONNECT was decoded. Only the fact is kept: the packet (its password, its will)
@@ -151,6 +173,11 @@ class ServerConnection:
         self.client_topic_alias_maximum = 0
         self.client_receive_maximum = 65535
         self.client_max_packet_size: int | None = None
+        #: The device path (module docstring): the topic :meth:`plain_publish` recognises
+        #: ("" until :meth:`expect_plain`: no call is worth making before), and its topic
+        #: name field as it appears on the wire (length, then UTF-8).
+        self.plain_topic = ""
+        self._plain_field = b""
 
     # ---------------------------------------------------------------- inbound
 
@@ -192,6 +219,71 @@ class ServerConnection:
         if self.version is not None:
             return self.version
         return _connect_level(self._head)
+
+    def expect_plain(self, topic: str) -> None:
+        """Let :meth:`plain_publish` take the next PUBLISHes to ``topic`` (replacing the
+        previous plain topic).
+
+        The caller vouches that ``topic`` came in a PUBLISH :meth:`receive_data` returned
+        (so it is a valid topic name within our limits) and that plain PUBLISHes to it may
+        skip whatever else it checks (the router's ACL decision).
+        """
+        field = topic.encode()
+        self._plain_field = len(field).to_bytes(2, "big") + field
+        self.plain_topic = topic
+
+    def plain_publish(self, data: bytes) -> tuple[str, bytes, int, int] | None:
+        """The device path (module docstring): ``(topic, payload, qos, packet id)`` when
+        ``data`` is exactly one QoS 0/1 PUBLISH without DUP, retain flag or 5.0 properties to
+        :attr:`plain_topic`, with nothing buffered before it (packet id 0 for QoS 0).
+
+        A 5.0 QoS 1 id is counted against our Receive Maximum as :meth:`receive_data` counts
+        it (s4.9); :meth:`puback` gives it back. ``None``, with nothing changed, leaves
+        ``data`` to :meth:`receive_data`: another packet, several, part of one, a new topic,
+        a remaining length over two bytes, or one it refuses (packet id 0 [MQTT-2.2.1-3], a
+        Receive Maximum exceeded [MQTT-3.3.4-7], too large). One call per read, on the
+        per-message path of a fleet of devices: kept to byte comparisons, no decoding.
+        """
+        first = data[0]
+        if first != 0x32 and first != 0x30:  # QoS 1 or 0; no DUP, no retain (s3.3.1)
+            return None
+        n = len(data)
+        length = data[1] if n > 1 else 0x80
+        pos = 2
+        if length & 0x80:  # a second byte of remaining length (up to 16,383 bytes)
+            if n < 3 or data[2] & 0x80:
+                return None
+            length = (length & 0x7F) | (data[2] << 7)
+            pos = 3
+        field = self._plain_field
+        if (
+            pos + length != n
+            or n > self._max_packet_size
+            or not field
+            or not data.startswith(field, pos)
+            or self._decoder.buffered
+        ):
+            return None
+        pos += len(field)
+        packet_id = 0
+        if first == 0x32:
+            if pos + 2 > n:
+                return None
+            packet_id = (data[pos] << 8) | data[pos + 1]
+            pos += 2
+            if not packet_id:
+                return None  # the decoder refuses it [MQTT-2.2.1-3]
+        if self.version == 5:
+            if pos >= n or data[pos]:
+                return None  # properties (or none announced): the decoder's
+            pos += 1
+            if packet_id:
+                # s4.9: the client's quota (our Receive Maximum), as _inbound_publish keeps it.
+                unacked = self.inbound_unacked
+                if packet_id in unacked or len(unacked) >= self.receive_maximum:
+                    return None
+                unacked.add(packet_id)
+        return self.plain_topic, data[pos:], first >> 1 & 1, packet_id
 
     def _on_connect(self, packet: Connect) -> None:
         self._head = b""
@@ -241,7 +333,15 @@ class ServerConnection:
             # s3.3.2.1: "It is a Protocol Error if the Topic Name is zero length and there is
             # no Topic Alias" (an alias was resolved above). 3.1.1: invalid name, below.
             raise ProtocolError("empty topic name without a topic alias (s3.3.2.1)")
-        self._check_topic(topic)
+        if (
+            len(topic) * 4 > self.max_topic_length
+            or "+" in topic
+            or "#" in topic
+            or not topic
+            or topic.count("/") >= self.max_topic_levels
+        ):
+            # _check_topic's quick tests, here: a call less per PUBLISH when they all pass.
+            self._check_topic(topic)
         if props:
             if PropertyId.SUBSCRIPTION_IDENTIFIER in props:
                 # [MQTT-3.3.4-6]: only a server puts Subscription Identifiers in a PUBLISH;
@@ -251,7 +351,8 @@ class ServerConnection:
         if packet.qos and self.version == 5:
             pid = packet.packet_id
             unacked = self.inbound_unacked
-            if pid not in unacked:  # a QoS 2 resend of an unfinished id is not a new one
+            # A QoS 2 resend of an unfinished id is not a new one. (QoS > 0 has an id.)
+            if pid is not None and pid not in unacked:
                 if len(unacked) >= self.receive_maximum:
                     # [MQTT-3.3.4-7] the client must respect our Receive Maximum; s3.3.4:
                     # exceeding it is answered with DISCONNECT 0x93.
@@ -259,7 +360,7 @@ class ServerConnection:
                         f"more than {self.receive_maximum} unacknowledged QoS 1/2 PUBLISHes",
                         ReasonCode.RECEIVE_MAXIMUM_EXCEEDED,
                     )
-                unacked.add(pid)  # type: ignore[arg-type]  # QoS > 0 has an id
+                unacked.add(pid)
         return packet
 
     def _check_topic(self, topic: str) -> None:
@@ -289,6 +390,7 @@ class ServerConnection:
         assert self.version is not None
         kind = type(packet)
         if isinstance(packet, PubAck) and not (packet.reason_code or packet.properties):
+            # puback() inlined: this is every QoS 1 PUBLISH's acknowledgement.
             self.inbound_unacked.discard(packet.packet_id)  # its quota comes back (s4.9)
             return encode_puback_success(packet.packet_id)
         if isinstance(packet, (PubAck, PubComp, PubRec)) and (
@@ -298,6 +400,40 @@ class ServerConnection:
             # or a PUBREC refusing the message (reason code >= 0x80).
             self.inbound_unacked.discard(packet.packet_id)
         return encode(packet, self.version)
+
+    def puback(self, packet_id: int) -> bytes:
+        """The PUBACK (Success, no properties) of the client's QoS 1 PUBLISH ``packet_id``:
+        its quota comes back (s4.9)."""
+        self.inbound_unacked.discard(packet_id)
+        return encode_puback_success(packet_id)
+
+    def refuse(self, reason_code: int) -> bytes:
+        """The CONNACK refusing the client's CONNECT with the 5.0 ``reason_code``, in the
+        form of the level it asked for (:func:`~broker.mqtt.encode.encode_connack_refused`);
+        the connection is then closed [MQTT-3.2.2-7]."""
+        return encode_connack_refused(reason_code, self.requested_level)
+
+    def connect_refusal(self, error: MQTTError) -> bytes | None:
+        """What to write before closing for ``error``, raised before the session exists: a
+        refusing CONNACK, or None when the connection is closed without one.
+
+        [MQTT-3.1.2-2]: an unsupported level is refused with a CONNACK, then the connection
+        is closed; a client asking for level 5 or above reads the 5.0 form (reason 0x84),
+        older ones the 3.1.1 form with return code 0x01 (3.1.1 s3.1.2.2). A 5.0 CONNECT we
+        cannot accept otherwise (malformed, bad property...) is answered with its reason
+        code (s3.2.2.2); 3.1.1 has no code for these and is simply closed (3.1.1 s4.8). An
+        error in a packet that came in the same read as the CONNECT may have a code CONNACK
+        cannot carry (0x93, 0x94...): it is reported as the Protocol Error it is.
+        """
+        level = self.requested_level
+        if isinstance(error, UnsupportedProtocolVersion):
+            return encode_connack_refused(error.reason_code, level)
+        if level != 5:
+            return None
+        code = error.reason_code
+        if code not in REASON_CODES_V5[PacketType.CONNACK]:
+            code = ReasonCode.PROTOCOL_ERROR
+        return encode_connack_refused(code, 5)
 
     def send_publish(
         self,
@@ -337,13 +473,14 @@ class ServerConnection:
         elif qos == 0 and not properties and len(payload) <= SHARED_QOS0_MAX_PAYLOAD:
             # The same QoS 0 bytes go to every subscriber of a record: encode them once.
             key = (topic, payload, retain, version)
-            data = _shared_qos0.get(key)  # type: ignore[assignment]
-            if data is None:
+            shared = _shared_qos0.get(key)
+            if shared is None:
                 if len(_shared_qos0) >= SHARED_QOS0_ENTRIES:
                     _shared_qos0.clear()
-                data = _shared_qos0[key] = encode_publish(
+                shared = _shared_qos0[key] = encode_publish(
                     topic, payload, 0, retain, False, None, None, version
                 )
+            data = shared
         else:
             data = encode_publish(
                 topic, payload, qos, retain, dup, packet_id, properties or None, version

@@ -59,8 +59,15 @@ from broker.mqtt.properties import (
     encode_utf8,
     encode_vbi,
 )
+from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ConnackReturnCode311
 
-__all__ = ["encode", "encode_puback_success", "encode_publish", "encode_publish_run"]
+__all__ = [
+    "encode",
+    "encode_connack_refused",
+    "encode_puback_success",
+    "encode_publish",
+    "encode_publish_run",
+]
 
 _U16 = struct.Struct(">H").pack
 _U16_NO_PROPS = struct.Struct(">HB").pack  # packet id, then an empty 5.0 property block
@@ -176,6 +183,26 @@ def _encode_connack(packet: ConnAck, version: int) -> bytes:
     if version == 5:
         body += encode_property_block(packet.properties, 2)
     return _frame(0x20, body)
+
+
+def encode_connack_refused(reason_code: int, level: int | None) -> bytes:
+    """The CONNACK refusing a CONNECT with the 5.0 ``reason_code`` (0x80 or above), in the
+    form a client asking for protocol ``level`` reads; the server closes the connection
+    after it [MQTT-3.2.2-7].
+
+    Level 5 or above gets the 5.0 CONNACK with that reason code (s3.2.2.2): a client asking
+    for a later level than ours reads it as 0x84 Unsupported Protocol Version. Any lower level,
+    or ``None`` when the CONNECT was too short to show one, gets the 3.1.1 form (3.1.1
+    s3.2.2.3) with the return code that stands for the reason (``CONNACK_311_FOR_REASON``;
+    5, Not authorized, for a reason 3.1.1 has no code for). Session Present is 0 in a refusal
+    [MQTT-3.2.2-4] (5.0: [MQTT-3.2.2-6]).
+    """
+    if reason_code < 0x80:
+        raise LocalProtocolError(f"CONNACK refusal with reason code {reason_code:#04x} < 0x80")
+    if level is not None and level >= 5:
+        return _encode_connack(ConnAck(False, reason_code), 5)
+    code = CONNACK_311_FOR_REASON.get(reason_code, ConnackReturnCode311.NOT_AUTHORIZED)
+    return _encode_connack(ConnAck(False, code), 4)
 
 
 def _encode_publish_packet(packet: Publish, version: int) -> bytes:

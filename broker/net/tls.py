@@ -17,14 +17,14 @@ import asyncio
 import contextlib
 import logging
 import ssl
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 from broker.net.carrier import Carrier
 from broker.net.transport import TLS_HANDSHAKE_BYTE, MQTTProtocol
 
 if TYPE_CHECKING:
     from broker.config import ServerConfig
-    from broker.server import Server
+    from broker.net.context import EdgeContext
 
 log = logging.getLogger("broker.tls")
 
@@ -70,12 +70,12 @@ def common_name(cert: dict[str, Any] | None) -> str | None:
 class TLSProtocol(asyncio.Protocol):
     """The socket side: handshake, then decrypt into and encrypt out of an MQTTProtocol."""
 
-    def __init__(self, server: Server, context: ssl.SSLContext) -> None:
-        self.server = server
+    def __init__(self, edge: EdgeContext[MQTTProtocol], context: ssl.SSLContext) -> None:
+        self.edge = edge
         self._incoming = ssl.MemoryBIO()
         self._outgoing = ssl.MemoryBIO()
         self.sslobj = context.wrap_bio(self._incoming, self._outgoing, server_side=True)
-        self.inner = MQTTProtocol(server, tls=True)
+        self.inner = MQTTProtocol(edge, tls=True)
         self.transport: asyncio.Transport | None = None
         self.carrier: TLSCarrier | None = None
         self.peer = "?"
@@ -83,11 +83,11 @@ class TLSProtocol(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = transport  # type: ignore[assignment]
+        self.transport = cast(asyncio.Transport, transport)  # a stream listener's (uvloop's)
         peer = transport.get_extra_info("peername")
         self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self._timer = self.server.loop.call_later(
-            self.server.config.router.connect_timeout, self._handshake_timeout
+        self._timer = self.edge.loop.call_later(
+            self.edge.config.router.connect_timeout, self._handshake_timeout
         )
 
     def _handshake_timeout(self) -> None:

@@ -23,7 +23,7 @@ from broker.net.carrier import Carrier
 from broker.net.transport import MQTTProtocol
 
 if TYPE_CHECKING:
-    from broker.server import Server
+    from broker.net.context import EdgeContext
 
 log = logging.getLogger("broker.websocket")
 
@@ -95,8 +95,10 @@ class WebSocketCarrier(Carrier):
 class WebSocketListener:
     """The aiohttp site for MQTT over WebSocket; started and stopped by the server."""
 
-    def __init__(self, server: Server, host: str, port: int, *, reuse_port: bool = False) -> None:
-        self.server = server
+    def __init__(
+        self, edge: EdgeContext[MQTTProtocol], host: str, port: int, *, reuse_port: bool = False
+    ) -> None:
+        self.edge = edge
         self.host = host
         self.port = port
         self.reuse_port = reuse_port  # one worker of several: they share the port
@@ -125,7 +127,7 @@ class WebSocketListener:
             self._runner = None
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
-        max_size = self.server.config.router.max_packet_size + 5  # plus the fixed header
+        max_size = self.edge.config.router.max_packet_size + 5  # plus the fixed header
         ws = web.WebSocketResponse(protocols=(SUBPROTOCOL,), max_msg_size=max_size)
         ready = ws.can_prepare(request)
         if not ready.ok:
@@ -135,7 +137,7 @@ class WebSocketListener:
                 "websocket %s: no 'mqtt' subprotocol offered; serving MQTT anyway", request.remote
             )
         await ws.prepare(request)
-        protocol = MQTTProtocol(self.server)
+        protocol = MQTTProtocol(self.edge)
         carrier = WebSocketCarrier(ws, request, protocol)
         protocol.connection_made(carrier)
         writer = asyncio.get_running_loop().create_task(carrier.run_writer())
@@ -143,7 +145,8 @@ class WebSocketListener:
         try:
             async for msg in ws:
                 if msg.type is WSMsgType.BINARY:
-                    protocol.data_received(msg.data)
+                    if msg.data:  # an empty frame carries no MQTT bytes
+                        protocol.data_received(msg.data)
                 elif msg.type is WSMsgType.TEXT:
                     log.info(
                         "websocket %s: text frame; MQTT uses binary frames [MQTT-6.0.0-1]; closing",

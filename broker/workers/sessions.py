@@ -31,6 +31,7 @@ import zlib
 from collections.abc import Callable
 from typing import TypeVar
 
+from broker.net.context import HERE, NEW, STATE
 from broker.workers.mesh import Mesh, PeerDown
 from broker.workers.partitions import NEXT_KIND
 
@@ -44,11 +45,6 @@ HELD = NEXT_KIND + 3
 #: Kinds from here on are free for the other worker services.
 SESSIONS_NEXT_KIND = NEXT_KIND + 4
 
-#: Answers to a claim: no session anywhere (start a new one), the claimant holds it already,
-#: or the state handed over (follows the tag).
-NEW = b"N"
-HERE = b"H"
-STATE = b"S"
 #: Seconds a claim keeps retrying while the home worker is down (being restarted).
 CLAIM_PATIENCE = 10.0
 

@@ -11,6 +11,7 @@ import pytest
 from broker.mqtt import Connect, Decoder, PubAck, PubComp, Publish, PubRec
 from broker.mqtt.connection import ServerConnection, TopicAliasInvalid
 from broker.mqtt.errors import (
+    MalformedPacket,
     MQTTError,
     ProtocolError,
     TopicNameInvalid,
@@ -237,10 +238,137 @@ def test_qos0_uses_no_quota() -> None:
 
 
 def test_311_has_no_receive_maximum() -> None:
+    """More unacknowledged QoS 1 PUBLISHes than the (5.0) quota: a 3.1.1 client gets all of
+    them through, none refused, none dropped, none counted against it."""
     c = ServerConnection(max_packet_size=1 << 20, receive_maximum=1)
     c.receive_data(CONNECT4)
+    events = []
     for pid in range(1, 6):
-        c.receive_data(publish("t", qos=1, pid=pid, props=None))
+        events += c.receive_data(publish("t", qos=1, pid=pid, props=None))
+    assert events == [Publish("t", b"x", qos=1, packet_id=pid) for pid in range(1, 6)]
+    assert c.inbound_unacked == set()
+
+
+# ------------------------------------------------------------------ device path (plain PUBLISH)
+
+
+def conn4() -> ServerConnection:
+    c = ServerConnection(max_packet_size=1 << 20, receive_maximum=2)
+    c.receive_data(CONNECT4)
+    return c
+
+
+def test_no_plain_topic_no_device_path() -> None:
+    c = conn4()
+    assert c.plain_topic == ""
+    assert c.plain_publish(publish("t", qos=1, props=None)) is None
+    c.expect_plain("t")
+    assert c.plain_publish(publish("t", qos=1, pid=7, props=None)) == ("t", b"x", 1, 7)
+    assert c.plain_publish(publish("t", props=None)) == ("t", b"x", 0, 0)
+
+
+def test_plain_publish_is_what_receive_data_returns() -> None:
+    """For each read the device path takes, the decoder gives the same PUBLISH; the reads it
+    leaves (None) are the decoder's, which accepts or refuses them."""
+    dup = bytes([publish("t", qos=1, props=None)[0] | 0x08]) + publish("t", qos=1, props=None)[1:]
+    retain = bytes([0x31]) + publish("t", props=None)[1:]
+    body = b"\x00\x01t" + b"y" * 300  # two bytes of remaining length
+    taken = [
+        publish("t", qos=1, pid=3, props=None),
+        publish("t", props=None),
+        b"\x30" + varint(len(body)) + body,
+    ]
+    left = [
+        publish("u", qos=1, props=None),  # another topic
+        publish("t", qos=2, props=None),
+        dup,
+        retain,
+        publish("t", qos=1, pid=0, props=None),  # [MQTT-2.2.1-3]: the decoder refuses it
+        publish("t", props=None) * 2,  # two packets in one read
+        publish("t", props=None)[:-1],  # part of one
+        b"\x40\x02\x00\x01",  # a PUBACK
+    ]
+    for data in taken:
+        c, d = conn4(), conn4()
+        c.expect_plain("t")
+        got = c.plain_publish(data)
+        assert got is not None, data
+        (packet,) = d.receive_data(data)
+        assert isinstance(packet, Publish)
+        assert got == (packet.topic, packet.payload, packet.qos, packet.packet_id or 0)
+    for data in left:
+        c = conn4()
+        c.expect_plain("t")
+        assert c.plain_publish(data) is None, data
+
+
+def test_plain_publish_after_a_partial_read_is_the_decoders() -> None:
+    c = conn4()
+    c.expect_plain("t")
+    whole = publish("t", qos=1, pid=1, props=None)
+    assert c.receive_data(whole[:3]) == []
+    assert c.plain_publish(whole[3:] + whole) is None  # something is buffered: the decoder's
+    assert len(c.receive_data(whole[3:] + whole)) == 2
+
+
+def test_plain_publish_5_counts_against_receive_maximum() -> None:
+    c = conn5(receive_maximum=2)
+    c.expect_plain("t")
+    assert c.plain_publish(publish("t", qos=1, pid=1)) == ("t", b"x", 1, 1)
+    assert c.plain_publish(publish("t", qos=1, pid=1)) is None  # in use: the decoder decides
+    assert c.plain_publish(publish("t", qos=1, pid=2)) == ("t", b"x", 1, 2)
+    assert c.inbound_unacked == {1, 2}
+    # Over the quota: left to the decoder, which refuses it with 0x93 [MQTT-3.3.4-7].
+    assert c.plain_publish(publish("t", qos=1, pid=3)) is None
+    assert code_of(c, publish("t", qos=1, pid=3)) == 0x93
+    c = conn5(receive_maximum=2)
+    c.expect_plain("t")
+    c.plain_publish(publish("t", qos=1, pid=1))
+    assert c.puback(1) == b"\x40\x02\x00\x01"  # the quota comes back (s4.9)
+    assert c.inbound_unacked == set()
+    assert c.plain_publish(publish("t", props=bytes.fromhex("0101"))) is None  # properties
+    assert c.plain_publish(publish("t")) == ("t", b"x", 0, 0)
+
+
+# ------------------------------------------------------------------ refusing the CONNECT
+
+
+def test_refuse_in_the_connects_form() -> None:
+    assert conn4().refuse(0x86) == bytes.fromhex("20020004")  # bad user name or password
+    assert conn5().refuse(0x86) == bytes.fromhex("2003008600")
+
+
+@pytest.mark.parametrize(
+    ("connect", "expected"),
+    [
+        ("100d00044d5154540602003c000163", "2003008400"),  # level 6: the 5.0 form, 0x84
+        ("100d00044d5154540202003c000163", "20020001"),  # level 2: 3.1.1 form, 1
+        ("100f00064d51497364700202003c000163", "20020001"),  # 'MQIsdp' level 2
+    ],
+)
+def test_connect_refusal_of_an_unsupported_level(connect: str, expected: str) -> None:
+    c = ServerConnection(max_packet_size=1 << 20)
+    with pytest.raises(UnsupportedProtocolVersion) as info:
+        c.receive_data(bytes.fromhex(connect))
+    assert c.connect_refusal(info.value) == bytes.fromhex(expected)  # [MQTT-3.1.2-2]
+
+
+def test_connect_refusal_of_a_bad_5_connect_carries_its_reason() -> None:
+    c = ServerConnection(max_packet_size=1 << 20)
+    with pytest.raises(MQTTError) as info:
+        c.receive_data(connect5(bytes.fromhex("210000")))  # receive maximum 0
+    assert c.connect_refusal(info.value) == bytes.fromhex("2003008200")
+    # A code CONNACK cannot carry (0x93, of a PUBLISH in the CONNECT's read): Protocol Error.
+    error = ProtocolError("over the quota", 0x93)
+    assert c.connect_refusal(error) == bytes.fromhex("2003008200")
+    assert c.connect_refusal(MalformedPacket("bad")) == bytes.fromhex("2003008100")
+
+
+def test_a_bad_311_connect_is_closed_without_connack() -> None:
+    c = ServerConnection(max_packet_size=1 << 20)
+    with pytest.raises(MQTTError) as info:
+        c.receive_data(bytes.fromhex("100d00044d5154540403003c000163"))  # reserved flag set
+    assert c.connect_refusal(info.value) is None  # 3.1.1 s4.8
 
 
 # ------------------------------------------------------------------ outbound aliases, size

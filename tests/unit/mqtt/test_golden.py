@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 
 from broker.mqtt.decode import Decoder
-from broker.mqtt.encode import encode, encode_publish
+from broker.mqtt.encode import encode, encode_connack_refused, encode_publish
 from broker.mqtt.errors import (
     LocalProtocolError,
     MalformedPacket,
@@ -857,6 +857,43 @@ def test_all_vectors_in_one_stream() -> None:
 def test_encode_refuses(packet: Packet, version: int, why: str) -> None:
     with pytest.raises(LocalProtocolError):
         encode(packet, version)
+
+
+@pytest.mark.parametrize(
+    ("reason", "level", "hex_bytes", "why"),
+    [
+        # 5.0: 20 | RL 3 | flags 00 | reason code | property length 00
+        (0x84, 5, "20 03 00 84 00", "5.0 s3.2.2.2 Unsupported Protocol Version"),
+        (0x84, 6, "20 03 00 84 00", "[MQTT-3.1.2-2] a later level reads the 5.0 form"),
+        (0x86, 5, "20 03 00 86 00", "5.0 s3.2.2.2 Bad User Name or Password"),
+        (0x82, 5, "20 03 00 82 00", "5.0 s3.2.2.2 Protocol Error"),
+        # 3.1.1: 20 | RL 2 | flags 00 | return code (3.1.1 s3.2.2.3)
+        (0x84, 4, "20 02 00 01", "3.1.1 s3.2.2.3 1: unacceptable protocol version"),
+        (0x84, 2, "20 02 00 01", "3.1.1 s3.1.2.2 an older level reads the 3.1.1 form"),
+        (0x84, None, "20 02 00 01", "no level readable: the 3.1.1 form"),
+        (0x85, 4, "20 02 00 02", "3.1.1 s3.2.2.3 2: identifier rejected"),
+        (0x88, 4, "20 02 00 03", "3.1.1 s3.2.2.3 3: server unavailable"),
+        (0x89, 3, "20 02 00 03", "server busy: 3, server unavailable (MQTT 3.1 alike)"),
+        (0x86, 4, "20 02 00 04", "3.1.1 s3.2.2.3 4: bad user name or password"),
+        (0x87, 4, "20 02 00 05", "3.1.1 s3.2.2.3 5: not authorized"),
+        (0x8A, 4, "20 02 00 05", "banned: 5, not authorized"),
+        (0x95, 4, "20 02 00 05", "no 3.1.1 code for packet too large: 5, not authorized"),
+    ],
+)
+def test_connack_refused(reason: int, level: int | None, hex_bytes: str, why: str) -> None:
+    """The refusing CONNACK in the form of the level the client asked for; a client decodes
+    it back to a CONNACK without session present [MQTT-3.2.2-4], [MQTT-3.2.2-6]."""
+    data = encode_connack_refused(reason, level)
+    assert data == bytes.fromhex(hex_bytes), why
+    client = Decoder(version=5 if level is not None and level >= 5 else 4)
+    client.feed(data)
+    (packet,) = client.packets()
+    assert packet == ConnAck(False, data[3])
+
+
+def test_connack_refused_needs_a_refusing_reason() -> None:
+    with pytest.raises(LocalProtocolError):
+        encode_connack_refused(0x00, 5)  # Success is no refusal (s3.2.2.2: >= 0x80)
 
 
 def test_311_encodes_no_properties() -> None:

@@ -160,7 +160,7 @@ class Closable:
 def ticking(proto: MQTTProtocol, clock: FakeClock, seconds: float) -> Closable:
     """Run the server's keepalive check every tick for up to ``seconds``, until it closes
     the link."""
-    server = proto.server
+    server = proto.edge
     link = Closable(proto)
     deadline = proto.keepalive_deadline()
     assert deadline is not None
@@ -184,7 +184,7 @@ def test_a_silent_client_is_closed_at_the_first_tick_after_one_and_a_half_keepal
 def test_a_live_client_is_looked_at_once_per_one_and_a_half_keepalive() -> None:
     proto, clock = connected(10)
     start = clock.now
-    server = proto.server
+    server = proto.edge
     link = Closable(proto)
     server.keepalive.file(link, proto.keepalive_deadline())
     looks = 0

@@ -6,8 +6,9 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
+from broker.net.context import HERE, NEW, STATE
 from broker.workers.mesh import Mesh
-from broker.workers.sessions import HERE, NEW, STATE, SessionDirectory, home_of
+from broker.workers.sessions import SessionDirectory, home_of
 from tests.unit.workers.test_mesh import run, until
 
 
