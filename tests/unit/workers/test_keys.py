@@ -18,6 +18,7 @@ import pytest
 from broker.commitlog import Streams
 from broker.commitlog.config import StreamSpec
 from broker.commitlog.keys import PartitionKey
+from broker.mqtt.topics import topic_matches
 from broker.workers.groups import MeshGroupPeers
 from broker.workers.partitions import pack_key, unpack_key
 
@@ -26,7 +27,9 @@ from broker.workers.partitions import pack_key, unpack_key
 def keys(tmp_path: Path) -> list[PartitionKey]:
     """Distinct keys as the log makes them, for a few streams (one with a non-ASCII name)."""
     streams = Streams(
-        tmp_path, [StreamSpec("devices", ("d/#",), 8), StreamSpec("capteurs-é", ("c/#",), 3)]
+        tmp_path,
+        [StreamSpec("devices", ("d/#",), 8), StreamSpec("capteurs-é", ("c/#",), 3)],
+        matches=topic_matches,
     )
     try:
         made = [streams.partition_for(t) for t in ("d/1", "d/2/x", "c/7", "other", "$SYS/x")]
