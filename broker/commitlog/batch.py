@@ -599,7 +599,8 @@ def _strings(strings: list[str], indexes: Sequence[int]) -> Sequence[str]:
     as a lookup per record, measured), which returns a bare item for a single index."""
     if len(indexes) == 1:
         return (strings[indexes[0]],)
-    return itemgetter(*indexes)(strings)
+    picked: Sequence[str] = itemgetter(*indexes)(strings)
+    return picked
 
 
 def _limit(
