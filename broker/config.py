@@ -183,7 +183,7 @@ class _Section:
         self.seen.add(key)
         if key not in self.table:
             return default
-        value = self.table[key]
+        value: T = self.table[key]
         if not check(value):
             raise ConfigError(f"{self.source}: {self.key(key)} = {value!r} must be {what}")
         return value

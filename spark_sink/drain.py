@@ -30,7 +30,7 @@ from spark_sink.client import BrokerClient, MqlogSourceError
 
 if TYPE_CHECKING:
     from pyspark.sql import SparkSession
-    from pyspark.sql.streaming import StreamingQuery
+    from pyspark.sql.streaming.query import StreamingQuery
 
 #: Quiet, small-machine defaults for a local session (overridable with ``extra``).
 LOCAL_CONF = {

@@ -397,7 +397,7 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def _partitions(self) -> dict[str, list[PartitionOffsets]]:
         return {s: self.client.partitions(s) for s in self.opts.streams}
 
-    def initialOffset(self) -> dict:
+    def initialOffset(self) -> dict[str, Any]:
         opts = self.opts
         out: dict[str, dict[int, int]] = {}
         for stream, parts in self._partitions().items():
@@ -419,7 +419,7 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             for s, parts in self._partitions().items()
         }
 
-    def reportLatestOffset(self) -> dict:
+    def reportLatestOffset(self) -> dict[str, Any]:
         return to_spark(
             {
                 s: {p.partition: p.high_water_mark for p in parts}
@@ -427,7 +427,7 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             }
         )
 
-    def latestOffset(self, start: dict, limit: ReadLimit) -> dict:
+    def latestOffset(self, start: dict[str, Any], limit: ReadLimit) -> dict[str, Any]:
         begin = from_spark(start)
         backlog: dict[tuple[str, int], int] = {}
         base: dict[tuple[str, int], int] = {}
@@ -451,7 +451,7 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
             out.setdefault(stream, {})[pid] = first + take[(stream, pid)]
         return to_spark(out)
 
-    def partitions(self, start: dict, end: dict) -> Sequence[InputPartition]:
+    def partitions(self, start: dict[str, Any], end: dict[str, Any]) -> Sequence[InputPartition]:
         begin, stop = from_spark(start), from_spark(end)
         if any(p not in begin.get(s, {}) for s, parts in stop.items() for p in parts):
             # A partition new since the previous batch starts where latestOffset started it.
@@ -468,7 +468,7 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     def read(self, partition: InputPartition) -> Iterator[pa.RecordBatch]:
         return _read(partition)
 
-    def commit(self, end: dict) -> None:
+    def commit(self, end: dict[str, Any]) -> None:
         """Nothing to release: the broker keeps records until retention, not until read."""
 
     def stop(self) -> None:

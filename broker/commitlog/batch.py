@@ -60,7 +60,6 @@ Pure functions on buffers, no I/O; safe from any thread.
 from __future__ import annotations
 
 import struct
-import zlib
 from bisect import bisect_left, bisect_right
 from collections import defaultdict
 from collections.abc import Callable, Iterable, Sequence, Sized
@@ -265,114 +264,6 @@ def encode_batch(
         buf, CRC_OFFSET, crc32(buf, BATCH_HEADER_SIZE, length, crc32(buf, 0, CRC_OFFSET))
     )
     return buf
-
-
-#: Batches of up to this many records take :func:`encode_small` (a fleet's appends: each
-#: device's one message, a few per event-loop iteration).
-SMALL_BATCH = 8
-_HEAD = struct.Struct("<qIBBHiIIqq")  # BATCH_HEADER without its CRC (the last 4 bytes)
-#: The offset-delta column of a small batch without gaps: 0 .. n-1.
-_SMALL_DELTAS = tuple(tuple(range(n)) for n in range(SMALL_BATCH + 1))
-
-
-@lru_cache(maxsize=64)
-def _table_head(m: int) -> struct.Struct:
-    """A string table's count and ``m`` lengths."""
-    return struct.Struct(f"<I{m}H")
-
-
-@lru_cache(maxsize=SMALL_BATCH)
-def _small_columns(n: int) -> struct.Struct:
-    """The fixed columns of ``n`` records, qos and flags as one unsigned byte each (the bytes
-    ``bytes(qoss)`` and ``bytes(retains)`` give in :func:`encode_batch`)."""
-    return struct.Struct(f"<{n}q{5 * n}I{2 * n}B")
-
-
-def encode_small(base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0) -> bytes:
-    """:func:`encode_batch` (consecutive offsets) of 1 .. SMALL_BATCH records: the same
-    bytes in fewer steps (a dict for the string table, one struct call for every fixed
-    column, the CRC of the header and the body as two pieces instead of patched in place).
-    A fleet appends one to three records per partition and iteration, where the general
-    encoder's per-call setup was most of the append (see ``tests/unit/commitlog/
-    test_batch.py`` for the timing and the byte-for-byte comparison).
-
-    What it cannot encode (a field that does not fit, a record of the wrong shape) goes to
-    :func:`encode_batch`, which raises the error the format calls for.
-    """
-    try:
-        if len(records) == 1:
-            return _encode_one(base_offset, records[0], leader_epoch)
-        (_offsets, stamps, topics, payloads, qoss, retains, client_ids, props) = zip(
-            *records, strict=True
-        )
-        n = len(stamps)
-        names = [*dict.fromkeys(topics + client_ids)]  # first appearance: topics, then ids
-        strings = [*map(str.encode, names)]
-        # A scan of a few strings is cheaper than building a dict; of more, it is not.
-        find = names.index if len(names) <= 4 else dict(zip(names, count())).__getitem__
-        parts = [
-            _table_head(len(strings)).pack(len(strings), *map(len, strings)),
-            *strings,
-            _small_columns(n).pack(
-                *stamps,
-                *_SMALL_DELTAS[n],
-                *map(find, topics),
-                *map(find, client_ids),
-                *map(len, props),
-                *map(len, payloads),
-                *qoss,
-                *retains,
-            ),
-            *props,
-            *payloads,
-        ]
-        body = b"".join(parts)
-        first_ts = stamps[0]
-        head = _HEAD.pack(
-            base_offset,
-            BATCH_HEADER_SIZE + len(body),
-            MAGIC,
-            0,
-            0,
-            leader_epoch,
-            n - 1,
-            n,
-            first_ts,
-            max(stamps) if n > 1 else first_ts,
-        )
-    except (struct.error, AttributeError, TypeError, ValueError, OverflowError):
-        return bytes(encode_batch(base_offset, records, leader_epoch=leader_epoch))
-    return b"".join((head, _CRC.pack(zlib.crc32(body, zlib.crc32(head))), body))
-
-
-_ONE_STRING = struct.Struct("<IH")
-_TWO_STRINGS = struct.Struct("<IHH")
-_ONE_RECORD = struct.Struct("<q5I2B")
-
-
-def _encode_one(base_offset: int, record: Record, leader_epoch: int) -> bytes:
-    """:func:`encode_small` of one record (a fleet device's message), without transposing."""
-    (_offset, stamp, topic, payload, qos, retain, client_id, props) = record
-    name = topic.encode()
-    if client_id == topic:
-        table, who, index = _ONE_STRING.pack(1, len(name)), _EMPTY, 0
-    else:
-        who = client_id.encode()
-        table, index = _TWO_STRINGS.pack(2, len(name), len(who)), 1
-    body = b"".join(
-        (
-            table,
-            name,
-            who,
-            _ONE_RECORD.pack(stamp, 0, 0, index, len(props), len(payload), qos, retain),
-            props,
-            payload,
-        )
-    )
-    head = _HEAD.pack(
-        base_offset, BATCH_HEADER_SIZE + len(body), MAGIC, 0, 0, leader_epoch, 0, 1, stamp, stamp
-    )
-    return b"".join((head, _CRC.pack(zlib.crc32(body, zlib.crc32(head))), body))
 
 
 def read_header(buf: bytes | bytearray | memoryview, pos: int = 0) -> BatchHeader:
@@ -599,7 +490,8 @@ def _strings(strings: list[str], indexes: Sequence[int]) -> Sequence[str]:
     as a lookup per record, measured), which returns a bare item for a single index."""
     if len(indexes) == 1:
         return (strings[indexes[0]],)
-    return itemgetter(*indexes)(strings)
+    picked: Sequence[str] = itemgetter(*indexes)(strings)
+    return picked
 
 
 def _limit(

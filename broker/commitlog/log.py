@@ -50,7 +50,7 @@ from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
 from typing import TypeVar
 
-from broker.commitlog.batch import SMALL_BATCH, Decoder, decode_into, encode_batch, encode_small
+from broker.commitlog.batch import Decoder, decode_into, encode_batch
 from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import (
@@ -75,6 +75,7 @@ from broker.commitlog.segment import (
     Segment,
     write_segment,
 )
+from broker.commitlog.small_batch import SMALL_BATCH, encode_small
 
 logger = logging.getLogger("broker.commitlog")
 

@@ -30,13 +30,11 @@ owner's loop appends to the active segment.
 
 from __future__ import annotations
 
-import ctypes
 import logging
 import os
-import sys
-from collections.abc import Callable, Iterable, Iterator, Sized
+from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
-from typing import TypeVar, cast
+from typing import TypeVar
 
 from broker.commitlog.batch import (
     BATCH_HEADER,
@@ -48,6 +46,9 @@ from broker.commitlog.batch import (
     validate_batch,
 )
 from broker.commitlog.config import LogConfig
+from broker.commitlog.disk import SYNC_FILE_RANGE_WRITE as _SYNC_FILE_RANGE_WRITE
+from broker.commitlog.disk import fsync_data as _fsync_data
+from broker.commitlog.disk import sync_file_range as _sync_file_range
 from broker.commitlog.errors import (
     CorruptIndex,
     CorruptRecordBatch,
@@ -84,31 +85,6 @@ def file_name(base_offset: int, suffix: str) -> str:
 #: fsync=interval: start the disk write of every this many appended bytes right away, so the
 #: interval's fdatasync waits for the last ones only (RocksDB's ``bytes_per_sync``).
 WRITEBACK_BYTES = 1 << 20
-_SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
-
-
-def _load_sync_file_range() -> Callable[[int, int, int, int], int] | None:
-    """libc ``sync_file_range`` on Linux (not wrapped by :mod:`os`), else None."""
-    if not sys.platform.startswith("linux"):
-        return None  # pragma: no cover
-    try:
-        function = ctypes.CDLL(None, use_errno=True).sync_file_range
-    except (OSError, AttributeError):  # pragma: no cover - exotic libc
-        return None
-    function.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
-    function.restype = ctypes.c_int
-    return cast("Callable[[int, int, int, int], int]", function)
-
-
-_sync_file_range = _load_sync_file_range()
-
-
-def _fsync_data(fd: int) -> None:
-    """fdatasync where it exists: it also persists the file size, which is all we need."""
-    if hasattr(os, "fdatasync"):
-        os.fdatasync(fd)
-    else:  # pragma: no cover - macOS
-        os.fsync(fd)
 
 
 class Segment:

@@ -267,7 +267,7 @@ class Delivery:
     ) -> Match | None:
         """:meth:`match` with the ACL's read rule, cached per topic on the consumer."""
         cache = consumer.match_cache
-        match = cache.get(topic, _MISS)
+        match: Match | None = cache.get(topic, _MISS)
         if match is _MISS:
             match = self.match(consumer, topic)
             if match is not None and authz is not None and not authz.can_read(topic):

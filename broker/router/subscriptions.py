@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
 
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.errors import ProtocolError, TopicFilterInvalid
 from broker.mqtt.packets import SubAck, Subscribe, UnsubAck, Unsubscribe
+from broker.mqtt.packets import Subscription as SubscriptionRequest
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import parse_shared, topic_matches, validate_topic_filter
@@ -65,7 +65,7 @@ class Subscriptions:
         self.store.persist(session)
         self.pump_session(session)
 
-    def _subscribe_one(self, session: Session, req: Any, sub_id: int | None) -> int:
+    def _subscribe_one(self, session: Session, req: SubscriptionRequest, sub_id: int | None) -> int:
         full = req.topic_filter
         if len(full.encode()) > self.state.config.max_topic_length:
             raise TopicFilterInvalid(f"longer than {self.state.config.max_topic_length} bytes")

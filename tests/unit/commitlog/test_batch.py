@@ -15,16 +15,15 @@ from broker.commitlog.batch import (
     CRC_OFFSET,
     MAGIC,
     RECORD_FIXED_SIZE,
-    SMALL_BATCH,
     decode_batch,
     decode_into,
     encode_batch,
-    encode_small,
     read_header,
     validate_batch,
 )
 from broker.commitlog.errors import CorruptRecordBatch, InvalidRecord, UnsupportedFormat
 from broker.commitlog.record import Record
+from broker.commitlog.small_batch import SMALL_BATCH, encode_small
 
 
 def rec(i: int, **kw: object) -> Record:
