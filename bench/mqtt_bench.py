@@ -459,7 +459,8 @@ def split(n: int, parts: int) -> list[tuple[int, int]]:
 
 def losses(m: dict[str, Any], subs: int = 1) -> int:
     """Deliveries missing: every subscriber should have received every message sent."""
-    return max(0, m["expected_per_sub"] * subs - m["received"])
+    missing: int = m["expected_per_sub"] * subs - m["received"]
+    return max(0, missing)
 
 
 # ============================================================== scenarios
