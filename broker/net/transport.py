@@ -6,7 +6,7 @@ Output is coalesced: whatever the router queues for a connection during one even
 iteration leaves in one ``transport.write``. The protocol keeps no MQTT state of its own: it
 moves bytes, and calls the connection (what the bytes mean, what to answer) and the router.
 
-Errors are translated here and only here (CONVENTIONS habit 4): an
+Errors are translated here and only here: an
 :class:`~broker.mqtt.errors.MQTTError` closes this one connection with its reason code
 (a CONNACK before the session exists, a DISCONNECT for 5.0 after it, a plain close for 3.1.1);
 any other exception is a bug, logged with its traceback, and also closes just this connection.

@@ -1,6 +1,6 @@
 """``$replay/<from>/<filter>`` subscriptions: where in the log a replay starts.
 
-``<from>`` is one of (DESIGN.md, "Replay over MQTT"):
+``<from>`` is one of (the README's quick start shows them in use):
 
 - ``earliest`` / ``latest``;
 - ``offset:<n>``: every matched partition from offset n (exact for a single-topic filter);

@@ -1,5 +1,5 @@
 """``$replay/<from>/<filter>``: parsing the start (broker.router.replay) and where the router
-starts each partition's cursor for it (DESIGN.md, "Sessions, QoS, replay").
+starts each partition's cursor for it.
 
 The router side is observed through its public methods only: a 5.0 replay delivery carries
 the user properties ``mqlog-partition`` and ``mqlog-offset``, so the first delivery of each
