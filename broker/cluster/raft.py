@@ -146,6 +146,10 @@ class RaftNode:
         #: As a follower: the highest index known to equal the current leader's log.
         self._leader_match = 0
         self._held: list[Message] = []
+        #: Entries handed out in this step's AppendLog, which the driver has not written yet
+        #: (it does before calling in again): the first one's index, and the entries.
+        self._unwritten_first = 0
+        self._unwritten: list[Entry] = []
         #: Requests refused because obeying them would break safety (a bug somewhere).
         self.refused: list[str] = []
         self._out: list[Effect] = []
@@ -227,7 +231,9 @@ class RaftNode:
         elif isinstance(m, Vote):
             self._on_vote(m)
         elif isinstance(m, PreVoteResp):
-            if self.role is Role.PRE_CANDIDATE and m.term == self.term + 1:
+            # Granted answers carry the term asked for; refusals the refuser's (ours).
+            asked = self.term + 1 if m.granted else self.term
+            if self.role is Role.PRE_CANDIDATE and m.term == asked:
                 self._tally(m.frm, m.granted, self._campaign)
         elif self.role is Role.CANDIDATE:
             self._tally(m.frm, m.granted, self._become_leader)
@@ -248,6 +254,8 @@ class RaftNode:
 
     def _set_hard_state(self, term: int, voted_for: int | None) -> None:
         self.term, self.voted_for = term, voted_for
+        # One write per step: a newer term and a vote in it, learnt together, go as one.
+        self._out = [e for e in self._out if not isinstance(e, PersistHardState)]
         self._out.append(PersistHardState(HardState(term, voted_for)))
 
     def _become_follower(self, term: int, leader: int | None) -> None:
@@ -335,6 +343,9 @@ class RaftNode:
         first = self.terms.last_index + 1
         for e in entries:
             self.terms.append(e.term, 1)
+        if not self._unwritten:
+            self._unwritten_first = first
+        self._unwritten.extend(entries)
         self._out.append(AppendLog(first, entries))
         self._out.append(Flush(self.terms.last_index))
 
@@ -344,7 +355,7 @@ class RaftNode:
         prev_term = self.terms.term_at(prev)
         assert prev_term is not None, "next is at most last_index + 1"
         last = min(self.terms.last_index, prev + self.config.max_batch)
-        entries = tuple(self._log.entries(prev + 1, last)) if last > prev else ()
+        entries = self._entries(prev + 1, last) if last > prev else ()
         pr.next = last + 1
         self._send(AppendEntries(self.id, peer, self.term, prev, prev_term, entries, self.commit))
 
@@ -382,11 +393,22 @@ class RaftNode:
             self._out.append(Commit(self.commit))
         self._send(self._ack(m.frm))
 
+    def _entries(self, first: int, last: int) -> tuple[Entry, ...]:
+        """Entries ``first``..``last``: from the driver's log, then this step's unwritten."""
+        split = self._unwritten_first if self._unwritten else last + 1
+        found = self._log.entries(first, min(last, split - 1)) if first < split else []
+        if last >= split:
+            found += self._unwritten[max(first, split) - split : last - split + 1]
+        assert len(found) == last - first + 1, f"log lacks entries {first}..{last}"
+        return tuple(found)
+
     def _truncate(self, index: int) -> bool:
         if index <= self.commit and self.config.variant is not Variant.TRUNCATE_BELOW_COMMIT:
             self.refused.append(f"truncation from {index} at or below commit {self.commit}")
             return False
         self.terms.truncate_from(index)
+        if self._unwritten and index < self._unwritten_first + len(self._unwritten):
+            del self._unwritten[max(0, index - self._unwritten_first) :]
         self.durable_index = min(self.durable_index, index - 1)
         self._leader_match = min(self._leader_match, index - 1)
         self.commit = min(self.commit, index - 1)
@@ -443,5 +465,6 @@ class RaftNode:
             self._held.append(m)
 
     def _take(self) -> list[Effect]:
+        self._unwritten.clear()
         out, self._out = self._out, []
         return out

@@ -105,7 +105,9 @@ class GroupRecord:
     #: Pending proposals: value -> (node, life, index, term).
     pending: dict[bytes, tuple[int, int, int, int]] = field(default_factory=dict)
     acked: dict[bytes, int] = field(default_factory=dict)
+    #: Values proposed after healing, and every value committed so far.
     healed: set[bytes] = field(default_factory=set)
+    values: set[bytes] = field(default_factory=set)
 
     def chain_at(self, index: int) -> int:
         return self.chains[index - 1] if index else 0
@@ -142,6 +144,8 @@ class Sim:
         self.drop = self.rng.choice((0.0, 0.02, 0.1))
         self.dup = self.rng.choice((0.0, 0.02, 0.05))
         self.max_delay = self.rng.choice((5, 15, 40))
+        #: How long a hard-state write takes (temp file, fsync, rename, directory fsync).
+        self.persist_ms = self.rng.choice((2, 10, 30))
         self.value = 0
         self.healed_at: int | None = None
         for node in range(nodes):
@@ -282,8 +286,8 @@ class Sim:
             disk.durable_hard = state
             self._apply(node, g, self._core(node, g).hard_state_persisted(state))
 
-        # FIFO per disk: the same delay for every write keeps them in order.
-        self.on_node(node, 5, f"g{g} persisted {state}", done)
+        # The same delay for every write keeps them in order (renames land in order).
+        self.on_node(node, self.persist_ms, f"g{g} persisted {state}", done)
 
     def _send(self, node: int, g: int, m: Message) -> None:
         if not isinstance(m, PreVote | PreVoteResp):
@@ -350,6 +354,7 @@ class Sim:
             raise Violation(f"n{node} g{g} committed prefix to {upto} differs from the record")
         for i in range(known + 1, index + 1):
             record.committed.append(disk.entries[i - 1])
+            record.values.add(disk.entries[i - 1].payload)
             record.chains.append(disk.chains[i - 1])
         core = self._core(node, g)
         if index > known:
@@ -423,13 +428,20 @@ class Sim:
             self._schedule_tick(node)
 
     def _heal(self) -> None:
+        """No new fault from now on; partitions heal and crashed nodes restart at once, and
+        the liveness clock starts when the last pause ends (a paused node's deferred inputs
+        only arrive then)."""
         self.faults = False
         self.blocked.clear()
         for node in range(self.n):
-            self.paused_until[node] = 0
             self._restart(node)
-        self.healed_at = self.now
-        self.trace.append((self.now, "healed all"))
+        self.trace.append((self.now, "healing"))
+
+        def healed() -> None:
+            self.healed_at = self.now
+            self.trace.append((self.now, "healed all"))
+
+        self.at(max(self.now, *self.paused_until), healed)
 
     def _leader_of(self, g: int) -> RaftNode | None:
         """The leader every live node follows in its term, if there is one."""
@@ -445,17 +457,25 @@ class Sim:
     def _workload(self) -> None:
         for g in range(self.groups):
             record = self.records[g]
-            if self.healed_at is not None and len(record.healed) >= HEALED_PROPOSALS:
-                continue
-            lead = self._leader_of(g) if self.healed_at is not None else None
             if self.healed_at is None:
-                candidates = [c[g] for c in self.cores if c is not None]
-                leads = [c for c in candidates if c.role is Role.LEADER]
+                # Under faults, any node that believes it leads (a stale one too).
+                cores = [c[g] for c in self.cores if c is not None]
+                leads = [c for c in cores if c.role is Role.LEADER]
                 lead = self.rng.choice(leads) if leads else None
+            elif len(record.healed) < HEALED_PROPOSALS or self._orphans(g):
+                lead = self._leader_of(g)
+            else:
+                continue
             if lead is None:
                 continue
-            self.value += 1
-            value = f"s{self.seed}v{self.value}".encode()
+            # After healing, a proposal whose leader lost office before committing it is made
+            # again (its entry may have been cut): the client's retry, which must commit.
+            orphans = self._orphans(g) if self.healed_at is not None else []
+            if orphans:
+                value = orphans[0]
+            else:
+                self.value += 1
+                value = f"s{self.seed}v{self.value}".encode()
             effects = lead.propose(value)
             record.pending[value] = (lead.id, self.life[lead.id], lead.terms.last_index, lead.term)
             if self.healed_at is not None:
@@ -463,17 +483,29 @@ class Sim:
             self._apply(lead.id, g, effects)
         self.at(self.now + PROPOSE_EVERY_MS, self._workload)
 
+    def _orphans(self, g: int) -> list[bytes]:
+        return [v for v in sorted(self.records[g].healed) if self._orphan(g, v)]
+
+    def _orphan(self, g: int, value: bytes) -> bool:
+        record = self.records[g]
+        if value in record.values:
+            return False
+        pending = record.pending.get(value)
+        if pending is None:
+            return True
+        node, life, _, term = pending
+        cores = self.cores[node]
+        core = cores[g] if cores is not None and self.life[node] == life else None
+        return core is None or core.role is not Role.LEADER or core.term != term
+
     def _done(self) -> bool:
-        return all(
-            len(r.healed) >= HEALED_PROPOSALS and all(v in r.acked for v in r.healed)
-            for r in self.records
-        )
+        return all(len(r.healed) >= HEALED_PROPOSALS and r.healed <= r.values for r in self.records)
 
     def _stuck_reason(self) -> str:
         for g, r in enumerate(self.records):
             if self._leader_of(g) is None:
                 return f"g{g} has no leader {LIVENESS_MS} ms after healing"
-            lost = [v for v in r.healed if v not in r.acked]
+            lost = sorted(r.healed - r.values)
             if lost or len(r.healed) < HEALED_PROPOSALS:
                 return f"g{g} proposals not committed after healing: {lost}"
         return "?"
