@@ -101,12 +101,14 @@ class RaftConfig:
 class Progress:
     """The leader's view of one follower. ``next`` is optimistic (entries sent, not yet
     acknowledged); ``match`` is what the follower said equals our log; ``flushed`` what it said
-    is durable among those, the only figure commit counts."""
+    is durable among those, the only figure commit counts. ``active``: heard from in this
+    CheckQuorum period; ``acked``: a success came since the last heartbeat."""
 
     next: int
     match: int = 0
     flushed: int = 0
     active: bool = False
+    acked: bool = False
 
 
 class RaftNode:
@@ -166,9 +168,7 @@ class RaftNode:
                 self._heartbeat_elapsed += 1
                 if self._heartbeat_elapsed >= self.config.heartbeat_ticks:
                     self._heartbeat_elapsed = 0
-                    for peer in self.peers:
-                        self._progress[peer].next = self._progress[peer].match + 1
-                        self._send_append(peer)
+                    self._heartbeat()
         elif self._election_elapsed >= self._timeout:
             self._start_pre_vote()
         return self._take()
@@ -359,6 +359,24 @@ class RaftNode:
         pr.next = last + 1
         self._send(AppendEntries(self.id, peer, self.term, prev, prev_term, entries, self.commit))
 
+    def _heartbeat(self) -> None:
+        """An AppendEntries to each follower. If entries are in flight and none was
+        acknowledged for a whole heartbeat interval, they are sent again from ``match`` (lost,
+        or the follower lost an unflushed tail); otherwise the heartbeat carries no entries and
+        is anchored at ``match``, which the follower holds, so it is never refused for a gap."""
+        for peer in self.peers:
+            pr = self._progress[peer]
+            if pr.next > pr.match + 1 and not pr.acked:
+                pr.next = pr.match + 1
+            if pr.next <= self.terms.last_index and pr.next == pr.match + 1:
+                self._send_append(peer)
+            else:
+                prev_term = self.terms.term_at(pr.match)
+                assert prev_term is not None, "match is at most last_index"
+                beat = AppendEntries(self.id, peer, self.term, pr.match, prev_term, (), self.commit)
+                self._send(beat)
+            pr.acked = False
+
     def _on_append(self, m: AppendEntries) -> None:
         self._become_follower(self.term, m.frm)
         term_there = self.terms.term_at(m.prev_index)
@@ -426,6 +444,7 @@ class RaftNode:
         pr = self._progress[m.frm]
         pr.active = True
         if m.success:
+            pr.acked = True
             pr.match = max(pr.match, m.match_index)
             pr.flushed = max(pr.flushed, m.flushed_index)
             pr.next = max(pr.next, pr.match + 1)
