@@ -54,13 +54,15 @@ class PreVoteResp:
 
 @dataclass(frozen=True, slots=True)
 class Vote:
-    """RequestVote (Raft s5.2)."""
+    """RequestVote (Raft s5.2). ``transfer``: the candidate campaigns because the leader told
+    it to (TimeoutNow), so a voter's leader stickiness does not apply (thesis s3.10, s4.2.3)."""
 
     frm: int
     to: int
     term: int
     last_index: int
     last_term: int
+    transfer: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,7 +106,17 @@ class AppendResp:
     hint_term: int | None
 
 
-Message = PreVote | PreVoteResp | Vote | VoteResp | AppendEntries | AppendResp
+@dataclass(frozen=True, slots=True)
+class TimeoutNow:
+    """The leader hands over (thesis s3.10): the receiver, whose log the leader has checked
+    is as up to date as its own, starts an election at once, without PreVote."""
+
+    frm: int
+    to: int
+    term: int
+
+
+Message = PreVote | PreVoteResp | Vote | VoteResp | AppendEntries | AppendResp | TimeoutNow
 
 
 @dataclass(frozen=True, slots=True)

@@ -16,7 +16,10 @@ Invariants the core keeps (the simulator, ``broker.cluster.sim``, checks them fr
 - The log is never truncated at or below the commit index: such an AppendEntries is refused
   (dropped unanswered) and described in ``refused``, which a driver reports as a bug.
 
-Not in this step: membership changes, snapshots, leadership transfer, quiescence.
+Leadership transfer (thesis s3.10): ``transfer_leadership(peer)`` stops proposals, brings the
+peer up to date, then sends it TimeoutNow; abandoned after an election timeout.
+
+Not in this step: membership changes, snapshots, quiescence of idle groups.
 ``Variant`` switches on known-bad behaviours so that tests can show the simulator catches them;
 nothing but tests and the simulator may set it.
 """
@@ -43,6 +46,7 @@ from broker.cluster.messages import (
     PreVote,
     PreVoteResp,
     Send,
+    TimeoutNow,
     Truncate,
     Vote,
     VoteResp,
@@ -145,6 +149,9 @@ class RaftNode:
         self._timeout = self._random_timeout()
         self._votes: dict[int, bool] = {}
         self._progress: dict[int, Progress] = {}
+        #: As a leader handing over: to whom, and for how many ticks it has been trying.
+        self.transferee: int | None = None
+        self._transfer_elapsed = 0
         #: As a follower: the highest index known to equal the current leader's log.
         self._leader_match = 0
         self._held: list[Message] = []
@@ -161,6 +168,10 @@ class RaftNode:
     def tick(self) -> list[Effect]:
         self._election_elapsed += 1
         if self.role is Role.LEADER:
+            if self.transferee is not None:
+                self._transfer_elapsed += 1
+                if self._transfer_elapsed >= self.config.election_ticks:
+                    self.transferee = None  # thesis s3.10: give up, take proposals again
             if self._election_elapsed >= self.config.election_ticks:
                 self._election_elapsed = 0
                 self._check_quorum()
@@ -175,9 +186,12 @@ class RaftNode:
 
     def propose(self, payload: bytes) -> list[Effect]:
         """Append ``payload`` as a new entry of this term; its index is ``terms.last_index``
-        afterwards. Raises ``NotLeader``."""
+        afterwards. Raises ``NotLeader`` off the leader, and on a leader handing over (naming
+        the peer it hands over to)."""
         if self.role is not Role.LEADER:
             raise NotLeader(self.leader)
+        if self.transferee is not None:
+            raise NotLeader(self.transferee)
         if not payload:
             raise ValueError("an empty payload is the leader's no-op")
         self._append_local((Entry(self.term, payload),))
@@ -185,6 +199,20 @@ class RaftNode:
         for peer in self.peers:
             if self._progress[peer].next == first:
                 self._send_append(peer)
+        return self._take()
+
+    def transfer_leadership(self, peer: int) -> list[Effect]:
+        """Hand leadership to ``peer`` (thesis s3.10). Raises ``NotLeader``."""
+        if self.role is not Role.LEADER:
+            raise NotLeader(self.leader)
+        if peer not in self._progress:
+            raise ValueError(f"{peer} is not a peer of {self.id}")
+        self.transferee = peer
+        self._transfer_elapsed = 0
+        if self._progress[peer].match == self.terms.last_index:
+            self._send(TimeoutNow(self.id, peer, self.term))
+        else:
+            self._send_append(peer)
         return self._take()
 
     def flushed(self, index: int) -> list[Effect]:
@@ -206,7 +234,8 @@ class RaftNode:
 
     def receive(self, m: Message) -> list[Effect]:
         if m.term > self.term:
-            if isinstance(m, PreVote | Vote) and self._in_lease():
+            sticky = isinstance(m, PreVote) or (isinstance(m, Vote) and not m.transfer)
+            if sticky and self._in_lease():
                 # Leader stickiness (thesis s4.2.3): we heard from a live leader within the
                 # minimum election timeout, so this candidate cannot be needed. No reply.
                 return self._take()
@@ -235,6 +264,9 @@ class RaftNode:
             asked = self.term + 1 if m.granted else self.term
             if self.role is Role.PRE_CANDIDATE and m.term == asked:
                 self._tally(m.frm, m.granted, self._campaign)
+        elif isinstance(m, TimeoutNow):
+            if self.role is not Role.LEADER:
+                self._campaign(transfer=True)
         elif self.role is Role.CANDIDATE:
             self._tally(m.frm, m.granted, self._become_leader)
         return self._take()
@@ -264,6 +296,7 @@ class RaftNode:
             self._leader_match = 0
         self.role = Role.FOLLOWER
         self.leader = leader
+        self.transferee = None
         self._election_elapsed = 0
         self._timeout = self._random_timeout()
 
@@ -279,7 +312,7 @@ class RaftNode:
             pre = PreVote(self.id, peer, self.term + 1, self.terms.last_index, self.terms.last_term)
             self._send(pre)
 
-    def _campaign(self) -> None:
+    def _campaign(self, transfer: bool = False) -> None:
         self.role = Role.CANDIDATE
         self._set_hard_state(self.term + 1, self.id)
         self._leader_match = 0
@@ -289,7 +322,8 @@ class RaftNode:
         if self._tally(self.id, True, self._become_leader):
             return
         for peer in self.peers:
-            self._send(Vote(self.id, peer, self.term, self.terms.last_index, self.terms.last_term))
+            last_index, last_term = self.terms.last_index, self.terms.last_term
+            self._send(Vote(self.id, peer, self.term, last_index, last_term, transfer))
 
     def _tally(self, voter: int, granted: bool, win: Callable[[], None]) -> bool:
         """Record a (pre-)vote; on a majority for, call ``win``; on a majority against, fall
@@ -449,6 +483,8 @@ class RaftNode:
             pr.flushed = max(pr.flushed, m.flushed_index)
             pr.next = max(pr.next, pr.match + 1)
             self._maybe_commit()
+            if m.frm == self.transferee and pr.match == self.terms.last_index:
+                self._send(TimeoutNow(self.id, m.frm, self.term))
             if pr.next <= self.terms.last_index:
                 self._send_append(peer=m.frm)
             return

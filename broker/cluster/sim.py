@@ -4,9 +4,9 @@ One seeded ``random.Random`` decides everything: virtual time in milliseconds, a
 delays, drops, duplicates and reorders messages and partitions nodes (both ways or one way), a
 disk per node whose appends land in an unflushed tail that a crash loses (as it loses a hard
 state whose write had not completed), crashes and restarts that rebuild each core from what was
-durable, pauses, and a workload of proposals with unique values. After every event the
-invariants below are checked; a failing seed prints itself and its last events, and running
-that seed again replays it exactly.
+durable, pauses, leadership transfers, and a workload of proposals with unique values. After
+every event the invariants below are checked; a failing seed prints itself and its last
+events, and running that seed again replays it exactly.
 
 Safety (checked throughout): at most one leader per term; log matching (two logs holding an
 entry of the same index and term hold the same prefix up to it, checked by a hash chain); leader
@@ -394,7 +394,7 @@ class Sim:
         if not self.faults:
             return
         node = self.rng.randrange(self.n)
-        kind = self.rng.choice(("crash", "partition", "one-way", "pause", "crash"))
+        kind = self.rng.choice(("crash", "partition", "one-way", "pause", "crash", "transfer"))
         heal_after = self.rng.randrange(100, 800)
         if kind == "crash" and self.cores[node] is not None:
             self._crash(node)
@@ -406,6 +406,14 @@ class Sim:
         elif kind == "one-way":
             other = self.rng.choice([o for o in range(self.n) if o != node])
             self._block({(node, other)}, heal_after, f"one-way n{node} -> n{other}")
+        elif kind == "transfer":
+            g = self.rng.randrange(self.groups)
+            leads = [c[g] for c in self.cores if c is not None and c[g].role is Role.LEADER]
+            if leads:
+                core = self.rng.choice(leads)
+                to = self.rng.choice(core.peers)
+                self.trace.append((self.now, f"n{core.id} g{g} transfers leadership to n{to}"))
+                self._apply(core.id, g, core.transfer_leadership(to))
         elif kind == "pause":
             self.paused_until[node] = max(self.paused_until[node], self.now + heal_after)
             self.trace.append((self.now, f"n{node} paused for {heal_after} ms"))
@@ -466,7 +474,7 @@ class Sim:
                 lead = self._leader_of(g)
             else:
                 continue
-            if lead is None:
+            if lead is None or lead.transferee is not None:
                 continue
             # After healing, a proposal whose leader lost office before committing it is made
             # again (its entry may have been cut): the client's retry, which must commit.

@@ -23,6 +23,7 @@ from broker.cluster.messages import (
     PreVote,
     PreVoteResp,
     Send,
+    TimeoutNow,
     Truncate,
     Vote,
     VoteResp,
@@ -354,3 +355,46 @@ def test_a_follower_commits_only_what_it_knows_matches() -> None:
     # The leader says commit 4 but only vouches for the prefix up to 2 in this message.
     core.receive(AppendEntries(2, 1, 2, 2, 1, (), 4))
     assert core.commit == 2
+
+
+# -- leadership transfer ---------------------------------------------------------------------
+
+
+def test_transfer_to_an_up_to_date_peer_sends_timeout_now() -> None:
+    core, log = make()
+    elect(core, log)  # term 1, noop at 1
+    core.receive(AppendResp(2, 1, 1, True, 1, 1, 0, None))
+    assert sends(core.transfer_leadership(2)) == [TimeoutNow(1, 2, 1)]
+    with pytest.raises(NotLeader) as refused:
+        core.propose(b"x")  # thesis s3.10: no proposals while handing over
+    assert refused.value.leader == 2
+
+
+def test_transfer_catches_the_peer_up_first_then_gives_up_after_a_timeout() -> None:
+    core, log = make()
+    elect(core, log)
+    out = log.apply(core.transfer_leadership(3))
+    assert [type(m) for m in out] == [AppendEntries]
+    out = log.apply(core.receive(AppendResp(3, 1, 1, True, 1, 0, 0, None)))
+    assert out == [TimeoutNow(1, 3, 1)]
+    for _ in range(CONFIG.election_ticks):
+        core.receive(AppendResp(2, 1, 1, True, 1, 1, 0, None))  # keep CheckQuorum content
+        core.tick()
+    assert core.transferee is None and core.role is Role.LEADER
+    log.apply(core.propose(b"x"))
+
+
+def test_timeout_now_starts_an_election_at_once_that_stickiness_does_not_stop() -> None:
+    target, _ = make((1,), HardState(1, None), node_id=2)
+    effects = target.receive(TimeoutNow(1, 2, 1))
+    assert target.role is Role.CANDIDATE and target.term == 2  # no PreVote round
+    assert effects == [PersistHardState(HardState(2, 2))]
+    votes = sends(target.hard_state_persisted(HardState(2, 2)))
+    assert votes == [Vote(2, 1, 2, 1, 1, True), Vote(2, 3, 2, 1, 1, True)]
+    # Node 3 hears the old leader, yet grants the transfer's vote (thesis s4.2.3 exempts it).
+    voter, _ = make((1,), HardState(1, None), node_id=3)
+    voter.receive(AppendEntries(1, 3, 1, 1, 1, (), 0))
+    assert voter.receive(Vote(2, 3, 2, 1, 1, False)) == []
+    effects = voter.receive(Vote(2, 3, 2, 1, 1, True))
+    assert effects == [PersistHardState(HardState(2, 2))]
+    assert sends(voter.hard_state_persisted(HardState(2, 2))) == [VoteResp(3, 2, 2, True)]
