@@ -16,8 +16,11 @@ commit index never moves back during a node's life; a node never acts in a term 
 it has spoken in and never grants two votes in one term, across restarts; every acknowledged
 proposal is committed at the index it was acknowledged at.
 
-Liveness (after the faults heal): every group elects a leader that every node follows, and
-proposals made then all commit, within ``LIVENESS_MS``; otherwise the seed is "stuck".
+Liveness (after the faults heal and the last pause ends): every group elects a leader that
+every node follows, and proposals made then all commit (one whose leader lost office first is
+made again, as a client would retry), within ``LIVENESS_MS``; otherwise the seed is "stuck".
+
+Not simulated yet: clock-rate skew, torn writes of the last batch, membership changes.
 
 Run: ``python -m broker.cluster.sim --seeds N [--start S] [--nodes 3] [--groups 8]``.
 """
