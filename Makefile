@@ -36,11 +36,12 @@ test: $(STAMP)-test lint
 	$(PY) -m pytest -q
 
 # Faster tiers while working (README, "The two commands"): the unit tests without the slow
-# ones; then with the integration tests on a one-worker broker (MQLOG_TEST_WORKERS=1 drops
-# the [w2] variants), still without Spark and slow. `make test` runs everything.
+# ones, on two processes (pytest-xdist, one per core here); then with the integration tests
+# on a one-worker broker (MQLOG_TEST_WORKERS=1 drops the [w2] variants), still without Spark
+# and slow. `make test` runs everything.
 .PHONY: test-unit test-fast
 test-unit: $(STAMP)-test
-	$(PY) -m pytest -q tests/unit -m "not slow"
+	$(PY) -m pytest -q -n 2 tests/unit -m "not slow"
 
 test-fast: $(STAMP)-test
 	MQLOG_TEST_WORKERS=1 $(PY) -m pytest -q tests/unit tests/integration -m "not slow and not spark"

@@ -17,7 +17,16 @@ from broker.cluster.sim import Sim, Violation, main, run_seeds
 CATCH_WITHIN = 30
 
 
-@pytest.mark.parametrize("variant", [v for v in Variant if v is not Variant.CORRECT])
+@pytest.mark.parametrize(
+    "variant",
+    [
+        # The vote variant needs a crash inside the few ms a vote's hard state is in flight:
+        # it takes the longest to catch (~5 s), so the unit tier leaves it to make test.
+        pytest.param(v, marks=pytest.mark.slow) if v is Variant.VOTE_BEFORE_PERSIST else v
+        for v in Variant
+        if v is not Variant.CORRECT
+    ],
+)
 def test_each_bad_variant_is_caught(variant: Variant) -> None:
     outcome = run_seeds(range(CATCH_WITHIN), variant=variant, stop_at_first=True)
     assert outcome.violations, f"{variant.value} passed {outcome.seeds} seeds"

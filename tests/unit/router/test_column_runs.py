@@ -322,6 +322,7 @@ def _both(
     return general, runs
 
 
+@pytest.mark.slow  # hypothesis over the general path's bytes: ~6 s
 @settings(
     max_examples=120,
     deadline=None,

@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
+import pytest
 import uvloop
 
 from broker.commitlog import LogConfig, Record, SegmentedLog
@@ -104,6 +105,7 @@ def check_reads(remote: PartitionBase, log: SegmentedLog) -> None:
     assert remote.read(end) == []
 
 
+@pytest.mark.slow  # hypothesis over announcements and files: ~5 s
 def test_a_reader_is_fed_the_announced_records_and_the_files_behind_them(tmp_path: Path) -> None:
     """Random commits (small ones carry their records, large ones only the mark) and
     marks learnt early through ``committed_through``: the reader's every read equals the
