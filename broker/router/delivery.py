@@ -145,12 +145,7 @@ class Delivery:
         try:
             return part.read(offset)
         except OffsetOutOfRange:
-            log.warning(
-                "%s/%d: offset %d was deleted by retention; skipping to %d",
-                *part.key,
-                offset,
-                part.log.log_start_offset,
-            )
+            _deleted(part, offset)
             return None
 
     def read_columns(self, part: PartitionBase, offset: int) -> Columns | None:
@@ -158,12 +153,7 @@ class Delivery:
         try:
             return part.read_columns(offset)
         except OffsetOutOfRange:
-            log.warning(
-                "%s/%d: offset %d was deleted by retention; skipping to %d",
-                *part.key,
-                offset,
-                part.log.log_start_offset,
-            )
+            _deleted(part, offset)
             return None
 
     def read_exact(self, key: PartitionKey, offset: int) -> Record | None:
@@ -490,3 +480,13 @@ class Delivery:
             session.inflight.pop(packet_id, None)  # too large: counts as delivered
             if group is not None:
                 self.group_done(session, group, key, rec.offset)
+
+
+def _deleted(part: PartitionBase, offset: int) -> None:
+    """Log that a consumer's ``offset`` was deleted by retention (it skips to the start)."""
+    log.warning(
+        "%s/%d: offset %d was deleted by retention; skipping to %d",
+        *part.key,
+        offset,
+        part.log.log_start_offset,
+    )
