@@ -17,20 +17,12 @@ from broker.mqtt.errors import (
     TopicNameInvalid,
     UnsupportedProtocolVersion,
 )
+from tests.mqttbytes import varint
 
 # CONNECT 5.0, client id 'c', no properties: 00 04 'MQTT' 05 | 02 | 00 3c | 00 | 00 01 63
 CONNECT5 = bytes.fromhex("100e00044d5154540502003c00000163")
 # CONNECT 3.1.1, client id 'c'
 CONNECT4 = bytes.fromhex("100d00044d5154540402003c000163")
-
-
-def varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        n, d = divmod(n, 128)
-        out.append(d | (0x80 if n else 0))
-        if not n:
-            return bytes(out)
 
 
 def connect5(props: bytes) -> bytes:

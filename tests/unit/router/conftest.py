@@ -27,6 +27,7 @@ from broker.mqtt.packets import (
     Will,
 )
 from broker.mqtt.properties import PropertyId
+from broker.mqtt.topics import topic_matches
 from broker.router.hooks import SingleWorker, WorkerHooks
 from broker.router.router import Router
 from broker.router.session import Session
@@ -123,9 +124,15 @@ class Clock:
 
 
 class Harness:
-    def __init__(self, data: Path, config: RouterConfig | None = None) -> None:
+    def __init__(
+        self,
+        data: Path,
+        config: RouterConfig | None = None,
+        specs: list[StreamSpec] | None = None,
+    ) -> None:
         self.data = data
         self.config = config or RouterConfig()
+        self.specs = specs or [StreamSpec("default", (), 1, LogConfig(fsync="never"))]
         self.clock = Clock()
         #: The other workers, as the router sees them (:meth:`open` passes them in).
         self.hooks: WorkerHooks = SingleWorker()
@@ -133,9 +140,7 @@ class Harness:
 
     def open(self) -> None:
         self.scheduled: list[Callable[[], None]] = []
-        self.streams = Streams(
-            self.data, [StreamSpec("default", (), 1, LogConfig(fsync="never"))], clock=self.clock
-        )
+        self.streams = Streams(self.data, self.specs, clock=self.clock, matches=topic_matches)
         self.router = Router(
             self.streams,
             self.config,

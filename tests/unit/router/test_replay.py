@@ -16,15 +16,13 @@ import hypothesis.strategies as st
 import pytest
 from hypothesis import given, settings
 
-from broker.commitlog import LogConfig, Streams, StreamSpec
+from broker.commitlog import LogConfig, StreamSpec
 from broker.config import RouterConfig
 from broker.mqtt.errors import TopicFilterInvalid
 from broker.mqtt.packets import SubAck, Subscribe, Subscription
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
-from broker.mqtt.topics import topic_matches
 from broker.router.replay import ReplayStart, is_replay, parse_replay
-from broker.router.router import Router
 from broker.router.session import Session
 from tests.unit.router.conftest import FakeLink, Harness, Sent
 
@@ -175,30 +173,9 @@ def test_offset_forms_round_trip(pairs: list[tuple[int, int]], n: int) -> None:
 DEVICES = StreamSpec("devices", ("devices/#",), 3, LogConfig(fsync="never"))
 
 
-class StreamsHarness(Harness):
-    """:class:`Harness` over the streams given (the conftest one has only ``default``)."""
-
-    def __init__(
-        self, data: Path, specs: list[StreamSpec], config: RouterConfig | None = None
-    ) -> None:
-        self.specs = specs
-        super().__init__(data, config)
-
-    def open(self) -> None:
-        self.scheduled = []
-        self.streams = Streams(self.data, self.specs, clock=self.clock, matches=topic_matches)
-        self.router = Router(
-            self.streams,
-            self.config,
-            schedule=self.scheduled.append,
-            clock=self.clock,
-            monotonic=self.clock,
-        )
-
-
 @pytest.fixture
-def hd(tmp_path: Path) -> Iterator[StreamsHarness]:
-    harness = StreamsHarness(tmp_path / "data", [DEVICES])
+def hd(tmp_path: Path) -> Iterator[Harness]:
+    harness = Harness(tmp_path / "data", specs=[DEVICES])
     yield harness
     harness.streams.close()
 
@@ -244,7 +221,7 @@ def suback(link: FakeLink) -> list[int]:
     return list(link.of(SubAck)[-1].reason_codes)
 
 
-def test_earliest_delivers_every_partition_from_its_start(hd: StreamsHarness) -> None:
+def test_earliest_delivers_every_partition_from_its_start(hd: Harness) -> None:
     t0, t1, t2 = (topic_in(hd, p) for p in range(3))
     fill(hd, {t0: 3, t1: 5, t2: 2})
     link, s = hd.connect("r", 5)
@@ -256,7 +233,7 @@ def test_earliest_delivers_every_partition_from_its_start(hd: StreamsHarness) ->
         ]
 
 
-def test_latest_delivers_only_what_follows(hd: StreamsHarness) -> None:
+def test_latest_delivers_only_what_follows(hd: Harness) -> None:
     t0 = topic_in(hd, 0)
     pub = fill(hd, {t0: 4})
     link, s = hd.connect("r", 5)
@@ -267,7 +244,7 @@ def test_latest_delivers_only_what_follows(hd: StreamsHarness) -> None:
     assert annotated(link.take()) == [(0, 4, b"new")]
 
 
-def test_offset_applies_to_every_partition_and_clamps_to_the_end(hd: StreamsHarness) -> None:
+def test_offset_applies_to_every_partition_and_clamps_to_the_end(hd: Harness) -> None:
     t0, t1, t2 = (topic_in(hd, p) for p in range(3))
     pub = fill(hd, {t0: 10, t1: 4, t2: 6})
     link, s = hd.connect("r", 5)
@@ -296,7 +273,7 @@ def test_offset_past_the_end_waits_for_new_records(h: Harness) -> None:
     assert annotated(link.take()) == [(0, 3, b"next")]  # from the end, not from 1000
 
 
-def test_offsets_per_partition_others_from_earliest(hd: StreamsHarness) -> None:
+def test_offsets_per_partition_others_from_earliest(hd: Harness) -> None:
     t0, t1, t2 = (topic_in(hd, p) for p in range(3))
     fill(hd, {t0: 6, t1: 6, t2: 6})
     link, s = hd.connect("r", 5)
@@ -351,7 +328,7 @@ def test_starts_below_the_retained_log_start_are_clamped_to_it(tmp_path: Path) -
     """Retention deleted the oldest segments: offset 0, a time before everything and
     ``offsets`` naming a deleted offset all start at the earliest retained record."""
     small = LogConfig(fsync="never", segment_bytes=300, retention_bytes=600, retention_ms=None)
-    h = StreamsHarness(tmp_path / "d", [StreamSpec("devices", ("devices/#",), 1, small)])
+    h = Harness(tmp_path / "d", specs=[StreamSpec("devices", ("devices/#",), 1, small)])
     try:
         _, pub = h.connect("pub", 5)
         for i in range(40):  # one batch each: several segments
