@@ -8,20 +8,30 @@ the exception, thesis s9.6). Effects are what the core asks its driver to do, in
 again (a write to the page cache, not yet durable); a ``Flush`` completes later with
 ``flushed(index)``; ``Send`` goes on the wire; ``Commit`` reports a new commit index.
 
-Entries are opaque to the core except for their term: the driver stores them (the segmented log
-will keep the term in each record batch's leader-epoch field). An entry with an empty payload is
-the no-op a new leader appends (Raft s8, thesis s6.4); proposals are never empty.
+Entries are opaque to the core except for their term and kind: the driver stores them (the
+segmented log will keep the term in each record batch's leader-epoch field, and a kind other
+than DATA as a control batch that readers skip). A NOOP entry is what a new leader appends first
+(Raft s8, thesis s6.4); proposals are DATA.
 """
 
 from __future__ import annotations
 
+import enum
 from dataclasses import dataclass
+
+
+class EntryKind(enum.IntEnum):
+    #: Records a client published: what readers of the log see.
+    DATA = 0
+    #: The entry a new leader appends first, so that counting replicas can commit (Raft s8).
+    NOOP = 1
 
 
 @dataclass(frozen=True, slots=True)
 class Entry:
     term: int
     payload: bytes
+    kind: EntryKind = EntryKind.DATA
 
 
 @dataclass(frozen=True, slots=True)

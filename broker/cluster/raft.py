@@ -39,6 +39,7 @@ from broker.cluster.messages import (
     Commit,
     Effect,
     Entry,
+    EntryKind,
     Flush,
     HardState,
     Message,
@@ -52,9 +53,6 @@ from broker.cluster.messages import (
     VoteResp,
 )
 from broker.cluster.terms import TermTable
-
-#: The payload of the entry a new leader appends first (Raft s8, thesis s6.4).
-NOOP = b""
 
 
 class Variant(enum.Enum):
@@ -192,8 +190,6 @@ class RaftNode:
             raise NotLeader(self.leader)
         if self.transferee is not None:
             raise NotLeader(self.transferee)
-        if not payload:
-            raise ValueError("an empty payload is the leader's no-op")
         self._append_local((Entry(self.term, payload),))
         first = self.terms.last_index
         for peer in self.peers:
@@ -359,7 +355,7 @@ class RaftNode:
         self._progress = {p: Progress(next=last + 1) for p in self.peers}
         # Raft s8 / thesis s6.4: only an entry of our own term can commit by counting, and it
         # commits every earlier entry with it.
-        self._append_local((Entry(self.term, NOOP),))
+        self._append_local((Entry(self.term, b"", EntryKind.NOOP),))
         for peer in self.peers:
             self._send_append(peer)
 

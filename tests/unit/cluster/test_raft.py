@@ -16,6 +16,7 @@ from broker.cluster.messages import (
     Commit,
     Effect,
     Entry,
+    EntryKind,
     Flush,
     HardState,
     Message,
@@ -28,10 +29,11 @@ from broker.cluster.messages import (
     Vote,
     VoteResp,
 )
-from broker.cluster.raft import NOOP, NotLeader, RaftConfig, RaftNode, Role
+from broker.cluster.raft import NotLeader, RaftConfig, RaftNode, Role
 from broker.cluster.terms import TermTable
 from tests.unit.test_layers import NETWORK, forbidden_imports
 
+NOOP2 = Entry(2, b"", EntryKind.NOOP)
 CONFIG = RaftConfig(election_ticks=10, heartbeat_ticks=1)
 
 
@@ -191,10 +193,10 @@ def test_a_new_leader_appends_and_sends_its_noop() -> None:
     core, log = make((1,), HardState(1, None))
     sent = elect(core, log)
     assert core.role is Role.LEADER and core.term == 2
-    assert log.items[-1] == Entry(2, NOOP)
+    assert log.items[-1] == NOOP2
     assert sent == [
-        AppendEntries(1, 2, 2, 1, 1, (Entry(2, NOOP),), 0),
-        AppendEntries(1, 3, 2, 1, 1, (Entry(2, NOOP),), 0),
+        AppendEntries(1, 2, 2, 1, 1, (NOOP2,), 0),
+        AppendEntries(1, 3, 2, 1, 1, (NOOP2,), 0),
     ]
 
 
@@ -344,7 +346,7 @@ def test_an_older_term_entry_is_not_committed_by_counting() -> None:
     core, log = make((1, 2), HardState(2, 1))
     log.apply(core.hard_state_persisted(HardState(2, 1)))
     elect(core, log)
-    assert core.term == 3 and log.items[-1] == Entry(3, NOOP)
+    assert core.term == 3 and log.items[-1] == Entry(3, b"", EntryKind.NOOP)
     core.flushed(3)
     assert commits(core.receive(AppendResp(2, 1, 3, True, 2, 2, 0, None))) == []
     assert commits(core.receive(AppendResp(2, 1, 3, True, 3, 3, 0, None))) == [3]
