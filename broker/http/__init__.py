@@ -2,5 +2,6 @@
 
 - :mod:`broker.http.api`: routes, ``/healthz``, ``/metrics``, ``/api/v1/...`` admin views.
 - :mod:`broker.http.fetch_api`: records by offset or time, as Arrow IPC or JSON (Spark).
+- :mod:`broker.http.console`: the live console page at ``/`` and the JSON it polls.
 - :mod:`broker.http.arrow`: records and column reads as Arrow record batches.
 """

@@ -11,7 +11,8 @@ Routes (JSON bodies, encoded with orjson):
   (records as Arrow or JSON, offset by timestamp), see :mod:`broker.http.fetch_api`;
 - ``GET /api/v1/sessions``: each persistent session (client id, connected or not, its
   subscriptions, per consumer and partition its position and lag behind the high-water mark,
-  in-flight deliveries), and each shared-subscription group with its positions and members.
+  in-flight deliveries), and each shared-subscription group with its positions and members;
+- ``GET /`` and ``GET /api/v1/console``: the live console, see :mod:`broker.http.console`.
 
 The handlers only read router and log state; they run on the loop that owns the router, so no
 locking is needed, and none of them blocks (a log's offsets are in memory). A stream's logs are
@@ -33,6 +34,7 @@ from prometheus_client import CONTENT_TYPE_LATEST
 
 from broker.commitlog import SegmentedLog, StreamSpec
 from broker.commitlog.reader import LogReader
+from broker.http.console import Console
 from broker.http.fetch_api import FetchApi, PartitionSource
 from broker.metrics.collector import Metrics, WorkerShare, merge_expositions
 from broker.router.session import MAIN, Consumer, Session, SharedGroup
@@ -96,6 +98,7 @@ class HttpApi:
                 *FetchApi(server).routes(),
             ]
         )
+        Console(server, sessions_view).install(self.app)  # GET /, /api/v1/console
         self._runner: web.AppRunner | None = None
         self.url = ""
 
