@@ -10,6 +10,11 @@ if [ "${1:-test}" != runtime ]; then
     command -v mosquitto_sub >/dev/null 2>&1 || need+=(mosquitto-clients)
     command -v mosquitto >/dev/null 2>&1 || need+=(mosquitto)
     command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)  # PySpark (Spark tests)
+    # The console's browser test (tests/integration/test_console_browser.py): headless
+    # Chromium driven through chromedriver, and a font for its screenshot.
+    command -v chromium >/dev/null 2>&1 || need+=(chromium)
+    command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
+    [ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
 fi
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
