@@ -3,7 +3,10 @@
 // textContent, never as HTML: client ids are chosen by clients.
 "use strict";
 
-const SOURCE = "/api/v1/console";
+// Resolved against the origin, not the document: a page opened as http://user:pw@host/
+// has a URL with credentials, and fetch() refuses a URL that carries them. The browser
+// sends the credentials it was given for the page along with the request anyway.
+const SOURCE = new URL("/api/v1/console", window.location.origin).href;
 const SVG = "http://www.w3.org/2000/svg";
 let intervalMs = 2000;
 
@@ -237,7 +240,7 @@ async function poll() {
   const status = $("status");
   try {
     const response = await fetch(SOURCE, { cache: "no-store", credentials: "same-origin" });
-    if (!response.ok) throw new Error(`${SOURCE}: HTTP ${response.status}`);
+    if (!response.ok) throw new Error(`/api/v1/console: HTTP ${response.status}`);
     draw(await response.json());
     status.textContent = "live";
     status.className = "status ok";
