@@ -9,7 +9,8 @@ Routes (added to the admin HTTP app by :class:`broker.http.api.HttpApi`):
   workers: the broker's counters (the ``/metrics`` exposition, merged over the workers),
   throughput over the last :data:`HISTORY_SAMPLES` samples, every stream's partitions
   (earliest offset, high-water mark, records/s, bytes on disk), the persistent sessions
-  and shared groups (``/api/v1/sessions``), the log's disk use and the cluster.
+  and shared groups (``/api/v1/sessions``; the :data:`MAX_LISTED` furthest behind), the
+  log's disk use and the cluster.
 
 Rates come from :class:`Sampler`, a task on the HTTP API's loop that every
 :data:`SAMPLE_SECONDS` reads the workers' ``$SYS`` counters (a few integers each) and every
@@ -68,6 +69,10 @@ COUNTERS = {
     "bytes_received": "bytes/received",
     "bytes_sent": "bytes/sent",
 }
+
+#: Sessions and shared groups listed, each: those furthest behind first (the counts say how
+#: many there are; ``/api/v1/sessions`` lists them all).
+MAX_LISTED = 100
 
 #: The page and its assets: file name -> content type. Nothing else is served.
 ASSETS = {
@@ -288,7 +293,7 @@ class Console:
                 "log_bytes": sum(s["disk_bytes"] for s in streams),
                 "free_bytes": _free_bytes(data_dir),
             },
-            **sessions,
+            **_most_behind(sessions),
             "cluster": {"mode": "single node", "node_id": None, "nodes": [], "partitions": []},
         }
 
@@ -365,6 +370,18 @@ def _merge_sessions(views: list[dict[str, Any]]) -> dict[str, Any]:
         )
         for key in ("sessions", "shared_groups")
     }
+
+
+def _most_behind(view: dict[str, Any]) -> dict[str, Any]:
+    """``view``'s sessions and groups, at most :data:`MAX_LISTED` of each, those with the
+    most records unread first, then by name; with their counts."""
+    out: dict[str, Any] = {}
+    for key in ("sessions", "shared_groups"):
+        items = view[key]
+        items.sort(key=lambda item: -sum(p["lag"] for p in item["positions"]))  # stable
+        out[key] = items[:MAX_LISTED]
+        out[f"{key}_total"] = len(items)
+    return out
 
 
 def _disk_use(directory: Path) -> tuple[int, int]:

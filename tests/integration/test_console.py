@@ -75,6 +75,10 @@ def test_console_document_follows_the_broker(broker_factory: BrokerFactory) -> N
     assert away.connect() == 0
     assert away.subscribe("dev/#", 1) == [1]
     away.disconnect()
+    # Connected and up to date: listed after the one behind, though its name sorts first.
+    present = Client(broker.port, "a-console-present", V5, clean=False, session_expiry=600)
+    assert present.connect() == 0
+    assert present.subscribe("dev/#", 1) == [1]
     member = Client(broker.port, "console-member")
     assert member.connect() == 0
     assert member.subscribe("$share/crew/dev/#", 1) == [1]
@@ -84,6 +88,7 @@ def test_console_document_follows_the_broker(broker_factory: BrokerFactory) -> N
     for i in range(n):
         pub.publish(f"dev/d{i % 8}/t", b"x" * 200, qos=1)
     member.expect(n)
+    present.expect(n)
 
     doc = console(broker)
     marks = [partition(doc, "tele", p)["high_water_mark"] for p in (0, 1)]
@@ -99,13 +104,17 @@ def test_console_document_follows_the_broker(broker_factory: BrokerFactory) -> N
     assert doc["disk"]["free_bytes"] > 0
     b = doc["broker"]
     assert b["messages_received"] == n
-    assert b["messages_sent"] == n  # to the group's member; the session that went away: none
-    assert b["clients_connected"] == 2 and b["connections"] == 2
-    assert b["connections_opened"] >= 3
-    assert b["subscriptions"] == 2
+    # To the group's member and the present session; the session that went away: none.
+    assert b["messages_sent"] == 2 * n
+    assert b["clients_connected"] == 3 and b["connections"] == 3
+    assert b["connections_opened"] >= 4
+    assert b["subscriptions"] == 3
     assert b["dropped"] == {"slow_qos0": 0, "oversize": 0, "not_authorized": 0}
 
-    (session,) = doc["sessions"]
+    assert doc["sessions_total"] == 2 and doc["shared_groups_total"] == 1
+    session, other = doc["sessions"]  # the one furthest behind first
+    assert (other["client_id"], other["connected"]) == ("a-console-present", True)
+    assert sum(p["lag"] for p in other["positions"]) == 0
     assert session["client_id"] == "console-away" and not session["connected"]
     assert session["subscriptions"] == [{"filter": "dev/#", "qos": 1}]
     lag = {(p["stream"], p["partition"]): p["lag"] for p in session["positions"]}
@@ -130,5 +139,5 @@ def test_console_document_follows_the_broker(broker_factory: BrokerFactory) -> N
         doc = console(broker)
     assert max(history["stored"]) > 0 and max(history["sent"]) > 0
     assert set(doc["throughput"]) == {"received", "sent", "stored", "bytes_received", "bytes_sent"}
-    for c in (pub, member):
+    for c in (pub, member, present):
         c.disconnect()

@@ -17,6 +17,7 @@ function count(n) {
 }
 
 function rate(n) {
+  if (n === 0) return "0";
   if (n >= 100) return count(n);
   if (n >= 10) return n.toFixed(1);
   return n.toFixed(2);
@@ -127,7 +128,12 @@ function drawStreams(doc) {
   }
 }
 
+function listed(id, shown, total) {
+  $(id).textContent = total > shown ? `${shown} of ${count(total)}, furthest behind first` : "";
+}
+
 function drawSessions(doc) {
+  listed("sessions-listed", doc.sessions.length, doc.sessions_total);
   const body = fill("sessions", doc.sessions, 5, "no persistent session");
   for (const s of doc.sessions) {
     const row = body.insertRow();
@@ -140,6 +146,7 @@ function drawSessions(doc) {
 }
 
 function drawGroups(doc) {
+  listed("groups-listed", doc.shared_groups.length, doc.shared_groups_total);
   const body = fill("groups", doc.shared_groups, 4, "no shared subscription");
   for (const g of doc.shared_groups) {
     const row = body.insertRow();
