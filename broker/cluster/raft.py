@@ -160,8 +160,9 @@ class RaftNode(Elections):
     def tick(self) -> list[Effect]:
         self._election_elapsed += 1
         if self.role is Role.LEADER:
-            for learner in self.membership.current.learners:
-                if learner in self._progress:
+            learners = self.membership.current.learners
+            if learners:
+                for learner in learners & self._progress.keys():
                     self._progress[learner].tick_round(self.config.election_ticks)
             if self.transferee is not None:
                 self._transfer_elapsed += 1
@@ -411,7 +412,7 @@ class RaftNode(Elections):
                 if pr.snapshot_ticks >= self.config.election_ticks:
                     self._send_snapshot(peer)
                     continue
-            elif pr.waiting() and not pr.acked:
+            elif not pr.acked and pr.waiting():
                 pr.probe(pr.match + 1)
             if pr.next <= self.terms.last_index and pr.can_send(self.config.max_inflight):
                 self._send_append(peer)
@@ -512,7 +513,8 @@ class RaftNode(Elections):
                 return  # it removed itself and the removal committed
             if m.frm == self.transferee and pr.match == self.terms.last_index:
                 self._send(TimeoutNow(self.id, m.frm, self.term))
-            self._fill(m.frm)
+            if pr.next <= self.terms.last_index:
+                self._fill(m.frm)
             return
         if pr.state is ProgressState.SNAPSHOT:
             return  # an answer to something sent before the snapshot
@@ -533,18 +535,25 @@ class RaftNode(Elections):
     def _maybe_commit(self) -> None:
         """Commit the highest entry of this term that a majority of the current voters holds
         durably; learners do not count, nor does a leader that removed itself."""
+        conf = self.membership.current
+        voters = conf.voters
         variant = self.config.variant
-        voters = self.membership.current.voters
-        counted = self._progress.keys() if variant is Variant.LEARNERS_COUNT else voters
-        unflushed = variant is Variant.COMMIT_UNFLUSHED
-        ours = self.terms.last_index if unflushed else self.durable_index
-        held = [ours] if self.id in voters else []
-        held += [
-            pr.match if unflushed else pr.flushed
-            for peer, pr in self._progress.items()
-            if peer in counted
-        ]
-        index = sorted(held, reverse=True)[self.quorum - 1]
+        if variant is Variant.CORRECT:
+            held = [pr.flushed for peer, pr in self._progress.items() if peer in voters]
+            if self.id in voters:
+                held.append(self.durable_index)
+        else:
+            counted = self._progress.keys() if variant is Variant.LEARNERS_COUNT else voters
+            unflushed = variant is Variant.COMMIT_UNFLUSHED
+            ours = self.terms.last_index if unflushed else self.durable_index
+            held = [ours] if self.id in voters else []
+            held += [
+                pr.match if unflushed else pr.flushed
+                for peer, pr in self._progress.items()
+                if peer in counted
+            ]
+        held.sort(reverse=True)
+        index = held[len(voters) // 2]
         # Raft s5.4.2: count replicas only for an entry of the current term.
         if index > self.commit and self.terms.term_at(index) == self.term:
             self.commit = index
