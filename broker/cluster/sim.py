@@ -41,7 +41,7 @@ import heapq
 import random
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -112,6 +112,7 @@ class Sim(MembershipEvents):
         self.healed_at: int | None = None
         #: Each node's tick interval as a multiple of TICK_MS (clock-rate skew).
         self.skew = [self.rng.uniform(0.9, 1.1) for _ in range(nodes)]
+        self.counts: Counter[str] = Counter()
         for node in range(nodes):
             self._start(node)
 
@@ -533,6 +534,8 @@ class Outcome:
     events: int = 0
     violations: list[int] = field(default_factory=list)
     stuck: list[int] = field(default_factory=list)
+    #: How often the membership events happened (``MembershipEvents.counts``), summed.
+    counts: Counter[str] = field(default_factory=Counter)
 
 
 def run_seeds(
@@ -558,6 +561,7 @@ def run_seeds(
             if out:
                 out(f"seed {seed}: STUCK: {e}\n{sim.report()}")
         outcome.events += sim.events
+        outcome.counts += sim.counts
         if stop_at_first and (outcome.violations or outcome.stuck):
             break
     return outcome
@@ -580,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         out=print,
     )
     print(f"time: {time.monotonic() - started:.1f} s", file=sys.stderr)
+    print(", ".join(f"{k}: {v}" for k, v in sorted(outcome.counts.items())), file=sys.stderr)
     print(
         f"seeds: {outcome.seeds}, events: {outcome.events}, "
         f"violations: {len(outcome.violations)}, stuck: {len(outcome.stuck)}"

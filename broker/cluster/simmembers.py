@@ -7,7 +7,7 @@ no two configurations a leader may be using could form disjoint majorities."""
 from __future__ import annotations
 
 import random
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 
 from broker.cluster.membership import (
@@ -39,6 +39,8 @@ class MembershipEvents:
     disks: list[list[Disk]]
     records: list[GroupRecord]
     cores: list[list[RaftNode] | None]
+    #: Membership changes made and refused, snapshots installed, retention runs.
+    counts: Counter[str]
 
     def at(self, when: int, action: Callable[[], None]) -> None:
         raise NotImplementedError
@@ -78,6 +80,7 @@ class MembershipEvents:
         disk.chains = chains[: e.last_index]
         disk.durable = disk.start = e.last_index
         disk.start_config = e.configuration
+        self.counts["snapshots installed"] += 1
         self._check_matching(node, g, e.last_index)
         self._check_durable_majority(g)
 
@@ -123,8 +126,10 @@ class MembershipEvents:
             effects = core.propose_change(kind, node)
         except (ChangeRefused, NotLeader) as refused:
             self.trace.append((self.now, f"{what} refused: {refused}"))
+            self.counts["changes refused"] += 1
             return False
         self.trace.append((self.now, what))
+        self.counts[kind.value] += 1
         self._apply(core.id, g, effects)
         return True
 
@@ -142,4 +147,5 @@ class MembershipEvents:
                 start = core.compacted(keep_from)
                 disk.start, disk.start_config = start.index, start.configuration
                 self.trace.append((self.now, f"n{node} g{g} retention: log starts at {keep_from}"))
+                self.counts["retention"] += 1
         self.at(self.now + self.rng.randrange(30, 200), self._retain)

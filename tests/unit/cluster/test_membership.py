@@ -400,3 +400,20 @@ def test_a_rejection_sends_a_replicating_follower_back_to_probe() -> None:
     ack(core, log, 3, 6, 0)
     assert core._progress[3].state is ProgressState.REPLICATE
     assert log.apply(core.receive(AppendResp(3, 1, core.term, False, 4, 0, 3, None))) == []
+
+
+def test_a_removed_server_that_missed_its_removal_cannot_disrupt() -> None:
+    """Thesis s4.2.3: node 3 was removed but never got the entry, so it still campaigns. A
+    voter that hears the leader ignores it (stickiness); one that does not refuses it for its
+    older log (PreVote, thesis s9.6); either way no term moves."""
+    removal = config_entry(1, Configuration.of({1, 2}))
+    log = Log()
+    log.items = [Entry(1, b"a"), removal]
+    core, _ = node(2, log, state=HardState(1, None))
+    core.receive(AppendEntries(1, 2, 1, 2, 1, (), 2))
+    assert core.configuration.voters == {1, 2}
+    assert core.receive(PreVote(3, 2, 2, 1, 1)) == []
+    for _ in range(CONFIG.election_ticks):
+        core.tick()
+    assert sends(core.receive(PreVote(3, 2, 2, 1, 1))) == [PreVoteResp(2, 3, 1, False)]
+    assert core.term == 1

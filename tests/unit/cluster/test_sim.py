@@ -41,9 +41,11 @@ def test_correct_core_passes() -> None:
     assert outcome.events > 100_000
 
 
-def test_five_nodes_pass() -> None:
+def test_five_nodes_pass_while_members_change_and_snapshots_are_installed() -> None:
     outcome = run_seeds(range(100, 103), nodes=5, groups=4)
     assert (outcome.violations, outcome.stuck) == ([], [])
+    for happened in ("add-learner", "promote", "remove", "snapshots installed", "retention"):
+        assert outcome.counts[happened] > 0, happened
 
 
 def test_a_seed_replays_exactly() -> None:
