@@ -60,8 +60,8 @@ class MembershipEvents:
         raise NotImplementedError
 
     def _membership(self, disk: Disk, terms: TermTable) -> Membership:
-        """What the driver rebuilds at restart: the stored log start and the CONFIG entries
-        after it."""
+        """What the driver rebuilds at restart from the stored log start and the CONFIG entries
+        after it; ``terms`` (built from the whole disk) is made to start there too."""
         terms.compact(disk.start + 1)
         after = enumerate(disk.entries[disk.start :], disk.start + 1)
         configs = [
@@ -120,6 +120,8 @@ class MembershipEvents:
         options += [(ChangeKind.REMOVE, x) for x in sorted(conf.learners)]
         if len(conf.voters) > 2:
             options += [(ChangeKind.REMOVE, x) for x in sorted(conf.voters)]
+        if not options:
+            return False
         kind, node = self.rng.choice(options)
         what = f"n{core.id} g{g} {kind.value} n{node}"
         try:
@@ -141,7 +143,7 @@ class MembershipEvents:
         node, g = self.rng.randrange(self.n), self.rng.randrange(self.groups)
         if self.cores[node] is not None:
             core, disk = self._core(node, g), self.disks[node][g]
-            upto = min(core.commit, disk.durable)
+            upto = min(core.commit, core.durable_index, disk.durable)
             if upto > disk.start:
                 keep_from = self.rng.randint(disk.start + 1, upto) + 1
                 start = core.compacted(keep_from)
