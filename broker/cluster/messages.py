@@ -6,12 +6,25 @@ the exception, thesis s9.6). Effects are what the core asks its driver to do, in
 ``PersistHardState`` must be durable before the core is told ``hard_state_persisted``; a
 ``Truncate`` and an ``AppendLog`` are applied to the log before the driver calls into the core
 again (a write to the page cache, not yet durable); a ``Flush`` completes later with
-``flushed(index)``; ``Send`` goes on the wire; ``Commit`` reports a new commit index.
+``flushed(index)``; ``Send`` goes on the wire; ``Commit`` reports a new commit index; a
+``ResetLog`` replaces the whole log by an installed snapshot, durably, before the driver calls
+into the core again.
+
+Snapshots (the driver's contract). A leader whose log no longer holds what a follower needs
+(retention or compaction removed the prefix; the driver tells the core with
+``RaftNode.compacted(first_index)`` and stores the ``LogStart`` it returns beside the log) sends
+``InstallSnapshot``. The driver that puts it on the wire attaches the data that stands for the
+log up to ``last_index``: for a compacted partition, its compacted segments up to there; for
+plain retention, nothing (the records are gone everywhere by design). The receiving driver,
+told ``ResetLog``, discards the whole log, writes that data, and records ``LogStart(last_index,
+last_term, configuration)`` as the log's start, all durably; at restart it gives the core that
+start and the CONFIG entries after it.
 
 Entries are opaque to the core except for their term and kind: the driver stores them (the
 segmented log will keep the term in each record batch's leader-epoch field, and a kind other
 than DATA as a control batch that readers skip). A NOOP entry is what a new leader appends first
-(Raft s8, thesis s6.4); proposals are DATA.
+(Raft s8, thesis s6.4); proposals are DATA; a CONFIG entry carries a group configuration
+(``broker.cluster.membership``, whose module docstring gives the payload's encoding).
 """
 
 from __future__ import annotations
@@ -19,12 +32,17 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass
 
+from broker.cluster.membership import Configuration
+
 
 class EntryKind(enum.IntEnum):
     #: Records a client published: what readers of the log see.
     DATA = 0
     #: The entry a new leader appends first, so that counting replicas can commit (Raft s8).
     NOOP = 1
+    #: A configuration (``membership.Configuration.encode``), in force from when it is
+    #: appended (thesis s4.1).
+    CONFIG = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,7 +144,31 @@ class TimeoutNow:
     term: int
 
 
-Message = PreVote | PreVoteResp | Vote | VoteResp | AppendEntries | AppendResp | TimeoutNow
+@dataclass(frozen=True, slots=True)
+class InstallSnapshot:
+    """The leader's log starts after ``last_index`` (of ``last_term``, where ``configuration``
+    is in force) and the follower needs entries before that: it takes the snapshot, whose data
+    the driver attaches, and answers with an AppendResp. Everything up to ``last_index`` is
+    committed (only a committed prefix is ever compacted)."""
+
+    frm: int
+    to: int
+    term: int
+    last_index: int
+    last_term: int
+    configuration: Configuration
+
+
+Message = (
+    PreVote
+    | PreVoteResp
+    | Vote
+    | VoteResp
+    | AppendEntries
+    | AppendResp
+    | TimeoutNow
+    | InstallSnapshot
+)
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +199,26 @@ class Flush:
 
 
 @dataclass(frozen=True, slots=True)
+class LogStart:
+    """Where a log begins after retention, compaction or a snapshot removed its prefix: the
+    last index removed, its term, and the configuration in force there."""
+
+    index: int
+    term: int
+    configuration: Configuration
+
+
+@dataclass(frozen=True, slots=True)
+class ResetLog:
+    """Replace the whole log by the snapshot that came with an InstallSnapshot: empty after
+    ``last_index`` (of ``last_term``), durable before the driver calls into the core again."""
+
+    last_index: int
+    last_term: int
+    configuration: Configuration
+
+
+@dataclass(frozen=True, slots=True)
 class Send:
     message: Message
 
@@ -166,4 +228,4 @@ class Commit:
     index: int
 
 
-Effect = PersistHardState | Truncate | AppendLog | Flush | Send | Commit
+Effect = PersistHardState | Truncate | AppendLog | Flush | Send | Commit | ResetLog

@@ -19,19 +19,37 @@ Invariants the core keeps (the simulator, ``broker.cluster.sim``, checks them fr
 Leadership transfer (thesis s3.10): ``transfer_leadership(peer)`` stops proposals, brings the
 peer up to date, then sends it TimeoutNow; abandoned after an election timeout.
 
-Not in this step: membership changes, snapshots, quiescence of idle groups.
+Membership (``broker.cluster.membership``): ``propose_change(kind, node)`` appends a CONFIG
+entry; every node uses the latest configuration in its log (thesis s4.1). Only voters campaign,
+vote-count, count towards commit and keep a leader in office under CheckQuorum; a leader that
+removed itself leads until that change commits, not counting itself, then steps down (thesis
+s4.2.2). Each follower's replication is a ``progress.Progress`` (probe / replicate with a window
+of in-flight messages / snapshot).
+
+Snapshots: ``compacted(first_index)`` tells the core the driver's log now starts there; a
+follower that needs what went gets InstallSnapshot (the contract is in
+``broker.cluster.messages``).
+
+Not in this step: quiescence of idle groups.
 ``Variant`` switches on known-bad behaviours so that tests can show the simulator catches them;
 nothing but tests and the simulator may set it.
 """
 
 from __future__ import annotations
 
-import enum
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Iterable
+from dataclasses import replace
 from typing import Protocol
 
+from broker.cluster.election import Elections, Role
+from broker.cluster.membership import (
+    ChangeInProgress,
+    ChangeKind,
+    Configuration,
+    Membership,
+    NotCaughtUp,
+)
 from broker.cluster.messages import (
     AppendEntries,
     AppendLog,
@@ -42,39 +60,22 @@ from broker.cluster.messages import (
     EntryKind,
     Flush,
     HardState,
+    InstallSnapshot,
+    LogStart,
     Message,
-    PersistHardState,
     PreVote,
     PreVoteResp,
+    ResetLog,
     Send,
     TimeoutNow,
     Truncate,
     Vote,
-    VoteResp,
 )
+from broker.cluster.options import RaftConfig, Variant
+from broker.cluster.progress import Progress, ProgressState
 from broker.cluster.terms import TermTable
 
-
-class Variant(enum.Enum):
-    """Known-bad behaviours, for the tests of the simulator only."""
-
-    CORRECT = "correct"
-    #: The leader counts offsets replicas merely appended (itself included), not flushed.
-    COMMIT_UNFLUSHED = "commit-unflushed"
-    #: A follower accepts AppendEntries without comparing the term at ``prev_index``.
-    NO_PREV_TERM_CHECK = "no-prev-term-check"
-    #: A vote leaves before the hard state that records it is durable.
-    VOTE_BEFORE_PERSIST = "vote-before-persist"
-    #: A follower drops its whole suffix past each AppendEntries' last entry (a stale, reordered
-    #: message then cuts committed entries) and the never-below-commit guard is off.
-    TRUNCATE_BELOW_COMMIT = "truncate-below-commit"
-
-
-class Role(enum.Enum):
-    FOLLOWER = "follower"
-    PRE_CANDIDATE = "pre-candidate"
-    CANDIDATE = "candidate"
-    LEADER = "leader"
+__all__ = ["LogReader", "NotLeader", "RaftConfig", "RaftNode", "Role", "Variant"]
 
 
 class NotLeader(Exception):
@@ -88,47 +89,26 @@ class LogReader(Protocol):
         """The entries ``first``..``last`` inclusive, as appended (durable or not)."""
 
 
-@dataclass(frozen=True, slots=True)
-class RaftConfig:
-    #: Ticks without a leader before a follower starts a (pre-)election: randomized in
-    #: [election_ticks, 2 * election_ticks) (Raft s5.2). Also the CheckQuorum period.
-    election_ticks: int = 10
-    heartbeat_ticks: int = 1
-    #: Most entries in one AppendEntries.
-    max_batch: int = 64
-    variant: Variant = Variant.CORRECT
-
-
-@dataclass(slots=True)
-class Progress:
-    """The leader's view of one follower. ``next`` is optimistic (entries sent, not yet
-    acknowledged); ``match`` is what the follower said equals our log; ``flushed`` what it said
-    is durable among those, the only figure commit counts. ``active``: heard from in this
-    CheckQuorum period; ``acked``: a success came since the last heartbeat."""
-
-    next: int
-    match: int = 0
-    flushed: int = 0
-    active: bool = False
-    acked: bool = False
-
-
-class RaftNode:
+class RaftNode(Elections):
     """One member of one group. Not thread-safe: one caller at a time."""
 
     def __init__(
         self,
         node_id: int,
-        peers: list[int],
+        peers: Iterable[int],
         log: LogReader,
         rng: random.Random,
         config: RaftConfig | None = None,
         hard_state: HardState | None = None,
         terms: TermTable | None = None,
+        membership: Membership | None = None,
     ) -> None:
-        """``hard_state`` and ``terms`` are what was durable at start (all of it is durable)."""
+        """``hard_state``, ``terms`` and ``membership`` are what was durable at start (all of
+        it is durable): ``membership`` the configuration at the log's start and the CONFIG
+        entries after it; without it, ``peers`` (this node included or not) are the voters of
+        a group whose log holds no CONFIG entry."""
         self.id = node_id
-        self.peers = [p for p in peers if p != node_id]
+        self.membership = membership or Membership(Configuration.of({node_id, *peers}))
         self.config = config or RaftConfig()
         self._log = log
         self._rng = rng
@@ -138,10 +118,10 @@ class RaftNode:
         self._persisted = state
         self.terms = terms or TermTable()
         self.durable_index = self.terms.last_index
-        self.commit = 0
+        # Only a committed prefix is ever removed from the log.
+        self.commit = self.terms.start
         self.role = Role.FOLLOWER
         self.leader: int | None = None
-        self.quorum = (len(self.peers) + 1) // 2 + 1
         self._election_elapsed = 0
         self._heartbeat_elapsed = 0
         self._timeout = self._random_timeout()
@@ -161,11 +141,29 @@ class RaftNode:
         self.refused: list[str] = []
         self._out: list[Effect] = []
 
+    @property
+    def configuration(self) -> Configuration:
+        """The latest configuration in the log, committed or not (thesis s4.1)."""
+        return self.membership.current
+
+    @property
+    def peers(self) -> list[int]:
+        """The other members (voters and learners): whom this node replicates to as leader."""
+        return sorted(self.membership.current.members - {self.id})
+
+    @property
+    def log_start(self) -> LogStart:
+        return LogStart(self.terms.start, self.terms.start_term, self.membership.base)
+
     # -- inputs ------------------------------------------------------------------------------
 
     def tick(self) -> list[Effect]:
         self._election_elapsed += 1
         if self.role is Role.LEADER:
+            learners = self.membership.current.learners
+            if learners:
+                for learner in learners & self._progress.keys():
+                    self._progress[learner].tick_round(self.config.election_ticks)
             if self.transferee is not None:
                 self._transfer_elapsed += 1
                 if self._transfer_elapsed >= self.config.election_ticks:
@@ -178,7 +176,7 @@ class RaftNode:
                 if self._heartbeat_elapsed >= self.config.heartbeat_ticks:
                     self._heartbeat_elapsed = 0
                     self._heartbeat()
-        elif self._election_elapsed >= self._timeout:
+        elif self._election_elapsed >= self._timeout and self._is_voter():
             self._start_pre_vote()
         return self._take()
 
@@ -191,18 +189,56 @@ class RaftNode:
         if self.transferee is not None:
             raise NotLeader(self.transferee)
         self._append_local((Entry(self.term, payload),))
-        first = self.terms.last_index
-        for peer in self.peers:
-            if self._progress[peer].next == first:
-                self._send_append(peer)
+        for peer in self._progress:
+            self._fill(peer)
         return self._take()
+
+    def propose_change(self, kind: ChangeKind, node: int) -> list[Effect]:
+        """Append a configuration that differs from the current one by ``node`` (thesis s4.1).
+        Raises ``NotLeader`` (as ``propose``), ``ChangeInProgress`` while an earlier change is
+        uncommitted or before an entry of this term has committed, ``NotCaughtUp`` to promote a
+        learner that is not, and ``InvalidChange`` for a change that makes no sense."""
+        if self.role is not Role.LEADER:
+            raise NotLeader(self.leader)
+        if self.transferee is not None:
+            raise NotLeader(self.transferee)
+        if self.config.variant is not Variant.CONCURRENT_CHANGES:
+            if self.membership.last_index > self.commit:
+                pending = self.membership.last_index
+                raise ChangeInProgress(f"the change at {pending} is not committed yet")
+            if self.terms.term_at(self.commit) != self.term:
+                raise ChangeInProgress(f"no entry of term {self.term} has committed yet")
+        new = self.membership.current.changed(kind, node)
+        if kind is ChangeKind.PROMOTE and not self._progress[node].caught_up:
+            raise NotCaughtUp(
+                f"learner {node} is not caught up (match {self._progress[node].match})"
+            )
+        self._append_local((Entry(self.term, new.encode(), EntryKind.CONFIG),))
+        for peer in self._progress:
+            self._fill(peer)
+        return self._take()
+
+    def compacted(self, first_index: int) -> LogStart:
+        """The driver's log now starts at ``first_index`` (retention or compaction removed the
+        entries before it, which must be committed and durable): returns the ``LogStart`` the
+        driver stores with the log. A follower that needs the removed entries gets a snapshot."""
+        last_removed = first_index - 1
+        if last_removed > min(self.commit, self.durable_index):
+            raise ValueError(
+                f"cannot remove entries up to {last_removed}: commit is {self.commit}, "
+                f"durable {self.durable_index}"
+            )
+        if last_removed > self.terms.start:
+            self.terms.compact(first_index)
+            self.membership.compact(first_index)
+        return self.log_start
 
     def transfer_leadership(self, peer: int) -> list[Effect]:
         """Hand leadership to ``peer`` (thesis s3.10). Raises ``NotLeader``."""
         if self.role is not Role.LEADER:
             raise NotLeader(self.leader)
-        if peer not in self._progress:
-            raise ValueError(f"{peer} is not a peer of {self.id}")
+        if peer not in self._progress or peer not in self.configuration.voters:
+            raise ValueError(f"{peer} is not a voter of {self.id}'s group")
         self.transferee = peer
         self._transfer_elapsed = 0
         if self._progress[peer].match == self.terms.last_index:
@@ -238,10 +274,11 @@ class RaftNode:
             if isinstance(m, PreVote) or (isinstance(m, PreVoteResp) and m.granted):
                 pass  # a pre-vote moves no term (thesis s9.6)
             else:
-                self._become_follower(m.term, m.frm if isinstance(m, AppendEntries) else None)
+                leads = isinstance(m, AppendEntries | InstallSnapshot)
+                self._become_follower(m.term, m.frm if leads else None)
         elif m.term < self.term:
             # Tell a stale leader or pre-candidate our term; everything else stale is dropped.
-            if isinstance(m, AppendEntries):
+            if isinstance(m, AppendEntries | InstallSnapshot):
                 self._send(AppendResp(self.id, m.frm, self.term, False, 0, 0, 0, None))
             elif isinstance(m, PreVote):
                 self._send(PreVoteResp(self.id, m.frm, self.term, False))
@@ -260,112 +297,39 @@ class RaftNode:
             asked = self.term + 1 if m.granted else self.term
             if self.role is Role.PRE_CANDIDATE and m.term == asked:
                 self._tally(m.frm, m.granted, self._campaign)
+        elif isinstance(m, InstallSnapshot):
+            self._on_snapshot(m)
         elif isinstance(m, TimeoutNow):
-            if self.role is not Role.LEADER:
+            if self.role is not Role.LEADER and self._is_voter():
                 self._campaign(transfer=True)
         elif self.role is Role.CANDIDATE:
             self._tally(m.frm, m.granted, self._become_leader)
         return self._take()
-
-    # -- elections ---------------------------------------------------------------------------
-
-    def _random_timeout(self) -> int:
-        return self.config.election_ticks + self._rng.randrange(self.config.election_ticks)
-
-    def _in_lease(self) -> bool:
-        return self.leader is not None and self._election_elapsed < self.config.election_ticks
-
-    def _up_to_date(self, last_index: int, last_term: int) -> bool:
-        """Raft s5.4.1: the candidate's log is at least as up to date as ours."""
-        ours = self.terms.last_term
-        return last_term > ours or (last_term == ours and last_index >= self.terms.last_index)
-
-    def _set_hard_state(self, term: int, voted_for: int | None) -> None:
-        self.term, self.voted_for = term, voted_for
-        # One write per step: a newer term and a vote in it, learnt together, go as one.
-        self._out = [e for e in self._out if not isinstance(e, PersistHardState)]
-        self._out.append(PersistHardState(HardState(term, voted_for)))
-
-    def _become_follower(self, term: int, leader: int | None) -> None:
-        if term > self.term:
-            self._set_hard_state(term, None)
-            self._leader_match = 0
-        self.role = Role.FOLLOWER
-        self.leader = leader
-        self.transferee = None
-        self._election_elapsed = 0
-        self._timeout = self._random_timeout()
-
-    def _start_pre_vote(self) -> None:
-        self.role = Role.PRE_CANDIDATE
-        self.leader = None
-        self._election_elapsed = 0
-        self._timeout = self._random_timeout()
-        self._votes = {self.id: True}
-        if self._tally(self.id, True, self._campaign):
-            return
-        for peer in self.peers:
-            pre = PreVote(self.id, peer, self.term + 1, self.terms.last_index, self.terms.last_term)
-            self._send(pre)
-
-    def _campaign(self, transfer: bool = False) -> None:
-        self.role = Role.CANDIDATE
-        self._set_hard_state(self.term + 1, self.id)
-        self._leader_match = 0
-        self._election_elapsed = 0
-        self._timeout = self._random_timeout()
-        self._votes = {self.id: True}
-        if self._tally(self.id, True, self._become_leader):
-            return
-        for peer in self.peers:
-            last_index, last_term = self.terms.last_index, self.terms.last_term
-            self._send(Vote(self.id, peer, self.term, last_index, last_term, transfer))
-
-    def _tally(self, voter: int, granted: bool, win: Callable[[], None]) -> bool:
-        """Record a (pre-)vote; on a majority for, call ``win``; on a majority against, fall
-        back to follower. True if the election ended."""
-        self._votes[voter] = granted
-        yes = sum(self._votes.values())
-        if yes >= self.quorum:
-            win()
-            return True
-        if len(self._votes) - yes >= self.quorum:
-            self._become_follower(self.term, None)
-            return True
-        return False
-
-    def _on_vote(self, m: Vote) -> None:
-        granted = self.voted_for in (None, m.frm) and self._up_to_date(m.last_index, m.last_term)
-        if granted:
-            if self.voted_for is None:
-                self._set_hard_state(self.term, m.frm)
-            self._election_elapsed = 0
-        reply = VoteResp(self.id, m.frm, self.term, granted)
-        if self.config.variant is Variant.VOTE_BEFORE_PERSIST:
-            self._out.append(Send(reply))
-        else:
-            self._send(reply)
 
     def _become_leader(self) -> None:
         self.role = Role.LEADER
         self.leader = self.id
         self._election_elapsed = 0
         self._heartbeat_elapsed = 0
-        last = self.terms.last_index
-        self._progress = {p: Progress(next=last + 1) for p in self.peers}
         # Raft s8 / thesis s6.4: only an entry of our own term can commit by counting, and it
         # commits every earlier entry with it.
         self._append_local((Entry(self.term, b"", EntryKind.NOOP),))
-        for peer in self.peers:
+        self._progress = {}
+        self._track_members()
+        for peer in self._progress:
             self._send_append(peer)
 
-    def _check_quorum(self) -> None:
-        """CheckQuorum (thesis s6.2): step down unless a majority was heard from this period."""
-        active = 1 + sum(p.active for p in self._progress.values())
-        for p in self._progress.values():
-            p.active = False
-        if active < self.quorum:
-            self._become_follower(self.term, None)
+    def _track_members(self) -> None:
+        """Keep a progress for each other member of the current configuration, and only them:
+        a new one is probed from the leader's last entry; a removed one is no longer sent to."""
+        members = self.membership.current.members - {self.id}
+        for gone in self._progress.keys() - members:
+            del self._progress[gone]
+            if gone == self.transferee:
+                self.transferee = None
+        last = self.terms.last_index
+        for new in members - self._progress.keys():
+            self._progress[new] = Progress(next=max(last, 1), round_end=last)
 
     # -- replication -------------------------------------------------------------------------
 
@@ -378,37 +342,100 @@ class RaftNode:
         self._unwritten.extend(entries)
         self._out.append(AppendLog(first, entries))
         self._out.append(Flush(self.terms.last_index))
+        self._note_configs(first, entries)
+
+    def _note_configs(self, first: int, entries: tuple[Entry, ...]) -> None:
+        """A CONFIG entry is in force as soon as it is in the log (thesis s4.1)."""
+        changed = False
+        for i, e in enumerate(entries):
+            if e.kind is EntryKind.CONFIG:
+                self.membership.append(first + i, Configuration.decode(e.payload))
+                changed = True
+        if changed and self.role is Role.LEADER:
+            self._track_members()
 
     def _send_append(self, peer: int) -> None:
         pr = self._progress[peer]
+        if pr.next <= self.terms.start:
+            self._send_snapshot(peer)  # what it needs next is no longer in our log
+            return
         prev = pr.next - 1
         prev_term = self.terms.term_at(prev)
         assert prev_term is not None, "next is at most last_index + 1"
         last = min(self.terms.last_index, prev + self.config.max_batch)
         entries = self._entries(prev + 1, last) if last > prev else ()
-        pr.next = last + 1
+        pr.sent(last)
         self._send(AppendEntries(self.id, peer, self.term, prev, prev_term, entries, self.commit))
 
+    def _fill(self, peer: int) -> None:
+        """Send ``peer`` what it lacks, as far as its progress state lets us (one probe, or
+        up to the in-flight window)."""
+        pr = self._progress[peer]
+        while pr.next <= self.terms.last_index and pr.can_send(self.config.max_inflight):
+            self._send_append(peer)
+
+    def _send_snapshot(self, peer: int) -> None:
+        start = self.terms.start
+        self._progress[peer].snapshot(start)
+        conf = self.membership.base
+        self._send(InstallSnapshot(self.id, peer, self.term, start, self.terms.start_term, conf))
+
+    def _on_snapshot(self, m: InstallSnapshot) -> None:
+        """Take the leader's snapshot unless what we hold already covers it: an entry of ours at
+        ``last_index`` with ``last_term`` means our log equals the leader's up to there (log
+        matching), and what follows it is kept; only a log that does not match is replaced."""
+        self._become_follower(self.term, m.frm)
+        if m.last_index > self.commit:
+            if self.terms.term_at(m.last_index) != m.last_term:
+                self.terms.reset(m.last_index, m.last_term)
+                self.membership.reset(m.last_index, m.configuration)
+                self._unwritten.clear()
+                self.durable_index = m.last_index
+                self._leader_match = m.last_index
+                self._out.append(ResetLog(m.last_index, m.last_term, m.configuration))
+            self.commit = m.last_index
+            self._out.append(Commit(self.commit))
+        # Our committed prefix is in every later leader's log (leader completeness).
+        self._leader_match = max(self._leader_match, self.commit)
+        self._send(self._ack(m.frm))
+
     def _heartbeat(self) -> None:
-        """An AppendEntries to each follower. If entries are in flight and none was
-        acknowledged for a whole heartbeat interval, they are sent again from ``match`` (lost,
-        or the follower lost an unflushed tail); otherwise the heartbeat carries no entries and
-        is anchored at ``match``, which the follower holds, so it is never refused for a gap."""
-        for peer in self.peers:
-            pr = self._progress[peer]
-            if pr.next > pr.match + 1 and not pr.acked:
-                pr.next = pr.match + 1
-            if pr.next <= self.terms.last_index and pr.next == pr.match + 1:
+        """An AppendEntries to each follower. If something is in flight and nothing was
+        acknowledged for a whole heartbeat interval, the follower is probed again from
+        ``match`` (lost, or the follower lost an unflushed tail); otherwise the heartbeat
+        carries no entries and is anchored at ``match`` (or our log's start, if later), which
+        the follower holds, so it is never refused for a gap. A snapshot unanswered for an
+        election timeout is sent again."""
+        for peer, pr in self._progress.items():
+            if pr.state is ProgressState.SNAPSHOT:
+                pr.snapshot_ticks += self.config.heartbeat_ticks
+                if pr.snapshot_ticks >= self.config.election_ticks:
+                    self._send_snapshot(peer)
+                    continue
+            elif not pr.acked and pr.waiting():
+                pr.probe(pr.match + 1)
+            if pr.next <= self.terms.last_index and pr.can_send(self.config.max_inflight):
                 self._send_append(peer)
             else:
-                prev_term = self.terms.term_at(pr.match)
+                anchor = max(pr.match, self.terms.start)
+                prev_term = self.terms.term_at(anchor)
                 assert prev_term is not None, "match is at most last_index"
-                beat = AppendEntries(self.id, peer, self.term, pr.match, prev_term, (), self.commit)
+                beat = AppendEntries(self.id, peer, self.term, anchor, prev_term, (), self.commit)
                 self._send(beat)
             pr.acked = False
 
     def _on_append(self, m: AppendEntries) -> None:
         self._become_follower(self.term, m.frm)
+        if m.prev_index < self.terms.start:
+            # What we removed is committed, so equal to the leader's (leader completeness):
+            # only what follows our log's start is to be compared.
+            skip = self.terms.start - m.prev_index
+            m = replace(
+                m,
+                prev_index=self.terms.start,
+                prev_term=self.terms.start_term,
+                entries=m.entries[skip:],
+            )
         term_there = self.terms.term_at(m.prev_index)
         if term_there is None:
             hint = self.terms.last_index + 1
@@ -455,6 +482,10 @@ class RaftNode:
             self.refused.append(f"truncation from {index} at or below commit {self.commit}")
             return False
         self.terms.truncate_from(index)
+        before = self.membership.current
+        self.membership.truncate_from(index)
+        if self.role is Role.LEADER and self.membership.current != before:
+            self._track_members()
         if self._unwritten and index < self._unwritten_first + len(self._unwritten):
             del self._unwritten[max(0, index - self._unwritten_first) :]
         self.durable_index = min(self.durable_index, index - 1)
@@ -469,21 +500,26 @@ class RaftNode:
         return AppendResp(self.id, leader, self.term, True, match, flushed, 0, None)
 
     def _on_append_resp(self, m: AppendResp) -> None:
-        if self.role is not Role.LEADER:
+        pr = self._progress.get(m.frm) if self.role is Role.LEADER else None
+        if pr is None:
             return
-        pr = self._progress[m.frm]
         pr.active = True
         if m.success:
-            pr.acked = True
-            pr.match = max(pr.match, m.match_index)
-            pr.flushed = max(pr.flushed, m.flushed_index)
-            pr.next = max(pr.next, pr.match + 1)
+            pr.acknowledged(m.match_index, m.flushed_index)
+            if m.frm in self.membership.current.learners:
+                pr.end_round_if_reached(self.terms.last_index, self.config.election_ticks)
             self._maybe_commit()
+            if self.role is not Role.LEADER:
+                return  # it removed itself and the removal committed
             if m.frm == self.transferee and pr.match == self.terms.last_index:
                 self._send(TimeoutNow(self.id, m.frm, self.term))
             if pr.next <= self.terms.last_index:
-                self._send_append(peer=m.frm)
+                self._fill(m.frm)
             return
+        if pr.state is ProgressState.SNAPSHOT:
+            return  # an answer to something sent before the snapshot
+        if pr.state is ProgressState.REPLICATE and m.match_index < pr.match:
+            return  # stale: it has since accepted more
         # Rejected: back off past the whole conflicting term (Raft s5.3). A follower that lost
         # an unflushed tail in a crash may now hold less than it once acknowledged.
         if m.hint_term is None:
@@ -492,20 +528,38 @@ class RaftNode:
             ours = self.terms.last_index_of_term(m.hint_term)
             next_index = ours + 1 if ours is not None else m.hint_index
         # Never past the index refused, whatever the hint says.
-        pr.next = max(1, min(next_index, m.match_index, self.terms.last_index + 1))
+        pr.probe(max(1, min(next_index, m.match_index, self.terms.last_index + 1)))
         pr.match = min(pr.match, pr.next - 1)
         self._send_append(m.frm)
 
     def _maybe_commit(self) -> None:
-        if self.config.variant is Variant.COMMIT_UNFLUSHED:
-            held = [self.terms.last_index] + [p.match for p in self._progress.values()]
+        """Commit the highest entry of this term that a majority of the current voters holds
+        durably; learners do not count, nor does a leader that removed itself."""
+        conf = self.membership.current
+        voters = conf.voters
+        variant = self.config.variant
+        if variant is Variant.CORRECT:
+            held = [pr.flushed for peer, pr in self._progress.items() if peer in voters]
+            if self.id in voters:
+                held.append(self.durable_index)
         else:
-            held = [self.durable_index] + [p.flushed for p in self._progress.values()]
-        index = sorted(held, reverse=True)[self.quorum - 1]
+            counted = self._progress.keys() if variant is Variant.LEARNERS_COUNT else voters
+            unflushed = variant is Variant.COMMIT_UNFLUSHED
+            ours = self.terms.last_index if unflushed else self.durable_index
+            held = [ours] if self.id in voters else []
+            held += [
+                pr.match if unflushed else pr.flushed
+                for peer, pr in self._progress.items()
+                if peer in counted
+            ]
+        held.sort(reverse=True)
+        index = held[len(voters) // 2]
         # Raft s5.4.2: count replicas only for an entry of the current term.
         if index > self.commit and self.terms.term_at(index) == self.term:
             self.commit = index
             self._out.append(Commit(index))
+            if self.id not in voters and index >= self.membership.last_index:
+                self._become_follower(self.term, None)  # thesis s4.2.2: removed, steps down
 
     # -- output ------------------------------------------------------------------------------
 

@@ -4,23 +4,32 @@ One seeded ``random.Random`` decides everything: virtual time in milliseconds, a
 delays, drops, duplicates and reorders messages and partitions nodes (both ways or one way), a
 disk per node whose appends land in an unflushed tail that a crash loses (as it loses a hard
 state whose write had not completed), crashes and restarts that rebuild each core from what was
-durable, pauses, leadership transfers, and a workload of proposals with unique values. After
-every event the invariants below are checked; a failing seed prints itself and its last
-events, and running that seed again replays it exactly.
+durable, pauses, leadership transfers, clock-rate skew (each node's tick interval scaled by a
+factor in [0.9, 1.1]), retention that removes a durable committed prefix of a random node's
+log (so that leaders send snapshots), a workload of proposals with unique values, and
+membership changes during the faults: each group starts with 3 voters among up to 5 nodes,
+and a node that believes it leads is told at random to add a learner, promote one, or remove
+a learner or a voter (itself too), so members are replaced one at a time. After every event the
+invariants below are checked; a failing seed prints itself and its last events, and running
+that seed again replays it exactly.
 
 Safety (checked throughout): at most one leader per term; log matching (two logs holding an
 entry of the same index and term hold the same prefix up to it, checked by a hash chain); leader
 completeness (a leader holds every committed entry); no committed entry lost or changed (a
-majority keeps it durably, and every commit index a node reports covers the same entries); the
-commit index never moves back during a node's life; a node never acts in a term lower than one
-it has spoken in and never grants two votes in one term, across restarts; every acknowledged
-proposal is committed at the index it was acknowledged at.
+majority of the voters of the configuration that committed it keeps it durably, so a learner
+never counts, and every commit index a node reports covers the same entries); the commit index
+never moves back during a node's life; a node never acts in a term lower than one it has spoken
+in and never grants two votes in one term, across restarts; every acknowledged proposal is
+committed at the index it was acknowledged at; no two configurations a leader may be using at
+once (the one in force at the commit index and any later one in its log) could form disjoint
+majorities.
 
 Liveness (after the faults heal and the last pause ends): every group elects a leader that
 every node follows, and proposals made then all commit (one whose leader lost office first is
 made again, as a client would retry), within ``LIVENESS_MS``; otherwise the seed is "stuck".
+A node that is not a member of the leader's configuration need not follow it.
 
-Not simulated yet: clock-rate skew, torn writes of the last batch, membership changes.
+Not simulated yet: torn writes of the last batch.
 
 Run: ``python -m broker.cluster.sim --seeds N [--start S] [--nodes 3] [--groups 8]``.
 """
@@ -32,10 +41,13 @@ import heapq
 import random
 import sys
 import time
-from collections import deque
+from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+from broker.cluster.membership import (
+    Configuration,
+)
 from broker.cluster.messages import (
     AppendLog,
     Commit,
@@ -43,15 +55,18 @@ from broker.cluster.messages import (
     Entry,
     Flush,
     HardState,
+    InstallSnapshot,
     Message,
     PersistHardState,
     PreVote,
     PreVoteResp,
+    ResetLog,
     Send,
     Truncate,
     VoteResp,
 )
 from broker.cluster.raft import RaftConfig, RaftNode, Role, Variant
+from broker.cluster.simmembers import MembershipEvents, SnapshotData
 from broker.cluster.simstate import Disk, GroupRecord, Violation, chain
 from broker.cluster.terms import TermTable
 
@@ -61,9 +76,10 @@ LIVENESS_MS = 5_000
 PROPOSE_EVERY_MS = 15
 HEALED_PROPOSALS = 3
 TRACE = 30
+INITIAL_VOTERS = 3
 
 
-class Sim:
+class Sim(MembershipEvents):
     def __init__(
         self, seed: int, nodes: int = 3, groups: int = 8, variant: Variant = Variant.CORRECT
     ) -> None:
@@ -72,7 +88,7 @@ class Sim:
         self.n = nodes
         self.groups = groups
         self.config = RaftConfig(election_ticks=10, heartbeat_ticks=2, variant=variant)
-        self.quorum = nodes // 2 + 1
+        self.initial = Configuration.of(range(min(INITIAL_VOTERS, nodes)))
         self.now = 0
         self.events = 0
         self._queue: list[tuple[int, int, Callable[[], None]]] = []
@@ -94,6 +110,9 @@ class Sim:
         self.persist_ms = self.rng.choice((2, 10, 30))
         self.value = 0
         self.healed_at: int | None = None
+        #: Each node's tick interval as a multiple of TICK_MS (clock-rate skew).
+        self.skew = [self.rng.uniform(0.9, 1.1) for _ in range(nodes)]
+        self.counts: Counter[str] = Counter()
         for node in range(nodes):
             self._start(node)
 
@@ -125,6 +144,8 @@ class Sim:
             self._schedule_tick(node)
         self.at(self.rng.randrange(50, 300), self._fault)
         self.at(PROPOSE_EVERY_MS, self._workload)
+        self.at(self.rng.randrange(50, 300), self._change)
+        self.at(self.rng.randrange(50, 300), self._retain)
         self.at(FAULT_MS, self._heal)
         while self._queue:
             when, _, action = heapq.heappop(self._queue)
@@ -146,12 +167,13 @@ class Sim:
             terms = TermTable.of_terms(e.term for e in disk.entries)
             core = RaftNode(
                 node,
-                list(range(self.n)),
+                self.initial.voters,
                 _Reader(disk),
                 self.rng,
                 self.config,
                 disk.durable_hard,
                 terms,
+                self._membership(disk, terms),
             )
             cores.append(core)
             self.last_commit[node][g] = 0
@@ -168,7 +190,11 @@ class Sim:
             self._check_durable_majority(g)
 
     def _schedule_tick(self, node: int) -> None:
+        """Ticks every ``TICK_MS * skew`` ms of virtual time (rounded), from a random phase."""
         life = self.life[node]
+        first = self.now + self.rng.randrange(1, TICK_MS + 1)
+        interval = TICK_MS * self.skew[node]
+        count = [0]
 
         def tick() -> None:
             if self.life[node] != life:
@@ -176,9 +202,10 @@ class Sim:
             if self.paused_until[node] <= self.now and self.cores[node] is not None:
                 for g in range(self.groups):
                     self._apply(node, g, self._core(node, g).tick())
-            self.at(self.now + TICK_MS, tick)
+            count[0] += 1
+            self.at(max(self.now + 1, first + round(count[0] * interval)), tick)
 
-        self.at(self.now + self.rng.randrange(1, TICK_MS + 1), tick)
+        self.at(first, tick)
 
     def _core(self, node: int, group: int) -> RaftNode:
         cores = self.cores[node]
@@ -187,7 +214,9 @@ class Sim:
 
     # -- effects -----------------------------------------------------------------------------
 
-    def _apply(self, node: int, g: int, effects: list[Effect]) -> None:
+    def _apply(
+        self, node: int, g: int, effects: list[Effect], snapshot: SnapshotData | None = None
+    ) -> None:
         disk = self.disks[node][g]
         record = self.records[g]
         for e in effects:
@@ -211,6 +240,9 @@ class Sim:
                 self._persist(node, g, e.state)
             elif isinstance(e, Commit):
                 self._on_commit(node, g, e.index, record)
+            elif isinstance(e, ResetLog):
+                assert snapshot is not None, "ResetLog answers an InstallSnapshot"
+                self._reset_log(node, g, e, snapshot)
         self._check_node(node, g)
 
     def _flush(self, node: int, g: int, index: int) -> None:
@@ -242,6 +274,10 @@ class Sim:
             voted = self.records[g].votes.setdefault((node, m.term), m.to)
             if voted != m.to:
                 raise Violation(f"n{node} g{g} voted for n{voted} and n{m.to} in term {m.term}")
+        data: SnapshotData | None = None
+        if isinstance(m, InstallSnapshot):
+            disk = self.disks[node][g]
+            data = (disk.entries[: m.last_index], disk.chains[: m.last_index])
         copies = 1
         if self.faults:
             if self.rng.random() < self.drop:
@@ -250,9 +286,9 @@ class Sim:
                 copies = 2
         for _ in range(copies):
             delay = self.rng.randrange(1, self.max_delay + 1)
-            self.at(self.now + delay, lambda: self._deliver(g, m))
+            self.at(self.now + delay, lambda: self._deliver(g, m, data))
 
-    def _deliver(self, g: int, m: Message) -> None:
+    def _deliver(self, g: int, m: Message, data: SnapshotData | None) -> None:
         if (m.frm, m.to) in self.blocked:
             return
         name = type(m).__name__
@@ -260,7 +296,7 @@ class Sim:
             m.to,
             0,
             f"g{g} <- n{m.frm} {name} t{m.term}",
-            lambda: self._apply(m.to, g, self._receive(m.to, g, m)),
+            lambda: self._apply(m.to, g, self._receive(m.to, g, m), data),
         )
 
     def _receive(self, node: int, g: int, m: Message) -> list[Effect]:
@@ -283,9 +319,12 @@ class Sim:
         record = self.records[g]
         n = len(record.committed)
         want = record.chain_at(n)
-        keep = sum(1 for node in range(self.n) if self.disks[node][g].durable_chain_at(n) == want)
-        if keep < self.quorum:
-            raise Violation(f"g{g}: committed index {n} durable on {keep} nodes only")
+        conf = record.commit_config or self.initial
+        keep = [v for v in conf.voters if self.disks[v][g].durable_chain_at(n) == want]
+        if len(keep) < conf.quorum:
+            raise Violation(
+                f"g{g}: committed index {n} durable on voters {keep} only of {conf.describe()}"
+            )
 
     def _on_commit(self, node: int, g: int, index: int, record: GroupRecord) -> None:
         disk = self.disks[node][g]
@@ -304,6 +343,8 @@ class Sim:
             record.chains.append(disk.chains[i - 1])
         core = self._core(node, g)
         if index > known:
+            if core.role is Role.LEADER:
+                record.commit_config = core.configuration
             if record.marks and record.marks[-1][0] == core.term:
                 record.marks[-1] = (core.term, index)
             else:
@@ -333,8 +374,7 @@ class Sim:
             n = record.committed_before(core.term)
             if n > core.terms.last_index or self.disks[node][g].chain_at(n) != record.chain_at(n):
                 raise Violation(f"leader completeness: n{node} g{g} lacks committed {n}")
-
-    # -- faults, workload, liveness ----------------------------------------------------------
+            self._check_configurations(core, g)
 
     def _fault(self) -> None:
         if not self.faults:
@@ -355,9 +395,10 @@ class Sim:
         elif kind == "transfer":
             g = self.rng.randrange(self.groups)
             leads = [c[g] for c in self.cores if c is not None and c[g].role is Role.LEADER]
-            if leads:
-                core = self.rng.choice(leads)
-                to = self.rng.choice(core.peers)
+            core = self.rng.choice(leads) if leads else None
+            others = sorted(core.configuration.voters - {core.id}) if core else []
+            if core is not None and others:
+                to = self.rng.choice(others)
                 self.trace.append((self.now, f"n{core.id} g{g} transfers leadership to n{to}"))
                 self._apply(core.id, g, core.transfer_leadership(to))
         elif kind == "pause":
@@ -404,7 +445,8 @@ class Sim:
         if len(leaders) != 1:
             return None
         lead = leaders[0]
-        if all(c.term == lead.term and c.leader == lead.id for c in cores):
+        members = [c for c in cores if c.id in lead.configuration.members]
+        if all(c.term == lead.term and c.leader == lead.id for c in members):
             return lead
         return None
 
@@ -492,6 +534,8 @@ class Outcome:
     events: int = 0
     violations: list[int] = field(default_factory=list)
     stuck: list[int] = field(default_factory=list)
+    #: How often the membership events happened (``MembershipEvents.counts``), summed.
+    counts: Counter[str] = field(default_factory=Counter)
 
 
 def run_seeds(
@@ -517,6 +561,7 @@ def run_seeds(
             if out:
                 out(f"seed {seed}: STUCK: {e}\n{sim.report()}")
         outcome.events += sim.events
+        outcome.counts += sim.counts
         if stop_at_first and (outcome.violations or outcome.stuck):
             break
     return outcome
@@ -539,6 +584,7 @@ def main(argv: list[str] | None = None) -> int:
         out=print,
     )
     print(f"time: {time.monotonic() - started:.1f} s", file=sys.stderr)
+    print(", ".join(f"{k}: {v}" for k, v in sorted(outcome.counts.items())), file=sys.stderr)
     print(
         f"seeds: {outcome.seeds}, events: {outcome.events}, "
         f"violations: {len(outcome.violations)}, stuck: {len(outcome.stuck)}"

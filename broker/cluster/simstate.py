@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from broker.cluster.membership import Configuration
 from broker.cluster.messages import Entry, HardState
 
 
@@ -21,14 +22,20 @@ def chain(prev: int, term: int, payload: bytes) -> int:
 class Disk:
     """One node's storage for one group: the log (``durable`` entries + an unflushed tail)
     and the durable hard state. A crash keeps only what was durable; a hard state whose write
-    had not completed is simply never recorded."""
+    had not completed is simply never recorded. ``start``: the last index retention removed or
+    an installed snapshot covers, where ``start_config`` is in force (the stored ``LogStart``);
+    the entries and chains below it stay here for the checks only, the core never reads them."""
 
     entries: list[Entry] = field(default_factory=list)
     chains: list[int] = field(default_factory=list)
     durable: int = 0
     durable_hard: HardState = field(default_factory=lambda: HardState(0, None))
+    start: int = 0
+    start_config: Configuration | None = None
 
     def entries_between(self, first: int, last: int) -> list[Entry]:
+        if first <= self.start:
+            raise Violation(f"read of {first}..{last} below the log start {self.start}")
         return self.entries[first - 1 : last]
 
     def chain_at(self, index: int) -> int:
@@ -57,6 +64,9 @@ class GroupRecord:
     #: Values proposed after healing, and every value committed so far.
     healed: set[bytes] = field(default_factory=set)
     values: set[bytes] = field(default_factory=set)
+    #: The configuration of the leader that last extended ``committed``: a majority of its
+    #: voters holds the committed prefix durably (learners never count).
+    commit_config: Configuration | None = None
 
     def chain_at(self, index: int) -> int:
         return self.chains[index - 1] if index else 0

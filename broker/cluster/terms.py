@@ -3,6 +3,9 @@
 Kept as runs ``(first_index, term)`` ascending in both, the "term -> first index" table the
 segmented log rebuilds at recovery from its batches' leader-epoch field. Index 0 is the empty
 prefix, of term 0. The entries themselves are the driver's.
+
+A log whose prefix retention, compaction or an installed snapshot removed starts after
+``start`` (of term ``start_term``): the terms of the indexes below ``start`` are no longer known.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ class TermTable:
     """Invariant: ``_firsts`` strictly ascending, ``_terms`` strictly ascending (a log's terms
     never decrease, Raft s5.3), every run non-empty and ending at or before ``last_index``."""
 
-    __slots__ = ("_firsts", "_terms", "last_index")
+    __slots__ = ("_firsts", "_terms", "last_index", "start", "start_term")
 
     def __init__(self, runs: Iterable[tuple[int, int]] = (), last_index: int = 0) -> None:
         self._firsts: list[int] = []
@@ -24,6 +27,9 @@ class TermTable:
             self._firsts.append(first)
             self._terms.append(term)
         self.last_index = last_index
+        #: The last index removed from the front of the log (0: nothing removed), and its term.
+        self.start = 0
+        self.start_term = 0
 
     @classmethod
     def of_terms(cls, terms: Iterable[int]) -> TermTable:
@@ -35,16 +41,17 @@ class TermTable:
 
     @property
     def last_term(self) -> int:
-        return self._terms[-1] if self._terms else 0
+        return self._terms[-1] if self._terms else self.start_term
 
     def runs(self) -> list[tuple[int, int]]:
         return list(zip(self._firsts, self._terms, strict=True))
 
     def term_at(self, index: int) -> int | None:
-        """The term of ``index``; 0 for index 0; None past the end."""
-        if index == 0:
-            return 0
-        if not 0 < index <= self.last_index:
+        """The term of ``index``; ``start_term`` for ``start`` (0 for index 0); None past the
+        end or below ``start``."""
+        if index == self.start:
+            return self.start_term
+        if not self.start < index <= self.last_index:
             return None
         return self._terms[bisect_right(self._firsts, index) - 1]
 
@@ -59,7 +66,7 @@ class TermTable:
                 return self._firsts[i + 1] - 1 if i + 1 < len(self._firsts) else self.last_index
             if self._terms[i] < term:
                 return None
-        return None
+        return self.start if self.start and term == self.start_term else None
 
     def append(self, term: int, count: int) -> None:
         if count <= 0:
@@ -70,6 +77,34 @@ class TermTable:
             self._firsts.append(self.last_index + 1)
             self._terms.append(term)
         self.last_index += count
+
+    def compact(self, first_index: int) -> None:
+        """The log now starts at ``first_index`` (start <= first_index - 1 <= last_index)."""
+        new_start = first_index - 1
+        if new_start <= self.start:
+            return
+        if new_start > self.last_index:
+            raise ValueError(
+                f"cannot start the log after {new_start}: it ends at {self.last_index}"
+            )
+        start_term = self.term_at(new_start)
+        assert start_term is not None
+        if new_start == self.last_index:
+            self._firsts.clear()
+            self._terms.clear()
+        else:
+            # The run holding ``first_index`` is the first kept, and now starts there.
+            keep = bisect_right(self._firsts, first_index) - 1
+            del self._firsts[:keep]
+            del self._terms[:keep]
+            self._firsts[0] = first_index
+        self.start, self.start_term = new_start, start_term
+
+    def reset(self, index: int, term: int) -> None:
+        """An empty log after ``index`` of ``term`` (an installed snapshot)."""
+        self._firsts.clear()
+        self._terms.clear()
+        self.start, self.start_term, self.last_index = index, term, index
 
     def truncate_from(self, index: int) -> None:
         """Drop every index >= ``index``."""
