@@ -181,11 +181,14 @@ class MultiRaft:
     def tick(self) -> None:
         self.now += 1
         quiesce = self.quiesce
+        cores = self._cores
         for g in list(self._ticking):
-            core = self._cores[g]
+            core = cores[g]
             effects = core.tick()
+            if not effects:
+                continue
             # An idle leader's tick emits only its heartbeats: they carry the notice.
-            if quiesce and effects and core.role is Role.LEADER and core.idle:
+            if quiesce and core.role is Role.LEADER and core.idle:
                 self._route(g, effects, quiesce=True)
                 del self._ticking[g]
                 self._quiesced[g] = self.id
@@ -263,21 +266,24 @@ class MultiRaft:
         if core is None:
             self.stats.unknown_group += 1
             return
-        self._route(g, self._step(core, beat_message(frm, self.id, b)))
-        follows = (
-            core.role is Role.FOLLOWER
+        effects = self._step(core, beat_message(frm, self.id, b))
+        if effects:
+            self._route(g, effects)
+        if (
+            b.quiesce
+            and self.quiesce
+            and core.role is Role.FOLLOWER
             and core.leader == frm
             and core.term == b.term
             and core.commit == b.commit
-        )
-        if b.quiesce and follows and self.quiesce:
+        ):
             if self._quiesced.get(g) != frm:
                 self._wake(g)  # quiesced under an older leader, if at all
                 del self._ticking[g]
                 self._quiesced[g] = frm
                 self._under[frm][g] = None
-        else:
-            self._wake(g)
+        elif g in self._quiesced:
+            self._wake(g)  # the leader beats without quiescing: it is busy again
 
     def _on_ack(self, frm: int, a: Ack) -> None:
         g = a.group
@@ -287,9 +293,10 @@ class MultiRaft:
             return
         effects = self._step(core, ack_message(frm, self.id, a))
         # The answers to a quiescing beat reach a quiesced leader: they change nothing.
-        if effects or (core.role is Role.LEADER and not core.idle):
+        if g in self._quiesced and (effects or (core.role is Role.LEADER and not core.idle)):
             self._wake(g)
-        self._route(g, effects)
+        if effects:
+            self._route(g, effects)
 
     def _wake(self, group: int) -> None:
         leader = self._quiesced.pop(group, None)
