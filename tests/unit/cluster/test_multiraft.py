@@ -18,7 +18,7 @@ import pytest
 
 from broker.cluster.frames import Ack, Beat, Frame, ack_message, beat_message
 from broker.cluster.messages import AppendEntries, AppendResp, Entry, HardState
-from broker.cluster.multiraft import MultiRaft
+from broker.cluster.multiraft import MultiRaft, Ready
 from broker.cluster.raft import NotLeader, RaftConfig, RaftNode, Role
 from broker.cluster.terms import TermTable
 
@@ -54,13 +54,25 @@ class Net:
         quiesce: bool = True,
         drop: float = 0.0,
         max_delay: int = 1,
+        disk_delay: int = 0,
+        checks: bool = False,
     ) -> None:
+        """``disk_delay``: an fsync round lands up to this many steps later (0: in the same
+        step). ``checks``: after every step, at most one leader per term in each group."""
         self.rng = random.Random(seed)
         self.n = nodes
         self.group_ids = range(groups)
         self.quiesce = quiesce
         self.drop = drop
         self.max_delay = max_delay
+        self.disk_delay = disk_delay
+        self.checks = checks
+        self.life = [0] * nodes
+        #: Fsync rounds in flight, in order per node: (due, seq, node, life, what they cover).
+        self._disk: list[tuple[int, int, int, int, Ready]] = []
+        self._disk_due = [0] * nodes
+        #: Per group, the longest committed prefix any node reported.
+        self.committed: list[list[Entry]] = [[] for _ in self.group_ids]
         self.logs = [[MemLog() for _ in self.group_ids] for _ in range(nodes)]
         self.hosts: list[MultiRaft | None] = [None] * nodes
         self.now = 0
@@ -90,6 +102,7 @@ class Net:
 
     def crash(self, node: int) -> None:
         self.hosts[node] = None
+        self.life[node] += 1
         for log in self.logs[node]:
             del log.items[log.durable :]
 
@@ -117,8 +130,19 @@ class Net:
             dest = self.hosts[frame.to]
             if dest is not None and (frame.frm, frame.to) not in self.blocked:
                 dest.receive(frame)
+        while self._disk and self._disk[0][0] <= self.now:
+            _, _, node, life, ready = heapq.heappop(self._disk)
+            if self.life[node] == life and self.hosts[node] is not None:
+                self._complete(self.host(node), ready)
         for host in self.live():
             self._drain(host)
+        if self.checks:
+            for host in self.live():
+                for g in self.group_ids:
+                    core = host.core(g)
+                    if core.role is Role.LEADER:
+                        first = self.leaders.setdefault((g, core.term), host.id)
+                        assert first == host.id, f"g{g}: two leaders in term {core.term}"
 
     def _drain(self, host: MultiRaft) -> None:
         ready = host.ready()
@@ -134,17 +158,35 @@ class Net:
             due = self.now + self.rng.randint(1, self.max_delay)
             heapq.heappush(self._wire, (due, self._seq, frame))
         logs = self.logs[host.id]
+        for g, index in ready.commits.items():
+            # No committed entry is ever lost or changed, across crashes and elections.
+            record, entries = self.committed[g], logs[g].items[:index]
+            assert len(entries) == index, f"n{host.id} g{g}: commit {index} past its log"
+            assert entries[: len(record)] == record[:index], f"g{g}: committed entries changed"
+            if index > len(record):
+                record.extend(entries[len(record) :])
+                # Committed means durable on a majority (Raft s5.4.2 over flushed offsets).
+                held = [log[g] for log in self.logs if log[g].durable >= index]
+                keep = sum(log.items[:index] == record for log in held)
+                assert keep > self.n // 2, f"g{g}: committed {index} durable on {keep} nodes"
+        if not self.disk_delay:
+            self._complete(host, ready)
+        elif ready.hard_states or ready.flushes:
+            node = host.id
+            due = max(self._disk_due[node], self.now + self.rng.randint(1, self.disk_delay))
+            self._disk_due[node] = due
+            self._seq += 1
+            heapq.heappush(self._disk, (due, self._seq, node, self.life[node], ready))
+
+    def _complete(self, host: MultiRaft, ready: Ready) -> None:
+        """The fsync round of ``ready`` is done: what it covered is durable."""
+        logs = self.logs[host.id]
         for g, state in ready.hard_states.items():
             logs[g].hard = state
         for g, index in ready.flushes.items():
             logs[g].durable = max(logs[g].durable, min(index, len(logs[g].items)))
         host.hard_states_persisted(ready.hard_states.items())
         host.flushed(ready.flushes.items())
-        for g in ready.commits:
-            core = host.core(g)
-            if core.role is Role.LEADER:
-                first = self.leaders.setdefault((g, core.term), host.id)
-                assert first == host.id, f"g{g}: two leaders in term {core.term}"
 
     def run_until(self, done: Callable[[], bool], limit: int) -> int:
         """Step until ``done()``; the steps it took. Fails past ``limit`` steps."""
@@ -278,14 +320,14 @@ def test_idle_groups_quiesce_and_their_heartbeats_stop() -> None:
 
 
 def test_without_quiescence_every_group_keeps_beating() -> None:
-    net = Net(groups=100, quiesce=False)
+    net = Net(groups=30, quiesce=False)
     net.elect()
     net.run(20)
     beats = net.beats
-    net.run(100)
+    net.run(50)
     # Each leader beats to 2 followers every 2 ticks.
-    assert net.beats - beats == 100 * 2 * 100 // CONFIG.heartbeat_ticks
-    assert all(h.ticking == 100 for h in net.live())
+    assert net.beats - beats == 30 * 2 * 50 // CONFIG.heartbeat_ticks
+    assert all(h.ticking == 30 for h in net.live())
 
 
 def test_a_proposal_wakes_its_group_alone_and_it_quiesces_again() -> None:
@@ -318,10 +360,10 @@ def test_a_lost_quiesce_notice_costs_a_wake_up_not_an_election() -> None:
     net.check_logs()
 
 
-def failover(seed: int, quiesce: bool) -> tuple[Net, int, int]:
-    """1,000 groups all led by node 0, idle (quiesced if ``quiesce``); node 0 dies. The ticks
-    until the first group, and until every group, has a new leader the other two follow."""
-    net = Net(groups=1000, seed=seed, quiesce=quiesce)
+def failover(groups: int, seed: int) -> tuple[Net, int, int]:
+    """``groups`` groups all led by node 0 and quiesced; node 0 dies. The ticks until the first
+    group, and until every group, has a new leader the other two follow."""
+    net = Net(groups=groups, seed=seed)
     net.elect()
     for g in net.group_ids:
         lead = net.leader(g)
@@ -329,19 +371,24 @@ def failover(seed: int, quiesce: bool) -> tuple[Net, int, int]:
         if lead.id != 0:
             net.host(lead.id).transfer_leadership(g, 0)
     net.run_until(lambda: all(net.host(0).core(g).role is Role.LEADER for g in net.group_ids), 50)
-    net.run_until(net.all_quiesced, 50) if quiesce else net.run(20)
+    net.run_until(net.all_quiesced, 50)
     net.crash(0)
     first = net.run_until(lambda: any(net.leader(g) for g in net.group_ids), 100)
     return net, first, first + net.run_until(net.all_led, 300)
 
 
-def test_a_dead_leader_node_wakes_its_thousand_quiesced_groups_and_they_elect() -> None:
-    net, first, every = failover(seed=7, quiesce=True)
-    assert all(h.stats.woken_by_silence == 1000 for h in net.live())
+@pytest.mark.parametrize("groups", [100, pytest.param(1000, marks=pytest.mark.slow)])
+def test_a_dead_leader_node_wakes_its_quiesced_groups_and_they_elect(groups: int) -> None:
+    net, first, every = failover(groups, seed=7)
+    assert all(h.stats.woken_by_silence == groups for h in net.live())
     assert {net.leader(g).id for g in net.group_ids} == {1, 2}  # type: ignore[union-attr]
-    # Nothing happens until node 0 has been silent for an election timeout; then the groups
-    # elect as groups that never quiesced do (same cluster, node 0 killed while they beat):
-    # the tail is split votes between the two survivors, re-run after a randomized timeout.
+    # Nothing happens until node 0 has been silent for an election timeout (10 ticks); then
+    # each group elects within its randomized timeout (10-19 ticks since it last heard a
+    # beat) plus a pre-vote, a hard state and a vote round trip (about 4 ticks here). The
+    # tail is split votes between the two survivors, each re-run after a new randomized
+    # timeout, as in groups that never quiesced: measured when written with 1,000 groups,
+    # the first leader after 27 ticks and the last after 97 (seed 7); killing node 0 while
+    # the same groups beat without quiescence, 17 and 108.
     assert CONFIG.election_ticks <= first <= 3 * CONFIG.election_ticks
     assert every <= 15 * CONFIG.election_ticks
 
@@ -385,22 +432,35 @@ def test_a_restarted_node_is_caught_up_and_quiesces_again() -> None:
 
 
 @pytest.mark.parametrize("seed", range(4))
-def test_under_drops_and_partitions_safety_holds_and_groups_settle(seed: int) -> None:
-    net = Net(groups=10, seed=seed, drop=0.1, max_delay=4)
+def test_under_faults_safety_holds_and_groups_settle_again(seed: int) -> None:
+    """Drops, delays, slow disks, partitions, crashes that lose unflushed tails: quiescence
+    only withholds ticks, so every safety check holds, and once the faults end every group
+    has a leader again and quiesces."""
+    net = Net(groups=10, seed=seed, drop=0.1, max_delay=4, disk_delay=3, checks=True)
     rng = random.Random(seed)
-    for _ in range(20):
-        net.run(rng.randrange(5, 25))
-        for g in net.group_ids:
-            for h in net.live():
+    value = 0
+    for _ in range(25):
+        net.run(rng.randrange(5, 30))
+        for h in net.live():
+            for g in net.group_ids:
                 if h.core(g).role is Role.LEADER and rng.random() < 0.5:
+                    value += 1
                     with contextlib.suppress(NotLeader):  # a leader handing over
-                        h.propose(g, f"s{seed}t{net.now}g{g}".encode())
-        if rng.random() < 0.3:
-            net.blocked.clear()
+                        h.propose(g, f"s{seed}v{value}".encode())
+        fault = rng.random()
+        net.blocked.clear()
+        down = [n for n in range(3) if net.hosts[n] is None]
+        for node in down:
+            net.start(node)
+        if fault < 0.3:
             net.partition(rng.randrange(3))
-        elif rng.random() < 0.5:
-            net.blocked.clear()
+        elif fault < 0.6 and not down:
+            net.crash(rng.randrange(3))
     net.blocked.clear()
+    for node in range(3):
+        if net.hosts[node] is None:
+            net.start(node)
     net.drop = 0.0
-    net.run_until(lambda: net.all_led() and net.all_quiesced(), 300)
+    net.run_until(lambda: net.all_led() and net.all_quiesced(), 400)
     net.check_logs()
+    assert sum(map(len, net.committed)) > 10 * 5
