@@ -99,6 +99,8 @@ class HostStats:
     woken_by_silence: int = 0
     #: Group messages dropped because this node holds no such group.
     unknown_group: int = 0
+    #: Frames dropped because they came from a node outside ``nodes``.
+    unknown_node: int = 0
 
 
 class MultiRaft:
@@ -214,6 +216,9 @@ class MultiRaft:
     def receive(self, frame: Frame) -> None:
         """Step every group ``frame`` carries (it came from node ``frame.frm``)."""
         frm = frame.frm
+        if frm not in self._heard:
+            self.stats.unknown_node += 1
+            return
         self._heard[frm] = self.now
         self._silent.discard(frm)
         for b in frame.beats:

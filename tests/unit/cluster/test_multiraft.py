@@ -245,6 +245,19 @@ def settle(net: Net) -> None:
 # -- frames ----------------------------------------------------------------------------------
 
 
+def test_frames_from_an_unknown_node_are_counted_and_dropped() -> None:
+    host = MultiRaft(1, [1, 2, 3], random.Random(0), CONFIG)
+    host.add_group(5, [1, 2, 3], MemLog())
+    host.receive(Frame(9, 1, beats=[Beat(5, 3, 0, 0, 0, True)]))
+    assert host.stats.unknown_node == 1 and host.core(5).term == 0
+    host.receive(Frame(2, 1, beats=[Beat(6, 3, 0, 0, 0, True)]))
+    assert host.stats.unknown_group == 1
+    with pytest.raises(ValueError, match="group 5 is already hosted"):
+        host.add_group(5, [1, 2, 3], MemLog())
+    with pytest.raises(ValueError, match="not within nodes"):
+        host.add_group(7, [1, 2, 4], MemLog())
+
+
 def test_beats_and_acks_rebuild_the_messages_the_cores_sent() -> None:
     beat = AppendEntries(1, 2, 7, 12, 6, (), 11)
     ack = AppendResp(1, 2, 7, True, 12, 10, 0, None)
@@ -396,6 +409,8 @@ def test_a_dead_leader_node_wakes_its_quiesced_groups_and_they_elect(groups: int
 def test_a_partitioned_node_rejoins_and_catches_up() -> None:
     net = Net(groups=30, seed=11, max_delay=2)
     settle(net)
+    led = [g for g in net.group_ids if net.leader(g).id == 2]  # type: ignore[union-attr]
+    assert led, "node 2 leads some groups"
     net.partition(2)
     # Node 2 hears nobody: the groups it led elect on nodes 0 and 1, and its own followers
     # wake and pre-vote in vain (PreVote: they move no term).
@@ -408,6 +423,7 @@ def test_a_partitioned_node_rejoins_and_catches_up() -> None:
     net.blocked.clear()
     net.run_until(lambda: net.all_led() and net.all_quiesced(), 150)
     for g in net.group_ids:
+        # The groups node 2 led (quiesced) learnt of the newer term and it stepped down.
         lead = net.leader(g)
         assert lead is not None and lead.id != 2
         assert net.host(2).core(g).commit == lead.commit
