@@ -235,15 +235,17 @@ class MultiRaft:
 
     def propose(self, group: int, payload: bytes) -> int:
         """Append ``payload`` to ``group`` on its leader here; its index. Raises ``NotLeader``
-        (the core's) off the leader."""
+        (the core's) off the leader, and then leaves a quiesced group quiesced."""
         core = self._cores[group]
+        effects = core.propose(payload)
         self._wake(group)
-        self._route(group, core.propose(payload))
+        self._route(group, effects)
         return core.terms.last_index
 
     def transfer_leadership(self, group: int, peer: int) -> None:
+        effects = self._cores[group].transfer_leadership(peer)
         self._wake(group)
-        self._route(group, self._cores[group].transfer_leadership(peer))
+        self._route(group, effects)
 
     def flushed(self, done: Iterable[tuple[int, int]]) -> None:
         """One fsync round made each ``(group, index)``'s log durable up to ``index``."""

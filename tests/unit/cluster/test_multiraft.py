@@ -348,6 +348,10 @@ def test_a_proposal_wakes_its_group_alone_and_it_quiesces_again() -> None:
     settle(net)
     lead = net.leader(7)
     assert lead is not None
+    follower = net.host((lead.id + 1) % 3)
+    with pytest.raises(NotLeader):
+        follower.propose(7, b"refused")
+    assert follower.quiesced(7)
     host = net.host(lead.id)
     index = host.propose(7, b"wake")
     assert not host.quiesced(7) and host.ticking == 1
