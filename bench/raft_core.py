@@ -1,19 +1,39 @@
-"""Raft core costs, in process, no I/O: what consensus itself costs per committed batch.
+"""Raft costs, in process, no I/O: what consensus itself costs per committed batch, and what an
+idle group costs per second.
 
-Three nodes, G groups (1 and 1,000), a loss-free network that delivers in FIFO order, and a
-disk whose flushes and hard-state writes complete as soon as the step that asked for them has
-been applied. Each proposal stands for one record batch (a 64-byte payload: the core never
-looks inside). Measured with ``time.process_time``:
+Three nodes, G groups, a loss-free network that delivers in FIFO order, and a disk whose
+flushes and hard-state writes complete as soon as the step that asked for them has been
+applied. Each proposal stands for one record batch (a 64-byte payload: the core never looks
+inside). Measured with ``time.process_time``, for three ways of running the groups:
 
-* committed/s and CPU per committed batch: every group's leader gets ``--per-round``
-  proposals, the cluster runs until all of them commit on the leaders, ``--rounds`` times
-  (100 times more rounds for a single group);
-* CPU per idle group per second: nothing proposed, 10 ms ticks (heartbeat every 2 ticks, as
-  in the simulator) for ``--idle-seconds`` of virtual time, heartbeats delivered and answered.
+* ``core``: bare cores, every message on its own (issue 19's first step; what the simulator
+  does), every group ticking and heartbeating;
+* ``host``: a ``MultiRaft`` per node (``broker.cluster.multiraft``): one frame per node pair per
+  step, heartbeats and their answers coalesced, with quiescence off (every group ticks and
+  beats);
+* ``quiet``: the same with quiescence on: an idle group stops ticking and beating, and the
+  hosts exchange one (empty) frame per node pair per heartbeat interval as node liveness.
+
+Two measurements:
+
+* busy: every group's leader gets ``--per-round`` proposals, the cluster runs until all of
+  them commit on the leaders, ``--rounds`` times (100 times more rounds for a single group):
+  committed/s and CPU per committed batch;
+* idle: nothing proposed, 10 ms ticks (heartbeat every 2 ticks, election timeout 10, as in the
+  simulator) for ``--idle-seconds`` of virtual time (scaled down where it would take minutes:
+  the cost is linear in time): CPU per idle group per second (its three replicas together),
+  and ``CPU/node``, the share of one core each node spends on all its idle groups. Heartbeats
+  sent during the idle run are counted.
+
+In process, a ``host`` beat costs more than a ``core`` one: the receiver rebuilds each beat and
+ack into the message the core sent (two more objects per round trip), which over a wire takes
+the place of decoding it. What coalescing saves on a wire (one frame per node pair per step
+instead of a message per group) is not measured here: there is no wire.
 
 There is no reference implementation to run beside it (pysyncobj was measured in issue 19's
-filing and has no comparable in-process mode); the figures stand alone. Prints a table and one
-JSON line. Run: ``python -m bench.raft_core [--groups 1,1000] [--rounds 20]``.
+filing and has no comparable in-process mode); the modes are each other's reference. Prints a
+table and one JSON line. Run: ``python -m bench.raft_core [--groups 1,1000] [--idle 1000,10000]
+[--runs 3]``.
 """
 
 from __future__ import annotations
@@ -21,10 +41,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import statistics
 import time
 from collections import deque
+from collections.abc import Iterable
 
 from broker.cluster.messages import (
+    AppendEntries,
     AppendLog,
     Effect,
     Entry,
@@ -34,11 +57,16 @@ from broker.cluster.messages import (
     Send,
     Truncate,
 )
+from broker.cluster.multiraft import MultiRaft
 from broker.cluster.raft import RaftConfig, RaftNode, Role
 
 NODES = 3
 PAYLOAD = bytes(64)
 CONFIG = RaftConfig(election_ticks=10, heartbeat_ticks=2)
+TICKS_PER_S = 100
+MODES = ("core", "host", "quiet")
+#: Most group-ticks an idle run spends with every group ticking (about 10 s of CPU here).
+IDLE_BUDGET = 1_500_000
 
 
 class Log:
@@ -50,8 +78,16 @@ class Log:
     def entries(self, first: int, last: int) -> list[Entry]:
         return self.items[first - 1 : last]
 
+    def append(self, first_index: int, entries: tuple[Entry, ...]) -> None:
+        self.items.extend(entries)
 
-class Cluster:
+    def truncate(self, from_index: int) -> None:
+        del self.items[from_index - 1 :]
+
+
+class CoreCluster:
+    """Bare cores, one message at a time."""
+
     def __init__(self, groups: int, seed: int = 1) -> None:
         rng = random.Random(seed)
         self.logs = [[Log() for _ in range(groups)] for _ in range(NODES)]
@@ -60,6 +96,7 @@ class Cluster:
             for n in range(NODES)
         ]
         self.wire: deque[tuple[int, Message]] = deque()
+        self.beats = 0
 
     def apply(self, node: int, g: int, effects: list[Effect]) -> None:
         core, log = self.cores[node][g], self.logs[node][g]
@@ -67,6 +104,8 @@ class Cluster:
         for e in effects:
             if isinstance(e, Send):
                 self.wire.append((g, e.message))
+                if isinstance(e.message, AppendEntries) and not e.message.entries:
+                    self.beats += 1
             elif isinstance(e, AppendLog):
                 log.items.extend(e.entries)
             elif isinstance(e, Truncate):
@@ -90,67 +129,181 @@ class Cluster:
                 self.apply(n, g, core.tick())
         self.pump()
 
-    def leaders(self) -> list[tuple[int, RaftNode]]:
-        """(group, its leader) for each group that has one."""
-        found = []
-        for g in range(len(self.cores[0])):
-            lead = next((c[g] for c in self.cores if c[g].role is Role.LEADER), None)
-            if lead is not None:
-                found.append((g, lead))
-        return found
+    def propose(self, node: int, g: int, payload: bytes) -> None:
+        self.apply(node, g, self.cores[node][g].propose(payload))
+
+    def group_cores(self, g: int) -> Iterable[RaftNode]:
+        return (c[g] for c in self.cores)
+
+    def quiet(self) -> bool:
+        return True
 
 
-def measure(groups: int, rounds: int, per_round: int, idle_seconds: int) -> dict[str, float]:
-    cluster = Cluster(groups)
-    while len(cluster.leaders()) < groups:
+class HostCluster:
+    """A ``MultiRaft`` per node."""
+
+    def __init__(self, groups: int, quiesce: bool, seed: int = 1) -> None:
+        rng = random.Random(seed)
+        self.hosts = [MultiRaft(n, range(NODES), rng, CONFIG, quiesce) for n in range(NODES)]
+        for host in self.hosts:
+            for g in range(groups):
+                host.add_group(g, list(range(NODES)), Log())
+        self.beats = 0
+
+    def pump(self) -> None:
+        hosts = self.hosts
+        busy = True
+        while busy:
+            busy = False
+            frames = []
+            for host in hosts:
+                ready = host.ready()
+                if not ready:
+                    continue
+                busy = True
+                frames += ready.frames
+                if ready.hard_states:
+                    host.hard_states_persisted(ready.hard_states.items())
+                if ready.flushes:
+                    host.flushed(ready.flushes.items())
+            for frame in frames:
+                self.beats += len(frame.beats)
+                hosts[frame.to].receive(frame)
+
+    def tick(self) -> None:
+        for host in self.hosts:
+            host.tick()
+        self.pump()
+
+    def propose(self, node: int, g: int, payload: bytes) -> None:
+        self.hosts[node].propose(g, payload)
+
+    def group_cores(self, g: int) -> Iterable[RaftNode]:
+        return (h.core(g) for h in self.hosts)
+
+    def quiet(self) -> bool:
+        return all(h.ticking == 0 for h in self.hosts) or not self.hosts[0].quiesce
+
+
+Cluster = CoreCluster | HostCluster
+
+
+def make(mode: str, groups: int) -> Cluster:
+    if mode == "core":
+        return CoreCluster(groups)
+    return HostCluster(groups, quiesce=mode == "quiet")
+
+
+def leaders(cluster: Cluster, groups: int) -> list[tuple[int, RaftNode]]:
+    """(group, its leader) for each group that has one."""
+    found = []
+    for g in range(groups):
+        lead = next((c for c in cluster.group_cores(g) if c.role is Role.LEADER), None)
+        if lead is not None:
+            found.append((g, lead))
+    return found
+
+
+def settle(cluster: Cluster, groups: int) -> list[tuple[int, RaftNode]]:
+    """Tick until every group has a leader and its no-op committed (and, quiesced, is quiet)."""
+    while len(leaders(cluster, groups)) < groups:
         cluster.tick()
-    for _ in range(5):  # let every no-op commit
+    for _ in range(5):
         cluster.tick()
-    leaders = cluster.leaders()
-    base = sum(c.commit for _, c in leaders)
+    for _ in range(100):
+        if cluster.quiet():
+            break
+        cluster.tick()
+    return leaders(cluster, groups)
+
+
+def measure_busy(mode: str, groups: int, rounds: int, per_round: int) -> dict[str, float]:
+    cluster = make(mode, groups)
+    found = settle(cluster, groups)
+    base = sum(c.commit for _, c in found)
     started = time.process_time()
     for _ in range(rounds):
-        for g, lead in leaders:
+        for g, lead in found:
             for _ in range(per_round):
-                cluster.apply(lead.id, g, lead.propose(PAYLOAD))
+                cluster.propose(lead.id, g, PAYLOAD)
         cluster.pump()
     busy = time.process_time() - started
-    committed = sum(c.commit for _, c in leaders) - base
+    committed = sum(c.commit for _, c in found) - base
     assert committed == rounds * per_round * groups, (committed, rounds, per_round, groups)
-    ticks = idle_seconds * 100
+    return {
+        "committed": committed,
+        "committed_per_s": committed / busy,
+        "cpu_us_per_batch": busy / committed * 1e6,
+    }
+
+
+def measure_idle(mode: str, groups: int, seconds: float) -> dict[str, float]:
+    cluster = make(mode, groups)
+    settle(cluster, groups)
+    if mode != "quiet":  # every group ticks on every node: keep the run within budget
+        seconds = min(seconds, IDLE_BUDGET / (groups * NODES * TICKS_PER_S))
+    ticks = max(1, round(seconds * TICKS_PER_S))
+    seconds = ticks / TICKS_PER_S
+    beats = cluster.beats
     started = time.process_time()
     for _ in range(ticks):
         cluster.tick()
     idle = time.process_time() - started
+    per_group = idle / seconds / groups
     return {
-        "groups": groups,
-        "committed": committed,
-        "committed_per_s": committed / busy,
-        "cpu_us_per_batch": busy / committed * 1e6,
-        "idle_cpu_us_per_group_s": idle / idle_seconds / groups * 1e6,
+        "idle_seconds": seconds,
+        "idle_cpu_us_per_group_s": per_group * 1e6,
+        "idle_core_share": per_group * groups / NODES,
+        "idle_beats_per_group_s": (cluster.beats - beats) / seconds / groups,
     }
+
+
+def median_of(runs: list[dict[str, float]]) -> dict[str, float]:
+    return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.raft_core", description=__doc__)
-    parser.add_argument("--groups", default="1,1000")
+    parser.add_argument("--groups", default="1,1000", help="group counts for the busy run")
+    parser.add_argument("--idle", default="1000,10000", help="group counts for the idle run")
+    parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--per-round", type=int, default=10)
-    parser.add_argument("--idle-seconds", type=int, default=5)
+    parser.add_argument("--idle-seconds", type=float, default=5)
+    parser.add_argument("--runs", type=int, default=3, help="medians of this many runs")
     args = parser.parse_args()
-    rows = []
-    for groups in (int(g) for g in args.groups.split(",")):
-        # The same work per group would take 1 group no time at all: give it 100x the rounds.
-        rounds = args.rounds * max(1, 100 // groups)
-        rows.append(measure(groups, rounds, args.per_round, args.idle_seconds))
-    head = ("groups", "committed", "committed/s", "CPU/batch", "idle/group/s")
-    print("{:>7} {:>10} {:>12} {:>11} {:>13}".format(*head))
-    for r in rows:
-        print(
-            f"{r['groups']:>7} {r['committed']:>10} {r['committed_per_s']:>12,.0f} "
-            f"{r['cpu_us_per_batch']:>9.1f}us {r['idle_cpu_us_per_group_s']:>11.1f}us"
+    modes = args.modes.split(",")
+    busy, idle = [], []
+    for mode in modes:
+        for groups in (int(g) for g in args.groups.split(",")):
+            # The same work per group would take 1 group no time at all: 100x the rounds.
+            rounds = args.rounds * max(1, 100 // groups)
+            runs = [measure_busy(mode, groups, rounds, args.per_round) for _ in range(args.runs)]
+            busy.append({"mode": mode, "groups": groups, **median_of(runs)})
+        for groups in (int(g) for g in args.idle.split(",")):
+            runs = [measure_idle(mode, groups, args.idle_seconds) for _ in range(args.runs)]
+            idle.append({"mode": mode, "groups": groups, **median_of(runs)})
+    print(f"busy, {NODES} nodes, medians of {args.runs}")
+    print(
+        "{:>6} {:>7} {:>10} {:>12} {:>11}".format(
+            "mode", "groups", "committed", "committed/s", "CPU/batch"
         )
-    print(json.dumps({"bench": "raft_core", "nodes": NODES, "rows": rows}))
+    )
+    for r in busy:
+        print(
+            f"{r['mode']:>6} {r['groups']:>7} {r['committed']:>10.0f} "
+            f"{r['committed_per_s']:>12,.0f} {r['cpu_us_per_batch']:>9.1f}us"
+        )
+    print(f"idle, {NODES} nodes, 10 ms ticks, medians of {args.runs}")
+    head = ("mode", "groups", "virtual s", "CPU/group/s", "beats/group/s", "CPU/node")
+    print("{:>6} {:>7} {:>10} {:>13} {:>14} {:>11}".format(*head))
+    for r in idle:
+        print(
+            f"{r['mode']:>6} {r['groups']:>7} {r['idle_seconds']:>10.2f} "
+            f"{r['idle_cpu_us_per_group_s']:>11.2f}us {r['idle_beats_per_group_s']:>14.1f} "
+            f"{r['idle_core_share']:>10.3%}"
+        )
+    print(json.dumps({"bench": "raft_core", "nodes": NODES, "busy": busy, "idle": idle}))
 
 
 if __name__ == "__main__":

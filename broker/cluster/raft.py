@@ -264,6 +264,20 @@ class RaftNode(Elections):
             self._held.clear()
         return self._take()
 
+    @property
+    def idle(self) -> bool:
+        """A leader with nothing left to do: every follower holds and has flushed its whole
+        log, all of it is committed and durable here, no message waits for a hard state, no
+        transfer runs. Read-only; what a host needs to quiesce the group."""
+        last = self.terms.last_index
+        return (
+            self.role is Role.LEADER
+            and self.transferee is None
+            and self.commit == last == self.durable_index
+            and not self._held
+            and all(p.match == p.flushed == last for p in self._progress.values())
+        )
+
     def receive(self, m: Message) -> list[Effect]:
         if m.term > self.term:
             sticky = isinstance(m, PreVote) or (isinstance(m, Vote) and not m.transfer)

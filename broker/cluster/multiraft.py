@@ -1,0 +1,364 @@
+"""The host of every Raft group one node holds (MultiRaft, as CockroachDB and TiKV call it).
+
+Sans-IO like the core it hosts: no event loop, no socket, no file; the clock is ``tick()``.
+Inputs: ``tick()``, ``receive(frame)`` (one frame from one peer node, messages of many
+groups), ``propose(group, payload)``, ``transfer_leadership(group, peer)``, and the storage
+completions, batched so that one fsync round answers for many groups: ``flushed(...)`` and
+``hard_states_persisted(...)``. Output accumulates until ``ready()`` drains it: at most ONE
+frame per peer node holding every group's messages to it (``broker.cluster.frames``), and per
+group the index to flush, the hard state to persist and the new commit index. The caller
+makes the hard states and flushes durable, then reports them; frames may leave at once (a core
+holds back any message its pending hard state governs).
+
+Each group's ``GroupLog`` is written synchronously while the host steps its core (an append
+or a truncation goes to the page cache, not yet durable): a frame can step one core several
+times, and the core reads back what it appended before.
+
+Idle groups cost nothing: quiescence, CockroachDB's design. A leader whose group is idle
+(``RaftNode.idle``: every follower holds and has flushed the whole log, all of it committed, no
+hard state pending, no transfer) marks its next heartbeats ``quiesce`` and stops ticking the
+group; a follower that gets such a beat and follows that leader at that term and commit stops
+ticking the group too. A quiesced group wakes (is ticked again) on a proposal, a transfer, any
+message for it other than a quiescing beat or an acknowledgement that changes nothing, and on
+node liveness: frames are node heartbeats (an empty one goes to each peer every heartbeat
+interval), the host keeps per peer node the tick it last heard from it, and when a node has
+been silent for an election timeout every group quiesced under it as leader wakes, so that its
+followers elect as usual.
+
+Safety is untouched: quiescence only withholds ``tick()`` calls, as a slow clock or a paused
+process would, and Raft's safety never depends on timing (Raft s5.6); terms, votes and logs
+change only through the cores' own inputs, and beats and acks are rebuilt exactly as the cores
+sent them. Liveness: a group stays quiesced only while its leader's node is heard from; a
+dead or cut-off leader node wakes its groups within an election timeout of silence, and a
+stale quiesced leader wakes on its first message from a newer term or on a proposal (it then
+ticks, so CheckQuorum steps it down). Not in this step: quiescing a group with a dead follower
+(CockroachDB quiesces over the live replicas only), so a node down keeps its groups ticking.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from broker.cluster.frames import Ack, Beat, Frame, ack_message, beat_message
+from broker.cluster.messages import (
+    AppendLog,
+    Commit,
+    Effect,
+    Entry,
+    Flush,
+    HardState,
+    Message,
+    PersistHardState,
+    Send,
+    Truncate,
+)
+from broker.cluster.raft import LogReader, RaftConfig, RaftNode, Role
+from broker.cluster.terms import TermTable
+
+
+class GroupLog(LogReader, Protocol):
+    """One group's log on this node, as the host writes it while stepping the core."""
+
+    def append(self, first_index: int, entries: tuple[Entry, ...]) -> None:
+        """Write ``entries`` at ``first_index``..., right after the last entry (not durable)."""
+
+    def truncate(self, from_index: int) -> None:
+        """Drop every entry at ``from_index`` and above."""
+
+
+@dataclass(slots=True)
+class Ready:
+    """What the host asks of its driver since the last ``ready()``.
+
+    ``frames``: at most one per peer node. ``flushes``: group -> make its log durable up to
+    this index, then report ``flushed``. ``hard_states``: group -> the latest hard state to
+    persist (temp file, fsync, rename, directory fsync; in order per group), then report
+    ``hard_states_persisted``. ``commits``: group -> its new commit index."""
+
+    frames: list[Frame] = field(default_factory=list)
+    flushes: dict[int, int] = field(default_factory=dict)
+    hard_states: dict[int, HardState] = field(default_factory=dict)
+    commits: dict[int, int] = field(default_factory=dict)
+
+    def __bool__(self) -> bool:
+        return bool(self.frames or self.flushes or self.hard_states or self.commits)
+
+
+@dataclass(slots=True)
+class HostStats:
+    """Counters since the host started."""
+
+    #: ``RaftNode.tick`` calls (a quiesced group gets none).
+    group_ticks: int = 0
+    frames_sent: int = 0
+    beats_sent: int = 0
+    #: Groups woken because their leader's node fell silent.
+    woken_by_silence: int = 0
+    #: Group messages dropped because this node holds no such group.
+    unknown_group: int = 0
+    #: Frames dropped because they came from a node outside ``nodes``.
+    unknown_node: int = 0
+
+
+class MultiRaft:
+    """Every group of node ``node_id``. Not thread-safe: one caller at a time.
+
+    ``nodes``: every node of the cluster (this one included); a group's peers are among them.
+    ``quiesce``: False keeps every group ticking and heartbeating (the cost quiescence saves).
+    """
+
+    def __init__(
+        self,
+        node_id: int,
+        nodes: Iterable[int],
+        rng: random.Random,
+        config: RaftConfig | None = None,
+        quiesce: bool = True,
+    ) -> None:
+        self.id = node_id
+        self.peers = [n for n in nodes if n != node_id]
+        self.config = config or RaftConfig()
+        self.quiesce = quiesce
+        self.now = 0
+        self.stats = HostStats()
+        self._rng = rng
+        self._cores: dict[int, RaftNode] = {}
+        self._logs: dict[int, GroupLog] = {}
+        #: Groups ticked each tick (a dict for its insertion order: runs replay exactly).
+        self._ticking: dict[int, None] = {}
+        #: Deletions from ``_ticking`` since it was last rebuilt: a dict never shrinks, and
+        #: iterating one that once held 10,000 groups walks 10,000 slots even when empty.
+        self._stopped = 0
+        #: Quiesced group -> the node it is quiesced under as leader (this one for leaders).
+        self._quiesced: dict[int, int] = {}
+        #: Leader node -> the groups quiesced here as its followers.
+        self._under: dict[int, dict[int, None]] = {n: {} for n in self.peers}
+        self._heard = dict.fromkeys(self.peers, 0)
+        self._silent: set[int] = set()
+        self._sent_at = dict.fromkeys(self.peers, -self.config.heartbeat_ticks)
+        self._out: dict[int, Frame] = {}
+        self._ready = Ready()
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def add_group(
+        self,
+        group: int,
+        peers: list[int],
+        log: GroupLog,
+        hard_state: HardState | None = None,
+        terms: TermTable | None = None,
+    ) -> RaftNode:
+        """Host ``group`` (replicas on ``peers``, this node among them) over ``log``, with
+        what was durable at start. The group starts ticking."""
+        if group in self._cores:
+            raise ValueError(f"group {group} is already hosted on node {self.id}")
+        unknown = set(peers) - set(self.peers) - {self.id}
+        if unknown or self.id not in peers:
+            raise ValueError(f"group {group}: peers {peers} not within nodes of node {self.id}")
+        core = RaftNode(self.id, peers, log, self._rng, self.config, hard_state, terms)
+        self._cores[group] = core
+        self._logs[group] = log
+        self._ticking[group] = None
+        return core
+
+    def core(self, group: int) -> RaftNode:
+        """The core of ``group``, to read its state (role, leader, term, commit)."""
+        return self._cores[group]
+
+    @property
+    def groups(self) -> list[int]:
+        return list(self._cores)
+
+    def quiesced(self, group: int) -> bool:
+        return group in self._quiesced
+
+    @property
+    def ticking(self) -> int:
+        """How many groups a tick steps."""
+        return len(self._ticking)
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def tick(self) -> None:
+        self.now += 1
+        quiesce = self.quiesce
+        cores = self._cores
+        if self._stopped > len(self._ticking):
+            self._ticking = dict(self._ticking)
+            self._stopped = 0
+        for g in list(self._ticking):
+            core = cores[g]
+            effects = core.tick()
+            if not effects:
+                continue
+            # An idle leader's tick emits only its heartbeats: they carry the notice.
+            if quiesce and core.role is Role.LEADER and core.idle:
+                self._route(g, effects, quiesce=True)
+                self._stop_ticking(g)
+                self._quiesced[g] = self.id
+            else:
+                self._route(g, effects)
+        self.stats.group_ticks += len(self._ticking)
+        for peer in self.peers:
+            if (
+                peer not in self._silent
+                and self.now - self._heard[peer] >= self.config.election_ticks
+            ):
+                self._silent.add(peer)
+                self._wake_under(peer)
+            if self.now - self._sent_at[peer] >= self.config.heartbeat_ticks:
+                self._frame(peer)  # node liveness, even with nothing else to say
+
+    def receive(self, frame: Frame) -> None:
+        """Step every group ``frame`` carries (it came from node ``frame.frm``)."""
+        frm = frame.frm
+        if frm not in self._heard:
+            self.stats.unknown_node += 1
+            return
+        self._heard[frm] = self.now
+        self._silent.discard(frm)
+        for b in frame.beats:
+            self._on_beat(frm, b)
+        for a in frame.acks:
+            self._on_ack(frm, a)
+        for g, m in frame.messages:
+            core = self._cores.get(g)
+            if core is None:
+                self.stats.unknown_group += 1
+                continue
+            self._wake(g)
+            self._route(g, self._step(core, m))
+
+    def propose(self, group: int, payload: bytes) -> int:
+        """Append ``payload`` to ``group`` on its leader here; its index. Raises ``NotLeader``
+        (the core's) off the leader, and then leaves a quiesced group quiesced."""
+        core = self._cores[group]
+        effects = core.propose(payload)
+        self._wake(group)
+        self._route(group, effects)
+        return core.terms.last_index
+
+    def transfer_leadership(self, group: int, peer: int) -> None:
+        effects = self._cores[group].transfer_leadership(peer)
+        self._wake(group)
+        self._route(group, effects)
+
+    def flushed(self, done: Iterable[tuple[int, int]]) -> None:
+        """One fsync round made each ``(group, index)``'s log durable up to ``index``."""
+        for g, index in done:
+            core = self._cores.get(g)
+            if core is not None:
+                self._route(g, core.flushed(index))
+
+    def hard_states_persisted(self, done: Iterable[tuple[int, HardState]]) -> None:
+        for g, state in done:
+            core = self._cores.get(g)
+            if core is not None:
+                self._route(g, core.hard_state_persisted(state))
+
+    def ready(self) -> Ready:
+        """Drain what accumulated since the last call: at most one frame per peer node."""
+        ready, self._ready = self._ready, Ready()
+        ready.frames = list(self._out.values())
+        self._out = {}
+        for f in ready.frames:
+            self._sent_at[f.to] = self.now
+            self.stats.beats_sent += len(f.beats)
+        self.stats.frames_sent += len(ready.frames)
+        return ready
+
+    # -- quiescence --------------------------------------------------------------------------
+
+    def _on_beat(self, frm: int, b: Beat) -> None:
+        g = b.group
+        core = self._cores.get(g)
+        if core is None:
+            self.stats.unknown_group += 1
+            return
+        effects = self._step(core, beat_message(frm, self.id, b))
+        if effects:
+            self._route(g, effects)
+        if (
+            b.quiesce
+            and self.quiesce
+            and core.role is Role.FOLLOWER
+            and core.leader == frm
+            and core.term == b.term
+            and core.commit == b.commit
+        ):
+            if self._quiesced.get(g) != frm:
+                self._wake(g)  # quiesced under an older leader, if at all
+                self._stop_ticking(g)
+                self._quiesced[g] = frm
+                self._under[frm][g] = None
+        elif g in self._quiesced:
+            self._wake(g)  # the leader beats without quiescing: it is busy again
+
+    def _on_ack(self, frm: int, a: Ack) -> None:
+        g = a.group
+        core = self._cores.get(g)
+        if core is None:
+            self.stats.unknown_group += 1
+            return
+        effects = self._step(core, ack_message(frm, self.id, a))
+        # The answers to a quiescing beat reach a quiesced leader: they change nothing.
+        if g in self._quiesced and (effects or (core.role is Role.LEADER and not core.idle)):
+            self._wake(g)
+        if effects:
+            self._route(g, effects)
+
+    def _stop_ticking(self, group: int) -> None:
+        del self._ticking[group]
+        self._stopped += 1
+
+    def _wake(self, group: int) -> None:
+        leader = self._quiesced.pop(group, None)
+        if leader is None:
+            return
+        if leader != self.id:
+            del self._under[leader][group]
+        self._ticking[group] = None
+
+    def _wake_under(self, peer: int) -> None:
+        """``peer`` has been silent for an election timeout: its followers here tick again."""
+        woken = self._under[peer]
+        self.stats.woken_by_silence += len(woken)
+        for g in woken:
+            del self._quiesced[g]
+            self._ticking[g] = None
+        self._under[peer] = {}
+
+    # -- effects -----------------------------------------------------------------------------
+
+    def _step(self, core: RaftNode, m: Message) -> list[Effect]:
+        effects = core.receive(m)
+        if core.refused:
+            raise RuntimeError(f"node {self.id}: core refused: {core.refused[-1]}")
+        return effects
+
+    def _frame(self, peer: int) -> Frame:
+        frame = self._out.get(peer)
+        if frame is None:
+            frame = self._out[peer] = Frame(self.id, peer)
+        return frame
+
+    def _route(self, g: int, effects: list[Effect], quiesce: bool = False) -> None:
+        for e in effects:
+            if isinstance(e, Send):
+                m = e.message
+                (self._out.get(m.to) or self._frame(m.to)).put(g, m, quiesce)
+            elif isinstance(e, AppendLog):
+                self._logs[g].append(e.first_index, e.entries)
+            elif isinstance(e, Truncate):
+                self._logs[g].truncate(e.from_index)
+            elif isinstance(e, Flush):
+                flushes = self._ready.flushes
+                flushes[g] = max(flushes.get(g, 0), e.index)
+            elif isinstance(e, PersistHardState):
+                self._ready.hard_states[g] = e.state
+            elif isinstance(e, Commit):
+                self._ready.commits[g] = e.index
