@@ -116,7 +116,8 @@ class MqttClient(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         err = ConnectionError(f"connection lost: {exc}")
-        for fut in [self.connack, *self.pending.values(), *self.subacks.values()]:
+        futs: list[asyncio.Future[Any]] = [self.connack, *self.pending.values()]
+        for fut in [*futs, *self.subacks.values()]:
             if not fut.done():
                 fut.set_exception(err)
                 fut.exception()  # mark retrieved: a dropped publish is not an error here
@@ -333,21 +334,23 @@ class Target:
 
 
 class MqlogTarget(Target):
-    """One mqlog node, ``fsync = "always"``: every PUBACK follows an fsync of the append."""
+    """One mqlog node; with ``fsync = "always"`` (the default here) every PUBACK follows an
+    fsync of the append."""
 
     name = "mqlog"
     size = 1
 
-    def __init__(self, lab: Lab, workdir: Path, workers: int = 1) -> None:
+    def __init__(self, lab: Lab, workdir: Path, workers: int = 1, fsync: str = "always") -> None:
         super().__init__(lab, workdir)
         self.workers = workers
+        self.fsync = fsync
 
     def config(self, node: Node) -> Path:
         path = self.workdir / f"{node.name}.toml"
         data = self.workdir / f"{node.name}-data"
         path.write_text(
             f'[server]\nhost = "{node.addr}"\nport = {MQTT_PORT}\nsys_interval = 0\n'
-            f'[commitlog]\ndata_dir = "{data}"\nfsync = "always"\n'
+            f'[commitlog]\ndata_dir = "{data}"\nfsync = "{self.fsync}"\n'
             f'[http]\nhost = "{node.addr}"\nport = 8080\n'
         )
         return path

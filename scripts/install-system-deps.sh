@@ -10,6 +10,12 @@ if [ "${1:-test}" != runtime ]; then
     command -v mosquitto_sub >/dev/null 2>&1 || need+=(mosquitto-clients)
     command -v mosquitto >/dev/null 2>&1 || need+=(mosquitto)
     command -v java >/dev/null 2>&1 || need+=(openjdk-17-jre-headless)  # PySpark (Spark tests)
+    # The network lab (tests/netlab.py: namespaces, bridge, nftables faults) and the
+    # replicated peer the chaos runs and bench/cluster_bench.py measure (NATS 2.9, MQTT on
+    # JetStream R3)
+    command -v ip >/dev/null 2>&1 || need+=(iproute2)
+    command -v nft >/dev/null 2>&1 || need+=(nftables)
+    command -v nats-server >/dev/null 2>&1 || need+=(nats-server)
 fi
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then

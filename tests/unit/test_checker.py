@@ -118,7 +118,8 @@ def histories(draw: st.DrawFn) -> tuple[list[Publish], list[Read]]:
     for i in range(n):
         start = draw(times)
         sent = start + draw(times)
-        end = draw(st.none() | times.map(lambda d, s=sent: s + d))
+        delay = draw(st.none() | times)
+        end = None if delay is None else sent + delay
         ps.append(Publish(f"m{i}", "c", draw(st.sampled_from("xy")), 1, start, sent, end))
     picks = draw(st.lists(st.sampled_from(ps), max_size=12)) if ps else []
     return ps, [Read(p.uid, p.topic) for p in picks]
