@@ -214,9 +214,14 @@ class MqttClient(asyncio.Protocol):
 
 
 class Target:
-    """A broker deployment in the lab. Subclasses write each node's config and command
-    (``argv``), may name the node that leads the data (``leader``), and drain. The base keeps
-    one process per node and turns faults on processes into process-group signals."""
+    """A broker deployment in the lab: the interface an adapter fills.
+
+    A subclass sets ``name`` and ``size`` (nodes) and implements ``argv(node)`` (the command
+    that serves on ``addr(node)``, writing its config under ``workdir``) and
+    ``drain_filter()``; it may override ``leader()`` (so faults can aim at the leader),
+    ``before_run()`` (e.g. a durable subscription the drain reads), ``drain_connect()`` and
+    ``after_kill()``. The base keeps one process per node and turns process faults into
+    process-group signals (kill -9, SIGSTOP, SIGCONT); network faults are the lab's."""
 
     name = ""
     #: Nodes this target runs on (a lab of this size is built for it).
