@@ -30,7 +30,8 @@ Usage (root; the lab needs ``ip`` and ``nft``)::
     python -m bench.chaos --target nats --faults 40 --seed 1
     python -m bench.chaos --target mqlog --faults 20 --seed 1
 
-Prints the checker's table, one line per fault, and a JSON line (``--json FILE`` appends it).
+Prints the checker's table, one line per fault, and a JSON line (``--json FILE`` appends it);
+the whole history (every publish, read and fault) goes to ``<workdir>/history.jsonl``.
 """
 
 from __future__ import annotations
@@ -49,6 +50,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections import Counter
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -408,8 +410,10 @@ class NatsTarget(Target):
         return [shutil.which("nats-server") or "nats-server", "-c", str(conf)]
 
     def leader(self) -> Node | None:
-        """The leader of ``$MQTT_msgs`` (the stream every QoS 1 publish goes to), from the
-        first node whose monitoring endpoint answers."""
+        """The leader of ``$MQTT_msgs`` (the stream every QoS 1 publish goes to): the node
+        that reports itself as its leader; else the leader most nodes report (a node back
+        from a kill or a partition may report a stale one); None if no node answers."""
+        reports: dict[str, str] = {}
         for node in self.lab.nodes:
             url = f"http://{node.addr}:{self.monitor_port}/jsz?accounts=true&streams=true"
             try:
@@ -421,9 +425,15 @@ class NatsTarget(Target):
                 for s in acc.get("stream_detail") or []:
                     if s.get("name") == "$MQTT_msgs":
                         lead = (s.get("cluster") or {}).get("leader")
-                        for n in self.lab.nodes:
-                            if n.name == lead:
-                                return n
+                        if lead:
+                            reports[node.name] = lead
+        by_name = {n.name: n for n in self.lab.nodes}
+        for name, lead in reports.items():
+            if name == lead:
+                return by_name[name]
+        if reports:
+            lead = Counter(reports.values()).most_common(1)[0][0]
+            return by_name.get(lead)
         return None
 
     def drain_filter(self) -> str:
@@ -708,9 +718,33 @@ async def run_chaos(
     ]
     faults = [dataclasses.replace(f, start=f.start - t0, end=f.end - t0) for f in hist.faults]
     report = check(pubs, reads, faults)
+    write_history(target.workdir / "history.jsonl", t0, pubs, reads, faults)
     return RunResult(
         target.name, seed, report, time.monotonic() - t0, hist.reconnects, str(target.workdir)
     )
+
+
+def write_history(
+    path: Path, t0: float, pubs: list[Publish], reads: list[Read], faults: list[Fault]
+) -> None:
+    """The run's history, to locate a loss afterwards: a first line with the wall-clock time
+    of t = 0 (to match broker logs), then one JSON array per record: ``["p", uid, client,
+    topic, start, sent, end]``, ``["r", uid, topic]`` in read order, ``["f", kind, target,
+    start, end]``; times in seconds from t = 0."""
+    wall0 = time.time() - (time.monotonic() - t0)
+    with open(path, "w") as f:
+        f.write(
+            json.dumps(
+                {"t0_wall": wall0, "t0_utc": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(wall0))}
+            )
+            + "\n"
+        )
+        for p in pubs:
+            f.write(json.dumps(["p", p.uid, p.client, p.topic, p.start, p.sent, p.end]) + "\n")
+        for r in reads:
+            f.write(json.dumps(["r", r.uid, r.topic]) + "\n")
+        for x in faults:
+            f.write(json.dumps(["f", x.kind, x.target, x.start, x.end]) + "\n")
 
 
 def run(
