@@ -5,12 +5,12 @@ across the bridge, so every byte crosses a veth as it would cross a wire):
 
 - ``mqlog``: one mqlog node (``--mqlog-fsync``, default "always": a PUBACK follows the fsync);
 - ``nats``: NATS 2.9, three nodes, MQTT on JetStream with ``stream_replicas: 3`` (the file
-  store; bench/chaos.py's NatsTarget), publishers spread over the three nodes.
+  store; bench/targets.py's NatsTarget), publishers spread over the three nodes.
 
 The row the issue is about, mqlog with three nodes and ``replication_factor = 3``, needs the
-replicated cluster (issue 20): its adapter is a bench/chaos.py ``Target`` starting three
-``mqlog serve`` processes with a ``[cluster]`` section; add it to ``TARGETS`` there and name it
-in ``--targets``. Nothing stands in for it here.
+replicated cluster (issue 20): its adapter is a bench/targets.py ``Target`` starting three
+``mqlog serve`` processes with a ``[cluster]`` section; add it there and to ``run_target``
+here. Nothing stands in for it.
 
 Workload: ``--publishers`` connections (in ``--procs`` processes, uvloop), each keeping
 ``--window`` QoS 1 publishes of 64 bytes in flight on its own topic ``bench/<k>/fanin``, and
@@ -37,8 +37,9 @@ from typing import Any
 
 import numpy as np
 
-from bench.chaos import MqlogTarget, MqttClient, NatsTarget, Target
 from bench.loadgen import DISCONNECT, connect_packet, raise_nofile, varint
+from bench.mqttclient import MqttClient
+from bench.targets import MqlogTarget, NatsTarget, Target
 from tests.netlab import Lab
 
 PAYLOAD = b"\x5a" * 64

@@ -224,7 +224,8 @@ def test_mqlog_single_node_kill9_under_qos1_load_loses_nothing(tmp_path: Path) -
     """Two kill -9 + restarts and one pause of one mqlog node with two workers (the
     signals reach the supervisor and both workers: one process group), fsync = "always",
     under QoS 1 publishers: every acknowledged id comes back from $replay/earliest."""
-    from bench.chaos import MqlogTarget, Step, run_chaos
+    from bench.chaos import Step, run_chaos
+    from bench.targets import MqlogTarget
 
     steps = [
         Step("kill", "leader", 0.0, 0.5, 0, 0),
