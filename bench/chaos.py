@@ -408,6 +408,7 @@ def main(argv: list[str] | None = None) -> int:
             ack_timeout=args.ack_timeout,
         )
         print(res.report.table())
+        print(f"logs, data and history.jsonl: {res.workdir}")
         line = {**res.summary(), "report": json.loads(dumps(res.report))}
         print(json.dumps(res.summary()))
         if args.json:

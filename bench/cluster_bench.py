@@ -29,6 +29,7 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import shutil
 import struct
 import tempfile
 import time
@@ -259,14 +260,18 @@ def _expect(out: Any, kind: str, n: int, timeout: float = 60.0) -> list[Any]:
 def run_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"cluster-bench-{name}-"))
     size = {"mqlog": 1, "nats": 3}[name]
-    with Lab(size) as lab:
-        target: Target
-        if name == "mqlog":
-            target = MqlogTarget(lab, work, workers=args.mqlog_workers, fsync=args.mqlog_fsync)
-        else:
-            target = NatsTarget(lab, work)
-        target.start_all()
-        row = measure(target, args)
+    try:
+        with Lab(size) as lab:
+            target: Target
+            if name == "mqlog":
+                target = MqlogTarget(lab, work, workers=args.mqlog_workers, fsync=args.mqlog_fsync)
+            else:
+                target = NatsTarget(lab, work)
+            target.start_all()
+            row = measure(target, args)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     row["config"] = (
         f"fsync={args.mqlog_fsync} workers={args.mqlog_workers}"
         if name == "mqlog"
@@ -285,6 +290,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--mqlog-fsync", default="always", choices=("always", "interval", "never"))
     ap.add_argument("--mqlog-workers", type=int, default=1)
+    ap.add_argument("--keep", action="store_true", help="keep the brokers' data and logs")
     args = ap.parse_args(argv)
     rows = [run_target(name, args) for name in args.targets.split(",") if name]
     print(f"{'target':<8} {'nodes':>5} {'msg/s':>9} {'p50 ms':>8} {'p99 ms':>8}  config")
