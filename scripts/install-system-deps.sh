@@ -15,6 +15,12 @@ if [ "${1:-test}" != runtime ]; then
     command -v chromium >/dev/null 2>&1 || need+=(chromium)
     command -v chromedriver >/dev/null 2>&1 || need+=(chromium-driver)
     [ -e /usr/share/fonts/truetype/dejavu/DejaVuSans.ttf ] || need+=(fonts-dejavu-core)
+    # The network lab (tests/netlab.py: namespaces, bridge, nftables faults) and the
+    # replicated peer the chaos runs and bench/cluster_bench.py measure (NATS 2.9, MQTT on
+    # JetStream R3)
+    command -v ip >/dev/null 2>&1 || need+=(iproute2)
+    command -v nft >/dev/null 2>&1 || need+=(nftables)
+    command -v nats-server >/dev/null 2>&1 || need+=(nats-server)
 fi
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then

@@ -1,0 +1,311 @@
+"""QoS 1 fan-in through a cluster in the network lab: throughput and PUBACK latency.
+
+Each target runs in the lab of tests/netlab.py (one namespace per node, clients on the host
+across the bridge, so every byte crosses a veth as it would cross a wire):
+
+- ``mqlog``: one mqlog node (``--mqlog-fsync``, default "always": a PUBACK follows the fsync);
+- ``nats``: NATS 2.9, three nodes, MQTT on JetStream with ``stream_replicas: 3`` (the file
+  store; bench/targets.py's NatsTarget), publishers spread over the three nodes.
+
+The row the issue is about, mqlog with three nodes and ``replication_factor = 3``, needs the
+replicated cluster (issue 20): its adapter is a bench/targets.py ``Target`` starting three
+``mqlog serve`` processes with a ``[cluster]`` section; add it there and to ``run_target``
+here. Nothing stands in for it.
+
+Workload: ``--publishers`` connections (in ``--procs`` processes, uvloop), each keeping
+``--window`` QoS 1 publishes of 64 bytes in flight on its own topic ``bench/<k>/fanin``, and
+one subscriber on ``bench/+/fanin`` at QoS 1 acknowledging every delivery. After ``--warmup``
+seconds, ``--duration`` seconds are measured: acknowledged publishes per second, and the
+PUBACK latency (send to PUBACK) p50/p99 of the publishes sent in that window. The subscriber's
+count must reach every acknowledged publish (checked after the run).
+
+Usage (root): ``python -m bench.cluster_bench [--targets mqlog,nats] [--duration 10]``; prints
+a table and one JSON line per target.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import multiprocessing as mp
+import shutil
+import struct
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.loadgen import DISCONNECT, connect_packet, raise_nofile, varint
+from bench.mqttclient import MqttClient
+from bench.targets import MqlogTarget, NatsTarget, Target
+from tests.netlab import Lab
+
+PAYLOAD = b"\x5a" * 64
+
+
+class _Pub(asyncio.Protocol):
+    """One publisher connection in window mode; PUBACK latencies in ns while measuring."""
+
+    def __init__(self, cid: str, topic: str, window: int, clock: dict[str, float]) -> None:
+        self.cid = cid
+        t = topic.encode()
+        self.head = struct.pack(">H", len(t)) + t
+        self.window = window
+        self.clock = clock
+        self.sent_at: dict[int, int] = {}
+        self.pid = 0
+        self.sent = 0
+        self.buf = bytearray()
+        self.lat: list[int] = []
+        self.acked_in = 0
+        self.transport: asyncio.Transport | None = None
+        self.ready: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+        transport.write(connect_packet(self.cid, True, username="bench"))  # type: ignore[attr-defined]
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.ready.done():
+            self.ready.set_exception(ConnectionError(f"{self.cid}: {exc}"))
+
+    def start(self) -> None:
+        for _ in range(self.window):
+            self._send()
+
+    def _send(self) -> None:
+        if time.monotonic() >= self.clock["end"] or self.transport is None:
+            return
+        self.pid = self.pid % 65535 + 1
+        body = self.head + struct.pack(">H", self.pid) + PAYLOAD
+        self.sent_at[self.pid] = time.monotonic_ns()
+        self.sent += 1
+        self.transport.write(b"\x32" + varint(len(body)) + body)
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf
+        buf += data
+        pos = 0
+        n = len(buf)
+        while pos + 2 <= n:
+            rl = buf[pos + 1]
+            if rl & 0x80 or pos + 2 + rl > n:
+                break  # PUBACK and CONNACK are 4 bytes: a long packet is not expected
+            kind = buf[pos] >> 4
+            if kind == 4:
+                pid = (buf[pos + 2] << 8) | buf[pos + 3]
+                t = self.sent_at.pop(pid, None)
+                if t is not None:
+                    now = time.monotonic_ns()
+                    if t >= self.clock["t0_ns"] and now <= self.clock["end_ns"]:
+                        self.lat.append(now - t)
+                        self.acked_in += 1
+                self._send()
+            elif kind == 2 and not self.ready.done():
+                if buf[pos + 3] == 0:
+                    self.ready.set_result(None)
+                else:
+                    self.ready.set_exception(ConnectionError(f"CONNACK {buf[pos + 3]}"))
+            pos += 2 + rl
+        del buf[:pos]
+
+
+async def _pubs(spec: dict[str, Any], go: Any, out: Any) -> None:
+    loop = asyncio.get_running_loop()
+    clock = {"end": float("inf"), "t0_ns": 1 << 62, "end_ns": 0}
+    conns: list[_Pub] = []
+    for k in spec["indexes"]:
+        host, port = spec["addrs"][k % len(spec["addrs"])]
+        cid = f"bench-p{k}"
+
+        def make(cid: str = cid, k: int = k) -> _Pub:
+            return _Pub(cid, f"bench/{k}/fanin", spec["window"], clock)
+
+        _, proto = await loop.create_connection(make, host, port)
+        await asyncio.wait_for(proto.ready, 30)
+        conns.append(proto)
+    out.put(("ready", len(conns)))
+    while not go.is_set():
+        await asyncio.sleep(0.005)
+    now = time.monotonic()
+    clock["end"] = now + spec["warmup"] + spec["duration"]
+    clock["t0_ns"] = int((now + spec["warmup"]) * 1e9)
+    clock["end_ns"] = int(clock["end"] * 1e9)
+    for c in conns:
+        c.start()
+    await asyncio.sleep(spec["warmup"] + spec["duration"] + 1.0)
+    lat = np.array([x for c in conns for x in c.lat], dtype=np.int64)
+    sent = sum(c.sent for c in conns)
+    for c in conns:
+        if c.transport is not None:
+            c.transport.write(DISCONNECT)
+            c.transport.close()
+    out.put(("pub", int(sum(c.acked_in for c in conns)), lat.tobytes(), sent))
+
+
+async def _sub(spec: dict[str, Any], go: Any, stop: Any, out: Any) -> None:
+    count = [0]
+    host, port = spec["addrs"][0]
+    c = await MqttClient.connect(
+        host,
+        port,
+        "bench-sub",
+        timeout=30,
+        on_message=lambda t, p: count.__setitem__(0, count[0] + 1),
+    )
+    if await c.subscribe("bench/+/fanin", timeout=30) == 0x80:
+        raise RuntimeError("subscription refused")
+    out.put(("ready", 1))
+    while not stop.is_set():
+        await asyncio.sleep(0.05)
+    last, quiet = count[0], time.monotonic()
+    while time.monotonic() - quiet < 2.0:  # until two seconds without a delivery
+        await asyncio.sleep(0.1)
+        if count[0] != last:
+            last, quiet = count[0], time.monotonic()
+    c.close()
+    out.put(("sub", count[0]))
+
+
+def _proc_main(role: str, spec: dict[str, Any], go: Any, stop: Any, out: Any) -> None:
+    import uvloop
+
+    raise_nofile()
+    try:
+        if role == "pub":
+            uvloop.run(_pubs(spec, go, out))
+        else:
+            uvloop.run(_sub(spec, go, stop, out))
+    except BaseException as e:
+        out.put(("error", f"{role}: {type(e).__name__}: {e}"))
+        raise
+
+
+async def _warm(target: Target, timeout: float = 60.0) -> None:
+    """Until a QoS 1 publish through each node is acknowledged (JetStream creates its MQTT
+    streams on the first connection)."""
+    deadline = time.monotonic() + timeout
+    for node in target.lab.nodes:
+        while True:
+            try:
+                c = await MqttClient.connect(*target.addr(node), "bench-warm", timeout=5)
+                await asyncio.wait_for(c.publish("bench/warm", b"x"), 5)
+                c.close()
+                break
+            except (OSError, ConnectionError, TimeoutError):
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(0.5)
+
+
+def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
+    """One target, already started: fan-in for the configured time."""
+    asyncio.run(_warm(target))
+    addrs = [target.addr(n) for n in target.lab.nodes]
+    ctx = mp.get_context("fork")
+    go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
+    spec = {
+        "addrs": addrs,
+        "window": args.window,
+        "warmup": args.warmup,
+        "duration": args.duration,
+    }
+    procs = [ctx.Process(target=_proc_main, args=("sub", spec, go, stop, out))]
+    for i in range(args.procs):
+        s = {**spec, "indexes": list(range(i, args.publishers, args.procs))}
+        procs.append(ctx.Process(target=_proc_main, args=("pub", s, go, stop, out)))
+    procs[0].start()
+    _expect(out, "ready", 1)
+    for p in procs[1:]:
+        p.start()
+    _expect(out, "ready", args.procs)
+    go.set()
+    pubs = _expect(out, "pub", args.procs, timeout=args.warmup + args.duration + 60)
+    stop.set()
+    sub = _expect(out, "sub", 1, timeout=120)[0]
+    for p in procs:
+        p.join(10)
+    acked = sum(r[1] for r in pubs)
+    lat = np.concatenate([np.frombuffer(r[2], dtype=np.int64) for r in pubs]) / 1e6
+    sent = sum(r[3] for r in pubs)
+    return {
+        "target": target.name,
+        "nodes": len(target.lab.nodes),
+        "msg_s": round(acked / args.duration),
+        "acked_measured": acked,
+        "puback_p50_ms": round(float(np.percentile(lat, 50)), 2) if len(lat) else None,
+        "puback_p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
+        "sent": sent,
+        "received": sub[1],
+        "publishers": args.publishers,
+        "window": args.window,
+    }
+
+
+def _expect(out: Any, kind: str, n: int, timeout: float = 60.0) -> list[Any]:
+    got: list[Any] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < n:
+        msg = out.get(timeout=max(0.1, deadline - time.monotonic()))
+        if msg[0] == "error":
+            raise RuntimeError(msg[1])
+        if msg[0] == kind:
+            got.append(msg)
+    return got
+
+
+def run_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix=f"cluster-bench-{name}-"))
+    size = {"mqlog": 1, "nats": 3}[name]
+    try:
+        with Lab(size) as lab:
+            target: Target
+            if name == "mqlog":
+                target = MqlogTarget(lab, work, workers=args.mqlog_workers, fsync=args.mqlog_fsync)
+            else:
+                target = NatsTarget(lab, work)
+            target.start_all()
+            row = measure(target, args)
+    finally:
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    row["config"] = (
+        f"fsync={args.mqlog_fsync} workers={args.mqlog_workers}"
+        if name == "mqlog"
+        else "JetStream file store, stream_replicas=3"
+    )
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--targets", default="mqlog,nats")
+    ap.add_argument("--publishers", type=int, default=50)
+    ap.add_argument("--procs", type=int, default=2, help="publisher processes")
+    ap.add_argument("--window", type=int, default=8, help="QoS 1 in flight per publisher")
+    ap.add_argument("--warmup", type=float, default=2.0)
+    ap.add_argument("--duration", type=float, default=10.0)
+    ap.add_argument("--mqlog-fsync", default="always", choices=("always", "interval", "never"))
+    ap.add_argument("--mqlog-workers", type=int, default=1)
+    ap.add_argument("--keep", action="store_true", help="keep the brokers' data and logs")
+    args = ap.parse_args(argv)
+    rows = [run_target(name, args) for name in args.targets.split(",") if name]
+    print(f"{'target':<8} {'nodes':>5} {'msg/s':>9} {'p50 ms':>8} {'p99 ms':>8}  config")
+    for r in rows:
+        print(
+            f"{r['target']:<8} {r['nodes']:>5} {r['msg_s']:>9} {r['puback_p50_ms']!s:>8} "
+            f"{r['puback_p99_ms']!s:>8}  {r['config']}"
+        )
+    for r in rows:
+        print(json.dumps({"bench": "cluster", **r}))
+    bad = [r for r in rows if r["received"] < r["acked_measured"]]
+    for r in bad:
+        print(f"{r['target']}: the subscriber got {r['received']} of the acknowledged publishes")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,277 @@
+"""Broker deployments in the network lab (tests/netlab.py) for bench/chaos.py and
+bench/cluster_bench.py: one adapter (a ``Target`` subclass) per broker.
+
+- ``NatsTarget``: NATS 2.9 (Debian ``nats-server``), three nodes, MQTT on JetStream with
+  ``stream_replicas: 3``, cluster routes between the three;
+- ``MqlogTarget``: one mqlog node (``fsync = "always"`` unless told otherwise).
+
+The replicated mqlog cluster's adapter belongs here once the cluster exists (issue 20): a
+``Target`` of size 3 whose ``argv`` runs ``mqlog serve`` with a ``[cluster]`` section (node_id,
+bind, seeds, secret_file), whose ``leader()`` reads ``GET /api/v1/cluster``, and whose drain
+subscribes to ``$replay/earliest/chaos/#``. Nothing stands in for it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import shutil
+import sys
+import time
+import urllib.request
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.mqttclient import MqttClient
+from tests.checker import Read
+from tests.netlab import Lab, Node, Proc, wait_tcp
+
+ROOT = Path(__file__).resolve().parents[1]
+MQTT_PORT = 1883
+#: Every topic the chaos workload publishes to is under this level.
+TOPIC_PREFIX = "chaos"
+
+
+class Target:
+    """A broker deployment in the lab: the interface an adapter fills.
+
+    A subclass sets ``name`` and ``size`` (nodes) and implements ``argv(node)`` (the command
+    that serves on ``addr(node)``, writing its config under ``workdir``) and
+    ``drain_filter()``; it may override ``leader()`` (so faults can aim at the leader),
+    ``before_run()`` (e.g. a durable subscription the drain reads), ``drain_connect()`` and
+    ``after_kill()``. The base keeps one process per node and turns process faults into
+    process-group signals (kill -9, SIGSTOP, SIGCONT); network faults are the lab's."""
+
+    name = ""
+    #: Nodes this target runs on (a lab of this size is built for it).
+    size = 1
+    ready_timeout = 30.0
+
+    def __init__(self, lab: Lab, workdir: Path) -> None:
+        self.lab = lab
+        self.workdir = workdir
+        self.procs: dict[str, Proc] = {}
+
+    def argv(self, node: Node) -> list[str]:
+        raise NotImplementedError
+
+    def env(self) -> dict[str, str] | None:
+        return None
+
+    def addr(self, node: Node) -> tuple[str, int]:
+        return node.addr, MQTT_PORT
+
+    def start(self, node: Node) -> None:
+        """Start (or restart after a kill) the node's broker; returns once it listens."""
+        self.procs[node.name] = self.lab.spawn(
+            node,
+            self.argv(node),
+            log_path=self.workdir / f"{node.name}.log",
+            env=self.env(),
+            cwd=ROOT,
+        )
+        wait_tcp(*self.addr(node), timeout=self.ready_timeout)
+
+    def start_all(self) -> None:
+        for node in self.lab.nodes:
+            self.procs[node.name] = self.lab.spawn(
+                node,
+                self.argv(node),
+                log_path=self.workdir / f"{node.name}.log",
+                env=self.env(),
+                cwd=ROOT,
+            )
+        for node in self.lab.nodes:
+            wait_tcp(*self.addr(node), timeout=self.ready_timeout)
+
+    def kill(self, node: Node) -> None:
+        self.procs[node.name].kill()
+        self.after_kill(node)
+
+    def after_kill(self, node: Node) -> None:
+        """Until the killed node's resources are free for a restart."""
+
+    def pause(self, node: Node) -> None:
+        self.procs[node.name].pause()
+
+    def resume(self, node: Node) -> None:
+        self.procs[node.name].resume()
+
+    def alive(self, node: Node) -> bool:
+        p = self.procs.get(node.name)
+        return p is not None and p.alive()
+
+    def leader(self) -> Node | None:
+        """The node leading the data the publishers write, if the target can tell."""
+        return None
+
+    def drain_filter(self) -> str:
+        raise NotImplementedError
+
+    async def before_run(self) -> None:
+        """Called once the nodes listen, before the first publish."""
+
+    async def drain(self, expect: set[str], quiet: float, timeout: float) -> list[Read]:
+        """Read back everything under ``chaos/`` once, until every id of ``expect`` came
+        and ``quiet`` seconds passed without a message, or ``timeout``."""
+        reads: list[Read] = []
+        got: set[str] = set()
+        last = [time.monotonic()]
+
+        def on_message(topic: str, payload: bytes) -> None:
+            uid = payload.decode(errors="replace")
+            reads.append(Read(uid, topic))
+            got.add(uid)
+            last[0] = time.monotonic()
+
+        deadline = time.monotonic() + timeout
+        client = await self._drain_client(on_message, deadline)
+        try:
+            while time.monotonic() < deadline and not client.is_closed:
+                if expect <= got and time.monotonic() - last[0] > quiet:
+                    break
+                await asyncio.sleep(0.1)
+        finally:
+            client.close()
+        return reads
+
+    async def _drain_client(
+        self, on_message: Callable[[str, bytes], None], deadline: float
+    ) -> MqttClient:
+        while True:
+            for node in self.lab.nodes:
+                try:
+                    c = await self.drain_connect(node, on_message)
+                    if await c.subscribe(self.drain_filter()) != 0x80:
+                        return c
+                    c.close()
+                except (OSError, ConnectionError, TimeoutError):
+                    pass
+                if time.monotonic() > deadline:
+                    raise TimeoutError("no node accepted the drain subscription")
+            await asyncio.sleep(0.5)
+
+    async def drain_connect(
+        self, node: Node, on_message: Callable[[str, bytes], None]
+    ) -> MqttClient:
+        return await MqttClient.connect(*self.addr(node), "chaos-drain", on_message=on_message)
+
+
+class MqlogTarget(Target):
+    """One mqlog node; with ``fsync = "always"`` (the default here) every PUBACK follows an
+    fsync of the append."""
+
+    name = "mqlog"
+    size = 1
+
+    def __init__(self, lab: Lab, workdir: Path, workers: int = 1, fsync: str = "always") -> None:
+        super().__init__(lab, workdir)
+        self.workers = workers
+        self.fsync = fsync
+
+    def config(self, node: Node) -> Path:
+        path = self.workdir / f"{node.name}.toml"
+        data = self.workdir / f"{node.name}-data"
+        path.write_text(
+            f'[server]\nhost = "{node.addr}"\nport = {MQTT_PORT}\nsys_interval = 0\n'
+            f'[commitlog]\ndata_dir = "{data}"\nfsync = "{self.fsync}"\n'
+            f'[http]\nhost = "{node.addr}"\nport = 8080\n'
+        )
+        return path
+
+    def argv(self, node: Node) -> list[str]:
+        return [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            "-c",
+            str(self.config(node)),
+            "--workers",
+            str(self.workers),
+        ]
+
+    def env(self) -> dict[str, str]:
+        path = os.environ.get("PYTHONPATH", "")
+        return {**os.environ, "PYTHONPATH": f"{ROOT}:{path}" if path else str(ROOT)}
+
+    def after_kill(self, node: Node) -> None:
+        # workers killed with their supervisor exit a moment later, holding the data
+        # directory's lock until then: the restart must not start before
+        deadline = time.monotonic() + 10
+        while self.procs[node.name].group_alive() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def drain_filter(self) -> str:
+        return f"$replay/earliest/{TOPIC_PREFIX}/#"
+
+
+class NatsTarget(Target):
+    """NATS 2.9 with MQTT on JetStream, three nodes, ``stream_replicas: 3``."""
+
+    name = "nats"
+    size = 3
+    monitor_port = 8222
+
+    def argv(self, node: Node) -> list[str]:
+        routes = ", ".join(f"nats-route://{m.addr}:6222" for m in self.lab.peers(node))
+        conf = self.workdir / f"{node.name}.conf"
+        conf.write_text(
+            f"server_name: {node.name}\n"
+            f'listen: "{node.addr}:4222"\n'
+            f'http: "{node.addr}:{self.monitor_port}"\n'
+            f'jetstream {{ store_dir: "{self.workdir / node.name}" }}\n'
+            f'cluster {{ name: chaos, listen: "{node.addr}:6222", routes: [{routes}] }}\n'
+            f'mqtt {{ listen: "{node.addr}:{MQTT_PORT}", stream_replicas: 3 }}\n'
+        )
+        return [shutil.which("nats-server") or "nats-server", "-c", str(conf)]
+
+    def leader(self) -> Node | None:
+        """The leader of ``$MQTT_msgs`` (the stream every QoS 1 publish goes to): the node
+        that reports itself as its leader; else the leader most nodes report (a node back
+        from a kill or a partition may report a stale one); None if no node answers."""
+        reports: dict[str, str] = {}
+        for node in self.lab.nodes:
+            url = f"http://{node.addr}:{self.monitor_port}/jsz?accounts=true&streams=true"
+            try:
+                with urllib.request.urlopen(url, timeout=0.5) as r:
+                    doc = json.load(r)
+            except (OSError, ValueError):
+                continue
+            for acc in doc.get("account_details") or []:
+                for s in acc.get("stream_detail") or []:
+                    if s.get("name") == "$MQTT_msgs":
+                        lead = (s.get("cluster") or {}).get("leader")
+                        if lead:
+                            reports[node.name] = lead
+        by_name = {n.name: n for n in self.lab.nodes}
+        for name, lead in reports.items():
+            if name == lead:
+                return by_name[name]
+        if reports:
+            lead = Counter(reports.values()).most_common(1)[0][0]
+            return by_name.get(lead)
+        return None
+
+    def drain_filter(self) -> str:
+        return f"{TOPIC_PREFIX}/#"
+
+    async def drain_connect(
+        self, node: Node, on_message: Callable[[str, bytes], None]
+    ) -> MqttClient:
+        return await MqttClient.connect(
+            *self.addr(node), "chaos-drain", clean=False, timeout=5.0, on_message=on_message
+        )
+
+    async def before_run(self) -> None:
+        """The drain's durable subscription exists before the first publish (NATS keeps
+        QoS 1 messages for a persistent session's subscription from then on)."""
+        deadline = time.monotonic() + 60
+        client = await self._drain_client(lambda t, p: None, deadline)
+        client.close()
+        await client.closed
+
+
+TARGETS: dict[str, type[Target]] = {"nats": NatsTarget, "mqlog": MqlogTarget}
