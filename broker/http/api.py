@@ -13,6 +13,11 @@ Routes (JSON bodies, encoded with orjson):
   subscriptions, per consumer and partition its position and lag behind the high-water mark,
   in-flight deliveries), and each shared-subscription group with its positions and members.
 
+With ``allow_anonymous = false`` every route but ``/healthz`` needs HTTP Basic credentials
+from the password file (:mod:`broker.http.access`, a middleware: a route added to
+:attr:`HttpApi.app` is covered too), and the fetch API returns only the records the user's
+ACL lets it read.
+
 The handlers only read router and log state; they run on the loop that owns the router, so no
 locking is needed, and none of them blocks (a log's offsets are in memory). A stream's logs are
 opened on first use, exactly as a subscriber would open them.
@@ -31,8 +36,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from broker.auth import AuthService
 from broker.commitlog import SegmentedLog, StreamSpec
 from broker.commitlog.reader import LogReader
+from broker.http.access import HttpAccess
 from broker.http.fetch_api import FetchApi, PartitionSource
 from broker.metrics.collector import Metrics, WorkerShare, merge_expositions
 from broker.router.session import MAIN, Consumer, Session, SharedGroup
@@ -72,6 +79,11 @@ class AdminSource(PartitionSource, SessionsSource, Protocol):
     def metrics(self) -> Metrics: ...
 
     @property
+    def auth(self) -> AuthService:
+        """The [auth] decisions: who may use the HTTP API, and what records it may read."""
+        ...
+
+    @property
     def runtime(self) -> WorkerShare | None: ...
 
     def describe(self) -> dict[str, Any]:
@@ -85,7 +97,9 @@ class HttpApi:
     def __init__(self, server: AdminSource, config: HttpConfig) -> None:
         self.server = server
         self.config = config
-        self.app = web.Application()
+        #: Every route but /healthz is authenticated here (broker.http.access).
+        self.access = HttpAccess(server.auth)
+        self.app = web.Application(middlewares=[self.access.middleware])
         self.app.add_routes(
             [
                 web.get("/healthz", self.healthz),
