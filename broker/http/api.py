@@ -134,11 +134,18 @@ class HttpApi:
     # ---------------------------------------------------------------- handlers
 
     async def healthz(self, request: web.Request) -> web.Response:
-        """200 ``{"status": "ok", "ready": true}`` while every listener serves; 503 while
-        starting or shutting down (a load balancer stops sending clients)."""
+        """200 ``{"status": "ok", "ready": true, "connections", "sessions"}`` while every
+        listener serves (the counts are every worker's, added up); 503 while starting or
+        shutting down (a load balancer stops sending clients)."""
         info = self.server.describe()
         if not info["ready"]:
             return _json({"status": "unavailable", **info}, 503)
+        runtime = self.server.runtime
+        if runtime is not None:  # the broker's figures: every worker's added up
+            parts = [orjson.loads(part) for part in await runtime.gather("health")]
+            for name in ("connections", "sessions"):
+                info[name] = sum(part.get(name, 0) for part in parts)
+            info["workers_reporting"] = len(parts)
         return _json({"status": "ok", **info})
 
     async def metrics(self, request: web.Request) -> web.Response:

@@ -13,9 +13,11 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from pathlib import Path
 from typing import Any
 
+import orjson
 import paho.mqtt.client as mqtt
 import pytest
 
@@ -315,3 +317,22 @@ def test_a_persistent_session_belongs_to_its_user(acl_broker: BrokerProcess) -> 
     (msg,) = back.expect(1)
     assert (msg.topic, msg.payload) == ("alice/inbox", b"queued for alice")
     back.disconnect()
+
+
+# ------------------------------------------------------------------ every worker counted
+
+
+def test_healthz_counts_every_workers_clients(broker: BrokerProcess) -> None:
+    """With two workers, SO_REUSEPORT spreads the 8 connections over both (all 8 on one
+    has a chance of 1 in 128): /healthz adds up every worker's, not worker 0's alone."""
+    clients = [Client(broker.port, f"health-{i}", V311, clean=False) for i in range(8)]
+    for c in clients:
+        assert c.connect() == 0
+    with urllib.request.urlopen(broker.http_url + "/healthz", timeout=10) as resp:
+        health = orjson.loads(resp.read())
+    assert health["status"] == "ok"
+    assert (health["connections"], health["sessions"]) == (8, 8), health
+    if broker.workers > 1:
+        assert health["workers_reporting"] == broker.workers
+    for c in clients:
+        c.disconnect()
