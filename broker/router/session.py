@@ -71,6 +71,9 @@ class Consumer:
     cursors: dict[PartitionKey, int] = field(default_factory=dict)
     #: For replay consumers: add mqlog-partition / mqlog-offset user properties (5.0).
     annotate: bool = False
+    #: ``$replay/<from>;merge/...``: the partitions' records in timestamp order
+    #: (:meth:`broker.router.delivery.Delivery.pump_merged`), not partition by partition.
+    merge: bool = False
     #: Shared group name (None for main and replay consumers).
     group: str | None = None
     #: Cache: topic -> how the consumer's subscriptions match it, None when none does.
@@ -281,6 +284,7 @@ class Session:
                     "subs": [_sub_state(s) for s in c.subscriptions.values()],
                     "cursors": [[k[0], k[1], off] for k, off in c.cursors.items()],
                     "annotate": c.annotate,
+                    **({"merge": True} if c.merge else {}),
                 }
                 for name, c in self.consumers.items()
             },
@@ -313,7 +317,9 @@ class Session:
             owner_known="owner" in state,
         )
         for name, c in state["consumers"].items():
-            consumer = Consumer(name, annotate=c.get("annotate", False))
+            consumer = Consumer(
+                name, annotate=c.get("annotate", False), merge=c.get("merge", False)
+            )
             for sub in c["subs"]:
                 consumer.subscriptions[sub["filter"]] = _sub_from_state(sub)
             for stream, part, off in c["cursors"]:

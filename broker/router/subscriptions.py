@@ -88,7 +88,7 @@ class Subscriptions:
             if not self._may_subscribe(session, full, plain):
                 return self._denied_code(session)
             sub.topic_filter = plain
-            consumer = Consumer(full, annotate=True)
+            consumer = Consumer(full, annotate=True, merge=start.merge)
             consumer.subscriptions[plain] = sub
             self._drop_consumer(session, full)
             session.consumers[full] = consumer
