@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import logging
 import os
 import re
 import shutil
@@ -146,7 +147,20 @@ def spark_session(
     builder = SparkSession.builder.master(master).appName(app)
     for key, value in {**conf, **(extra or {})}.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
+    if log_file is None:
+        spark = builder.getOrCreate()
+    else:
+        # The JVM writes a few lines to its stderr before log4j is up (Java 17's "WARNING:
+        # Using incubator modules"): it inherits the file as its stderr, mqlog keeps its own.
+        saved = os.dup(2)
+        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.dup2(fd, 2)
+            spark = builder.getOrCreate()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(fd)
     if log_file is None:
         spark.sparkContext.setLogLevel("ERROR")
     register(spark)
@@ -251,6 +265,8 @@ def error_message(e: BaseException) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     """``mqlog spark-drain``: run the drain until it finishes (``--once``) or SIGTERM/SIGINT."""
+    # py4j's INFO lines (its gateway connections) are Spark's, not mqlog's.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
     password = os.environ.get(PASSWORD_ENV) if args.user is not None else None
     local = args.master.startswith("local") and is_local(args.broker)
     log_file = Path(args.spark_log or Path(args.checkpoint) / "spark-driver.log")

@@ -208,7 +208,10 @@ def test_client_id_pattern(acl_broker: BrokerProcess) -> None:
 
 def test_clients_never_write_sys_topics(broker: BrokerProcess) -> None:
     c = raw_login_anonymous(broker)
-    assert raw_publish(c, "$SYS/broker/uptime", 1, 1) == b"\x00\x01\x87"
+    props = b"\x1f" + utf8("not authorized to publish to '$SYS/broker/uptime'")
+    assert (
+        raw_publish(c, "$SYS/broker/uptime", 1, 1) == b"\x00\x01\x87" + varint(len(props)) + props
+    )
     c.close()
 
 

@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 import urllib.request
+import zlib
 from pathlib import Path
 from typing import Any
 
@@ -336,3 +337,58 @@ def test_healthz_counts_every_workers_clients(broker: BrokerProcess) -> None:
         assert health["workers_reporting"] == broker.workers
     for c in clients:
         c.disconnect()
+
+
+# ------------------------------------------------------------------ $replay ;merge
+
+
+def test_replay_merge_gives_one_time_line(broker_factory: BrokerFactory) -> None:
+    """Nine messages over three topics in three partitions: `$replay/earliest;merge/...`
+    returns them in publish order; a plain replay, partition by partition."""
+    broker = broker_factory(
+        config='[[streams]]\nname = "fleet"\ntopic_filter = "fleet/#"\npartitions = 3\n'
+    )
+    # three topics in three different partitions (crc32 % 3)
+    topics: dict[int, str] = {}
+    for i in range(100):
+        topics.setdefault(zlib.crc32(f"fleet/d{i}".encode()) % 3, f"fleet/d{i}")
+    pub = Client(broker.port, "merge-pub", V5)
+    assert pub.connect() == 0
+    sent = []
+    for i in range(9):
+        pub.publish(topics[i % 3], b"m%d" % i, qos=1)  # acknowledged: stored
+        sent.append(b"m%d" % i)
+        time.sleep(0.003)  # distinct broker timestamps (ms), not a wait for an event
+    pub.disconnect()
+    merged = Client(broker.port, "merge-sub", V5)
+    assert merged.connect() == 0
+    assert merged.subscribe("$replay/earliest;merge/fleet/#", 1) == [1]
+    got = merged.expect(9)
+    assert [m.payload for m in got] == sent
+    assert {m.properties["UserProperty"][0][0] for m in got} == {"mqlog-partition"}
+    plain = Client(broker.port, "plain-sub", V5)
+    assert plain.connect() == 0
+    assert plain.subscribe("$replay/earliest/fleet/#", 1) == [1]
+    by_partition = [m.payload for m in plain.expect(9)]
+    assert sorted(by_partition) == sorted(sent) and by_partition != sent
+
+
+@pytest.mark.parametrize("problem_info", [1, 0])
+def test_refused_replay_suback_reason_string_follows_problem_information(
+    broker: BrokerProcess, problem_info: int
+) -> None:
+    """[MQTT-3.1.2-29]: a client asking for no problem information gets no Reason String on
+    a SUBACK (it still gets the reason code)."""
+    s, _ = open_session(
+        broker.port, connect5(f"pi-{problem_info}", props=bytes([0x17, problem_info]))
+    )
+    s.sendall(packet(0x82, b"\x00\x05" + varint(0) + utf8("$replay/yesterday/a/#") + b"\x00"))
+    first, body = read_packet(s)
+    props, end = read_props(body, 2)
+    assert (first, body[end:]) == (0x90, b"\x8f")
+    if problem_info:
+        assert props[REASON_STRING].startswith("'$replay/yesterday/a/#': ")
+        assert "<from> must be earliest, latest" in props[REASON_STRING]
+    else:
+        assert REASON_STRING not in props
+    s.close()
