@@ -1,10 +1,15 @@
 """The ``mqlog`` console script.
 
-``mqlog serve -c config/broker.toml [--port N] [--http-port N] [--data-dir DIR] [--workers N]``
-runs the broker; command-line values take precedence over the file. It logs one line per
-listener when ready and stops cleanly on SIGTERM / SIGINT. With ``workers`` > 1 this process
-is the supervisor of that many worker processes (:mod:`broker.workers.supervisor`); each
-worker logs what it owns and serves, the supervisor the listeners once all of them serve.
+``mqlog serve -c config/broker.toml [-h/--host ADDR] [-p/--port N] [--http-port N]
+[--data-dir DIR] [--workers N] [-v]`` runs the broker; command-line values take precedence over
+the file and are checked exactly as the keys they override (an error names the flag). ``-h``
+is the host, as in Mosquitto's clients; ``--help`` is the help. It says who can reach it (one
+line: loopback by default while anonymous access has no password file; a warning when
+anonymous access meets another address), logs one line per listener when ready and stops
+cleanly on SIGTERM / SIGINT. ``mqlog --version`` prints the version. With ``workers`` > 1
+this process is the supervisor of that many worker processes
+(:mod:`broker.workers.supervisor`); each worker logs what it owns and serves, the supervisor
+the listeners once all of them serve.
 
 ``mqlog spark-drain --broker URL [--stream S] --output DIR --checkpoint DIR [--once]`` drains
 streams into Parquet partitioned by date with Spark, exactly once (:mod:`spark_sink.drain`;
@@ -18,6 +23,12 @@ local users in the process list, so prefer stdin.
 ``mqlog streams [--broker URL]`` and ``mqlog offsets [--broker URL]`` ask a running broker's
 HTTP admin API (default ``http://127.0.0.1:8080``) and print tables: streams with their
 partitions and high-water marks; each persistent session's and shared group's position and lag.
+With ``--user NAME`` they (and ``spark-drain``) authenticate as that user of the broker's
+password file, the password taken from ``$MQLOG_PASSWORD``.
+
+No user error ends in a traceback: bad values, an unreachable broker, a missing optional
+extra (``bench``, ``spark``: the message names the extra to install) are one line and a
+non-zero exit.
 """
 
 from __future__ import annotations
