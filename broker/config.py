@@ -491,9 +491,6 @@ def check_ports(
     worker 0 while worker 1 already served (a flaky test picked one free port twice)."""
     flags = flags or {}
 
-    def name(key: str) -> str:
-        return f"{flags[key]} ({key})" if key in flags else key
-
     ports = [
         ("server.port", cfg.server.port),
         ("server.tls_port", cfg.server.tls_port),
@@ -506,7 +503,9 @@ def check_ports(
         if not port:
             continue  # off, or picked by the system (port 0)
         if port in seen:
-            raise ConfigError(f"{source}: {name(key)} = {port} is also {name(seen[port])}")
+            given = [flags[k] for k in (seen[port], key) if k in flags]
+            note = f" (set by {' and '.join(given)})" if given else ""
+            raise ConfigError(f"{source}: {key} = {port} is also {seen[port]}{note}")
         seen[port] = key
 
 

@@ -281,5 +281,8 @@ def test_connection_messages_switch(tmp_path: Path) -> None:
 
 def test_port_clash_names_the_flags() -> None:
     cfg = parse_config({}, "b.toml", {"server.port": 1884, "http.port": 1884})
-    with pytest.raises(ConfigError, match=r"--http-port \(http.port\) = 1884 is also --port"):
+    with pytest.raises(
+        ConfigError,
+        match=r"http.port = 1884 is also server.port \(set by --port and --http-port\)$",
+    ):
         check_ports(cfg, "b.toml", {"server.port": "--port", "http.port": "--http-port"})
