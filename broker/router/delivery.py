@@ -264,9 +264,10 @@ class Delivery:
         committed record with an earlier timestamp. Each partition is read from its cursor
         in batches kept for this call; the next record is the earliest of their heads. The
         cost against a per-partition replay: a choice among P heads per record and one
-        write per record (no runs), so a merged replay of a many-partition stream is
-        several times slower; live, a partition's new records wait for nothing (records
-        only exist once committed)."""
+        write per record (no runs): half the rate for a 3.1.1 subscriber, about the same for
+        a 5.0 one, whose replays are annotated record by record anyway (README, "Quick
+        start"). Live, a partition's new records wait for nothing (they exist only once
+        committed)."""
         link = session.link
         if link is None:
             return

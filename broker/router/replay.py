@@ -11,8 +11,8 @@
 Any of them may end in ``;merge`` (``$replay/time:-1h;merge/devices/#``): the records of
 every matched partition come merged in timestamp order (ties: the lower partition first)
 instead of partition by partition. Its cost: each record is chosen among the partitions'
-next records and sent alone (no runs of records in one write), and a partition behind holds
-back the others' (see :meth:`broker.router.delivery.Delivery.pump_merged`).
+next records and sent alone, without runs of records in one write
+(:meth:`broker.router.delivery.Delivery.pump_merged`).
 
 Pure parsing; the router turns a :class:`ReplayStart` into cursors.
 """
