@@ -8,11 +8,13 @@ STAMP  := $(VENV)/.stamp
 .PHONY: run test lint bench clean
 
 $(PY):
+	@echo "Creating $(VENV) (first run only) ..."
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
 # Runtime install: the project and its dependencies.
 $(STAMP)-run: pyproject.toml scripts/install-system-deps.sh | $(PY)
+	@echo "Installing mqlog and its dependencies into $(VENV) (about 10 s; once, until pyproject.toml changes) ..."
 	bash scripts/install-system-deps.sh runtime
 	$(PY) -m pip install --quiet -e .
 	touch $@
@@ -24,6 +26,7 @@ $(STAMP)-test: pyproject.toml scripts/install-system-deps.sh | $(PY)
 	touch $@
 
 run: $(STAMP)-run
+	@echo "Starting mqlog on config/broker.toml (Ctrl-C stops it) ..."
 	$(VENV)/bin/mqlog serve -c config/broker.toml
 
 lint: $(STAMP)-test

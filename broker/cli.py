@@ -1,10 +1,15 @@
 """The ``mqlog`` console script.
 
-``mqlog serve -c config/broker.toml [--port N] [--http-port N] [--data-dir DIR] [--workers N]``
-runs the broker; command-line values take precedence over the file. It logs one line per
-listener when ready and stops cleanly on SIGTERM / SIGINT. With ``workers`` > 1 this process
-is the supervisor of that many worker processes (:mod:`broker.workers.supervisor`); each
-worker logs what it owns and serves, the supervisor the listeners once all of them serve.
+``mqlog serve -c config/broker.toml [-h/--host ADDR] [-p/--port N] [--http-port N]
+[--data-dir DIR] [--workers N] [-v]`` runs the broker; command-line values take precedence over
+the file and are checked exactly as the keys they override (an error names the flag). ``-h``
+is the host, as in Mosquitto's clients; ``--help`` is the help. It says who can reach it (one
+line: loopback by default while anonymous access has no password file; a warning when
+anonymous access meets another address), logs one line per listener when ready and stops
+cleanly on SIGTERM / SIGINT. ``mqlog --version`` prints the version. With ``workers`` > 1
+this process is the supervisor of that many worker processes
+(:mod:`broker.workers.supervisor`); each worker logs what it owns and serves, the supervisor
+the listeners once all of them serve.
 
 ``mqlog spark-drain --broker URL [--stream S] --output DIR --checkpoint DIR [--once]`` drains
 streams into Parquet partitioned by date with Spark, exactly once (:mod:`spark_sink.drain`;
@@ -18,14 +23,22 @@ local users in the process list, so prefer stdin.
 ``mqlog streams [--broker URL]`` and ``mqlog offsets [--broker URL]`` ask a running broker's
 HTTP admin API (default ``http://127.0.0.1:8080``) and print tables: streams with their
 partitions and high-water marks; each persistent session's and shared group's position and lag.
+With ``--user NAME`` they (and ``spark-drain``) authenticate as that user of the broker's
+password file, the password taken from ``$MQLOG_PASSWORD``.
+
+No user error ends in a traceback: bad values, an unreachable broker, a missing optional
+extra (``bench``, ``spark``: the message names the extra to install) are one line and a
+non-zero exit.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
-import dataclasses
+import base64
 import getpass
+import importlib.metadata
+import importlib.util
 import logging
 import os
 import signal
@@ -48,7 +61,7 @@ from broker.auth import (
 )
 from broker.commitlog import CommitLogError
 from broker.commitlog.streams import check_format
-from broker.config import Config, ConfigError, check_ports, load_config
+from broker.config import FLAGS, Config, ConfigError, check_ports, is_loopback, load_config
 from broker.server import ServeError, Server
 from broker.workers.runtime import WorkerSpec
 from broker.workers.supervisor import Supervisor, die_with_parent
@@ -56,24 +69,45 @@ from broker.workers.supervisor import Supervisor, die_with_parent
 log = logging.getLogger("mqlog")
 
 
-def _apply_overrides(cfg: Config, args: argparse.Namespace) -> Config:
-    if args.port is not None:
-        cfg = dataclasses.replace(cfg, server=dataclasses.replace(cfg.server, port=args.port))
-    if args.http_port is not None:
-        cfg = dataclasses.replace(cfg, http=dataclasses.replace(cfg.http, port=args.http_port))
-    if args.data_dir is not None:
-        cfg = dataclasses.replace(
-            cfg, commitlog=dataclasses.replace(cfg.commitlog, data_dir=Path(args.data_dir))
+def _overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """The config keys ``mqlog serve``'s flags set (:data:`broker.config.FLAGS`): they are
+    checked exactly as the file's values are, and an error names the flag."""
+    values = {
+        "server.host": args.host,
+        "server.port": args.port,
+        "http.port": args.http_port,
+        "commitlog.data_dir": args.data_dir,
+        "router.workers": args.workers,
+    }
+    return {key: value for key, value in values.items() if value is not None}
+
+
+def _log_exposure(cfg: Config) -> None:
+    """One line on who can reach the broker: loopback by default while anyone may log in
+    (Mosquitto 2's rule); a warning naming the risk when anonymous access meets a
+    non-loopback address."""
+    server, auth, http = cfg.server, cfg.auth, cfg.http
+    if not server.host_named and is_loopback(server.host):
+        log.info(
+            "anonymous access and no password file: listening on %s only (this machine); "
+            "name an address with [server] host or --host to accept other machines",
+            server.host,
         )
-    if args.workers is not None:
-        cfg = dataclasses.replace(cfg, router=dataclasses.replace(cfg.router, workers=args.workers))
-    check_ports(
-        cfg,
-        str(args.config)
-        if args.port is None and args.http_port is None
-        else f"{args.config} with the command line's ports",
-    )
-    return cfg
+    elif auth.allow_anonymous and not is_loopback(server.host):
+        log.warning(
+            "MQTT on %s with anonymous access: anyone who can reach this address may publish "
+            "and subscribe to every topic%s; set [auth] allow_anonymous = false and a "
+            "password_file (mqlog passwd), or listen on 127.0.0.1",
+            server.host,
+            "" if auth.acl_file else " without a password",
+        )
+    if http.enabled and auth.allow_anonymous and not is_loopback(http.host):
+        log.warning(
+            "HTTP API on %s with anonymous access: anyone who can reach it may read every "
+            'stream%s; set [auth] allow_anonymous = false, or [http] host = "127.0.0.1"',
+            http.host,
+            " their ACL allows" if auth.acl_file else "",
+        )
 
 
 async def _serve(cfg: Config, worker: WorkerSpec | None = None) -> None:
@@ -107,7 +141,10 @@ async def _serve(cfg: Config, worker: WorkerSpec | None = None) -> None:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    cfg = _apply_overrides(load_config(args.config), args)
+    overrides = _overrides(args)
+    cfg = load_config(args.config, overrides)
+    check_ports(cfg, str(args.config), {key: FLAGS[key] for key in overrides})
+    _log_exposure(cfg)
     count = cfg.worker_count()
     if count == 1:
         _run(_serve(cfg))
@@ -144,13 +181,30 @@ class BrokerUnreachable(Exception):
     """The admin HTTP API could not be reached or answered with an error."""
 
 
-def _get(broker: str, path: str) -> Any:
-    """GET ``path`` from the broker's admin API and decode the JSON body."""
+#: Where the commands that ask the HTTP API with ``--user`` find the password (a flag would
+#: show it to every local user in the process list).
+PASSWORD_ENV = "MQLOG_PASSWORD"
+
+
+def _get(broker: str, path: str, user: str | None = None) -> Any:
+    """GET ``path`` from the broker's admin API and decode the JSON body; with ``user``, as
+    that user (HTTP Basic, the password from :data:`PASSWORD_ENV`)."""
     url = broker.rstrip("/") + path
+    request = urllib.request.Request(url)
+    if user is not None:
+        token = base64.b64encode(f"{user}:{os.environ.get(PASSWORD_ENV, '')}".encode()).decode()
+        request.add_header("Authorization", f"Basic {token}")
     try:
-        with urllib.request.urlopen(url, timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=10) as resp:
             return orjson.loads(resp.read())
     except urllib.error.HTTPError as e:
+        if e.code == 401:
+            raise BrokerUnreachable(
+                f"{url}: HTTP 401: the broker wants a user of its password file "
+                f"(--user NAME, the password in ${PASSWORD_ENV})"
+                if user is None
+                else f"{url}: HTTP 401: user {user!r} refused (is ${PASSWORD_ENV} right?)"
+            ) from None
         raise BrokerUnreachable(f"{url}: HTTP {e.code} {e.reason}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
@@ -196,7 +250,7 @@ def _duration(ms: int | None) -> str:
 
 
 def cmd_streams(args: argparse.Namespace) -> int:
-    streams = _get(args.broker, "/api/v1/streams")["streams"]
+    streams = _get(args.broker, "/api/v1/streams", args.user)["streams"]
     rows = []
     for st in streams:
         cfg = st["config"]
@@ -213,9 +267,8 @@ def cmd_streams(args: argparse.Namespace) -> int:
     print()
     rows = []
     for st in streams:
-        parts = _get(args.broker, f"/api/v1/streams/{urllib.parse.quote(st['name'])}/partitions")[
-            "partitions"
-        ]
+        path = f"/api/v1/streams/{urllib.parse.quote(st['name'])}/partitions"
+        parts = _get(args.broker, path, args.user)["partitions"]
         for p in parts:
             rows.append(
                 [
@@ -231,7 +284,7 @@ def cmd_streams(args: argparse.Namespace) -> int:
 
 
 def cmd_offsets(args: argparse.Namespace) -> int:
-    data = _get(args.broker, "/api/v1/sessions")
+    data = _get(args.broker, "/api/v1/sessions", args.user)
     rows: list[list[Any]] = []
     for s in data["sessions"]:
         state = "connected" if s["connected"] else "offline"
@@ -282,7 +335,22 @@ def cmd_offsets(args: argparse.Namespace) -> int:
     return 0
 
 
+class MissingExtra(Exception):
+    """A command needs an optional dependency that is not installed; the message names the
+    extra that installs it."""
+
+
+def _require(module: str, extra: str, command: str) -> None:
+    if importlib.util.find_spec(module) is None:
+        raise MissingExtra(
+            f"needs {module}, which is not installed: pip install 'mqlog[{extra}]' "
+            f"(in a source checkout: .venv/bin/pip install -e '.[{extra}]') to use `mqlog "
+            f"{command}`"
+        )
+
+
 def cmd_spark_drain(args: argparse.Namespace) -> int:
+    _require("pyspark", "spark", "spark-drain")
     from spark_sink.drain import run_cli  # lazy: only this command loads PySpark
 
     return run_cli(args)
@@ -343,6 +411,13 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(event).decode()
 
 
+def _version() -> str:
+    try:
+        return importlib.metadata.version("mqlog")
+    except importlib.metadata.PackageNotFoundError:  # a source tree that was not installed
+        return "unknown (not installed)"
+
+
 def _configure_logging(level: str, fmt: str) -> None:
     handler = logging.StreamHandler(sys.stderr)
     if fmt == "json":
@@ -354,19 +429,33 @@ def _configure_logging(level: str, fmt: str) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mqlog", description="MQTT broker on a commit log")
-    parser.add_argument("--log-level", default="INFO", help="DEBUG, INFO, WARNING, ERROR")
+    parser.add_argument(
+        "--log-level",
+        default="INFO",
+        type=str.upper,
+        choices=("DEBUG", "INFO", "WARNING", "ERROR"),
+        help="DEBUG, INFO, WARNING, ERROR",
+    )
+    parser.add_argument("--version", action="version", version=f"mqlog {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     sub.add_parser(
         "bench",
         add_help=False,
         help="mqlog vs Mosquitto side by side (bench/mqtt_bench.py; see --help)",
     )
-    serve = sub.add_parser("serve", help="run the broker")
+    # -h names the host, as in Mosquitto's clients (mosquitto_sub -h HOST -p PORT); --help
+    # stays, and `mqlog -h` is the top level's help.
+    serve = sub.add_parser("serve", help="run the broker", add_help=False)
+    serve.add_argument("--help", action="help", help="show this help message and exit")
     serve.add_argument("-c", "--config", default="config/broker.toml", help="TOML config file")
-    serve.add_argument("--port", type=int, help="MQTT TCP port (overrides server.port)")
+    serve.add_argument("-h", "--host", help="address of the MQTT listeners (overrides server.host)")
+    serve.add_argument("-p", "--port", type=int, help="MQTT TCP port (overrides server.port)")
     serve.add_argument("--http-port", type=int, help="HTTP port (overrides http.port)")
     serve.add_argument("--data-dir", help="log directory (overrides commitlog.data_dir)")
     serve.add_argument("--workers", type=int, help="worker processes (overrides router.workers)")
+    serve.add_argument(
+        "-v", "--verbose", action="store_true", help="log at DEBUG (as --log-level DEBUG)"
+    )
     serve.add_argument(
         "--log-format",
         choices=("text", "json"),
@@ -389,6 +478,9 @@ def build_parser() -> argparse.ArgumentParser:
             "--broker",
             default=DEFAULT_BROKER,
             help=f"the broker's HTTP API (default {DEFAULT_BROKER})",
+        )
+        cmd.add_argument(
+            "--user", help=f"a user of the password file (password in ${PASSWORD_ENV})"
         )
         cmd.set_defaults(func=func)
     drain = sub.add_parser("spark-drain", help="drain streams into Parquet with Spark")
@@ -416,6 +508,11 @@ def build_parser() -> argparse.ArgumentParser:
         "--max-records-per-trigger", type=int, help="at most this many records per micro-batch"
     )
     drain.add_argument("--master", default="local[2]", help="Spark master (default local[2])")
+    drain.add_argument("--user", help=f"a user of the password file (password in ${PASSWORD_ENV})")
+    drain.add_argument(
+        "--spark-log",
+        help="where Spark's own log (WARN and above) goes (default CHECKPOINT/spark-driver.log)",
+    )
     drain.set_defaults(func=cmd_spark_drain)
     return parser
 
@@ -429,6 +526,12 @@ def cmd_bench(argv: list[str]) -> int:
     if not (root / "bench" / "mqtt_bench.py").is_file():
         print("mqlog bench: needs a source checkout (bench/mqtt_bench.py)", file=sys.stderr)
         return 2
+    try:
+        for module in ("numpy", "matplotlib"):
+            _require(module, "bench", "bench")
+    except MissingExtra as e:
+        print(f"mqlog bench: error: {e}", file=sys.stderr)
+        return 2
     sys.path.insert(0, str(root))
     from bench.mqtt_bench import main as bench_main
 
@@ -440,13 +543,14 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["bench"]:  # its own options: `mqlog bench --help`
         return cmd_bench(argv[1:])
     args = build_parser().parse_args(argv)
-    _configure_logging(args.log_level, getattr(args, "log_format", "text"))
+    level = "DEBUG" if getattr(args, "verbose", False) else args.log_level
+    _configure_logging(level, getattr(args, "log_format", "text"))
     try:
         return int(args.func(args))
     except (ConfigError, CommitLogError, ServeError) as e:
         log.error("%s", e)
         return 2
-    except (BrokerUnreachable, PasswdError, AuthFileError) as e:
+    except (BrokerUnreachable, PasswdError, AuthFileError, MissingExtra) as e:
         print(f"mqlog {args.command}: error: {e}", file=sys.stderr)
         return 1
 

@@ -2,13 +2,18 @@
 
 Every key has a default, so an empty file runs a single node. Unknown sections and keys are
 errors (a typo must not silently fall back to a default), and every error is a
-:class:`ConfigError` naming the key and the file. Command-line overrides (``--port`` ...) are
-applied with :func:`dataclasses.replace` after parsing, so they go through no second parser.
+:class:`ConfigError` naming the key and the file. Command-line overrides (``mqlog serve --port
+N`` ..., :data:`FLAGS`) are merged into the file's values before parsing, so they pass the very
+checks the keys they override get; an error in one names the flag.
+
+Safe by default, as Mosquitto 2 is: with anonymous access on and no password file, the MQTT
+listeners bind to loopback only unless ``[server] host`` (or ``--host``) names an address.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
 import re
 import tomllib
@@ -23,6 +28,16 @@ from broker.mqtt.topics import validate_topic_filter
 
 T = TypeVar("T")
 
+#: ``mqlog serve`` flags, by the config key each overrides.
+FLAGS = {
+    "server.host": "--host",
+    "server.port": "--port",
+    "http.port": "--http-port",
+    "commitlog.data_dir": "--data-dir",
+    "router.workers": "--workers",
+}
+LOOPBACK = "127.0.0.1"
+ANY_ADDRESS = "0.0.0.0"
 MAX_PACKET_SIZE_LIMIT = 268_435_455  # the largest remaining length plus header MQTT allows
 _DURATION_UNITS_MS = {
     "ms": 1,
@@ -53,7 +68,10 @@ class ConfigError(Exception):
 
 @dataclass(frozen=True, slots=True)
 class ServerConfig:
-    host: str = "0.0.0.0"
+    # Where the MQTT listeners bind. When no address is named (host = ""), the parser picks
+    # LOOPBACK while anonymous access is on without a password file, else ANY_ADDRESS.
+    host: str = LOOPBACK
+    host_named: bool = False  # host came from the file or --host (not the safe default)
     port: int = 1883
     tls_port: int = 0  # MQTT over TLS (8883 by convention); 0 = off
     certfile: Path | None = None  # server certificate chain (PEM)
@@ -62,6 +80,7 @@ class ServerConfig:
     require_certificate: bool = False  # TLS clients must present a certificate from cafile
     ws_port: int = 0  # MQTT over WebSocket (8083 by convention); 0 = off
     sys_interval: int = 10_000  # ms between $SYS/broker/... updates; 0 = off
+    connection_messages: bool = True  # INFO lines "New client connected ..." / "... disconnected"
 
 
 @dataclass(frozen=True, slots=True)
@@ -168,16 +187,35 @@ class _Section:
     :meth:`finish` then rejects every key nobody asked for, naming it.
     """
 
-    def __init__(self, table: Mapping[str, Any], name: str, source: str) -> None:
+    def __init__(
+        self,
+        table: Mapping[str, Any],
+        name: str,
+        source: str,
+        flags: Mapping[str, str] | None = None,
+    ) -> None:
         if not isinstance(table, Mapping):
             raise ConfigError(f"{source}: [{name}] must be a table")
         self.table = table
         self.name = name
         self.source = source
+        #: The keys of this section a command-line flag set, and that flag (errors name it).
+        self.flags = flags or {}
         self.seen: set[str] = set()
 
     def key(self, key: str) -> str:
         return f"{self.name}.{key}" if self.name else key
+
+    def bad(self, key: str, value: Any, what: str) -> ConfigError:
+        """The error for ``key = value``: it must be ``what``. Names the file and the key,
+        or the flag that set it."""
+        flag = self.flags.get(key)
+        if flag is not None:
+            return ConfigError(
+                f"command line: {flag} = {value!r} must be {what} "
+                f"(it overrides {self.key(key)} of {self.source})"
+            )
+        return ConfigError(f"{self.source}: {self.key(key)} = {value!r} must be {what}")
 
     def get(self, key: str, default: T, check: Callable[[Any], bool], what: str) -> T:
         self.seen.add(key)
@@ -185,7 +223,7 @@ class _Section:
             return default
         value: T = self.table[key]
         if not check(value):
-            raise ConfigError(f"{self.source}: {self.key(key)} = {value!r} must be {what}")
+            raise self.bad(key, value, what)
         return value
 
     def integer(self, key: str, default: int, lo: int = 0, hi: int | None = None) -> int:
@@ -311,34 +349,43 @@ _SERVER = ServerConfig()
 _HTTP = HttpConfig()
 
 
-def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
-    """Build a :class:`Config` from a parsed TOML document; ``source`` names it in errors."""
+def _merge(
+    data: Mapping[str, Any], overrides: Mapping[str, Any]
+) -> tuple[dict[str, Any], dict[str, dict[str, str]]]:
+    """``data`` with each ``"section.key": value`` of ``overrides`` set (``mqlog serve``'s
+    flags, :data:`FLAGS`), and per section the keys set that way with their flags."""
+    merged = dict(data)
+    flags: dict[str, dict[str, str]] = {}
+    for full, value in overrides.items():
+        section, key = full.split(".")
+        table = merged.get(section, {})
+        merged[section] = {**table, key: value} if isinstance(table, Mapping) else table
+        flags.setdefault(section, {})[key] = FLAGS.get(full, full)
+    return merged, flags
+
+
+def is_loopback(host: str) -> bool:
+    """True for an address only this machine reaches (127.0.0.0/8, ::1, localhost)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def parse_config(
+    data: Mapping[str, Any],
+    source: str = "<config>",
+    overrides: Mapping[str, Any] | None = None,
+) -> Config:
+    """Build a :class:`Config` from a parsed TOML document; ``source`` names it in errors.
+    ``overrides`` (``{"server.port": 1884}``, the keys of :data:`FLAGS`) take precedence over
+    the document and are checked as its values are; their errors name the flag."""
+    data, flags = _merge(data, overrides or {})
     for key in data:
         if key not in ("server", "router", "commitlog", "streams", "http", "auth"):
             raise ConfigError(f"{source}: unknown section [{key}]")
-
-    s = _Section(data.get("server", {}), "server", source)
-    server = ServerConfig(
-        host=s.string("host", _SERVER.host),
-        port=s.integer("port", _SERVER.port, hi=65535),
-        tls_port=s.integer("tls_port", _SERVER.tls_port, hi=65535),
-        certfile=_path(s, "certfile"),
-        keyfile=_path(s, "keyfile"),
-        cafile=_path(s, "cafile"),
-        require_certificate=s.boolean("require_certificate", _SERVER.require_certificate),
-        ws_port=s.integer("ws_port", _SERVER.ws_port, hi=65535),
-        sys_interval=s.duration("sys_interval", _SERVER.sys_interval) or 0,
-    )
-    if server.tls_port and (server.certfile is None or server.keyfile is None):
-        raise ConfigError(
-            f"{source}: server.tls_port is set: server.certfile and server.keyfile are required"
-        )
-    if server.require_certificate and server.cafile is None:
-        raise ConfigError(
-            f"{source}: server.require_certificate needs server.cafile "
-            "(the CA that signs client certificates)"
-        )
-    s.finish()
 
     a = _Section(data.get("auth", {}), "auth", source)
     da = AuthConfig()
@@ -353,7 +400,34 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
     )
     a.finish()
 
-    r = _Section(data.get("router", {}), "router", source)
+    s = _Section(data.get("server", {}), "server", source, flags.get("server"))
+    named = s.string("host", "")
+    open_to_anyone = auth.allow_anonymous and auth.password_file is None
+    server = ServerConfig(
+        host=named or (LOOPBACK if open_to_anyone else ANY_ADDRESS),
+        host_named=bool(named),
+        port=s.integer("port", _SERVER.port, hi=65535),
+        tls_port=s.integer("tls_port", _SERVER.tls_port, hi=65535),
+        certfile=_path(s, "certfile"),
+        keyfile=_path(s, "keyfile"),
+        cafile=_path(s, "cafile"),
+        require_certificate=s.boolean("require_certificate", _SERVER.require_certificate),
+        ws_port=s.integer("ws_port", _SERVER.ws_port, hi=65535),
+        sys_interval=s.duration("sys_interval", _SERVER.sys_interval) or 0,
+        connection_messages=s.boolean("connection_messages", _SERVER.connection_messages),
+    )
+    if server.tls_port and (server.certfile is None or server.keyfile is None):
+        raise ConfigError(
+            f"{source}: server.tls_port is set: server.certfile and server.keyfile are required"
+        )
+    if server.require_certificate and server.cafile is None:
+        raise ConfigError(
+            f"{source}: server.require_certificate needs server.cafile "
+            "(the CA that signs client certificates)"
+        )
+    s.finish()
+
+    r = _Section(data.get("router", {}), "router", source, flags.get("router"))
     d = RouterConfig()
     router = RouterConfig(
         workers=r.integer("workers", d.workers, hi=256),
@@ -378,8 +452,10 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
         raise ConfigError(f"{source}: router.keepalive_min is larger than router.keepalive_max")
     r.finish()
 
-    c = _Section(data.get("commitlog", {}), "commitlog", source)
+    c = _Section(data.get("commitlog", {}), "commitlog", source, flags.get("commitlog"))
     data_dir = Path(c.string("data_dir", str(CommitLogSettings().data_dir)))
+    if data_dir.exists() and not data_dir.is_dir():
+        raise c.bad("data_dir", str(data_dir), "a directory (a file of that name exists)")
     defaults = _log_config(c, LogConfig())
     c.finish()
     commitlog = CommitLogSettings(data_dir=data_dir, defaults=defaults)
@@ -393,7 +469,7 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
         if names.count(name) > 1:
             raise ConfigError(f"{source}: stream {name!r} is defined twice")
 
-    h = _Section(data.get("http", {}), "http", source)
+    h = _Section(data.get("http", {}), "http", source, flags.get("http"))
     http = HttpConfig(
         enabled=h.boolean("enabled", _HTTP.enabled),
         host=h.string("host", _HTTP.host),
@@ -405,11 +481,16 @@ def parse_config(data: Mapping[str, Any], source: str = "<config>") -> Config:
     )
 
 
-def check_ports(cfg: Config, source: str = "<config>") -> None:
+def check_ports(
+    cfg: Config, source: str = "<config>", flags: Mapping[str, str] | None = None
+) -> None:
     """Raise ConfigError when two listeners are given one port number (``mqlog serve
-    --port / --http-port`` included): with several workers the MQTT listeners share their
+    --port / --http-port`` included: ``flags`` maps the keys they set to the flag, which the
+    error names): with several workers the MQTT listeners share their
     port (SO_REUSEPORT), so the clash surfaced late, as the HTTP API's failure to bind in
     worker 0 while worker 1 already served (a flaky test picked one free port twice)."""
+    flags = flags or {}
+
     ports = [
         ("server.port", cfg.server.port),
         ("server.tls_port", cfg.server.tls_port),
@@ -422,12 +503,15 @@ def check_ports(cfg: Config, source: str = "<config>") -> None:
         if not port:
             continue  # off, or picked by the system (port 0)
         if port in seen:
-            raise ConfigError(f"{source}: {key} = {port} is also {seen[port]}")
+            given = [flags[k] for k in (seen[port], key) if k in flags]
+            note = f" (set by {' and '.join(given)})" if given else ""
+            raise ConfigError(f"{source}: {key} = {port} is also {seen[port]}{note}")
         seen[port] = key
 
 
-def load_config(path: str | os.PathLike[str]) -> Config:
-    """Read and parse a TOML config file. Relative ``data_dir`` is resolved from the CWD."""
+def load_config(path: str | os.PathLike[str], overrides: Mapping[str, Any] | None = None) -> Config:
+    """Read and parse a TOML config file, with ``overrides`` (see :func:`parse_config`).
+    Relative ``data_dir`` is resolved from the CWD."""
     p = Path(path)
     try:
         raw = p.read_bytes()
@@ -437,4 +521,4 @@ def load_config(path: str | os.PathLike[str]) -> Config:
         data = tomllib.loads(raw.decode("utf-8"))
     except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
         raise ConfigError(f"{p}: not valid TOML: {e}") from None
-    return dataclasses.replace(parse_config(data, str(p)), path=p)
+    return dataclasses.replace(parse_config(data, str(p), overrides), path=p)

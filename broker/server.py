@@ -164,6 +164,7 @@ class Server:
         runtime.views["sessions"] = lambda: orjson.dumps(sessions_view(self))
         runtime.views["metrics"] = self.metrics.exposition
         runtime.views["sys"] = lambda: orjson.dumps(sys_values(self))
+        runtime.views["health"] = lambda: orjson.dumps(self.counts())
 
     def partition_log(self, key: PartitionKey) -> SegmentedLog | LogReader:
         """The log of partition ``key`` for reading: this worker's own, or a read-only view
@@ -300,12 +301,12 @@ class Server:
             os.close(self._lock_fd)
         self.stopped.set()
 
+    def counts(self) -> dict[str, int]:
+        """This worker's connections and sessions (GET /healthz adds up every worker's)."""
+        return {"connections": len(self.links), "sessions": len(self.router.sessions)}
+
     def describe(self) -> dict[str, Any]:
-        info = {
-            "ready": self.ready,
-            "connections": len(self.links),
-            "sessions": len(self.router.sessions),
-        }
+        info: dict[str, Any] = {"ready": self.ready, **self.counts()}
         if self.runtime is not None:
             info.update(self.runtime.describe())
         return info

@@ -8,6 +8,7 @@ whose messages tell the user what to fix.
 
 from __future__ import annotations
 
+import base64
 import http.client
 import urllib.parse
 from dataclasses import dataclass
@@ -26,6 +27,10 @@ class MqlogSourceError(Exception):
 
 class BrokerUnavailable(MqlogSourceError):
     """The broker's HTTP API could not be reached or answered something unexpected."""
+
+
+class AccessDenied(MqlogSourceError):
+    """The broker asks for credentials (allow_anonymous = false) or refused the ones given."""
 
 
 class UnknownStream(MqlogSourceError):
@@ -61,9 +66,18 @@ class Fetched:
 
 
 class BrokerClient:
-    """Blocking calls to one broker, e.g. ``BrokerClient("http://127.0.0.1:8080")``."""
+    """Blocking calls to one broker, e.g. ``BrokerClient("http://127.0.0.1:8080")``; with
+    ``user`` (and ``password``) every request carries HTTP Basic credentials (a broker with
+    allow_anonymous = false asks for a user of its password file)."""
 
-    def __init__(self, url: str, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(
+        self,
+        url: str,
+        timeout: float = DEFAULT_TIMEOUT,
+        *,
+        user: str | None = None,
+        password: str | None = None,
+    ) -> None:
         parts = urllib.parse.urlsplit(url)
         if parts.scheme != "http" or not parts.hostname:
             raise MqlogSourceError(
@@ -73,6 +87,11 @@ class BrokerClient:
         self.host = parts.hostname
         self.port = parts.port or 80
         self.timeout = timeout
+        self.user = user
+        self._auth: dict[str, str] = {}
+        if user is not None:
+            token = base64.b64encode(f"{user}:{password or ''}".encode()).decode()
+            self._auth["Authorization"] = f"Basic {token}"
         self._conn: http.client.HTTPConnection | None = None
 
     def close(self) -> None:
@@ -93,7 +112,7 @@ class BrokerClient:
             if self._conn is None:
                 self._conn = http.client.HTTPConnection(self.host, self.port, timeout=self.timeout)
             try:
-                self._conn.request("GET", path, headers={"Accept": accept})
+                self._conn.request("GET", path, headers={"Accept": accept, **self._auth})
                 resp = self._conn.getresponse()
                 return resp.status, resp, resp.read()
             except (OSError, http.client.HTTPException) as e:
@@ -125,6 +144,12 @@ class BrokerClient:
         if status == 200:
             return data
         message = data.get("error", data) if isinstance(data, dict) else data
+        if status == 401:
+            who = f"user {self.user!r}" if self.user is not None else "no credentials"
+            raise AccessDenied(
+                f"{what}: broker {self.url} refused {who}: {message} (options 'user' and "
+                "'password': a user of the broker's password file)"
+            )
         if status == 404:
             raise UnknownStream(
                 f"{what}: {message} (broker {self.url}); streams: "

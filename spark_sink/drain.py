@@ -1,6 +1,7 @@
 """The drain job: stream a broker's records into Parquet, exactly once, partitioned by date.
 
-``mqlog spark-drain --broker URL [--stream S] --output DIR --checkpoint DIR [--once]``.
+``mqlog spark-drain --broker URL [--stream S] --output DIR --checkpoint DIR [--once]
+[--user U] [--spark-log FILE]``.
 
 A Structured Streaming query from the ``mqlog`` source (every user stream unless ``--stream``
 names some) to the Parquet file sink, partitioned by ``date`` (the record's UTC date); every
@@ -12,17 +13,26 @@ offsets and readers of the sink (Spark) never see files of an uncommitted attemp
 output with ``spark.read.parquet(OUTPUT)`` (which honours ``_spark_metadata``), not by listing
 files. ``--once`` uses ``Trigger.AvailableNow``: it drains what the broker holds at start and
 exits.
+
+The driver stays quiet and local: when the broker is on this machine (a loopback URL) and
+Spark's master is local, the driver binds to 127.0.0.1 (``SPARK_LOCAL_IP``,
+``spark.driver.host``, ``spark.driver.bindAddress``) instead of whatever address the host name
+resolves to, and the JVM's own log (WARN and above) goes to a file (``--spark-log``, default
+``CHECKPOINT/spark-driver.log``), never to mqlog's output.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
+import logging
 import os
 import re
 import shutil
 import signal
 import sys
 import threading
+import urllib.parse
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -65,12 +75,46 @@ def java_home() -> str | None:
     return str(Path(os.path.realpath(java)).parent.parent)
 
 
+#: Spark's driver log as log4j2 properties: WARN and above, to one file (FILE is replaced).
+LOG4J2_TO_FILE = """\
+rootLogger.level = warn
+rootLogger.appenderRef.file.ref = file
+appender.file.type = File
+appender.file.name = file
+appender.file.fileName = FILE
+appender.file.layout.type = PatternLayout
+appender.file.layout.pattern = %d{yyyy-MM-dd HH:mm:ss} %p %c{1}: %m%n%ex
+"""
+
+LOOPBACK = "127.0.0.1"
+
+
+def is_local(broker: str) -> bool:
+    """True when the broker URL names this machine by a loopback address or ``localhost``."""
+    host = urllib.parse.urlsplit(broker).hostname or ""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
 def spark_session(
-    master: str = "local[2]", app: str = "mqlog", extra: dict[str, str] | None = None
+    master: str = "local[2]",
+    app: str = "mqlog",
+    extra: dict[str, str] | None = None,
+    *,
+    driver_host: str | None = None,
+    log_file: Path | None = None,
 ) -> SparkSession:
     """A SparkSession with the ``mqlog`` source registered; workers use this interpreter
     (``PYSPARK_PYTHON`` when set), through :func:`spark_sink.worker_python.worker_python`'s
-    launcher where it applies."""
+    launcher where it applies.
+
+    ``driver_host``: the address the driver binds to and announces (e.g. 127.0.0.1 when
+    everything is local). ``log_file``: the JVM's log (WARN and above) goes there instead
+    of the console."""
     home = java_home()
     if home is None:
         raise MqlogSourceError(
@@ -88,18 +132,49 @@ def spark_session(
     python = os.environ.get("PYSPARK_PYTHON", sys.executable)
     os.environ["PYSPARK_PYTHON"] = worker_python(python, master) or python
 
+    conf = dict(LOCAL_CONF)
+    if driver_host is not None:
+        # Read by the JVM before any conf: without it Spark logs "Your hostname resolves to
+        # a loopback address ... using <another address> instead" and binds there.
+        os.environ["SPARK_LOCAL_IP"] = driver_host
+        conf["spark.driver.host"] = driver_host
+        conf["spark.driver.bindAddress"] = driver_host
+    if log_file is not None:
+        log_file.parent.mkdir(parents=True, exist_ok=True)
+        properties = log_file.with_name(log_file.name + ".log4j2.properties")
+        properties.write_text(LOG4J2_TO_FILE.replace("FILE", str(log_file.resolve())))
+        conf["spark.driver.extraJavaOptions"] = f"-Dlog4j.configurationFile={properties.resolve()}"
     builder = SparkSession.builder.master(master).appName(app)
-    for key, value in {**LOCAL_CONF, **(extra or {})}.items():
+    for key, value in {**conf, **(extra or {})}.items():
         builder = builder.config(key, value)
-    spark = builder.getOrCreate()
-    spark.sparkContext.setLogLevel("ERROR")
+    if log_file is None:
+        spark = builder.getOrCreate()
+    else:
+        # The JVM writes a few lines to its stderr before log4j is up (Java 17's "WARNING:
+        # Using incubator modules"): it inherits the file as its stderr, mqlog keeps its own.
+        saved = os.dup(2)
+        fd = os.open(log_file, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        try:
+            os.dup2(fd, 2)
+            spark = builder.getOrCreate()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            os.close(fd)
+    if log_file is None:
+        spark.sparkContext.setLogLevel("ERROR")
     register(spark)
     return spark
 
 
-def resolve_streams(broker: str, streams: list[str] | None) -> list[str]:
+def resolve_streams(
+    broker: str,
+    streams: list[str] | None,
+    user: str | None = None,
+    password: str | None = None,
+) -> list[str]:
     """The streams to drain: those given (checked to exist), else every user stream."""
-    with BrokerClient(broker) as client:
+    with BrokerClient(broker, user=user, password=password) as client:
         known = client.user_streams()
     if not streams:
         if not known:
@@ -125,6 +200,8 @@ def start_drain(
     trigger_interval: str = "10 seconds",
     max_records_per_trigger: int | None = None,
     source_format: str = "mqlog",
+    user: str | None = None,
+    password: str | None = None,
 ) -> StreamingQuery:
     """Start the drain query; the caller waits on it (``awaitTermination``).
 
@@ -132,13 +209,15 @@ def start_drain(
     (the benchmark drains through a tuple-returning variant for reference)."""
     from pyspark.sql import functions as F
 
-    names = resolve_streams(broker, streams)
+    names = resolve_streams(broker, streams, user, password)
     reader = (
         spark.readStream.format(source_format)
         .option("broker", broker)
         .option("stream", ",".join(names))
         .option("startingOffsets", "earliest")
     )
+    if user is not None:
+        reader = reader.option("user", user).option("password", password or "")
     if max_records_per_trigger is not None:
         reader = reader.option("maxRecordsPerTrigger", str(max_records_per_trigger))
     df = reader.load().withColumn("date", F.to_date(F.col("timestamp")))
@@ -164,9 +243,13 @@ def start_drain(
     return writer.start()
 
 
+#: Where ``mqlog spark-drain --user`` finds the password (a flag would show it to every
+#: local user in the process list).
+PASSWORD_ENV = "MQLOG_PASSWORD"
+
 _OUR_ERROR = re.compile(
     r"(?:spark_sink\.\w+\.)?(?:MqlogSourceError|BrokerUnavailable|"
-    r"UnknownStream|OffsetOutOfRange|DataLoss|OptionError): (.+)"
+    r"UnknownStream|AccessDenied|OffsetOutOfRange|DataLoss|OptionError): (.+)"
 )
 
 
@@ -182,12 +265,27 @@ def error_message(e: BaseException) -> str:
 
 def run_cli(args: argparse.Namespace) -> int:
     """``mqlog spark-drain``: run the drain until it finishes (``--once``) or SIGTERM/SIGINT."""
+    # py4j's INFO lines (its gateway connections) are Spark's, not mqlog's.
+    logging.getLogger("py4j").setLevel(logging.WARNING)
+    password = os.environ.get(PASSWORD_ENV) if args.user is not None else None
+    local = args.master.startswith("local") and is_local(args.broker)
+    log_file = Path(args.spark_log or Path(args.checkpoint) / "spark-driver.log")
     try:
-        streams = resolve_streams(args.broker, args.stream)
-        spark = spark_session(master=args.master, app="mqlog-spark-drain")
+        streams = resolve_streams(args.broker, args.stream, args.user, password)
+        spark = spark_session(
+            master=args.master,
+            app="mqlog-spark-drain",
+            driver_host=LOOPBACK if local else None,
+            log_file=log_file,
+        )
     except MqlogSourceError as e:
         print(f"mqlog spark-drain: error: {e}", file=sys.stderr)
         return 1
+    print(
+        f"mqlog spark-drain: Spark's own log (WARN and above) is in {log_file}",
+        file=sys.stderr,
+        flush=True,
+    )
     stop = threading.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: stop.set())
@@ -201,6 +299,8 @@ def run_cli(args: argparse.Namespace) -> int:
             once=args.once,
             trigger_interval=args.trigger_interval,
             max_records_per_trigger=args.max_records_per_trigger,
+            user=args.user,
+            password=password,
         )
         print(
             f"mqlog spark-drain: draining {', '.join(streams)} from {args.broker} into "

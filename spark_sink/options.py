@@ -17,17 +17,20 @@ Names follow Spark's Kafka source (``startingOffsets``, ``maxRecordsPerTrigger``
   control; counted before ``topicFilter``, as offsets are);
 - ``failOnDataLoss``: ``true`` (default) fails a query whose next offset was deleted by
   retention; ``false`` skips forward to the earliest retained offset with a warning;
-- ``maxRecordsPerFetch``: records per HTTP fetch (default 10000, the broker's cap).
+- ``maxRecordsPerFetch``: records per HTTP fetch (default 10000, the broker's cap);
+- ``user`` and ``password``: a user of the broker's password file, sent as HTTP Basic
+  credentials (required when the broker has ``allow_anonymous = false``; the broker then
+  returns only the records that user's ACL reads).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import orjson
 
-from spark_sink.client import MqlogSourceError
+from spark_sink.client import BrokerClient, MqlogSourceError
 
 EARLIEST = -2
 LATEST = -1
@@ -53,6 +56,12 @@ class SourceOptions:
     max_records_per_trigger: int | None = None
     fail_on_data_loss: bool = True
     max_records_per_fetch: int = DEFAULT_MAX_RECORDS_PER_FETCH
+    user: str | None = None
+    password: str | None = field(default=None, repr=False)
+
+    def client(self) -> BrokerClient:
+        """A client of the broker with these options' credentials."""
+        return BrokerClient(self.broker, user=self.user, password=self.password)
 
 
 class _CaseInsensitive(dict[str, str]):
@@ -182,6 +191,10 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
             raise OptionError(
                 f"option 'startingTimestamp' must be epoch milliseconds, got {raw!r}"
             ) from None
+    user = options.get("user")
+    password = options.get("password")
+    if password is not None and user is None:
+        raise OptionError("option 'password' needs option 'user'")
     fail = (options.get("failOnDataLoss") or "true").strip().lower()
     if fail not in ("true", "false"):
         raise OptionError(f"option 'failOnDataLoss' must be true or false, got {fail!r}")
@@ -197,4 +210,6 @@ def parse_options(options: Mapping[str, str]) -> SourceOptions:
         max_records_per_fetch=(
             _positive_int(options, "maxRecordsPerFetch") or DEFAULT_MAX_RECORDS_PER_FETCH
         ),
+        user=user,
+        password=password,
     )

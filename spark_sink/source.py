@@ -85,9 +85,13 @@ class OffsetRangePartition(InputPartition):
         topic_filter: str | None,
         fail_on_data_loss: bool,
         fetch_records: int,
+        user: str | None = None,
+        password: str | None = None,
     ) -> None:
         super().__init__((stream, partition, start, end))
         self.broker = broker
+        self.user = user
+        self.password = password
         self.stream = stream
         self.partition = partition
         self.start = start
@@ -140,7 +144,10 @@ def read_range(part: OffsetRangePartition) -> Iterator[pa.RecordBatch]:
     """
     if part.start >= part.end:
         return
-    with BrokerClient(part.broker) as client, ThreadPoolExecutor(1) as ahead:
+    with (
+        BrokerClient(part.broker, user=part.user, password=part.password) as client,
+        ThreadPoolExecutor(1) as ahead,
+    ):
 
         def fetch(offset: int) -> Future[Fetched]:
             return ahead.submit(
@@ -300,6 +307,8 @@ def split_ranges(
                     opts.topic_filter,
                     opts.fail_on_data_loss,
                     opts.max_records_per_fetch,
+                    opts.user,
+                    opts.password,
                 )
             )
     return out
@@ -342,7 +351,7 @@ class MqlogBatchReader(DataSourceReader):
     def partitions(self) -> Sequence[InputPartition]:
         opts = self.opts
         ranges = []
-        with BrokerClient(opts.broker) as client:
+        with opts.client() as client:
             for stream in opts.streams:
                 parts = client.partitions(stream)
                 starts = _resolve(
@@ -391,7 +400,7 @@ class MqlogStreamReader(DataSourceStreamReader, SupportsTriggerAvailableNow):
     @property
     def client(self) -> BrokerClient:
         if self._client is None:
-            self._client = BrokerClient(self.opts.broker)
+            self._client = self.opts.client()
         return self._client
 
     def _partitions(self) -> dict[str, list[PartitionOffsets]]:

@@ -14,6 +14,11 @@ Routes (JSON bodies, encoded with orjson):
   in-flight deliveries), and each shared-subscription group with its positions and members;
 - ``GET /`` and ``GET /api/v1/console``: the live console, see :mod:`broker.http.console`.
 
+With ``allow_anonymous = false`` every route but ``/healthz`` needs HTTP Basic credentials
+from the password file (:mod:`broker.http.access`, a middleware: a route added to
+:attr:`HttpApi.app` is covered too), and the fetch API returns only the records the user's
+ACL lets it read.
+
 The handlers only read router and log state; they run on the loop that owns the router, so no
 locking is needed, and none of them blocks (a log's offsets are in memory). A stream's logs are
 opened on first use, exactly as a subscriber would open them.
@@ -32,8 +37,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from broker.auth import AuthService
 from broker.commitlog import SegmentedLog, StreamSpec
 from broker.commitlog.reader import LogReader
+from broker.http.access import HttpAccess
 from broker.http.console import Console
 from broker.http.fetch_api import FetchApi, PartitionSource
 from broker.metrics.collector import Metrics, WorkerShare, merge_expositions
@@ -74,6 +81,11 @@ class AdminSource(PartitionSource, SessionsSource, Protocol):
     def metrics(self) -> Metrics: ...
 
     @property
+    def auth(self) -> AuthService:
+        """The [auth] decisions: who may use the HTTP API, and what records it may read."""
+        ...
+
+    @property
     def runtime(self) -> WorkerShare | None: ...
 
     def describe(self) -> dict[str, Any]:
@@ -87,7 +99,9 @@ class HttpApi:
     def __init__(self, server: AdminSource, config: HttpConfig) -> None:
         self.server = server
         self.config = config
-        self.app = web.Application()
+        #: Every route but /healthz is authenticated here (broker.http.access).
+        self.access = HttpAccess(server.auth)
+        self.app = web.Application(middlewares=[self.access.middleware])
         self.app.add_routes(
             [
                 web.get("/healthz", self.healthz),
@@ -123,11 +137,18 @@ class HttpApi:
     # ---------------------------------------------------------------- handlers
 
     async def healthz(self, request: web.Request) -> web.Response:
-        """200 ``{"status": "ok", "ready": true}`` while every listener serves; 503 while
-        starting or shutting down (a load balancer stops sending clients)."""
+        """200 ``{"status": "ok", "ready": true, "connections", "sessions"}`` while every
+        listener serves (the counts are every worker's, added up); 503 while starting or
+        shutting down (a load balancer stops sending clients)."""
         info = self.server.describe()
         if not info["ready"]:
             return _json({"status": "unavailable", **info}, 503)
+        runtime = self.server.runtime
+        if runtime is not None:  # the broker's figures: every worker's added up
+            parts = [orjson.loads(part) for part in await runtime.gather("health")]
+            for name in ("connections", "sessions"):
+                info[name] = sum(part.get(name, 0) for part in parts)
+            info["workers_reporting"] = len(parts)
         return _json({"status": "ok", **info})
 
     async def metrics(self, request: web.Request) -> web.Response:

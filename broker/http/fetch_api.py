@@ -11,6 +11,9 @@ Routes (mounted by :class:`broker.http.api.HttpApi`):
   Headers ``X-Mqlog-Next-Offset`` (where to continue: past the last record returned, or N when
   there was none), ``X-Mqlog-High-Water-Mark`` and ``X-Mqlog-Earliest-Offset``.
   ``offset == high-water mark`` returns no records (the caller is caught up).
+  With an ACL file, only the records whose topic the caller may read (its ``read`` rules, as
+  a subscriber's; anonymous rules without credentials) are returned; the next offset still
+  moves past the ones withheld, so a reader never stalls on them.
 - ``GET /api/v1/streams/<stream>/partitions/<p>/offset?timestamp=<epoch ms>``: the first offset
   whose record timestamp is >= the timestamp, or the high-water mark when there is none.
 
@@ -32,11 +35,13 @@ import asyncio
 from typing import Any, Protocol
 
 import orjson
+import pyarrow as pa
 from aiohttp import web
 
 from broker.commitlog import CommitLogError, OffsetOutOfRange, Record, SegmentedLog, Streams
 from broker.commitlog.columns import ColumnRead
 from broker.commitlog.reader import LogReader
+from broker.http.access import HttpUser, request_user
 from broker.http.arrow import (
     ARROW_STREAM_TYPE,
     columns_to_record_batch,
@@ -163,12 +168,16 @@ class FetchApi:
             "X-Mqlog-Earliest-Offset": str(plog.log_start_offset),
         }
         loop = asyncio.get_running_loop()
+        user = request_user(request)
+        reader = user if user is not None and user.authorizer is not None else None
         if as_json:
+            if reader is not None:
+                records = [r for r in records if reader.can_read(r.topic)]
             body = await loop.run_in_executor(
                 None, _json_body, stream, partition, records, next_offset, plog.end_offset
             )
             return web.Response(body=body, content_type="application/json", headers=headers)
-        body = await loop.run_in_executor(None, _arrow_body, stream, partition, read)
+        body = await loop.run_in_executor(None, _arrow_body, stream, partition, read, reader)
         return web.Response(body=body, content_type=ARROW_STREAM_TYPE, headers=headers)
 
     async def offset_for_time(self, request: web.Request) -> web.Response:
@@ -192,8 +201,13 @@ class FetchApi:
         )
 
 
-def _arrow_body(stream: str, partition: int, read: ColumnRead) -> bytes:
-    return to_ipc_stream(columns_to_record_batch(stream, partition, read))
+def _arrow_body(stream: str, partition: int, read: ColumnRead, reader: HttpUser | None) -> bytes:
+    batch = columns_to_record_batch(stream, partition, read)
+    if reader is not None and batch.num_rows:
+        topics = batch.column("topic").to_pylist()
+        allowed = {t: reader.can_read(t) for t in set(topics)}  # once per distinct topic
+        batch = batch.filter(pa.array([allowed[t] for t in topics], pa.bool_()))
+    return to_ipc_stream(batch)
 
 
 def _json_body(

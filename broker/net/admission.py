@@ -61,8 +61,9 @@ class Applicant(Protocol):
         """The client went away, or the connection is being closed."""
         ...
 
-    def refuse(self, reason_code: int) -> None:
-        """Answer the CONNECT with a CONNACK refusing it (5.0 ``reason_code``), then close."""
+    def refuse(self, reason_code: int, reason: str = "") -> None:
+        """Answer the CONNECT with a CONNACK refusing it (5.0 ``reason_code`` and Reason
+        String ``reason``), then close."""
 
     def enter(self, packet: Connect, username: str | None) -> None:
         """Connect the session of ``packet`` for the authenticated ``username`` (the router
@@ -154,7 +155,7 @@ class Admission:
                 result.message,
                 result.reason,
             )
-            self._applicant.refuse(result.reason)  # [MQTT-3.2.2-7]
+            self._applicant.refuse(result.reason, result.message)  # [MQTT-3.2.2-7]
             return
         self._claim(result.username)
 
@@ -193,7 +194,9 @@ class Admission:
         log.error("%s: cannot take the session over: %s", self._applicant.peer, task.exception())
         self.pending = False
         if not self._applicant.closing:
-            self._applicant.refuse(ReasonCode.SERVER_UNAVAILABLE)
+            self._applicant.refuse(
+                ReasonCode.SERVER_UNAVAILABLE, "the session could not be claimed"
+            )
 
     # ---------------------------------------------------------------- end
 

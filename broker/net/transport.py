@@ -24,9 +24,9 @@ no retain flag or properties, to the topic of this connection's previous such PU
 the decoder and the router's checks: that topic's validity, ACL decision and partition were
 established by the full path (:meth:`~broker.router.router.Router.plain_route`), and it goes
 straight into the partition's batch (:meth:`~broker.router.router.Router.publish_plain`); its
-PUBACK is written from the packet id when the append returns. A fleet of devices each
-publishing one message per second to its own topic arrives that way; anything else takes the
-full path.
+PUBACK is written from the packet id when the append returns (a fleet of devices, each
+publishing to its own topic, arrives that way). Closing: :mod:`broker.net.closing`; the
+lifecycle log lines: :mod:`broker.net.connlog`.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from broker.mqtt.decode import PubAckRun
 from broker.mqtt.errors import MQTTError, ProtocolError
 from broker.mqtt.packets import (
     Auth,
+    ConnAck,
     Connect,
     Disconnect,
     Packet,
@@ -59,6 +60,14 @@ from broker.mqtt.packets import (
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
 from broker.net.admission import Admission
+from broker.net.closing import close_gracefully
+from broker.net.connlog import (
+    CLIENT_DISCONNECTED,
+    PEER_CLOSED,
+    closed_by_broker,
+    log_connected,
+    log_disconnected,
+)
 from broker.router.router import TOPIC_ALIAS_MAXIMUM
 
 if TYPE_CHECKING:
@@ -88,6 +97,7 @@ class MQTTProtocol(asyncio.Protocol):
         "_admission",
         "_budget",
         "_closing",
+        "_ending",
         "_fresh",
         "_graceful",
         "_high_water",
@@ -148,6 +158,8 @@ class MQTTProtocol(asyncio.Protocol):
         self._paused = False
         self._acked = False
         self._closing = False
+        #: The end of the "Client X disconnected" line (connlog); None: no line to log.
+        self._ending: str | None = None
         self._graceful = False
         self._high_water = min(cfg.max_queued_bytes, WRITE_HIGH_WATER)
         self._budget = min(self._high_water, OUTPUT_PER_ITERATION)
@@ -158,8 +170,7 @@ class MQTTProtocol(asyncio.Protocol):
     # ---------------------------------------------------------------- asyncio callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        # A stream listener's transport (uvloop's does not subclass asyncio.Transport) or a
-        # carrier (broker.net.carrier) with the same surface.
+        # uvloop's stream transport, or a carrier (broker.net.carrier) with its surface.
         self.transport = stream = cast(asyncio.Transport, transport)
         sock = stream.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -268,12 +279,8 @@ class MQTTProtocol(asyncio.Protocol):
             self.close(ReasonCode.IMPLEMENTATION_SPECIFIC_ERROR, "internal error")
 
     def _wrong_protocol(self) -> None:
-        tls_port = self.edge.config.server.tls_port
-        hint = (
-            f"; MQTT over TLS is on port {tls_port}"
-            if tls_port
-            else " and this broker has no TLS listener ([server] tls_port)"
-        )
+        port = self.edge.config.server.tls_port
+        hint = f"; MQTT over TLS is on port {port}" if port else " ([server] tls_port is 0)"
         log.warning(
             "%s: TLS handshake (ClientHello) on the plain MQTT port; closing%s", self.peer, hint
         )
@@ -281,6 +288,9 @@ class MQTTProtocol(asyncio.Protocol):
         self._flush_and_close()
 
     def connection_lost(self, exc: Exception | None) -> None:
+        if self._ending is not None:
+            log_disconnected(self.client_id, self._ending)
+            self._ending = None
         edge = self.edge
         edge.keepalive.discard(self)
         if self in edge.links:
@@ -332,7 +342,8 @@ class MQTTProtocol(asyncio.Protocol):
             return
         if offset is None:
             if self.version == 5:
-                self.send(PubAck(packet_id, ReasonCode.UNSPECIFIED_ERROR))
+                props: dict[int, Any] = {PropertyId.REASON_STRING: "the log append failed"}
+                self.send(PubAck(packet_id, ReasonCode.UNSPECIFIED_ERROR, props))
             else:
                 self.close()  # 3.1.1 has no negative acknowledgement
             return
@@ -373,6 +384,8 @@ class MQTTProtocol(asyncio.Protocol):
 
     def _on_disconnect(self, session: Session, packet: Disconnect) -> None:
         self.router.disconnect(session, packet)
+        if self._ending is not None:
+            self._ending = CLIENT_DISCONNECTED
         self._graceful = packet.reason_code != ReasonCode.DISCONNECT_WITH_WILL_MESSAGE
         self._closing = True
         self._flush_and_close()  # [MQTT-3.14.4-1]
@@ -395,9 +408,13 @@ class MQTTProtocol(asyncio.Protocol):
         """Applicant: the client went away, or this connection is being closed."""
         return self._closing
 
-    def refuse(self, reason_code: int) -> None:
-        """Applicant: a CONNACK refusing the CONNECT, then close [MQTT-3.2.2-7]."""
-        self._write(self.conn.refuse(reason_code))
+    def refuse(self, reason_code: int, reason: str = "") -> None:
+        """Applicant: a CONNACK refusing the CONNECT (5.0: with ``reason`` as its Reason
+        String [MQTT-3.1.2-29]), then close [MQTT-3.2.2-7]."""
+        if reason and self.version == 5:
+            self.send(ConnAck(False, reason_code, {PropertyId.REASON_STRING: reason}))
+        else:
+            self._write(self.conn.refuse(reason_code))
         self._closing = True
         self._flush_and_close()
 
@@ -409,6 +426,9 @@ class MQTTProtocol(asyncio.Protocol):
             self._flush_and_close()  # refused: CONNACK sent [MQTT-3.2.2-7]
             return
         self.session, self.keepalive = result
+        if self.edge.config.server.connection_messages:
+            log_connected(self.peer, self.client_id, packet, username)
+            self._ending = PEER_CLOSED
         deadline = self.keepalive_deadline()
         if deadline is None:
             self.edge.keepalive.discard(self)
@@ -492,14 +512,11 @@ class MQTTProtocol(asyncio.Protocol):
         return max(0, self._budget - self._out_bytes)
 
     def close(self, reason_code: int | None = None, reason: str = "") -> None:
-        if self.transport is None or self.transport.is_closing():
-            return
-        if (
-            reason_code is not None
-            and self.version == 5
-            and self.session is not None
-            and not self._closing
-        ):
+        if self.transport is None or self.transport.is_closing() or self._closing:
+            return  # closed, or closing gracefully (broker.net.closing)
+        if self._ending == PEER_CLOSED:
+            self._ending = closed_by_broker(reason_code, reason)
+        if reason_code is not None and self.version == 5 and self.session is not None:
             props: dict[int, Any] = {}
             if reason and self._problem_info():
                 props[PropertyId.REASON_STRING] = reason
@@ -507,7 +524,7 @@ class MQTTProtocol(asyncio.Protocol):
         self._closing = True
         self._flush_and_close()
 
-    def _problem_info(self) -> bool:
+    def _problem_info(self) -> bool:  # [MQTT-3.1.2-29]
         return self.session is None or self.session.request_problem_information
 
     # ---------------------------------------------------------------- output
@@ -546,8 +563,10 @@ class MQTTProtocol(asyncio.Protocol):
             # The peer is not reading (its window and our buffer are full): a graceful close
             # would wait for it forever, holding the socket and the buffered bytes. Reset.
             self.transport.abort()
-        else:
-            self.transport.close()
+        elif not self.transport.is_closing():
+            # Our last bytes, FIN, then its input drained until it closes: the client
+            # reads the DISCONNECT or CONNACK instead of a reset.
+            close_gracefully(self.transport, self.edge)
 
     def keepalive_expired(self, now: float) -> bool:
         """[MQTT-3.1.2-24]: nothing received for 1.5 x keepalive; or no CONNECT in time."""

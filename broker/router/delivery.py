@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 from bisect import bisect_right
+from collections import deque
 from collections.abc import Callable, Iterable
 from itertools import accumulate, repeat
 from operator import add
@@ -167,6 +168,9 @@ class Delivery:
         return None
 
     def pump(self, session: Session, consumer: Consumer, key: PartitionKey) -> None:
+        if consumer.merge:
+            self.pump_merged(session, consumer)
+            return
         part = self.partition(key)
         cursor = consumer.cursors[key]
         end = part.end_offset
@@ -250,6 +254,72 @@ class Delivery:
             if session.link is not link:
                 break
         consumer.cursors[key] = cursor
+        session.dirty = session.persistent
+
+    def pump_merged(self, session: Session, consumer: Consumer) -> None:
+        """A ``$replay/<from>;merge/...`` consumer: the records of all its partitions, in
+        timestamp order (ties: the lower partition first), one at a time.
+
+        Invariant: a record is sent only when no partition of the consumer has an unsent
+        committed record with an earlier timestamp. Each partition is read from its cursor
+        in batches kept for this call; the next record is the earliest of their heads. The
+        cost against a per-partition replay: a choice among P heads per record and one
+        write per record (no runs): half the rate for a 3.1.1 subscriber, about the same for
+        a 5.0 one, whose replays are annotated record by record anyway (README, "Quick
+        start"). Live, a partition's new records wait for nothing (they exist only once
+        committed)."""
+        link = session.link
+        if link is None:
+            return
+        state = self.state
+        authz = state.authz.get(session.client_id) if state.acl is not None else None
+        quota = min(session.receive_maximum, self.config.max_inflight)
+        version = session.version
+        cursors = consumer.cursors
+        keys = sorted(cursors)
+        heads: dict[PartitionKey, deque[Record]] = {}
+        while link.can_write() and session.link is link:
+            best: PartitionKey | None = None
+            best_ts = 0
+            for key in keys:
+                buf = heads.get(key)
+                if not buf:
+                    part = self.partition(key)
+                    if cursors[key] >= part.end_offset:
+                        continue
+                    records = self.read(part, cursors[key])
+                    if records is None:  # deleted by retention: on from the log start
+                        cursors[key] = part.log.log_start_offset
+                        records = self.read(part, cursors[key])
+                    if not records:
+                        continue
+                    buf = heads[key] = deque(records)
+                ts = buf[0].timestamp
+                if best is None or ts < best_ts:
+                    best, best_ts = key, ts
+            if best is None:
+                break
+            rec = heads[best][0]
+            match = self.match_cached(consumer, rec.topic, authz)
+            if match is not None:
+                qos, ids, no_local_all, rap = match
+                if not (no_local_all and rec.client_id == session.client_id):
+                    qos = min(qos, rec.qos)  # [MQTT-3.8.4-8]
+                    if qos and len(session.inflight) >= quota:
+                        session.waiting = True
+                        break
+                    self.deliver(
+                        session,
+                        rec,
+                        best,
+                        qos,
+                        ids if version == 5 else (),
+                        consumer.name,
+                        retain=rec.retain and rap,
+                        annotate=consumer.annotate,
+                    )
+            heads[best].popleft()
+            cursors[best] = rec.offset + 1
         session.dirty = session.persistent
 
     def match_cached(

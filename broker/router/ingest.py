@@ -23,7 +23,7 @@ from broker.auth.acl import Authorizer
 from broker.commitlog import Record
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.packets import PubAck, Publish, PubRec
-from broker.mqtt.properties import encode_properties
+from broker.mqtt.properties import PropertyId, encode_properties
 from broker.mqtt.reason_codes import ReasonCode
 from broker.router.commit import Ack, AckCallback, GroupCommit
 from broker.router.link import Link
@@ -228,11 +228,14 @@ class Ingest:
         self.state.acl_denied += 1
         log.info("%s: PUBLISH to %r denied by the ACL", session.client_id, packet.topic)
         code = ReasonCode.NOT_AUTHORIZED if session.version == 5 else 0
+        props: dict[int, Any] = {}
+        if session.version == 5 and session.request_problem_information:  # [MQTT-3.1.2-29]
+            props[PropertyId.REASON_STRING] = f"not authorized to publish to {packet.topic!r}"
         if packet.qos == 1:
-            link.send(PubAck(packet.packet_id, code))  # type: ignore[arg-type]
+            link.send(PubAck(packet.packet_id, code, props))  # type: ignore[arg-type]
         elif packet.qos == 2:
             # 3.1.1: the PUBREL that follows finds no stored id and gets its PUBCOMP.
-            link.send(PubRec(packet.packet_id, code))  # type: ignore[arg-type]
+            link.send(PubRec(packet.packet_id, code, props))  # type: ignore[arg-type]
 
     def publish_broker(self, topic: str, payload: bytes) -> None:
         """A retained QoS 0 message of the broker itself (``$SYS/...``), stored and

@@ -78,13 +78,23 @@ class Lifecycle:
         cfg = state.config
         if version == 5 and PropertyId.AUTHENTICATION_METHOD in props:
             # Enhanced authentication (s4.12) with a method we do not offer.
-            self._refuse(link, version, ReasonCode.BAD_AUTHENTICATION_METHOD)
+            self._refuse(
+                link,
+                version,
+                ReasonCode.BAD_AUTHENTICATION_METHOD,
+                "no enhanced authentication is offered",
+            )
             return None
         current = state.sessions.get(packet.client_id) if packet.client_id else None
         connected = state.connections + state.hooks.connected_elsewhere()
         if connected >= cfg.max_connections and (current is None or current.link is None):
             # A takeover replaces a connection, so it is let in even at the limit.
-            self._refuse(link, version, ReasonCode.SERVER_BUSY)
+            self._refuse(
+                link,
+                version,
+                ReasonCode.SERVER_BUSY,
+                f"{cfg.max_connections} connections (router.max_connections)",
+            )
             return None
         if version < 5 and not cfg.keepalive_min <= packet.keepalive <= cfg.keepalive_max:
             # 3.1.1 has no Server Keep Alive to tell a client a clamped value, and enforcing
@@ -95,7 +105,7 @@ class Lifecycle:
         client_id = packet.client_id
         assigned = None
         if not client_id:
-            if version < 5 and not packet.clean_start:
+            if version < 5 and not packet.clean_start:  # (3.1.1 only: no reason string)
                 self._refuse(link, version, ReasonCode.CLIENT_IDENTIFIER_NOT_VALID)
                 return None
             client_id = assigned = "mqlog-" + uuid.uuid4().hex  # [MQTT-3.1.3-6]
@@ -106,6 +116,23 @@ class Lifecycle:
         expiry = min(expiry, cfg.session_expiry_max)
 
         existing = state.sessions.get(client_id)
+        if existing is not None and existing.owner_known and existing.owner != username:
+            # A session belongs to the user who made it. Refused rather than replaced by a
+            # fresh one: a fresh session under this client id would end the owner's, and
+            # with it the messages queued for the owner's return (its positions in the log).
+            log.warning(
+                "CONNECT as %s refused: client id %r holds the session of %s",
+                _who(username),
+                client_id,
+                _who(existing.owner),
+            )
+            self._refuse(
+                link,
+                version,
+                ReasonCode.CLIENT_IDENTIFIER_NOT_VALID,
+                "this client id holds another user's session",
+            )
+            return None
         if existing is not None and existing.link is not None:
             old = existing.link
             self.connection_lost(existing, old, graceful=False)
@@ -122,6 +149,7 @@ class Lifecycle:
         session.expiry_interval = expiry
         session.will = packet.will
         session.will_due = None  # a new connection cancels a delayed will [MQTT-3.1.3-9]
+        session.owner, session.owner_known = username, True
         session.link = link
         session.disconnected_at = None
         session.receive_maximum = props.get(PropertyId.RECEIVE_MAXIMUM, 65535)
@@ -161,10 +189,14 @@ class Lifecycle:
         self.delivery.pump_session(session)
         return session, keepalive
 
-    def _refuse(self, link: Link, version: int, reason: int) -> None:
-        """Answer CONNACK with ``reason`` (3.1.1: its return code); the caller closes."""
-        code = reason if version == 5 else CONNACK_311_FOR_REASON.get(reason, 3)
-        link.send(ConnAck(session_present=False, reason_code=code))
+    def _refuse(self, link: Link, version: int, reason: int, text: str = "") -> None:
+        """Answer CONNACK with ``reason`` (3.1.1: its return code; 5.0: with ``text`` as its
+        Reason String, which a CONNACK may always carry [MQTT-3.1.2-29]); the caller closes."""
+        if version == 5:
+            props: dict[int, Any] = {PropertyId.REASON_STRING: text} if text else {}
+            link.send(ConnAck(False, reason, props))
+            return
+        link.send(ConnAck(False, CONNACK_311_FOR_REASON.get(reason, 3)))
 
     def disconnect(self, session: Session, packet: Disconnect) -> None:
         """A DISCONNECT from the client: the will is dropped unless asked for (0x04)."""
@@ -256,3 +288,7 @@ class Lifecycle:
                 self.store.persist(session)
         if state.groups_dirty:
             self.store.persist_groups()
+
+
+def _who(username: str | None) -> str:
+    return "anonymous" if username is None else repr(username)

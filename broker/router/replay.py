@@ -8,11 +8,18 @@
 - ``time:<RFC 3339 | epoch-ms | -<duration>>``, e.g. ``time:-1h`` or
   ``time:2026-11-21T10:00:00Z``.
 
+Any of them may end in ``;merge`` (``$replay/time:-1h;merge/devices/#``): the records of
+every matched partition come merged in timestamp order (ties: the lower partition first)
+instead of partition by partition. Its cost: each record is chosen among the partitions'
+next records and sent alone, without runs of records in one write
+(:meth:`broker.router.delivery.Delivery.pump_merged`).
+
 Pure parsing; the router turns a :class:`ReplayStart` into cursors.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 from datetime import datetime
 
@@ -21,16 +28,20 @@ from broker.mqtt.errors import TopicFilterInvalid
 from broker.mqtt.topics import validate_topic_filter
 
 REPLAY_PREFIX = "$replay/"
+#: The ``<from>`` option that merges the partitions in timestamp order.
+MERGE_OPTION = ";merge"
 
 
 @dataclass(frozen=True, slots=True)
 class ReplayStart:
-    """Where to start: ``kind`` is earliest | latest | offset | offsets | time."""
+    """Where to start: ``kind`` is earliest | latest | offset | offsets | time; ``merge``:
+    the partitions merged in timestamp order (``;merge``)."""
 
     kind: str
     offset: int = 0
     offsets: tuple[tuple[int, int], ...] = ()
     timestamp_ms: int = 0
+    merge: bool = False
 
 
 def is_replay(topic_filter: str) -> bool:
@@ -49,6 +60,9 @@ def parse_replay(topic_filter: str, now_ms: int) -> tuple[ReplayStart, str]:
     if plain.startswith(("$share/", REPLAY_PREFIX)):
         raise TopicFilterInvalid(f"{topic_filter!r}: cannot replay a shared or replay filter")
     validate_topic_filter(plain)
+    if spec.endswith(MERGE_OPTION):
+        start = _parse_from(spec[: -len(MERGE_OPTION)], now_ms, topic_filter)
+        return dataclasses.replace(start, merge=True), plain
     return _parse_from(spec, now_ms, topic_filter), plain
 
 
@@ -76,7 +90,7 @@ def _parse_from(spec: str, now_ms: int, whole: str) -> ReplayStart:
         pass
     raise TopicFilterInvalid(
         f"{whole!r}: <from> must be earliest, latest, offset:<n>, offsets:<p>=<n>,..., or "
-        f"time:<RFC 3339 | epoch-ms | -<duration>>"
+        f"time:<RFC 3339 | epoch-ms | -<duration>>, optionally followed by {MERGE_OPTION}"
     )
 
 

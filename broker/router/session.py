@@ -71,6 +71,9 @@ class Consumer:
     cursors: dict[PartitionKey, int] = field(default_factory=dict)
     #: For replay consumers: add mqlog-partition / mqlog-offset user properties (5.0).
     annotate: bool = False
+    #: ``$replay/<from>;merge/...``: the partitions' records in timestamp order
+    #: (:meth:`broker.router.delivery.Delivery.pump_merged`), not partition by partition.
+    merge: bool = False
     #: Shared group name (None for main and replay consumers).
     group: str | None = None
     #: Cache: topic -> how the consumer's subscriptions match it, None when none does.
@@ -213,6 +216,11 @@ class Session:
     disconnected_at: float | None = None  # wall seconds, for expiry
     receive_maximum: int = 65535  # the client's (s3.1.2.11.3), bounds our QoS>0 sends
     request_problem_information: bool = True
+    #: The user that made the session (None: anonymous): only it may take the client id
+    #: over (broker.router.lifecycle). ``owner_known`` is False for a session persisted
+    #: before owners were kept; its next login becomes the owner.
+    owner: str | None = None
+    owner_known: bool = True
     next_packet_id: int = 1
     dirty: bool = False  # persisted state changed since last written
     #: A consumer stopped at the send quota: the next PUBACK pumps (Delivery.pump_acked).
@@ -268,6 +276,7 @@ class Session:
             "will_left": None if self.will_due is None else max(0.0, self.will_due - monotonic_now),
             "v": 1,
             "version": self.version,
+            **({"owner": self.owner} if self.owner_known else {}),
             "expiry": self.expiry_interval,
             "disconnected_at": self.disconnected_at,
             "consumers": {
@@ -275,6 +284,7 @@ class Session:
                     "subs": [_sub_state(s) for s in c.subscriptions.values()],
                     "cursors": [[k[0], k[1], off] for k, off in c.cursors.items()],
                     "annotate": c.annotate,
+                    **({"merge": True} if c.merge else {}),
                 }
                 for name, c in self.consumers.items()
             },
@@ -303,9 +313,13 @@ class Session:
             persistent=True,
             expiry_interval=state["expiry"],
             disconnected_at=state.get("disconnected_at"),
+            owner=state.get("owner"),
+            owner_known="owner" in state,
         )
         for name, c in state["consumers"].items():
-            consumer = Consumer(name, annotate=c.get("annotate", False))
+            consumer = Consumer(
+                name, annotate=c.get("annotate", False), merge=c.get("merge", False)
+            )
             for sub in c["subs"]:
                 consumer.subscriptions[sub["filter"]] = _sub_from_state(sub)
             for stream, part, off in c["cursors"]:

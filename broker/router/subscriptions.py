@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from typing import Any
 
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.errors import ProtocolError, TopicFilterInvalid
@@ -54,14 +55,23 @@ class Subscriptions:
         ids = packet.properties.get(PropertyId.SUBSCRIPTION_IDENTIFIER)
         sub_id = ids[0] if ids else None
         codes: list[int] = []
+        refusals: list[str] = []  # 5.0: the SUBACK's Reason String says why (s3.9.2.1.2)
         for req in packet.subscriptions:
             try:
-                codes.append(self._subscribe_one(session, req, sub_id))
+                code = self._subscribe_one(session, req, sub_id)
             except TopicFilterInvalid as e:
                 log.info("%s: SUBSCRIBE %r refused: %s", session.client_id, req.topic_filter, e)
-                codes.append(e.reason_code if session.version == 5 else 0x80)
+                code = e.reason_code if session.version == 5 else 0x80
+                refusals.append(f"{req.topic_filter!r}: {e}")
+            else:
+                if code >= 0x80:
+                    refusals.append(f"{req.topic_filter!r}: not authorized by the ACL")
+            codes.append(code)
         session.dirty = session.persistent
-        link.send(SubAck(packet.packet_id, codes))
+        props: dict[int, Any] = {}
+        if refusals and session.version == 5 and session.request_problem_information:
+            props[PropertyId.REASON_STRING] = "; ".join(refusals)  # [MQTT-3.1.2-29]
+        link.send(SubAck(packet.packet_id, codes, props))
         self.store.persist(session)
         self.pump_session(session)
 
@@ -78,7 +88,7 @@ class Subscriptions:
             if not self._may_subscribe(session, full, plain):
                 return self._denied_code(session)
             sub.topic_filter = plain
-            consumer = Consumer(full, annotate=True)
+            consumer = Consumer(full, annotate=True, merge=start.merge)
             consumer.subscriptions[plain] = sub
             self._drop_consumer(session, full)
             session.consumers[full] = consumer

@@ -7,6 +7,9 @@ Prints a table every ``--interval`` seconds::
 With ``--group NAME`` it subscribes as a member of the shared subscription
 ``$share/NAME/devices/+/telemetry``, so several dashboards split the fleet's messages between
 them. Stops after ``--duration`` seconds (0: until Ctrl-C).
+
+``LATENCY ms`` is the end-to-end latency of a device's latest reading: the time it reached
+the dashboard minus the time the device stamped in it (``ts``), on this machine's clock.
 """
 
 from __future__ import annotations
@@ -76,13 +79,13 @@ class Dashboard:
             f"{time.strftime('%H:%M:%S')}  {len(rows)} devices, {total} messages"
             + (f", {bad} not JSON" if bad else ""),
             f"{'DEVICE':<12} {'MSGS':>7} {'MSG/S':>6} {'SEQ':>7} {'TEMP':>7} "
-            f"{'HUM':>6} {'BATT':>6} {'AGE ms':>7}",
+            f"{'HUM':>6} {'BATT':>6} {'LATENCY ms':>10}",
         ]
         for dev, count, rate, r, latency in rows:
             lines.append(
                 f"{dev:<12} {count:>7} {rate:>6.1f} {r.get('seq', '-'):>7} "
                 f"{r.get('temperature', '-'):>7} {r.get('humidity', '-'):>6} "
-                f"{r.get('battery', '-'):>6} {latency:>7.0f}"
+                f"{r.get('battery', '-'):>6} {latency:>10.0f}"
             )
         return "\n".join(lines)
 

@@ -111,8 +111,11 @@ def test_publish_denied_311_is_acked_and_dropped(acl_broker: BrokerProcess) -> N
 
 def test_publish_denied_5_reason_code(acl_broker: BrokerProcess) -> None:
     bob = raw_login(acl_broker, "bob", 5)
-    assert raw_publish(bob, "alice/x", 1, 1) == b"\x00\x01\x87"
-    assert raw_publish(bob, "alice/x", 2, 2) == b"\x00\x02\x87"  # the QoS 2 flow ends here
+    reason = utf8("not authorized to publish to 'alice/x'")  # its Reason String (0x1F)
+    props = b"\x1f" + reason
+    assert raw_publish(bob, "alice/x", 1, 1) == b"\x00\x01\x87" + varint(len(props)) + props
+    # the QoS 2 flow ends here
+    assert raw_publish(bob, "alice/x", 2, 2) == b"\x00\x02\x87" + varint(len(props)) + props
     assert raw_publish(bob, "bob/x", 1, 3) in (b"\x00\x03", b"\x00\x03\x00")
     bob.send(packet(0xC0, b""))  # PINGREQ: the connection is still fine
     bob.expect(0xD)
@@ -205,7 +208,10 @@ def test_client_id_pattern(acl_broker: BrokerProcess) -> None:
 
 def test_clients_never_write_sys_topics(broker: BrokerProcess) -> None:
     c = raw_login_anonymous(broker)
-    assert raw_publish(c, "$SYS/broker/uptime", 1, 1) == b"\x00\x01\x87"
+    props = b"\x1f" + utf8("not authorized to publish to '$SYS/broker/uptime'")
+    assert (
+        raw_publish(c, "$SYS/broker/uptime", 1, 1) == b"\x00\x01\x87" + varint(len(props)) + props
+    )
     c.close()
 
 

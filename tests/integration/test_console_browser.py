@@ -186,7 +186,6 @@ def test_console_behind_credentials(
     broker_factory: BrokerFactory, chromium: webdriver.Chrome, tmp_path: Path
 ) -> None:
     # The HTTP API's authentication is built beside the console (issue 24, item 6).
-    pytest.importorskip("broker.http.access", reason="HTTP authentication not merged yet")
     passwords = make_password_file(tmp_path / "passwd", {"operator": "s3cret-console"})
     broker = broker_factory(
         config=f'[auth]\nallow_anonymous = false\npassword_file = "{passwords}"\n'

@@ -66,6 +66,7 @@ def test_fleet_dashboard_replay(broker: BrokerProcess) -> None:
     assert dashboard.returncode == 0, err
     final = out.strip().split("\n\n")[-1].splitlines()
     assert final[0].endswith(f"3 devices, {sent} messages"), final
+    assert final[1].split()[-2:] == ["LATENCY", "ms"], final  # device stamp to dashboard
     rows = {line.split()[0]: line.split() for line in final[2:]}
     assert sorted(rows) == ["dev-000", "dev-001", "dev-002"]
     for dev, cols in rows.items():

@@ -482,3 +482,55 @@ def test_example_fleet_drain_and_per_device_aggregates(
     assert sum(int(d[1]) for d in devices) == int(sent.group(1))
     assert all(d[7] == "0" for d in devices)  # no reading missing from any device's seq
     assert "spark_aggregates: 3 device(s)" in done.stdout
+
+
+def test_drain_as_a_user_quiet_and_local(tmp_path: Path) -> None:
+    """`mqlog spark-drain --user` against a broker with allow_anonymous = false: the
+    records are those the user's ACL reads; the driver stays on 127.0.0.1 without being
+    told (no SPARK_LOCAL_IP in the environment); the JVM's log goes to the checkpoint's
+    spark-driver.log, and mqlog's output carries mqlog's lines only."""
+    from tests.integration.test_auth import make_password_file
+
+    pw = make_password_file(tmp_path / "passwd", {"alice": "a-pw", "bob": "b-pw"})
+    acl = tmp_path / "acl"
+    acl.write_text("user alice\ntopic readwrite alice/#\nuser bob\ntopic readwrite bob/#\n")
+    closed = BrokerProcess(
+        tmp_path / "broker",
+        f'[auth]\nallow_anonymous = false\npassword_file = "{pw}"\nacl_file = "{acl}"\n',
+    )
+    closed.start()
+    try:
+        for name in ("alice", "bob"):
+            c = Client(closed.port, f"{name}-pub", V5)
+            c.paho.username_pw_set(name, f"{name[0]}-pw")
+            assert c.connect() == 0
+            for i in range(3):
+                c.publish(f"{name}/x", b"%s-%d" % (name.encode(), i), qos=1)
+            c.disconnect()
+        out, checkpoint = tmp_path / "out", tmp_path / "cp"
+        cmd = drain_command(closed, out, checkpoint, "--stream", "default", "--once")
+        env = {k: v for k, v in os.environ.items() if k not in ("SPARK_LOCAL_IP",)}
+        refused = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True)
+        assert refused.returncode == 1
+        assert "refused no credentials" in refused.stderr and "'user'" in refused.stderr
+        done = subprocess.run(
+            [*cmd, "--user", "alice"],
+            cwd=ROOT,
+            env={**env, "MQLOG_PASSWORD": "a-pw"},
+            capture_output=True,
+            text=True,
+            timeout=240,
+        )
+    finally:
+        closed.stop()
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if line.strip()]
+    assert all(line.startswith("mqlog spark-drain: ") for line in said), said
+    assert "stopped after" in said[-1] and "3 record(s)" in said[-1]
+    log = checkpoint / "spark-driver.log"
+    assert log.is_file() and f"Spark's own log (WARN and above) is in {log}" in done.stderr
+    assert "resolves to a loopback address" not in log.read_text()
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(out)
+    assert sorted(table.column("topic").to_pylist()) == ["alice/x"] * 3

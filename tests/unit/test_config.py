@@ -209,3 +209,80 @@ def test_two_listeners_on_one_port_are_refused() -> None:
         check_ports(cfg, "b.toml")
     check_ports(parse_config({"server": {"port": 0, "ws_port": 0}, "http": {"port": 0}}))
     check_ports(parse_config({"server": {"port": 8080}, "http": {"enabled": False}}))
+
+
+# ------------------------------------------------------------------ safe defaults, overrides
+
+
+def test_shipped_config_listens_on_loopback_only() -> None:
+    """Anonymous access without a password file (the shipped file): this machine only,
+    unless an address is named, as Mosquitto 2 does."""
+    cfg = load_config(SHIPPED)
+    assert cfg.auth.allow_anonymous and cfg.auth.password_file is None
+    assert cfg.server.host == "127.0.0.1" and not cfg.server.host_named
+    assert cfg.http.host == "127.0.0.1"
+
+
+@pytest.mark.parametrize(
+    ("toml", "host", "named"),
+    [
+        pytest.param("", "127.0.0.1", False, id="anonymous-no-passwords"),
+        pytest.param('[server]\nhost = ""\n', "127.0.0.1", False, id="empty-is-unnamed"),
+        pytest.param('[server]\nhost = "0.0.0.0"\n', "0.0.0.0", True, id="named"),
+        pytest.param("[auth]\nallow_anonymous = false\n", "0.0.0.0", False, id="closed"),
+        pytest.param('[auth]\npassword_file = "p"\n', "0.0.0.0", False, id="password-file"),
+    ],
+)
+def test_listen_address_default(tmp_path: Path, toml: str, host: str, named: bool) -> None:
+    server = load_config(write(tmp_path, toml)).server
+    assert (server.host, server.host_named) == (host, named)
+
+
+def test_host_flag_names_the_address(tmp_path: Path) -> None:
+    server = load_config(write(tmp_path, ""), {"server.host": "0.0.0.0"}).server
+    assert (server.host, server.host_named) == ("0.0.0.0", True)
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("server.port", 70000, "command line: --port = 70000 must be an integer >= 0 and <= 65535"),
+        ("http.port", 70000, "command line: --http-port = 70000 must be an integer >= 0"),
+        ("router.workers", -3, "command line: --workers = -3 must be an integer >= 0 and <= 256"),
+        ("server.host", 5, "command line: --host = 5 must be a string"),
+    ],
+)
+def test_overrides_get_the_keys_checks_and_name_the_flag(
+    tmp_path: Path, key: str, value: object, message: str
+) -> None:
+    p = write(tmp_path, "")
+    with pytest.raises(ConfigError) as info:
+        load_config(p, {key: value})
+    assert str(info.value).startswith(message), info.value
+    assert f"(it overrides {key} of {p})" in str(info.value)
+
+
+def test_data_dir_naming_a_file(tmp_path: Path) -> None:
+    afile = tmp_path / "afile"
+    afile.write_text("")
+    message = error_for(tmp_path, f'[commitlog]\ndata_dir = "{afile}"\n')
+    assert "commitlog.data_dir" in message and "must be a directory" in message
+    with pytest.raises(ConfigError, match=r"^command line: --data-dir = .* must be a directory"):
+        load_config(write(tmp_path, ""), {"commitlog.data_dir": str(afile)})
+
+
+def test_connection_messages_switch(tmp_path: Path) -> None:
+    assert load_config(write(tmp_path, "")).server.connection_messages
+    off = load_config(write(tmp_path, "[server]\nconnection_messages = false\n"))
+    assert not off.server.connection_messages
+    message = error_for(tmp_path, '[server]\nconnection_messages = "no"\n')
+    assert "server.connection_messages = 'no' must be true or false" in message
+
+
+def test_port_clash_names_the_flags() -> None:
+    cfg = parse_config({}, "b.toml", {"server.port": 1884, "http.port": 1884})
+    with pytest.raises(
+        ConfigError,
+        match=r"http.port = 1884 is also server.port \(set by --port and --http-port\)$",
+    ):
+        check_ports(cfg, "b.toml", {"server.port": "--port", "http.port": "--http-port"})

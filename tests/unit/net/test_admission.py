@@ -120,9 +120,11 @@ class Applicant:
         self.calls: list[tuple[Any, ...]] = []
         self.done = asyncio.Event()
         self.enter_fails = False
+        self.reasons: list[str] = []  # the Reason String of each refusal
 
-    def refuse(self, reason_code: int) -> None:
+    def refuse(self, reason_code: int, reason: str = "") -> None:
         self.calls.append(("refuse", reason_code))
+        self.reasons.append(reason)
         self.closing = True
         self.done.set()
 
@@ -186,6 +188,7 @@ def test_a_bad_password_is_refused_with_its_reason() -> None:
     a.hold_data(b"read 1")
     password_check(ctx, ok=False)
     assert applicant.calls[0] == ("refuse", ReasonCode.BAD_USER_NAME_OR_PASSWORD)
+    assert applicant.reasons[0] == "bad password"  # the login's message: 5.0's Reason String
     assert not any(call[0] == "enter" for call in applicant.calls)
 
 

@@ -48,6 +48,9 @@ class Transport:
     def write(self, data: bytes) -> None:
         self.written.append(bytes(data))
 
+    def can_write_eof(self) -> bool:
+        return False  # closed at once, as a TLS or WebSocket carrier is (broker.net.closing)
+
     def is_closing(self) -> bool:
         return self.closed
 

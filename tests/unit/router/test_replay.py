@@ -56,6 +56,18 @@ NOW_MS = 1_700_000_000_000
         ("$replay/earliest/$SYS/broker/#", ReplayStart("earliest"), "$SYS/broker/#"),
         ("$replay/earliest//a//", ReplayStart("earliest"), "/a//"),
         ("$replay/earliest/#", ReplayStart("earliest"), "#"),
+        # ;merge: the partitions merged in timestamp order, after any <from>
+        ("$replay/earliest;merge/d/#", ReplayStart("earliest", merge=True), "d/#"),
+        (
+            "$replay/time:-1h;merge/a",
+            ReplayStart("time", timestamp_ms=NOW_MS - 3_600_000, merge=True),
+            "a",
+        ),
+        (
+            "$replay/offsets:0=3,1=4;merge/d/#",
+            ReplayStart("offsets", offsets=((0, 3), (1, 4)), merge=True),
+            "d/#",
+        ),
     ],
 )
 def test_parse_replay_forms(topic_filter: str, start: ReplayStart, plain: str) -> None:
@@ -421,3 +433,73 @@ def test_max_topic_levels_counts_the_filter_not_the_prefix(tmp_path: Path) -> No
         assert suback(link) == [0, 0x8F]
     finally:
         h.streams.close()
+
+
+# ============================================================================ ;merge
+
+
+def test_merge_delivers_every_partition_in_timestamp_order(hd: Harness) -> None:
+    """Records published round-robin over three partitions, 5 ms apart: a plain replay
+    sends them partition by partition, a merged one in the order they were published."""
+    topics = [topic_in(hd, p) for p in range(3)]
+    _, pub = hd.connect("pub", 5)
+    published = []
+    for i in range(12):
+        topic = topics[i % 3]
+        hd.publish(pub, topic, f"{topic}:{i}".encode())
+        hd.run()
+        hd.clock.advance(0.005)
+        published.append(f"{topic}:{i}".encode())
+    link, s = hd.connect("plain", 5)
+    hd.subscribe(s, "$replay/earliest/devices/#", 0)
+    by_partition = [p for _, _, p in annotated(link.take())]
+    assert sorted(by_partition) == sorted(published) and by_partition != published
+    link, s = hd.connect("merged", 5)
+    hd.subscribe(s, "$replay/earliest;merge/devices/#", 0)
+    assert [p for _, _, p in annotated(link.take())] == published
+
+
+def test_merge_ties_go_to_the_lower_partition_and_live_follows(hd: Harness) -> None:
+    t0, t1 = topic_in(hd, 0), topic_in(hd, 1)
+    _, pub = hd.connect("pub", 5)
+    for topic in (t1, t0, t1, t0):  # one instant: every timestamp equal
+        hd.publish(pub, topic, topic.encode())
+    hd.run()
+    link, s = hd.connect("r", 5)
+    hd.subscribe(s, "$replay/earliest;merge/devices/#", 1)
+    got = annotated(link.take())
+    assert [(p, o) for p, o, _ in got] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    hd.clock.advance(1)
+    hd.publish(pub, t1, b"live")
+    hd.run()
+    assert [(p, pl) for p, _, pl in annotated(link.take())] == [(1, b"live")]
+
+
+def test_merge_stops_at_the_send_quota_and_resumes_in_order(hd: Harness) -> None:
+    """QoS 1 with a receive maximum of 2: two in flight, then each PUBACK lets the next
+    earliest record go, still in timestamp order across the partitions."""
+    topics = [topic_in(hd, p) for p in range(3)]
+    _, pub = hd.connect("pub", 5)
+    published = []
+    for i in range(6):
+        hd.publish(pub, topics[i % 3], b"%d" % i, qos=1, packet_id=i + 1)
+        hd.run()
+        hd.clock.advance(0.001)
+        published.append(b"%d" % i)
+    link, s = hd.connect("r", 5, receive_maximum=2)
+    hd.subscribe(s, "$replay/earliest;merge/devices/#", 1)
+    got = link.take()
+    assert [p.payload for p in got] == published[:2]
+    while len(got) < 6:
+        for p in got[-2:]:
+            if p.packet_id is not None:
+                hd.router.puback(s, p.packet_id)
+        got += link.take()
+    assert [p.payload for p in got] == published
+
+
+def test_merge_survives_persistence(hd: Harness) -> None:
+    _, s = hd.connect("r", 5, clean=False, expiry=60)
+    hd.subscribe(s, "$replay/earliest;merge/devices/#", 0)
+    restored = Session.from_state("r", s.to_state())
+    assert restored.consumers["$replay/earliest;merge/devices/#"].merge
