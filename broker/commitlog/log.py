@@ -55,10 +55,12 @@ from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import (
     CommitLogError,
+    CorruptRecordBatch,
     LogClosed,
     LogIOError,
     OffsetOutOfRange,
 )
+from broker.commitlog.integrity import quarantined, report_error
 from broker.commitlog.policy import (
     build_offset_map,
     cleaned_batches,
@@ -156,7 +158,12 @@ class SegmentedLog:
             for i, base in enumerate(bases):
                 is_active = i == len(bases) - 1
                 segment, truncated = Segment.open(
-                    directory, base, config, now_ms, recover=is_active and not clean
+                    directory,
+                    base,
+                    config,
+                    now_ms,
+                    recover=is_active and not clean,
+                    keep_damaged_tail=clean,
                 )
                 if segments and base < segments[-1].next_offset:
                     segment.close()
@@ -164,7 +171,13 @@ class SegmentedLog:
                         f"{segment.log_path}: base offset {base} overlaps the previous segment "
                         f"ending at offset {segments[-1].next_offset - 1}"
                     )
-                if segments and base > segments[-1].next_offset and not config.compacted:
+                if (
+                    segments
+                    and base > segments[-1].next_offset
+                    and not config.compacted
+                    and not segments[-1].damaged
+                    and not quarantined(directory, segments[-1].base_offset)
+                ):
                     # The previous segment lost its tail in a crash before the interval's
                     # flush (see the module doc): what follows does not continue it.
                     segment.close()
@@ -463,13 +476,21 @@ class SegmentedLog:
                 state = (active.base_offset, active.next_offset)
                 if state == self._compacted_state or len(segments) < 2:
                     return 0
-            latest = build_offset_map([(s, s.size) for s in segments[:-1]] + [(active, active_end)])
-            removed = 0
-            for segment in segments[:-1]:
-                removable = count_removable(segment, latest)
-                if removable:
-                    self._replace_cleaned(segment, latest, first=segment is segments[0])
-                    removed += removable
+            try:
+                latest = build_offset_map(
+                    [(s, s.size) for s in segments[:-1]] + [(active, active_end)]
+                )
+                removed = 0
+                for segment in segments[:-1]:
+                    removable = count_removable(segment, latest)
+                    if removable:
+                        self._replace_cleaned(segment, latest, first=segment is segments[0])
+                        removed += removable
+            except CorruptRecordBatch as exc:
+                # Never rewrite damage away: the log stays as it is until it is repaired.
+                report_error(exc)
+                logger.error("%s: compaction skipped until the damage is repaired", self.directory)
+                return 0
             self._compacted_state = state
             if removed:
                 logger.info("%s: compaction removed %d records", self.directory, removed)

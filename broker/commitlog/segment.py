@@ -36,6 +36,7 @@ from collections.abc import Iterable, Iterator, Sized
 from pathlib import Path
 from typing import TypeVar
 
+from broker.commitlog import integrity
 from broker.commitlog.batch import (
     BATCH_HEADER,
     BATCH_HEADER_SIZE,
@@ -55,6 +56,16 @@ from broker.commitlog.errors import (
     LogIOError,
 )
 from broker.commitlog.index import OffsetIndex, TimeIndex
+from broker.commitlog.integrity import (
+    DamagedRange,
+    SegmentScan,
+    crc_ok,
+    read_verified,
+    report,
+    resync,
+    scan_segment,
+    walk,
+)
 from broker.commitlog.record import Record
 
 logger = logging.getLogger("broker.commitlog")
@@ -66,6 +77,10 @@ TIMEINDEX_SUFFIX = ".timeindex"
 CLEANED_SUFFIX = ".cleaned"
 #: Suffix of index files being written (see :func:`broker.commitlog.index._write_atomically`).
 TMP_SUFFIX = ".tmp"
+
+#: Exceptions a decoder raises on a structurally inconsistent batch (struct.error is a
+#: ValueError), turned into :class:`CorruptRecordBatch` on the read paths.
+DECODE_ERRORS = (ValueError, IndexError, TypeError, OverflowError)
 
 #: Smallest ``pread`` of a read (bytes); larger reads are sized from the request's limits.
 READ_CHUNK_MIN = 16 * 1024
@@ -95,13 +110,17 @@ class Segment:
         "_bytes_since_index",
         "_cache_buf",
         "_cache_pos",
+        "_damage_scan",
         "_dirty",
         "_fd",
         "_hint_offset",
         "_hint_pos",
+        "_verified_from",
+        "_verified_to",
         "_writeback_from",
         "base_offset",
         "config",
+        "damaged",
         "directory",
         "index_path",
         "log_path",
@@ -149,6 +168,13 @@ class Segment:
         self._hint_pos = 0
         self._cache_buf = b""
         self._cache_pos = 0
+        #: Batches ``[_verified_from, _verified_to)`` of the cached buffer passed their CRC.
+        self._verified_from = self._verified_to = 0
+        #: The verifying scan of this segment, made when a read first met damage in it.
+        self._damage_scan: SegmentScan | None = None
+        #: Damaged ranges recovery found and kept (intact batches follow them); see
+        #: :meth:`recover`.
+        self.damaged: list[DamagedRange] = []
 
     # ----------------------------------------------------------------- open / create
     @classmethod
@@ -163,14 +189,23 @@ class Segment:
 
     @classmethod
     def open(
-        cls, directory: Path, base_offset: int, config: LogConfig, now_ms: int, *, recover: bool
+        cls,
+        directory: Path,
+        base_offset: int,
+        config: LogConfig,
+        now_ms: int,
+        *,
+        recover: bool,
+        keep_damaged_tail: bool = False,
     ) -> tuple[Segment, int]:
         """Open an existing segment; return it and the number of bytes recovery truncated.
 
         With ``recover`` the whole ``.log`` is scanned and both indexes rebuilt. Otherwise the
         indexes are loaded and checked (sanity check plus a scan of the batches after the last
-        index entry); any inconsistency falls back to a full recovery.
-        Raises :class:`LogIOError` or :class:`~broker.commitlog.errors.UnsupportedFormat`.
+        index entry, CRCs verified); any inconsistency falls back to a full recovery.
+        ``keep_damaged_tail`` (after a clean shutdown, when no tail can be torn): see
+        :meth:`recover`. Raises :class:`LogIOError` or
+        :class:`~broker.commitlog.errors.UnsupportedFormat`.
         """
         path = directory / file_name(base_offset, LOG_SUFFIX)
         try:
@@ -186,7 +221,7 @@ class Segment:
                     return seg, 0
                 except (CorruptIndex, CorruptRecordBatch, FileNotFoundError) as exc:
                     logger.info("%s: rebuilding indexes: %s", path, exc)
-            truncated = seg.recover()
+            truncated = seg.recover(keep_damaged_tail=keep_damaged_tail)
         except OSError as exc:
             seg.close()
             raise LogIOError(path, "recover segment", exc) from exc
@@ -220,11 +255,17 @@ class Segment:
             raise CorruptIndex(self.timeindex_path, "empty while the offset index is not")
         self.max_timestamp = max(tail_max, self.time_index.last_timestamp())
 
-    def recover(self) -> int:
-        """Scan the whole ``.log``, rebuild the indexes, truncate at the first bad batch.
+    def recover(self, *, keep_damaged_tail: bool = False) -> int:
+        """Scan the whole ``.log``, rebuild the indexes, truncate a torn or corrupt tail.
 
-        Returns the number of bytes truncated (0 when the segment was intact) and logs what was
-        cut on logger ``broker.commitlog``.
+        A bad batch followed by an intact one is damage, not a torn write (a crash tears only
+        the end): it is kept, reported (:func:`~broker.commitlog.integrity.report`) and listed
+        in :attr:`damaged`, and reads pass over it per the stream's ``on_corruption``, so the
+        acknowledged batches after it are not cut. A bad tail (no intact batch after it) is
+        truncated, unless ``keep_damaged_tail``: after a clean shutdown nothing can be torn,
+        so a bad tail is damage too, kept rather than cut (with the later segments).
+        Returns the number of bytes truncated (0 when nothing was cut) and logs what was cut
+        on logger ``broker.commitlog``.
         """
         self.offset_index = OffsetIndex(self.index_path, self.base_offset)
         self.time_index = TimeIndex(self.timeindex_path, self.base_offset)
@@ -232,7 +273,24 @@ class Segment:
         self.max_timestamp = -1
         self._bytes_since_index = 0
         self._drop_read_state()
+        self._damage_scan = None
+        self.damaged = []
         end, reason = self._scan(0, self.base_offset, build=True)
+        while reason is not None:
+            after = resync(self._fd, self.log_path, end, self.size, self.next_offset)
+            if after is None and not keep_damaged_tail:
+                break
+            stop, base = after if after is not None else (self.size, -1)
+            damage = DamagedRange(
+                self.log_path, end, stop, self.next_offset, base - 1 if base >= 0 else -1, reason
+            )
+            self.damaged.append(damage)
+            report(damage)
+            if after is None:
+                return 0
+            # Index the first batch after the damage, so reads past it start there.
+            self._bytes_since_index = self.config.index_interval_bytes
+            end, reason = self._scan(stop, base, build=True)
         truncated = self.size - end
         if truncated:
             logger.warning(
@@ -369,9 +427,15 @@ class Segment:
 
         Returns the remaining byte budget and whether a limit stopped the read (False: the
         segment was read to its end). The read hot path: one ``pread`` per chunk.
+
+        Each batch is verified (CRC) the first time it is decoded from the buffer read, the
+        buffer's verified batches remembered as one interval; a batch that fails, or any
+        inconsistency, switches this segment to verifying reads (:meth:`_read_damaged`).
         """
         if offset >= self.next_offset:
             return max_bytes, False
+        if self._damage_scan is not None:
+            return self._read_damaged(out, offset, max_records, max_bytes, decode)
         end = self.size
         # A sequential consumer asks for the offset right after its previous read: start at
         # the remembered position instead of the index entry (saves the scan to the offset).
@@ -380,11 +444,15 @@ class Segment:
         buf = self._cache_buf
         buf_pos = self._cache_pos
         n = len(buf)
+        verified_from, verified_to = self._verified_from, self._verified_to
         if not buf_pos <= pos < buf_pos + n:
             buf, buf_pos, n = b"", pos, 0
+            verified_from = verified_to = pos
         p = pos - buf_pos
         avg = self.size // max(1, self.next_offset - self.base_offset) + 1
         unpack_header = BATCH_HEADER.unpack_from
+        check = integrity.verify_reads
+        resume = offset  # the first offset not read yet, should damage be met
         try:
             while buf_pos + p < end:
                 if n - p >= BATCH_HEADER_SIZE:
@@ -395,7 +463,22 @@ class Segment:
                         )
                     if length <= n - p:
                         if base + lod >= offset:
-                            max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
+                            at = buf_pos + p
+                            if not verified_from <= at < verified_to and check:
+                                if not crc_ok(buf, p, length):
+                                    raise CorruptRecordBatch("CRC mismatch", at, self.log_path)
+                                if at != verified_to:
+                                    verified_from = at
+                                verified_to = at + length
+                            try:
+                                max_bytes, stop = decode(
+                                    buf, p, out, offset, max_records, max_bytes
+                                )
+                            except DECODE_ERRORS as exc:
+                                raise CorruptRecordBatch(
+                                    f"undecodable batch: {exc}", at, self.log_path
+                                ) from None
+                            resume = base + lod + 1
                             if stop >= 0:
                                 self._hint_offset, self._hint_pos = stop, buf_pos + p
                                 return max_bytes, True
@@ -415,19 +498,59 @@ class Segment:
                 want = 2 * min(max_bytes, (max_records - len(out)) * avg) + BATCH_HEADER_SIZE
                 buf = os.pread(self._fd, min(end - at, max(need, want, READ_CHUNK_MIN)), at)
                 buf_pos, p, n = at, 0, len(buf)
+                verified_from = verified_to = at
                 if n < need:
                     raise CorruptRecordBatch(f"short read: {n} of {need} bytes", at, self.log_path)
             return max_bytes, False
+        except CorruptRecordBatch:
+            if not check:
+                raise
+            buf, buf_pos = b"", 0
+            return self._read_damaged(out, resume, max_records, max_bytes, decode)
         finally:
             self._cache_buf, self._cache_pos = buf, buf_pos
+            self._verified_from, self._verified_to = verified_from, verified_to
+
+    def _read_damaged(
+        self, out: _Out, offset: int, max_records: int, max_bytes: int, decode: Decoder[_Out]
+    ) -> tuple[int, bool]:
+        """:meth:`read_into` of a segment where damage was met: scanned once, then every
+        batch walked is verified (:func:`~broker.commitlog.integrity.read_verified`)."""
+        if self._damage_scan is None:
+            self._damage_scan = scan_segment(self._fd, self.log_path, self.base_offset, self.size)
+        self._hint_offset = -1
+        return read_verified(
+            self._fd,
+            self.log_path,
+            self._damage_scan,
+            self.size,
+            out,
+            offset,
+            max_records,
+            max_bytes,
+            decode,
+            self.config.on_corruption == "stop",
+        )
+
+    def verify(self) -> SegmentScan:
+        """Scan the whole segment, every batch validated (the scrubber, ``mqlog verify``);
+        reports the damage found. Safe on a closed segment from another thread."""
+        scan = scan_segment(self._fd, self.log_path, self.base_offset, self.size)
+        for damage in scan.ranges:
+            report(damage)
+        if scan.ranges:
+            self._damage_scan = scan
+        return scan
 
     def iter_batches(
         self, pos: int = 0, end: int | None = None
     ) -> Iterator[tuple[bytes, int, int]]:
         """Yield ``(buffer, offset_in_buffer, file_position)`` for each batch from ``pos``.
 
-        Batches are trusted (written or recovered by this process); ``end`` defaults to the
-        current :attr:`size`, so a scan started on the cleaner thread sees a fixed prefix.
+        Each batch is validated (CRC and structure) before it is yielded: a bad one raises
+        :class:`CorruptRecordBatch` (compaction leaves such a segment as it is). ``end``
+        defaults to the current :attr:`size`, so a scan started on the cleaner thread sees a
+        fixed prefix.
         """
         stop = self.size if end is None else end
         buf = b""
@@ -447,6 +570,8 @@ class Segment:
                 buf_pos, rel = pos, 0
                 if len(buf) < length:
                     raise CorruptRecordBatch("short read of a batch", pos, self.log_path)
+            if integrity.verify_reads:
+                validate_batch(buf, rel, 0, path=self.log_path, position=pos)
             yield buf, rel, pos
             pos += length
 
@@ -459,6 +584,24 @@ class Segment:
         """First offset whose record timestamp is >= ``timestamp`` (ms), None if none here."""
         if self.max_timestamp < timestamp:
             return None
+        try:
+            return self._offset_for_time(timestamp)
+        except CorruptRecordBatch:
+            pass
+        # Damage on the way: walk the whole segment verified, passing over damaged ranges.
+        for item in walk(self._fd, self.log_path, 0, self.size, self.base_offset):
+            if item is None or isinstance(item, DamagedRange):
+                if item is not None:
+                    report(item)
+                continue
+            buf, rel, _pos, _next = item
+            if read_header(buf, rel).max_timestamp >= timestamp:
+                for record in decode_batch(buf, rel):
+                    if record.timestamp >= timestamp:
+                        return record.offset
+        return None
+
+    def _offset_for_time(self, timestamp: int) -> int | None:
         before = self.time_index.lookup_before(timestamp)
         start = self.base_offset if before is None else before + 1
         pos = self.offset_index.lookup(start)[1]
@@ -523,6 +666,7 @@ class Segment:
         self._hint_pos = 0
         self._cache_buf = b""
         self._cache_pos = 0
+        self._verified_from = self._verified_to = 0
 
     def close(self) -> None:
         """Close the file descriptor (idempotent); does not flush."""
