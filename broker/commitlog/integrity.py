@@ -254,7 +254,10 @@ def _check(
         return None if stop_base is not None else f"torn batch header ({len(buf) - rel} bytes)"
     base, length = BATCH_HEADER.unpack_from(buf, rel)[:2]
     if stop_base is not None and base >= stop_base:
-        return None
+        if not written_after(f.size, pos, length):
+            return None
+        buf, rel = f.at(pos, length)
+        return None if crc_ok(buf, rel, length) else "CRC mismatch (base offset past the mark)"
     if length < MIN_BATCH_SIZE:
         return f"batch length {length} too small"
     if length > f.size - pos:
@@ -269,6 +272,14 @@ def _check(
     except UnsupportedFormat:
         return "unknown magic"
     return length, h.base_offset, h.next_offset
+
+
+def written_after(size: int, pos: int, length: int) -> bool:
+    """Follower readers: whether the batch at ``pos`` is followed by more bytes of the file.
+    A batch whose base offset reads past the announced mark may be one still being written,
+    unless something was written after it (one writer, batches in order): then its write
+    returned, its bytes are final, and a CRC that fails is damage, not a write in progress."""
+    return length >= MIN_BATCH_SIZE and pos + length + BATCH_HEADER_SIZE <= size
 
 
 def _resync(
@@ -311,8 +322,17 @@ def walk(
     while pos < size:
         found = _check(f, pos, min_base, stop_base, path)
         if found is None:
-            yield None
-            return
+            # Not announced, or still being written; unless an intact announced batch
+            # follows: then the writer passed here and this one is damaged.
+            after = _resync(f, pos, min_base, stop_base, path)
+            if after is None:
+                yield None
+                return
+            yield DamagedRange(
+                path, pos, after[0], min_base, after[1] - 1, "unreadable batch before the mark"
+            )
+            min_base, pos = after[1], after[0]
+            continue
         if isinstance(found, tuple):
             length, _base, next_offset = found
             buf, rel = f.at(pos, length)
@@ -422,3 +442,10 @@ def quarantined(directory: Path, base_offset: int) -> bool:
     """Whether the segment of ``base_offset`` was repaired (its damaged original is kept in
     the quarantine directory), so a gap after it is a known loss, not a torn tail."""
     return (directory / QUARANTINE_DIR / f"{base_offset:020d}.log").exists()
+
+
+def report_gap(path: Path, size: int, first_offset: int, next_base: int) -> bool:
+    """:func:`report` the offsets ``first_offset .. next_base - 1`` missing between the end of
+    the segment file ``path`` (``size`` bytes) and the next segment (a file cut short)."""
+    reason = f"segment ends at offset {first_offset}, the next one starts at {next_base}"
+    return report(DamagedRange(path, size, size, first_offset, next_base - 1, reason))

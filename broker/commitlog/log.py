@@ -60,7 +60,7 @@ from broker.commitlog.errors import (
     LogIOError,
     OffsetOutOfRange,
 )
-from broker.commitlog.integrity import quarantined, report_error
+from broker.commitlog.integrity import quarantined, report_error, report_gap
 from broker.commitlog.policy import (
     build_offset_map,
     cleaned_batches,
@@ -171,13 +171,18 @@ class SegmentedLog:
                         f"{segment.log_path}: base offset {base} overlaps the previous segment "
                         f"ending at offset {segments[-1].next_offset - 1}"
                     )
-                if (
-                    segments
-                    and base > segments[-1].next_offset
-                    and not config.compacted
-                    and not segments[-1].damaged
-                    and not quarantined(directory, segments[-1].base_offset)
-                ):
+                if segments and base > segments[-1].next_offset and not config.compacted:
+                    previous = segments[-1]
+                    repaired = quarantined(directory, previous.base_offset)
+                    if clean or previous.damaged or repaired:
+                        # Nothing is torn after a clean shutdown: the missing offsets are
+                        # damage (a file cut short), reported (a repaired loss was already,
+                        # a damaged tail is one range); the later segments are kept.
+                        tail = previous.damaged and previous.damaged[-1].last_offset < 0
+                        if not repaired and not tail:
+                            report_gap(previous.log_path, previous.size, previous.next_offset, base)
+                        segments.append(segment)
+                        continue
                     # The previous segment lost its tail in a crash before the interval's
                     # flush (see the module doc): what follows does not continue it.
                     segment.close()

@@ -38,7 +38,13 @@ from broker.commitlog.batch import (
 from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import CorruptRecordBatch, LogIOError, OffsetOutOfRange
-from broker.commitlog.integrity import SegmentScan, crc_ok, read_verified, scan_segment
+from broker.commitlog.integrity import (
+    SegmentScan,
+    crc_ok,
+    read_verified,
+    scan_segment,
+    written_after,
+)
 from broker.commitlog.record import Record
 from broker.commitlog.segment import DECODE_ERRORS, LOG_SUFFIX, READ_CHUNK_MIN
 
@@ -151,7 +157,16 @@ class _SegmentView:
             while n - p >= BATCH_HEADER_SIZE:
                 base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, p)[:7]
                 if base >= end:
-                    return max_bytes, True  # not announced yet: maybe still being written
+                    # Not announced yet: maybe still being written; unless bytes follow it
+                    # and its CRC fails (a damaged base offset, see written_after).
+                    if (
+                        check
+                        and written_after(pos + n, pos + p, length)
+                        and length <= n - p
+                        and not crc_ok(buf, p, length)
+                    ):
+                        raise _corrupt("CRC mismatch", pos + p, self.path, resume)
+                    return max_bytes, True
                 if length < MIN_BATCH_SIZE:
                     raise _corrupt(f"batch length {length} too small", pos + p, self.path, resume)
                 if length > n - p:
@@ -168,13 +183,14 @@ class _SegmentView:
                             resume,
                         )
                     continue
+                # Verified before its header is believed, skipped or not (see Segment).
+                if check and not crc_ok(buf, p, length):
+                    raise _corrupt("CRC mismatch", pos + p, self.path, resume)
                 if pos + p - last_indexed >= INDEX_INTERVAL and base > self.offsets[-1]:
                     self.offsets.append(base)
                     self.positions.append(pos + p)
                     last_indexed = pos + p
                 if base + last_delta >= offset:
-                    if check and not crc_ok(buf, p, length):
-                        raise _corrupt("CRC mismatch", pos + p, self.path, resume)
                     try:
                         max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
                     except DECODE_ERRORS as exc:

@@ -462,14 +462,16 @@ class Segment:
                             f"batch length {length} too small", buf_pos + p, self.log_path
                         )
                     if length <= n - p:
+                        # Verified before its header is believed, skipped or not: a damaged
+                        # base offset or count must not skip records silently.
+                        at = buf_pos + p
+                        if not verified_from <= at < verified_to and check:
+                            if not crc_ok(buf, p, length):
+                                raise CorruptRecordBatch("CRC mismatch", at, self.log_path)
+                            if at != verified_to:
+                                verified_from = at
+                            verified_to = at + length
                         if base + lod >= offset:
-                            at = buf_pos + p
-                            if not verified_from <= at < verified_to and check:
-                                if not crc_ok(buf, p, length):
-                                    raise CorruptRecordBatch("CRC mismatch", at, self.log_path)
-                                if at != verified_to:
-                                    verified_from = at
-                                verified_to = at + length
                             try:
                                 max_bytes, stop = decode(
                                     buf, p, out, offset, max_records, max_bytes
