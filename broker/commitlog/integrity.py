@@ -225,20 +225,28 @@ class RepairSource(Protocol):
 class _File:
     """Positioned reads of a segment file with a one-chunk cache."""
 
-    __slots__ = ("buf", "buf_pos", "fd", "size")
+    __slots__ = ("buf", "buf_pos", "fd", "pace", "size")
 
-    def __init__(self, fd: int, size: int) -> None:
+    def __init__(self, fd: int, size: int, pace: Callable[[int], None] | None = None) -> None:
         self.fd = fd
         self.size = size
         self.buf = b""
         self.buf_pos = 0
+        #: Called with the bytes of every read (the scrubber's rate cap).
+        self.pace = pace
+
+    def pread(self, size: int, pos: int) -> bytes:
+        data = os.pread(self.fd, size, pos)
+        if self.pace is not None:
+            self.pace(len(data))
+        return data
 
     def at(self, pos: int, need: int) -> tuple[bytes, int]:
         """The buffer holding ``need`` bytes at ``pos`` (fewer at the file's end) and where."""
         rel = pos - self.buf_pos
         if rel < 0 or len(self.buf) - rel < need:
             want = min(self.size - pos, max(need, SCAN_CHUNK))
-            self.buf = os.pread(self.fd, want, pos) if want > 0 else b""
+            self.buf = self.pread(want, pos) if want > 0 else b""
             self.buf_pos, rel = pos, 0
         return self.buf, rel
 
@@ -289,7 +297,7 @@ def _resync(
     q = pos + 1
     end = f.size - MIN_BATCH_SIZE
     while q <= end:
-        chunk = os.pread(f.fd, min(SCAN_CHUNK + 16, f.size - q), q)
+        chunk = f.pread(min(SCAN_CHUNK + 16, f.size - q), q)
         for match in _CANDIDATE.finditer(chunk, 0, max(0, len(chunk) - 15)):
             at = q + match.start()
             if at > end:
@@ -313,12 +321,14 @@ def walk(
     size: int,
     min_base: int,
     stop_base: int | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> Iterator[tuple[bytes, int, int, int] | DamagedRange | None]:
     """Every batch of the file from ``pos`` (a batch start whose base is >= ``min_base``) to
     ``size``, each validated in full: ``(buffer, offset in it, file position, next offset)``
     for an intact batch, a :class:`DamagedRange` for damage. Yields None and stops at a batch
-    whose base offset is >= ``stop_base`` (a follower reader's announced mark)."""
-    f = _File(fd, size)
+    whose base offset is >= ``stop_base`` (a follower reader's announced mark). ``pace`` is
+    called with the size of every read."""
+    f = _File(fd, size, pace)
     while pos < size:
         found = _check(f, pos, min_base, stop_base, path)
         if found is None:
@@ -349,7 +359,12 @@ def walk(
 
 
 def scan_segment(
-    fd: int, path: Path, base_offset: int, size: int, stop_base: int | None = None
+    fd: int,
+    path: Path,
+    base_offset: int,
+    size: int,
+    stop_base: int | None = None,
+    pace: Callable[[int], None] | None = None,
 ) -> SegmentScan:
     """Validate every batch of a segment file; see :class:`SegmentScan`."""
     ranges: list[DamagedRange] = []
@@ -358,7 +373,7 @@ def scan_segment(
     next_offset = base_offset
     end = 0
     since = 0
-    for item in walk(fd, path, 0, size, base_offset, stop_base):
+    for item in walk(fd, path, 0, size, base_offset, stop_base, pace):
         if item is None:
             break
         if isinstance(item, DamagedRange):
@@ -449,3 +464,26 @@ def report_gap(path: Path, size: int, first_offset: int, next_base: int) -> bool
     the segment file ``path`` (``size`` bytes) and the next segment (a file cut short)."""
     reason = f"segment ends at offset {first_offset}, the next one starts at {next_base}"
     return report(DamagedRange(path, size, size, first_offset, next_base - 1, reason))
+
+
+#: Exceptions a decoder raises on a structurally inconsistent batch (struct.error is a
+#: ValueError), turned into :class:`CorruptRecordBatch` on the read paths.
+DECODE_ERRORS = (ValueError, IndexError, TypeError, OverflowError)
+
+
+def first_offset_at(fd: int, path: Path, size: int, base_offset: int, timestamp: int) -> int | None:
+    """``Segment.offset_for_time`` of a damaged segment: a verified walk of the whole file,
+    damaged ranges reported and passed over."""
+    from broker.commitlog.batch import decode_batch, read_header
+
+    for item in walk(fd, path, 0, size, base_offset):
+        if item is None or isinstance(item, DamagedRange):
+            if item is not None:
+                report(item)
+            continue
+        buf, rel, _pos, _next = item
+        if read_header(buf, rel).max_timestamp >= timestamp:
+            for record in decode_batch(buf, rel):
+                if record.timestamp >= timestamp:
+                    return record.offset
+    return None

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from broker.commitlog.batch import Decoder, decode_into, encode_batch
+from broker.commitlog.cleaned import write_segment
 from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import (
@@ -75,7 +76,6 @@ from broker.commitlog.segment import (
     TIMEINDEX_SUFFIX,
     TMP_SUFFIX,
     Segment,
-    write_segment,
 )
 from broker.commitlog.small_batch import SMALL_BATCH, encode_small
 

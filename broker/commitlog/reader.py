@@ -39,6 +39,7 @@ from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import CorruptRecordBatch, LogIOError, OffsetOutOfRange
 from broker.commitlog.integrity import (
+    DECODE_ERRORS,
     SegmentScan,
     crc_ok,
     read_verified,
@@ -46,7 +47,7 @@ from broker.commitlog.integrity import (
     written_after,
 )
 from broker.commitlog.record import Record
-from broker.commitlog.segment import DECODE_ERRORS, LOG_SUFFIX, READ_CHUNK_MIN
+from broker.commitlog.segment import LOG_SUFFIX, READ_CHUNK_MIN
 
 #: Bytes scanned between two entries of the reader's own index.
 INDEX_INTERVAL = 64 << 10

@@ -32,11 +32,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import TypeVar
 
-from broker.commitlog import integrity
+from broker.commitlog import integrity, recovery
 from broker.commitlog.batch import (
     BATCH_HEADER,
     BATCH_HEADER_SIZE,
@@ -56,16 +56,7 @@ from broker.commitlog.errors import (
     LogIOError,
 )
 from broker.commitlog.index import OffsetIndex, TimeIndex
-from broker.commitlog.integrity import (
-    DamagedRange,
-    SegmentScan,
-    crc_ok,
-    read_verified,
-    report,
-    resync,
-    scan_segment,
-    walk,
-)
+from broker.commitlog.integrity import DECODE_ERRORS, DamagedRange, SegmentScan, crc_ok
 from broker.commitlog.record import Record
 
 logger = logging.getLogger("broker.commitlog")
@@ -77,10 +68,6 @@ TIMEINDEX_SUFFIX = ".timeindex"
 CLEANED_SUFFIX = ".cleaned"
 #: Suffix of index files being written (see :func:`broker.commitlog.index._write_atomically`).
 TMP_SUFFIX = ".tmp"
-
-#: Exceptions a decoder raises on a structurally inconsistent batch (struct.error is a
-#: ValueError), turned into :class:`CorruptRecordBatch` on the read paths.
-DECODE_ERRORS = (ValueError, IndexError, TypeError, OverflowError)
 
 #: Smallest ``pread`` of a read (bytes); larger reads are sized from the request's limits.
 READ_CHUNK_MIN = 16 * 1024
@@ -232,79 +219,13 @@ class Segment:
 
     def _load_indexes(self) -> None:
         """Load both indexes and verify the batches after the last offset-index entry."""
-        offset_index = OffsetIndex.load(self.index_path, self.base_offset, self.size)
-        last_offset, pos = offset_index.last_entry()
-        if len(offset_index):
-            head = os.pread(self._fd, BATCH_HEADER_SIZE, pos)
-            if len(head) < BATCH_HEADER_SIZE or read_header(head).base_offset != last_offset:
-                raise CorruptIndex(
-                    self.index_path,
-                    f"entry ({last_offset}, {pos}) points at no batch with that base offset",
-                )
-        self.offset_index = offset_index
-        self.next_offset = self.base_offset
-        end, reason = self._scan(pos, last_offset, build=False)
-        if reason is not None:
-            raise CorruptRecordBatch(reason, end, self.log_path)
-        self._bytes_since_index = self.size - pos
-        tail_max = self.max_timestamp
-        self.time_index = TimeIndex.load(self.timeindex_path, self.base_offset, self.next_offset)
-        if len(offset_index) and not len(self.time_index):
-            # Each first offset-index entry comes with a time-index entry: this file lost its
-            # data in a crash (written without fsync, see SegmentedLog's roll).
-            raise CorruptIndex(self.timeindex_path, "empty while the offset index is not")
-        self.max_timestamp = max(tail_max, self.time_index.last_timestamp())
+        recovery.load_indexes(self)
 
     def recover(self, *, keep_damaged_tail: bool = False) -> int:
-        """Scan the whole ``.log``, rebuild the indexes, truncate a torn or corrupt tail.
-
-        A bad batch followed by an intact one is damage, not a torn write (a crash tears only
-        the end): it is kept, reported (:func:`~broker.commitlog.integrity.report`) and listed
-        in :attr:`damaged`, and reads pass over it per the stream's ``on_corruption``, so the
-        acknowledged batches after it are not cut. A bad tail (no intact batch after it) is
-        truncated, unless ``keep_damaged_tail``: after a clean shutdown nothing can be torn,
-        so a bad tail is damage too, kept rather than cut (with the later segments).
-        Returns the number of bytes truncated (0 when nothing was cut) and logs what was cut
-        on logger ``broker.commitlog``.
-        """
-        self.offset_index = OffsetIndex(self.index_path, self.base_offset)
-        self.time_index = TimeIndex(self.timeindex_path, self.base_offset)
-        self.next_offset = self.base_offset
-        self.max_timestamp = -1
-        self._bytes_since_index = 0
-        self._drop_read_state()
-        self._damage_scan = None
-        self.damaged = []
-        end, reason = self._scan(0, self.base_offset, build=True)
-        while reason is not None:
-            after = resync(self._fd, self.log_path, end, self.size, self.next_offset)
-            if after is None and not keep_damaged_tail:
-                break
-            stop, base = after if after is not None else (self.size, -1)
-            damage = DamagedRange(
-                self.log_path, end, stop, self.next_offset, base - 1 if base >= 0 else -1, reason
-            )
-            self.damaged.append(damage)
-            report(damage)
-            if after is None:
-                return 0
-            # Index the first batch after the damage, so reads past it start there.
-            self._bytes_since_index = self.config.index_interval_bytes
-            end, reason = self._scan(stop, base, build=True)
-        truncated = self.size - end
-        if truncated:
-            logger.warning(
-                "%s: truncating %d bytes at position %d (%s); log end offset is now %d",
-                self.log_path,
-                truncated,
-                end,
-                reason,
-                self.next_offset,
-            )
-            os.ftruncate(self._fd, end)
-            _fsync_data(self._fd)
-            self.size = end
-        return truncated
+        """Scan the whole ``.log``, rebuild the indexes, truncate a torn tail, keep damage
+        followed by intact batches (:func:`broker.commitlog.recovery.recover`); returns the
+        number of bytes truncated."""
+        return recovery.recover(self, keep_damaged_tail=keep_damaged_tail)
 
     def _scan(self, pos: int, min_base: int, *, build: bool) -> tuple[int, str | None]:
         """Validate batches from ``pos`` to :attr:`size`, updating offsets and timestamps.
@@ -516,33 +437,18 @@ class Segment:
     def _read_damaged(
         self, out: _Out, offset: int, max_records: int, max_bytes: int, decode: Decoder[_Out]
     ) -> tuple[int, bool]:
-        """:meth:`read_into` of a segment where damage was met: scanned once, then every
-        batch walked is verified (:func:`~broker.commitlog.integrity.read_verified`)."""
+        """:meth:`read_into` once damage was met: the segment scanned once, then every batch
+        walked verified (:func:`~broker.commitlog.integrity.read_verified`)."""
         if self._damage_scan is None:
-            self._damage_scan = scan_segment(self._fd, self.log_path, self.base_offset, self.size)
+            self._damage_scan = integrity.scan_segment(
+                self._fd, self.log_path, self.base_offset, self.size
+            )
         self._hint_offset = -1
-        return read_verified(
-            self._fd,
-            self.log_path,
-            self._damage_scan,
-            self.size,
-            out,
-            offset,
-            max_records,
-            max_bytes,
-            decode,
-            self.config.on_corruption == "stop",
+        stop = self.config.on_corruption == "stop"
+        scan, fd, path = self._damage_scan, self._fd, self.log_path
+        return integrity.read_verified(
+            fd, path, scan, self.size, out, offset, max_records, max_bytes, decode, stop
         )
-
-    def verify(self) -> SegmentScan:
-        """Scan the whole segment, every batch validated (the scrubber, ``mqlog verify``);
-        reports the damage found. Safe on a closed segment from another thread."""
-        scan = scan_segment(self._fd, self.log_path, self.base_offset, self.size)
-        for damage in scan.ranges:
-            report(damage)
-        if scan.ranges:
-            self._damage_scan = scan
-        return scan
 
     def iter_batches(
         self, pos: int = 0, end: int | None = None
@@ -588,20 +494,10 @@ class Segment:
             return None
         try:
             return self._offset_for_time(timestamp)
-        except CorruptRecordBatch:
-            pass
-        # Damage on the way: walk the whole segment verified, passing over damaged ranges.
-        for item in walk(self._fd, self.log_path, 0, self.size, self.base_offset):
-            if item is None or isinstance(item, DamagedRange):
-                if item is not None:
-                    report(item)
-                continue
-            buf, rel, _pos, _next = item
-            if read_header(buf, rel).max_timestamp >= timestamp:
-                for record in decode_batch(buf, rel):
-                    if record.timestamp >= timestamp:
-                        return record.offset
-        return None
+        except CorruptRecordBatch:  # damage on the way: a verified walk passes over it
+            return integrity.first_offset_at(
+                self._fd, self.log_path, self.size, self.base_offset, timestamp
+            )
 
     def _offset_for_time(self, timestamp: int) -> int | None:
         before = self.time_index.lookup_before(timestamp)
@@ -693,40 +589,3 @@ class Segment:
             f"Segment(base_offset={self.base_offset}, next_offset={self.next_offset}, "
             f"size={self.size})"
         )
-
-
-def write_segment(
-    directory: Path,
-    base_offset: int,
-    config: LogConfig,
-    batches: Iterable[bytes | bytearray],
-    suffix: str,
-    *,
-    fsync: bool,
-) -> Segment:
-    """Write a new segment from encoded batches to ``<base><.log|.index|.timeindex><suffix>``.
-
-    Used by compaction: the files are complete (and fsynced when ``fsync``) before the caller
-    renames them into place. Returns the segment, open on the suffixed ``.log`` file.
-    """
-    path = directory / (file_name(base_offset, LOG_SUFFIX) + suffix)
-    try:
-        fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_TRUNC, 0o644)
-    except OSError as exc:
-        raise LogIOError(path, "create cleaned segment", exc) from exc
-    seg = Segment(directory, base_offset, config, fd, 0, 0)
-    seg.log_path = path
-    seg.offset_index.path = seg.index_path = seg.index_path.with_name(seg.index_path.name + suffix)
-    seg.time_index.path = seg.timeindex_path = seg.timeindex_path.with_name(
-        seg.timeindex_path.name + suffix
-    )
-    try:
-        for batch in batches:
-            seg.append(batch, fsync=False)
-        if fsync:
-            seg.flush()
-        seg.persist_indexes(fsync=fsync)
-    except BaseException:
-        seg.delete()
-        raise
-    return seg
