@@ -103,7 +103,7 @@ class CommitLogSettings:
     #: Seconds between two scrubs of every sealed segment (0: no scrubber), and the read
     #: rate a scrub may not exceed (bytes per second).
     scrub_interval: float = 86_400.0
-    scrub_bytes_per_second: int = 16 << 20
+    scrub_bytes_per_second: int = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)

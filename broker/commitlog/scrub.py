@@ -3,12 +3,14 @@
 Reads verify every batch they use (:mod:`broker.commitlog.integrity`), but history nobody
 reads is never checked that way, and start-up recovery checks only what changed since the
 last clean shutdown (the active segment, a tail past the last index entry): checking every
-sealed segment at start cost ~0.8 s per GiB here, time a restart does not have. The
-scrubber covers them: every ``interval_s`` it reads every sealed segment of every log this
-process owns (its own read-only descriptors: a segment retention deletes meanwhile is simply
-skipped), every batch validated in full, at most ``bytes_per_second`` (a token bucket on its
-reads, so it never competes with the brokers' own I/O for long), and reports each damaged
-range it finds (:func:`~broker.commitlog.integrity.report`: an ERROR line, the
+sealed segment at start would cost seconds to minutes per GiB
+(:mod:`broker.commitlog.recovery` has the figures), time a restart does not have.
+
+The scrubber covers them: every ``interval_s`` it reads every sealed segment of every log
+this process owns (its own read-only descriptors: a segment retention deletes meanwhile is
+simply skipped), every batch's CRC and header checked, at most ``bytes_per_second`` (a token
+bucket on its reads, so it never competes with the broker's own I/O for long), and reports
+each damaged range it finds (:func:`~broker.commitlog.integrity.report`: an ERROR line, the
 ``mqlog_corrupt_batches_total`` metric, the ``$SYS`` topics) and one INFO line per pass.
 """
 

@@ -104,9 +104,12 @@ def verify_segment(log_path: Path, base_offset: int) -> SegmentCheck:
     finally:
         os.close(fd)
     directory = log_path.parent
+    # Entries for a damaged batch are not the indexes' fault: the .log's damage is reported.
+    for damage in ranges:
+        starts.setdefault(damage.position, -1)
     index_problem = _check_index(directory / f"{base_offset:020d}{INDEX_SUFFIX}", starts, size)
     timeindex_problem = _check_timeindex(
-        directory / f"{base_offset:020d}{TIMEINDEX_SUFFIX}", last_offsets
+        directory / f"{base_offset:020d}{TIMEINDEX_SUFFIX}", last_offsets, ranges
     )
     return SegmentCheck(
         log_path, base_offset, size, len(starts), ranges, index_problem, timeindex_problem
@@ -125,13 +128,15 @@ def _check_index(path: Path, starts: dict[int, int], size: int) -> str | None:
     for i, (relative, position) in enumerate(OFFSET_ENTRY.iter_unpack(data)):
         if relative <= previous[0] or position <= previous[1] or position >= max(size, 1):
             return f"entry {i} ({base + relative}, {position}) out of order or past the log"
-        if starts.get(position) != base + relative:
+        if starts.get(position, -2) not in (base + relative, -1):
             return f"entry {i} ({base + relative}, {position}) points at no batch with that offset"
         previous = (relative, position)
     return None
 
 
-def _check_timeindex(path: Path, last_offsets: dict[int, int]) -> str | None:
+def _check_timeindex(
+    path: Path, last_offsets: dict[int, int], ranges: list[DamagedRange]
+) -> str | None:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
@@ -144,7 +149,11 @@ def _check_timeindex(path: Path, last_offsets: dict[int, int]) -> str | None:
         offset = base + relative
         if (timestamp, relative) < previous:
             return f"entry {i} ({timestamp}, {offset}) goes backwards"
-        if last_offsets.get(offset) != timestamp:
+        lost = any(
+            r.first_offset <= offset and (r.last_offset < 0 or offset <= r.last_offset)
+            for r in ranges
+        )
+        if not lost and last_offsets.get(offset) != timestamp:
             return f"entry {i} ({timestamp}, {offset}) names no batch end with that timestamp"
         previous = (timestamp, relative)
     return None
