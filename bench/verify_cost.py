@@ -15,7 +15,13 @@ config). Each run measures, for each mode:
   (:class:`spark_sink.client.BrokerClient`, the Spark source's reader), 10,000 records per
   request: the broker's side of a Spark drain;
 * ``spark``: the Spark drain itself (``bench.spark_drain.drain_once``, the ``mqlog`` source
-  into Parquet, one local Spark session for all runs), unless ``--no-spark``.
+  into Parquet, one local Spark session for all runs), unless ``--no-spark``;
+* ``log read``, ``log columns``: in this process, no broker: every partition read to its end
+  by :meth:`SegmentedLog.read` (the router's record path) and :meth:`SegmentedLog.read_columns`
+  (the replay's runs and the fetch API), the check's CPU cost without the sockets around it.
+
+``replay`` and ``fetch`` run ``--repeat`` times per broker start (their median is the run's
+figure): on this shared 2-core machine one pass of either varied by 2x from minute to minute.
 
 After one untimed warm-up round, the order of the two modes alternates from run to run (the
 machine is shared: a drift in its load must not always favour one side), the data files are
@@ -42,6 +48,7 @@ import orjson
 
 from bench.ports import free_port
 from bench.spark_drain import PARTITIONS, build_log
+from broker.commitlog import integrity
 
 ROOT = Path(__file__).resolve().parent.parent
 #: The launcher: the broker's own entry point, with verification switched off first when asked.
@@ -132,11 +139,35 @@ def fetch(broker: Broker, records: int) -> float:
     return time.perf_counter() - start
 
 
+def log_read(data_dir: Path, columns: bool) -> float:
+    """Seconds to read every partition of the log to its end, in this process."""
+    from broker.commitlog import LogConfig, SegmentedLog
+
+    start = time.perf_counter()
+    for p in range(PARTITIONS):
+        log = SegmentedLog.open(data_dir / "telemetry" / str(p), LogConfig(retention_ms=None))
+        try:
+            offset = log.log_start_offset
+            while offset < log.end_offset:
+                if columns:
+                    offset = log.read_columns(offset, 10_000, 16 << 20).next_offset
+                else:
+                    offset = log.read(offset, 10_000, 16 << 20)[-1].offset + 1
+        finally:
+            log.close()
+    return time.perf_counter() - start
+
+
+def repeated(measure: Callable[[], float], times: int) -> float:
+    return statistics.median(measure() for _ in range(times))
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--records", type=int, default=1_000_000)
     parser.add_argument("--batch-records", type=int, default=1000)
     parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=3, help="replay and fetch per broker start")
     parser.add_argument("--no-spark", action="store_true", help="skip the Spark drain")
     parser.add_argument("--dir", help="where to build the log (default: a temporary directory)")
     args = parser.parse_args(argv)
@@ -153,8 +184,8 @@ def main(argv: list[str] | None = None) -> int:
             f"({size / 2**20:.0f} MiB) built in {built:.1f} s"
         )
         measures: dict[str, Callable[[Broker], float]] = {
-            "replay": lambda b: replay(b, args.records),
-            "fetch": lambda b: fetch(b, args.records),
+            "replay": lambda b: repeated(lambda: replay(b, args.records), args.repeat),
+            "fetch": lambda b: repeated(lambda: fetch(b, args.records), args.repeat),
         }
         if not args.no_spark:
             from bench.spark_drain import drain_once
@@ -171,7 +202,10 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             broker.stop()
         times: dict[str, dict[str, list[float]]] = {m: {"on": [], "off": []} for m in measures}
-        print(f"{'run':>3}  {'mode':<4} " + " ".join(f"{m + ' s':>9}" for m in measures))
+        local = {"log read": False, "log columns": True}
+        times.update({m: {"on": [], "off": []} for m in local})
+        names = [*measures, *local]
+        print(f"{'run':>3}  {'mode':<4} " + " ".join(f"{m + ' s':>14}" for m in names))
         for run in range(args.runs):
             for mode in ("on", "off") if run % 2 == 0 else ("off", "on"):
                 broker = Broker(tmp, data_dir, mode)
@@ -179,9 +213,13 @@ def main(argv: list[str] | None = None) -> int:
                     row = {m: measure(broker) for m, measure in measures.items()}
                 finally:
                     broker.stop()
+                integrity.verify_reads = mode == "on"
+                for m, columns in local.items():
+                    row[m] = repeated(lambda c=columns: log_read(data_dir, c), args.repeat)
+                integrity.verify_reads = True
                 for m, seconds in row.items():
                     times[m][mode].append(seconds)
-                print(f"{run:>3}  {mode:<4} " + " ".join(f"{row[m]:9.2f}" for m in measures))
+                print(f"{run:>3}  {mode:<4} " + " ".join(f"{row[m]:14.3f}" for m in names))
         result: dict[str, Any] = {
             "bench": "verify_cost",
             "records": args.records,
@@ -190,13 +228,13 @@ def main(argv: list[str] | None = None) -> int:
             "load": os.getloadavg()[0],
         }
         print()
-        for m in measures:
+        for m in names:
             on = statistics.median(times[m]["on"])
             off = statistics.median(times[m]["off"])
             ratio = on / off
             verdict = "met" if ratio <= TARGET_RATIO else "NOT met"
             print(
-                f"{m:<7} median on {on:7.2f} s ({args.records / on:10,.0f} rec/s), "
+                f"{m:<11} median on {on:7.2f} s ({args.records / on:10,.0f} rec/s), "
                 f"off {off:7.2f} s: on/off {ratio:.3f} (target <= {TARGET_RATIO}: {verdict})"
             )
             result[m] = {"on_s": times[m]["on"], "off_s": times[m]["off"], "ratio": ratio}

@@ -57,6 +57,8 @@ from broker.commitlog.batch import (
     MAGIC,
     MIN_BATCH_SIZE,
     Decoder,
+    decode_batch,
+    read_header,
 )
 from broker.commitlog.crc import NATIVE_MIN_BYTES, crc32
 from broker.commitlog.errors import CorruptRecordBatch
@@ -64,8 +66,7 @@ from broker.commitlog.errors import CorruptRecordBatch
 logger = logging.getLogger("broker.commitlog")
 
 _Out = TypeVar("_Out", bound=Sized)
-_CRC = BATCH_HEADER.size - 4  # the CRC's position in the header (44)
-assert _CRC == CRC_OFFSET
+_CRC = CRC_OFFSET  # the CRC's position in the header (44)
 
 #: Read size of a verifying scan (bytes).
 SCAN_CHUNK = 1 << 20
@@ -480,8 +481,6 @@ DECODE_ERRORS = (ValueError, IndexError, TypeError, OverflowError)
 def first_offset_at(fd: int, path: Path, size: int, base_offset: int, timestamp: int) -> int | None:
     """``Segment.offset_for_time`` of a damaged segment: a verified walk of the whole file,
     damaged ranges reported and passed over."""
-    from broker.commitlog.batch import decode_batch, read_header
-
     for item in walk(fd, path, 0, size, base_offset):
         if item is None or isinstance(item, DamagedRange):
             if item is not None:

@@ -13,8 +13,12 @@ from __future__ import annotations
 import re
 import subprocess
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
+
+import orjson
+import pytest
 
 from tests.integration.clients import SubProcess
 from tests.integration.conftest import BrokerFactory, BrokerProcess
@@ -166,4 +170,11 @@ def test_stop_policy_holds_the_partition_and_nothing_else(broker_factory: Broker
         other.stop()
     first = int(re.search(r"offsets (\d+)\.\.", broker.log()).group(1))  # type: ignore[union-attr]
     assert got == [payload(i) for i in range(first)]  # everything before, then held
+    # The fetch API (the Spark source's reader) names the held range.
+    url = f"{broker.http_url}/api/v1/streams/tele/partitions/0/records?offset={first}"
+    with pytest.raises(urllib.error.HTTPError) as answer:
+        urllib.request.urlopen(url, timeout=10)
+    assert answer.value.code == 503
+    body = orjson.loads(answer.value.read())
+    assert body["damaged_from"] == first and body["damaged_to"] >= first
     assert "bug while serving" not in broker.log()
