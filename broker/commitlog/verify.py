@@ -78,8 +78,12 @@ def partitions(data_dir: Path) -> list[Path]:
     return found
 
 
-def verify_segment(log_path: Path, base_offset: int) -> SegmentCheck:
-    """Check one segment's ``.log``, ``.index`` and ``.timeindex`` (read-only)."""
+def verify_segment(log_path: Path, base_offset: int, *, active: bool = False) -> SegmentCheck:
+    """Check one segment's ``.log``, ``.index`` and ``.timeindex`` (read-only).
+
+    ``active``: the partition's last segment, which a running broker appends to: an
+    incomplete batch at its very end is a write in progress (or a crash's torn tail, which
+    recovery truncates), not damage."""
     try:
         fd = os.open(log_path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
     except OSError as exc:
@@ -103,6 +107,8 @@ def verify_segment(log_path: Path, base_offset: int) -> SegmentCheck:
             last_offsets[next_offset - 1] = max_ts
     finally:
         os.close(fd)
+    if active and ranges and _in_progress(ranges[-1]):
+        ranges.pop()
     directory = log_path.parent
     # Entries for a damaged batch are not the indexes' fault: the .log's damage is reported.
     for damage in ranges:
@@ -113,6 +119,14 @@ def verify_segment(log_path: Path, base_offset: int) -> SegmentCheck:
     )
     return SegmentCheck(
         log_path, base_offset, size, len(starts), ranges, index_problem, timeindex_problem
+    )
+
+
+def _in_progress(damage: DamagedRange) -> bool:
+    """An incomplete batch at the file's end: nothing intact after it, and the file ends
+    inside its header or before its length."""
+    return damage.last_offset < 0 and (
+        damage.reason.startswith("torn batch header") or "runs past the end" in damage.reason
     )
 
 
@@ -162,7 +176,13 @@ def _check_timeindex(
 def verify_data_dir(data_dir: Path) -> list[tuple[Path, list[SegmentCheck]]]:
     """:func:`verify_segment` for every segment of every partition under ``data_dir``."""
     return [
-        (directory, [verify_segment(directory / f"{b:020d}{LOG_SUFFIX}", b) for b in bases])
+        (
+            directory,
+            [
+                verify_segment(directory / f"{b:020d}{LOG_SUFFIX}", b, active=b == bases[-1])
+                for b in bases
+            ],
+        )
         for directory in partitions(data_dir)
         for bases in [segment_bases(directory)]
     ]

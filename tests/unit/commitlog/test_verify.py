@@ -137,3 +137,17 @@ def test_verify_data_dir_checks_time_indexes(tmp_path: Path) -> None:
 def test_log_config_rejects_an_unknown_policy() -> None:
     with pytest.raises(ValueError, match="on_corruption"):
         LogConfig(on_corruption="ignore")  # type: ignore[arg-type]
+
+
+def test_verify_takes_an_incomplete_last_batch_of_the_active_segment_for_a_write(
+    tmp_path: Path,
+) -> None:
+    # A running broker's active segment may end inside a batch being written: not damage.
+    directory = partition_dir(tmp_path)
+    logs = sorted(directory.glob("*.log"))
+    with open(logs[-1], "ab") as f:
+        f.write(logs[-1].read_bytes()[:100])  # a batch's first 100 bytes
+    with open(logs[-2], "ab") as f:  # the same in a sealed segment is damage
+        f.write(logs[-2].read_bytes()[:100])
+    ((_dir, checks),) = verify_data_dir(tmp_path)
+    assert [c.log_path for c in checks if c.ranges] == [logs[-2]]
