@@ -29,6 +29,12 @@ password file, the password taken from ``$MQLOG_PASSWORD``.
 No user error ends in a traceback: bad values, an unreachable broker, a missing optional
 extra (``bench``, ``spark``: the message names the extra to install) are one line and a
 non-zero exit.
+
+``mqlog verify DATA_DIR [--repair]`` checks every segment, index and time index under a data
+directory (read-only: safe against a running broker's files) and prints a table of what is
+damaged; exit status 1 when something is. ``--repair`` (broker stopped) moves damaged segments
+aside to ``<partition>/quarantine/`` (never deleted), keeps their intact batches and rebuilds
+the indexes (:mod:`broker.commitlog.verify`).
 """
 
 from __future__ import annotations
@@ -61,6 +67,7 @@ from broker.auth import (
 )
 from broker.commitlog import CommitLogError
 from broker.commitlog.streams import check_format
+from broker.commitlog.verify import findings, repair, verify_data_dir
 from broker.config import FLAGS, Config, ConfigError, check_ports, is_loopback, load_config
 from broker.server import ServeError, Server
 from broker.workers.runtime import WorkerSpec
@@ -514,7 +521,51 @@ def build_parser() -> argparse.ArgumentParser:
         help="where Spark's own log (WARN and above) goes (default CHECKPOINT/spark-driver.log)",
     )
     drain.set_defaults(func=cmd_spark_drain)
+    _add_verify_parser(sub)
     return parser
+
+
+def cmd_verify(args: argparse.Namespace) -> int:
+    """``mqlog verify DATA_DIR [--repair]``: a table of the damage found, one row each."""
+    data_dir = Path(args.data_dir)
+    if not data_dir.is_dir():
+        print(f"mqlog verify: error: {data_dir} is not a directory", file=sys.stderr)
+        return 2
+    checked = verify_data_dir(data_dir)
+    rows: list[list[Any]] = []
+    damaged = []
+    segments = 0
+    for _directory, checks in checked:
+        segments += len(checks)
+        for check in checks:
+            if check.damaged:
+                damaged.append(check)
+            for f in findings(check):
+                d = f.damage
+                where = [f"{d.position}..{d.end}", d.offsets()] if d is not None else ["", ""]
+                rows.append([f.stream, f.partition, f.path.name, *where, f.problem])
+    print(f"{segments} segments in {len(checked)} partitions checked under {data_dir}")
+    if rows:
+        headers = ["stream", "partition", "file", "bytes", "offsets", "problem"]
+        print(_table(headers, rows))
+    else:
+        print("no damage found")
+    if args.repair:
+        for check in damaged:
+            for line in repair(check):
+                print(f"{check.log_path.parent}: {line}")
+    return 1 if rows else 0
+
+
+def _add_verify_parser(sub: Any) -> None:
+    verify = sub.add_parser("verify", help="check (and --repair) a data directory's segments")
+    verify.add_argument("data_dir", metavar="DATA_DIR", help="the broker's commitlog.data_dir")
+    verify.add_argument(
+        "--repair",
+        action="store_true",
+        help="with the broker stopped: quarantine damaged segments' bytes, rebuild indexes",
+    )
+    verify.set_defaults(func=cmd_verify)
 
 
 def cmd_bench(argv: list[str]) -> int:

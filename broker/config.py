@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TypeVar
 
-from broker.commitlog.config import FsyncPolicy, LogConfig, StreamSpec
+from broker.commitlog.config import CORRUPTION_POLICIES, FsyncPolicy, LogConfig, StreamSpec
 from broker.mqtt.errors import TopicFilterInvalid
 from broker.mqtt.topics import validate_topic_filter
 
@@ -119,6 +119,10 @@ class RouterConfig:
 class CommitLogSettings:
     data_dir: Path = Path("data")
     defaults: LogConfig = field(default_factory=LogConfig)
+    #: Seconds between two scrubs of every sealed segment (0: no scrubber), and the read
+    #: rate a scrub may not exceed (bytes per second).
+    scrub_interval: float = 86_400.0
+    scrub_bytes_per_second: int = 4 << 20
 
 
 @dataclass(frozen=True, slots=True)
@@ -294,6 +298,9 @@ def _log_config(sec: _Section, base: LogConfig) -> LogConfig:
         retention_ms=sec.duration("retention", base.retention_ms),
         retention_bytes=sec.size("retention_bytes", base.retention_bytes),
         compacted=base.compacted,
+        on_corruption=sec.string(  # type: ignore[arg-type]
+            "on_corruption", base.on_corruption, CORRUPTION_POLICIES
+        ),
     )
 
 
@@ -457,8 +464,20 @@ def parse_config(
     if data_dir.exists() and not data_dir.is_dir():
         raise c.bad("data_dir", str(data_dir), "a directory (a file of that name exists)")
     defaults = _log_config(c, LogConfig())
+    dc = CommitLogSettings()
+    scrub_ms = c.duration("scrub_interval", int(dc.scrub_interval * 1000))
+    scrub_rate = c.size("scrub_bytes_per_second", dc.scrub_bytes_per_second)
+    if not scrub_rate:
+        raise ConfigError(
+            f"{source}: {c.key('scrub_bytes_per_second')} must be a positive size (e.g. 16MiB)"
+        )
     c.finish()
-    commitlog = CommitLogSettings(data_dir=data_dir, defaults=defaults)
+    commitlog = CommitLogSettings(
+        data_dir=data_dir,
+        defaults=defaults,
+        scrub_interval=(scrub_ms or 0) / 1000,
+        scrub_bytes_per_second=scrub_rate,
+    )
 
     raw_streams = data.get("streams", [])
     if not isinstance(raw_streams, list):

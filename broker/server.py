@@ -29,6 +29,7 @@ from broker.auth import AuthFileError, AuthService
 from broker.commitlog import LogCleaner, SegmentedLog, Streams
 from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
+from broker.commitlog.scrub import LogScrubber
 from broker.config import Config
 from broker.http.api import HttpApi, sessions_view
 from broker.metrics.collector import BrokerCollector, Metrics
@@ -136,6 +137,12 @@ class Server:
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
         self._cleaner = LogCleaner(self.streams)
+        scrub = config.commitlog
+        self._scrubber = (
+            LogScrubber(self.streams, scrub.scrub_interval, scrub.scrub_bytes_per_second)
+            if scrub.scrub_interval > 0
+            else None
+        )
         first = worker is None or worker.index == 0
         #: The admin HTTP API ([http]); it logs its own "listening on http://..." line.
         self.http = HttpApi(self, config.http) if config.http.enabled and first else None
@@ -210,6 +217,8 @@ class Server:
             ready.append(await self.websocket.start())
         self._timer = self.loop.create_task(self._run_timers())
         self._cleaner.start()
+        if self._scrubber is not None:
+            self._scrubber.start()
         if self.sys is not None:
             self.sys.start()
         if self.http is not None:
@@ -287,6 +296,8 @@ class Server:
             await self.websocket.stop()
         await asyncio.sleep(0)  # let connection_lost callbacks run
         self._cleaner.stop()
+        if self._scrubber is not None:
+            self._scrubber.stop()
         self.router.close()
         self._flush_links()
         if self.runtime is not None:

@@ -29,6 +29,7 @@ from broker.commitlog.errors import (
     UnsupportedFormat,
 )
 from broker.commitlog.index import OffsetIndex, TimeIndex
+from broker.commitlog.integrity import DamagedRange
 from broker.commitlog.log import SegmentedLog
 from broker.commitlog.record import Record
 from broker.commitlog.segment import Segment
@@ -39,6 +40,7 @@ __all__ = [
     "CommitLogError",
     "CorruptIndex",
     "CorruptRecordBatch",
+    "DamagedRange",
     "FsyncPolicy",
     "InvalidRecord",
     "LogCleaner",

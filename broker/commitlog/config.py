@@ -17,6 +17,9 @@ from broker.commitlog.errors import LogConfigError
 
 FsyncPolicy = Literal["always", "interval", "never"]
 FSYNC_POLICIES: tuple[str, ...] = get_args(FsyncPolicy)
+#: What a read does at a damaged batch (:mod:`broker.commitlog.integrity`).
+CorruptionPolicy = Literal["skip", "stop"]
+CORRUPTION_POLICIES: tuple[str, ...] = get_args(CorruptionPolicy)
 
 #: Positions inside a segment are stored as unsigned 32-bit integers in the offset index, and a
 #: segment never grows past ``segment_bytes`` (except for a single batch larger than it, which
@@ -36,6 +39,7 @@ class LogConfig:
     retention_ms: int | None = 7 * 24 * 3600 * 1000
     retention_bytes: int | None = None
     compacted: bool = False
+    on_corruption: CorruptionPolicy = "skip"
 
     def __post_init__(self) -> None:
         if not 1 <= self.segment_bytes <= MAX_SEGMENT_BYTES:
@@ -50,6 +54,10 @@ class LogConfig:
             )
         if self.fsync not in FSYNC_POLICIES:
             raise LogConfigError(f"fsync must be one of {FSYNC_POLICIES}, got {self.fsync!r}")
+        if self.on_corruption not in CORRUPTION_POLICIES:
+            raise LogConfigError(
+                f"on_corruption must be one of {CORRUPTION_POLICIES}, got {self.on_corruption!r}"
+            )
         if self.fsync_interval_ms <= 0:
             raise LogConfigError(f"fsync_interval_ms must be > 0, got {self.fsync_interval_ms}")
         if self.retention_ms is not None and self.retention_ms < 0:

@@ -82,9 +82,13 @@ class LogIOError(CommitLogError):
 class CorruptRecordBatch(CommitLogError):
     """A record batch failed validation (CRC, length, magic or offset continuity).
 
-    Recovery turns this into a truncation of the segment at ``position``; a reader that meets
-    it in a closed segment reports the file and position.
+    Recovery turns this into a truncation of the segment at ``position``; a read meets it
+    only under ``on_corruption = "stop"`` (:mod:`broker.commitlog.integrity`), with the held
+    range's ``first_offset`` and ``last_offset`` (-1: to the segment's end) set.
     """
+
+    first_offset = -1
+    last_offset = -1
 
     def __init__(self, reason: str, position: int, path: Path | str | None = None) -> None:
         where = f"{path}: " if path is not None else ""

@@ -51,14 +51,17 @@ from pathlib import Path
 from typing import TypeVar
 
 from broker.commitlog.batch import Decoder, decode_into, encode_batch
+from broker.commitlog.cleaned import write_segment
 from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import (
     CommitLogError,
+    CorruptRecordBatch,
     LogClosed,
     LogIOError,
     OffsetOutOfRange,
 )
+from broker.commitlog.integrity import quarantined, report_error, report_gap
 from broker.commitlog.policy import (
     build_offset_map,
     cleaned_batches,
@@ -73,7 +76,6 @@ from broker.commitlog.segment import (
     TIMEINDEX_SUFFIX,
     TMP_SUFFIX,
     Segment,
-    write_segment,
 )
 from broker.commitlog.small_batch import SMALL_BATCH, encode_small
 
@@ -156,7 +158,12 @@ class SegmentedLog:
             for i, base in enumerate(bases):
                 is_active = i == len(bases) - 1
                 segment, truncated = Segment.open(
-                    directory, base, config, now_ms, recover=is_active and not clean
+                    directory,
+                    base,
+                    config,
+                    now_ms,
+                    recover=is_active and not clean,
+                    keep_damaged_tail=clean,
                 )
                 if segments and base < segments[-1].next_offset:
                     segment.close()
@@ -165,6 +172,17 @@ class SegmentedLog:
                         f"ending at offset {segments[-1].next_offset - 1}"
                     )
                 if segments and base > segments[-1].next_offset and not config.compacted:
+                    previous = segments[-1]
+                    repaired = quarantined(directory, previous.base_offset)
+                    if clean or previous.damaged or repaired:
+                        # Nothing is torn after a clean shutdown: the missing offsets are
+                        # damage (a file cut short), reported (a repaired loss was already,
+                        # a damaged tail is one range); the later segments are kept.
+                        tail = previous.damaged and previous.damaged[-1].last_offset < 0
+                        if not repaired and not tail:
+                            report_gap(previous.log_path, previous.size, previous.next_offset, base)
+                        segments.append(segment)
+                        continue
                     # The previous segment lost its tail in a crash before the interval's
                     # flush (see the module doc): what follows does not continue it.
                     segment.close()
@@ -463,13 +481,21 @@ class SegmentedLog:
                 state = (active.base_offset, active.next_offset)
                 if state == self._compacted_state or len(segments) < 2:
                     return 0
-            latest = build_offset_map([(s, s.size) for s in segments[:-1]] + [(active, active_end)])
-            removed = 0
-            for segment in segments[:-1]:
-                removable = count_removable(segment, latest)
-                if removable:
-                    self._replace_cleaned(segment, latest, first=segment is segments[0])
-                    removed += removable
+            try:
+                latest = build_offset_map(
+                    [(s, s.size) for s in segments[:-1]] + [(active, active_end)]
+                )
+                removed = 0
+                for segment in segments[:-1]:
+                    removable = count_removable(segment, latest)
+                    if removable:
+                        self._replace_cleaned(segment, latest, first=segment is segments[0])
+                        removed += removable
+            except CorruptRecordBatch as exc:
+                # Never rewrite damage away: the log stays as it is until it is repaired.
+                report_error(exc)
+                logger.error("%s: compaction skipped until the damage is repaired", self.directory)
+                return 0
             self._compacted_state = state
             if removed:
                 logger.info("%s: compaction removed %d records", self.directory, removed)

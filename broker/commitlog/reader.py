@@ -27,6 +27,7 @@ from collections.abc import Sized
 from pathlib import Path
 from typing import TypeVar
 
+from broker.commitlog import integrity
 from broker.commitlog.batch import (
     BATCH_HEADER,
     BATCH_HEADER_SIZE,
@@ -37,6 +38,14 @@ from broker.commitlog.batch import (
 from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import CorruptRecordBatch, LogIOError, OffsetOutOfRange
+from broker.commitlog.integrity import (
+    DECODE_ERRORS,
+    SegmentScan,
+    crc_ok,
+    read_verified,
+    scan_segment,
+    written_after,
+)
 from broker.commitlog.record import Record
 from broker.commitlog.segment import LOG_SUFFIX, READ_CHUNK_MIN
 
@@ -49,9 +58,14 @@ _Out = TypeVar("_Out", bound=Sized)
 
 
 class _SegmentView:
-    """One ``.log`` file opened read-only, with the positions of the batches seen so far."""
+    """One ``.log`` file opened read-only, with the positions of the batches seen so far.
 
-    __slots__ = ("base", "fd", "offsets", "path", "positions")
+    Every batch decoded is verified first (CRC, :func:`~broker.commitlog.integrity.crc_ok`);
+    after damage is met, the file is read by verified walks
+    (:func:`~broker.commitlog.integrity.read_verified`) as the owner's segment is.
+    """
+
+    __slots__ = ("base", "fd", "offsets", "path", "positions", "scan")
 
     def __init__(self, path: Path, base: int) -> None:
         self.path = path
@@ -59,6 +73,7 @@ class _SegmentView:
         self.fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
         self.offsets = [base]  # batch base offsets, every INDEX_INTERVAL bytes
         self.positions = [0]
+        self.scan: SegmentScan | None = None
 
     def read_into(
         self,
@@ -68,12 +83,68 @@ class _SegmentView:
         max_records: int,
         max_bytes: int,
         decode: Decoder[_Out],
+        stop_on_damage: bool = False,
     ) -> tuple[int, bool]:
         """Like :meth:`Segment.read_into`, bounded by the announced ``end`` offset.
 
         Returns the byte budget left and whether the read is over (a limit, or ``end``,
         was reached); False means the file ended first and the next segment follows.
         """
+        if self.scan is not None:
+            return self._read_damaged(
+                out, offset, end, max_records, max_bytes, decode, stop_on_damage
+            )
+        resume = offset
+        try:
+            return self._read_into(out, offset, end, max_records, max_bytes, decode, resume)
+        except CorruptRecordBatch as exc:
+            if not integrity.verify_reads:
+                raise
+            resume = max(offset, exc.first_offset)
+            return self._read_damaged(
+                out, resume, end, max_records, max_bytes, decode, stop_on_damage
+            )
+
+    def _read_damaged(
+        self,
+        out: _Out,
+        offset: int,
+        end: int,
+        max_records: int,
+        max_bytes: int,
+        decode: Decoder[_Out],
+        stop_on_damage: bool,
+    ) -> tuple[int, bool]:
+        size = os.fstat(self.fd).st_size
+        if self.scan is None:
+            self.scan = scan_segment(self.fd, self.path, self.base, size, end)
+        return read_verified(
+            self.fd,
+            self.path,
+            self.scan,
+            size,
+            out,
+            offset,
+            max_records,
+            max_bytes,
+            decode,
+            stop_on_damage,
+            end,
+        )
+
+    def _read_into(
+        self,
+        out: _Out,
+        offset: int,
+        end: int,
+        max_records: int,
+        max_bytes: int,
+        decode: Decoder[_Out],
+        resume: int,
+    ) -> tuple[int, bool]:
+        """The fast read: raises :class:`CorruptRecordBatch` (its ``first_offset`` the
+        first offset not read yet) at the first batch that fails."""
+        check = integrity.verify_reads
         # An offset below this segment's base (a read that began in an earlier segment)
         # starts at the segment's first batch, not at positions[-1]: that is where the last
         # read left the sparse index, and every record before it would be skipped.
@@ -87,28 +158,47 @@ class _SegmentView:
             while n - p >= BATCH_HEADER_SIZE:
                 base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, p)[:7]
                 if base >= end:
-                    return max_bytes, True  # not announced yet: maybe still being written
+                    # Not announced yet: maybe still being written; unless bytes follow it
+                    # and its CRC fails (a damaged base offset, see written_after).
+                    if (
+                        check
+                        and written_after(pos + n, pos + p, length)
+                        and length <= n - p
+                        and not crc_ok(buf, p, length)
+                    ):
+                        raise _corrupt("CRC mismatch", pos + p, self.path, resume)
+                    return max_bytes, True
                 if length < MIN_BATCH_SIZE:
-                    raise CorruptRecordBatch(f"batch length {length} too small", pos + p, self.path)
+                    raise _corrupt(f"batch length {length} too small", pos + p, self.path, resume)
                 if length > n - p:
                     if p:
                         break  # read again from this batch
                     buf = os.pread(self.fd, length, pos)
                     n = len(buf)
                     if n < length:
-                        raise CorruptRecordBatch(
+                        raise _corrupt(
                             f"short read: {n} of {length} bytes of a "
                             "batch below the high-water mark",
                             pos,
                             self.path,
+                            resume,
                         )
                     continue
+                # Verified before its header is believed, skipped or not (see Segment).
+                if check and not crc_ok(buf, p, length):
+                    raise _corrupt("CRC mismatch", pos + p, self.path, resume)
                 if pos + p - last_indexed >= INDEX_INTERVAL and base > self.offsets[-1]:
                     self.offsets.append(base)
                     self.positions.append(pos + p)
                     last_indexed = pos + p
                 if base + last_delta >= offset:
-                    max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
+                    try:
+                        max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
+                    except DECODE_ERRORS as exc:
+                        raise _corrupt(
+                            f"undecodable batch: {exc}", pos + p, self.path, resume
+                        ) from None
+                    resume = base + last_delta + 1
                     if stop >= 0 or len(out) >= max_records or max_bytes <= 0:
                         return max_bytes, True
                 p += length
@@ -118,6 +208,12 @@ class _SegmentView:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def _corrupt(reason: str, position: int, path: Path, resume: int) -> CorruptRecordBatch:
+    exc = CorruptRecordBatch(reason, position, path)
+    exc.first_offset = resume
+    return exc
 
 
 class LogReader:
@@ -187,10 +283,11 @@ class LogReader:
             if not self._bases or offset < self._bases[0]:
                 raise OffsetOutOfRange(offset, self.log_start_offset, end)
         i = bisect_right(self._bases, offset) - 1
+        stop_on_damage = self.config.on_corruption == "stop"
         try:
             while True:
                 max_bytes, done = self._segments[i].read_into(
-                    out, offset, end, max_records, max_bytes, decode
+                    out, offset, end, max_records, max_bytes, decode, stop_on_damage
                 )
                 if done:
                     break
@@ -212,7 +309,10 @@ class LogReader:
         (a scan: used when a ``$replay/time:...`` subscription starts)."""
         offset = self.log_start_offset
         while offset < self._end:
-            records = self.read(offset, max_records=4096)
+            try:
+                records = self.read(offset, max_records=4096)
+            except CorruptRecordBatch as exc:
+                return max(offset, exc.first_offset)  # held there (on_corruption = "stop")
             if not records:
                 break
             for record in records:

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator, Sized
+from collections.abc import Iterator, Sized
 from pathlib import Path
 from typing import TypeVar
 
+from broker.commitlog import integrity, recovery
 from broker.commitlog.batch import (
     BATCH_HEADER,
     BATCH_HEADER_SIZE,
@@ -55,6 +56,7 @@ from broker.commitlog.errors import (
     LogIOError,
 )
 from broker.commitlog.index import OffsetIndex, TimeIndex
+from broker.commitlog.integrity import DECODE_ERRORS, DamagedRange, SegmentScan, crc_ok
 from broker.commitlog.record import Record
 
 logger = logging.getLogger("broker.commitlog")
@@ -95,13 +97,17 @@ class Segment:
         "_bytes_since_index",
         "_cache_buf",
         "_cache_pos",
+        "_damage_scan",
         "_dirty",
         "_fd",
         "_hint_offset",
         "_hint_pos",
+        "_verified_from",
+        "_verified_to",
         "_writeback_from",
         "base_offset",
         "config",
+        "damaged",
         "directory",
         "index_path",
         "log_path",
@@ -149,6 +155,13 @@ class Segment:
         self._hint_pos = 0
         self._cache_buf = b""
         self._cache_pos = 0
+        #: Batches ``[_verified_from, _verified_to)`` of the cached buffer passed their CRC.
+        self._verified_from = self._verified_to = 0
+        #: The verifying scan of this segment, made when a read first met damage in it.
+        self._damage_scan: SegmentScan | None = None
+        #: Damaged ranges recovery found and kept (intact batches follow them); see
+        #: :meth:`recover`.
+        self.damaged: list[DamagedRange] = []
 
     # ----------------------------------------------------------------- open / create
     @classmethod
@@ -163,14 +176,23 @@ class Segment:
 
     @classmethod
     def open(
-        cls, directory: Path, base_offset: int, config: LogConfig, now_ms: int, *, recover: bool
+        cls,
+        directory: Path,
+        base_offset: int,
+        config: LogConfig,
+        now_ms: int,
+        *,
+        recover: bool,
+        keep_damaged_tail: bool = False,
     ) -> tuple[Segment, int]:
         """Open an existing segment; return it and the number of bytes recovery truncated.
 
         With ``recover`` the whole ``.log`` is scanned and both indexes rebuilt. Otherwise the
         indexes are loaded and checked (sanity check plus a scan of the batches after the last
-        index entry); any inconsistency falls back to a full recovery.
-        Raises :class:`LogIOError` or :class:`~broker.commitlog.errors.UnsupportedFormat`.
+        index entry, CRCs verified); any inconsistency falls back to a full recovery.
+        ``keep_damaged_tail`` (after a clean shutdown, when no tail can be torn): see
+        :meth:`recover`. Raises :class:`LogIOError` or
+        :class:`~broker.commitlog.errors.UnsupportedFormat`.
         """
         path = directory / file_name(base_offset, LOG_SUFFIX)
         try:
@@ -186,7 +208,7 @@ class Segment:
                     return seg, 0
                 except (CorruptIndex, CorruptRecordBatch, FileNotFoundError) as exc:
                     logger.info("%s: rebuilding indexes: %s", path, exc)
-            truncated = seg.recover()
+            truncated = seg.recover(keep_damaged_tail=keep_damaged_tail)
         except OSError as exc:
             seg.close()
             raise LogIOError(path, "recover segment", exc) from exc
@@ -197,56 +219,13 @@ class Segment:
 
     def _load_indexes(self) -> None:
         """Load both indexes and verify the batches after the last offset-index entry."""
-        offset_index = OffsetIndex.load(self.index_path, self.base_offset, self.size)
-        last_offset, pos = offset_index.last_entry()
-        if len(offset_index):
-            head = os.pread(self._fd, BATCH_HEADER_SIZE, pos)
-            if len(head) < BATCH_HEADER_SIZE or read_header(head).base_offset != last_offset:
-                raise CorruptIndex(
-                    self.index_path,
-                    f"entry ({last_offset}, {pos}) points at no batch with that base offset",
-                )
-        self.offset_index = offset_index
-        self.next_offset = self.base_offset
-        end, reason = self._scan(pos, last_offset, build=False)
-        if reason is not None:
-            raise CorruptRecordBatch(reason, end, self.log_path)
-        self._bytes_since_index = self.size - pos
-        tail_max = self.max_timestamp
-        self.time_index = TimeIndex.load(self.timeindex_path, self.base_offset, self.next_offset)
-        if len(offset_index) and not len(self.time_index):
-            # Each first offset-index entry comes with a time-index entry: this file lost its
-            # data in a crash (written without fsync, see SegmentedLog's roll).
-            raise CorruptIndex(self.timeindex_path, "empty while the offset index is not")
-        self.max_timestamp = max(tail_max, self.time_index.last_timestamp())
+        recovery.load_indexes(self)
 
-    def recover(self) -> int:
-        """Scan the whole ``.log``, rebuild the indexes, truncate at the first bad batch.
-
-        Returns the number of bytes truncated (0 when the segment was intact) and logs what was
-        cut on logger ``broker.commitlog``.
-        """
-        self.offset_index = OffsetIndex(self.index_path, self.base_offset)
-        self.time_index = TimeIndex(self.timeindex_path, self.base_offset)
-        self.next_offset = self.base_offset
-        self.max_timestamp = -1
-        self._bytes_since_index = 0
-        self._drop_read_state()
-        end, reason = self._scan(0, self.base_offset, build=True)
-        truncated = self.size - end
-        if truncated:
-            logger.warning(
-                "%s: truncating %d bytes at position %d (%s); log end offset is now %d",
-                self.log_path,
-                truncated,
-                end,
-                reason,
-                self.next_offset,
-            )
-            os.ftruncate(self._fd, end)
-            _fsync_data(self._fd)
-            self.size = end
-        return truncated
+    def recover(self, *, keep_damaged_tail: bool = False) -> int:
+        """Scan the whole ``.log``, rebuild the indexes, truncate a torn tail, keep damage
+        followed by intact batches (:func:`broker.commitlog.recovery.recover`); returns the
+        number of bytes truncated."""
+        return recovery.recover(self, keep_damaged_tail=keep_damaged_tail)
 
     def _scan(self, pos: int, min_base: int, *, build: bool) -> tuple[int, str | None]:
         """Validate batches from ``pos`` to :attr:`size`, updating offsets and timestamps.
@@ -369,9 +348,15 @@ class Segment:
 
         Returns the remaining byte budget and whether a limit stopped the read (False: the
         segment was read to its end). The read hot path: one ``pread`` per chunk.
+
+        Each batch is verified (CRC) the first time it is decoded from the buffer read, the
+        buffer's verified batches remembered as one interval; a batch that fails, or any
+        inconsistency, switches this segment to verifying reads (:meth:`_read_damaged`).
         """
         if offset >= self.next_offset:
             return max_bytes, False
+        if self._damage_scan is not None:
+            return self._read_damaged(out, offset, max_records, max_bytes, decode)
         end = self.size
         # A sequential consumer asks for the offset right after its previous read: start at
         # the remembered position instead of the index entry (saves the scan to the offset).
@@ -380,11 +365,15 @@ class Segment:
         buf = self._cache_buf
         buf_pos = self._cache_pos
         n = len(buf)
+        verified_from, verified_to = self._verified_from, self._verified_to
         if not buf_pos <= pos < buf_pos + n:
             buf, buf_pos, n = b"", pos, 0
+            verified_from = verified_to = pos
         p = pos - buf_pos
         avg = self.size // max(1, self.next_offset - self.base_offset) + 1
         unpack_header = BATCH_HEADER.unpack_from
+        check = integrity.verify_reads
+        resume = offset  # the first offset not read yet, should damage be met
         try:
             while buf_pos + p < end:
                 if n - p >= BATCH_HEADER_SIZE:
@@ -394,8 +383,25 @@ class Segment:
                             f"batch length {length} too small", buf_pos + p, self.log_path
                         )
                     if length <= n - p:
+                        # Verified before its header is believed, skipped or not: a damaged
+                        # base offset or count must not skip records silently.
+                        at = buf_pos + p
+                        if not verified_from <= at < verified_to and check:
+                            if not crc_ok(buf, p, length):
+                                raise CorruptRecordBatch("CRC mismatch", at, self.log_path)
+                            if at != verified_to:
+                                verified_from = at
+                            verified_to = at + length
                         if base + lod >= offset:
-                            max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
+                            try:
+                                max_bytes, stop = decode(
+                                    buf, p, out, offset, max_records, max_bytes
+                                )
+                            except DECODE_ERRORS as exc:
+                                raise CorruptRecordBatch(
+                                    f"undecodable batch: {exc}", at, self.log_path
+                                ) from None
+                            resume = base + lod + 1
                             if stop >= 0:
                                 self._hint_offset, self._hint_pos = stop, buf_pos + p
                                 return max_bytes, True
@@ -415,19 +421,44 @@ class Segment:
                 want = 2 * min(max_bytes, (max_records - len(out)) * avg) + BATCH_HEADER_SIZE
                 buf = os.pread(self._fd, min(end - at, max(need, want, READ_CHUNK_MIN)), at)
                 buf_pos, p, n = at, 0, len(buf)
+                verified_from = verified_to = at
                 if n < need:
                     raise CorruptRecordBatch(f"short read: {n} of {need} bytes", at, self.log_path)
             return max_bytes, False
+        except CorruptRecordBatch:
+            if not check:
+                raise
+            buf, buf_pos = b"", 0
+            return self._read_damaged(out, resume, max_records, max_bytes, decode)
         finally:
             self._cache_buf, self._cache_pos = buf, buf_pos
+            self._verified_from, self._verified_to = verified_from, verified_to
+
+    def _read_damaged(
+        self, out: _Out, offset: int, max_records: int, max_bytes: int, decode: Decoder[_Out]
+    ) -> tuple[int, bool]:
+        """:meth:`read_into` once damage was met: the segment scanned once, then every batch
+        walked verified (:func:`~broker.commitlog.integrity.read_verified`)."""
+        if self._damage_scan is None:
+            self._damage_scan = integrity.scan_segment(
+                self._fd, self.log_path, self.base_offset, self.size
+            )
+        self._hint_offset = -1
+        stop = self.config.on_corruption == "stop"
+        scan, fd, path = self._damage_scan, self._fd, self.log_path
+        return integrity.read_verified(
+            fd, path, scan, self.size, out, offset, max_records, max_bytes, decode, stop
+        )
 
     def iter_batches(
         self, pos: int = 0, end: int | None = None
     ) -> Iterator[tuple[bytes, int, int]]:
         """Yield ``(buffer, offset_in_buffer, file_position)`` for each batch from ``pos``.
 
-        Batches are trusted (written or recovered by this process); ``end`` defaults to the
-        current :attr:`size`, so a scan started on the cleaner thread sees a fixed prefix.
+        Each batch is validated (CRC and structure) before it is yielded: a bad one raises
+        :class:`CorruptRecordBatch` (compaction leaves such a segment as it is). ``end``
+        defaults to the current :attr:`size`, so a scan started on the cleaner thread sees a
+        fixed prefix.
         """
         stop = self.size if end is None else end
         buf = b""
@@ -447,6 +478,8 @@ class Segment:
                 buf_pos, rel = pos, 0
                 if len(buf) < length:
                     raise CorruptRecordBatch("short read of a batch", pos, self.log_path)
+            if integrity.verify_reads:
+                validate_batch(buf, rel, 0, path=self.log_path, position=pos)
             yield buf, rel, pos
             pos += length
 
@@ -459,6 +492,14 @@ class Segment:
         """First offset whose record timestamp is >= ``timestamp`` (ms), None if none here."""
         if self.max_timestamp < timestamp:
             return None
+        try:
+            return self._offset_for_time(timestamp)
+        except CorruptRecordBatch:  # damage on the way: a verified walk passes over it
+            return integrity.first_offset_at(
+                self._fd, self.log_path, self.size, self.base_offset, timestamp
+            )
+
+    def _offset_for_time(self, timestamp: int) -> int | None:
         before = self.time_index.lookup_before(timestamp)
         start = self.base_offset if before is None else before + 1
         pos = self.offset_index.lookup(start)[1]
@@ -523,6 +564,7 @@ class Segment:
         self._hint_pos = 0
         self._cache_buf = b""
         self._cache_pos = 0
+        self._verified_from = self._verified_to = 0
 
     def close(self) -> None:
         """Close the file descriptor (idempotent); does not flush."""
@@ -547,40 +589,3 @@ class Segment:
             f"Segment(base_offset={self.base_offset}, next_offset={self.next_offset}, "
             f"size={self.size})"
         )
-
-
-def write_segment(
-    directory: Path,
-    base_offset: int,
-    config: LogConfig,
-    batches: Iterable[bytes | bytearray],
-    suffix: str,
-    *,
-    fsync: bool,
-) -> Segment:
-    """Write a new segment from encoded batches to ``<base><.log|.index|.timeindex><suffix>``.
-
-    Used by compaction: the files are complete (and fsynced when ``fsync``) before the caller
-    renames them into place. Returns the segment, open on the suffixed ``.log`` file.
-    """
-    path = directory / (file_name(base_offset, LOG_SUFFIX) + suffix)
-    try:
-        fd = os.open(path, _OPEN_FLAGS | os.O_CREAT | os.O_TRUNC, 0o644)
-    except OSError as exc:
-        raise LogIOError(path, "create cleaned segment", exc) from exc
-    seg = Segment(directory, base_offset, config, fd, 0, 0)
-    seg.log_path = path
-    seg.offset_index.path = seg.index_path = seg.index_path.with_name(seg.index_path.name + suffix)
-    seg.time_index.path = seg.timeindex_path = seg.timeindex_path.with_name(
-        seg.timeindex_path.name + suffix
-    )
-    try:
-        for batch in batches:
-            seg.append(batch, fsync=False)
-        if fsync:
-            seg.flush()
-        seg.persist_indexes(fsync=fsync)
-    except BaseException:
-        seg.delete()
-        raise
-    return seg

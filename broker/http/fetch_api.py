@@ -20,6 +20,9 @@ Routes (mounted by :class:`broker.http.api.HttpApi`):
 Errors are JSON ``{"error": ...}``: 400 for a malformed parameter, 404 for an unknown stream or
 partition, 416 for an offset outside ``[earliest, high-water mark]``; the 416 body also carries
 ``earliest_offset`` and ``high_water_mark`` so a client can skip forward deliberately.
+503 at a damaged range the stream holds (``on_corruption = "stop"``): the body names it
+(``damaged_from``, ``damaged_to``, -1 for "to the segment's end"); under ``skip`` (the default)
+a read passes over damage, so the records returned may skip offsets, as after compaction.
 
 Threads: the log read runs on the broker's loop (the log's rule: reads from the owner's loop
 thread), bounded by the limits above; encoding the immutable records as Arrow or JSON runs in
@@ -38,7 +41,14 @@ import orjson
 import pyarrow as pa
 from aiohttp import web
 
-from broker.commitlog import CommitLogError, OffsetOutOfRange, Record, SegmentedLog, Streams
+from broker.commitlog import (
+    CommitLogError,
+    CorruptRecordBatch,
+    OffsetOutOfRange,
+    Record,
+    SegmentedLog,
+    Streams,
+)
 from broker.commitlog.columns import ColumnRead
 from broker.commitlog.reader import LogReader
 from broker.http.access import HttpUser, request_user
@@ -157,6 +167,18 @@ class FetchApi:
                     "high_water_mark": e.end_offset,
                 },
                 416,
+            )
+        except CorruptRecordBatch as e:
+            # A damaged range the stream holds (on_corruption = "stop"): the client learns
+            # which offsets; other partitions and requests are unaffected.
+            return _json(
+                {
+                    "error": f"stream {stream!r} partition {partition}: {e}",
+                    "offset": offset,
+                    "damaged_from": e.first_offset,
+                    "damaged_to": e.last_offset,
+                },
+                503,
             )
         if as_json:
             next_offset = records[-1].offset + 1 if records else offset

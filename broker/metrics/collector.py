@@ -23,6 +23,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+from broker.commitlog.integrity import corrupt_counts
+
 if TYPE_CHECKING:
     from broker.auth import AuthService
     from broker.router.router import Router
@@ -224,6 +226,7 @@ class BrokerCollector(Collector):
             start.add_metric([stream, str(p)], part.log.log_start_offset)
         yield hwm
         yield start
+        yield corrupt_batches()
 
         lag = GaugeMetricFamily(
             "mqlog_consumer_lag_records",
@@ -245,6 +248,20 @@ class BrokerCollector(Collector):
             )
             lag.add_metric([name], total)
         yield lag
+
+
+def corrupt_batches() -> CounterMetricFamily:
+    """``mqlog_corrupt_batches_total{stream,partition}``: damaged ranges this worker's reads,
+    recovery and scrubber found (:mod:`broker.commitlog.integrity`; each reported once per
+    worker, so with several workers a range read by two counts twice)."""
+    fam = CounterMetricFamily(
+        "mqlog_corrupt_batches",
+        "Damaged record batches (CRC or structure) found in partition logs",
+        labels=["stream", "partition"],
+    )
+    for (stream, partition), count in sorted(corrupt_counts().items()):
+        fam.add_metric([stream, partition], count)
+    return fam
 
 
 def count_subscriptions(router: Router) -> int:

@@ -18,6 +18,8 @@ they are in the log (the internal stream ``$sys``), retained, and delivered to s
 ``$SYS/broker/bytes/sent``           bytes sent to clients
 ``$SYS/broker/subscriptions/count``  subscriptions over all sessions
 ``$SYS/broker/retained messages/count``  retained messages
+``$SYS/broker/log/corrupt batches``  damaged batches found (reads, recovery, scrubber)
+``$SYS/broker/log/corrupt batches/<stream>/<partition>``  the same, per damaged partition
 ===================================  ==============================================
 
 With several workers, worker 0 publishes the broker's figures: the sum of every worker's
@@ -38,6 +40,7 @@ from typing import TYPE_CHECKING, Protocol
 import orjson
 
 from broker.commitlog import LogConfig, StreamSpec
+from broker.commitlog.integrity import corrupt_counts
 from broker.metrics.collector import Metrics, WorkerShare, count_subscriptions
 
 if TYPE_CHECKING:
@@ -100,7 +103,17 @@ def sys_values(server: SysSource) -> dict[str, str]:
         "bytes/sent": str(m.bytes_out),
         "subscriptions/count": str(count_subscriptions(router)),
         "retained messages/count": str(len(router.retained)),
+        **corrupt_values(),
     }
+
+
+def corrupt_values() -> dict[str, str]:
+    """The ``log/corrupt batches`` values: the total, and one per partition with damage."""
+    counts = corrupt_counts()
+    values = {"log/corrupt batches": str(sum(counts.values()))}
+    for (stream, partition), count in sorted(counts.items()):
+        values[f"log/corrupt batches/{stream}/{partition}"] = str(count)
+    return values
 
 
 class SysPublisher:
@@ -137,6 +150,9 @@ class SysPublisher:
             return sys_values(self.server)
         parts = [orjson.loads(part) for part in await runtime.gather("sys")]
         values: dict[str, str] = parts[0]
+        for part in parts[1:]:  # a name only some workers have (a damaged partition)
+            for name in part:
+                values.setdefault(name, "0")
         for name in values:
             if name not in _SAME_EVERYWHERE:
                 values[name] = str(sum(int(part.get(name, 0)) for part in parts))

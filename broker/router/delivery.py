@@ -23,7 +23,7 @@ from operator import add
 from typing import Any
 
 from broker.auth.acl import Authorizer
-from broker.commitlog import OffsetOutOfRange, Record
+from broker.commitlog import CorruptRecordBatch, OffsetOutOfRange, Record
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.properties import PropertyId, decode_properties
 from broker.mqtt.reason_codes import ReasonCode
@@ -142,12 +142,19 @@ class Delivery:
                 self.deliver(session, rec, key, qos, ids, MAIN, retain=True)
 
     def read(self, part: PartitionBase, offset: int) -> list[Record] | None:
-        """Records from ``offset``; None if retention deleted it (caller skips forward)."""
+        """Records from ``offset``; None if retention deleted it (caller skips forward).
+
+        ``[]`` (nothing to send yet) at a damaged range the stream holds
+        (``on_corruption = "stop"``): the consumer stays at ``offset``, its other
+        partitions and every other client go on; the log reported the range.
+        """
         try:
             return part.read(offset)
         except OffsetOutOfRange:
             _deleted(part, offset)
             return None
+        except CorruptRecordBatch:
+            return []
 
     def read_columns(self, part: PartitionBase, offset: int) -> Columns | None:
         """:meth:`read` as columns (for :meth:`send_run`)."""
@@ -156,12 +163,14 @@ class Delivery:
         except OffsetOutOfRange:
             _deleted(part, offset)
             return None
+        except CorruptRecordBatch:
+            return Columns([], [], None)
 
     def read_exact(self, key: PartitionKey, offset: int) -> Record | None:
         part = self.partition(key)
         try:
             recs = part.read(offset, 1)
-        except OffsetOutOfRange:
+        except (OffsetOutOfRange, CorruptRecordBatch):
             return None
         if recs and recs[0].offset == offset:
             return recs[0]

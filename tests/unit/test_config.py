@@ -182,6 +182,27 @@ def test_values_are_read(tmp_path: Path) -> None:
             id="unknown-stream-key",
         ),
         pytest.param("streams = 3\n", "streams", id="streams-not-array"),
+        pytest.param(
+            '[commitlog]\non_corruption = "ignore"\n', "commitlog.on_corruption", id="policy"
+        ),
+        pytest.param(
+            '[[streams]]\nname = "s"\ntopic_filter = "a"\non_corruption = 1\n',
+            "streams[s].on_corruption",
+            id="stream-policy",
+        ),
+        pytest.param(
+            '[commitlog]\nscrub_interval = "often"\n', "commitlog.scrub_interval", id="scrub"
+        ),
+        pytest.param(
+            "[commitlog]\nscrub_bytes_per_second = 0\n",
+            "commitlog.scrub_bytes_per_second",
+            id="scrub-rate",
+        ),
+        pytest.param(
+            '[[streams]]\nname = "s"\ntopic_filter = "a"\nscrub_interval = "1d"\n',
+            "streams[s].scrub_interval",
+            id="scrub-is-not-per-stream",
+        ),
     ],
 )
 def test_bad_value_names_key_and_file(tmp_path: Path, text: str, key: str) -> None:
@@ -286,3 +307,21 @@ def test_port_clash_names_the_flags() -> None:
         match=r"http.port = 1884 is also server.port \(set by --port and --http-port\)$",
     ):
         check_ports(cfg, "b.toml", {"server.port": "--port", "http.port": "--http-port"})
+
+
+def test_integrity_keys(tmp_path: Path) -> None:
+    cfg = load_config(
+        write(
+            tmp_path,
+            '[commitlog]\non_corruption = "stop"\nscrub_interval = "1h"\n'
+            'scrub_bytes_per_second = "1MiB"\n'
+            '[[streams]]\nname = "s"\ntopic_filter = "a"\non_corruption = "skip"\n',
+        )
+    )
+    assert cfg.commitlog.defaults.on_corruption == "stop"
+    assert cfg.commitlog.scrub_interval == 3600.0
+    assert cfg.commitlog.scrub_bytes_per_second == 1 << 20
+    assert cfg.streams[0].log.on_corruption == "skip"
+    assert load_config(SHIPPED).commitlog.defaults.on_corruption == "skip"
+    off = load_config(write(tmp_path, '[commitlog]\nscrub_interval = "0s"\n'))
+    assert off.commitlog.scrub_interval == 0
