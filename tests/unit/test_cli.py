@@ -1,4 +1,4 @@
-"""broker/cli.py: Mosquitto's command-line habits, and no traceback for any user error.
+"""broker/cli: Mosquitto's command-line habits, and no traceback for any user error.
 
 Each command runs in this process through :func:`broker.cli.main`; a missing optional extra is
 made missing with ``sys.modules[name] = None`` (what ``import`` and ``find_spec`` then see).
