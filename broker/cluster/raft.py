@@ -1,10 +1,23 @@
 """The sans-IO Raft core of one group (etcd-io/raft's shape: inputs in, effects out).
 
 Inputs: ``tick()`` (the driver's clock, one call per tick), ``receive(message)``,
-``propose(payload)``; completions: ``flushed(index)`` (the entries now at indexes <= index are
-durable) and ``hard_state_persisted(state)``. Each returns the effects to apply, in order
+``propose(payload, count)``; completions: ``flushed(index)`` (the entries now at indexes <=
+index are durable) and ``hard_state_persisted(state)``. Each returns the effects to apply, in order
 (see ``broker.cluster.messages``). The driver applies ``Truncate``/``AppendLog`` to its log
 before calling in again; the core reads entries back through ``LogReader`` to send them.
+
+Indexes are log offsets + 1 and an entry covers ``count`` indexes (one record batch; see
+``broker.cluster.messages``): ``terms.last_index`` is the log's end offset and the commit index
+its high-water mark. Every position the core sends, stores or compares (``prev_index``,
+``next`` - 1, ``match``, ``flushed``, ``commit``, a follower's ``_leader_match``) is an entry's
+last index, so whole entries travel and the log is only ever cut between batches. Why the
+positions stay on boundaries: entries of a term are all made by that term's one leader, which
+numbers them once, so two logs holding the same (index, term) hold the same entry there, with
+the same boundaries, and the same prefix (Log Matching, Raft s5.3). A follower's positions come
+from what it matched (``prev_index`` whose term matched, plus whole entries); its hints are a
+run's first index (the end of the previous run + 1) or its last index + 1, boundaries of ITS log;
+the leader may hold a different entry there, so it moves such a hint down to the start of the
+entry holding it in its own log (``LogReader.entry_start``) before sending from it.
 
 Invariants the core keeps (the simulator, ``broker.cluster.sim``, checks them from outside):
 - No message leaves while the current hard state (term, voted_for) is not yet durable: a vote
@@ -84,8 +97,16 @@ class NotLeader(Exception):
 
 
 class LogReader(Protocol):
-    def entries(self, first: int, last: int) -> list[Entry]:
-        """The entries ``first``..``last`` inclusive, as appended (durable or not)."""
+    """The driver's log as the core reads it back (durable or not, as appended)."""
+
+    def entries(self, first: int, last: int, max_entries: int, max_bytes: int) -> list[Entry]:
+        """Whole entries in order from the one starting at ``first`` (always an entry's first
+        index) through the one ending at ``last`` (an entry's last index), stopping after
+        ``max_entries`` or before the entry that would take the payload bytes past
+        ``max_bytes``; at least one entry."""
+
+    def entry_start(self, index: int) -> int:
+        """The first index of the entry holding ``index`` (1 <= index <= the last index)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -96,6 +117,8 @@ class RaftConfig:
     heartbeat_ticks: int = 1
     #: Most entries in one AppendEntries.
     max_batch: int = 64
+    #: Most payload bytes in one AppendEntries (at least one entry goes, whatever its size).
+    max_bytes: int = 1 << 20
     variant: Variant = Variant.CORRECT
 
 
@@ -182,16 +205,20 @@ class RaftNode:
             self._start_pre_vote()
         return self._take()
 
-    def propose(self, payload: bytes) -> list[Effect]:
-        """Append ``payload`` as a new entry of this term; its index is ``terms.last_index``
-        afterwards. Raises ``NotLeader`` off the leader, and on a leader handing over (naming
-        the peer it hands over to)."""
+    def propose(self, payload: bytes, count: int = 1) -> list[Effect]:
+        """Append ``payload`` as a new DATA entry of this term covering ``count`` indexes (a
+        record batch of ``count`` offsets, encoded with base offset ``terms.last_index`` and
+        leader epoch ``term`` as read before the call); its last index is
+        ``terms.last_index`` afterwards. Raises ``NotLeader`` off the leader, and on a leader
+        handing over (naming the peer it hands over to)."""
         if self.role is not Role.LEADER:
             raise NotLeader(self.leader)
         if self.transferee is not None:
             raise NotLeader(self.transferee)
-        self._append_local((Entry(self.term, payload),))
-        first = self.terms.last_index
+        if count < 1:
+            raise ValueError(f"an entry covers at least one index, got count={count}")
+        self._append_local((Entry(self.term, payload, EntryKind.DATA, count),))
+        first = self.terms.last_index - count + 1
         for peer in self.peers:
             if self._progress[peer].next == first:
                 self._send_append(peer)
@@ -372,7 +399,7 @@ class RaftNode:
     def _append_local(self, entries: tuple[Entry, ...]) -> None:
         first = self.terms.last_index + 1
         for e in entries:
-            self.terms.append(e.term, 1)
+            self.terms.append(e.term, e.count)
         if not self._unwritten:
             self._unwritten_first = first
         self._unwritten.extend(entries)
@@ -380,13 +407,16 @@ class RaftNode:
         self._out.append(Flush(self.terms.last_index))
 
     def _send_append(self, peer: int) -> None:
+        """Whole entries from ``next`` (an entry's first index, so ``prev`` is a batch
+        boundary), up to ``max_batch`` entries and ``max_bytes`` payload bytes."""
         pr = self._progress[peer]
         prev = pr.next - 1
         prev_term = self.terms.term_at(prev)
         assert prev_term is not None, "next is at most last_index + 1"
-        last = min(self.terms.last_index, prev + self.config.max_batch)
-        entries = self._entries(prev + 1, last) if last > prev else ()
-        pr.next = last + 1
+        entries = (
+            self._entries(pr.next, self.terms.last_index) if prev < self.terms.last_index else ()
+        )
+        pr.next = prev + sum(e.count for e in entries) + 1
         self._send(AppendEntries(self.id, peer, self.term, prev, prev_term, entries, self.commit))
 
     def _heartbeat(self) -> None:
@@ -421,15 +451,21 @@ class RaftNode:
             resp = AppendResp(self.id, m.frm, self.term, False, m.prev_index, 0, hint, term_there)
             self._send(resp)
             return
+        # Skip the entries we hold: the same term at an entry's first index means the same
+        # entry (module doc), so ``index`` stays on our boundaries too.
         index = m.prev_index + 1
+        held = 0
         for e in m.entries:
             if self.terms.term_at(index) != e.term:
                 break
-            index += 1
-        new = m.entries[index - m.prev_index - 1 :]
-        end = m.prev_index + len(m.entries)
+            index += e.count
+            held += 1
+        new = m.entries[held:]
+        end = index - 1
+        if new:
+            end += sum([e.count for e in new])
         bad = self.config.variant is Variant.TRUNCATE_BELOW_COMMIT
-        if bad and m.entries and end < self.terms.last_index:
+        if bad and m.entries and not new and end < self.terms.last_index:
             self._truncate(end + 1)
         if new:
             if index <= self.terms.last_index and not self._truncate(index):
@@ -442,13 +478,43 @@ class RaftNode:
         self._send(self._ack(m.frm))
 
     def _entries(self, first: int, last: int) -> tuple[Entry, ...]:
-        """Entries ``first``..``last``: from the driver's log, then this step's unwritten."""
+        """Whole entries from the one starting at ``first`` through the one ending at
+        ``last``, within ``max_batch`` entries and ``max_bytes`` payload bytes (at least one):
+        from the driver's log, then this step's unwritten entries."""
+        room, budget = self.config.max_batch, self.config.max_bytes
         split = self._unwritten_first if self._unwritten else last + 1
-        found = self._log.entries(first, min(last, split - 1)) if first < split else []
-        if last >= split:
-            found += self._unwritten[max(first, split) - split : last - split + 1]
-        assert len(found) == last - first + 1, f"log lacks entries {first}..{last}"
+        found: list[Entry] = []
+        if first < split:
+            found = self._log.entries(first, min(last, split - 1), room, budget)
+            reached = first - 1 + sum(e.count for e in found)
+            assert found and reached < split, f"log lacks entries {first}..{last}"
+            if reached < split - 1 or last < split:
+                return tuple(found)
+            room -= len(found)
+            budget -= sum(len(e.payload) for e in found)
+        index = split
+        for e in self._unwritten:
+            if room <= 0 or index > last:
+                break
+            if index >= first:
+                if found and len(e.payload) > budget:
+                    break
+                found.append(e)
+                room -= 1
+                budget -= len(e.payload)
+            index += e.count
+        assert found, f"no entry starts at {first}"
         return tuple(found)
+
+    def _entry_start(self, index: int) -> int:
+        """The first index of our entry holding ``index`` (<= last_index)."""
+        if self._unwritten and index >= self._unwritten_first:
+            start = self._unwritten_first
+            for e in self._unwritten:
+                if index < start + e.count:
+                    return start
+                start += e.count
+        return self._log.entry_start(index)
 
     def _truncate(self, index: int) -> bool:
         if index <= self.commit and self.config.variant is not Variant.TRUNCATE_BELOW_COMMIT:
@@ -491,8 +557,11 @@ class RaftNode:
         else:
             ours = self.terms.last_index_of_term(m.hint_term)
             next_index = ours + 1 if ours is not None else m.hint_index
-        # Never past the index refused, whatever the hint says.
+        # Never past the index refused, whatever the hint says; and on one of our entries'
+        # first index (a hint is a boundary of the follower's log, module doc).
         pr.next = max(1, min(next_index, m.match_index, self.terms.last_index + 1))
+        if pr.next <= self.terms.last_index:
+            pr.next = self._entry_start(pr.next)
         pr.match = min(pr.match, pr.next - 1)
         self._send_append(m.frm)
 

@@ -4,12 +4,15 @@ One seeded ``random.Random`` decides everything: virtual time in milliseconds, a
 delays, drops, duplicates and reorders messages and partitions nodes (both ways or one way), a
 disk per node whose appends land in an unflushed tail that a crash loses (as it loses a hard
 state whose write had not completed), crashes and restarts that rebuild each core from what was
-durable, pauses, leadership transfers, and a workload of proposals with unique values. After
+durable (optionally leaving a torn prefix of the first unflushed batch, which recovery cuts),
+pauses, leadership transfers, and a workload of proposals with unique values, each an entry of
+1-5 records (indexes; index = log offset + 1). After
 every event the invariants below are checked; a failing seed prints itself and its last
 events, and running that seed again replays it exactly.
 
-Safety (checked throughout): at most one leader per term; log matching (two logs holding an
-entry of the same index and term hold the same prefix up to it, checked by a hash chain); leader
+Safety (checked throughout): at most one leader per term; log matching (two logs holding the same
+index with the same term hold the same entry there, same boundaries, and the same prefix up to
+it, checked by a hash chain for every index an entry covers); leader
 completeness (a leader holds every committed entry); no committed entry lost or changed (a
 majority keeps it durably, and every commit index a node reports covers the same entries); the
 commit index never moves back during a node's life; a node never acts in a term lower than one
@@ -20,7 +23,7 @@ Liveness (after the faults heal and the last pause ends): every group elects a l
 every node follows, and proposals made then all commit (one whose leader lost office first is
 made again, as a client would retry), within ``LIVENESS_MS``; otherwise the seed is "stuck".
 
-Not simulated yet: clock-rate skew, torn writes of the last batch, membership changes.
+Not simulated yet: clock-rate skew, membership changes.
 
 Run: ``python -m broker.cluster.sim --seeds N [--start S] [--nodes 3] [--groups 8]``.
 """
@@ -61,6 +64,8 @@ LIVENESS_MS = 5_000
 PROPOSE_EVERY_MS = 15
 HEALED_PROPOSALS = 3
 TRACE = 30
+#: Records (indexes) of one proposal: 1 to this many.
+MAX_PROPOSAL_RECORDS = 5
 
 
 class Sim:
@@ -143,7 +148,12 @@ class Sim:
         cores = []
         for g in range(self.groups):
             disk = self.disks[node][g]
-            terms = TermTable.of_terms(e.term for e in disk.entries)
+            torn = disk.recover()
+            if torn:
+                self.trace.append((self.now, f"n{node} g{g} cuts a torn batch ({torn} records)"))
+            terms = TermTable()
+            for e in disk.entries:
+                terms.append(e.term, e.count)
             core = RaftNode(
                 node,
                 list(range(self.n)),
@@ -163,8 +173,7 @@ class Sim:
         self.cores[node] = None
         self.trace.append((self.now, f"n{node} crash"))
         for g, disk in enumerate(self.disks[node]):
-            del disk.entries[disk.durable :]
-            del disk.chains[disk.durable :]
+            disk.crash(tear=self.rng.randrange(MAX_PROPOSAL_RECORDS))
             self._check_durable_majority(g)
 
     def _schedule_tick(self, node: int) -> None:
@@ -194,16 +203,14 @@ class Sim:
             if isinstance(e, Send):
                 self._send(node, g, e.message)
             elif isinstance(e, AppendLog):
-                if e.first_index != len(disk.entries) + 1:
-                    raise Violation(f"n{node} g{g} append at {e.first_index}, log ends there")
+                if e.first_index != disk.last_index + 1:
+                    raise Violation(f"n{node} g{g} append at {e.first_index}, log ends elsewhere")
                 for entry in e.entries:
-                    disk.entries.append(entry)
-                    disk.chains.append(chain(disk.chain_at(len(disk.chains)), *_key(entry)))
-                    self._check_matching(node, g, len(disk.entries))
+                    prev = disk.chains[-1] if disk.chains else 0
+                    disk.add(entry, chain(prev, entry.term, entry.payload, entry.count))
+                    self._check_matching(node, g)
             elif isinstance(e, Truncate):
-                del disk.entries[e.from_index - 1 :]
-                del disk.chains[e.from_index - 1 :]
-                disk.durable = min(disk.durable, e.from_index - 1)
+                disk.truncate(e.from_index)
                 self._check_durable_majority(g)
             elif isinstance(e, Flush):
                 self._flush(node, g, e.index)
@@ -217,8 +224,7 @@ class Sim:
         disk = self.disks[node][g]
 
         def done() -> None:
-            reached = min(index, len(disk.entries))
-            disk.durable = max(disk.durable, reached)
+            reached = disk.mark_durable(index)
             self._apply(node, g, self._core(node, g).flushed(reached))
 
         self.on_node(node, self.rng.randrange(1, 20), f"g{g} flushed {index}", done)
@@ -272,16 +278,23 @@ class Sim:
 
     # -- invariants --------------------------------------------------------------------------
 
-    def _check_matching(self, node: int, g: int, index: int) -> None:
+    def _check_matching(self, node: int, g: int) -> None:
+        """The entry just appended, at every index it covers."""
         disk = self.disks[node][g]
-        key = (index, disk.entries[index - 1].term)
-        first = self.records[g].seen.setdefault(key, disk.chains[index - 1])
-        if first != disk.chains[index - 1]:
-            raise Violation(f"log matching: n{node} g{g} index {index} term {key[1]} differs")
+        entry, last = disk.entries[-1], disk.last_index
+        mine = (last - entry.count + 1, last, disk.chains[-1])
+        seen = self.records[g].seen
+        for index in range(mine[0], last + 1):
+            first = seen.setdefault((index, entry.term), mine)
+            if first != mine:
+                raise Violation(
+                    f"log matching: n{node} g{g} index {index} term {entry.term}: entry "
+                    f"{mine[0]}..{mine[1]} here, {first[0]}..{first[1]} elsewhere or differs"
+                )
 
     def _check_durable_majority(self, g: int) -> None:
         record = self.records[g]
-        n = len(record.committed)
+        n = record.last_index
         want = record.chain_at(n)
         keep = sum(1 for node in range(self.n) if self.disks[node][g].durable_chain_at(n) == want)
         if keep < self.quorum:
@@ -292,16 +305,18 @@ class Sim:
         if index < self.last_commit[node][g]:
             raise Violation(f"n{node} g{g} commit went back to {index}")
         self.last_commit[node][g] = index
-        if index > len(disk.entries):
+        if index > disk.last_index:
             raise Violation(f"n{node} g{g} commit {index} past its log")
-        known = len(record.committed)
+        if disk.chain_at(index) is None:
+            raise Violation(f"n{node} g{g} commit {index} inside an entry")
+        known = record.last_index
         upto = min(index, known)
         if disk.chain_at(upto) != record.chain_at(upto):
             raise Violation(f"n{node} g{g} committed prefix to {upto} differs from the record")
-        for i in range(known + 1, index + 1):
-            record.committed.append(disk.entries[i - 1])
-            record.values.add(disk.entries[i - 1].payload)
-            record.chains.append(disk.chains[i - 1])
+        if index > known:
+            for i in range(disk.position(known + 1), disk.position(index) + 1):
+                record.add(disk.entries[i], disk.chains[i])
+                record.values.add(disk.entries[i].payload)
         core = self._core(node, g)
         if index > known:
             if record.marks and record.marks[-1][0] == core.term:
@@ -316,8 +331,10 @@ class Sim:
                     if core.terms.term_at(at) == term:
                         record.acked[value] = at
         for value, at in record.acked.items():
-            if at <= len(record.committed) and record.committed[at - 1].payload != value:
-                raise Violation(f"g{g} acknowledged {value!r} at {at} is not there")
+            if at <= record.last_index:
+                there = record.entry_ending_at(at)
+                if there is None or there.payload != value:
+                    raise Violation(f"g{g} acknowledged {value!r} at {at} is not there")
 
     def _check_node(self, node: int, g: int) -> None:
         if self.cores[node] is None:
@@ -430,7 +447,7 @@ class Sim:
             else:
                 self.value += 1
                 value = f"s{self.seed}v{self.value}".encode()
-            effects = lead.propose(value)
+            effects = lead.propose(value, self.rng.randint(1, MAX_PROPOSAL_RECORDS))
             record.pending[value] = (lead.id, self.life[lead.id], lead.terms.last_index, lead.term)
             if self.healed_at is not None:
                 record.healed.add(value)
@@ -478,12 +495,11 @@ class _Reader:
     def __init__(self, disk: Disk) -> None:
         self.disk = disk
 
-    def entries(self, first: int, last: int) -> list[Entry]:
-        return self.disk.entries_between(first, last)
+    def entries(self, first: int, last: int, max_entries: int, max_bytes: int) -> list[Entry]:
+        return self.disk.entries_between(first, last, max_entries, max_bytes)
 
-
-def _key(entry: Entry) -> tuple[int, bytes]:
-    return entry.term, entry.payload
+    def entry_start(self, index: int) -> int:
+        return self.disk.entry_start(index)
 
 
 @dataclass(slots=True)

@@ -1,8 +1,9 @@
 """The shape of a Raft log as the core needs it: its last index and the term of each index.
 
 Kept as runs ``(first_index, term)`` ascending in both, the "term -> first index" table the
-segmented log rebuilds at recovery from its batches' leader-epoch field. Index 0 is the empty
-prefix, of term 0. The entries themselves are the driver's.
+segmented log rebuilds at recovery from its batches' leader-epoch field (index = offset + 1, so
+a run's first index is its first batch's base offset + 1). Index 0 is the empty prefix, of term
+0. The entries themselves, and their boundaries inside a run, are the driver's.
 """
 
 from __future__ import annotations
@@ -32,6 +33,17 @@ class TermTable:
         for term in terms:
             table.append(term, 1)
         return table
+
+    def copy(self) -> TermTable:
+        return TermTable(self.runs(), self.last_index)
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TermTable):
+            return NotImplemented
+        return (self.runs(), self.last_index) == (other.runs(), other.last_index)
+
+    def __repr__(self) -> str:
+        return f"TermTable({self.runs()}, last_index={self.last_index})"
 
     @property
     def last_term(self) -> int:
