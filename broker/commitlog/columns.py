@@ -25,6 +25,7 @@ from broker.commitlog.batch import (
     _COUNT,
     BATCH_HEADER,
     BATCH_HEADER_SIZE,
+    CONTROL_FLAG,
     RECORD_FIXED_SIZE,
     _array,
     _limit,
@@ -181,9 +182,11 @@ def decode_columns_into(
     per record: only a batch cut by ``min_offset`` or a limit unpacks its fixed columns to
     find where to cut.
     """
-    (base, length, _magic, _attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts, _crc) = (
+    (base, length, _magic, attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts, _crc) = (
         BATCH_HEADER.unpack_from(buf, pos)
     )
+    if attrs & CONTROL_FLAG:  # a control batch holds no record (batch module doc)
+        return max_bytes, -1
     end = pos + length
     strings, p = _table(buf, pos + BATCH_HEADER_SIZE, end)
     data = p + n * RECORD_FIXED_SIZE  # the properties, then the payloads
