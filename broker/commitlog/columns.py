@@ -83,8 +83,9 @@ class ColumnRead:
     where a dozen ``memoryview`` slices per batch were most of a read's CPU (measured),
     and the Arrow fetch (:meth:`joined`) needs none of them.
 
-    ``count`` records in all; ``next_offset`` is one past the last one (meaningless when
-    ``count`` is 0). ``len()`` is ``count``, so the log's read loops count records the same way
+    ``count`` records in all; ``next_offset`` is one past the last one, or past the control
+    batches the read skipped after it (0 when the read met neither), so a reader that went
+    through control batches only still moves on. ``len()`` is ``count``, so the log's read loops count records the same way
     for a ``ColumnRead`` as for a ``list[Record]``.
     """
 
@@ -186,6 +187,7 @@ def decode_columns_into(
         BATCH_HEADER.unpack_from(buf, pos)
     )
     if attrs & CONTROL_FLAG:  # a control batch holds no record (batch module doc)
+        out.next_offset = base + last_delta + 1
         return max_bytes, -1
     end = pos + length
     strings, p = _table(buf, pos + BATCH_HEADER_SIZE, end)

@@ -90,6 +90,12 @@ def test_a_log_of_control_batches_only_reads_empty(tmp_path: Path) -> None:
         for epoch in (1, 2, 3):
             log.append_raw(noop(log, epoch))
         assert log.read(0) == [] and log.read_columns(0).count == 0
+        # A column reader (the fetch API) still learns where to go on from.
+        assert log.read_columns(0).next_offset == 3
+        log.append(recs(2))
+        log.append_raw(noop(log, 4))
+        read = log.read_columns(1)
+        assert (read.count, read.bases, read.next_offset) == (2, [3], 6)
 
 
 def test_compaction_keeps_control_batches(tmp_path: Path) -> None:
