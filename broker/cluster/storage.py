@@ -22,7 +22,10 @@ and the commit index is the log's high-water mark, which this storage pins
   run of the log and may hold runs past its end, never fewer: it is rewritten before the first
   batch of a new term is appended and after a truncation that drops a run. At open, runs at or
   past the log end (a batch the crash lost) are dropped and the rest checked against the log's
-  last batch; a missing, damaged or inconsistent checkpoint is rebuilt by the scan.
+  last batch; a missing, damaged or inconsistent checkpoint is rebuilt by the scan. Measured
+  (``python -m bench.epoch_scan``, 1 GiB in 16 segments of 1 KiB batches, 6 terms): the scan
+  takes 0.27 s where reading every batch header takes 3.1 s; ``open`` takes 0.39 s with the
+  scan, 0.20 s with the checkpoint (the log's own open).
 * A torn last batch (a crash in the middle of a ``write()``) fails its CRC and the log's
   recovery cuts it: the log ends at the last whole entry.
 * ``flush`` fsyncs the log (whatever the stream's fsync policy; under ``always`` every append

@@ -1,9 +1,9 @@
 """The simulator passes the correct core and catches each known-bad variant within a bound.
 
 Bounds: each variant must fail within ``CATCH_WITHIN`` seeds from seed 0 (3 nodes, 8 groups).
-Measured when written, the first failing seed and how many of seeds 0-39 fail:
-commit-unflushed 0 (40 of 40), truncate-below-commit 0 (36), no-prev-term-check 1 (20),
-vote-before-persist 14 (4: it needs a crash inside the few milliseconds between a vote leaving
+Measured with entries of 1-5 records, the first failing seed and how many of seeds 0-39 fail:
+commit-unflushed 0 (40 of 40), truncate-below-commit 1 (36), no-prev-term-check 2 (24),
+vote-before-persist 2 (6: it needs a crash inside the few milliseconds between a vote leaving
 and its hard state landing).
 """
 
