@@ -413,10 +413,11 @@ class RaftNode:
         prev = pr.next - 1
         prev_term = self.terms.term_at(prev)
         assert prev_term is not None, "next is at most last_index + 1"
-        entries = (
-            self._entries(pr.next, self.terms.last_index) if prev < self.terms.last_index else ()
-        )
-        pr.next = prev + sum(e.count for e in entries) + 1
+        if prev < self.terms.last_index:
+            entries, last = self._entries(pr.next, self.terms.last_index)
+        else:
+            entries, last = (), prev
+        pr.next = last + 1
         self._send(AppendEntries(self.id, peer, self.term, prev, prev_term, entries, self.commit))
 
     def _heartbeat(self) -> None:
@@ -477,21 +478,23 @@ class RaftNode:
             self._out.append(Commit(self.commit))
         self._send(self._ack(m.frm))
 
-    def _entries(self, first: int, last: int) -> tuple[Entry, ...]:
+    def _entries(self, first: int, last: int) -> tuple[tuple[Entry, ...], int]:
         """Whole entries from the one starting at ``first`` through the one ending at
         ``last``, within ``max_batch`` entries and ``max_bytes`` payload bytes (at least one):
-        from the driver's log, then this step's unwritten entries."""
+        from the driver's log, then this step's unwritten entries; and the last one's last
+        index."""
         room, budget = self.config.max_batch, self.config.max_bytes
         split = self._unwritten_first if self._unwritten else last + 1
         found: list[Entry] = []
+        reached = first - 1
         if first < split:
             found = self._log.entries(first, min(last, split - 1), room, budget)
-            reached = first - 1 + sum(e.count for e in found)
+            reached += sum([e.count for e in found])
             assert found and reached < split, f"log lacks entries {first}..{last}"
             if reached < split - 1 or last < split:
-                return tuple(found)
+                return tuple(found), reached
             room -= len(found)
-            budget -= sum(len(e.payload) for e in found)
+            budget -= sum([len(e.payload) for e in found])
         index = split
         for e in self._unwritten:
             if room <= 0 or index > last:
@@ -502,9 +505,10 @@ class RaftNode:
                 found.append(e)
                 room -= 1
                 budget -= len(e.payload)
+                reached = index + e.count - 1
             index += e.count
         assert found, f"no entry starts at {first}"
-        return tuple(found)
+        return tuple(found), reached
 
     def _entry_start(self, index: int) -> int:
         """The first index of our entry holding ``index`` (<= last_index)."""

@@ -85,8 +85,8 @@ class ColumnRead:
 
     ``count`` records in all; ``next_offset`` is one past the last one, or past the control
     batches the read skipped after it (0 when the read met neither), so a reader that went
-    through control batches only still moves on. ``len()`` is ``count``, so the log's read loops count records the same way
-    for a ``ColumnRead`` as for a ``list[Record]``.
+    through control batches only still moves on. ``len()`` is ``count``, so the log's read
+    loops count records the same way for a ``ColumnRead`` as for a ``list[Record]``.
     """
 
     __slots__ = (
