@@ -222,9 +222,12 @@ class Sim:
 
     def _flush(self, node: int, g: int, index: int) -> None:
         disk = self.disks[node][g]
+        cuts = len(disk.cuts)
 
         def done() -> None:
-            reached = disk.mark_durable(index)
+            # An fsync covers what was written before it began: not what a truncation since
+            # replaced (an honest driver reports no more).
+            reached = disk.mark_durable(min([index, *disk.cuts[cuts:]]))
             self._apply(node, g, self._core(node, g).flushed(reached))
 
         self.on_node(node, self.rng.randrange(1, 20), f"g{g} flushed {index}", done)

@@ -76,6 +76,8 @@ class Disk(EntryLog):
     durable_hard: HardState = field(default_factory=lambda: HardState(0, None))
     #: Records of the first unflushed entry that a crash left on disk (0: none).
     torn: int = 0
+    #: The index each truncation kept up to, in order (a flush under way covers no more).
+    cuts: list[int] = field(default_factory=list)
 
     def entries_between(
         self, first: int, last: int, max_entries: int, max_bytes: int
@@ -106,6 +108,7 @@ class Disk(EntryLog):
             raise Violation(f"truncation from {from_index}, inside an entry")
         self.cut(i)
         self.durable = min(self.durable, self.last_index)
+        self.cuts.append(self.last_index)
 
     def mark_durable(self, index: int) -> int:
         """A flush up to ``index`` completed: durable up to the last entry end <= it."""
