@@ -27,6 +27,8 @@ Invariants:
   exactly where the next one starts, and :meth:`open` deletes the segments after a gap
   (compaction leaves gaps between offsets, so a compacted log cannot tell and keeps the
   synchronous roll);
+* readers see offsets below :attr:`high_watermark` only: on one node it is the log end offset;
+  a replicated log (:mod:`broker.commitlog.replica`) pins it to what its replicas committed;
 * recovery at :meth:`open`: without the clean-shutdown marker the active segment is scanned
   and its indexes rebuilt; any segment with a missing or inconsistent index is rebuilt too;
   a torn or corrupt tail is truncated at the last intact batch and later segments are
@@ -50,9 +52,10 @@ from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
 from typing import TypeVar
 
-from broker.commitlog.batch import Decoder, decode_into, encode_batch
+from broker.commitlog.batch import BATCH_HEADER, Decoder, decode_into, encode_batch
 from broker.commitlog.columns import ColumnRead, decode_columns_into
-from broker.commitlog.config import LogConfig
+from broker.commitlog.config import MAX_SEGMENT_OFFSETS, LogConfig
+from broker.commitlog.disk import fsync_directory
 from broker.commitlog.errors import (
     CommitLogError,
     LogClosed,
@@ -66,6 +69,7 @@ from broker.commitlog.policy import (
     retention_victims,
 )
 from broker.commitlog.record import Record
+from broker.commitlog.replica import ReplicaOps
 from broker.commitlog.segment import (
     CLEANED_SUFFIX,
     INDEX_SUFFIX,
@@ -81,19 +85,24 @@ logger = logging.getLogger("broker.commitlog")
 
 #: Present in a partition directory only between a clean close and the next open.
 CLEAN_SHUTDOWN_FILE = ".clean_shutdown"
-#: Relative offsets are stored on 32 bits in the index: a segment spans fewer offsets.
-MAX_SEGMENT_OFFSETS = 0xFFFFFFFF
 _SEGMENT_SUFFIXES = (LOG_SUFFIX, INDEX_SUFFIX, TIMEINDEX_SUFFIX)
 _Out = TypeVar("_Out", bound=Sized)
 
 
-def fsync_directory(path: Path) -> None:
-    """Persist directory entries (new, renamed or removed files)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _bounded(decode: Decoder[_Out], end: int) -> Decoder[_Out]:
+    """``decode`` stopping at the first batch at or past ``end`` (a batch boundary: the
+    high-water mark of a replicated log is always one), as if a limit were hit there."""
+    unpack = BATCH_HEADER.unpack_from
+
+    def bounded(
+        buf: bytes, pos: int, out: _Out, min_offset: int, max_records: int, max_bytes: int
+    ) -> tuple[int, int]:
+        base = unpack(buf, pos)[0]
+        if base >= end:
+            return max_bytes, base
+        return decode(buf, pos, out, min_offset, max_records, max_bytes)
+
+    return bounded
 
 
 def _parse_base_offset(name: str) -> tuple[int, str] | None:
@@ -103,8 +112,10 @@ def _parse_base_offset(name: str) -> tuple[int, str] | None:
     return int(stem), "." + suffix
 
 
-class SegmentedLog:
-    """One partition's log; see the module docstring. Create with :meth:`open`."""
+class SegmentedLog(ReplicaOps):
+    """One partition's log; see the module docstring. Create with :meth:`open`. The
+    operations a replicated log adds (raw appends, suffix truncation, the high-water mark,
+    the epoch scan) are :class:`~broker.commitlog.replica.ReplicaOps`'."""
 
     def __init__(
         self,
@@ -130,6 +141,9 @@ class SegmentedLog:
         self._rolled: list[Segment] = []
         self._last_flush_ms = self._now_ms()
         self._compacted_state = (-1, -1)
+        #: The high-water mark a replicated log pinned (``ReplicaOps.set_high_watermark``);
+        #: None: it follows the end offset.
+        self._visible_end: int | None = None
 
     # ------------------------------------------------------------------------- open
     @classmethod
@@ -233,6 +247,14 @@ class SegmentedLog:
         return self._segments[-1].next_offset
 
     @property
+    def high_watermark(self) -> int:
+        """The offset after the last record readers may see (Kafka's high-water mark): the
+        end offset unless :meth:`set_high_watermark` pinned it (a replicated log)."""
+        visible = self._visible_end
+        end = self._segments[-1].next_offset
+        return end if visible is None or visible > end else visible
+
+    @property
     def log_start_offset(self) -> int:
         """Earliest offset still retained (the first segment's base offset)."""
         return self._segments[0].base_offset
@@ -333,7 +355,8 @@ class SegmentedLog:
         ``max_bytes`` of encoded records (at least one record when one exists).
 
         ``[]`` when ``offset == end_offset``; :class:`OffsetOutOfRange` when ``offset`` is
-        below :attr:`log_start_offset` or beyond :attr:`end_offset`.
+        below :attr:`log_start_offset` or beyond :attr:`end_offset`. Nothing at or past
+        :attr:`high_watermark` is returned (``[]`` from there to the end offset).
         """
         return self._read(offset, max_records, max_bytes, [], decode_into)
 
@@ -356,6 +379,11 @@ class SegmentedLog:
                 raise OffsetOutOfRange(offset, start, end)
             if offset == end or max_records <= 0:
                 return out
+            visible = self._visible_end
+            if visible is not None and visible < end:
+                if offset >= visible:
+                    return out
+                decode = _bounded(decode, visible)
             i = bisect_right(self._bases, offset) - 1
             last = len(segments) - 1
             while True:
