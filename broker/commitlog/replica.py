@@ -8,14 +8,16 @@ operations), mixed into :class:`~broker.commitlog.log.SegmentedLog`:
   (the replicas' commit point);
 * :meth:`ReplicaOps.set_high_watermark`: pin what readers see (``SegmentedLog.read`` and
   ``read_columns`` stop there);
+* :meth:`ReplicaOps.reset`: replace the whole log by an empty one starting at a given offset
+  (a replica that installed a snapshot: what came before is gone everywhere);
 * :meth:`ReplicaOps.epoch_runs`: the (first offset, leader epoch) runs of the log, rebuilt from
   the batch headers (Kafka's leader-epoch cache).
 
 The log stays ignorant of the protocol: it stores the epoch each batch carries and the control
 batches the replication layer writes (:mod:`broker.commitlog.batch`), nothing else.
 
-Threads: the owner's loop thread, like ``append``; :meth:`truncate` also takes the cleaner lock
-(it deletes and reopens segments).
+Threads: the owner's loop thread, like ``append``; :meth:`truncate` and :meth:`reset` also take
+the cleaner lock (they delete and reopen segments).
 """
 
 from __future__ import annotations
@@ -54,6 +56,7 @@ class ReplicaOps:
         _rolled: list[Segment]
         _compacted_state: tuple[int, int]
         _visible_end: int | None
+        _closed: bool
 
         def _check_open(self) -> None: ...
         def _now_ms(self) -> int: ...
@@ -178,6 +181,46 @@ class ReplicaOps:
             self._rolled = [s for s in self._rolled if s in segments[:i]]
             segments[i] = _cut_segment(segment, position, from_offset, self._now_ms())
             self._compacted_state = (-1, -1)
+
+    def reset(self, start_offset: int) -> None:
+        """Drop every segment and start over, empty, at ``start_offset``: the log start and end
+        offsets are both ``start_offset`` afterwards (an installed snapshot: the records before
+        it are the snapshot's business). Refused (:class:`CommitLogError`, the log unchanged)
+        below the high-water mark, whose offsets are committed.
+
+        Durable when it returns: the old segments deleted newest first and the directory
+        fsynced, then the new empty segment created and the directory fsynced again. A crash in
+        between leaves a prefix of the old log, or an empty log at offset 0 (which ``open``
+        creates): the caller records the new start first (durably) and resets again at open
+        when the log ends before it. An OS error raises :class:`LogIOError` and leaves the log
+        to be reopened."""
+        with self._cleaner_lock, self._lock:
+            self._check_open()
+            if start_offset < 0:
+                raise CommitLogError(f"{self.directory}: cannot start a log at {start_offset}")
+            if self._visible_end is not None and start_offset < self._visible_end:
+                raise CommitLogError(
+                    f"{self.directory}: refusing to reset the log to offset {start_offset}, "
+                    f"below the high-water mark {self._visible_end}"
+                )
+            old, self._segments, self._bases, self._rolled = self._segments, [], [], []
+            try:
+                for victim in reversed(old):
+                    victim.delete()
+                fsync_directory(self.directory)
+                new = Segment.create(self.directory, start_offset, self.config, self._now_ms())
+                fsync_directory(self.directory)
+            except OSError as exc:
+                self._closed = True
+                raise LogIOError(self.directory, "reset log", exc) from exc
+            except LogIOError:
+                self._closed = True
+                raise
+            self._segments.append(new)
+            self._bases.append(start_offset)
+            self._compacted_state = (-1, -1)
+            if self._visible_end is not None:
+                self._visible_end = start_offset
 
     def epoch_runs(self) -> list[tuple[int, int]]:
         """``(first offset, leader epoch)`` of each run of batches of one epoch, ascending:

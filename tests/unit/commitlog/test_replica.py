@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from broker.commitlog import CommitLogError, CorruptRecordBatch, LogConfig, Record, SegmentedLog
+from broker.commitlog import (
+    CommitLogError,
+    CorruptRecordBatch,
+    LogConfig,
+    OffsetOutOfRange,
+    Record,
+    SegmentedLog,
+)
 from broker.commitlog.batch import (
     BATCH_HEADER,
     CONTROL_FLAG,
@@ -202,6 +209,43 @@ def test_truncate_refuses_inside_a_batch_and_below_the_floor(tmp_path: Path) -> 
         assert log.end_offset == 6
         log.truncate(6, floor=6)  # at the end: nothing to drop
         assert log.end_offset == 6
+
+
+# -- reset -----------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("start", [4, 40])
+def test_reset_starts_an_empty_log_at_an_offset_and_it_reopens_so(
+    tmp_path: Path, start: int
+) -> None:
+    rng = random.Random(3)
+    with open_log(tmp_path) as log:
+        write_epochs(log, rng, 30)  # several segments, ending past 40
+        assert len(log.segments) > 2 and log.end_offset > 40
+        log.set_high_watermark(2)
+        log.reset(start)  # below the old end (a divergent follower) or above it
+        assert (log.log_start_offset, log.end_offset, log.segments) == (start, start, [start])
+        assert log.high_watermark == start and log.read(start) == []
+        with pytest.raises(OffsetOutOfRange):
+            log.read(start - 1)
+        batch = bytes(encode_batch(start, recs(2), leader_epoch=7))
+        assert log.append_raw(batch) == start
+    names = sorted(p.name for p in tmp_path.iterdir() if not p.name.startswith("."))
+    assert names == [f"{start:020d}.index", f"{start:020d}.log", f"{start:020d}.timeindex"]
+    with open_log(tmp_path) as log:  # what reopens is the reset log
+        assert (log.log_start_offset, log.end_offset) == (start, start + 2)
+        assert all_batches(log) == [batch] and log.epoch_runs() == [(start, 7)]
+
+
+def test_reset_refuses_below_the_high_water_mark(tmp_path: Path) -> None:
+    with open_log(tmp_path) as log:
+        log.append(recs(3))
+        log.set_high_watermark(3)
+        with pytest.raises(CommitLogError, match="below the high-water mark 3"):
+            log.reset(2)
+        assert (log.log_start_offset, log.end_offset) == (0, 3)
+        log.reset(3)
+        assert (log.log_start_offset, log.end_offset) == (3, 3)
 
 
 # -- high-water mark -------------------------------------------------------------------------
