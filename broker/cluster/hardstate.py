@@ -1,4 +1,5 @@
-"""A Raft group's small state files: its hard state and its leader-epoch checkpoint.
+"""A Raft group's small state files: its hard state, its leader-epoch checkpoint and its log
+start.
 
 Both live in the group's partition directory beside the segments (the log ignores names that
 are not segment files) and are written the same way, so that a crash leaves the old file or the
@@ -25,6 +26,13 @@ a default.
 ``leader-epoch-checkpoint`` (Kafka's file of that name; a cache of what the batch headers say,
 see :mod:`broker.cluster.storage`): magic b"MQEC", version 1 (2 bytes), reserved (2), the run
 count ``n`` (4), ``n`` runs of (first offset, epoch) as two int64, and the CRC-32 of all that.
+
+``raft-log-start`` (the driver's ``LogStart`` and the group's configurations, see
+:mod:`broker.cluster.storage`): magic b"MQLS", version 1 (2 bytes), reserved (2), the start
+index and its term (two int64: the last index retention, compaction or an installed snapshot
+removed, 0 for none), the count ``n`` (4) of configurations, then ``n`` of (index int64, length
+uint32, that many bytes of ``Configuration.encode``) by ascending index: one at the start index
+(the configuration in force there) if known, then the CONFIG entries after it; and the CRC-32.
 """
 
 from __future__ import annotations
@@ -45,6 +53,10 @@ _HARD_MAGIC = b"MQHS"
 _EPOCH_HEAD = struct.Struct("<4sHHI")
 _EPOCH_RUN = struct.Struct("<qq")
 _EPOCH_MAGIC = b"MQEC"
+LOG_START_FILE = "raft-log-start"
+_START_HEAD = struct.Struct("<4sHHqqI")
+_START_CONF = struct.Struct("<qI")
+_START_MAGIC = b"MQLS"
 _VERSION = 1
 _CRC = struct.Struct("<I")
 _TMP_SUFFIX = ".tmp"
@@ -143,3 +155,41 @@ def read_epoch_checkpoint(directory: Path) -> list[tuple[int, int]] | None:
         if not (o1 < o2 and e1 < e2):
             raise StateFileError(path, f"runs ({o1}, {e1}) then ({o2}, {e2}) do not ascend")
     return runs
+
+
+def write_log_start(
+    directory: Path, index: int, term: int, configs: list[tuple[int, bytes]]
+) -> None:
+    """Persist the log start ``(index, term)`` and the encoded configurations (module doc)."""
+    body = _START_HEAD.pack(_START_MAGIC, _VERSION, 0, index, term, len(configs))
+    body += b"".join(_START_CONF.pack(i, len(conf)) + conf for i, conf in configs)
+    write_atomically(directory / LOG_START_FILE, _sealed(body))
+
+
+def read_log_start(directory: Path) -> tuple[int, int, list[tuple[int, bytes]]] | None:
+    """``(start index, its term, [(index, encoded configuration)...])``; None when there is no
+    file (a log that never lost its prefix and never held a configuration). Raises
+    :class:`StateFileError`."""
+    path = directory / LOG_START_FILE
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    body = _unsealed(path, data, _START_MAGIC, _START_HEAD.size)
+    _magic, _version, _reserved, index, term, count = _START_HEAD.unpack_from(body)
+    if index < 0 or term < 0:
+        raise StateFileError(path, f"impossible start: index {index}, term {term}")
+    configs: list[tuple[int, bytes]] = []
+    pos = _START_HEAD.size
+    for _ in range(count):
+        if pos + _START_CONF.size > len(body):
+            raise StateFileError(path, f"{count} configurations do not fit {len(body)} bytes")
+        at, length = _START_CONF.unpack_from(body, pos)
+        pos += _START_CONF.size
+        if pos + length > len(body) or at < index or (configs and at <= configs[-1][0]):
+            raise StateFileError(path, f"configuration at {at}: out of place or truncated")
+        configs.append((at, body[pos : pos + length]))
+        pos += length
+    if pos != len(body):
+        raise StateFileError(path, f"{len(body) - pos} bytes after the configurations")
+    return index, term, configs

@@ -1,9 +1,10 @@
 """GroupStorage and the state files on real files: entries as record batches (DATA verbatim,
-NOOP as control batches), truncation never below commit, the term table from the checkpoint or
-the batch headers, torn state files and torn batches, a single-node data directory, and three
-RaftNode cores wired to three storages by a synchronous in-memory message pump (a test harness,
-not the product driver): proposals commit, a crash recovers, a divergent follower is cut and
-catches up."""
+NOOP and CONFIG as control batches), truncation never below commit, the term table from the
+checkpoint or the batch headers, torn state files and torn batches, a single-node data
+directory, the log start (recorded, moved by retention, reset by a snapshot) and the membership
+reopened, and three RaftNode cores wired to three storages by a synchronous in-memory message
+pump (a test harness, not the product driver): proposals commit, a crash recovers, a divergent
+follower is cut and catches up, a follower behind the leader's log start installs a snapshot."""
 
 from __future__ import annotations
 
@@ -17,12 +18,16 @@ import pytest
 from broker.cluster.hardstate import (
     EPOCH_CHECKPOINT_FILE,
     HARD_STATE_FILE,
+    LOG_START_FILE,
     StateFileError,
     read_epoch_checkpoint,
     read_hard_state,
+    read_log_start,
     write_epoch_checkpoint,
     write_hard_state,
+    write_log_start,
 )
+from broker.cluster.membership import Configuration
 from broker.cluster.messages import (
     AppendLog,
     Commit,
@@ -31,8 +36,10 @@ from broker.cluster.messages import (
     EntryKind,
     Flush,
     HardState,
+    LogStart,
     Message,
     PersistHardState,
+    ResetLog,
     Send,
     Truncate,
 )
@@ -40,9 +47,10 @@ from broker.cluster.raft import RaftConfig, RaftNode, Role
 from broker.cluster.storage import GroupStorage, StorageError, encode_entry
 from broker.cluster.terms import TermTable
 from broker.commitlog import CommitLogError, LogConfig, Record, SegmentedLog
-from broker.commitlog.batch import encode_batch
+from broker.commitlog.batch import decode_control, encode_batch
 
 CONFIG = LogConfig(segment_bytes=2048, index_interval_bytes=200, fsync="interval")
+VOTERS = Configuration.of({0, 1, 2})
 
 
 def records(n: int, tag: str = "r") -> list[Record]:
@@ -99,6 +107,17 @@ def test_a_damaged_hard_state_is_an_error_naming_the_file(
     assert str(path) in str(raised.value)
     with pytest.raises(StateFileError):
         GroupStorage.open(tmp_path, CONFIG)
+
+
+def test_log_start_round_trip_and_damage(tmp_path: Path) -> None:
+    assert read_log_start(tmp_path) is None
+    confs = [(5, VOTERS.encode()), (9, Configuration.of({0, 1}, {2}).encode())]
+    write_log_start(tmp_path, 5, 2, confs)
+    assert read_log_start(tmp_path) == (5, 2, confs)
+    path = tmp_path / LOG_START_FILE
+    path.write_bytes(path.read_bytes()[:-1])
+    with pytest.raises(StateFileError, match=LOG_START_FILE):
+        read_log_start(tmp_path)
 
 
 def test_epoch_checkpoint_round_trip_and_damage(tmp_path: Path) -> None:
@@ -255,6 +274,8 @@ class Cluster:
         self.down: set[int] = set()
         #: (node, from index) of every truncation applied.
         self.truncations: list[tuple[int, int]] = []
+        #: (node, last index) of every installed snapshot.
+        self.resets: list[tuple[int, int]] = []
         for node in range(3):
             self.start(node, root / f"n{node}")
 
@@ -269,6 +290,7 @@ class Cluster:
             RAFT,
             storage.hard_state,
             storage.terms.copy(),
+            storage.membership(VOTERS),
         )
 
     def apply(self, node: int, effects: list[Effect]) -> None:
@@ -289,6 +311,9 @@ class Cluster:
                 done += core.hard_state_persisted(e.state)
             elif isinstance(e, Commit):
                 storage.set_commit(e.index)
+            elif isinstance(e, ResetLog):
+                storage.reset_log(e)
+                self.resets.append((node, e.last_index))
         assert not core.refused
         if done:
             self.apply(node, done)
@@ -323,7 +348,8 @@ class Cluster:
 
     def batches(self, node: int) -> list[bytes]:
         log = self.storages[node].log
-        return log.read_batches(0, log.end_offset, 1 << 30, 1 << 40) if log.end_offset else []
+        start, end = log.log_start_offset, log.end_offset
+        return log.read_batches(start, end, 1 << 30, 1 << 40) if end > start else []
 
     def close(self) -> None:
         for storage in self.storages.values():
@@ -395,3 +421,125 @@ def test_three_cores_on_real_storage_commit_recover_and_repair(tmp_path: Path) -
             assert reopened.terms == lead.terms
             assert reopened.hard_state.term == lead.term
             reopened.close()
+
+
+# -- log start, configurations, snapshots ------------------------------------------------------
+
+
+def config_entry(term: int, conf: Configuration) -> Entry:
+    return Entry(term, conf.encode(), EntryKind.CONFIG)
+
+
+def test_config_entries_are_control_batches_and_reopen_as_the_membership(tmp_path: Path) -> None:
+    storage = GroupStorage.open(tmp_path, CONFIG)
+    grown = Configuration.of({0, 1, 2}, {3})
+    put(storage, 1, 2)
+    storage.append(3, [config_entry(1, grown)])
+    put(storage, 1, 3)
+    (batch,) = storage.log.read_batches(2, 3, 1, 1 << 20)
+    assert decode_control(batch) == (int(EntryKind.CONFIG), grown.encode())
+    assert storage.entries(3, 3, 1, 1 << 20) == [config_entry(1, grown)]
+    storage.set_commit(6)
+    assert [r.payload for r in storage.log.read(0)] == [b"r0", b"r1", b"r0", b"r1", b"r2"]
+    storage.close()
+    reopened = GroupStorage.open(tmp_path, CONFIG)
+    membership = reopened.membership(VOTERS)
+    assert (membership.at(2), membership.at(3), membership.current) == (VOTERS, grown, grown)
+    reopened.truncate(3)  # above the commit hint of no hard state: allowed
+    assert reopened.membership(VOTERS).current == VOTERS
+    reopened.close()
+    assert GroupStorage.open(tmp_path, CONFIG).membership(VOTERS).last_index == 0
+
+
+def test_the_log_start_bounds_the_term_table_and_survives_a_restart(tmp_path: Path) -> None:
+    storage = GroupStorage.open(tmp_path, CONFIG)
+    put(storage, 1)
+    put(storage, 1, 3)  # [2..4]
+    put(storage, 2, 2)  # [5..6]
+    put(storage, 2)  # 7
+    storage.set_commit(7)
+    storage.compacted(LogStart(4, 1, VOTERS))  # what core.compacted(5) returned
+    assert (storage.terms.start, storage.terms.term_at(4), storage.terms.term_at(3)) == (4, 1, None)
+    with pytest.raises(StorageError, match="before the log start"):
+        storage.entries(2, 4, 10, 1 << 20)
+    assert storage.entries(5, 7, 10, 1 << 20)[0].count == 2
+    storage.close()
+    reopened = GroupStorage.open(tmp_path, CONFIG)  # the batches below it are still there
+    assert reopened.terms == TermTable([(5, 2)], 7, 4, 1)
+    assert reopened.commit == 4 and reopened.membership(VOTERS).base_index == 4
+    reopened.close()
+
+
+def test_retention_past_the_recorded_start_takes_the_term_from_the_checkpoint(
+    tmp_path: Path,
+) -> None:
+    storage = GroupStorage.open(tmp_path, CONFIG)
+    for term in (1, 1, 2, 2, 3, 3):
+        put(storage, term, 30)  # about a segment each
+    storage.set_commit(storage.terms.last_index)
+    storage.flush()
+    segments = storage.log.segments
+    assert len(segments) > 3
+    storage.close()
+    for base in segments[:3]:  # retention, the driver not told (a crash before it was)
+        for path in tmp_path.glob(f"{base:020d}.*"):
+            path.unlink()
+    reopened = GroupStorage.open(tmp_path, CONFIG)
+    start = segments[3]
+    assert reopened.terms.start == start and reopened.terms.start_term == 2
+    assert reopened.terms.first_index_of_run(start + 1) == start + 1
+    reopened.close()
+    (tmp_path / EPOCH_CHECKPOINT_FILE).unlink()  # rebuilt from the headers: the term is unknown
+    with pytest.raises(StorageError, match="the term there is unknown"):
+        GroupStorage.open(tmp_path, CONFIG)
+
+
+def test_reset_log_restarts_the_log_at_the_snapshot_and_an_interrupted_one_finishes(
+    tmp_path: Path,
+) -> None:
+    storage = GroupStorage.open(tmp_path, CONFIG)
+    put(storage, 1, 3)
+    put(storage, 2, 2)  # a divergent tail past the snapshot
+    grown = Configuration.of({0, 1, 2}, {3})
+    storage.reset_log(ResetLog(9, 3, grown))
+    log = storage.log
+    assert (log.log_start_offset, log.end_offset, storage.commit) == (9, 9, 9)
+    assert storage.terms == TermTable([], 9, 9, 3)
+    put(storage, 3, 2)
+    assert storage.entries(10, 11, 10, 1 << 20)[0].count == 2
+    storage.close()
+    reopened = GroupStorage.open(tmp_path, CONFIG)
+    assert reopened.terms == TermTable([(10, 3)], 11, 9, 3)
+    assert reopened.membership(VOTERS).at(9) == grown
+    reopened.close()
+    # A crash after the start was recorded, before the log was reset: open finishes it.
+    write_log_start(tmp_path, 20, 4, [(20, grown.encode())])
+    reopened = GroupStorage.open(tmp_path, CONFIG)
+    assert (reopened.log.log_start_offset, reopened.log.end_offset) == (20, 20)
+    assert reopened.terms == TermTable([], 20, 20, 4)
+    reopened.close()
+
+
+def test_a_follower_behind_the_leaders_log_start_installs_a_snapshot(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path)
+    lead = cluster.leader()
+    behind = next(n for n in range(3) if n != lead.id)
+    cluster.down.add(behind)
+    for i in range(5):
+        cluster.propose(lead, 1 + i % 3, f"a{i}")
+    cluster.tick(2)
+    # Retention on the leader: whole entries up to an entry's last index go.
+    # The noop at 1, then entries of 1, 2, 3, 1, 2 records: [2], [3..4], [5..7], [8], [9..10].
+    first = lead.terms.last_index - 2  # [8] and [9..10] are kept
+    assert cluster.storages[lead.id].entry_start(first) == first
+    cluster.storages[lead.id].compacted(lead.compacted(first))
+    assert lead.log_start.index == first - 1
+    cluster.down.discard(behind)
+    cluster.tick(5)
+    assert cluster.resets == [(behind, first - 1)]
+    storage = cluster.storages[behind]
+    assert storage.log.log_start_offset == first - 1
+    assert storage.commit == lead.commit == lead.terms.last_index
+    assert cluster.batches(behind) == cluster.batches(lead.id)[-2:]  # the entries after it
+    assert storage.terms.start == first - 1 and cluster.cores[behind].terms == lead.terms
+    cluster.close()
