@@ -75,8 +75,12 @@ class Log:
     def __init__(self) -> None:
         self.items: list[Entry] = []
 
-    def entries(self, first: int, last: int) -> list[Entry]:
-        return self.items[first - 1 : last]
+    def entries(self, first: int, last: int, max_entries: int, max_bytes: int) -> list[Entry]:
+        # Every entry here covers one index (one proposal = one batch of one count).
+        return self.items[first - 1 : min(last, first - 1 + max_entries)]
+
+    def entry_start(self, index: int) -> int:
+        return index
 
     def append(self, first_index: int, entries: tuple[Entry, ...]) -> None:
         self.items.extend(entries)

@@ -20,11 +20,19 @@ told ``ResetLog``, discards the whole log, writes that data, and records ``LogSt
 last_term, configuration)`` as the log's start, all durably; at restart it gives the core that
 start and the CONFIG entries after it.
 
-Entries are opaque to the core except for their term and kind: the driver stores them (the
-segmented log will keep the term in each record batch's leader-epoch field, and a kind other
-than DATA as a control batch that readers skip). A NOOP entry is what a new leader appends first
-(Raft s8, thesis s6.4); proposals are DATA; a CONFIG entry carries a group configuration
-(``broker.cluster.membership``, whose module docstring gives the payload's encoding).
+Entries are opaque to the core except for their term, kind and count: the driver stores them
+(``broker.cluster.storage``: one record batch per entry, the term in the batch's leader-epoch
+field, a kind other than DATA as a control batch that readers skip). A NOOP entry is what a new
+leader appends first (Raft s8, thesis s6.4); proposals are DATA; a CONFIG entry carries a group
+configuration (``broker.cluster.membership``, whose module docstring gives the payload's
+encoding). NOOP and CONFIG entries cover one index each.
+
+Raft index = log offset + 1: index ``i`` is the record at offset ``i - 1``, so a log's last index
+is its end offset and the commit index is its high-water mark. An entry covers ``count``
+consecutive indexes (a record batch of ``count`` offsets; a control batch has one); its "first
+index" and "last index" are the first and last of them. Every index a message names as a
+position (``prev_index``, ``match_index``, ``flushed_index``, ``commit``, hints, a snapshot's
+``last_index``, a log start) is an entry's last index, or 0.
 """
 
 from __future__ import annotations
@@ -47,9 +55,14 @@ class EntryKind(enum.IntEnum):
 
 @dataclass(frozen=True, slots=True)
 class Entry:
+    """One entry of a Raft log: ``count`` (>= 1) consecutive indexes written as one unit (one
+    record batch). For DATA, ``payload`` is the encoded batch; for the others, the control
+    body (empty for NOOP)."""
+
     term: int
     payload: bytes
     kind: EntryKind = EntryKind.DATA
+    count: int = 1
 
 
 @dataclass(frozen=True, slots=True)

@@ -233,11 +233,12 @@ class MultiRaft:
             self._wake(g)
             self._route(g, self._step(core, m))
 
-    def propose(self, group: int, payload: bytes) -> int:
-        """Append ``payload`` to ``group`` on its leader here; its index. Raises ``NotLeader``
-        (the core's) off the leader, and then leaves a quiesced group quiesced."""
+    def propose(self, group: int, payload: bytes, count: int = 1) -> int:
+        """Append ``payload`` (a batch of ``count`` records, ``RaftNode.propose``) to ``group``
+        on its leader here; its last index. Raises ``NotLeader`` (the core's) off the leader,
+        and then leaves a quiesced group quiesced."""
         core = self._cores[group]
-        effects = core.propose(payload)
+        effects = core.propose(payload, count)
         self._wake(group)
         self._route(group, effects)
         return core.terms.last_index

@@ -34,6 +34,8 @@ class RaftConfig:
     heartbeat_ticks: int = 1
     #: Most entries in one AppendEntries.
     max_batch: int = 64
+    #: Most payload bytes in one AppendEntries (at least one entry goes, whatever its size).
+    max_bytes: int = 1 << 20
     #: Most AppendEntries in flight to one follower in the replicate state.
     max_inflight: int = 8
     variant: Variant = Variant.CORRECT

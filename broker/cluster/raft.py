@@ -1,10 +1,25 @@
 """The sans-IO Raft core of one group (etcd-io/raft's shape: inputs in, effects out).
 
 Inputs: ``tick()`` (the driver's clock, one call per tick), ``receive(message)``,
-``propose(payload)``; completions: ``flushed(index)`` (the entries now at indexes <= index are
-durable) and ``hard_state_persisted(state)``. Each returns the effects to apply, in order
-(see ``broker.cluster.messages``). The driver applies ``Truncate``/``AppendLog`` to its log
-before calling in again; the core reads entries back through ``LogReader`` to send them.
+``propose(payload, count)``, ``propose_change(kind, node)``, ``compacted(first_index)``;
+completions: ``flushed(index)`` (the entries now at indexes <= index are durable) and
+``hard_state_persisted(state)``. Each returns the effects to apply, in order (see
+``broker.cluster.messages``). The driver applies ``Truncate``/``AppendLog``/``ResetLog`` to its
+log before calling in again; the core reads entries back through ``LogReader``
+(``broker.cluster.logview``, which also serves what this step appended) to send them.
+
+Indexes are log offsets + 1 and an entry covers ``count`` indexes (one record batch; see
+``broker.cluster.messages``): ``terms.last_index`` is the log's end offset and the commit index
+its high-water mark. Every position the core sends, stores or compares (``prev_index``,
+``next`` - 1, ``match``, ``flushed``, ``commit``, a follower's ``_leader_match``) is an entry's
+last index, so whole entries travel and the log is only ever cut between batches. Why the
+positions stay on boundaries: entries of a term are all made by that term's one leader, which
+numbers them once, so two logs holding the same (index, term) hold the same entry there, with
+the same boundaries, and the same prefix (Log Matching, Raft s5.3). A follower's positions come
+from what it matched (``prev_index`` whose term matched, plus whole entries); its hints are a
+run's first index (the end of the previous run + 1) or its last index + 1, boundaries of ITS log;
+the leader may hold a different entry there, so it moves such a hint down to the start of the
+entry holding it in its own log (``LogReader.entry_start``) before sending from it.
 
 Invariants the core keeps (the simulator, ``broker.cluster.sim``, checks them from outside):
 - No message leaves while the current hard state (term, voted_for) is not yet durable: a vote
@@ -26,11 +41,13 @@ removed itself leads until that change commits, not counting itself, then steps 
 s4.2.2). Each follower's replication is a ``progress.Progress`` (probe / replicate with a window
 of in-flight messages / snapshot).
 
-Snapshots: ``compacted(first_index)`` tells the core the driver's log now starts there; a
-follower that needs what went gets InstallSnapshot (the contract is in
+Snapshots (``broker.cluster.snapshots``): ``compacted(first_index)`` tells the core the
+driver's log now starts there (an entry's first index); a follower that needs what went gets
+InstallSnapshot, whose ``last_index`` is an entry's last index (the contract is in
 ``broker.cluster.messages``).
 
-Not in this step: quiescence of idle groups.
+Idle groups: ``idle`` says when a leader has nothing left to do; quiescing such groups (no
+ticks, no heartbeats) is the host's business (``broker.cluster.multiraft``), not the core's.
 ``Variant`` switches on known-bad behaviours so that tests can show the simulator catches them;
 nothing but tests and the simulator may set it.
 """
@@ -39,10 +56,9 @@ from __future__ import annotations
 
 import random
 from collections.abc import Iterable
-from dataclasses import replace
-from typing import Protocol
 
 from broker.cluster.election import Elections, Role
+from broker.cluster.logview import LogReader, LogView
 from broker.cluster.membership import (
     ChangeInProgress,
     ChangeKind,
@@ -61,11 +77,9 @@ from broker.cluster.messages import (
     Flush,
     HardState,
     InstallSnapshot,
-    LogStart,
     Message,
     PreVote,
     PreVoteResp,
-    ResetLog,
     Send,
     TimeoutNow,
     Truncate,
@@ -73,6 +87,7 @@ from broker.cluster.messages import (
 )
 from broker.cluster.options import RaftConfig, Variant
 from broker.cluster.progress import Progress, ProgressState
+from broker.cluster.snapshots import Snapshots
 from broker.cluster.terms import TermTable
 
 __all__ = ["LogReader", "NotLeader", "RaftConfig", "RaftNode", "Role", "Variant"]
@@ -84,12 +99,7 @@ class NotLeader(Exception):
         self.leader = leader
 
 
-class LogReader(Protocol):
-    def entries(self, first: int, last: int) -> list[Entry]:
-        """The entries ``first``..``last`` inclusive, as appended (durable or not)."""
-
-
-class RaftNode(Elections):
+class RaftNode(Elections, Snapshots):
     """One member of one group. Not thread-safe: one caller at a time."""
 
     def __init__(
@@ -110,7 +120,8 @@ class RaftNode(Elections):
         self.id = node_id
         self.membership = membership or Membership(Configuration.of({node_id, *peers}))
         self.config = config or RaftConfig()
-        self._log = log
+        #: The driver's log, and the entries this step handed out that it has not written yet.
+        self._log = LogView(log)
         self._rng = rng
         state = hard_state or HardState(0, None)
         self.term = state.term
@@ -133,10 +144,6 @@ class RaftNode(Elections):
         #: As a follower: the highest index known to equal the current leader's log.
         self._leader_match = 0
         self._held: list[Message] = []
-        #: Entries handed out in this step's AppendLog, which the driver has not written yet
-        #: (it does before calling in again): the first one's index, and the entries.
-        self._unwritten_first = 0
-        self._unwritten: list[Entry] = []
         #: Requests refused because obeying them would break safety (a bug somewhere).
         self.refused: list[str] = []
         self._out: list[Effect] = []
@@ -150,10 +157,6 @@ class RaftNode(Elections):
     def peers(self) -> list[int]:
         """The other members (voters and learners): whom this node replicates to as leader."""
         return sorted(self.membership.current.members - {self.id})
-
-    @property
-    def log_start(self) -> LogStart:
-        return LogStart(self.terms.start, self.terms.start_term, self.membership.base)
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -180,15 +183,19 @@ class RaftNode(Elections):
             self._start_pre_vote()
         return self._take()
 
-    def propose(self, payload: bytes) -> list[Effect]:
-        """Append ``payload`` as a new entry of this term; its index is ``terms.last_index``
-        afterwards. Raises ``NotLeader`` off the leader, and on a leader handing over (naming
-        the peer it hands over to)."""
+    def propose(self, payload: bytes, count: int = 1) -> list[Effect]:
+        """Append ``payload`` as a new DATA entry of this term covering ``count`` indexes (a
+        record batch of ``count`` offsets, encoded with base offset ``terms.last_index`` and
+        leader epoch ``term`` as read before the call); its last index is
+        ``terms.last_index`` afterwards. Raises ``NotLeader`` off the leader, and on a leader
+        handing over (naming the peer it hands over to)."""
         if self.role is not Role.LEADER:
             raise NotLeader(self.leader)
         if self.transferee is not None:
             raise NotLeader(self.transferee)
-        self._append_local((Entry(self.term, payload),))
+        if count < 1:
+            raise ValueError(f"an entry covers at least one index, got count={count}")
+        self._append_local((Entry(self.term, payload, EntryKind.DATA, count),))
         for peer in self._progress:
             self._fill(peer)
         return self._take()
@@ -217,21 +224,6 @@ class RaftNode(Elections):
         for peer in self._progress:
             self._fill(peer)
         return self._take()
-
-    def compacted(self, first_index: int) -> LogStart:
-        """The driver's log now starts at ``first_index`` (retention or compaction removed the
-        entries before it, which must be committed and durable): returns the ``LogStart`` the
-        driver stores with the log. A follower that needs the removed entries gets a snapshot."""
-        last_removed = first_index - 1
-        if last_removed > min(self.commit, self.durable_index):
-            raise ValueError(
-                f"cannot remove entries up to {last_removed}: commit is {self.commit}, "
-                f"durable {self.durable_index}"
-            )
-        if last_removed > self.terms.start:
-            self.terms.compact(first_index)
-            self.membership.compact(first_index)
-        return self.log_start
 
     def transfer_leadership(self, peer: int) -> list[Effect]:
         """Hand leadership to ``peer`` (thesis s3.10). Raises ``NotLeader``."""
@@ -342,18 +334,18 @@ class RaftNode(Elections):
             if gone == self.transferee:
                 self.transferee = None
         last = self.terms.last_index
+        # Probed from our last entry's first index (``next`` - 1 is always an entry boundary).
+        first = self._log.entry_start(last) if last > self.terms.start else last + 1
         for new in members - self._progress.keys():
-            self._progress[new] = Progress(next=max(last, 1), round_end=last)
+            self._progress[new] = Progress(next=first, round_end=last)
 
     # -- replication -------------------------------------------------------------------------
 
     def _append_local(self, entries: tuple[Entry, ...]) -> None:
         first = self.terms.last_index + 1
         for e in entries:
-            self.terms.append(e.term, 1)
-        if not self._unwritten:
-            self._unwritten_first = first
-        self._unwritten.extend(entries)
+            self.terms.append(e.term, e.count)
+        self._log.add(first, entries)
         self._out.append(AppendLog(first, entries))
         self._out.append(Flush(self.terms.last_index))
         self._note_configs(first, entries)
@@ -361,14 +353,18 @@ class RaftNode(Elections):
     def _note_configs(self, first: int, entries: tuple[Entry, ...]) -> None:
         """A CONFIG entry is in force as soon as it is in the log (thesis s4.1)."""
         changed = False
-        for i, e in enumerate(entries):
+        index = first
+        for e in entries:
             if e.kind is EntryKind.CONFIG:
-                self.membership.append(first + i, Configuration.decode(e.payload))
+                self.membership.append(index, Configuration.decode(e.payload))
                 changed = True
+            index += e.count
         if changed and self.role is Role.LEADER:
             self._track_members()
 
     def _send_append(self, peer: int) -> None:
+        """Whole entries from ``next`` (an entry's first index, so ``prev`` is a batch
+        boundary), up to ``max_batch`` entries and ``max_bytes`` payload bytes."""
         pr = self._progress[peer]
         if pr.next <= self.terms.start:
             self._send_snapshot(peer)  # what it needs next is no longer in our log
@@ -376,8 +372,13 @@ class RaftNode(Elections):
         prev = pr.next - 1
         prev_term = self.terms.term_at(prev)
         assert prev_term is not None, "next is at most last_index + 1"
-        last = min(self.terms.last_index, prev + self.config.max_batch)
-        entries = self._entries(prev + 1, last) if last > prev else ()
+        if prev < self.terms.last_index:
+            config = self.config
+            entries, last = self._log.entries(
+                pr.next, self.terms.last_index, config.max_batch, config.max_bytes
+            )
+        else:
+            entries, last = (), prev
         pr.sent(last)
         self._send(AppendEntries(self.id, peer, self.term, prev, prev_term, entries, self.commit))
 
@@ -387,31 +388,6 @@ class RaftNode(Elections):
         pr = self._progress[peer]
         while pr.next <= self.terms.last_index and pr.can_send(self.config.max_inflight):
             self._send_append(peer)
-
-    def _send_snapshot(self, peer: int) -> None:
-        start = self.terms.start
-        self._progress[peer].snapshot(start)
-        conf = self.membership.base
-        self._send(InstallSnapshot(self.id, peer, self.term, start, self.terms.start_term, conf))
-
-    def _on_snapshot(self, m: InstallSnapshot) -> None:
-        """Take the leader's snapshot unless what we hold already covers it: an entry of ours at
-        ``last_index`` with ``last_term`` means our log equals the leader's up to there (log
-        matching), and what follows it is kept; only a log that does not match is replaced."""
-        self._become_follower(self.term, m.frm)
-        if m.last_index > self.commit:
-            if self.terms.term_at(m.last_index) != m.last_term:
-                self.terms.reset(m.last_index, m.last_term)
-                self.membership.reset(m.last_index, m.configuration)
-                self._unwritten.clear()
-                self.durable_index = m.last_index
-                self._leader_match = m.last_index
-                self._out.append(ResetLog(m.last_index, m.last_term, m.configuration))
-            self.commit = m.last_index
-            self._out.append(Commit(self.commit))
-        # Our committed prefix is in every later leader's log (leader completeness).
-        self._leader_match = max(self._leader_match, self.commit)
-        self._send(self._ack(m.frm))
 
     def _heartbeat(self) -> None:
         """An AppendEntries to each follower. If something is in flight and nothing was
@@ -441,15 +417,10 @@ class RaftNode(Elections):
     def _on_append(self, m: AppendEntries) -> None:
         self._become_follower(self.term, m.frm)
         if m.prev_index < self.terms.start:
-            # What we removed is committed, so equal to the leader's (leader completeness):
-            # only what follows our log's start is to be compared.
-            skip = self.terms.start - m.prev_index
-            m = replace(
-                m,
-                prev_index=self.terms.start,
-                prev_term=self.terms.start_term,
-                entries=m.entries[skip:],
-            )
+            clipped = self._clip_to_start(m)
+            if clipped is None:
+                return
+            m = clipped
         term_there = self.terms.term_at(m.prev_index)
         if term_there is None:
             hint = self.terms.last_index + 1
@@ -462,15 +433,21 @@ class RaftNode(Elections):
             resp = AppendResp(self.id, m.frm, self.term, False, m.prev_index, 0, hint, term_there)
             self._send(resp)
             return
+        # Skip the entries we hold: the same term at an entry's first index means the same
+        # entry (module doc), so ``index`` stays on our boundaries too.
         index = m.prev_index + 1
+        held = 0
         for e in m.entries:
             if self.terms.term_at(index) != e.term:
                 break
-            index += 1
-        new = m.entries[index - m.prev_index - 1 :]
-        end = m.prev_index + len(m.entries)
+            index += e.count
+            held += 1
+        new = m.entries[held:]
+        end = index - 1
+        if new:
+            end += sum([e.count for e in new])
         bad = self.config.variant is Variant.TRUNCATE_BELOW_COMMIT
-        if bad and m.entries and end < self.terms.last_index:
+        if bad and m.entries and not new and end < self.terms.last_index:
             self._truncate(end + 1)
         if new:
             if index <= self.terms.last_index and not self._truncate(index):
@@ -482,15 +459,6 @@ class RaftNode(Elections):
             self._out.append(Commit(self.commit))
         self._send(self._ack(m.frm))
 
-    def _entries(self, first: int, last: int) -> tuple[Entry, ...]:
-        """Entries ``first``..``last``: from the driver's log, then this step's unwritten."""
-        split = self._unwritten_first if self._unwritten else last + 1
-        found = self._log.entries(first, min(last, split - 1)) if first < split else []
-        if last >= split:
-            found += self._unwritten[max(first, split) - split : last - split + 1]
-        assert len(found) == last - first + 1, f"log lacks entries {first}..{last}"
-        return tuple(found)
-
     def _truncate(self, index: int) -> bool:
         if index <= self.commit and self.config.variant is not Variant.TRUNCATE_BELOW_COMMIT:
             self.refused.append(f"truncation from {index} at or below commit {self.commit}")
@@ -500,8 +468,7 @@ class RaftNode(Elections):
         self.membership.truncate_from(index)
         if self.role is Role.LEADER and self.membership.current != before:
             self._track_members()
-        if self._unwritten and index < self._unwritten_first + len(self._unwritten):
-            del self._unwritten[max(0, index - self._unwritten_first) :]
+        self._log.truncate(index)
         self.durable_index = min(self.durable_index, index - 1)
         self._leader_match = min(self._leader_match, index - 1)
         self.commit = min(self.commit, index - 1)
@@ -541,8 +508,12 @@ class RaftNode(Elections):
         else:
             ours = self.terms.last_index_of_term(m.hint_term)
             next_index = ours + 1 if ours is not None else m.hint_index
-        # Never past the index refused, whatever the hint says.
-        pr.probe(max(1, min(next_index, m.match_index, self.terms.last_index + 1)))
+        # Never past the index refused, whatever the hint says; and on one of our entries'
+        # first index (a hint is a boundary of the follower's log, module doc).
+        next_index = max(1, min(next_index, m.match_index, self.terms.last_index + 1))
+        if self.terms.start < next_index <= self.terms.last_index:
+            next_index = self._log.entry_start(next_index)
+        pr.probe(next_index)
         pr.match = min(pr.match, pr.next - 1)
         self._send_append(m.frm)
 
@@ -584,6 +555,6 @@ class RaftNode(Elections):
             self._held.append(m)
 
     def _take(self) -> list[Effect]:
-        self._unwritten.clear()
+        self._log.written()
         out, self._out = self._out, []
         return out

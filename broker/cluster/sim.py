@@ -3,41 +3,44 @@
 One seeded ``random.Random`` decides everything: virtual time in milliseconds, a network that
 delays, drops, duplicates and reorders messages and partitions nodes (both ways or one way), a
 disk per node whose appends land in an unflushed tail that a crash loses (as it loses a hard
-state whose write had not completed), crashes and restarts that rebuild each core from what was
+state whose write had not completed), crashes that may leave a torn prefix of the first
+unflushed batch (which recovery cuts) and restarts that rebuild each core from what was
 durable, pauses, leadership transfers, clock-rate skew (each node's tick interval scaled by a
-factor in [0.9, 1.1]), retention that removes a durable committed prefix of a random node's
-log (so that leaders send snapshots), a workload of proposals with unique values, and
-membership changes during the faults: each group starts with 3 voters among up to 5 nodes,
-and a node that believes it leads is told at random to add a learner, promote one, or remove
-a learner or a voter (itself too), so members are replaced one at a time. After every event the
-invariants below are checked; a failing seed prints itself and its last events, and running
-that seed again replays it exactly.
+factor in [0.9, 1.1]), retention that removes a durable committed prefix of whole entries from
+a random node's log (so that leaders send snapshots), a workload of proposals with unique
+values, each an entry of 1-5 records (indexes; index = log offset + 1), and membership changes
+during the faults: each group starts with 3 voters among up to 5 nodes, and a node that believes
+it leads is told at random to add a learner, promote one, or remove a learner or a voter (itself
+too), so members are replaced one at a time. After every event the invariants below
+(``broker.cluster.simchecks``) are checked; a failing seed prints itself and its last events,
+and running that seed again replays it exactly.
 
-Safety (checked throughout): at most one leader per term; log matching (two logs holding an
-entry of the same index and term hold the same prefix up to it, checked by a hash chain); leader
-completeness (a leader holds every committed entry); no committed entry lost or changed (a
-majority of the voters of the configuration that committed it keeps it durably, so a learner
-never counts, and every commit index a node reports covers the same entries); the commit index
+Safety (checked throughout): at most one leader per term; log matching (two logs holding the
+same index with the same term hold the same entry there, same boundaries, and the same prefix up
+to it, checked by a hash chain for every index an entry covers); leader completeness (a leader
+holds every committed entry); no committed entry lost or changed (a majority of the voters of
+the configuration that committed it keeps it durably, so a learner never counts, and every
+commit index a node reports is an entry's end and covers the same entries); the commit index
 never moves back during a node's life; a node never acts in a term lower than one it has spoken
 in and never grants two votes in one term, across restarts; every acknowledged proposal is
 committed at the index it was acknowledged at; no two configurations a leader may be using at
 once (the one in force at the commit index and any later one in its log) could form disjoint
-majorities.
+majorities; nothing reads, truncates or commits inside an entry or below a log's start.
 
 Liveness (after the faults heal and the last pause ends): every group elects a leader that
 every node follows, and proposals made then all commit (one whose leader lost office first is
 made again, as a client would retry), within ``LIVENESS_MS``; otherwise the seed is "stuck".
 A node that is not a member of the leader's configuration need not follow it.
 
-Not simulated yet: torn writes of the last batch.
-
-Run: ``python -m broker.cluster.sim --seeds N [--start S] [--nodes 3] [--groups 8]``.
+Run: ``python -m broker.cluster.sim --seeds N [--start S] [--nodes 3] [--groups 8] [--jobs J]``
+(``--jobs``: seeds run on J processes; the output is the same as on one).
 """
 
 from __future__ import annotations
 
 import argparse
 import heapq
+import multiprocessing
 import random
 import sys
 import time
@@ -45,9 +48,7 @@ from collections import Counter, deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from broker.cluster.membership import (
-    Configuration,
-)
+from broker.cluster.membership import Configuration
 from broker.cluster.messages import (
     AppendLog,
     Commit,
@@ -66,9 +67,11 @@ from broker.cluster.messages import (
     VoteResp,
 )
 from broker.cluster.raft import RaftConfig, RaftNode, Role, Variant
-from broker.cluster.simmembers import MembershipEvents, SnapshotData
-from broker.cluster.simstate import Disk, GroupRecord, Violation, chain
+from broker.cluster.simchecks import SafetyChecks
+from broker.cluster.simstate import Disk, EntryLog, GroupRecord, Violation, chain
 from broker.cluster.terms import TermTable
+
+__all__ = ["Outcome", "Sim", "Stuck", "Violation", "main", "run_seeds"]
 
 TICK_MS = 10
 FAULT_MS = 3_000
@@ -77,9 +80,11 @@ PROPOSE_EVERY_MS = 15
 HEALED_PROPOSALS = 3
 TRACE = 30
 INITIAL_VOTERS = 3
+#: Records (indexes) of one proposal: 1 to this many.
+MAX_PROPOSAL_RECORDS = 5
 
 
-class Sim(MembershipEvents):
+class Sim(SafetyChecks):
     def __init__(
         self, seed: int, nodes: int = 3, groups: int = 8, variant: Variant = Variant.CORRECT
     ) -> None:
@@ -164,7 +169,12 @@ class Sim(MembershipEvents):
         cores = []
         for g in range(self.groups):
             disk = self.disks[node][g]
-            terms = TermTable.of_terms(e.term for e in disk.entries)
+            torn = disk.recover()
+            if torn:
+                self.trace.append((self.now, f"n{node} g{g} cuts a torn batch ({torn} records)"))
+            terms = TermTable()
+            for e in disk.entries:
+                terms.append(e.term, e.count)
             core = RaftNode(
                 node,
                 self.initial.voters,
@@ -185,8 +195,7 @@ class Sim(MembershipEvents):
         self.cores[node] = None
         self.trace.append((self.now, f"n{node} crash"))
         for g, disk in enumerate(self.disks[node]):
-            del disk.entries[disk.durable :]
-            del disk.chains[disk.durable :]
+            disk.crash(tear=self.rng.randrange(MAX_PROPOSAL_RECORDS))
             self._check_durable_majority(g)
 
     def _schedule_tick(self, node: int) -> None:
@@ -215,7 +224,7 @@ class Sim(MembershipEvents):
     # -- effects -----------------------------------------------------------------------------
 
     def _apply(
-        self, node: int, g: int, effects: list[Effect], snapshot: SnapshotData | None = None
+        self, node: int, g: int, effects: list[Effect], snapshot: EntryLog | None = None
     ) -> None:
         disk = self.disks[node][g]
         record = self.records[g]
@@ -223,16 +232,16 @@ class Sim(MembershipEvents):
             if isinstance(e, Send):
                 self._send(node, g, e.message)
             elif isinstance(e, AppendLog):
-                if e.first_index != len(disk.entries) + 1:
-                    raise Violation(f"n{node} g{g} append at {e.first_index}, log ends there")
+                if e.first_index != disk.last_index + 1:
+                    raise Violation(f"n{node} g{g} append at {e.first_index}, log ends elsewhere")
                 for entry in e.entries:
-                    disk.entries.append(entry)
-                    disk.chains.append(chain(disk.chain_at(len(disk.chains)), *_key(entry)))
-                    self._check_matching(node, g, len(disk.entries))
+                    prev = disk.chains[-1] if disk.chains else 0
+                    disk.add(entry, chain(prev, entry.term, entry.payload, entry.count))
+                    self._check_matching(node, g)
             elif isinstance(e, Truncate):
-                del disk.entries[e.from_index - 1 :]
-                del disk.chains[e.from_index - 1 :]
-                disk.durable = min(disk.durable, e.from_index - 1)
+                if e.from_index <= disk.start:
+                    raise Violation(f"n{node} g{g} truncation from {e.from_index}, below its start")
+                disk.truncate(e.from_index)
                 self._check_durable_majority(g)
             elif isinstance(e, Flush):
                 self._flush(node, g, e.index)
@@ -247,10 +256,12 @@ class Sim(MembershipEvents):
 
     def _flush(self, node: int, g: int, index: int) -> None:
         disk = self.disks[node][g]
+        cuts = len(disk.cuts)
 
         def done() -> None:
-            reached = min(index, len(disk.entries))
-            disk.durable = max(disk.durable, reached)
+            # An fsync covers what was written before it began: not what a truncation or an
+            # installed snapshot since replaced (an honest driver reports no more).
+            reached = disk.mark_durable(min([index, *disk.cuts[cuts:]]))
             self._apply(node, g, self._core(node, g).flushed(reached))
 
         self.on_node(node, self.rng.randrange(1, 20), f"g{g} flushed {index}", done)
@@ -274,10 +285,9 @@ class Sim(MembershipEvents):
             voted = self.records[g].votes.setdefault((node, m.term), m.to)
             if voted != m.to:
                 raise Violation(f"n{node} g{g} voted for n{voted} and n{m.to} in term {m.term}")
-        data: SnapshotData | None = None
+        data: EntryLog | None = None
         if isinstance(m, InstallSnapshot):
-            disk = self.disks[node][g]
-            data = (disk.entries[: m.last_index], disk.chains[: m.last_index])
+            data = self.disks[node][g].prefix(m.last_index)
         copies = 1
         if self.faults:
             if self.rng.random() < self.drop:
@@ -288,7 +298,7 @@ class Sim(MembershipEvents):
             delay = self.rng.randrange(1, self.max_delay + 1)
             self.at(self.now + delay, lambda: self._deliver(g, m, data))
 
-    def _deliver(self, g: int, m: Message, data: SnapshotData | None) -> None:
+    def _deliver(self, g: int, m: Message, data: EntryLog | None) -> None:
         if (m.frm, m.to) in self.blocked:
             return
         name = type(m).__name__
@@ -305,76 +315,6 @@ class Sim(MembershipEvents):
         if core.refused:
             raise Violation(f"n{node} g{g} refused: {core.refused[-1]}")
         return effects
-
-    # -- invariants --------------------------------------------------------------------------
-
-    def _check_matching(self, node: int, g: int, index: int) -> None:
-        disk = self.disks[node][g]
-        key = (index, disk.entries[index - 1].term)
-        first = self.records[g].seen.setdefault(key, disk.chains[index - 1])
-        if first != disk.chains[index - 1]:
-            raise Violation(f"log matching: n{node} g{g} index {index} term {key[1]} differs")
-
-    def _check_durable_majority(self, g: int) -> None:
-        record = self.records[g]
-        n = len(record.committed)
-        want = record.chain_at(n)
-        conf = record.commit_config or self.initial
-        keep = [v for v in conf.voters if self.disks[v][g].durable_chain_at(n) == want]
-        if len(keep) < conf.quorum:
-            raise Violation(
-                f"g{g}: committed index {n} durable on voters {keep} only of {conf.describe()}"
-            )
-
-    def _on_commit(self, node: int, g: int, index: int, record: GroupRecord) -> None:
-        disk = self.disks[node][g]
-        if index < self.last_commit[node][g]:
-            raise Violation(f"n{node} g{g} commit went back to {index}")
-        self.last_commit[node][g] = index
-        if index > len(disk.entries):
-            raise Violation(f"n{node} g{g} commit {index} past its log")
-        known = len(record.committed)
-        upto = min(index, known)
-        if disk.chain_at(upto) != record.chain_at(upto):
-            raise Violation(f"n{node} g{g} committed prefix to {upto} differs from the record")
-        for i in range(known + 1, index + 1):
-            record.committed.append(disk.entries[i - 1])
-            record.values.add(disk.entries[i - 1].payload)
-            record.chains.append(disk.chains[i - 1])
-        core = self._core(node, g)
-        if index > known:
-            if core.role is Role.LEADER:
-                record.commit_config = core.configuration
-            if record.marks and record.marks[-1][0] == core.term:
-                record.marks[-1] = (core.term, index)
-            else:
-                record.marks.append((core.term, index))
-            self._check_durable_majority(g)
-        if core.role is Role.LEADER:
-            for value, (owner, life, at, term) in list(record.pending.items()):
-                if owner == node and life == self.life[node] and at <= index:
-                    del record.pending[value]
-                    if core.terms.term_at(at) == term:
-                        record.acked[value] = at
-        for value, at in record.acked.items():
-            if at <= len(record.committed) and record.committed[at - 1].payload != value:
-                raise Violation(f"g{g} acknowledged {value!r} at {at} is not there")
-
-    def _check_node(self, node: int, g: int) -> None:
-        if self.cores[node] is None:
-            return
-        core = self._core(node, g)
-        record = self.records[g]
-        if core.term < self.max_sent_term[node][g]:
-            raise Violation(f"n{node} g{g} at term {core.term} after speaking in a later term")
-        if core.role is Role.LEADER:
-            leader = record.leaders.setdefault(core.term, node)
-            if leader != node:
-                raise Violation(f"g{g} two leaders in term {core.term}: n{leader} and n{node}")
-            n = record.committed_before(core.term)
-            if n > core.terms.last_index or self.disks[node][g].chain_at(n) != record.chain_at(n):
-                raise Violation(f"leader completeness: n{node} g{g} lacks committed {n}")
-            self._check_configurations(core, g)
 
     def _fault(self) -> None:
         if not self.faults:
@@ -472,7 +412,7 @@ class Sim(MembershipEvents):
             else:
                 self.value += 1
                 value = f"s{self.seed}v{self.value}".encode()
-            effects = lead.propose(value)
+            effects = lead.propose(value, self.rng.randint(1, MAX_PROPOSAL_RECORDS))
             record.pending[value] = (lead.id, self.life[lead.id], lead.terms.last_index, lead.term)
             if self.healed_at is not None:
                 record.healed.add(value)
@@ -520,12 +460,11 @@ class _Reader:
     def __init__(self, disk: Disk) -> None:
         self.disk = disk
 
-    def entries(self, first: int, last: int) -> list[Entry]:
-        return self.disk.entries_between(first, last)
+    def entries(self, first: int, last: int, max_entries: int, max_bytes: int) -> list[Entry]:
+        return self.disk.entries_between(first, last, max_entries, max_bytes)
 
-
-def _key(entry: Entry) -> tuple[int, bytes]:
-    return entry.term, entry.payload
+    def entry_start(self, index: int) -> int:
+        return self.disk.entry_start(index)
 
 
 @dataclass(slots=True)
@@ -538,6 +477,30 @@ class Outcome:
     counts: Counter[str] = field(default_factory=Counter)
 
 
+#: One seed's result: its events, its counts, and its failure ("violation" or "stuck", and
+#: the report to print) if it failed.
+SeedResult = tuple[int, Counter[str], str | None, str]
+
+
+def run_seed(seed: int, nodes: int, groups: int, variant: Variant) -> SeedResult:
+    sim = Sim(seed, nodes, groups, variant)
+    failure: str | None = None
+    report = ""
+    try:
+        sim.run()
+    except Violation as e:
+        failure = "violation"
+        report = f"seed {seed}: VIOLATION at {sim.now} ms: {e}\n{sim.report()}"
+    except Stuck as e:
+        failure = "stuck"
+        report = f"seed {seed}: STUCK: {e}\n{sim.report()}"
+    return sim.events, sim.counts, failure, report
+
+
+def _run_seed_args(args: tuple[int, int, int, Variant]) -> SeedResult:
+    return run_seed(*args)
+
+
 def run_seeds(
     seeds: range,
     nodes: int = 3,
@@ -545,25 +508,29 @@ def run_seeds(
     variant: Variant = Variant.CORRECT,
     out: Callable[[str], None] | None = None,
     stop_at_first: bool = False,
+    jobs: int = 1,
 ) -> Outcome:
+    """Run ``seeds`` in order; with ``jobs`` > 1 on that many processes, the results still
+    taken (and printed) in seed order, so the output does not depend on ``jobs``."""
     outcome = Outcome()
-    for seed in seeds:
-        sim = Sim(seed, nodes, groups, variant)
-        outcome.seeds += 1
-        try:
-            sim.run()
-        except Violation as e:
-            outcome.violations.append(seed)
-            if out:
-                out(f"seed {seed}: VIOLATION at {sim.now} ms: {e}\n{sim.report()}")
-        except Stuck as e:
-            outcome.stuck.append(seed)
-            if out:
-                out(f"seed {seed}: STUCK: {e}\n{sim.report()}")
-        outcome.events += sim.events
-        outcome.counts += sim.counts
-        if stop_at_first and (outcome.violations or outcome.stuck):
-            break
+    work = [(seed, nodes, groups, variant) for seed in seeds]
+    pool = multiprocessing.Pool(jobs) if jobs > 1 else None
+    try:
+        results = pool.imap(_run_seed_args, work) if pool else map(_run_seed_args, work)
+        for (seed, *_), (events, counts, failure, report) in zip(work, results, strict=True):
+            outcome.seeds += 1
+            outcome.events += events
+            outcome.counts += counts
+            if failure is not None:
+                failed = outcome.violations if failure == "violation" else outcome.stuck
+                failed.append(seed)
+                if out:
+                    out(report)
+                if stop_at_first:
+                    break
+    finally:
+        if pool is not None:
+            pool.terminate()
     return outcome
 
 
@@ -574,7 +541,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--nodes", type=int, default=3, choices=(3, 4, 5))
     parser.add_argument("--groups", type=int, default=8)
     parser.add_argument("--variant", default="correct", choices=[v.value for v in Variant])
+    parser.add_argument("--jobs", type=int, default=1, help="processes to run seeds on")
     args = parser.parse_args(argv)
+    if args.jobs < 1:
+        parser.error(f"--jobs must be at least 1, got {args.jobs}")
     started = time.monotonic()
     outcome = run_seeds(
         range(args.start, args.start + args.seeds),
@@ -582,6 +552,7 @@ def main(argv: list[str] | None = None) -> int:
         args.groups,
         Variant(args.variant),
         out=print,
+        jobs=args.jobs,
     )
     print(f"time: {time.monotonic() - started:.1f} s", file=sys.stderr)
     print(", ".join(f"{k}: {v}" for k, v in sorted(outcome.counts.items())), file=sys.stderr)

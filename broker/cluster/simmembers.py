@@ -1,8 +1,9 @@
 """The simulator's membership, retention and snapshot events (mixed into
 :class:`broker.cluster.sim.Sim`): membership changes told to leaders during the faults,
-retention that removes a durable committed prefix of a node's log, the driver's side of an
-installed snapshot, the configuration a restarted node rebuilds from its log, and the check that
-no two configurations a leader may be using could form disjoint majorities."""
+retention that removes a durable committed prefix of whole entries from a node's log, the
+driver's side of an installed snapshot, the configuration a restarted node rebuilds from its
+log, and the check that no two configurations a leader may be using could form disjoint
+majorities."""
 
 from __future__ import annotations
 
@@ -17,13 +18,10 @@ from broker.cluster.membership import (
     Membership,
     overlapping,
 )
-from broker.cluster.messages import Effect, Entry, EntryKind, ResetLog
+from broker.cluster.messages import Effect, EntryKind, ResetLog
 from broker.cluster.raft import NotLeader, RaftNode, Role
-from broker.cluster.simstate import Disk, GroupRecord, Violation
+from broker.cluster.simstate import Disk, EntryLog, GroupRecord, Violation
 from broker.cluster.terms import TermTable
-
-#: A snapshot's data as the sending driver attaches it: the log's entries and chains up to it.
-SnapshotData = tuple[list[Entry], list[int]]
 
 
 class MembershipEvents:
@@ -49,11 +47,11 @@ class MembershipEvents:
         raise NotImplementedError
 
     def _apply(
-        self, node: int, g: int, effects: list[Effect], snapshot: SnapshotData | None = None
+        self, node: int, g: int, effects: list[Effect], snapshot: EntryLog | None = None
     ) -> None:
         raise NotImplementedError
 
-    def _check_matching(self, node: int, g: int, index: int) -> None:
+    def _check_matching(self, node: int, g: int) -> None:
         raise NotImplementedError
 
     def _check_durable_majority(self, g: int) -> None:
@@ -63,32 +61,32 @@ class MembershipEvents:
         """What the driver rebuilds at restart from the stored log start and the CONFIG entries
         after it; ``terms`` (built from the whole disk) is made to start there too."""
         terms.compact(disk.start + 1)
-        after = enumerate(disk.entries[disk.start :], disk.start + 1)
+        first = disk.position(disk.start + 1)
+        after = zip(disk.ends[first:], disk.entries[first:], strict=True)
         configs = [
             (i, Configuration.decode(e.payload)) for i, e in after if e.kind is EntryKind.CONFIG
         ]
         return Membership(disk.start_config or self.initial, disk.start, configs)
 
-    def _reset_log(self, node: int, g: int, e: ResetLog, snapshot: SnapshotData) -> None:
+    def _reset_log(self, node: int, g: int, e: ResetLog, snapshot: EntryLog) -> None:
         """The driver's side of an installed snapshot: the log becomes the data that came with
-        it, durable up to its last index."""
+        it (the sender's entries up to the snapshot), durable up to its last index, which must
+        be an entry's end of the snapshot's term."""
         disk = self.disks[node][g]
-        entries, chains = snapshot
-        if len(entries) < e.last_index or entries[e.last_index - 1].term != e.last_term:
+        there = snapshot.entry_ending_at(e.last_index)
+        if snapshot.last_index != e.last_index or there is None or there.term != e.last_term:
             raise Violation(f"n{node} g{g} snapshot at {e.last_index} t{e.last_term} mismatch")
-        disk.entries = entries[: e.last_index]
-        disk.chains = chains[: e.last_index]
-        disk.durable = disk.start = e.last_index
+        disk.reset(snapshot, e.last_index)
         disk.start_config = e.configuration
         self.counts["snapshots installed"] += 1
-        self._check_matching(node, g, e.last_index)
+        self._check_matching(node, g)
         self._check_durable_majority(g)
 
     def _check_configurations(self, core: RaftNode, g: int) -> None:
         """Every configuration in a log but the last was committed before the next was
         appended, so a leader uses the one in force at the committed prefix and at most one
         after it; no two of those may form disjoint majorities (thesis s4.1)."""
-        confs = core.membership.since(len(self.records[g].committed))
+        confs = core.membership.since(self.records[g].last_index)
         for i, a in enumerate(confs):
             for b in confs[i + 1 :]:
                 if not overlapping(a, b):
@@ -145,7 +143,9 @@ class MembershipEvents:
             core, disk = self._core(node, g), self.disks[node][g]
             upto = min(core.commit, core.durable_index, disk.durable)
             if upto > disk.start:
-                keep_from = self.rng.randint(disk.start + 1, upto) + 1
+                # Whole entries go: the new start is an entry's last index.
+                ends = disk.ends[disk.position(disk.start + 1) : disk.position(upto) + 1]
+                keep_from = self.rng.choice(ends) + 1
                 start = core.compacted(keep_from)
                 disk.start, disk.start_config = start.index, start.configuration
                 self.trace.append((self.now, f"n{node} g{g} retention: log starts at {keep_from}"))

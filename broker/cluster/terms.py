@@ -1,11 +1,13 @@
 """The shape of a Raft log as the core needs it: its last index and the term of each index.
 
 Kept as runs ``(first_index, term)`` ascending in both, the "term -> first index" table the
-segmented log rebuilds at recovery from its batches' leader-epoch field. Index 0 is the empty
-prefix, of term 0. The entries themselves are the driver's.
+segmented log rebuilds at recovery from its batches' leader-epoch field (index = offset + 1, so
+a run's first index is its first batch's base offset + 1). Index 0 is the empty prefix, of term
+0. The entries themselves, and their boundaries inside a run, are the driver's.
 
 A log whose prefix retention, compaction or an installed snapshot removed starts after
-``start`` (of term ``start_term``): the terms of the indexes below ``start`` are no longer known.
+``start`` (of term ``start_term``; an entry's last index, so the log's first index is its start
+offset + 1): the terms of the indexes below ``start`` are no longer known.
 """
 
 from __future__ import annotations
@@ -20,16 +22,28 @@ class TermTable:
 
     __slots__ = ("_firsts", "_terms", "last_index", "start", "start_term")
 
-    def __init__(self, runs: Iterable[tuple[int, int]] = (), last_index: int = 0) -> None:
+    def __init__(
+        self,
+        runs: Iterable[tuple[int, int]] = (),
+        last_index: int = 0,
+        start: int = 0,
+        start_term: int = 0,
+    ) -> None:
+        """``runs`` start after ``start``; ``last_index`` >= ``start`` (an empty log after
+        ``start`` when there are no runs)."""
         self._firsts: list[int] = []
         self._terms: list[int] = []
         for first, term in runs:
+            if first <= start:
+                raise ValueError(f"a run starting at {first} is not after the start {start}")
             self._firsts.append(first)
             self._terms.append(term)
+        if last_index < start:
+            raise ValueError(f"the log ends at {last_index}, before its start {start}")
         self.last_index = last_index
         #: The last index removed from the front of the log (0: nothing removed), and its term.
-        self.start = 0
-        self.start_term = 0
+        self.start = start
+        self.start_term = start_term
 
     @classmethod
     def of_terms(cls, terms: Iterable[int]) -> TermTable:
@@ -38,6 +52,21 @@ class TermTable:
         for term in terms:
             table.append(term, 1)
         return table
+
+    def copy(self) -> TermTable:
+        return TermTable(self.runs(), self.last_index, self.start, self.start_term)
+
+    def _key(self) -> tuple[list[tuple[int, int]], int, int, int]:
+        return self.runs(), self.last_index, self.start, self.start_term
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, TermTable):
+            return NotImplemented
+        return self._key() == other._key()
+
+    def __repr__(self) -> str:
+        start = f", start={self.start}, start_term={self.start_term}" if self.start else ""
+        return f"TermTable({self.runs()}, last_index={self.last_index}{start})"
 
     @property
     def last_term(self) -> int:

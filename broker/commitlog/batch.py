@@ -9,9 +9,11 @@ Batch header, 48 bytes (``BATCH_HEADER``, struct ``<qIBBHiIIqqI``)::
       0  8   base_offset        offset of the first record (absolute, logical)
       8  4   batch_length       total bytes of the batch, this header included
      12  1   magic              on-disk format version (``MAGIC``)
-     13  1   attributes         reserved, 0
+     13  1   attributes         bit 0: control batch (``CONTROL_FLAG``); other bits reserved, 0
      14  2   reserved           0
-     16  4   leader_epoch       Raft term of the leader that wrote the batch (0 on one node)
+     16  4   leader_epoch       Raft term of the leader that wrote the batch (0 on one node);
+                                set once by that leader, never rewritten (replication writes
+                                the leader's bytes, compaction keeps it)
      20  4   last_offset_delta  offset of the last record minus base_offset
      24  4   record_count       number of records, ``n`` (>= 1)
      28  8   first_timestamp    timestamp of the first record (ms since the epoch)
@@ -48,6 +50,15 @@ Invariants of a valid batch: ``record_count >= 1``; offset deltas strictly incre
 last equals ``last_offset_delta`` (compaction leaves gaps, so ``last_offset_delta >=
 record_count - 1``); string indexes lie inside the table; the table, the columns, the
 properties and the payloads fill exactly ``batch_length - 48`` bytes; the CRC matches.
+
+A control batch (attributes bit 0) holds no client record but a marker of the writer's protocol
+(:mod:`broker.cluster.storage` writes its Raft no-op and configuration entries so): one record,
+offset delta 0, topic and client id both the empty string, qos 0, no flags, no properties, and
+a payload of a 2-byte little-endian control type (the writer's: 1 no-op, 2 configuration)
+followed by the control body (:func:`encode_control`, :func:`decode_control`). It takes one
+offset like any record, and every reader of records skips it (:func:`decode_into`, the column
+reads, so ``read``/``read_columns``, the fetch API, replay and live delivery; compaction keeps
+it as it is).
 
 Why columns: the whole batch is encoded and decoded by C loops (``zip``, ``map``, one
 ``struct`` call for every fixed field of every record, ``bytes.join``) instead of a Python loop
@@ -86,6 +97,9 @@ _COUNT = struct.Struct("<I")
 MIN_BATCH_SIZE = BATCH_HEADER_SIZE + _COUNT.size + 2 + RECORD_FIXED_SIZE
 MAX_STRING_BYTES = 0xFFFF
 RETAIN_FLAG = 0x01
+#: Attributes bit 0: a control batch, which readers of records skip (module doc).
+CONTROL_FLAG = 0x01
+_CONTROL_TYPE = struct.Struct("<H")
 
 _CRC = struct.Struct("<I")
 _I64 = struct.Struct("<q")
@@ -266,6 +280,38 @@ def encode_batch(
     return buf
 
 
+def encode_control(
+    base_offset: int, leader_epoch: int, control_type: int, body: bytes, timestamp_ms: int
+) -> bytes:
+    """A control batch (module doc) at ``base_offset``: one offset, skipped by readers."""
+    if not 0 <= control_type <= 0xFFFF:
+        raise InvalidRecord(f"control type {control_type} does not fit 2 bytes")
+    payload = _CONTROL_TYPE.pack(control_type) + body
+    buf = encode_batch(
+        base_offset,
+        [Record(0, timestamp_ms, "", payload, 0, False, "", b"")],
+        leader_epoch=leader_epoch,
+    )
+    buf[13] = CONTROL_FLAG
+    length = len(buf)
+    _CRC.pack_into(
+        buf, CRC_OFFSET, crc32(buf, BATCH_HEADER_SIZE, length, crc32(buf, 0, CRC_OFFSET))
+    )
+    return bytes(buf)
+
+
+def decode_control(buf: bytes | bytearray | memoryview, pos: int = 0) -> tuple[int, bytes]:
+    """``(control type, body)`` of the (validated) control batch at ``pos``."""
+    h = read_header(buf, pos)
+    if not h.attributes & CONTROL_FLAG:
+        raise ValueError(f"the batch at offset {h.base_offset} is not a control batch")
+    n = h.record_count
+    _strings, p = _read_table(buf, pos + BATCH_HEADER_SIZE, pos + h.batch_length)
+    start = p + n * RECORD_FIXED_SIZE  # no properties: the payload follows the columns
+    payload = bytes(buf[start : pos + h.batch_length])
+    return _CONTROL_TYPE.unpack_from(payload)[0], payload[_CONTROL_TYPE.size :]
+
+
 def read_header(buf: bytes | bytearray | memoryview, pos: int = 0) -> BatchHeader:
     """Decode the batch header at ``pos`` (no validation beyond its size)."""
     return BatchHeader._make(BATCH_HEADER.unpack_from(buf, pos))
@@ -387,11 +433,13 @@ def decode_into(
     remaining byte budget and the offset of the first record not returned because a limit was
     hit, or -1 when the batch was consumed to its end. The read hot path of
     :meth:`SegmentedLog.read`: no Python loop per record. ``buf`` must be ``bytes`` (records
-    hold slices of it).
+    hold slices of it). A control batch adds nothing (module doc).
     """
-    (base, length, _magic, _attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts, _crc) = (
+    (base, length, _magic, attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts, _crc) = (
         BATCH_HEADER.unpack_from(buf, pos)
     )
+    if attrs & CONTROL_FLAG:
+        return max_bytes, -1
     strings, p = _read_table(buf, pos + BATCH_HEADER_SIZE, pos + length)
     consecutive = last_delta == n - 1  # strictly increasing deltas: exactly 0 .. n-1
     size = pos + length - p  # of all records: columns, properties and payloads

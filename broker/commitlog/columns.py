@@ -25,6 +25,7 @@ from broker.commitlog.batch import (
     _COUNT,
     BATCH_HEADER,
     BATCH_HEADER_SIZE,
+    CONTROL_FLAG,
     RECORD_FIXED_SIZE,
     _array,
     _limit,
@@ -82,9 +83,10 @@ class ColumnRead:
     where a dozen ``memoryview`` slices per batch were most of a read's CPU (measured),
     and the Arrow fetch (:meth:`joined`) needs none of them.
 
-    ``count`` records in all; ``next_offset`` is one past the last one (meaningless when
-    ``count`` is 0). ``len()`` is ``count``, so the log's read loops count records the same way
-    for a ``ColumnRead`` as for a ``list[Record]``.
+    ``count`` records in all; ``next_offset`` is one past the last one, or past the control
+    batches the read skipped after it (0 when the read met neither), so a reader that went
+    through control batches only still moves on. ``len()`` is ``count``, so the log's read
+    loops count records the same way for a ``ColumnRead`` as for a ``list[Record]``.
     """
 
     __slots__ = (
@@ -181,9 +183,12 @@ def decode_columns_into(
     per record: only a batch cut by ``min_offset`` or a limit unpacks its fixed columns to
     find where to cut.
     """
-    (base, length, _magic, _attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts, _crc) = (
+    (base, length, _magic, attrs, _res, _epoch, last_delta, n, _first_ts, _max_ts, _crc) = (
         BATCH_HEADER.unpack_from(buf, pos)
     )
+    if attrs & CONTROL_FLAG:  # a control batch holds no record (batch module doc)
+        out.next_offset = base + last_delta + 1
+        return max_bytes, -1
     end = pos + length
     strings, p = _table(buf, pos + BATCH_HEADER_SIZE, end)
     data = p + n * RECORD_FIXED_SIZE  # the properties, then the payloads

@@ -25,6 +25,8 @@ CORRUPTION_POLICIES: tuple[str, ...] = get_args(CorruptionPolicy)
 #: segment never grows past ``segment_bytes`` (except for a single batch larger than it, which
 #: gets a segment of its own and still starts at position 0).
 MAX_SEGMENT_BYTES = (1 << 31) - 1
+#: Relative offsets are stored on 32 bits in the index: a segment spans fewer offsets.
+MAX_SEGMENT_OFFSETS = 0xFFFFFFFF
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,5 +1,5 @@
-"""Disk primitives the segments use beyond :mod:`os`: ``fdatasync`` and Linux's
-``sync_file_range`` (through ctypes: :mod:`os` does not wrap it)."""
+"""Disk primitives the segments use beyond :mod:`os`: ``fdatasync``, Linux's
+``sync_file_range`` (through ctypes: :mod:`os` does not wrap it) and a directory's fsync."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import ctypes
 import os
 import sys
 from collections.abc import Callable
+from pathlib import Path
 from typing import cast
 
 SYNC_FILE_RANGE_WRITE = 2  # linux/fs.h: start writeback of dirty pages, do not wait
@@ -35,3 +36,12 @@ def fsync_data(fd: int) -> None:
         os.fdatasync(fd)
     else:  # pragma: no cover - macOS
         os.fsync(fd)
+
+
+def fsync_directory(path: Path) -> None:
+    """Persist directory entries (new, renamed or removed files)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -27,6 +27,8 @@ Invariants:
   exactly where the next one starts, and :meth:`open` deletes the segments after a gap
   (compaction leaves gaps between offsets, so a compacted log cannot tell and keeps the
   synchronous roll);
+* readers see offsets below :attr:`high_watermark` only: on one node it is the log end offset;
+  a replicated log (:mod:`broker.commitlog.replica`) pins it to what its replicas committed;
 * recovery at :meth:`open`: without the clean-shutdown marker the active segment is scanned
   and its indexes rebuilt; any segment with a missing or inconsistent index is rebuilt too;
   a torn or corrupt tail is truncated at the last intact batch and later segments are
@@ -50,10 +52,12 @@ from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
 from typing import TypeVar
 
-from broker.commitlog.batch import Decoder, decode_into, encode_batch
+from broker.commitlog.batch import BATCH_HEADER, Decoder, decode_into, encode_batch
 from broker.commitlog.cleaned import write_segment
 from broker.commitlog.columns import ColumnRead, decode_columns_into
-from broker.commitlog.config import LogConfig
+from broker.commitlog.config import MAX_SEGMENT_OFFSETS, LogConfig
+from broker.commitlog.directory import drop_after_truncation, tidy_directory
+from broker.commitlog.disk import fsync_directory
 from broker.commitlog.errors import (
     CommitLogError,
     CorruptRecordBatch,
@@ -69,12 +73,9 @@ from broker.commitlog.policy import (
     retention_victims,
 )
 from broker.commitlog.record import Record
+from broker.commitlog.replica import ReplicaOps
 from broker.commitlog.segment import (
     CLEANED_SUFFIX,
-    INDEX_SUFFIX,
-    LOG_SUFFIX,
-    TIMEINDEX_SUFFIX,
-    TMP_SUFFIX,
     Segment,
 )
 from broker.commitlog.small_batch import SMALL_BATCH, encode_small
@@ -83,30 +84,29 @@ logger = logging.getLogger("broker.commitlog")
 
 #: Present in a partition directory only between a clean close and the next open.
 CLEAN_SHUTDOWN_FILE = ".clean_shutdown"
-#: Relative offsets are stored on 32 bits in the index: a segment spans fewer offsets.
-MAX_SEGMENT_OFFSETS = 0xFFFFFFFF
-_SEGMENT_SUFFIXES = (LOG_SUFFIX, INDEX_SUFFIX, TIMEINDEX_SUFFIX)
 _Out = TypeVar("_Out", bound=Sized)
 
 
-def fsync_directory(path: Path) -> None:
-    """Persist directory entries (new, renamed or removed files)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
+def _bounded(decode: Decoder[_Out], end: int) -> Decoder[_Out]:
+    """``decode`` stopping at the first batch at or past ``end`` (a batch boundary: the
+    high-water mark of a replicated log is always one), as if a limit were hit there."""
+    unpack = BATCH_HEADER.unpack_from
+
+    def bounded(
+        buf: bytes, pos: int, out: _Out, min_offset: int, max_records: int, max_bytes: int
+    ) -> tuple[int, int]:
+        base = unpack(buf, pos)[0]
+        if base >= end:
+            return max_bytes, base
+        return decode(buf, pos, out, min_offset, max_records, max_bytes)
+
+    return bounded
 
 
-def _parse_base_offset(name: str) -> tuple[int, str] | None:
-    stem, dot, suffix = name.partition(".")
-    if not dot or len(stem) != 20 or not stem.isdigit():
-        return None
-    return int(stem), "." + suffix
-
-
-class SegmentedLog:
-    """One partition's log; see the module docstring. Create with :meth:`open`."""
+class SegmentedLog(ReplicaOps):
+    """One partition's log; see the module docstring. Create with :meth:`open`. The
+    operations a replicated log adds (raw appends, suffix truncation, the high-water mark,
+    the epoch scan) are :class:`~broker.commitlog.replica.ReplicaOps`'."""
 
     def __init__(
         self,
@@ -132,6 +132,9 @@ class SegmentedLog:
         self._rolled: list[Segment] = []
         self._last_flush_ms = self._now_ms()
         self._compacted_state = (-1, -1)
+        #: The high-water mark a replicated log pinned (``ReplicaOps.set_high_watermark``);
+        #: None: it follows the end offset.
+        self._visible_end: int | None = None
 
     # ------------------------------------------------------------------------- open
     @classmethod
@@ -152,7 +155,7 @@ class SegmentedLog:
             raise LogIOError(directory, "open log directory", exc) from exc
         marker = directory / CLEAN_SHUTDOWN_FILE
         clean = CLEAN_SHUTDOWN_FILE in names
-        bases = cls._tidy_directory(directory, names)
+        bases = tidy_directory(directory, names)
         segments: list[Segment] = []
         try:
             for i, base in enumerate(bases):
@@ -186,11 +189,11 @@ class SegmentedLog:
                     # The previous segment lost its tail in a crash before the interval's
                     # flush (see the module doc): what follows does not continue it.
                     segment.close()
-                    cls._drop_after_truncation(directory, segments[-1], bases[i:])
+                    drop_after_truncation(directory, segments[-1], bases[i:])
                     break
                 segments.append(segment)
                 if truncated and not is_active:
-                    cls._drop_after_truncation(directory, segment, bases[i + 1 :])
+                    drop_after_truncation(directory, segment, bases[i + 1 :])
                     break
             if not segments:
                 segments.append(Segment.create(directory, 0, config, now_ms))
@@ -207,40 +210,6 @@ class SegmentedLog:
             raise
         return cls(directory, config, clock, segments)
 
-    @staticmethod
-    def _tidy_directory(directory: Path, names: list[str]) -> list[int]:
-        """Remove leftovers of interrupted writes; return the segment base offsets, sorted."""
-        parsed = [(name, _parse_base_offset(name)) for name in names]
-        bases = sorted({p[0] for _name, p in parsed if p is not None and p[1] == LOG_SUFFIX})
-        known = set(bases)
-        for name, p in parsed:
-            if p is None:
-                continue
-            base, suffix = p
-            leftover = suffix.endswith((CLEANED_SUFFIX, TMP_SUFFIX))
-            orphan = suffix in _SEGMENT_SUFFIXES and base not in known
-            if leftover or orphan:
-                logger.info("%s: removing leftover file", directory / name)
-                try:
-                    (directory / name).unlink()
-                except OSError as exc:
-                    raise LogIOError(directory / name, "remove leftover file", exc) from exc
-        return bases
-
-    @staticmethod
-    def _drop_after_truncation(directory: Path, truncated: Segment, later: list[int]) -> None:
-        """A closed segment lost its tail: later segments no longer continue it."""
-        for base in later:
-            logger.warning(
-                "%s: deleting segment %d after the truncated segment %s (log end offset %d)",
-                directory,
-                base,
-                truncated.log_path.name,
-                truncated.next_offset,
-            )
-            for suffix in (INDEX_SUFFIX, TIMEINDEX_SUFFIX, LOG_SUFFIX):
-                (directory / f"{base:020d}{suffix}").unlink(missing_ok=True)
-
     # ------------------------------------------------------------------- properties
     def _now_ms(self) -> int:
         return int(self._clock() * 1000)
@@ -249,6 +218,14 @@ class SegmentedLog:
     def end_offset(self) -> int:
         """Log end offset: the offset the next appended record gets."""
         return self._segments[-1].next_offset
+
+    @property
+    def high_watermark(self) -> int:
+        """The offset after the last record readers may see (Kafka's high-water mark): the
+        end offset unless :meth:`set_high_watermark` pinned it (a replicated log)."""
+        visible = self._visible_end
+        end = self._segments[-1].next_offset
+        return end if visible is None or visible > end else visible
 
     @property
     def log_start_offset(self) -> int:
@@ -351,7 +328,8 @@ class SegmentedLog:
         ``max_bytes`` of encoded records (at least one record when one exists).
 
         ``[]`` when ``offset == end_offset``; :class:`OffsetOutOfRange` when ``offset`` is
-        below :attr:`log_start_offset` or beyond :attr:`end_offset`.
+        below :attr:`log_start_offset` or beyond :attr:`end_offset`. Nothing at or past
+        :attr:`high_watermark` is returned (``[]`` from there to the end offset).
         """
         return self._read(offset, max_records, max_bytes, [], decode_into)
 
@@ -374,6 +352,11 @@ class SegmentedLog:
                 raise OffsetOutOfRange(offset, start, end)
             if offset == end or max_records <= 0:
                 return out
+            visible = self._visible_end
+            if visible is not None and visible < end:
+                if offset >= visible:
+                    return out
+                decode = _bounded(decode, visible)
             i = bisect_right(self._bases, offset) - 1
             last = len(segments) - 1
             while True:

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from broker.commitlog.batch import decode_batch, encode_batch, read_header
+from broker.commitlog.batch import CONTROL_FLAG, decode_batch, encode_batch, read_header
 from broker.commitlog.segment import Segment
 
 
@@ -67,14 +67,19 @@ def count_removable(segment: Segment, latest: dict[str, int]) -> int:
 
 
 def cleaned_batches(segment: Segment, latest: dict[str, int]) -> Iterator[bytearray]:
-    """Re-encoded batches of ``segment`` holding only the records compaction keeps."""
+    """Re-encoded batches of ``segment`` holding only the records compaction keeps; a control
+    batch (a Raft no-op or configuration) is kept as it is."""
     for buf, rel, _pos in segment.iter_batches():
+        header = read_header(buf, rel)
+        if header.attributes & CONTROL_FLAG:
+            yield bytearray(buf[rel : rel + header.batch_length])
+            continue
         records = decode_batch(buf, rel)
         kept = [r for r in records if r.payload and latest.get(r.topic, r.offset) == r.offset]
         if kept:
             yield encode_batch(
                 kept[0].offset,
                 kept,
-                leader_epoch=read_header(buf, rel).leader_epoch,
+                leader_epoch=header.leader_epoch,
                 keep_offsets=True,
             )

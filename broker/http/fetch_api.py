@@ -183,7 +183,8 @@ class FetchApi:
         if as_json:
             next_offset = records[-1].offset + 1 if records else offset
         else:
-            next_offset = read.next_offset if read.count else offset
+            # Past the control batches the read skipped too (a replicated log's no-ops).
+            next_offset = max(offset, read.next_offset)
         headers = {
             "X-Mqlog-Next-Offset": str(next_offset),
             "X-Mqlog-High-Water-Mark": str(plog.end_offset),

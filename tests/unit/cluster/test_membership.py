@@ -51,10 +51,12 @@ def node(
     state: HardState | None = None,
 ) -> tuple[RaftNode, Log]:
     log = log or Log()
-    terms = TermTable.of_terms(e.term for e in log.items)
+    terms = TermTable()
+    for e in log.items:
+        terms.append(e.term, e.count)
     configs = [
         (i, Configuration.decode(e.payload))
-        for i, e in enumerate(log.items, 1)
+        for i, e in zip(log.starts(), log.items, strict=True)
         if e.kind is EntryKind.CONFIG
     ]
     membership = Membership(conf, 0, configs)
@@ -359,6 +361,46 @@ def test_a_follower_compacted_past_prev_index_accepts_what_follows_its_start() -
     assert out == [AppendResp(2, 1, 1, True, 8, 8, 0, None)]
     out = sends(core.receive(AppendEntries(1, 2, 1, 2, 1, (), 8)))
     assert out == [AppendResp(2, 1, 1, True, 8, 8, 0, None)]
+
+
+def counted_log() -> Log:
+    """Term 1: entries of 3, 1 and 4 records ([1..3], [4], [5..8]), then a CONFIG at 9."""
+    counts = (3, 1, 4)
+    log = Log([Entry(1, f"b{i}".encode(), count=c) for i, c in enumerate(counts, 1)])
+    log.items.append(config_entry(1, VOTERS))
+    return log
+
+
+def test_snapshots_and_log_starts_fall_between_multi_record_entries() -> None:
+    core, log = leader(log=counted_log())  # no-op at 10, committed
+    assert core.membership.last_index == 9
+    assert core.compacted(5) == LogStart(4, 1, VOTERS)  # [1..3] and [4] gone
+    assert core.terms.term_at(4) == 1 and core.terms.term_at(3) is None
+    # Node 3 asks for index 1: it gets the snapshot at 4, an entry's last index ...
+    out = log.apply(core.receive(AppendResp(3, 1, core.term, False, 9, 0, 1, None)))
+    assert out == [InstallSnapshot(1, 3, core.term, 4, 1, VOTERS)]
+    # ... then whole entries from 5: [5..8], the CONFIG at 9, the no-op at 10.
+    out = ack(core, log, 3, 4, 4)
+    sent = [m for m in out if isinstance(m, AppendEntries)]
+    assert [(m.prev_index, [e.count for e in m.entries]) for m in sent] == [(4, [4, 1, 1])]
+    # Refused at 9 (say it lost its tail) with a hint inside [5..8], a boundary of its own
+    # log: the leader probes from the start of its entry holding it.
+    out = log.apply(core.receive(AppendResp(3, 1, core.term, False, 9, 0, 7, None)))
+    assert [(m.prev_index, m.entries[0].count) for m in out] == [(4, 4)]
+
+
+def test_a_follower_clips_whole_entries_below_its_start_and_refuses_one_across_it() -> None:
+    core, log = node(2, counted_log(), state=HardState(1, None))
+    core.receive(AppendEntries(1, 2, 1, 9, 1, (), 9))
+    core.compacted(5)  # starts after index 4
+    entries = tuple(log.items)
+    # prev 0: [1..3] and [4] are below the start and skipped; [5..8] and 9 are held.
+    out = sends(core.receive(AppendEntries(1, 2, 1, 0, 0, entries, 9)))
+    assert out == [AppendResp(2, 1, 1, True, 9, 9, 0, None)] and not core.refused
+    # An entry [3..6] across the start can only come from a bug: refused, not answered.
+    across = (Entry(1, b"x", count=3), Entry(1, b"y", count=4))
+    assert sends(core.receive(AppendEntries(1, 2, 1, 0, 0, across, 9))) == []
+    assert core.refused == ["an entry across our log's start 4 from 1"]
 
 
 # -- progress: probe and replicate -------------------------------------------------------------

@@ -33,15 +33,48 @@ class MemLog:
         self.durable = 0
         self.hard = HardState(0, None)
 
-    def entries(self, first: int, last: int) -> list[Entry]:
-        return self.items[first - 1 : last]
+    def starts(self) -> list[int]:
+        """The first index of each entry (an entry covers ``count`` indexes)."""
+        out, index = [], 1
+        for e in self.items:
+            out.append(index)
+            index += e.count
+        return out
+
+    @property
+    def last_index(self) -> int:
+        return sum(e.count for e in self.items)
+
+    def entries(self, first: int, last: int, max_entries: int, max_bytes: int) -> list[Entry]:
+        starts = self.starts()
+        out: list[Entry] = []
+        for start, e in zip(starts, self.items, strict=True):
+            if start < first:
+                continue
+            if start > last or len(out) == max_entries:
+                break
+            if out and sum(len(x.payload) for x in out) + len(e.payload) > max_bytes:
+                break
+            out.append(e)
+        return out
+
+    def entry_start(self, index: int) -> int:
+        return max(start for start in self.starts() if start <= index)
+
+    def prefix(self, index: int) -> list[Entry]:
+        """The entries ending at or before ``index``."""
+        return [
+            e
+            for start, e in zip(self.starts(), self.items, strict=True)
+            if start + e.count - 1 <= index
+        ]
 
     def append(self, first_index: int, entries: tuple[Entry, ...]) -> None:
-        assert first_index == len(self.items) + 1, (first_index, len(self.items))
+        assert first_index == self.last_index + 1, (first_index, self.last_index)
         self.items.extend(entries)
 
     def truncate(self, from_index: int) -> None:
-        del self.items[from_index - 1 :]
+        del self.items[self.starts().index(from_index) :]  # only ever between entries
         self.durable = min(self.durable, from_index - 1)
 
 
@@ -96,7 +129,9 @@ class Net:
         )
         for g in self.group_ids:
             log = self.logs[node][g]
-            terms = TermTable.of_terms(e.term for e in log.items)
+            terms = TermTable()
+            for e in log.items:
+                terms.append(e.term, e.count)
             host.add_group(g, list(range(self.n)), log, log.hard, terms)
         self.hosts[node] = host
 
@@ -104,7 +139,7 @@ class Net:
         self.hosts[node] = None
         self.life[node] += 1
         for log in self.logs[node]:
-            del log.items[log.durable :]
+            del log.items[len(log.prefix(log.durable)) :]
 
     def host(self, node: int) -> MultiRaft:
         host = self.hosts[node]
@@ -160,14 +195,15 @@ class Net:
         logs = self.logs[host.id]
         for g, index in ready.commits.items():
             # No committed entry is ever lost or changed, across crashes and elections.
-            record, entries = self.committed[g], logs[g].items[:index]
-            assert len(entries) == index, f"n{host.id} g{g}: commit {index} past its log"
-            assert entries[: len(record)] == record[:index], f"g{g}: committed entries changed"
+            record, entries = self.committed[g], logs[g].prefix(index)
+            reached = sum(e.count for e in entries)
+            assert reached == index, f"n{host.id} g{g}: commit {index} past its log or inside"
+            assert entries[: len(record)] == record[: len(entries)], f"g{g}: committed changed"
             if index > len(record):
                 record.extend(entries[len(record) :])
                 # Committed means durable on a majority (Raft s5.4.2 over flushed offsets).
                 held = [log[g] for log in self.logs if log[g].durable >= index]
-                keep = sum(log.items[:index] == record for log in held)
+                keep = sum(log.prefix(index) == record for log in held)
                 assert keep > self.n // 2, f"g{g}: committed {index} durable on {keep} nodes"
         if not self.disk_delay:
             self._complete(host, ready)
@@ -184,7 +220,7 @@ class Net:
         for g, state in ready.hard_states.items():
             logs[g].hard = state
         for g, index in ready.flushes.items():
-            logs[g].durable = max(logs[g].durable, min(index, len(logs[g].items)))
+            logs[g].durable = max(logs[g].durable, min(index, logs[g].last_index))
         host.hard_states_persisted(ready.hard_states.items())
         host.flushed(ready.flushes.items())
 
@@ -233,7 +269,7 @@ class Net:
         for g in self.group_ids:
             cores = [(h.core(g), self.logs[h.id][g]) for h in self.live()]
             upto = min(c.commit for c, _ in cores)
-            prefixes = {tuple(log.items[:upto]) for _, log in cores}
+            prefixes = {tuple(log.prefix(upto)) for _, log in cores}
             assert len(prefixes) == 1, f"g{g}: committed prefixes differ"
 
 
@@ -304,7 +340,7 @@ def test_proposals_commit_across_many_groups() -> None:
 
     def committed() -> bool:
         return all(
-            [e.payload for e in net.logs[h.id][g].items[: h.core(g).commit] if e.payload] == want[g]
+            [e.payload for e in net.logs[h.id][g].prefix(h.core(g).commit) if e.payload] == want[g]
             for h in net.live()
             for g in net.group_ids
         )
@@ -360,6 +396,22 @@ def test_a_proposal_wakes_its_group_alone_and_it_quiesces_again() -> None:
     net.run_until(net.all_quiesced, 20)
     assert all(h.core(7).commit == index for h in net.live())
     assert net.logs[lead.id][7].items[index - 1].payload == b"wake"
+
+
+def test_a_proposal_of_many_records_is_one_entry_spanning_its_count_on_every_node() -> None:
+    net = Net(groups=4)
+    settle(net)
+    lead = net.leader(2)
+    assert lead is not None
+    host = net.host(lead.id)
+    before = lead.terms.last_index
+    index = host.propose(2, b"five records", count=5)
+    assert index == before + 5
+    net.run_until(net.all_quiesced, 20)
+    for h in net.live():
+        log = net.logs[h.id][2]
+        assert h.core(2).commit == index == log.last_index
+        assert (log.items[-1].payload, log.items[-1].count) == (b"five records", 5)
 
 
 def test_a_lost_quiesce_notice_costs_a_wake_up_not_an_election() -> None:

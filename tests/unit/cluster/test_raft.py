@@ -38,34 +38,74 @@ CONFIG = RaftConfig(election_ticks=10, heartbeat_ticks=1)
 
 
 class Log:
-    """The driver's log: applies AppendLog / Truncate, serves entries back."""
+    """The driver's log: applies AppendLog / Truncate, serves whole entries back."""
 
-    def __init__(self, terms: tuple[int, ...] = ()) -> None:
-        self.items = [Entry(t, f"e{i}".encode()) for i, t in enumerate(terms, 1)]
+    def __init__(self, entries: list[Entry] | None = None) -> None:
+        self.items = entries if entries is not None else []
 
-    def entries(self, first: int, last: int) -> list[Entry]:
-        return self.items[first - 1 : last]
+    def starts(self) -> list[int]:
+        """The first index of each entry."""
+        out, index = [], 1
+        for e in self.items:
+            out.append(index)
+            index += e.count
+        return out
+
+    @property
+    def last_index(self) -> int:
+        return sum(e.count for e in self.items)
+
+    def entries(self, first: int, last: int, max_entries: int, max_bytes: int) -> list[Entry]:
+        starts = self.starts()
+        i = starts.index(first)
+        out: list[Entry] = []
+        size = 0
+        for start, e in zip(starts[i:], self.items[i:], strict=True):
+            if (
+                start > last
+                or len(out) == max_entries
+                or (out and size + len(e.payload) > max_bytes)
+            ):
+                break
+            out.append(e)
+            size += len(e.payload)
+        return out
+
+    def entry_start(self, index: int) -> int:
+        return max(start for start in self.starts() if start <= index)
 
     def apply(self, effects: list[Effect]) -> list[Message]:
         sent = []
         for e in effects:
             if isinstance(e, AppendLog):
-                assert e.first_index == len(self.items) + 1
+                assert e.first_index == self.last_index + 1
                 self.items.extend(e.entries)
             elif isinstance(e, Truncate):
-                del self.items[e.from_index - 1 :]
+                keep = self.starts().index(e.from_index)  # only ever between entries
+                del self.items[keep:]
             elif isinstance(e, Send):
                 sent.append(e.message)
         return sent
 
 
 def make(
-    terms: tuple[int, ...] = (), state: HardState | None = None, node_id: int = 1
+    terms: tuple[int, ...] = (),
+    state: HardState | None = None,
+    node_id: int = 1,
+    counts: tuple[int, ...] | None = None,
+    config: RaftConfig = CONFIG,
 ) -> tuple[RaftNode, Log]:
-    log = Log(terms)
-    core = RaftNode(
-        node_id, [1, 2, 3], log, random.Random(0), CONFIG, state, TermTable.of_terms(terms)
-    )
+    """A core over a log of entries of these terms, one index each unless ``counts`` says."""
+    counts = counts or (1,) * len(terms)
+    entries = [
+        Entry(t, f"e{i}".encode(), count=c)
+        for i, (t, c) in enumerate(zip(terms, counts, strict=True), 1)
+    ]
+    table = TermTable()
+    for e in entries:
+        table.append(e.term, e.count)
+    log = Log(entries)
+    core = RaftNode(node_id, [1, 2, 3], log, random.Random(0), config, state, table)
     return core, log
 
 
@@ -400,3 +440,83 @@ def test_timeout_now_starts_an_election_at_once_that_stickiness_does_not_stop() 
     effects = voter.receive(Vote(2, 3, 2, 1, 1, True))
     assert effects == [PersistHardState(HardState(2, 2))]
     assert sends(voter.hard_state_persisted(HardState(2, 2))) == [VoteResp(3, 2, 2, True)]
+
+
+# -- entries spanning several indexes (one record batch = one entry) -------------------------
+
+
+def test_a_proposal_covers_count_indexes_and_travels_whole() -> None:
+    core, log = make()
+    elect(core, log)  # noop at 1
+    log.apply(core.flushed(1))
+    for peer in (2, 3):  # both accept the noop: they are replicated to, not probed
+        log.apply(core.receive(AppendResp(peer, 1, 1, True, 1, 1, 0, None)))
+    assert core.commit == 1
+    effects = core.propose(b"batch", count=4)
+    entry = Entry(1, b"batch", EntryKind.DATA, 4)
+    assert AppendLog(2, (entry,)) in effects and Flush(5) in effects
+    assert core.terms.last_index == 5
+    # Sent at once, prev on the noop's last index.
+    assert log.apply(effects) == [
+        AppendEntries(1, 2, 1, 1, 1, (entry,), 1),
+        AppendEntries(1, 3, 1, 1, 1, (entry,), 1),
+    ]
+    assert commits(core.receive(AppendResp(2, 1, 1, True, 5, 5, 0, None))) == []
+    assert commits(core.flushed(5)) == [5]  # ours and node 2's
+
+
+def test_a_follower_appends_skips_and_truncates_by_whole_entries() -> None:
+    # Ours: term 1 [1..2], term 2 [3..5]. The leader's: the same term-1 entry, then term 3.
+    core, log = make((1, 2), HardState(3, None), counts=(2, 3))
+    log.apply(core.hard_state_persisted(HardState(3, None)))
+    ours = tuple(log.items)
+    new = Entry(3, b"x", count=2)
+    effects = core.receive(AppendEntries(2, 1, 3, 0, 0, (ours[0], new), 0))
+    assert effects[:2] == [Truncate(3), AppendLog(3, (new,))]
+    log.apply(effects)
+    assert core.terms.runs() == [(1, 1), (3, 3)] and core.terms.last_index == 4
+    assert sends(effects)[-1] == AppendResp(1, 2, 3, True, 4, 2, 0, None)
+    # A stale copy of what we hold: nothing cut, nothing written, the match is its end.
+    effects = core.receive(AppendEntries(2, 1, 3, 0, 0, (ours[0],), 0))
+    assert not any(isinstance(e, Truncate | AppendLog) for e in effects)
+    assert sends(effects) == [AppendResp(1, 2, 3, True, 4, 2, 0, None)]
+
+
+def test_a_hint_inside_one_of_the_leaders_entries_moves_to_its_start() -> None:
+    # Leader: term 1 [1], term 2 [2..4]; elected in term 4, its noop at 5. The follower holds
+    # term 1 [1] and a term-3 entry [2..3] (never committed): it is "shorter" than prev 4 and
+    # hints its last index + 1 = 4, inside the leader's term-2 entry.
+    core, log = make((1, 2), HardState(3, None), counts=(1, 3))
+    log.apply(core.hard_state_persisted(HardState(3, None)))
+    elect(core, log)
+    assert core.term == 4 and core.terms.last_index == 5
+    out = log.apply(core.receive(AppendResp(2, 1, 4, False, 4, 0, 4, None)))
+    assert [(m.prev_index, m.prev_term, [e.count for e in m.entries]) for m in out] == [
+        (1, 1, [3, 1])
+    ]
+
+
+def test_append_entries_are_capped_by_payload_bytes_but_carry_one_entry() -> None:
+    config = RaftConfig(election_ticks=10, heartbeat_ticks=1, max_bytes=10)
+    core, log = make((1, 1, 1), HardState(1, None), counts=(2, 1, 3), config=config)
+    log.items[:] = [Entry(1, bytes(8), count=2), Entry(1, bytes(8)), Entry(1, bytes(20), count=3)]
+    log.apply(core.hard_state_persisted(HardState(1, None)))
+    elect(core, log)  # term 2, noop at 7; the follower is behind
+    out = log.apply(core.receive(AppendResp(2, 1, 2, False, 6, 0, 1, None)))
+    assert [(m.prev_index, len(m.entries)) for m in out] == [(0, 1)]  # 8 bytes; 16 > 10
+    # Accepted: the rest streams at once, one entry a message (8 + 20 > 10, 20 alone, and
+    # 20 + the noop's 0 bytes > 10).
+    out = log.apply(core.receive(AppendResp(2, 1, 2, True, 2, 2, 0, None)))
+    assert [(m.prev_index, [e.count for e in m.entries]) for m in out] == [
+        (2, [1]),
+        (3, [3]),
+        (6, [1]),
+    ]
+    assert out[-1].entries == (Entry(2, b"", EntryKind.NOOP),)
+
+
+def test_propose_refuses_an_empty_entry() -> None:
+    core, log = make()
+    elect(core, log)
+    with pytest.raises(ValueError, match="count"):
+        core.propose(b"x", count=0)

@@ -22,6 +22,7 @@ from aiohttp import web
 from aiohttp.test_utils import TestClient, TestServer
 
 from broker.commitlog import CommitLogError, LogConfig, Record, SegmentedLog, Streams, StreamSpec
+from broker.commitlog.batch import encode_control
 from broker.commitlog.reader import LogReader
 from broker.http.arrow import ARROW_STREAM_TYPE, SCHEMA
 from broker.http.fetch_api import (
@@ -363,3 +364,20 @@ def test_offset_for_time(streams: Streams, fetch: Fetcher) -> None:
 def test_offset_for_time_bad_timestamp_is_400(fetch: Fetcher, query: str, words: str) -> None:
     data = fetch.json(OFFSET.format("telemetry", 0) + query, status=400)
     assert words in data["error"] and "(epoch milliseconds)" in data["error"]
+
+
+def test_control_batches_are_skipped_and_paged_past(streams: Streams, fetch: Fetcher) -> None:
+    """A replicated log's control batches (Raft no-ops) take offsets no fetch returns; an
+    Arrow fetch that met only control batches still names the offset to go on from."""
+    log = streams.log("telemetry", 0)
+    fill(streams, 2)
+    log.append_raw(encode_control(2, 1, 1, b"", 0))
+    log.append(records(1, first=3))
+    log.append_raw(encode_control(4, 2, 1, b"", 0))
+    headers, rows = fetch.rows(RECORDS.format("telemetry", 0) + "?offset=0")
+    assert [r["offset"] for r in rows] == [0, 1, 3]
+    assert headers["X-Mqlog-Next-Offset"] == "5" == headers["X-Mqlog-High-Water-Mark"]
+    headers, rows = fetch.rows(RECORDS.format("telemetry", 0) + "?offset=4")
+    assert rows == [] and headers["X-Mqlog-Next-Offset"] == "5"
+    got = fetch.json(RECORDS.format("telemetry", 0) + "?offset=0")
+    assert [r["offset"] for r in got["records"]] == [0, 1, 3]
