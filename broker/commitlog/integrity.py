@@ -448,6 +448,26 @@ def resync(fd: int, path: Path, pos: int, size: int, min_base: int) -> tuple[int
     return _resync(_File(fd, size), pos, min_base, None, path)
 
 
+def report_index(path: Path, named: int, position: int, found: int) -> None:
+    """An offset index entry names ``named`` at ``position``, where the batch starts at
+    ``found``: the index is damaged (its segment is read from the start instead, nothing is
+    lost). Logged once per index file and process; ``mqlog verify --repair`` rebuilds it."""
+    key = (str(path), -1)
+    with _lock:
+        if key in _reported:
+            return
+        _reported.add(key)
+    logger.error(
+        "%s: damaged offset index: its entry names offset %d at byte %d, where the batch at "
+        "offset %d starts; reading the segment from its start (rebuild the index with "
+        "`mqlog verify DATA_DIR --repair`)",
+        path,
+        named,
+        position,
+        found,
+    )
+
+
 def report_error(exc: CorruptRecordBatch) -> bool:
     """:func:`report` a damaged batch known only by the error a scan raised (compaction):
     the range is that one batch, its offsets unknown."""

@@ -240,8 +240,12 @@ class ReplicaOps:
 def _batch_position(segment: Segment, offset: int) -> int:
     """The file position of the batch of ``segment`` whose base offset is ``offset``; the
     segment's size when ``offset`` is past its last batch. Raises if ``offset`` is inside a
-    batch."""
-    for buf, rel, pos in segment.iter_batches(segment.offset_index.lookup(offset)[1]):
+    batch. An index entry whose batch does not start at the offset it names (a damaged index)
+    is not believed: the segment is walked from its start."""
+    named, start = segment.offset_index.lookup(offset)
+    if start and _base_at(segment, start) != named:
+        start = 0
+    for buf, rel, pos in segment.iter_batches(start):
         base, _length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, rel)[:7]
         if base >= offset:
             return pos
@@ -251,6 +255,12 @@ def _batch_position(segment: Segment, offset: int) -> int:
                 f"{base + last_delta}: a log is cut between batches"
             )
     return segment.size
+
+
+def _base_at(segment: Segment, position: int) -> int | None:
+    for buf, rel, _pos in segment.iter_batches(position):
+        return int(BATCH_HEADER.unpack_from(buf, rel)[0])
+    return None
 
 
 def _cut_segment(segment: Segment, position: int, next_offset: int, now_ms: int) -> Segment:

@@ -366,6 +366,31 @@ def test_random_damage_is_reported_never_delivered(
         integrity.forget_reports()
 
 
+def test_an_index_entry_naming_the_wrong_offset_loses_nothing(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by the property above: the first entry of a sealed segment's offset index zeroed
+    (offset 6 -> 0) made reads from offset 0 start at the batch of offset 6, and offsets 0-5
+    vanished with no report. The read now checks that the batch an entry points at starts at
+    the offset it names, logs the damaged index once and reads the segment from its start."""
+    directory = tmp_path / "telemetry" / "0"
+    fresh_copy(directory)
+    index = sorted(directory.glob("*.index"))[0]
+    data = bytearray(index.read_bytes())
+    assert data[0] != 0, "the first index entry names a later batch than the first"
+    data[0] = 0
+    index.write_bytes(bytes(data))
+    written = [message(i) for i in range(600)]
+    log = SegmentedLog.open(directory, CONFIG)
+    try:
+        with caplog.at_level(logging.ERROR, logger="broker.commitlog"):
+            assert read_everything(log) == written
+            assert read_everything(log, columns=True) == written
+        assert sum("damaged offset index" in r.getMessage() for r in caplog.records) == 1
+    finally:
+        log.close()
+
+
 def test_scan_finds_every_damaged_range(tmp_path: Path) -> None:
     write_log(tmp_path, CONFIG)
     target = sealed(tmp_path)[0]
