@@ -32,6 +32,7 @@ is read (:class:`broker.server.Server` is both): this room never imports the ser
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
 from importlib import metadata
@@ -60,7 +61,10 @@ SYS_SPEC = StreamSpec(
 )
 
 
+@functools.cache
 def broker_version() -> str:
+    """The installed package's version, read once: ``importlib.metadata`` parses the package
+    METADATA on every call (~2.5M instructions), and the console's sampler asks every 2 s."""
     try:
         return metadata.version("mqlog")
     except metadata.PackageNotFoundError:
