@@ -361,12 +361,9 @@ class Segment:
         # A sequential consumer asks for the offset right after its previous read: start at
         # the remembered position instead of the index entry (saves the scan to the offset).
         hinted = offset == self._hint_offset
-        if hinted:
-            expect, pos = -1, self._hint_pos
-        else:
-            # The batch an index entry points at must start at the offset it names; a damaged
-            # index that does not is passed over (the segment read from its start).
-            expect, pos = self.offset_index.lookup(offset)
+        # The batch an index entry points at must start at the offset the entry names: if not,
+        # the index is damaged and the segment is read from its start.
+        expect, pos = (-1, self._hint_pos) if hinted else self.offset_index.lookup(offset)
         buf = self._cache_buf
         buf_pos = self._cache_pos
         n = len(buf)
@@ -384,13 +381,11 @@ class Segment:
                 if n - p >= BATCH_HEADER_SIZE:
                     base, length, _m, _a, _r, _e, lod = unpack_header(buf, p)[:7]
                     if expect >= 0:
-                        if base != expect and buf_pos + p:
-                            integrity.report_index(self.index_path, expect, buf_pos + p, base)
-                            buf, buf_pos, p, n = b"", 0, 0, 0
-                            verified_from = verified_to = 0
-                            expect = -1
+                        named, expect = expect, -1
+                        if base != named and buf_pos + p:
+                            integrity.report_index(self.index_path, named, buf_pos + p, base)
+                            buf, buf_pos, p, n, verified_from, verified_to = b"", 0, 0, 0, 0, 0
                             continue
-                        expect = -1
                     if length < MIN_BATCH_SIZE:
                         raise CorruptRecordBatch(
                             f"batch length {length} too small", buf_pos + p, self.log_path

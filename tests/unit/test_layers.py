@@ -66,3 +66,16 @@ def test_room_imports_no_io_module(room: str) -> None:
         for line, module in forbidden_imports(path.read_text(), FORBIDDEN[room])
     ]
     assert not bad, "\n".join(bad)
+
+
+#: A file a newcomer reads whole (CONVENTIONS: split by responsibility before it grows past).
+MAX_LINES = 600
+
+
+def test_no_file_in_broker_is_over_600_lines() -> None:
+    long = {
+        str(path.relative_to(BROKER)): n
+        for path in BROKER.rglob("*.py")
+        if (n := len(path.read_text().splitlines())) > MAX_LINES
+    }
+    assert not long, f"files over {MAX_LINES} lines: {long}"
