@@ -74,8 +74,13 @@ class Progress:
             self.probing = True
 
     def acknowledged(self, match: int, flushed: int) -> None:
-        """A success: the follower's log equals ours up to ``match``."""
-        self.acked = True
+        """A success: the follower's log equals ours up to ``match``. It counts as an
+        acknowledgement (``acked``) only if it moved ``match`` or nothing is in flight: a
+        follower that answers heartbeats at the same ``match`` while entries are in flight has
+        lost them, and the next heartbeat must probe it again (otherwise a full window of lost
+        messages is never resent: simulator seed 8486)."""
+        if match > self.match or not self.waiting():
+            self.acked = True
         self.match = max(self.match, match)
         self.flushed = max(self.flushed, flushed)
         if self.state is not ProgressState.REPLICATE:
