@@ -15,7 +15,7 @@ from __future__ import annotations
 import pytest
 
 from broker.cluster.raft import Variant
-from broker.cluster.sim import Sim, Violation, main, run_seeds
+from broker.cluster.sim import Sim, Violation, main, run_seed, run_seeds
 
 CATCH_WITHIN = 30
 
@@ -87,3 +87,12 @@ def test_jobs_run_seeds_in_parallel_with_the_same_output(
 def test_many_seeds_pass() -> None:
     outcome = run_seeds(range(1000, 1300))
     assert (outcome.violations, outcome.stuck) == ([], [])
+
+
+def test_a_window_of_lost_appends_is_resent() -> None:
+    """Seed 8486 of the 10,000-seed run: a follower in REPLICATE lost a full window of
+    AppendEntries and went on answering heartbeats at its old match; those answers counted as
+    acknowledgements, so the leader never probed it again and the group's proposals never
+    committed (stuck). Fixed in ``Progress.acknowledged``."""
+    _events, _counts, failure, report = run_seed(8486, 3, 8, Variant.CORRECT)
+    assert failure is None, report
