@@ -270,19 +270,26 @@ class SegmentedLog(ReplicaOps):
                 batch: bytes | bytearray = encode_small(base, records, leader_epoch=leader_epoch)
             else:
                 batch = encode_batch(base, records, leader_epoch=leader_epoch)
-            now_ms = self._now_ms()
-            if active.size and (
-                active.size + len(batch) > self.config.segment_bytes
-                or now_ms - active.rolling_base_ms > self.config.segment_ms
-                or base + len(records) - active.base_offset > MAX_SEGMENT_OFFSETS
-            ):
-                self._roll_locked(now_ms)
-                active = self._segments[-1]
-            first = not active.size
-            active.append(batch, fsync=self._fsync_always)
-            if first:
-                active.rolling_base_ms = now_ms
+            self._write_locked(batch, base + len(records))
             return base
+
+    def _write_locked(self, batch: bytes | bytearray, next_offset: int) -> None:
+        """Write one encoded batch that ends before ``next_offset`` to the active segment,
+        rolling first if it would make the segment too big, too old or span too many
+        offsets (``append`` and ``append_raw``)."""
+        active = self._segments[-1]
+        now_ms = self._now_ms()
+        if active.size and (
+            active.size + len(batch) > self.config.segment_bytes
+            or now_ms - active.rolling_base_ms > self.config.segment_ms
+            or next_offset - active.base_offset > MAX_SEGMENT_OFFSETS
+        ):
+            self._roll_locked(now_ms)
+            active = self._segments[-1]
+        first = not active.size
+        active.append(batch, fsync=self._fsync_always)
+        if first:
+            active.rolling_base_ms = now_ms
 
     def roll(self) -> None:
         """Close the active segment and start a new one at :attr:`end_offset`.

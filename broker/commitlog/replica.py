@@ -29,7 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from broker.commitlog.batch import BATCH_HEADER, BATCH_HEADER_SIZE, validate_batch
-from broker.commitlog.config import MAX_SEGMENT_OFFSETS, LogConfig
+from broker.commitlog.config import LogConfig
 from broker.commitlog.disk import fsync_data, fsync_directory
 from broker.commitlog.errors import (
     CommitLogError,
@@ -61,6 +61,7 @@ class ReplicaOps:
         def _check_open(self) -> None: ...
         def _now_ms(self) -> int: ...
         def _roll_locked(self, now_ms: int) -> None: ...
+        def _write_locked(self, batch: bytes | bytearray, next_offset: int) -> None: ...
 
     def append_raw(self, batch: bytes) -> int:
         """Append ``batch``, encoded elsewhere, as it is (one ``write()``); return its base
@@ -84,18 +85,7 @@ class ReplicaOps:
                     f"{self.directory}: a batch with base offset {h.base_offset} cannot be "
                     f"appended at the log end offset {base}"
                 )
-            now_ms = self._now_ms()
-            if active.size and (
-                active.size + len(batch) > self.config.segment_bytes
-                or now_ms - active.rolling_base_ms > self.config.segment_ms
-                or h.next_offset - active.base_offset > MAX_SEGMENT_OFFSETS
-            ):
-                self._roll_locked(now_ms)
-                active = self._segments[-1]
-            first = not active.size
-            active.append(batch, fsync=self._fsync_always)
-            if first:
-                active.rolling_base_ms = now_ms
+            self._write_locked(batch, h.next_offset)
             return base
 
     def read_batches(self, offset: int, end: int, max_batches: int, max_bytes: int) -> list[bytes]:
