@@ -2,7 +2,7 @@
 
 Units: bytes for ``*_bytes``, milliseconds for ``*_ms``. ``None`` retention means "keep
 forever" / "no size limit". Values are validated once, at construction, and raise
-:class:`~broker.commitlog.errors.LogConfigError` naming the field; ``broker/config.py`` parses
+:class:`~broker.commitlog.errors.LogConfigError` naming the field; ``broker/config`` parses
 the TOML and names the file.
 
 Immutable; safe to share between threads.
@@ -75,12 +75,15 @@ class StreamSpec:
     """A named log with ``partitions`` partitions, selected by MQTT topic filters.
 
     ``topic_filters`` is empty for the internal streams and for ``default``.
+    ``replication_factor`` is the copies a cluster keeps of each partition (None: the
+    cluster's own factor); the log itself does not read it.
     """
 
     name: str
     topic_filters: tuple[str, ...]
     partitions: int = 1
     log: LogConfig = field(default_factory=LogConfig)
+    replication_factor: int | None = None
 
     def __post_init__(self) -> None:
         if not self.name or "/" in self.name or self.name in (".", ".."):
@@ -88,4 +91,9 @@ class StreamSpec:
         if self.partitions < 1:
             raise LogConfigError(
                 f"stream {self.name!r}: partitions must be >= 1, got {self.partitions}"
+            )
+        if self.replication_factor is not None and self.replication_factor < 1:
+            raise LogConfigError(
+                f"stream {self.name!r}: replication_factor must be >= 1 or None, "
+                f"got {self.replication_factor}"
             )

@@ -6,6 +6,11 @@ errors (a typo must not silently fall back to a default), and every error is a
 N`` ..., :data:`FLAGS`) are merged into the file's values before parsing, so they pass the very
 checks the keys they override get; an error in one names the flag.
 
+The package: this module holds the single node's sections and the entry points
+(:func:`load_config`, :func:`parse_config`); :mod:`broker.config.values` reads a table's
+typed values; :mod:`broker.config.cluster` the ``[cluster]`` and ``[xdp]`` sections, absent
+from a single node's file (``Config.cluster is None``).
+
 Safe by default, as Mosquitto 2 is: with anonymous access on and no password file, the MQTT
 listeners bind to loopback only unless ``[server] host`` (or ``--host``) names an address.
 """
@@ -17,16 +22,47 @@ import ipaddress
 import os
 import re
 import tomllib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 from broker.commitlog.config import CORRUPTION_POLICIES, FsyncPolicy, LogConfig, StreamSpec
+from broker.config.cluster import (
+    MAX_REPLICATION_FACTOR,
+    ClusterConfig,
+    Seed,
+    XdpConfig,
+    parse_cluster,
+    parse_xdp,
+)
+from broker.config.values import ConfigError, Section, duration_ms, parse_duration_ms, parse_size
 from broker.mqtt.errors import TopicFilterInvalid
 from broker.mqtt.topics import validate_topic_filter
 
-T = TypeVar("T")
+__all__ = [
+    "ANY_ADDRESS",
+    "FLAGS",
+    "LOOPBACK",
+    "MAX_PACKET_SIZE_LIMIT",
+    "AuthConfig",
+    "ClusterConfig",
+    "CommitLogSettings",
+    "Config",
+    "ConfigError",
+    "HttpConfig",
+    "RouterConfig",
+    "Seed",
+    "ServerConfig",
+    "XdpConfig",
+    "check_ports",
+    "duration_ms",
+    "is_loopback",
+    "load_config",
+    "parse_config",
+    "parse_duration_ms",
+    "parse_size",
+]
 
 #: ``mqlog serve`` flags, by the config key each overrides.
 FLAGS = {
@@ -39,31 +75,8 @@ FLAGS = {
 LOOPBACK = "127.0.0.1"
 ANY_ADDRESS = "0.0.0.0"
 MAX_PACKET_SIZE_LIMIT = 268_435_455  # the largest remaining length plus header MQTT allows
-_DURATION_UNITS_MS = {
-    "ms": 1,
-    "s": 1000,
-    "m": 60_000,
-    "h": 3_600_000,
-    "d": 86_400_000,
-    "w": 604_800_000,
-}
-_DURATION_RE = re.compile(r"^\s*(\d+)\s*(ms|s|m|h|d|w)\s*$")
-_SIZE_UNITS = {
-    "": 1,
-    "b": 1,
-    "kb": 1000,
-    "mb": 1000**2,
-    "gb": 1000**3,
-    "kib": 1024,
-    "mib": 1024**2,
-    "gib": 1024**3,
-}
-_SIZE_RE = re.compile(r"^\s*(\d+)\s*([a-zA-Z]*)\s*$")
 _STREAM_NAME_RE = re.compile(r"^[A-Za-z0-9_.-]{1,128}$")
-
-
-class ConfigError(Exception):
-    """A configuration value is missing, unknown or invalid. The message names key and file."""
+_SECTIONS = ("server", "router", "commitlog", "streams", "http", "auth", "cluster", "xdp")
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,6 +154,8 @@ class Config:
     streams: tuple[StreamSpec, ...] = ()
     http: HttpConfig = field(default_factory=HttpConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
+    cluster: ClusterConfig | None = None  # None: a single node
+    xdp: XdpConfig = field(default_factory=XdpConfig)  # enabled only with a cluster
 
     def stream_specs(self) -> list[StreamSpec]:
         """User streams, plus ``default`` (from the [commitlog] defaults) unless defined."""
@@ -149,133 +164,19 @@ class Config:
             specs.append(StreamSpec("default", (), 1, self.commitlog.defaults))
         return specs
 
+    def replication_factor(self, spec: StreamSpec) -> int:
+        """Copies of each of ``spec``'s partitions: its own factor, else the cluster's (1 on a
+        single node). Not yet capped at the node count, which only the cluster knows."""
+        if self.cluster is None:
+            return 1
+        return spec.replication_factor or self.cluster.replication_factor
+
     def worker_count(self) -> int:
         """Workers to run: the configured number, or one per core when 0."""
         return self.router.workers or (os.cpu_count() or 1)
 
 
-def duration_ms(text: str) -> int | None:
-    """``"7d"``, ``"500ms"``, ``"2h"`` (units ms, s, m, h, d, w) to milliseconds; None if
-    ``text`` is not such a duration. Shared by the config and ``$replay/time:-<duration>``."""
-    m = _DURATION_RE.match(text)
-    return int(m.group(1)) * _DURATION_UNITS_MS[m.group(2)] if m else None
-
-
-def parse_duration_ms(value: Any, key: str, source: str) -> int:
-    """``"7d"``, ``"500ms"``, ``"2h"`` or an integer of milliseconds, to milliseconds."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        ms = duration_ms(value)
-        if ms is not None:
-            return ms
-    raise ConfigError(
-        f"{source}: {key} = {value!r} is not a duration (e.g. 500ms, 30s, 7d, or milliseconds)"
-    )
-
-
-def parse_size(value: Any, key: str, source: str) -> int:
-    """``"64MiB"``, ``"1GB"`` or an integer of bytes, to bytes."""
-    if isinstance(value, int) and not isinstance(value, bool) and value >= 0:
-        return value
-    if isinstance(value, str):
-        m = _SIZE_RE.match(value)
-        if m and m.group(2).lower() in _SIZE_UNITS:
-            return int(m.group(1)) * _SIZE_UNITS[m.group(2).lower()]
-    raise ConfigError(f"{source}: {key} = {value!r} is not a size (e.g. 64MiB, 1GB, or bytes)")
-
-
-class _Section:
-    """Typed access to one TOML table that remembers which keys were read.
-
-    :meth:`finish` then rejects every key nobody asked for, naming it.
-    """
-
-    def __init__(
-        self,
-        table: Mapping[str, Any],
-        name: str,
-        source: str,
-        flags: Mapping[str, str] | None = None,
-    ) -> None:
-        if not isinstance(table, Mapping):
-            raise ConfigError(f"{source}: [{name}] must be a table")
-        self.table = table
-        self.name = name
-        self.source = source
-        #: The keys of this section a command-line flag set, and that flag (errors name it).
-        self.flags = flags or {}
-        self.seen: set[str] = set()
-
-    def key(self, key: str) -> str:
-        return f"{self.name}.{key}" if self.name else key
-
-    def bad(self, key: str, value: Any, what: str) -> ConfigError:
-        """The error for ``key = value``: it must be ``what``. Names the file and the key,
-        or the flag that set it."""
-        flag = self.flags.get(key)
-        if flag is not None:
-            return ConfigError(
-                f"command line: {flag} = {value!r} must be {what} "
-                f"(it overrides {self.key(key)} of {self.source})"
-            )
-        return ConfigError(f"{self.source}: {self.key(key)} = {value!r} must be {what}")
-
-    def get(self, key: str, default: T, check: Callable[[Any], bool], what: str) -> T:
-        self.seen.add(key)
-        if key not in self.table:
-            return default
-        value: T = self.table[key]
-        if not check(value):
-            raise self.bad(key, value, what)
-        return value
-
-    def integer(self, key: str, default: int, lo: int = 0, hi: int | None = None) -> int:
-        def ok(v: Any) -> bool:
-            return (
-                isinstance(v, int)
-                and not isinstance(v, bool)
-                and v >= lo
-                and (hi is None or v <= hi)
-            )
-
-        what = f"an integer >= {lo}" + (f" and <= {hi}" if hi is not None else "")
-        return self.get(key, default, ok, what)
-
-    def boolean(self, key: str, default: bool) -> bool:
-        return self.get(key, default, lambda v: isinstance(v, bool), "true or false")
-
-    def string(self, key: str, default: str, choices: tuple[str, ...] = ()) -> str:
-        what = "one of " + ", ".join(repr(c) for c in choices) if choices else "a string"
-        return self.get(
-            key, default, lambda v: isinstance(v, str) and (not choices or v in choices), what
-        )
-
-    def duration(self, key: str, default: int | None) -> int | None:
-        self.seen.add(key)
-        if key not in self.table:
-            return default
-        value = self.table[key]
-        if value in ("forever", "none", -1):
-            return None
-        return parse_duration_ms(value, self.key(key), self.source)
-
-    def size(self, key: str, default: int | None) -> int | None:
-        self.seen.add(key)
-        if key not in self.table:
-            return default
-        value = self.table[key]
-        if value in ("unlimited", "none", -1):
-            return None
-        return parse_size(value, self.key(key), self.source)
-
-    def finish(self) -> None:
-        for key in self.table:
-            if key not in self.seen:
-                raise ConfigError(f"{self.source}: unknown key {self.key(key)!r}")
-
-
-def _log_config(sec: _Section, base: LogConfig) -> LogConfig:
+def _log_config(sec: Section, base: LogConfig) -> LogConfig:
     """Read the per-log keys shared by [commitlog] and each [[streams]] entry."""
     segment_bytes = sec.size("segment_bytes", base.segment_bytes)
     segment_ms = sec.duration("segment_age", base.segment_ms)
@@ -305,7 +206,7 @@ def _log_config(sec: _Section, base: LogConfig) -> LogConfig:
 
 
 def _stream(table: Any, i: int, source: str, defaults: LogConfig) -> StreamSpec:
-    sec = _Section(table, f"streams[{i}]", source)
+    sec = Section(table, f"streams[{i}]", source)
     name = sec.string("name", "")
     if not _STREAM_NAME_RE.match(name):
         raise ConfigError(
@@ -334,9 +235,21 @@ def _stream(table: Any, i: int, source: str, defaults: LogConfig) -> StreamSpec:
         if f.startswith("$share/"):
             raise ConfigError(f"{source}: {sec.key('topic_filter')} cannot be a shared filter")
     partitions = sec.integer("partitions", 1, lo=1, hi=4096)
+    replication_factor: int | None = sec.get(
+        "replication_factor",
+        None,
+        lambda v: type(v) is int and 1 <= v <= MAX_REPLICATION_FACTOR,
+        f"an integer >= 1 and <= {MAX_REPLICATION_FACTOR}",
+    )
     log = _log_config(sec, defaults)
     sec.finish()
-    return StreamSpec(name=name, topic_filters=tuple(filters), partitions=partitions, log=log)
+    return StreamSpec(
+        name=name,
+        topic_filters=tuple(filters),
+        partitions=partitions,
+        log=log,
+        replication_factor=replication_factor,
+    )
 
 
 def _positive(value: int | None, key: str, source: str) -> int:
@@ -346,7 +259,7 @@ def _positive(value: int | None, key: str, source: str) -> int:
     return value
 
 
-def _path(sec: _Section, key: str) -> Path | None:
+def _path(sec: Section, key: str) -> Path | None:
     """An optional file path; "" means unset."""
     value = sec.string(key, "")
     return Path(value) if value else None
@@ -391,10 +304,10 @@ def parse_config(
     the document and are checked as its values are; their errors name the flag."""
     data, flags = _merge(data, overrides or {})
     for key in data:
-        if key not in ("server", "router", "commitlog", "streams", "http", "auth"):
+        if key not in _SECTIONS:
             raise ConfigError(f"{source}: unknown section [{key}]")
 
-    a = _Section(data.get("auth", {}), "auth", source)
+    a = Section(data.get("auth", {}), "auth", source)
     da = AuthConfig()
     auth = AuthConfig(
         allow_anonymous=a.boolean("allow_anonymous", da.allow_anonymous),
@@ -407,7 +320,7 @@ def parse_config(
     )
     a.finish()
 
-    s = _Section(data.get("server", {}), "server", source, flags.get("server"))
+    s = Section(data.get("server", {}), "server", source, flags.get("server"))
     named = s.string("host", "")
     open_to_anyone = auth.allow_anonymous and auth.password_file is None
     server = ServerConfig(
@@ -434,7 +347,7 @@ def parse_config(
         )
     s.finish()
 
-    r = _Section(data.get("router", {}), "router", source, flags.get("router"))
+    r = Section(data.get("router", {}), "router", source, flags.get("router"))
     d = RouterConfig()
     router = RouterConfig(
         workers=r.integer("workers", d.workers, hi=256),
@@ -459,7 +372,7 @@ def parse_config(
         raise ConfigError(f"{source}: router.keepalive_min is larger than router.keepalive_max")
     r.finish()
 
-    c = _Section(data.get("commitlog", {}), "commitlog", source, flags.get("commitlog"))
+    c = Section(data.get("commitlog", {}), "commitlog", source, flags.get("commitlog"))
     data_dir = Path(c.string("data_dir", str(CommitLogSettings().data_dir)))
     if data_dir.exists() and not data_dir.is_dir():
         raise c.bad("data_dir", str(data_dir), "a directory (a file of that name exists)")
@@ -488,16 +401,41 @@ def parse_config(
         if names.count(name) > 1:
             raise ConfigError(f"{source}: stream {name!r} is defined twice")
 
-    h = _Section(data.get("http", {}), "http", source, flags.get("http"))
+    h = Section(data.get("http", {}), "http", source, flags.get("http"))
     http = HttpConfig(
         enabled=h.boolean("enabled", _HTTP.enabled),
         host=h.string("host", _HTTP.host),
         port=h.integer("port", _HTTP.port, hi=65535),
     )
     h.finish()
-    return Config(
-        server=server, router=router, commitlog=commitlog, streams=streams, http=http, auth=auth
+
+    cluster = parse_cluster(data["cluster"], source) if "cluster" in data else None
+    if cluster is None:
+        if "xdp" in data:
+            raise ConfigError(
+                f"{source}: [xdp] needs [cluster] (the filter guards the cluster's gossip port)"
+            )
+        for st in streams:
+            if st.replication_factor is not None:
+                raise ConfigError(
+                    f"{source}: streams[{st.name}].replication_factor needs [cluster] "
+                    "(a single node keeps one copy)"
+                )
+    cfg = Config(
+        server=server,
+        router=router,
+        commitlog=commitlog,
+        streams=streams,
+        http=http,
+        auth=auth,
+        cluster=cluster,
+        xdp=parse_xdp(data.get("xdp", {}), source),
     )
+    if cluster is not None:
+        check_ports(
+            cfg, source, {f"{s}.{k}": flag for s, f in flags.items() for k, flag in f.items()}
+        )
+    return cfg
 
 
 def check_ports(
@@ -507,7 +445,9 @@ def check_ports(
     --port / --http-port`` included: ``flags`` maps the keys they set to the flag, which the
     error names): with several workers the MQTT listeners share their
     port (SO_REUSEPORT), so the clash surfaced late, as the HTTP API's failure to bind in
-    worker 0 while worker 1 already served (a flaky test picked one free port twice)."""
+    worker 0 while worker 1 already served (a flaky test picked one free port twice).
+    A cluster's gossip and Raft ports count as listeners: :func:`parse_config` runs this
+    check itself for a config with ``[cluster]``."""
     flags = flags or {}
 
     ports = [
@@ -517,6 +457,11 @@ def check_ports(
     ]
     if cfg.http.enabled:
         ports.append(("http.port", cfg.http.port))
+    if cfg.cluster is not None:
+        ports += [
+            ("cluster.gossip_port", cfg.cluster.gossip_port),
+            ("cluster.raft_port", cfg.cluster.raft_port),
+        ]
     seen: dict[int, str] = {}
     for key, port in ports:
         if not port:
