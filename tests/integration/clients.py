@@ -39,6 +39,7 @@ class Client:
         client_id: str = "",
         protocol: int = V311,
         *,
+        host: str = "127.0.0.1",
         clean: bool = True,
         session_expiry: int | None = None,
         keepalive: int = 30,
@@ -47,6 +48,7 @@ class Client:
         connect_properties: Properties | None = None,
         manual_ack: bool = False,
     ) -> None:
+        self.host = host
         self.port = port
         self.protocol = protocol
         self.clean = clean
@@ -115,7 +117,7 @@ class Client:
         kwargs: dict[str, Any] = {"keepalive": self.keepalive, "properties": props}
         if self.protocol == V5:
             kwargs["clean_start"] = self.clean
-        self.paho.connect("127.0.0.1", self.port, **kwargs)
+        self.paho.connect(self.host, self.port, **kwargs)
         self.paho.loop_start()
         rc, self.session_present, self.connack_properties = self.connacks.get(timeout=timeout)
         return rc
