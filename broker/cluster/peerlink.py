@@ -53,9 +53,16 @@ PROOF_SIZE = 32
 
 HEADER = struct.Struct(">IB")
 _PORT = struct.Struct(">H")
-_READ_SIZE = 256 << 10  # the receive buffer's usual size (grown for a larger frame)
+#: A connection's buffer until it is an authenticated incoming link: larger than a HELLO or
+#: REPLY and its proof (at most 567 bytes), so a stranger costs little memory.
+_HANDSHAKE_SIZE = 1024
+_READ_SIZE = 256 << 10  # an incoming link's usual buffer (grown for a larger frame)
 _MIN_READ = 16 << 10  # make room when less than this is free at the buffer's end
 _WILDCARDS = frozenset({"", "0.0.0.0", "::"})
+#: An outgoing link whose sent data stays unacknowledged this long is closed (TCP_USER_TIMEOUT,
+#: Linux) and redialled: after a partition heals, TCP's own retransmission backoff could
+#: otherwise keep the link silent for about as long again as the partition lasted.
+USER_TIMEOUT_MS = 5000
 
 Address = tuple[str, int]
 
@@ -117,7 +124,11 @@ def parse_hello(view: memoryview) -> tuple[bytes, str, Address, int] | None:
 
 class Link(asyncio.BufferedProtocol):
     """One TCP connection: its handshake, then the frames it carries (incoming) or the frames
-    written to it (outgoing). ``closed`` resolves when the connection is lost."""
+    written to it (outgoing). ``closed`` resolves when the connection is lost.
+
+    The transport's own half (a split for size, not a separate abstraction): a link reads and
+    updates its ``PeerTransport``'s link tables (``_out``, ``_links``, ``_nonces``) and calls
+    back into it when it authenticates or is refused."""
 
     def __init__(self, owner: PeerTransport, dialer: Dialer | None) -> None:
         self.owner = owner
@@ -130,7 +141,7 @@ class Link(asyncio.BufferedProtocol):
         self.remote = "?"
         self._quiet = False  # closed by us for a reason already counted, or no fault
         self._open = True
-        self._buf = bytearray(_READ_SIZE)
+        self._buf = bytearray(_HANDSHAKE_SIZE)
         self._view = memoryview(self._buf)
         self._start = self._end = 0
         self._want = 0  # bytes of the frame being read, header included
@@ -150,6 +161,8 @@ class Link(asyncio.BufferedProtocol):
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self.dialer is not None and hasattr(socket, "TCP_USER_TIMEOUT"):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_USER_TIMEOUT, USER_TIMEOUT_MS)
         peer = transport.get_extra_info("peername")
         self.remote = f"{peer[0]}:{peer[1]}" if self.dialer else str(peer[0])
         owner._links.add(self)
@@ -161,7 +174,8 @@ class Link(asyncio.BufferedProtocol):
             transport.write(self._hello)
 
     def get_buffer(self, sizehint: int) -> memoryview:
-        if len(self._buf) - self._end < _MIN_READ:
+        free = len(self._buf) - self._end
+        if not free or (free < _MIN_READ and self.ready and self.dialer is None):
             self._make_room()
         return self._view[self._end :]
 
@@ -307,7 +321,7 @@ class Link(asyncio.BufferedProtocol):
         """Move the unread bytes to the front, growing the buffer if the frame being read (or
         the next read) would not fit."""
         pending = self._end - self._start
-        size = max(self._want, pending + _MIN_READ, len(self._buf))
+        size = max(self._want, pending + _MIN_READ, _READ_SIZE)
         if size > len(self._buf):
             buf = bytearray(size)
             buf[:pending] = self._view[self._start : self._end]

@@ -38,10 +38,13 @@ class Node:
             kw.pop("bind", (HOST, 0)),
             list(seeds),
             kw.pop("secret"),
-            on_message=lambda p, k, m: self.received.put_nowait((p, k, bytes(m))),
+            on_message=self.on_message,
             on_peer=lambda n, a: self.peers.append((n, a)),
             **kw,
         )
+
+    def on_message(self, peer: str, kind: int, payload: memoryview) -> None:
+        self.received.put_nowait((peer, kind, bytes(payload)))
 
     async def start(self) -> Node:
         await self.t.start()
@@ -352,11 +355,40 @@ def test_a_node_that_dials_itself_stops_without_an_alarm() -> None:
         port = probe.getsockname()[1]
         probe.close()
         b = await Node("b").start()
-        a = await Node("a", [("localhost", port), b.address], bind=(HOST, port)).start()
-        await wait(a.t.wait_connected("b"))
+        # Listening everywhere, it does not know 127.0.0.1 names itself.
+        a = await Node("a", [(HOST, port), b.address], bind=("", port)).start()
+        (dialling_itself,) = [
+            t for t in asyncio.all_tasks() if t.get_name() == f"peer dial {(HOST, port)}"
+        ]
+        await asyncio.wait({dialling_itself}, timeout=TIMEOUT)
+        assert dialling_itself.done()
         await wait(b.t.wait_connected("a"))
         assert a.t.stats.auth_failures == 0 and warnings.lines == []
-        assert a.t.members == {"b": b.address}
+        assert a.t.members == {"b": b.address} and b.t.members == {"a": (HOST, port)}
         await close(a, b)
 
     run(test)
+
+
+def test_a_failing_callback_closes_only_its_connection(caplog: pytest.LogCaptureFixture) -> None:
+    async def test(_: Warnings) -> None:
+        class Buggy(Node):
+            def on_message(self, peer: str, kind: int, payload: memoryview) -> None:
+                if kind == 13:
+                    raise RuntimeError("a bug in the consumer")
+                super().on_message(peer, kind, payload)
+
+        a = await Buggy("a").start()
+        bad, bad_writer = await connect_as("s", a.address)
+        _, good_writer = await connect_as("t", a.address)
+        bad_writer.write(frame(13, b"boom") + frame(1, b"after the bug"))
+        assert await wait(bad.read()) == b""
+        good_writer.write(frame(1, b"unaffected"))
+        assert await a.next() == ("t", 1, b"unaffected")
+        assert a.received.empty()  # nothing after the failure on its connection
+        bad_writer.close()
+        good_writer.close()
+        await close(a)
+
+    run(test)
+    assert "a bug in the consumer" in caplog.text
