@@ -36,10 +36,50 @@ import logging
 import secrets
 import socket
 import struct
-from typing import TYPE_CHECKING, cast
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol, cast
 
-if TYPE_CHECKING:
-    from broker.cluster.peers import PeerTransport
+
+@dataclass(slots=True)
+class PeerStats:
+    """Counters since start. Frames and bytes are those of ``send`` and ``on_message`` (the
+    header included in bytes), not the handshake or member announcements."""
+
+    frames_sent: int = 0
+    frames_received: int = 0
+    bytes_sent: int = 0
+    bytes_received: int = 0
+    dropped_full: int = 0
+    dropped_unconnected: int = 0
+    auth_failures: int = 0
+    bad_frames: int = 0
+    #: Outgoing links that completed a handshake.
+    connects: int = 0
+
+
+class PeerTransport(Protocol):
+    """What a link reads and updates of the transport that owns it
+    (``broker.cluster.peers.PeerTransport``; named here so the two modules do not import
+    each other)."""
+
+    node_id: str
+    stats: PeerStats
+    _loop: asyncio.AbstractEventLoop
+    _closing: bool
+    _handshake_timeout: float
+    _secret: bytes
+    _links: set[Link]
+    _out: dict[str, Link]
+    _nonces: dict[bytes, Dialer]
+    _on_message: Callable[[str, int, memoryview], None]
+
+    def _hello(self, nonce: bytes) -> bytes: ...
+    def _authenticated(self, link: Link) -> None: ...
+    def _announced(self, payload: memoryview) -> None: ...
+    def _refuse(self, link: Link, reason: str) -> None: ...
+    def _warn(self, key: str, message: str) -> None: ...
+
 
 log = logging.getLogger("broker.cluster.peers")
 

@@ -30,7 +30,6 @@ import logging
 import random
 import struct
 from collections.abc import Callable
-from dataclasses import dataclass
 
 from broker.cluster.peerlink import (
     HEADER,
@@ -40,6 +39,7 @@ from broker.cluster.peerlink import (
     BadFrame,
     Dialer,
     Link,
+    PeerStats,
     Refused,
     encode_member,
     hello,
@@ -53,23 +53,6 @@ HANDSHAKE_TIMEOUT = 2.0
 WARN_INTERVAL = 60.0
 
 _COUNT = struct.Struct(">H")
-
-
-@dataclass(slots=True)
-class PeerStats:
-    """Counters since start. Frames and bytes are those of ``send`` and ``on_message`` (the
-    header included in bytes), not the handshake or member announcements."""
-
-    frames_sent: int = 0
-    frames_received: int = 0
-    bytes_sent: int = 0
-    bytes_received: int = 0
-    dropped_full: int = 0
-    dropped_unconnected: int = 0
-    auth_failures: int = 0
-    bad_frames: int = 0
-    #: Outgoing links that completed a handshake.
-    connects: int = 0
 
 
 class PeerTransport:

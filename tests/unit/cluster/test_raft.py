@@ -125,14 +125,22 @@ def elect(core: RaftNode, log: Log) -> list[Message]:
     return log.apply(core.receive(VoteResp(2, 1, core.term, True)))
 
 
-def test_cluster_imports_no_network_module() -> None:
+#: The driver and the transport: the only modules of broker/cluster with an event loop and
+#: sockets. Everything else is sans-IO (the core, the host, storage, the simulator).
+IO_MODULES = {"node.py", "peers.py", "peerlink.py"}
+
+
+def test_cluster_imports_no_network_module_outside_the_driver() -> None:
     root = Path(__file__).resolve().parents[3] / "broker" / "cluster"
     bad = [
         (path.name, found)
         for path in sorted(root.glob("*.py"))
-        if (found := forbidden_imports(path.read_text(), NETWORK))
+        if path.name not in IO_MODULES
+        and (found := forbidden_imports(path.read_text(), NETWORK))
     ]
     assert not bad
+    io = [p.name for p in root.glob("*.py") if forbidden_imports(p.read_text(), NETWORK)]
+    assert set(io) <= IO_MODULES and "peers.py" in io  # the rule still sees imports
 
 
 # -- votes -----------------------------------------------------------------------------------
