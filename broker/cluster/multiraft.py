@@ -43,6 +43,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from broker.cluster.frames import Ack, Beat, Frame, ack_message, beat_message
+from broker.cluster.membership import Membership
 from broker.cluster.messages import (
     AppendLog,
     Commit,
@@ -151,15 +152,17 @@ class MultiRaft:
         log: GroupLog,
         hard_state: HardState | None = None,
         terms: TermTable | None = None,
+        membership: Membership | None = None,
     ) -> RaftNode:
         """Host ``group`` (replicas on ``peers``, this node among them) over ``log``, with
-        what was durable at start. The group starts ticking."""
+        what was durable at start (``membership``: the configurations the log holds, which
+        win over ``peers``). The group starts ticking."""
         if group in self._cores:
             raise ValueError(f"group {group} is already hosted on node {self.id}")
         unknown = set(peers) - set(self.peers) - {self.id}
         if unknown or self.id not in peers:
             raise ValueError(f"group {group}: peers {peers} not within nodes of node {self.id}")
-        core = RaftNode(self.id, peers, log, self._rng, self.config, hard_state, terms)
+        core = RaftNode(self.id, peers, log, self._rng, self.config, hard_state, terms, membership)
         self._cores[group] = core
         self._logs[group] = log
         self._ticking[group] = None

@@ -158,6 +158,11 @@ class RaftNode(Elections, Snapshots):
         """The other members (voters and learners): whom this node replicates to as leader."""
         return sorted(self.membership.current.members - {self.id})
 
+    @property
+    def progress(self) -> dict[int, Progress]:
+        """As leader: each peer's replication progress (to read, for status views)."""
+        return self._progress
+
     # -- inputs ------------------------------------------------------------------------------
 
     def tick(self) -> list[Effect]:

@@ -133,7 +133,12 @@ class GroupStorage:
         """Open (recovering) the partition log in ``directory`` and the group's state files;
         ``clock`` is the log's (segment_ms rolls).
         Raises the log's errors and :class:`StateFileError` for a damaged hard state."""
-        log = SegmentedLog.open(directory, config, clock=clock)
+        return cls.over(SegmentedLog.open(directory, config, clock=clock))
+
+    @classmethod
+    def over(cls, log: SegmentedLog) -> GroupStorage:
+        """:meth:`open` over ``log``, already open (the broker's ``Streams`` opened it and
+        closes it); on an error the log is closed."""
         try:
             found = read_hard_state(log.directory)
             hard, hint = found if found is not None else (HardState(0, None), 0)

@@ -1,0 +1,465 @@
+"""One node of the cluster: the MultiRaft host driven on an event loop, over the node transport.
+
+The host (``broker.cluster.multiraft``) decides; this driver does what it asks, in the order
+Raft's safety needs (its ``Ready``):
+
+1. hard states first: each is made durable (``GroupStorage.persist_hard_state``: temp file,
+   fsync, rename, directory fsync) before the core is told, so no vote or reply in a newer
+   term rests on a term or vote a crash could forget (Raft s5.1, figure 2 "persistent state");
+2. flushes: each group's log is fsynced (under ``fsync = "always"`` every append already was,
+   and the flush costs nothing) and the core told ``flushed``, so the commit index only ever
+   counts what a majority has on disk;
+3. frames go to the transport: at most one per peer node per round, every group's messages in
+   it, heartbeats coalesced (``broker.cluster.frames``, encoded by ``broker.cluster.wire``);
+   the cores hold back any message a hard state not yet durable governs;
+4. commits: each group's storage pins its high-water mark (readers never see past it) and
+   :attr:`ClusterNode.on_commit` tells the broker, which acknowledges and delivers.
+
+One round runs per event-loop iteration at most (scheduled with ``call_soon`` on the first
+input after the last round), so what one iteration gathered (publishes of many clients,
+frames from several peers) is appended, persisted and sent together. The clock is a
+``call_later`` tick every ``heartbeat_interval``; the cores count ticks (election timeout =
+``election_timeout / heartbeat_interval`` ticks, randomized per Raft s5.2).
+
+Formation (this issue's static member list): the node listens, connects to ``seeds`` and
+learns each member's name in the authenticated handshake (``broker.cluster.peers``). The
+cluster is formed once every seed answered; the member list is then written to
+``DATA/cluster/members`` so that a restart forms at once, with members down. Groups are
+placed from it (``broker.cluster.placement``).
+
+Called only from the owning event loop's thread.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import random
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any
+
+import orjson
+
+from broker.cluster.frames import Frame
+from broker.cluster.hardstate import write_atomically
+from broker.cluster.membership import Configuration
+from broker.cluster.messages import HardState
+from broker.cluster.multiraft import MultiRaft
+from broker.cluster.options import RaftConfig
+from broker.cluster.peers import PeerTransport
+from broker.cluster.placement import node_id_of, node_ids, replicas
+from broker.cluster.raft import RaftNode, Role
+from broker.cluster.storage import GroupStorage
+from broker.cluster.wire import WireError, decode_frame, encode_frame
+from broker.config.cluster import ClusterConfig
+
+log = logging.getLogger("broker.cluster")
+
+#: Transport kinds: a Raft frame; kinds from :data:`FIRST_APP_KIND` on belong to the broker
+#: (forwarded publishes and their answers, broker.workers.replicated).
+RAFT = 1
+FIRST_APP_KIND = 16
+
+#: Ticks (heartbeat intervals) between two passes of the leader balancer.
+BALANCE_TICKS = 50
+
+#: Seconds between "still waiting for members" log lines while the cluster forms.
+FORMATION_LOG_SECONDS = 5.0
+
+
+@dataclass(frozen=True, slots=True)
+class NodeSettings:
+    """What a node needs of ``[cluster]`` (broker.config's ClusterConfig)."""
+
+    name: str
+    bind: tuple[str, int]
+    seeds: list[tuple[str, int]]
+    secret: bytes
+    replication_factor: int
+    election_timeout: float  # seconds
+    heartbeat_interval: float  # seconds
+
+
+def node_settings(config: ClusterConfig) -> NodeSettings:
+    """What ``[cluster]`` says, in the node's terms. In this release ``seeds`` name the other
+    members' Raft addresses (``host:raft_port``)."""
+    return NodeSettings(
+        name=config.node_id,
+        bind=(config.bind, config.raft_port),
+        seeds=[(seed.host, seed.port) for seed in config.seeds],
+        secret=config.secret,
+        replication_factor=config.replication_factor,
+        election_timeout=config.election_timeout / 1000,
+        heartbeat_interval=config.heartbeat_interval / 1000,
+    )
+
+
+@dataclass(slots=True)
+class NodeStats:
+    leader_changes: int = 0
+    refused: int = 0
+    bad_frames: int = 0
+    rounds: int = 0
+
+
+class ClusterNode:
+    """See the module docstring."""
+
+    def __init__(self, settings: NodeSettings, data_dir: Path) -> None:
+        self.settings = settings
+        self.name = settings.name
+        self.id = node_id_of(settings.name)
+        self.loop = asyncio.get_running_loop()
+        self.state_dir = Path(data_dir) / "cluster"
+        ticks = max(2, round(settings.election_timeout / settings.heartbeat_interval))
+        self.raft_config = RaftConfig(election_ticks=ticks, heartbeat_ticks=1)
+        self.stats = NodeStats()
+        #: Called with (group, new commit index) after the storage pinned it.
+        self.on_commit: Callable[[int, int], None] = lambda g, c: None
+        #: Called with a group whose leader or term changed (after the round's commits).
+        self.on_leader: Callable[[int], None] = lambda g: None
+        #: Transport kind -> handler of (peer node id, payload), kinds >= FIRST_APP_KIND.
+        self.handlers: dict[int, Callable[[int, memoryview], None]] = {}
+        self.names: dict[int, str] = {}
+        self.host: MultiRaft | None = None
+        self.storages: dict[int, GroupStorage] = {}
+        self._leaders: dict[int, tuple[int | None, int]] = {}
+        #: Group id -> its replication factor where a stream overrides ``[cluster]``'s.
+        self.replication: dict[int, int] = {}
+        #: Group id -> its partition (stream, partition), for views and log lines.
+        self.group_keys: dict[int, tuple[str, int]] = {}
+        self._scheduled = False
+        self._ticks = 0
+        self._timer: asyncio.TimerHandle | None = None
+        self._formed = asyncio.Event()
+        self.transport = PeerTransport(
+            settings.name,
+            settings.bind,
+            settings.seeds,
+            settings.secret,
+            on_message=self._on_message,
+            on_peer=self._on_peer,
+        )
+
+    # -- formation ---------------------------------------------------------------------------
+
+    async def start(self) -> list[int]:
+        """Listen, reach the seeds, and return the member ids once the cluster formed."""
+        known = self._load_members()
+        await self.transport.start()
+        if known is None:
+            log.info("cluster: forming with seeds %s", _addrs(self.settings.seeds))
+            while not self._all_seeds_known():
+                try:
+                    await asyncio.wait_for(self._formed.wait(), FORMATION_LOG_SECONDS)
+                except TimeoutError:
+                    missing = [a for a in self.settings.seeds if a not in self._seen_addrs()]
+                    log.info("cluster: waiting for %s", _addrs(missing))
+                self._formed.clear()
+            members = {self.name: self.settings.bind, **self.transport.members}
+            self._save_members(members)
+        else:
+            members = known
+        self.names = node_ids(members)
+        log.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
+        return sorted(self.names)
+
+    def _seen_addrs(self) -> set[tuple[str, int]]:
+        return {tuple(a) for a in self.transport.members.values()}  # type: ignore[misc]
+
+    def _all_seeds_known(self) -> bool:
+        seen = self._seen_addrs()
+        return all(a in seen for a in self.settings.seeds)
+
+    def _on_peer(self, name: str, addr: tuple[str, int]) -> None:
+        self.names.setdefault(node_id_of(name), name)
+        self._formed.set()
+
+    def _load_members(self) -> dict[str, tuple[str, int]] | None:
+        try:
+            data = orjson.loads((self.state_dir / "members").read_bytes())
+        except FileNotFoundError:
+            return None
+        return {name: (addr[0], int(addr[1])) for name, addr in data["members"].items()}
+
+    def _save_members(self, members: dict[str, tuple[str, int]]) -> None:
+        self.state_dir.mkdir(parents=True, exist_ok=True)
+        body = orjson.dumps({"members": {n: list(a) for n, a in sorted(members.items())}})
+        write_atomically(self.state_dir / "members", body)
+
+    # -- groups ------------------------------------------------------------------------------
+
+    def host_groups(self, storages: dict[int, GroupStorage], seed: int | None = None) -> None:
+        """Host every group of ``storages`` this node is a replica of (the caller chose them
+        with :meth:`replicas_of`), and start the clock."""
+        rng = random.Random(seed if seed is not None else time.time_ns() ^ self.id)
+        host = self.host = MultiRaft(self.id, self.names, rng, self.raft_config)
+        for g, storage in storages.items():
+            peers = self.replicas_of(g)
+            # The configuration in the log wins over placement (module doc of placement).
+            membership = storage.membership(Configuration.of(set(peers)))
+            core = host.add_group(
+                g, peers, storage, storage.hard_state, storage.terms.copy(), membership
+            )
+            self.storages[g] = storage
+            self._leaders[g] = (None, core.term)
+        self._timer = self.loop.call_later(self.settings.heartbeat_interval, self._tick)
+
+    def replicas_of(self, group: int) -> list[int]:
+        """The group's first configuration (placement): its replication factor
+        (:attr:`replication`, else ``[cluster]``'s), capped at the node count."""
+        rf = self.replication.get(group, self.settings.replication_factor)
+        return replicas(group, self.names, rf)
+
+    def core(self, group: int) -> RaftNode:
+        assert self.host is not None
+        return self.host.core(group)
+
+    def leader(self, group: int) -> int | None:
+        """The group's leader as this node knows it (itself included), or None."""
+        core = self.core(group)
+        return self.id if core.role is Role.LEADER else core.leader
+
+    def is_leader(self, group: int) -> bool:
+        return self.core(group).role is Role.LEADER
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def propose(self, group: int, payload: bytes, count: int) -> int:
+        """Append a DATA entry on this leader; its last index. Raises the core's NotLeader."""
+        assert self.host is not None
+        index = self.host.propose(group, payload, count)
+        self._schedule()
+        return index
+
+    def transfer_leadership(self, group: int, to: int) -> None:
+        assert self.host is not None
+        self.host.transfer_leadership(group, to)
+        self._schedule()
+
+    def send(self, node: int, kind: int, payload: bytes) -> bool:
+        """Send a broker message to ``node``; False if it could not leave (not connected, or
+        its buffer full): the caller treats it as lost."""
+        name = self.names.get(node)
+        return name is not None and self.transport.send(name, kind, payload)
+
+    def _on_message(self, name: str, kind: int, payload: memoryview) -> None:
+        if kind == RAFT:
+            if self.host is None:
+                return  # not hosting yet: Raft resends
+            try:
+                frame = decode_frame(payload)
+            except WireError as e:
+                self.stats.bad_frames += 1
+                log.warning("cluster: bad frame from %s dropped: %s", name, e)
+                return
+            if frame.frm != node_id_of(name) or frame.to != self.id:
+                self.stats.bad_frames += 1
+                return
+            self._step(self.host.receive, frame)
+            self._schedule()
+            return
+        handler = self.handlers.get(kind)
+        if handler is not None:
+            handler(node_id_of(name), payload)
+
+    def _step(self, fn: Callable[[Any], None], arg: Any) -> None:
+        try:
+            fn(arg)
+        except RuntimeError as e:
+            # A core refused a request that would break safety: a bug somewhere, logged
+            # loudly, and the request dropped (the group stays as it was).
+            self.stats.refused += 1
+            log.error("cluster: %s", e)
+
+    def _tick(self) -> None:
+        assert self.host is not None
+        self._timer = self.loop.call_later(self.settings.heartbeat_interval, self._tick)
+        self.host.tick()
+        self._ticks += 1
+        if self._ticks % BALANCE_TICKS == 0:
+            self._balance()
+        self._schedule()
+
+    def _balance(self) -> None:
+        """Hand each group this node leads to its preferred replica (the first of its
+        placement, :func:`~broker.cluster.placement.replicas`) when that one is connected and
+        holds the whole log: leaders spread evenly over the nodes (Kafka's preferred leader
+        election) instead of piling up on whichever node timed out first. One transfer per
+        group at a time (TimeoutNow, Raft thesis s3.10); a transfer that fails leaves the
+        leader in place."""
+        assert self.host is not None
+        for g in self.storages:
+            core = self.host.core(g)
+            if core.role is not Role.LEADER or core.transferee is not None:
+                continue
+            preferred = self.preferred(g)
+            if preferred is None or preferred == self.id:
+                continue
+            progress = core.progress.get(preferred)
+            name = self.names.get(preferred)
+            if (
+                progress is not None
+                and progress.match == core.terms.last_index
+                and name is not None
+                and self.transport.connected(name)
+            ):
+                try:
+                    self.host.transfer_leadership(g, preferred)
+                except (RuntimeError, ValueError) as e:
+                    log.warning("cluster: transfer of group %d to %s refused: %s", g, name, e)
+
+    def preferred(self, group: int) -> int | None:
+        """The replica that should lead ``group``: the first voter in placement order."""
+        voters = self.core(group).configuration.voters
+        return next((n for n in self.replicas_of(group) if n in voters), None)
+
+    # -- the round ---------------------------------------------------------------------------
+
+    def _schedule(self) -> None:
+        if not self._scheduled:
+            self._scheduled = True
+            self.loop.call_soon(self._round)
+
+    def _round(self) -> None:
+        """Do what the host asks (module docstring), until it asks nothing more."""
+        self._scheduled = False
+        host = self.host
+        if host is None:
+            return
+        self.stats.rounds += 1
+        commits: dict[int, int] = {}
+        for _ in range(16):  # each answer may ask for more; a bound keeps the loop fair
+            ready = host.ready()
+            if not ready:
+                break
+            if ready.hard_states:
+                done_states: list[tuple[int, HardState]] = []
+                for g, state in ready.hard_states.items():
+                    self.storages[g].persist_hard_state(state)
+                    done_states.append((g, state))
+                self._step(host.hard_states_persisted, done_states)
+            if ready.flushes:
+                done: list[tuple[int, int]] = []
+                for g, index in ready.flushes.items():
+                    storage = self.storages[g]
+                    if storage.flushed_index < index:
+                        storage.flush()
+                    done.append((g, storage.flushed_index))
+                self._step(host.flushed, done)
+            for frame in ready.frames:
+                self._send_frame(frame)
+            for g, index in ready.commits.items():
+                self.storages[g].set_commit(index)
+                commits[g] = index
+        else:
+            self._schedule()  # more to do: next iteration, after other callbacks
+        for g, index in commits.items():
+            self.on_commit(g, index)
+        for g, (leader, term) in self._leaders.items():
+            core = host.core(g)
+            now = (self.leader(g), core.term)
+            if now != (leader, term):
+                self._leaders[g] = now
+                if now[0] != leader:
+                    self.stats.leader_changes += 1
+                    log.info(
+                        "cluster: %s/%d: leader %s in term %d",
+                        *self.group_keys.get(g, ("group", g)),
+                        self.names.get(now[0], "none") if now[0] is not None else "none",
+                        core.term,
+                    )
+                self.on_leader(g)
+
+    def _send_frame(self, frame: Frame) -> None:
+        name = self.names.get(frame.to)
+        if name is not None:
+            self.transport.send(name, RAFT, encode_frame(frame))
+
+    # -- views and shutdown ------------------------------------------------------------------
+
+    def status(self) -> dict[str, Any]:
+        """The node's view for ``GET /api/v1/cluster``, ``mqlog cluster status`` and the
+        console: nodes (name, address, state) and, per partition this node holds, its role
+        here, term, leader, replicas, commit index and, on the leader, each follower's lag."""
+        nodes = []
+        for i, name in sorted(self.names.items(), key=lambda kv: kv[1]):
+            here = i == self.id
+            nodes.append(
+                {
+                    "id": name,
+                    "raft_id": i,
+                    "address": _addr(
+                        self.settings.bind if here else self.transport.members.get(name, ("?", 0))
+                    ),
+                    "state": "self"
+                    if here
+                    else "connected"
+                    if self.transport.connected(name)
+                    else "unreachable",
+                }
+            )
+        partitions = []
+        host = self.host
+        for g, storage in sorted(
+            self.storages.items(), key=lambda kv: self.group_keys.get(kv[0], ("", 0))
+        ):
+            assert host is not None
+            core = host.core(g)
+            leader = self.leader(g)
+            stream, p = self.group_keys.get(g, ("?", 0))
+            last = storage.terms.last_index
+            entry: dict[str, Any] = {
+                "stream": stream,
+                "partition": p,
+                "group": g,
+                "role": core.role.name.lower(),
+                "term": core.term,
+                "leader": self.names.get(leader) if leader is not None else None,
+                "replicas": sorted(self.names.get(n, str(n)) for n in core.configuration.members),
+                "commit_index": storage.commit,
+                "last_index": last,
+                "quiesced": host.quiesced(g),
+                "followers": [
+                    {
+                        "node": self.names.get(peer, str(peer)),
+                        "match": pr.match,
+                        "lag": last - pr.match,
+                    }
+                    for peer, pr in sorted(core.progress.items())
+                ]
+                if core.role is Role.LEADER
+                else [],
+            }
+            partitions.append(entry)
+        return {
+            "mode": "cluster",
+            "node_id": self.name,
+            "nodes": nodes,
+            "partitions": partitions,
+            "transport": _counters(self.transport.stats),
+            "raft": _counters(self.stats),
+        }
+
+    async def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        self._round()  # what is durable and due goes out before the sockets close
+        await self.transport.close()
+
+
+def _counters(obj: Any) -> dict[str, int]:
+    """A stats dataclass's counters."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def _addr(a: tuple[str, int]) -> str:
+    host, port = a
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _addrs(addrs: list[tuple[str, int]]) -> str:
+    return ", ".join(_addr(a) for a in addrs) or "none"
