@@ -31,8 +31,15 @@ from broker.router.state import RETAINED, RouterState
 
 log = logging.getLogger("broker.router")
 
-#: Called with the first offset of what was appended, or None if the append failed.
+#: Called with the first offset of what was appended, or None if the append failed, or
+#: :data:`OUTCOME_UNKNOWN`.
 AckCallback = Callable[[int | None], None]
+
+#: What an ack callback gets when the append may or may not have committed (a replicated
+#: partition's leader lost its leadership with the entry in flight): the publisher gets no
+#: acknowledgement and its connection is closed, so that it publishes again (a QoS 1
+#: duplicate is allowed [MQTT-4.3.2-1]; a lost acknowledged message is not).
+OUTCOME_UNKNOWN = -2
 
 
 class GroupCommit:
@@ -153,6 +160,15 @@ class Ack:
     def __call__(self, offset: int | None) -> None:
         session = self.session
         pid = self.packet_id
+        if offset == OUTCOME_UNKNOWN:
+            if self.cls is PubRec:
+                session.pending_qos2.pop(pid, None)
+                session.incoming_qos2.discard(pid)
+            if session.link is self.link:
+                self.link.close(
+                    ReasonCode.UNSPECIFIED_ERROR, "publish outcome unknown: send it again"
+                )
+            return
         resends = 0
         if self.cls is PubRec:
             resends = session.pending_qos2.pop(pid, 0)
