@@ -42,6 +42,7 @@ from broker.net.tls import TLSConfigError, TLSProtocol, server_context
 from broker.net.transport import MQTTProtocol
 from broker.net.websocket import WebSocketListener
 from broker.router.router import Router
+from broker.workers.replicated import ClusterService
 from broker.workers.runtime import WorkerRuntime, WorkerSpec
 
 log = logging.getLogger("broker.server")
@@ -112,6 +113,8 @@ class Server:
             if worker is not None and worker.count > 1
             else None
         )
+        #: The cluster ([cluster]): every partition of the replicated streams a Raft group.
+        self.cluster = ClusterService(config, self.streams) if config.cluster is not None else None
         #: Where the group commit, the links' output and the mesh's frames wait for the end
         #: of the iteration, and run in one pass (broker.net.iteration).
         self.iteration_end = IterationEnd(self.loop)
@@ -121,7 +124,13 @@ class Server:
             schedule=self.iteration_end.call_soon,
             clock=clock,
             monotonic=monotonic,
-            partition_factory=(self.runtime.make_partition if self.runtime is not None else None),
+            partition_factory=(
+                self.runtime.make_partition
+                if self.runtime is not None
+                else self.cluster.make_partition
+                if self.cluster is not None
+                else None
+            ),
             hooks=self.runtime,  # None: one worker (broker.router.hooks.SingleWorker)
             acl=self.auth.acl,
             on_sync_append=self.metrics.fsync_seconds.observe,
@@ -129,6 +138,8 @@ class Server:
         )
         if self.runtime is not None:
             self._join_runtime(self.runtime)
+        if self.cluster is not None:
+            self.cluster.attach(self.router)
         self.metrics.registry.register(BrokerCollector(self))
         self.links: set[MQTTProtocol] = set()
         #: Every link by its keepalive (or CONNECT) deadline, looked at when that passes.
@@ -188,6 +199,8 @@ class Server:
             )
             loaded = self.router.load(skip=runtime.sessions.registry)
             runtime.sessions.loaded(loaded)
+        if self.cluster is not None:
+            await self.cluster.start()  # formed and hosting before any client is served
         # Alone, no SO_REUSEPORT: a second broker on the same port must fail to bind, not
         # silently share the clients. Several workers share the port that way; the
         # supervisor checked it was free and holds the data directory.
@@ -256,6 +269,8 @@ class Server:
             try:
                 self.check_keepalives(self.monotonic())
                 self.router.tick()
+                if self.cluster is not None:
+                    self.cluster.tick()
                 observe = self.metrics.fsync_seconds.observe
                 for plog in self.streams.open_logs().values():  # the ones this worker writes
                     started = time.perf_counter()
@@ -300,6 +315,8 @@ class Server:
             self._scrubber.stop()
         self.router.close()
         self._flush_links()
+        if self.cluster is not None:
+            await self.cluster.close()
         if self.runtime is not None:
             # Sessions persisted above may be on their way to the worker owning $sessions,
             # and peers may be sending theirs here: every worker finishes before any closes.
@@ -315,6 +332,13 @@ class Server:
     def counts(self) -> dict[str, int]:
         """This worker's connections and sessions (GET /healthz adds up every worker's)."""
         return {"connections": len(self.links), "sessions": len(self.router.sessions)}
+
+    def cluster_view(self) -> dict[str, Any]:
+        """``GET /api/v1/cluster``: this node's view of the cluster (module doc of
+        broker.cluster.node), or the single node's."""
+        if self.cluster is None:
+            return {"mode": "single node", "node_id": None, "nodes": [], "partitions": []}
+        return self.cluster.status()
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"ready": self.ready, **self.counts()}

@@ -92,6 +92,11 @@ class AdminSource(PartitionSource, SessionsSource, Protocol):
         """``ready`` and the counts /healthz shows."""
         ...
 
+    def cluster_view(self) -> dict[str, Any]:
+        """``GET /api/v1/cluster``: nodes and, per partition, leader, replicas, follower
+        lag, commit index and term (``"mode": "single node"`` without ``[cluster]``)."""
+        ...
+
 
 class HttpApi:
     """The admin HTTP listener of one broker. Started and stopped by the server."""
@@ -109,6 +114,7 @@ class HttpApi:
                 web.get(f"{API}/streams", self.streams),
                 web.get(f"{API}/streams/{{stream}}/partitions", self.partitions),
                 web.get(f"{API}/sessions", self.sessions),
+                web.get(f"{API}/cluster", self.cluster),
                 *FetchApi(server).routes(),
             ]
         )
@@ -135,6 +141,9 @@ class HttpApi:
             self._runner = None
 
     # ---------------------------------------------------------------- handlers
+
+    async def cluster(self, request: web.Request) -> web.Response:
+        return _json(self.server.cluster_view())
 
     async def healthz(self, request: web.Request) -> web.Response:
         """200 ``{"status": "ok", "ready": true, "connections", "sessions"}`` while every

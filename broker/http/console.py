@@ -102,6 +102,8 @@ class ConsoleSource(SysSource, Protocol):
     @property
     def streams(self) -> Streams: ...
 
+    def cluster_view(self) -> dict[str, Any]: ...
+
     def partition_log(self, key: tuple[str, int]) -> SegmentedLog | LogReader: ...
 
     def describe(self) -> dict[str, Any]:
@@ -294,7 +296,7 @@ class Console:
                 "free_bytes": _free_bytes(data_dir),
             },
             **_most_behind(sessions),
-            "cluster": {"mode": "single node", "node_id": None, "nodes": [], "partitions": []},
+            "cluster": self.server.cluster_view(),
         }
 
     def _streams(self) -> list[dict[str, Any]]:

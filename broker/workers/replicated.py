@@ -1,0 +1,313 @@
+"""Replicated partitions: the router's partitions as Raft groups across the cluster's nodes.
+
+A :class:`ReplicatedPartition` is a router partition whose log is one Raft group's log
+(``broker.cluster.storage``; the group and its node are ``broker.cluster.node``):
+
+* on the group's leader, the batch one iteration gathered becomes ONE entry: encoded once, at
+  the offset after the log's last entry, with the leader's term as its epoch
+  (``storage.encode_entry``), proposed, and written to the local log at once; its publishers'
+  acknowledgements wait in :attr:`ReplicatedPartition.inflight` until the group's commit index
+  covers it (with ``fsync = "always"``: until a majority has it on disk), then go out, the
+  records join the in-memory tail and readers wake (PUBACK / PUBREC only after the quorum
+  commit [MQTT-4.3.2-2]);
+* elsewhere (a follower, or no leader known yet) the batch is forwarded to the leader's node
+  (:class:`ClusterService`), whose answer carries the first offset once committed there;
+* readers, on every replica, see only committed records: :attr:`end_offset` is the log's
+  high-water mark, which the storage pins to the commit index, and a commit wakes them.
+
+Outcomes. An entry is acknowledged only if the commit index reaches it while the term at
+its index is still the one it was proposed in (an index and a term name one entry, Raft's Log
+Matching property s5.3), so an entry a newer leader overwrote is never acknowledged. When this
+node stops leading the group (or its term changes) with entries in flight, their outcome is
+unknown (they may commit under the new leader, or be overwritten): the publishers get
+:data:`~broker.router.commit.OUTCOME_UNKNOWN`, no acknowledgement, and their connections are
+closed so that they publish again (QoS 1 duplicates are allowed; nothing acknowledged is lost).
+A forward whose answer does not come within :data:`FORWARD_TIMEOUT` (the link to the leader
+broke, the leader died) ends the same way. A batch refused outright (no leader, not the
+leader) gets ``None``: a negative acknowledgement (MQTT 5) or a closed connection (3.1.1).
+
+The internal ``$sessions`` / ``$retained`` streams and compacted streams stay local to each
+node in this step: compaction re-encodes batches, which would move entry boundaries under the
+Raft log (see the README's cluster section).
+
+Called only from the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+from collections import deque
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any
+
+from broker.cluster.node import FIRST_APP_KIND, ClusterNode, node_settings
+from broker.cluster.placement import group_ids
+from broker.cluster.raft import NotLeader
+from broker.cluster.storage import GroupStorage, encode_entry
+from broker.commitlog import Record, SegmentedLog, Streams
+from broker.commitlog.batch import decode_batch, encode_batch
+from broker.commitlog.keys import PartitionKey
+from broker.config import Config
+from broker.router.commit import OUTCOME_UNKNOWN
+from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
+
+if TYPE_CHECKING:
+    from broker.router.router import Router
+
+log = logging.getLogger("broker.cluster")
+
+Ack = Callable[[int | None], None]
+
+#: A forwarded batch for a group whose leader is here, and the answer.
+FORWARD = FIRST_APP_KIND
+FORWARDED = FIRST_APP_KIND + 1
+#: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
+FORWARD_TIMEOUT = 10.0
+
+_FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
+_ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
+
+
+class ReplicatedPartition(Partition):
+    """See the module docstring."""
+
+    __slots__ = ("group", "inflight", "service")
+
+    def __init__(
+        self, key: PartitionKey, log: SegmentedLog, group: int, service: ClusterService
+    ) -> None:
+        super().__init__(key, log)
+        self.group = group
+        self.service = service
+        #: Proposed entries awaiting commit: (last index, term, records, acks).
+        self.inflight: deque[tuple[int, int, list[Record], list[Ack | None]]] = deque()
+
+    @property
+    def end_offset(self) -> int:
+        return self.log.high_watermark
+
+    def next_offset(self) -> int:
+        return -1  # numbered when proposed (the leader may change before)
+
+    def add(self, record: Record, ack: Ack | None) -> None:
+        self.pending.append(record)
+        self.acks.append(ack)
+
+    def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
+        """Committed records from ``offset``: from the tail when it holds ``offset`` (it may
+        stop short of the mark: records committed under another leader reach this node's
+        log, not its tail), else from the log."""
+        i = offset - self.tail_base
+        if 0 <= i < len(self.tail):
+            return self.tail[i : i + max_records]
+        return PartitionBase.read(self, offset, max_records)
+
+    def read_columns(self, offset: int) -> Columns:
+        if 0 <= offset - self.tail_base < len(self.tail):
+            return self.tail_columns(offset)
+        return PartitionBase.read_columns(self, offset)
+
+    def commit(self) -> tuple[int, int]:
+        records, acks = self.pending, self.acks
+        self.pending, self.acks = [], []
+        mark = self.log.high_watermark
+        if not records:
+            return mark, mark
+        node = self.service.node
+        if not node.is_leader(self.group):
+            self.service.forward(self, records, acks)
+            return mark, mark
+        core = node.core(self.group)
+        term = core.term
+        payload, count = encode_entry(records, core.terms.last_index, term)
+        try:
+            index = node.propose(self.group, payload, count)
+        except NotLeader:
+            _answer(acks, None)
+            return mark, mark
+        self.inflight.append((index, term, records, acks))
+        return mark, mark
+
+    def committed(self, commit: int) -> None:
+        """The group's commit index reached ``commit``: acknowledge what it covers."""
+        inflight = self.inflight
+        terms = self.service.node.storages[self.group].terms
+        new = tuple.__new__
+        while inflight and inflight[0][0] <= commit:
+            index, term, records, acks = inflight.popleft()
+            first = index - len(records)
+            if terms.term_at(index) != term:
+                _answer(acks, OUTCOME_UNKNOWN)  # overwritten: never acknowledged
+                continue
+            stored = [new(Record, (first + i, *r[1:])) for i, r in enumerate(records)]
+            self.keep_tail(first, stored)
+            for i, ack in enumerate(acks):
+                if ack is not None:
+                    ack(first + i)
+
+    def leadership_changed(self) -> None:
+        """This node stopped leading the group, or its term changed: whatever is in flight
+        has an unknown outcome (module docstring)."""
+        core = self.service.node.core(self.group)
+        inflight = self.inflight
+        while inflight and (
+            not self.service.node.is_leader(self.group) or inflight[0][1] != core.term
+        ):
+            _answer(inflight.popleft()[3], OUTCOME_UNKNOWN)
+
+
+def _answer(acks: list[Ack | None], outcome: int | None) -> None:
+    for ack in acks:
+        if ack is not None:
+            ack(outcome)
+
+
+class ClusterService:
+    """The cluster side of one broker process: the node, its groups (every partition of the
+    replicated streams), forwarding to leaders. Built by the server when ``[cluster]`` is
+    configured; :meth:`attach` connects it to the router, :meth:`start` forms the cluster."""
+
+    def __init__(self, config: Config, streams: Streams) -> None:
+        assert config.cluster is not None
+        self.streams = streams
+        self.node = ClusterNode(node_settings(config.cluster), config.commitlog.data_dir)
+        specs = [
+            spec
+            for spec in streams.specs.values()
+            if not spec.name.startswith("$") and not spec.log.compacted
+        ]
+        self.groups = group_ids((spec.name, p) for spec in specs for p in range(spec.partitions))
+        rf = {spec.name: config.replication_factor(spec) for spec in specs}
+        self.node.replication = {g: rf[key[0]] for g, key in self.groups.items()}
+        self.keys = {key: g for g, key in self.groups.items()}
+        self.node.group_keys = dict(self.groups)
+        self.node.on_commit = self._on_commit
+        self.node.on_leader = self._on_leader
+        self.node.handlers[FORWARD] = self._on_forward
+        self.node.handlers[FORWARDED] = self._on_answer
+        self.router: Router | None = None
+        self._next_request = 1
+        #: Forwarded batches awaiting their answer: id -> (sent at, partition, acks, node).
+        self._waiting: dict[int, tuple[float, ReplicatedPartition, list[Ack | None], int]] = {}
+
+    def attach(self, router: Router) -> None:
+        self.router = router
+
+    def make_partition(self, key: PartitionKey) -> PartitionBase:
+        """The router's partition factory: replicated or local (module docstring)."""
+        g = self.keys.get(key)
+        if g is None or g not in self.node.storages:
+            return Partition(key, self.streams.log(*key))
+        return ReplicatedPartition(key, self.streams.log(*key), g, self)
+
+    async def start(self) -> None:
+        """Form the cluster, then host this node's replicas of every group."""
+        members = await self.node.start()
+        storages: dict[int, GroupStorage] = {}
+        for g, key in self.groups.items():
+            if self.node.id in self.node.replicas_of(g):
+                storages[g] = GroupStorage.over(self.streams.log(*key))
+        self.node.host_groups(storages)
+        log.info(
+            "cluster: node %s holds %d of %d partitions (%d nodes)",
+            self.node.name,
+            len(storages),
+            len(self.groups),
+            len(members),
+        )
+
+    async def close(self) -> None:
+        for _sent, _part, acks, _node in self._waiting.values():
+            _answer(acks, OUTCOME_UNKNOWN)
+        self._waiting.clear()
+        await self.node.close()
+
+    def tick(self) -> None:
+        """Called by the server's timer: forwards unanswered for too long."""
+        now = self.node.loop.time()
+        late = [r for r, (sent, *_) in self._waiting.items() if now - sent > FORWARD_TIMEOUT]
+        for request in late:
+            _, _, acks, _ = self._waiting.pop(request)
+            _answer(acks, OUTCOME_UNKNOWN)
+
+    # -- commits and leaders -----------------------------------------------------------------
+
+    def _partition(self, g: int) -> ReplicatedPartition | None:
+        router = self.router
+        key = self.groups.get(g)
+        if router is None or key is None:
+            return None
+        part = router.partitions.get(key)
+        return part if isinstance(part, ReplicatedPartition) else None
+
+    def _on_commit(self, g: int, commit: int) -> None:
+        part = self._partition(g)
+        if part is None:
+            return
+        part.committed(commit)
+        assert self.router is not None
+        self.router.wake(part)
+
+    def _on_leader(self, g: int) -> None:
+        part = self._partition(g)
+        if part is not None:
+            part.leadership_changed()
+
+    # -- forwarding --------------------------------------------------------------------------
+
+    def forward(
+        self, part: ReplicatedPartition, records: list[Record], acks: list[Ack | None]
+    ) -> None:
+        """Send ``records`` to the leader of ``part``'s group (``None`` to their acks when
+        no leader is known or the message cannot leave)."""
+        leader = self.node.leader(part.group)
+        if leader is None or leader == self.node.id:
+            _answer(acks, None)
+            return
+        request = self._next_request
+        self._next_request += 1
+        body = _FORWARD.pack(request, part.group) + encode_batch(0, records)
+        if not self.node.send(leader, FORWARD, body):
+            _answer(acks, None)
+            return
+        self._waiting[request] = (self.node.loop.time(), part, acks, leader)
+
+    def _on_forward(self, frm: int, body: memoryview) -> None:
+        request, g = _FORWARD.unpack_from(body)
+        router = self.router
+        key = self.groups.get(g)
+
+        def answer(offset: int | None) -> None:
+            self.node.send(frm, FORWARDED, _ANSWER.pack(request, -1 if offset is None else offset))
+
+        if router is None or key is None or not self.node.is_leader(g):
+            answer(None)
+            return
+        try:
+            records = decode_batch(body[_FORWARD.size :])
+        except Exception as e:  # a peer's bug: refuse this batch, keep serving
+            log.warning("cluster: bad forwarded batch from node %d: %s", frm, e)
+            answer(None)
+            return
+        router.append_forwarded(key, [r[1:] for r in records], answer)
+
+    def _on_answer(self, frm: int, body: memoryview) -> None:
+        request, first = _ANSWER.unpack_from(body)
+        waiting = self._waiting.pop(request, None)
+        if waiting is None:
+            return  # timed out meanwhile: its publishers were told
+        acks = waiting[2]
+        if first == -1:
+            _answer(acks, None)
+        elif first == OUTCOME_UNKNOWN:
+            _answer(acks, OUTCOME_UNKNOWN)
+        else:
+            for i, ack in enumerate(acks):
+                if ack is not None:
+                    ack(first + i)
+
+    def status(self) -> dict[str, Any]:
+        view = self.node.status()
+        view["forwards_waiting"] = len(self._waiting)
+        return view

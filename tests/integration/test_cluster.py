@@ -1,0 +1,232 @@
+"""A three-node cluster on this host: real ``mqlog serve`` processes on 127.0.0.1, each with
+its own MQTT, HTTP and Raft ports and data directory, replicating every partition (RF=3).
+
+What is asserted: the nodes form and agree on each partition's leader; a QoS 1 publish through
+any node is acknowledged once committed and delivered to subscribers of every node; after the
+kill -9 of a partition's leader, a new leader is elected, publishes are accepted again and
+every message acknowledged before the kill is still there (read back with ``$replay``); a
+node with the wrong secret is refused and counted. The faults that need separate addresses
+(partitions, packet loss) are in test_cluster_faults.py, on network namespaces.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import queue
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from bench.ports import free_port
+from tests.integration.clients import Client
+from tests.integration.conftest import BrokerProcess
+
+SECRET = b"0123456789abcdef-test-cluster-secret"
+
+
+class Cluster:
+    def __init__(self, tmp: Path, n: int = 3, partitions: int = 4) -> None:
+        secret = tmp / "cluster.key"
+        secret.write_bytes(SECRET)
+        secret.chmod(0o600)
+        self.secret = secret
+        self.raft_ports = [free_port() for _ in range(n)]
+        self.nodes: list[BrokerProcess] = []
+        for i in range(n):
+            seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(self.raft_ports) if j != i)
+            extra = (
+                f'[[streams]]\nname = "devices"\ntopic_filter = ["devices/#"]\n'
+                f"partitions = {partitions}\n"
+                f'[cluster]\nnode_id = "n{i + 1}"\nbind = "127.0.0.1"\n'
+                f"raft_port = {self.raft_ports[i]}\nseeds = [{seeds}]\n"
+                f'secret_file = "{secret}"\nelection_timeout = "500ms"\n'
+                f'heartbeat_interval = "50ms"\n'
+            )
+            self.nodes.append(BrokerProcess(tmp / f"n{i + 1}", extra, fsync="always"))
+
+    def start(self, nodes: list[BrokerProcess] | None = None) -> None:
+        """Start ``nodes`` (all) together: each waits for the others to form."""
+        errors: list[BaseException] = []
+
+        def run(b: BrokerProcess) -> None:
+            try:
+                b.start(timeout=30)
+            except BaseException as e:
+                errors.append(e)
+
+        threads = [threading.Thread(target=run, args=(b,)) for b in nodes or self.nodes]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        if errors:
+            raise errors[0]
+
+    def status(self, b: BrokerProcess) -> dict:
+        with urllib.request.urlopen(f"{b.http_url}/api/v1/cluster", timeout=5) as r:
+            return json.loads(r.read())
+
+    def leaders(self, b: BrokerProcess) -> dict[tuple[str, int], str | None]:
+        return {(p["stream"], p["partition"]): p["leader"] for p in self.status(b)["partitions"]}
+
+    def wait_leaders(self, among: list[BrokerProcess], timeout: float = 15.0) -> dict:
+        """Until every live node names the same leader, among the live ones, for every
+        partition."""
+        names = {f"n{self.nodes.index(b) + 1}" for b in among}
+        deadline = time.monotonic() + timeout
+        while True:
+            views = [self.leaders(b) for b in among]
+            first = views[0]
+            if all(v == first for v in views) and all(v in names for v in first.values()):
+                return first
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no agreed leaders after {timeout}s: {views}")
+            time.sleep(0.05)
+
+    def stop(self) -> None:
+        for b in self.nodes:
+            try:
+                b.stop()
+            except RuntimeError:
+                b.kill()
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    c = Cluster(tmp_path)
+    try:
+        c.start()
+        yield c
+    finally:
+        c.stop()
+
+
+def _publish_all(
+    b: BrokerProcess, topic: str, payloads: list[bytes], client_id: str
+) -> list[bytes]:
+    """Publish QoS 1 one at a time, each waiting for its PUBACK; returns the acknowledged."""
+    client = Client(b.port, client_id)
+    assert client.connect() == 0
+    acked = []
+    try:
+        for p in payloads:
+            info = client.paho.publish(topic, p, qos=1)
+            info.wait_for_publish(timeout=5)
+            if info.is_published():
+                acked.append(p)
+    finally:
+        client.disconnect()
+    return acked
+
+
+def _replay(b: BrokerProcess, topic: str, expect: int, timeout: float = 10.0) -> list[bytes]:
+    """What ``$replay/earliest/<topic>`` delivers through ``b`` (waits for ``expect``)."""
+    client = Client(b.port, f"replay-{time.monotonic_ns()}")
+    assert client.connect() == 0
+    client.subscribe(f"$replay/earliest/{topic}", qos=1)
+    got: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    while len(got) < expect and time.monotonic() < deadline:
+        try:
+            got.append(client.messages.get(timeout=max(0.01, deadline - time.monotonic())).payload)
+        except queue.Empty:
+            break
+    client.expect_none(0.2)  # nothing more than what was published
+    client.disconnect()
+    return got
+
+
+def test_three_nodes_agree_on_leaders_and_replicate(cluster: Cluster) -> None:
+    leaders = cluster.wait_leaders(cluster.nodes)
+    assert len(leaders) == 5  # the devices stream's 4 partitions and the default stream's 1
+    view = cluster.status(cluster.nodes[0])
+    assert view["mode"] == "cluster" and view["node_id"] == "n1"
+    assert sorted(n["id"] for n in view["nodes"]) == ["n1", "n2", "n3"]
+    for p in view["partitions"]:
+        assert p["replicas"] == ["n1", "n2", "n3"]
+    # A publish through each node, read back on every node.
+    payloads = [f"m{i}".encode() for i in range(30)]
+    for i, b in enumerate(cluster.nodes):
+        acked = _publish_all(b, "devices/a/t", payloads[i * 10 : (i + 1) * 10], f"pub{i}")
+        assert len(acked) == 10
+    for b in cluster.nodes:
+        assert _replay(b, "devices/a/t", 30) == payloads
+
+
+def test_a_subscriber_on_one_node_gets_what_another_node_accepted(cluster: Cluster) -> None:
+    cluster.wait_leaders(cluster.nodes)
+    sub = Client(cluster.nodes[2].port, "live-sub")
+    assert sub.connect() == 0
+    assert sub.subscribe("devices/+/t", qos=1) == [1]
+    payloads = [f"x{i}".encode() for i in range(20)]
+    acked = _publish_all(cluster.nodes[0], "devices/b/t", payloads, "p")
+    assert acked == payloads
+    assert [m.payload for m in sub.expect(20)] == acked
+    sub.disconnect()
+
+
+def test_leader_killed_new_leader_elected_nothing_acknowledged_lost(cluster: Cluster) -> None:
+    leaders = cluster.wait_leaders(cluster.nodes)
+    topic = "devices/c/t"
+    # Find the partition of the topic from a publish and its replay (leaders by partition).
+    acked = _publish_all(cluster.nodes[0], topic, [f"before{i}".encode() for i in range(50)], "p1")
+    assert len(acked) == 50
+    # Kill the leader of every partition that node n1 does not lead... simply: kill the
+    # node leading most partitions that is not n1, where the client publishes.
+    counts: dict[str, int] = {}
+    for name in leaders.values():
+        counts[name] = counts.get(name, 0) + 1
+    victim_name = max((n for n in counts if n != "n1"), key=lambda n: counts[n], default="n2")
+    victim = cluster.nodes[int(victim_name[1:]) - 1]
+    victim.kill()
+    killed_at = time.monotonic()
+    live = [b for b in cluster.nodes if b is not victim]
+    new = cluster.wait_leaders(live, timeout=15)
+    failover = time.monotonic() - killed_at
+    assert victim_name not in new.values()
+    after = _publish_all(cluster.nodes[0], topic, [f"after{i}".encode() for i in range(20)], "p2")
+    assert len(after) == 20
+    for b in live:
+        got = _replay(b, topic, 70)
+        assert got == acked + after, (failover, got)
+    # The victim comes back and catches up.
+    cluster.start([victim])
+    cluster.wait_leaders(cluster.nodes)
+    assert _replay(victim, topic, 70) == acked + after
+
+
+def test_a_node_with_the_wrong_secret_is_refused(cluster: Cluster, tmp_path: Path) -> None:
+    cluster.wait_leaders(cluster.nodes)
+    bad_secret = tmp_path / "bad.key"
+    bad_secret.write_bytes(b"another-secret-of-enough-length")
+    bad_secret.chmod(0o600)
+    port = free_port()
+    extra = (
+        f'[cluster]\nnode_id = "intruder"\nbind = "127.0.0.1"\nraft_port = {port}\n'
+        f'seeds = ["127.0.0.1:{cluster.raft_ports[0]}"]\nsecret_file = "{bad_secret}"\n'
+    )
+    intruder = BrokerProcess(tmp_path / "intruder", extra)
+    thread = threading.Thread(target=lambda: _start_quietly(intruder))
+    thread.start()
+    try:
+        deadline = time.monotonic() + 10
+        while cluster.status(cluster.nodes[0])["transport"]["auth_failures"] == 0:
+            assert time.monotonic() < deadline, "no refused handshake counted"
+            time.sleep(0.1)
+        view = cluster.status(cluster.nodes[0])
+        assert sorted(n["id"] for n in view["nodes"]) == ["n1", "n2", "n3"]
+        # The cluster keeps serving.
+        assert len(_publish_all(cluster.nodes[1], "devices/d/t", [b"still"], "p")) == 1
+    finally:
+        intruder.kill()
+        thread.join()
+
+
+def _start_quietly(b: BrokerProcess) -> None:
+    with contextlib.suppress(RuntimeError):  # it never forms: what the test wants
+        b.start(timeout=10)
