@@ -32,6 +32,7 @@ from broker.commitlog.reader import LogReader
 from broker.commitlog.scrub import LogScrubber
 from broker.config import Config
 from broker.http.api import HttpApi, sessions_view
+from broker.metrics.cluster import ClusterMetrics
 from broker.metrics.collector import BrokerCollector, Metrics
 from broker.metrics.sys_topics import SYS_SPEC, SysPublisher, sys_values
 from broker.mqtt.reason_codes import ReasonCode
@@ -141,6 +142,9 @@ class Server:
         if self.cluster is not None:
             self.cluster.attach(self.router)
         self.metrics.registry.register(BrokerCollector(self))
+        if self.cluster is not None:
+            cluster_metrics = ClusterMetrics(self, self.metrics.registry)
+            self.cluster.observe_commit = cluster_metrics.commit_seconds.observe
         self.links: set[MQTTProtocol] = set()
         #: Every link by its keepalive (or CONNECT) deadline, looked at when that passes.
         self.keepalive: KeepaliveWheel[MQTTProtocol] = KeepaliveWheel(TICK_SECONDS, monotonic())
@@ -339,6 +343,11 @@ class Server:
         if self.cluster is None:
             return {"mode": "single node", "node_id": None, "nodes": [], "partitions": []}
         return self.cluster.status()
+
+    def transfer_leader(self, key: PartitionKey, node: str) -> str:
+        if self.cluster is None:
+            raise ValueError("a single node: no [cluster] section")
+        return self.cluster.transfer_leader(key, node)
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"ready": self.ready, **self.counts()}

@@ -100,6 +100,8 @@ def node_settings(config: ClusterConfig) -> NodeSettings:
 @dataclass(slots=True)
 class NodeStats:
     leader_changes: int = 0
+    #: Times this node became a group's leader.
+    elections_won: int = 0
     refused: int = 0
     bad_frames: int = 0
     rounds: int = 0
@@ -366,6 +368,8 @@ class ClusterNode:
                 self._leaders[g] = now
                 if now[0] != leader:
                     self.stats.leader_changes += 1
+                    if now[0] == self.id:
+                        self.stats.elections_won += 1
                     log.info(
                         "cluster: %s/%d: leader %s in term %d",
                         *self.group_keys.get(g, ("group", g)),
@@ -420,6 +424,7 @@ class ClusterNode:
                 "term": core.term,
                 "leader": self.names.get(leader) if leader is not None else None,
                 "replicas": sorted(self.names.get(n, str(n)) for n in core.configuration.members),
+                "preferred_leader": self.names.get(self.preferred(g) or -1),
                 "commit_index": storage.commit,
                 "last_index": last,
                 "quiesced": host.quiesced(g),

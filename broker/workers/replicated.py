@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
@@ -62,11 +63,14 @@ Ack = Callable[[int | None], None]
 #: A forwarded batch for a group whose leader is here, and the answer.
 FORWARD = FIRST_APP_KIND
 FORWARDED = FIRST_APP_KIND + 1
+#: A request to hand a group's leadership to a node: group, node id (u32 each).
+TRANSFER = FIRST_APP_KIND + 2
 #: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
 FORWARD_TIMEOUT = 10.0
 
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
+_TRANSFER = struct.Struct("<II")
 
 
 class ReplicatedPartition(Partition):
@@ -80,8 +84,8 @@ class ReplicatedPartition(Partition):
         super().__init__(key, log)
         self.group = group
         self.service = service
-        #: Proposed entries awaiting commit: (last index, term, records, acks).
-        self.inflight: deque[tuple[int, int, list[Record], list[Ack | None]]] = deque()
+        #: Proposed entries awaiting commit: (last index, term, records, acks, proposed at).
+        self.inflight: deque[tuple[int, int, list[Record], list[Ack | None], float]] = deque()
 
     @property
     def end_offset(self) -> int:
@@ -126,7 +130,7 @@ class ReplicatedPartition(Partition):
         except NotLeader:
             _answer(acks, None)
             return mark, mark
-        self.inflight.append((index, term, records, acks))
+        self.inflight.append((index, term, records, acks, time.perf_counter()))
         return mark, mark
 
     def committed(self, commit: int) -> None:
@@ -134,8 +138,11 @@ class ReplicatedPartition(Partition):
         inflight = self.inflight
         terms = self.service.node.storages[self.group].terms
         new = tuple.__new__
+        observe = self.service.observe_commit
+        now = time.perf_counter()
         while inflight and inflight[0][0] <= commit:
-            index, term, records, acks = inflight.popleft()
+            index, term, records, acks, proposed = inflight.popleft()
+            observe(now - proposed)
             first = index - len(records)
             if terms.term_at(index) != term:
                 _answer(acks, OUTCOME_UNKNOWN)  # overwritten: never acknowledged
@@ -186,7 +193,10 @@ class ClusterService:
         self.node.on_leader = self._on_leader
         self.node.handlers[FORWARD] = self._on_forward
         self.node.handlers[FORWARDED] = self._on_answer
+        self.node.handlers[TRANSFER] = self._on_transfer
         self.router: Router | None = None
+        #: Called with each committed entry's propose-to-commit seconds (the metrics').
+        self.observe_commit: Callable[[float], None] = lambda seconds: None
         self._next_request = 1
         #: Forwarded batches awaiting their answer: id -> (sent at, partition, acks, node).
         self._waiting: dict[int, tuple[float, ReplicatedPartition, list[Ack | None], int]] = {}
@@ -306,6 +316,39 @@ class ClusterService:
             for i, ack in enumerate(acks):
                 if ack is not None:
                     ack(first + i)
+
+    # -- operations --------------------------------------------------------------------------
+
+    def transfer_leader(self, key: PartitionKey, name: str) -> str:
+        """Start moving ``key``'s leadership to node ``name`` (``mqlog cluster
+        transfer-leader``): here if this node leads it, else through its leader."""
+        g = self.keys.get(key)
+        to = next((i for i, n in self.node.names.items() if n == name), None)
+        if g is None or g not in self.node.storages:
+            raise ValueError(f"{key[0]}/{key[1]} is not a replicated partition held here")
+        if to is None or to not in self.node.core(g).configuration.voters:
+            raise ValueError(f"{name!r} is not a voter of {key[0]}/{key[1]}")
+        leader = self.node.leader(g)
+        if leader is None:
+            raise ValueError(f"{key[0]}/{key[1]} has no leader now: try again")
+        if leader == to:
+            return f"{key[0]}/{key[1]}: {name} leads it already"
+        if leader == self.node.id:
+            self.node.transfer_leadership(g, to)
+            return f"{key[0]}/{key[1]}: handing leadership to {name}"
+        if not self.node.send(leader, TRANSFER, _TRANSFER.pack(g, to)):
+            raise ValueError(
+                f"{key[0]}/{key[1]}: its leader {self.node.names[leader]} is unreachable"
+            )
+        return f"{key[0]}/{key[1]}: asked its leader {self.node.names[leader]} to hand it to {name}"
+
+    def _on_transfer(self, frm: int, body: memoryview) -> None:
+        g, to = _TRANSFER.unpack_from(body)
+        if g in self.node.storages and self.node.is_leader(g) and to != self.node.id:
+            try:
+                self.node.transfer_leadership(g, to)
+            except ValueError as e:
+                log.warning("cluster: transfer of group %d asked by node %d refused: %s", g, frm, e)
 
     def status(self) -> dict[str, Any]:
         view = self.node.status()
