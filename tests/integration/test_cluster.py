@@ -14,6 +14,8 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -230,3 +232,79 @@ def test_a_node_with_the_wrong_secret_is_refused(cluster: Cluster, tmp_path: Pat
 def _start_quietly(b: BrokerProcess) -> None:
     with contextlib.suppress(RuntimeError):  # it never forms: what the test wants
         b.start(timeout=10)
+
+
+def test_status_metrics_transfer_leader_and_the_balancer(cluster: Cluster) -> None:
+    # The balancer hands each partition to its preferred replica (placement's first).
+    deadline = time.monotonic() + 20
+    while True:
+        view = cluster.status(cluster.nodes[0])
+        parts = view["partitions"]
+        if all(p["leader"] == p["preferred_leader"] for p in parts):
+            break
+        assert time.monotonic() < deadline, [(p["leader"], p["preferred_leader"]) for p in parts]
+        time.sleep(0.2)
+    # mqlog cluster status, from a node's HTTP API.
+    b = cluster.nodes[1]
+    out = subprocess.run(
+        [sys.executable, "-m", "broker.cli", "cluster", "status", "--broker", b.http_url],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert "node n2: 3 nodes" in out
+    for p in parts:
+        assert f"{p['stream']}/{p['partition']}" in out
+    # Metrics: this node's terms, leaderships and the commit latency of what it led.
+    assert len(_publish_all(b, "devices/e/t", [b"m"] * 5, "pm")) == 5
+    with urllib.request.urlopen(f"{b.http_url}/metrics", timeout=5) as r:
+        metrics = r.read().decode()
+    for name in (
+        "mqlog_cluster_term{",
+        "mqlog_cluster_leader{",
+        "mqlog_cluster_commit_index{",
+        'mqlog_cluster_nodes{state="connected"} 2.0',
+        "mqlog_cluster_frames_sent_total",
+        "mqlog_cluster_commit_seconds_bucket",
+    ):
+        assert name in metrics, name
+    # transfer-leader through a node that does not lead the partition.
+    part = parts[0]
+    key = f"{part['stream']}/{part['partition']}"
+    target = next(n for n in ("n1", "n2", "n3") if n != part["leader"])
+    asked = next(
+        x for x in cluster.nodes if f"n{cluster.nodes.index(x) + 1}" not in (part["leader"],)
+    )
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "cluster",
+            "transfer-leader",
+            key,
+            target,
+            "--broker",
+            asked.http_url,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{key}: leader {target}" in done.stdout
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "cluster",
+            "transfer-leader",
+            key,
+            "n9",
+            "--broker",
+            asked.http_url,
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode != 0 and "'n9' is not a voter" in bad.stderr + bad.stdout
