@@ -151,7 +151,10 @@ class Server:
         self._flush_pending: list[MQTTProtocol] = []
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
-        self._cleaner = LogCleaner(self.streams)
+        # Replicated partitions' retention runs in their Raft groups (broker.cluster.node).
+        self._cleaner = LogCleaner(
+            self.streams, skip=self.cluster.keys if self.cluster is not None else ()
+        )
         scrub = config.commitlog
         self._scrubber = (
             LogScrubber(self.streams, scrub.scrub_interval, scrub.scrub_bytes_per_second)

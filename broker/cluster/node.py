@@ -54,9 +54,10 @@ from broker.cluster.placement import node_id_of, node_ids, replicas
 from broker.cluster.raft import RaftNode, Role
 from broker.cluster.storage import GroupStorage
 from broker.cluster.wire import WireError, decode_frame, encode_frame
+from broker.commitlog import CommitLogError
 from broker.config.cluster import ClusterConfig
 
-log = logging.getLogger("broker.cluster")
+logger = logging.getLogger("broker.cluster")
 
 #: Transport kinds: a Raft frame; kinds from :data:`FIRST_APP_KIND` on belong to the broker
 #: (forwarded publishes and their answers, broker.workers.replicated).
@@ -65,6 +66,9 @@ FIRST_APP_KIND = 16
 
 #: Ticks (heartbeat intervals) between two passes of the leader balancer.
 BALANCE_TICKS = 50
+
+#: Seconds between two retention passes over the groups' logs (the log cleaner's interval).
+RETENTION_SECONDS = 30.0
 
 #: Seconds between "still waiting for members" log lines while the cluster forms.
 FORMATION_LOG_SECONDS = 5.0
@@ -135,6 +139,8 @@ class ClusterNode:
         self.group_keys: dict[int, tuple[str, int]] = {}
         self._scheduled = False
         self._ticks = 0
+        #: Ticks between two retention passes (the log cleaner's 30 s).
+        self._retention_ticks = max(1, round(RETENTION_SECONDS / settings.heartbeat_interval))
         self._timer: asyncio.TimerHandle | None = None
         self._formed = asyncio.Event()
         self.transport = PeerTransport(
@@ -153,20 +159,20 @@ class ClusterNode:
         known = self._load_members()
         await self.transport.start()
         if known is None:
-            log.info("cluster: forming with seeds %s", _addrs(self.settings.seeds))
+            logger.info("cluster: forming with seeds %s", _addrs(self.settings.seeds))
             while not self._all_seeds_known():
                 try:
                     await asyncio.wait_for(self._formed.wait(), FORMATION_LOG_SECONDS)
                 except TimeoutError:
                     missing = [a for a in self.settings.seeds if a not in self._seen_addrs()]
-                    log.info("cluster: waiting for %s", _addrs(missing))
+                    logger.info("cluster: waiting for %s", _addrs(missing))
                 self._formed.clear()
             members = {self.name: self.settings.bind, **self.transport.members}
             self._save_members(members)
         else:
             members = known
         self.names = node_ids(members)
-        log.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
+        logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
         return sorted(self.names)
 
     def _seen_addrs(self) -> set[tuple[str, int]]:
@@ -256,7 +262,7 @@ class ClusterNode:
                 frame = decode_frame(payload)
             except WireError as e:
                 self.stats.bad_frames += 1
-                log.warning("cluster: bad frame from %s dropped: %s", name, e)
+                logger.warning("cluster: bad frame from %s dropped: %s", name, e)
                 return
             if frame.frm != node_id_of(name) or frame.to != self.id:
                 self.stats.bad_frames += 1
@@ -275,7 +281,7 @@ class ClusterNode:
             # A core refused a request that would break safety: a bug somewhere, logged
             # loudly, and the request dropped (the group stays as it was).
             self.stats.refused += 1
-            log.error("cluster: %s", e)
+            logger.error("cluster: %s", e)
 
     def _tick(self) -> None:
         assert self.host is not None
@@ -284,7 +290,33 @@ class ClusterNode:
         self._ticks += 1
         if self._ticks % BALANCE_TICKS == 0:
             self._balance()
+        if self._ticks % self._retention_ticks == 0:
+            self.enforce_retention()
         self._schedule()
+
+    def enforce_retention(self, now_ms: int | None = None) -> int:
+        """Retention of every group's log, here on the loop thread (the log cleaner skips
+        replicated partitions): only whole segments that end at or before what this node's
+        core holds committed and durable (``min(commit, durable_index)``, as an offset), and
+        the core is told the new start in the same step (``compacted``), so it never reads a
+        removed entry and a follower that needs one gets a snapshot. Returns the segments
+        deleted."""
+        assert self.host is not None
+        deleted = 0
+        for g, storage in self.storages.items():
+            core = self.host.core(g)
+            log = storage.log
+            try:
+                n = log.enforce_retention(now_ms, below=min(core.commit, core.durable_index))
+            except (CommitLogError, OSError):
+                logger.exception(
+                    "cluster: retention of %s/%d failed", *self.group_keys.get(g, ("group", g))
+                )
+                continue
+            if n:
+                deleted += n
+                storage.compacted(self.host.compacted(g, log.log_start_offset + 1))
+        return deleted
 
     def _balance(self) -> None:
         """Hand each group this node leads to its preferred replica (the first of its
@@ -312,7 +344,7 @@ class ClusterNode:
                 try:
                     self.host.transfer_leadership(g, preferred)
                 except (RuntimeError, ValueError) as e:
-                    log.warning("cluster: transfer of group %d to %s refused: %s", g, name, e)
+                    logger.warning("cluster: transfer of group %d to %s refused: %s", g, name, e)
 
     def preferred(self, group: int) -> int | None:
         """The replica that should lead ``group``: the first voter in placement order."""
@@ -370,7 +402,7 @@ class ClusterNode:
                     self.stats.leader_changes += 1
                     if now[0] == self.id:
                         self.stats.elections_won += 1
-                    log.info(
+                    logger.info(
                         "cluster: %s/%d: leader %s in term %d",
                         *self.group_keys.get(g, ("group", g)),
                         self.names.get(now[0], "none") if now[0] is not None else "none",

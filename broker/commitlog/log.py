@@ -429,9 +429,11 @@ class SegmentedLog(ReplicaOps):
             return True
 
     # -------------------------------------------------------------- cleaner thread
-    def enforce_retention(self, now_ms: int | None = None) -> int:
+    def enforce_retention(self, now_ms: int | None = None, *, below: int | None = None) -> int:
         """Delete closed segments past ``retention_ms`` / ``retention_bytes`` (see
-        :mod:`broker.commitlog.policy`); return how many. Safe from the cleaner thread."""
+        :mod:`broker.commitlog.policy`); return how many. Safe from the cleaner thread.
+        ``below``: only segments that end at or before this offset (a replicated log: what is
+        committed and durable everywhere it counts, so Raft never needs it again)."""
         with self._cleaner_lock:
             now = self._now_ms() if now_ms is None else now_ms
             with self._lock:
@@ -439,6 +441,9 @@ class SegmentedLog(ReplicaOps):
                 count = retention_victims(
                     self._segments, now, self.config.retention_ms, self.config.retention_bytes
                 )
+                if below is not None:
+                    while count and self._segments[count - 1].next_offset > below:
+                        count -= 1
                 victims = self._segments[:count]
                 del self._segments[:count]
                 del self._bases[:count]
