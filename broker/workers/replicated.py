@@ -23,8 +23,11 @@ unknown (they may commit under the new leader, or be overwritten): the publisher
 :data:`~broker.router.commit.OUTCOME_UNKNOWN`, no acknowledgement, and their connections are
 closed so that they publish again (QoS 1 duplicates are allowed; nothing acknowledged is lost).
 A forward whose answer does not come within :data:`FORWARD_TIMEOUT` (the link to the leader
-broke, the leader died) ends the same way. A batch refused outright (no leader, not the
-leader) gets ``None``: a negative acknowledgement (MQTT 5) or a closed connection (3.1.1).
+broke, the leader died) ends the same way. A batch that finds no leader taking proposals (an
+election or a leadership transfer in progress, a forward refused by a node that no longer
+leads) is held and dispatched again when a leader is known, so a publish in the middle of a
+failover is delayed, not refused; only after :data:`HOLD_SECONDS` without one do its
+publishers get ``None``: a negative acknowledgement (MQTT 5) or a closed connection (3.1.1).
 
 The internal ``$sessions`` / ``$retained`` streams and compacted streams stay local to each
 node in this step: compaction re-encodes batches, which would move entry boundaries under the
@@ -40,11 +43,11 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode, node_settings
 from broker.cluster.placement import group_ids
-from broker.cluster.raft import NotLeader
+from broker.cluster.raft import NotLeader, Role
 from broker.cluster.storage import GroupStorage, encode_entry
 from broker.commitlog import Record, SegmentedLog, Streams
 from broker.commitlog.batch import decode_batch, encode_batch
@@ -67,6 +70,10 @@ FORWARDED = FIRST_APP_KIND + 1
 TRANSFER = FIRST_APP_KIND + 2
 #: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
 FORWARD_TIMEOUT = 10.0
+#: Seconds a batch may wait for its group to have a leader (an election, a transfer) before
+#: its publishers are refused: a failover takes about an election timeout, so a publish in
+#: the middle of one is delayed rather than refused.
+HOLD_SECONDS = 5.0
 
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
@@ -76,7 +83,7 @@ _TRANSFER = struct.Struct("<II")
 class ReplicatedPartition(Partition):
     """See the module docstring."""
 
-    __slots__ = ("group", "inflight", "service")
+    __slots__ = ("group", "held", "inflight", "service")
 
     def __init__(
         self, key: PartitionKey, log: SegmentedLog, group: int, service: ClusterService
@@ -86,6 +93,8 @@ class ReplicatedPartition(Partition):
         self.service = service
         #: Proposed entries awaiting commit: (last index, term, records, acks, proposed at).
         self.inflight: deque[tuple[int, int, list[Record], list[Ack | None], float]] = deque()
+        #: Batches waiting for a leader: (records, acks, monotonic deadline).
+        self.held: list[tuple[list[Record], list[Ack | None], float]] = []
 
     @property
     def end_offset(self) -> int:
@@ -116,22 +125,39 @@ class ReplicatedPartition(Partition):
         records, acks = self.pending, self.acks
         self.pending, self.acks = [], []
         mark = self.log.high_watermark
-        if not records:
-            return mark, mark
-        node = self.service.node
-        if not node.is_leader(self.group):
-            self.service.forward(self, records, acks)
-            return mark, mark
-        core = node.core(self.group)
-        term = core.term
-        payload, count = encode_entry(records, core.terms.last_index, term)
-        try:
-            index = node.propose(self.group, payload, count)
-        except NotLeader:
-            _answer(acks, None)
-            return mark, mark
-        self.inflight.append((index, term, records, acks, time.perf_counter()))
+        if records:
+            self.dispatch(records, acks, time.monotonic() + HOLD_SECONDS)
         return mark, mark
+
+    def dispatch(self, records: list[Record], acks: list[Ack | None], deadline: float) -> None:
+        """Propose ``records`` here (the leader), forward them to the leader, or, while the
+        group has no leader that takes proposals (an election, a leadership transfer), hold
+        them until one does or ``deadline`` passes (then a refusal: ``None``)."""
+        node = self.service.node
+        core = node.core(self.group)
+        if core.role is Role.LEADER and core.transferee is None:
+            term = core.term
+            payload, count = encode_entry(records, core.terms.last_index, term)
+            try:
+                index = node.propose(self.group, payload, count)
+            except NotLeader:
+                pass
+            else:
+                self.inflight.append((index, term, records, acks, time.perf_counter()))
+                return
+        elif self.service.forward(self, records, acks, deadline):
+            return
+        self.held.append((records, acks, deadline))
+
+    def release(self, now: float) -> None:
+        """Dispatch what is held again (a leader may be known now); refuse what waited past
+        its deadline."""
+        held, self.held = self.held, []
+        for records, acks, deadline in held:
+            if now > deadline:
+                _answer(acks, None)
+            else:
+                self.dispatch(records, acks, deadline)
 
     def committed(self, commit: int) -> None:
         """The group's commit index reached ``commit``: acknowledge what it covers."""
@@ -162,6 +188,17 @@ class ReplicatedPartition(Partition):
             not self.service.node.is_leader(self.group) or inflight[0][1] != core.term
         ):
             _answer(inflight.popleft()[3], OUTCOME_UNKNOWN)
+
+
+class Forward(NamedTuple):
+    """A batch forwarded to a leader, awaiting its answer."""
+
+    sent: float  # monotonic
+    part: ReplicatedPartition
+    records: list[Record]
+    acks: list[Ack | None]
+    deadline: float  # of holding it again if refused (ReplicatedPartition.dispatch)
+    leader: int  # the node it went to
 
 
 def _answer(acks: list[Ack | None], outcome: int | None) -> None:
@@ -198,8 +235,8 @@ class ClusterService:
         #: Called with each committed entry's propose-to-commit seconds (the metrics').
         self.observe_commit: Callable[[float], None] = lambda seconds: None
         self._next_request = 1
-        #: Forwarded batches awaiting their answer: id -> (sent at, partition, acks, node).
-        self._waiting: dict[int, tuple[float, ReplicatedPartition, list[Ack | None], int]] = {}
+        #: Forwarded batches awaiting their answer, by request id.
+        self._waiting: dict[int, Forward] = {}
 
     def attach(self, router: Router) -> None:
         self.router = router
@@ -228,18 +265,31 @@ class ClusterService:
         )
 
     async def close(self) -> None:
-        for _sent, _part, acks, _node in self._waiting.values():
-            _answer(acks, OUTCOME_UNKNOWN)
+        for waiting in self._waiting.values():
+            _answer(waiting.acks, OUTCOME_UNKNOWN)
         self._waiting.clear()
+        for part in self._replicated():
+            for _records, acks, _deadline in part.held:
+                _answer(acks, None)
+            part.held.clear()
         await self.node.close()
 
     def tick(self) -> None:
-        """Called by the server's timer: forwards unanswered for too long."""
-        now = self.node.loop.time()
-        late = [r for r, (sent, *_) in self._waiting.items() if now - sent > FORWARD_TIMEOUT]
+        """Called by the server's timer: forwards unanswered for too long have an unknown
+        outcome; held batches are dispatched again, or refused past their deadline."""
+        now = time.monotonic()
+        late = [r for r, w in self._waiting.items() if now - w.sent > FORWARD_TIMEOUT]
         for request in late:
-            _, _, acks, _ = self._waiting.pop(request)
-            _answer(acks, OUTCOME_UNKNOWN)
+            _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
+        for part in self._replicated():
+            if part.held:
+                part.release(now)
+
+    def _replicated(self) -> list[ReplicatedPartition]:
+        router = self.router
+        if router is None:
+            return []
+        return [p for p in router.partitions.values() if isinstance(p, ReplicatedPartition)]
 
     # -- commits and leaders -----------------------------------------------------------------
 
@@ -260,28 +310,40 @@ class ClusterService:
         self.router.wake(part)
 
     def _on_leader(self, g: int) -> None:
+        # Forwards to a node that no longer leads may or may not have committed there: their
+        # publishers are told at once (their connections closed, so they resend), not after
+        # FORWARD_TIMEOUT.
+        leader = self.node.leader(g)
+        gone = [r for r, w in self._waiting.items() if w.part.group == g and w.leader != leader]
+        for request in gone:
+            _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
         part = self._partition(g)
         if part is not None:
             part.leadership_changed()
+            if part.held and self.node.leader(g) is not None:
+                part.release(time.monotonic())
 
     # -- forwarding --------------------------------------------------------------------------
 
     def forward(
-        self, part: ReplicatedPartition, records: list[Record], acks: list[Ack | None]
-    ) -> None:
-        """Send ``records`` to the leader of ``part``'s group (``None`` to their acks when
-        no leader is known or the message cannot leave)."""
+        self,
+        part: ReplicatedPartition,
+        records: list[Record],
+        acks: list[Ack | None],
+        deadline: float,
+    ) -> bool:
+        """Send ``records`` to the leader of ``part``'s group; False when no other node is
+        known to lead it or the message cannot leave (the caller holds them)."""
         leader = self.node.leader(part.group)
         if leader is None or leader == self.node.id:
-            _answer(acks, None)
-            return
+            return False
         request = self._next_request
         self._next_request += 1
         body = _FORWARD.pack(request, part.group) + encode_batch(0, records)
         if not self.node.send(leader, FORWARD, body):
-            _answer(acks, None)
-            return
-        self._waiting[request] = (self.node.loop.time(), part, acks, leader)
+            return False
+        self._waiting[request] = Forward(time.monotonic(), part, records, acks, deadline, leader)
+        return True
 
     def _on_forward(self, frm: int, body: memoryview) -> None:
         request, g = _FORWARD.unpack_from(body)
@@ -307,9 +369,17 @@ class ClusterService:
         waiting = self._waiting.pop(request, None)
         if waiting is None:
             return  # timed out meanwhile: its publishers were told
-        acks = waiting[2]
+        part, records, acks, deadline = (
+            waiting.part,
+            waiting.records,
+            waiting.acks,
+            waiting.deadline,
+        )
         if first == -1:
-            _answer(acks, None)
+            # Refused (that node no longer leads, or had no leader): wait for the next one.
+            part.held.append((records, acks, deadline))
+            if self.node.leader(part.group) not in (None, frm):
+                part.release(time.monotonic())
         elif first == OUTCOME_UNKNOWN:
             _answer(acks, OUTCOME_UNKNOWN)
         else:
