@@ -227,12 +227,15 @@ class ClusterNode:
         return self.host.core(group)
 
     def leader(self, group: int) -> int | None:
-        """The group's leader as this node knows it (itself included), or None."""
-        core = self.core(group)
+        """The group's leader as this node knows it (itself included), or None (also
+        before the groups are hosted)."""
+        if self.host is None or group not in self.storages:
+            return None
+        core = self.host.core(group)
         return self.id if core.role is Role.LEADER else core.leader
 
     def is_leader(self, group: int) -> bool:
-        return self.core(group).role is Role.LEADER
+        return self.leader(group) == self.id
 
     # -- inputs ------------------------------------------------------------------------------
 

@@ -134,6 +134,9 @@ class ReplicatedPartition(Partition):
         group has no leader that takes proposals (an election, a leadership transfer), hold
         them until one does or ``deadline`` passes (then a refusal: ``None``)."""
         node = self.service.node
+        if node.host is None:  # not hosting yet (start-up): held until it is
+            self.held.append((records, acks, deadline))
+            return
         core = node.core(self.group)
         if core.role is Role.LEADER and core.transferee is None:
             term = core.term
@@ -224,6 +227,10 @@ class ClusterService:
         self.groups = group_ids((spec.name, p) for spec in specs for p in range(spec.partitions))
         rf = {spec.name: config.replication_factor(spec) for spec in specs}
         self.node.replication = {g: rf[key[0]] for g, key in self.groups.items()}
+        #: Each group's storage, opened now, before the router loads anything: it pins the
+        #: log's high-water mark at the last commit it knows, so no reader (the router's
+        #: start-up included) sees a record that may yet be truncated.
+        self.storages = {g: GroupStorage.over(streams.log(*key)) for g, key in self.groups.items()}
         self.keys = {key: g for g, key in self.groups.items()}
         self.node.group_keys = dict(self.groups)
         self.node.on_commit = self._on_commit
@@ -244,23 +251,27 @@ class ClusterService:
     def make_partition(self, key: PartitionKey) -> PartitionBase:
         """The router's partition factory: replicated or local (module docstring)."""
         g = self.keys.get(key)
-        if g is None or g not in self.node.storages:
+        if g is None:
             return Partition(key, self.streams.log(*key))
         return ReplicatedPartition(key, self.streams.log(*key), g, self)
 
     async def start(self) -> None:
-        """Form the cluster, then host this node's replicas of every group."""
+        """Form the cluster, then host every group (see :attr:`storages`)."""
         members = await self.node.start()
-        storages: dict[int, GroupStorage] = {}
-        for g, key in self.groups.items():
-            if self.node.id in self.node.replicas_of(g):
-                storages[g] = GroupStorage.over(self.streams.log(*key))
-        self.node.host_groups(storages)
+        small = sorted({rf for rf in self.node.replication.values() if rf < len(members)})
+        if small:
+            log.warning(
+                "cluster: replication_factor %s is below the node count (%d): in this release "
+                "every node holds every partition (a subscriber is fed by its own node's copy)",
+                ", ".join(map(str, small)),
+                len(members),
+            )
+        self.node.replication = dict.fromkeys(self.groups, len(members))
+        self.node.host_groups(self.storages)
         log.info(
-            "cluster: node %s holds %d of %d partitions (%d nodes)",
+            "cluster: node %s holds %d partitions (%d nodes)",
             self.node.name,
-            len(storages),
-            len(self.groups),
+            len(self.storages),
             len(members),
         )
 

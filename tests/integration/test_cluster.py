@@ -309,3 +309,24 @@ def test_status_metrics_transfer_leader_and_the_balancer(cluster: Cluster) -> No
         text=True,
     )
     assert bad.returncode != 0 and "'n9' is not a voter" in bad.stderr + bad.stdout
+
+
+def test_a_persistent_session_on_a_restarted_node_gets_what_it_missed(cluster: Cluster) -> None:
+    cluster.wait_leaders(cluster.nodes)
+    home = cluster.nodes[0]
+    sub = Client(home.port, "durable", clean=False)
+    assert sub.connect() == 0
+    assert sub.subscribe("devices/+/s", qos=1) == [1]
+    sub.disconnect()
+    home.stop()
+    home.start(timeout=30)  # its partitions are replicated ones from the first read on
+    cluster.wait_leaders(cluster.nodes)
+    missed = [f"s{i}".encode() for i in range(10)]
+    assert _publish_all(cluster.nodes[1], "devices/f/s", missed, "ps") == missed
+    again = Client(home.port, "durable", clean=False)
+    assert again.connect() == 0 and again.session_present
+    assert [m.payload for m in again.expect(10)] == missed
+    # and it keeps following what any node accepts
+    assert _publish_all(cluster.nodes[2], "devices/f/s", [b"live"], "ps2") == [b"live"]
+    assert [m.payload for m in again.expect(1)] == [b"live"]
+    again.disconnect()
