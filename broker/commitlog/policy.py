@@ -11,8 +11,14 @@ the start of the log only, so the retained offsets stay one contiguous range:
 
 Compaction (compacted logs only) keeps, per key (the record's topic), only the record with the
 highest offset; a key whose latest record is a tombstone (empty payload) loses all its records
-once that tombstone is in a closed segment. Offsets are preserved (gaps are allowed) and record
-batches keep their boundaries, each rewritten batch holding the surviving records.
+once that tombstone is in a closed segment. Offsets are preserved (gaps are allowed) and so are
+record batches: a rewritten batch keeps its base offset, last offset delta, leader epoch and
+attributes and holds the surviving records at their own offsets, a batch left with none becomes
+a ``CONTROL_COMPACTED`` control batch covering the same offsets (:mod:`broker.commitlog.batch`),
+and a batch that loses nothing (a control batch included) is kept byte for byte. So every
+batch's offsets and epoch are the same before and after, segments never lose a batch (nor end
+earlier), and a compacted log can be a Raft log (an entry is a batch,
+:mod:`broker.cluster.storage`).
 
 The functions here are pure policy or read closed segments only; the log applies their result
 under its lock (:meth:`SegmentedLog.enforce_retention`, :meth:`SegmentedLog.compact`), and
@@ -24,7 +30,14 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from broker.commitlog.batch import CONTROL_FLAG, decode_batch, encode_batch, read_header
+from broker.commitlog.batch import (
+    CONTROL_COMPACTED,
+    CONTROL_FLAG,
+    decode_batch,
+    encode_batch,
+    encode_control,
+    read_header,
+)
 from broker.commitlog.segment import Segment
 
 
@@ -66,20 +79,34 @@ def count_removable(segment: Segment, latest: dict[str, int]) -> int:
     return removable
 
 
-def cleaned_batches(segment: Segment, latest: dict[str, int]) -> Iterator[bytearray]:
-    """Re-encoded batches of ``segment`` holding only the records compaction keeps; a control
-    batch (a Raft no-op or configuration) is kept as it is."""
+def cleaned_batches(segment: Segment, latest: dict[str, int]) -> Iterator[bytes | bytearray]:
+    """The batches of ``segment`` holding only the records compaction keeps, one for each
+    batch of the segment with its offsets and epoch (module doc)."""
     for buf, rel, _pos in segment.iter_batches():
         header = read_header(buf, rel)
+        whole = buf[rel : rel + header.batch_length]
         if header.attributes & CONTROL_FLAG:
-            yield bytearray(buf[rel : rel + header.batch_length])
+            yield whole
             continue
         records = decode_batch(buf, rel)
         kept = [r for r in records if r.payload and latest.get(r.topic, r.offset) == r.offset]
-        if kept:
+        if len(kept) == len(records):
+            yield whole
+        elif kept:
             yield encode_batch(
-                kept[0].offset,
+                header.base_offset,
                 kept,
                 leader_epoch=header.leader_epoch,
                 keep_offsets=True,
+                last_offset_delta=header.last_offset_delta,
+                attributes=header.attributes,
+            )
+        else:
+            yield encode_control(
+                header.base_offset,
+                header.leader_epoch,
+                CONTROL_COMPACTED,
+                b"",
+                header.max_timestamp,
+                header.last_offset_delta,
             )

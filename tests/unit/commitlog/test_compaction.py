@@ -2,12 +2,21 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
 
 from broker.commitlog import CommitLogError, LogConfig, Record, SegmentedLog
+from broker.commitlog.batch import (
+    CONTROL_COMPACTED,
+    CONTROL_FLAG,
+    decode_control,
+    encode_control,
+    read_header,
+)
+from broker.commitlog.log import CLEAN_SHUTDOWN_FILE
+from broker.commitlog.reader import LogReader
+from broker.commitlog.verify import verify_data_dir
 
 COMPACTED = LogConfig(segment_bytes=1 << 20, compacted=True, retention_ms=None)
 
@@ -18,6 +27,24 @@ def put(log: SegmentedLog, *items: tuple[str, bytes]) -> None:
 
 def contents(log: SegmentedLog) -> list[tuple[int, str, bytes]]:
     return [(r.offset, r.topic, r.payload) for r in log.read(log.log_start_offset, 10_000)]
+
+
+def all_batches(log: SegmentedLog) -> list[bytes]:
+    return log.read_batches(log.log_start_offset, log.end_offset, 1 << 30, 1 << 40)
+
+
+def boundaries(log: SegmentedLog) -> list[tuple[int, int, int]]:
+    """(base offset, next offset, leader epoch) of every batch: Raft's entries."""
+    headers = map(read_header, all_batches(log))
+    return [(h.base_offset, h.next_offset, h.leader_epoch) for h in headers]
+
+
+def kinds(log: SegmentedLog) -> dict[int, int | None]:
+    """Base offset -> control type of every batch (None: a batch of records)."""
+    return {
+        read_header(b).base_offset: decode_control(b)[0] if b[13] & CONTROL_FLAG else None
+        for b in all_batches(log)
+    }
 
 
 def test_keeps_latest_per_key_and_drops_tombstones(tmp_path: Path) -> None:
@@ -40,7 +67,9 @@ def test_keeps_latest_per_key_and_drops_tombstones(tmp_path: Path) -> None:
     log.close()
 
 
-def test_emptied_segments_are_dropped_but_the_first_is_kept(tmp_path: Path) -> None:
+def test_emptied_segments_keep_their_batches_as_placeholders(tmp_path: Path) -> None:
+    # Before compaction kept batch boundaries, the emptied segments 1 and 2 were dropped and
+    # segment 0 left empty; now every batch stays, emptied ones as CONTROL_COMPACTED batches.
     log = SegmentedLog.open(tmp_path, COMPACTED)
     put(log, ("a", b"1"))
     log.roll()
@@ -49,11 +78,16 @@ def test_emptied_segments_are_dropped_but_the_first_is_kept(tmp_path: Path) -> N
     put(log, ("a", b"3"))
     log.roll()
     put(log, ("a", b"4"))
+    before = boundaries(log)
     assert log.segments == [0, 1, 2, 3]
     assert log.compact() == 3
-    assert log.segments == [0, 3]
+    assert log.segments == [0, 1, 2, 3] and boundaries(log) == before
+    assert [kinds(log)[o] for o in (0, 1, 2)] == [CONTROL_COMPACTED] * 3
     assert log.log_start_offset == 0 and contents(log) == [(3, "a", b"4")]
-    assert os.path.getsize(tmp_path / f"{0:020d}.log") == 0
+    assert log.read(0)[0].offset == 3 and log.read_columns(0).bases == [3]
+    assert log.compact() == 0
+    log.roll()
+    assert log.compact() == 0  # placeholders hold nothing to remove
     log.close()
 
 
@@ -109,4 +143,97 @@ def test_roll_alone_makes_the_log_dirty_again(tmp_path: Path) -> None:
     log.roll()  # the second tombstone is now in a closed segment
     assert log.compact() == 1
     assert contents(log) == []
+    log.close()
+
+
+# -- batch boundaries (Raft's entries) survive compaction --------------------------------------
+
+
+def keyed(log: SegmentedLog, epoch: int, *items: tuple[str, bytes]) -> list[Record]:
+    """Append one batch of ``items`` at ``epoch`` (timestamps 1000 + 10 * offset); return it."""
+    base = log.end_offset
+    batch = [Record(base + i, 1000 + 10 * (base + i), k, v) for i, (k, v) in enumerate(items)]
+    assert log.append(batch, leader_epoch=epoch) == base
+    return batch
+
+
+def survivors(records: list[Record], active_base: int) -> list[Record]:
+    """The reference: the latest record per key, tombstones of closed segments dropped."""
+    latest = {r.topic: r.offset for r in records}
+    return [
+        r for r in records if r.offset >= active_base or (r.payload and latest[r.topic] == r.offset)
+    ]
+
+
+def gapped_log(path: Path) -> tuple[SegmentedLog, list[Record]]:
+    """Batches whose compaction leaves a gap at the end, at the start, inside, none at all
+    (placeholders, the last batch of a segment among them), a control batch, epochs 1-4."""
+    log = SegmentedLog.open(path, COMPACTED)
+    written = keyed(log, 1, ("x", b"x0"), ("y", b"y0"), ("z", b"z0"))  # 0-2: keeps x0 only
+    written += keyed(log, 1, ("y", b"y1"), ("w", b"w0"))  # 3-4: keeps w0 only
+    written += keyed(log, 2, ("z", b"z1"))  # 5: emptied
+    log.append_raw(encode_control(log.end_offset, 2, 1, b"", 0))  # 6: a Raft no-op
+    written += keyed(log, 2, ("v", b"v0"), ("u", b"u0"))  # 7-8: v0 goes (tombstone at 12)
+    written += keyed(log, 3, ("y", b"y2"))  # 9: emptied, the segment's last batch
+    log.roll()
+    written += keyed(log, 3, ("z", b"z2"), ("y", b"y3"), ("v", b""))  # 10-12: keeps z2
+    written += keyed(log, 4, *[(f"p{i}", b"p") for i in range(10)])  # 13-22: p1 p3 p9 go
+    log.roll()
+    written += keyed(log, 4, ("y", b"y4"), ("p1", b"q"), ("p3", b"q"), ("p9", b"q"))  # active
+    return log, written
+
+
+def check_reads(log: SegmentedLog, expected: list[Record]) -> None:
+    """From every offset, every reader returns the reference's records from there on."""
+    reader = LogReader(log.directory, log.config, log.end_offset)
+    try:
+        for offset in range(log.log_start_offset, log.end_offset + 1):
+            want = [r for r in expected if r.offset >= offset][:3]
+            assert log.read(offset, max_records=3) == want, offset
+            assert reader.read(offset, max_records=3) == want, offset
+            columns = log.read_columns(offset, max_records=3)
+            assert columns.count == len(want), offset
+            if want:
+                assert columns.next_offset >= want[-1].offset + 1
+                assert log.offset_for_time(want[0].timestamp) == want[0].offset
+    finally:
+        reader.close()
+
+
+def test_compaction_keeps_every_batch_and_reads_skip_the_gaps(tmp_path: Path) -> None:
+    log, written = gapped_log(tmp_path / "$retained" / "0")
+    before, end = boundaries(log), log.end_offset
+    assert log.compact() == len(written) - len(survivors(written, 23))
+    assert boundaries(log) == before and log.end_offset == end == 27
+    controls = {o: t for o, t in kinds(log).items() if t is not None}
+    assert controls == {5: CONTROL_COMPACTED, 6: 1, 9: CONTROL_COMPACTED}
+    expected = survivors(written, 23)
+    assert [r.offset for r in expected] == [0, 4, 8, 10, 13, 15, 17, 18, 19, 20, 21, 23, 24, 25, 26]
+    check_reads(log, expected)
+    assert log.offset_for_time(1000 + 10 * 9) == 10  # only the placeholder at 9 is that old
+    log.close()
+    assert not any(check.damaged for _d, checks in verify_data_dir(tmp_path) for check in checks)
+    # Reopened after a clean close, then recovered from scratch: the log ends where it did.
+    for clean in (True, False):
+        if not clean:
+            (log.directory / CLEAN_SHUTDOWN_FILE).unlink()
+            for index in [*log.directory.glob("*.index"), *log.directory.glob("*.timeindex")]:
+                index.unlink()
+        log = SegmentedLog.open(log.directory, COMPACTED)
+        assert boundaries(log) == before and log.end_offset == end
+        check_reads(log, expected)
+        log.close()
+
+
+def test_a_compacted_batch_is_compacted_again_in_place(tmp_path: Path) -> None:
+    log, written = gapped_log(tmp_path)
+    before = boundaries(log)
+    log.compact()
+    written += keyed(log, 5, ("x", b"x1"), ("w", b"w1"), ("z", b"z3"))  # 27-29
+    log.roll()
+    assert log.compact() == 3  # x0, w0 and z2
+    assert boundaries(log)[: len(before)] == before
+    controls = {o: t for o, t in kinds(log).items() if t == CONTROL_COMPACTED}
+    assert sorted(controls) == [0, 3, 5, 9, 10]  # x0, w0, z2: their batches' last survivors
+    check_reads(log, survivors(written, 30))
     log.close()

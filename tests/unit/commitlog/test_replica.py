@@ -114,9 +114,15 @@ def test_compaction_keeps_control_batches(tmp_path: Path) -> None:
         controls = [
             read_header(b).base_offset for b in all_batches(log) if read_header(b)[3] & CONTROL_FLAG
         ]
+        ends = [read_header(b).next_offset for b in all_batches(log)]
         assert len(log.segments) > 2 and log.compact() > 0
         after = all_batches(log)
-        kept = [read_header(b).base_offset for b in after if read_header(b)[3] & CONTROL_FLAG]
+        assert [read_header(b).next_offset for b in after] == ends  # emptied ones: placeholders
+        kept = [
+            read_header(b).base_offset
+            for b in after
+            if read_header(b)[3] & CONTROL_FLAG and decode_control(b)[0] == 1
+        ]
         assert kept == controls
         payloads = [r.payload for r in log.read(0)]  # the active segment is not compacted
         assert payloads[-1] == b"v11" and b"v0" not in payloads
