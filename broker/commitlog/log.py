@@ -458,7 +458,8 @@ class SegmentedLog(ReplicaOps):
 
     def compact(self) -> int:
         """Compacted logs: rewrite closed segments keeping the latest record per topic;
-        tombstones are dropped; offsets and batch boundaries are kept
+        tombstones are dropped; only records below :attr:`high_watermark` count (a replicated
+        log's committed ones); offsets and batch boundaries are kept
         (:func:`~broker.commitlog.policy.cleaned_batches`), so a segment is never dropped and
         ends where it did. Returns the number of records removed. Safe from the cleaner
         thread."""
@@ -470,19 +471,21 @@ class SegmentedLog(ReplicaOps):
                 segments = list(self._segments)
                 active = segments[-1]
                 active_end = active.size
-                # Nothing new to compact: no record appended and no segment rolled since.
-                state = (active.base_offset, active.next_offset)
+                # Only committed records count (policy module doc).
+                below = self.high_watermark
+                # Nothing new to compact: no record committed and no segment rolled since.
+                state = (active.base_offset, min(active.next_offset, below))
                 if state == self._compacted_state or len(segments) < 2:
                     return 0
             try:
                 latest = build_offset_map(
-                    [(s, s.size) for s in segments[:-1]] + [(active, active_end)]
+                    [(s, s.size) for s in segments[:-1]] + [(active, active_end)], below
                 )
                 removed = 0
                 for segment in segments[:-1]:
-                    removable = count_removable(segment, latest)
+                    removable = count_removable(segment, latest, below)
                     if removable:
-                        self._replace_cleaned(segment, latest)
+                        self._replace_cleaned(segment, latest, below)
                         removed += removable
             except CorruptRecordBatch as exc:
                 # Never rewrite damage away: the log stays as it is until it is repaired.
@@ -494,7 +497,7 @@ class SegmentedLog(ReplicaOps):
                 logger.info("%s: compaction removed %d records", self.directory, removed)
             return removed
 
-    def _replace_cleaned(self, segment: Segment, latest: dict[str, int]) -> None:
+    def _replace_cleaned(self, segment: Segment, latest: dict[str, int], below: int) -> None:
         """Write the cleaned copy of ``segment`` (the same batches, so never empty) and swap it
         in (crash-safe order: old indexes removed, log renamed over, new indexes renamed in; a
         missing index is rebuilt)."""
@@ -503,7 +506,7 @@ class SegmentedLog(ReplicaOps):
             self.directory,
             segment.base_offset,
             self.config,
-            cleaned_batches(segment, latest),
+            cleaned_batches(segment, latest, below),
             CLEANED_SUFFIX,
             fsync=sync,
         )

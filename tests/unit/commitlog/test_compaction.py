@@ -237,3 +237,29 @@ def test_a_compacted_batch_is_compacted_again_in_place(tmp_path: Path) -> None:
     assert sorted(controls) == [0, 3, 5, 9, 10]  # x0, w0, z2: their batches' last survivors
     check_reads(log, survivors(written, 30))
     log.close()
+
+
+def test_only_records_below_the_high_water_mark_count(tmp_path: Path) -> None:
+    # A replicated log pins its high-water mark to what the replicas committed; what lies past
+    # it may still be truncated, so it neither goes nor removes what it supersedes (else a
+    # truncated tombstone would leave its key without the committed value before it).
+    log = SegmentedLog.open(tmp_path, COMPACTED)
+    put(log, ("a", b"1"))  # 0
+    log.roll()
+    put(log, ("a", b"2"))  # 1
+    log.roll()
+    put(log, ("a", b""))  # 2: a tombstone, not committed yet
+    log.roll()
+    put(log, ("b", b"1"))  # 3
+    log.set_high_watermark(2)
+    assert log.compact() == 1  # a@0 only: a@1 is the latest committed value
+    assert log.compact() == 0
+    log.truncate(2, floor=2)  # the uncommitted tombstone is cut: a@1 is still there
+    assert contents(log) == [(1, "a", b"2")]
+    put(log, ("a", b""))  # 2 again, in the active segment
+    log.roll()
+    put(log, ("c", b"1"))  # 3
+    log.set_high_watermark(4)
+    assert log.compact() == 2  # a@1 and the committed tombstone in a closed segment
+    assert contents(log) == [(3, "c", b"1")]
+    log.close()
