@@ -14,10 +14,13 @@ and the commit index is the log's high-water mark, which this storage pins
   control type = the entry kind, body = the payload, timestamp ``CONTROL_TIMESTAMP`` (0: each
   replica encodes its own, and with no clock in them they are the same bytes everywhere, and
   never move a segment's max timestamp); readers of records skip them.
-* Compaction (a compacted stream) keeps every batch's base offset, offsets and epoch: a batch
-  it rewrote is the same entry with fewer records, and one it emptied a control batch of type
+* Compaction (a compacted stream, whose log must ``keep_empty_batches``: :meth:`over` refuses
+  it otherwise) keeps every batch's base offset, offsets and epoch: a batch it rewrote is the
+  same entry with fewer records, and one it emptied a control batch of type
   ``CONTROL_COMPACTED`` covering the same offsets, which is a DATA entry too (its bytes, its
   count of offsets), so a compacted entry replicates verbatim and a follower's log matches.
+  Compaction counts only records below the high-water mark (the commit index), so a
+  truncation never cuts what removed a committed record.
 * Truncation cuts the log between batches, never below the commit index (``floor``); the
   commit hint of the hard state also floors it after a restart, never the other way round.
 * The term table (``TermTable``: term -> first index) is rebuilt at :meth:`open` from the
@@ -153,6 +156,11 @@ class GroupStorage:
         """:meth:`open` over ``log``, already open (the broker's ``Streams`` opened it and
         closes it); on an error the log is closed."""
         try:
+            if log.config.compacted and not log.config.keep_empty_batches:
+                raise StorageError(
+                    f"{log.directory}: a compacted log is a Raft log only if its compaction "
+                    "keeps the batches it empties (LogConfig.keep_empty_batches)"
+                )
             found = read_hard_state(log.directory)
             hard, hint = found if found is not None else (HardState(0, None), 0)
             stored = read_log_start(log.directory)

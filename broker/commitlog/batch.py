@@ -51,15 +51,15 @@ at most ``last_offset_delta``; string indexes lie inside the table; the table, t
 properties and the payloads fill exactly ``batch_length - 48`` bytes; the CRC matches. A batch
 covers offsets ``base_offset .. base_offset + last_offset_delta``, a record at each when
 appended; compaction (:mod:`broker.commitlog.policy`) leaves gaps, the last record's included,
-and keeps each batch's base offset, last offset delta (as Kafka keeps ``lastOffsetDelta``),
-epoch and attributes: batches, Raft's entries (:mod:`broker.cluster.storage`), never move.
+and keeps a batch's base offset, last offset delta (as Kafka keeps ``lastOffsetDelta``), epoch
+and attributes, so batches (Raft's entries, :mod:`broker.cluster.storage`) never move.
 
 A control batch (attributes bit 0) holds no client record but a marker: one record at delta 0,
 empty topic and client id, qos 0, no flags, no properties, a payload of a 2-byte little-endian
 control type and the control body (:func:`encode_control`, :func:`decode_control`): 1 (no-op)
 and 2 (configuration), :mod:`broker.cluster.storage`'s Raft entries, one offset each; 3
-(``CONTROL_COMPACTED``, no body) what compaction leaves of a batch it emptied, with the
-original's offsets, epoch and ``max_timestamp`` (as the record's: the segment's age holds).
+(``CONTROL_COMPACTED``, no body) what compaction leaves of a batch it emptied in a log that
+``keep_empty_batches``, with its offsets, epoch and ``max_timestamp`` (the segment's age holds).
 Readers of records skip them (:func:`decode_into`, the column reads, so ``read``,
 ``read_columns``, the fetch API, replay, live delivery); compaction keeps them as they are. Older
 readers refuse a gap at a batch's end: ``DATA/FORMAT`` 2 keeps them off (``streams.py``).

@@ -6,8 +6,8 @@ Invariants:
 
 * offsets are logical record numbers from 0, assigned on append, never reused: segment base
   offsets strictly increase and each segment starts at or after the previous one's
-  ``next_offset`` (compaction leaves gaps inside batches, which reads skip; it keeps every
-  batch, so segments stay contiguous, but one before this rule may have left gaps between);
+  ``next_offset`` (compaction leaves gaps, which reads skip: inside batches, and unless
+  ``keep_empty_batches`` where it removed a batch or a segment);
 * the last segment is the *active* one, the only one appended to; it is never deleted by
   retention. ``end_offset`` (log end offset) is its ``next_offset``; ``log_start_offset`` is
   the first segment's base offset;
@@ -459,10 +459,9 @@ class SegmentedLog(ReplicaOps):
     def compact(self) -> int:
         """Compacted logs: rewrite closed segments keeping the latest record per topic;
         tombstones are dropped; only records below :attr:`high_watermark` count (a replicated
-        log's committed ones); offsets and batch boundaries are kept
-        (:func:`~broker.commitlog.policy.cleaned_batches`), so a segment is never dropped and
-        ends where it did. Returns the number of records removed. Safe from the cleaner
-        thread."""
+        log's committed ones); offsets are kept, and with ``keep_empty_batches`` every batch's
+        (:func:`~broker.commitlog.policy.cleaned_batches`), so no segment is dropped or ends
+        earlier. Returns the number of records removed. Safe from the cleaner thread."""
         if not self.config.compacted:
             raise CommitLogError(f"{self.directory}: compact() on a log that is not compacted")
         with self._cleaner_lock:
@@ -485,7 +484,7 @@ class SegmentedLog(ReplicaOps):
                 for segment in segments[:-1]:
                     removable = count_removable(segment, latest, below)
                     if removable:
-                        self._replace_cleaned(segment, latest, below)
+                        self._replace_cleaned(segment, latest, below, first=segment is segments[0])
                         removed += removable
             except CorruptRecordBatch as exc:
                 # Never rewrite damage away: the log stays as it is until it is repaired.
@@ -497,24 +496,33 @@ class SegmentedLog(ReplicaOps):
                 logger.info("%s: compaction removed %d records", self.directory, removed)
             return removed
 
-    def _replace_cleaned(self, segment: Segment, latest: dict[str, int], below: int) -> None:
-        """Write the cleaned copy of ``segment`` (the same batches, so never empty) and swap it
-        in (crash-safe order: old indexes removed, log renamed over, new indexes renamed in; a
-        missing index is rebuilt)."""
+    def _replace_cleaned(
+        self, segment: Segment, latest: dict[str, int], below: int, *, first: bool
+    ) -> None:
+        """Write the cleaned copy of ``segment`` and swap it in (crash-safe order: old indexes
+        removed, log renamed over, new indexes renamed in; a missing index is rebuilt), or drop
+        the segment if nothing is left in it but the log's first (only without
+        ``keep_empty_batches``: else every batch stays)."""
         sync = self._sync_on_roll
         cleaned = write_segment(
             self.directory,
             segment.base_offset,
             self.config,
-            cleaned_batches(segment, latest, below),
+            cleaned_batches(segment, latest, below, self.config.keep_empty_batches),
             CLEANED_SUFFIX,
             fsync=sync,
         )
-        if (cleaned.base_offset, cleaned.next_offset) != (segment.base_offset, segment.next_offset):
+        if self.config.keep_empty_batches and cleaned.next_offset != segment.next_offset:
             cleaned.delete()  # a bug, never the data's fault: the segment stays as it is
             raise CommitLogError(f"{segment.log_path}: its compacted copy ends elsewhere")
         with self._lock:
             position = self._segments.index(segment)
+            if cleaned.size == 0 and not first:
+                del self._segments[position]
+                del self._bases[position]
+                cleaned.delete()
+                segment.delete()
+                return
             try:
                 segment.index_path.unlink(missing_ok=True)
                 segment.timeindex_path.unlink(missing_ok=True)

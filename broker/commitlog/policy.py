@@ -16,11 +16,13 @@ replicated log's committed ones): one past it neither goes nor supersedes anothe
 
 Offsets are preserved (gaps are allowed) and so are record batches: a rewritten batch keeps its
 base offset, last offset delta, leader epoch and attributes and holds the surviving records at
-their own offsets; a batch left with none becomes a ``CONTROL_COMPACTED`` control batch covering
-the same offsets (:mod:`broker.commitlog.batch`); a batch that loses nothing (a control batch
-included) is kept byte for byte. So every batch's offsets and epoch are the same before and
-after, segments never lose a batch (nor end earlier), and a compacted log can be a Raft log (an
-entry is a batch, :mod:`broker.cluster.storage`).
+their own offsets; a batch that loses nothing (a control batch included) is kept byte for byte.
+A batch left with none becomes, with ``keep_empty_batches``, a ``CONTROL_COMPACTED`` control
+batch covering the same offsets (:mod:`broker.commitlog.batch`): then every batch's offsets and
+epoch are the same before and after, segments never lose a batch (nor end earlier), and a
+compacted log can be a Raft log (an entry is a batch, :mod:`broker.cluster.storage`). Without
+it (a local log) the emptied batch goes: a placeholder would cost 86 bytes for every batch ever
+emptied (measured: 10,000 one-record updates of 100 keys compact to 16 KB without, 867 KB with).
 
 The functions here are pure policy or read closed segments only; the log applies their result
 under its lock (:meth:`SegmentedLog.enforce_retention`, :meth:`SegmentedLog.compact`), and
@@ -90,11 +92,11 @@ def count_removable(segment: Segment, latest: dict[str, int], below: int) -> int
 
 
 def cleaned_batches(
-    segment: Segment, latest: dict[str, int], below: int
+    segment: Segment, latest: dict[str, int], below: int, keep_empty: bool
 ) -> Iterator[bytes | bytearray]:
-    """The batches of ``segment`` holding only the records compaction keeps, one for each
-    batch of the segment with its offsets and epoch (module doc); ``below``: the high-water
-    mark (:func:`build_offset_map`)."""
+    """The batches of ``segment`` holding only the records compaction keeps, each with its
+    offsets and epoch, and with ``keep_empty`` a placeholder for each batch emptied (module
+    doc); ``below``: the high-water mark (:func:`build_offset_map`)."""
     for buf, rel, _pos in segment.iter_batches():
         header = read_header(buf, rel)
         whole = buf[rel : rel + header.batch_length]
@@ -114,7 +116,7 @@ def cleaned_batches(
                 last_offset_delta=header.last_offset_delta,
                 attributes=header.attributes,
             )
-        else:
+        elif keep_empty:
             yield encode_control(
                 header.base_offset,
                 header.leader_epoch,

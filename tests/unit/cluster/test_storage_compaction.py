@@ -5,6 +5,7 @@ and a follower that appends them verbatim stores the same batches and records.""
 
 from __future__ import annotations
 
+import dataclasses
 from itertools import accumulate
 from pathlib import Path
 
@@ -15,7 +16,13 @@ from broker.cluster.storage import GroupStorage, StorageError, encode_entry
 from broker.commitlog import LogConfig, Record
 from broker.commitlog.batch import CONTROL_COMPACTED, decode_control, encode_control, read_header
 
-COMPACTED = LogConfig(segment_bytes=1 << 20, compacted=True, retention_ms=None, fsync="interval")
+COMPACTED = LogConfig(
+    segment_bytes=1 << 20,
+    compacted=True,
+    keep_empty_batches=True,
+    retention_ms=None,
+    fsync="interval",
+)
 ROLL = (0, ())
 
 
@@ -121,3 +128,9 @@ def test_a_data_entry_holding_a_noop_batch_is_refused(tmp_path: Path) -> None:
         assert storage.entries(1, 3, 10, 1 << 20) == [Entry(1, placeholder, EntryKind.DATA, 3)]
     finally:
         storage.close()
+
+
+def test_a_compacted_log_that_drops_emptied_batches_is_refused(tmp_path: Path) -> None:
+    local = dataclasses.replace(COMPACTED, keep_empty_batches=False)
+    with pytest.raises(StorageError, match="keep_empty_batches"):
+        GroupStorage.open(tmp_path, local)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,8 @@ from broker.commitlog.reader import LogReader
 from broker.commitlog.verify import verify_data_dir
 
 COMPACTED = LogConfig(segment_bytes=1 << 20, compacted=True, retention_ms=None)
+#: A log whose batches are Raft entries: compaction leaves a placeholder where it empties one.
+KEEPING = dataclasses.replace(COMPACTED, keep_empty_batches=True)
 
 
 def put(log: SegmentedLog, *items: tuple[str, bytes]) -> None:
@@ -67,10 +71,25 @@ def test_keeps_latest_per_key_and_drops_tombstones(tmp_path: Path) -> None:
     log.close()
 
 
-def test_emptied_segments_keep_their_batches_as_placeholders(tmp_path: Path) -> None:
-    # Before compaction kept batch boundaries, the emptied segments 1 and 2 were dropped and
-    # segment 0 left empty; now every batch stays, emptied ones as CONTROL_COMPACTED batches.
+def test_emptied_segments_are_dropped_but_the_first_is_kept(tmp_path: Path) -> None:
     log = SegmentedLog.open(tmp_path, COMPACTED)
+    put(log, ("a", b"1"))
+    log.roll()
+    put(log, ("a", b"2"))
+    log.roll()
+    put(log, ("a", b"3"))
+    log.roll()
+    put(log, ("a", b"4"))
+    assert log.segments == [0, 1, 2, 3]
+    assert log.compact() == 3
+    assert log.segments == [0, 3]
+    assert log.log_start_offset == 0 and contents(log) == [(3, "a", b"4")]
+    assert os.path.getsize(tmp_path / f"{0:020d}.log") == 0
+    log.close()
+
+
+def test_emptied_segments_keep_their_batches_as_placeholders(tmp_path: Path) -> None:
+    log = SegmentedLog.open(tmp_path, KEEPING)
     put(log, ("a", b"1"))
     log.roll()
     put(log, ("a", b"2"))
@@ -165,10 +184,10 @@ def survivors(records: list[Record], active_base: int) -> list[Record]:
     ]
 
 
-def gapped_log(path: Path) -> tuple[SegmentedLog, list[Record]]:
+def gapped_log(path: Path, config: LogConfig = KEEPING) -> tuple[SegmentedLog, list[Record]]:
     """Batches whose compaction leaves a gap at the end, at the start, inside, none at all
     (placeholders, the last batch of a segment among them), a control batch, epochs 1-4."""
-    log = SegmentedLog.open(path, COMPACTED)
+    log = SegmentedLog.open(path, config)
     written = keyed(log, 1, ("x", b"x0"), ("y", b"y0"), ("z", b"z0"))  # 0-2: keeps x0 only
     written += keyed(log, 1, ("y", b"y1"), ("w", b"w0"))  # 3-4: keeps w0 only
     written += keyed(log, 2, ("z", b"z1"))  # 5: emptied
@@ -219,7 +238,7 @@ def test_compaction_keeps_every_batch_and_reads_skip_the_gaps(tmp_path: Path) ->
             (log.directory / CLEAN_SHUTDOWN_FILE).unlink()
             for index in [*log.directory.glob("*.index"), *log.directory.glob("*.timeindex")]:
                 index.unlink()
-        log = SegmentedLog.open(log.directory, COMPACTED)
+        log = SegmentedLog.open(log.directory, KEEPING)
         assert boundaries(log) == before and log.end_offset == end
         check_reads(log, expected)
         log.close()
@@ -243,7 +262,7 @@ def test_only_records_below_the_high_water_mark_count(tmp_path: Path) -> None:
     # A replicated log pins its high-water mark to what the replicas committed; what lies past
     # it may still be truncated, so it neither goes nor removes what it supersedes (else a
     # truncated tombstone would leave its key without the committed value before it).
-    log = SegmentedLog.open(tmp_path, COMPACTED)
+    log = SegmentedLog.open(tmp_path, KEEPING)
     put(log, ("a", b"1"))  # 0
     log.roll()
     put(log, ("a", b"2"))  # 1
@@ -263,3 +282,17 @@ def test_only_records_below_the_high_water_mark_count(tmp_path: Path) -> None:
     assert log.compact() == 2  # a@1 and the committed tombstone in a closed segment
     assert contents(log) == [(3, "c", b"1")]
     log.close()
+
+
+def test_a_local_log_drops_emptied_batches_and_keeps_the_others_where_they_were(
+    tmp_path: Path,
+) -> None:
+    log, written = gapped_log(tmp_path / "s" / "0", COMPACTED)
+    before = {base: (end, epoch) for base, end, epoch in boundaries(log)}
+    log.compact()
+    after = {base: (end, epoch) for base, end, epoch in boundaries(log)}
+    assert sorted(before.keys() - after.keys()) == [5, 9]  # the emptied ones
+    assert all(after[base] == before[base] for base in after)
+    check_reads(log, survivors(written, 23))
+    log.close()
+    assert not any(check.damaged for _d, checks in verify_data_dir(tmp_path) for check in checks)
