@@ -296,3 +296,27 @@ def test_a_local_log_drops_emptied_batches_and_keeps_the_others_where_they_were(
     check_reads(log, survivors(written, 23))
     log.close()
     assert not any(check.damaged for _d, checks in verify_data_dir(tmp_path) for check in checks)
+
+
+def test_a_log_ending_in_a_compaction_gap_reopens_at_the_same_end(tmp_path: Path) -> None:
+    # The log's last batches lose their last records: with the (empty) active segment lost in
+    # a crash, recovery takes the end offset from the last batch's last offset delta.
+    log = SegmentedLog.open(tmp_path, KEEPING)
+    put(log, ("a", b"1"))  # 0
+    put(log, ("b", b"1"), ("c", b"1"), ("b", b""))  # 1-3: a tombstone last
+    log.roll()
+    assert log.segments == [0, 4] and log.compact() == 2
+    assert kinds(log) == {0: None, 1: None}  # b@1 and the tombstone gone, c@2 kept
+    put(log, ("e", b"1"), ("c", b""))  # 4-5: a tombstone last again
+    log.roll()
+    assert log.compact() == 2  # c@2 and the tombstone at 5
+    assert kinds(log) == {0: None, 1: CONTROL_COMPACTED, 4: None}
+    assert [r.offset for r in log.read(4)] == [4]  # the batch at 4 still ends at 5
+    log.close()
+    for name in (f"{6:020d}.log", f"{6:020d}.index", f"{6:020d}.timeindex", CLEAN_SHUTDOWN_FILE):
+        (tmp_path / name).unlink(missing_ok=True)
+    log = SegmentedLog.open(tmp_path, KEEPING)
+    assert log.segments == [0, 4] and log.end_offset == 6
+    assert log.append([Record(0, 1, "d", b"1")]) == 6
+    assert contents(log) == [(0, "a", b"1"), (4, "e", b"1"), (6, "d", b"1")]
+    log.close()
