@@ -43,7 +43,7 @@ from broker.net.tls import TLSConfigError, TLSProtocol, server_context
 from broker.net.transport import MQTTProtocol
 from broker.net.websocket import WebSocketListener
 from broker.router.router import Router
-from broker.workers.replicated import ClusterService
+from broker.workers.replicated import CLUSTER_SPECS, ClusterService
 from broker.workers.runtime import WorkerRuntime, WorkerSpec
 
 log = logging.getLogger("broker.server")
@@ -105,7 +105,7 @@ class Server:
         # $SYS topics first: their own internal stream, whatever the user's filters say.
         self.streams = Streams(
             config.commitlog.data_dir,
-            [SYS_SPEC, *config.stream_specs()],
+            [SYS_SPEC, *config.stream_specs(), *(CLUSTER_SPECS if config.cluster else ())],
             clock=clock,
             matches=topic_matches,
         )

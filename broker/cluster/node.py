@@ -319,6 +319,15 @@ class ClusterNode:
             if n:
                 deleted += n
                 storage.compacted(self.host.compacted(g, log.log_start_offset + 1))
+            if log.config.compacted:
+                # Below the high-water mark only, and every batch keeps its boundaries (an
+                # emptied one stays as a placeholder): the Raft log's entries never move.
+                try:
+                    log.compact()
+                except (CommitLogError, OSError):
+                    logger.exception(
+                        "cluster: compaction of %s/%d failed", *self.group_keys.get(g, ("group", g))
+                    )
         return deleted
 
     def _balance(self) -> None:

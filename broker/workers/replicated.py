@@ -43,6 +43,7 @@ import struct
 import time
 from collections import deque
 from collections.abc import Callable
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode, node_settings
@@ -51,10 +52,13 @@ from broker.cluster.raft import NotLeader, Role
 from broker.cluster.storage import GroupStorage, encode_entry
 from broker.commitlog import Record, SegmentedLog, Streams
 from broker.commitlog.batch import decode_batch, encode_batch
+from broker.commitlog.config import StreamSpec
 from broker.commitlog.keys import PartitionKey
+from broker.commitlog.streams import INTERNAL_LOG, RETAINED_STREAM
 from broker.config import Config
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
+from broker.router.state import RETAINED
 
 if TYPE_CHECKING:
     from broker.router.router import Router
@@ -78,6 +82,13 @@ HOLD_SECONDS = 5.0
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
 _TRANSFER = struct.Struct("<II")
+
+#: In a cluster ``$retained`` is a Raft group like the stream partitions: compacted with its
+#: batches' boundaries kept (an emptied batch stays as a placeholder, so Raft's entries never
+#: move), every node applying each commit to its retained index.
+CLUSTER_SPECS = (
+    StreamSpec(RETAINED_STREAM, (), 1, replace(INTERNAL_LOG, keep_empty_batches=True)),
+)
 
 
 class ReplicatedPartition(Partition):
@@ -222,7 +233,8 @@ class ClusterService:
         specs = [
             spec
             for spec in streams.specs.values()
-            if not spec.name.startswith("$") and not spec.log.compacted
+            if (not spec.name.startswith("$") and not spec.log.compacted)
+            or spec.name == RETAINED_STREAM
         ]
         self.groups = group_ids((spec.name, p) for spec in specs for p in range(spec.partitions))
         rf = {spec.name: config.replication_factor(spec) for spec in specs}
@@ -231,6 +243,8 @@ class ClusterService:
         #: log's high-water mark at the last commit it knows, so no reader (the router's
         #: start-up included) sees a record that may yet be truncated.
         self.storages = {g: GroupStorage.over(streams.log(*key)) for g, key in self.groups.items()}
+        #: ``$retained`` offsets below this are in the router's retained index.
+        self._retained_applied = streams.log(*RETAINED).high_watermark
         self.keys = {key: g for g, key in self.groups.items()}
         self.node.group_keys = dict(self.groups)
         self.node.on_commit = self._on_commit
@@ -313,12 +327,30 @@ class ClusterService:
         return part if isinstance(part, ReplicatedPartition) else None
 
     def _on_commit(self, g: int, commit: int) -> None:
+        if self.groups.get(g) == RETAINED and self.router is not None:
+            self._apply_retained(commit)
         part = self._partition(g)
         if part is None:
             return
         part.committed(commit)
         assert self.router is not None
         self.router.wake(part)
+
+    def _apply_retained(self, commit: int) -> None:
+        """Committed ``$retained`` records, up to offset ``commit``, to the retained index
+        (the router loaded the log up to the last commit known at start; control batches and
+        compaction placeholders hold no record)."""
+        assert self.router is not None
+        part = self.router.partition(RETAINED)
+        offset = self._retained_applied
+        while offset < commit:
+            records = part.read(offset)
+            if not records:
+                break
+            records = [r for r in records if r.offset < commit]
+            self.router.apply_retained(records)
+            offset = records[-1].offset + 1 if records else commit
+        self._retained_applied = max(offset, self._retained_applied)
 
     def _on_leader(self, g: int) -> None:
         # Forwards to a node that no longer leads may or may not have committed there: their

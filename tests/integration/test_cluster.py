@@ -330,3 +330,34 @@ def test_a_persistent_session_on_a_restarted_node_gets_what_it_missed(cluster: C
     assert _publish_all(cluster.nodes[2], "devices/f/s", [b"live"], "ps2") == [b"live"]
     assert [m.payload for m in again.expect(1)] == [b"live"]
     again.disconnect()
+
+
+def test_retained_messages_are_replicated_and_survive_their_node(cluster: Cluster) -> None:
+    cluster.wait_leaders(cluster.nodes)
+    n1, n2, n3 = cluster.nodes
+    pub = Client(n1.port, "retainer")
+    assert pub.connect() == 0
+    pub.publish("devices/g/state", b"on", qos=1, retain=True)
+    pub.publish("devices/h/state", b"gone", qos=1, retain=True)
+    pub.publish("devices/h/state", b"", qos=1, retain=True)  # cleared [MQTT-3.3.1-10]
+    pub.disconnect()
+
+    def retained_at(b: BrokerProcess, timeout: float = 10.0) -> list[tuple[str, bytes]]:
+        deadline = time.monotonic() + timeout
+        while True:
+            sub = Client(b.port, f"r-{time.monotonic_ns()}")
+            assert sub.connect() == 0
+            sub.subscribe("devices/+/state", qos=1)
+            got: list[tuple[str, bytes]] = []
+            with contextlib.suppress(AssertionError):
+                got = [(m.topic, m.payload) for m in sub.expect(1, timeout=1)]
+            sub.expect_none(0.3)
+            sub.disconnect()
+            if got or time.monotonic() > deadline:
+                return got
+
+    for b in (n2, n3):
+        assert retained_at(b) == [("devices/g/state", b"on")]
+    n1.kill()
+    cluster.wait_leaders([n2, n3])
+    assert retained_at(n3) == [("devices/g/state", b"on")]

@@ -32,8 +32,9 @@ def _records(n: int, tag: str) -> list[Record]:
 
 
 class Trio:
-    def __init__(self, root: Path) -> None:
+    def __init__(self, root: Path, config: LogConfig = LOG) -> None:
         self.root = root
+        self.config = config
         self.ports = [free_port() for _ in range(3)]
         self.nodes: list[ClusterNode | None] = [None, None, None]
 
@@ -51,7 +52,7 @@ class Trio:
     async def start(self, i: int) -> ClusterNode:
         node = ClusterNode(self.settings(i), self.root / f"n{i + 1}")
         await node.start()
-        log = SegmentedLog.open(self.root / f"n{i + 1}" / "log", LOG)
+        log = SegmentedLog.open(self.root / f"n{i + 1}" / "log", self.config)
         node.host_groups({GROUP: GroupStorage.over(log)}, seed=i)
         self.nodes[i] = node
         return node
@@ -122,6 +123,53 @@ def test_three_nodes_replicate_and_a_returning_follower_gets_a_snapshot(tmp_path
             assert [r.payload for r in log.read(log.end_offset - 4)] == [
                 r.payload for r in _records(4, "b39")
             ]
+        finally:
+            for i in range(3):
+                if trio.nodes[i] is not None:
+                    await trio.stop(i)
+
+    asyncio.run(main())
+
+
+def test_a_compacted_group_compacts_below_commit_and_keeps_replicating(tmp_path: Path) -> None:
+    """$retained's case: compaction in the driver's pass keeps every batch's boundaries (an
+    emptied batch stays as a placeholder), so the group goes on replicating and a returning
+    follower catches up through the compacted entries."""
+    config = LogConfig(
+        segment_bytes=1024,
+        retention_ms=None,
+        compacted=True,
+        keep_empty_batches=True,
+        fsync="always",
+    )
+
+    async def main() -> None:
+        trio = Trio(tmp_path, config)
+        await asyncio.gather(*(trio.start(i) for i in range(3)))
+        try:
+            leader = await trio.leader()
+            away = next(i for i, n in enumerate(trio.nodes) if n is not leader)
+            await trio.stop(away)
+            for k in range(30):
+                index = _propose(leader, 2, f"k{k}")  # the same topic: one key
+                await trio.committed_everywhere(index)
+            before = [(s.base_offset, s.next_offset) for s in leader.storages[GROUP].log._segments]
+            for n in trio.live():
+                n.enforce_retention()
+            log = leader.storages[GROUP].log
+            assert [(s.base_offset, s.next_offset) for s in log._segments] == before
+            kept = log.read(0)
+            # Every record of the closed segments is superseded: what is read is the active
+            # segment's (compaction leaves that one), ending with the latest value.
+            assert kept and all(r.offset >= log._segments[-1].base_offset for r in kept)
+            assert kept[-1].payload == _records(2, "k29")[1].payload
+            back = await trio.start(away)
+            index = _propose(leader, 1, "z")
+            await trio.committed_everywhere(index)
+            for n in trio.live():
+                got = n.storages[GROUP].log.read(0)
+                assert [r.payload for r in got][-1] == _records(1, "z")[0].payload
+            assert back.storages[GROUP].log.end_offset == log.end_offset
         finally:
             for i in range(3):
                 if trio.nodes[i] is not None:
