@@ -3,12 +3,11 @@ bench/cluster_bench.py: one adapter (a ``Target`` subclass) per broker.
 
 - ``NatsTarget``: NATS 2.9 (Debian ``nats-server``), three nodes, MQTT on JetStream with
   ``stream_replicas: 3``, cluster routes between the three;
-- ``MqlogTarget``: one mqlog node (``fsync = "always"`` unless told otherwise).
-
-The replicated mqlog cluster's adapter belongs here once the cluster exists (issue 20): a
-``Target`` of size 3 whose ``argv`` runs ``mqlog serve`` with a ``[cluster]`` section (node_id,
-bind, seeds, secret_file), whose ``leader()`` reads ``GET /api/v1/cluster``, and whose drain
-subscribes to ``$replay/earliest/chaos/#``. Nothing stands in for it.
+- ``MqlogTarget``: one mqlog node (``fsync = "always"`` unless told otherwise);
+- ``MqlogClusterTarget``: three mqlog nodes with a ``[cluster]`` section (replication factor
+  3, ``fsync = "always"``), run by tests/cluster_lab.py's ``MqlogCluster``; the ``chaos/#``
+  topics are one stream of one partition, so one Raft group carries the whole workload and
+  ``leader()`` names its leader from ``GET /api/v1/cluster``.
 """
 
 from __future__ import annotations
@@ -23,9 +22,11 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.mqttclient import MqttClient
 from tests.checker import Read
+from tests.cluster_lab import Member, MqlogCluster
 from tests.netlab import Lab, Node, Proc, wait_tcp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,4 +275,87 @@ class NatsTarget(Target):
         await client.closed
 
 
-TARGETS: dict[str, type[Target]] = {"nats": NatsTarget, "mqlog": MqlogTarget}
+class MqlogClusterTarget(Target):
+    """Three mqlog nodes, every partition a Raft group of three replicas, ``fsync =
+    "always"``: a PUBACK follows a majority's fsync. The processes, configs and secret are
+    tests/cluster_lab.py's ``MqlogCluster`` (node ``n<i>`` of the lab is member
+    ``n<i+1>``); the ``chaos/#`` topics are the stream ``chaos`` of one partition
+    (:attr:`STREAM`), whose group's leader is what ``leader()`` names. ``extra`` is TOML
+    appended to every node's config (more ``[[streams]]``, or ``[cluster]`` timings)."""
+
+    name = "mqlog-cluster"
+    size = 3
+    #: The stream every ``chaos/...`` publish goes to: one partition, so one Raft group.
+    STREAM = "chaos"
+    STREAM_TOML = (
+        f'[[streams]]\nname = "{STREAM}"\ntopic_filter = ["{TOPIC_PREFIX}/#"]\npartitions = 1\n'
+    )
+
+    def __init__(self, lab: Lab, workdir: Path, extra: str = "") -> None:
+        super().__init__(lab, workdir)
+        self.cluster = MqlogCluster(lab, workdir, extra=self.STREAM_TOML + extra)
+
+    def member(self, node: Node) -> Member:
+        return self.cluster.members[node.index]
+
+    def start(self, node: Node) -> None:
+        self.cluster.start(self.member(node), timeout=self.ready_timeout)
+
+    def start_all(self) -> None:
+        self.cluster.start(timeout=self.ready_timeout)
+
+    def kill(self, node: Node) -> None:
+        """kill -9 of the node's process group; returns once every process of it is gone
+        (they hold the data directory)."""
+        self.cluster.kill(self.member(node))
+
+    def pause(self, node: Node) -> None:
+        self.cluster.pause(self.member(node))
+
+    def resume(self, node: Node) -> None:
+        self.cluster.resume(self.member(node))
+
+    def alive(self, node: Node) -> bool:
+        return self.member(node).running()
+
+    def partition_views(self, stream: str, partition: int) -> dict[str, dict[str, Any]]:
+        """Each answering node's view of ``stream``/``partition`` (its entry of
+        ``GET /api/v1/cluster``), by node id; a node that does not answer within 0.5 s
+        (paused, killed, cut off from the host) is left out."""
+        views: dict[str, dict[str, Any]] = {}
+        for m in self.cluster.members:
+            try:
+                doc = self.cluster.status(m, timeout=0.5)
+            except (OSError, ValueError):
+                continue
+            for p in doc.get("partitions", []):
+                if p.get("stream") == stream and p.get("partition") == partition:
+                    views[m.node_id] = p
+        return views
+
+    def leader(self) -> Node | None:
+        """The leader of the ``chaos`` group: among the nodes that answer, the leader named
+        in the highest term (Raft has at most one leader per term, section 5.2; a node back
+        from a partition may still name an older one); None when no node names one."""
+        named = [
+            (int(v.get("term") or 0), v["leader"])
+            for v in self.partition_views(self.STREAM, 0).values()
+            if v.get("leader")
+        ]
+        if not named:
+            return None
+        lead = max(named)[1]
+        for m in self.cluster.members:
+            if m.node_id == lead:
+                return m.node
+        return None
+
+    def drain_filter(self) -> str:
+        return f"$replay/earliest/{TOPIC_PREFIX}/#"
+
+
+TARGETS: dict[str, type[Target]] = {
+    "nats": NatsTarget,
+    "mqlog": MqlogTarget,
+    "mqlog-cluster": MqlogClusterTarget,
+}
