@@ -7,10 +7,9 @@ across the bridge, so every byte crosses a veth as it would cross a wire):
 - ``nats``: NATS 2.9, three nodes, MQTT on JetStream with ``stream_replicas: 3`` (the file
   store; bench/targets.py's NatsTarget), publishers spread over the three nodes.
 
-The row the issue is about, mqlog with three nodes and ``replication_factor = 3``, needs the
-replicated cluster (issue 20): its adapter is a bench/targets.py ``Target`` starting three
-``mqlog serve`` processes with a ``[cluster]`` section; add it there and to ``run_target``
-here. Nothing stands in for it.
+The row the issue is about, mqlog with three nodes and ``replication_factor = 3``, runs on
+bench/targets.py's ``MqlogClusterTarget`` (``mqlog-cluster``: three ``mqlog serve`` processes
+with a ``[cluster]`` section, ``fsync = "always"``).
 
 Workload: ``--publishers`` connections (in ``--procs`` processes, uvloop), each keeping
 ``--window`` QoS 1 publishes of 64 bytes in flight on its own topic ``bench/<k>/fanin``, and
