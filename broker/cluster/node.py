@@ -216,6 +216,28 @@ class ClusterNode:
             self._leaders[g] = (None, core.term)
         self._timer = self.loop.call_later(self.settings.heartbeat_interval, self._tick)
 
+    async def caught_up(self, timeout: float) -> list[int]:
+        """Wait until every group has a leader and, where this node follows, commits as far
+        as the leader said it had committed (so that the high-water mark a new subscription
+        starts from is not one a restart left behind), or ``timeout`` passes; returns the
+        groups still behind."""
+        deadline = self.loop.time() + timeout
+        while True:
+            behind = [g for g in self.storages if not self._caught_up(g)]
+            if not behind or self.loop.time() >= deadline:
+                return behind
+            await asyncio.sleep(self.settings.heartbeat_interval)
+
+    def _caught_up(self, group: int) -> bool:
+        core = self.core(group)
+        if core.role is Role.LEADER:
+            return True
+        return (
+            core.leader is not None
+            and core.leader_commit is not None
+            and (core.commit >= core.leader_commit)
+        )
+
     def replicas_of(self, group: int) -> list[int]:
         """The group's first configuration (placement): its replication factor
         (:attr:`replication`, else ``[cluster]``'s), capped at the node count."""

@@ -74,6 +74,10 @@ FORWARDED = FIRST_APP_KIND + 1
 TRANSFER = FIRST_APP_KIND + 2
 #: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
 FORWARD_TIMEOUT = 10.0
+#: Seconds a starting node waits for its groups to have a leader and to commit as far as it
+#: said, before it serves clients (a new subscription's "latest" is then the cluster's, not
+#: the stale mark of the restarted node; a node cut off from the majority serves after this).
+CATCH_UP_SECONDS = 10.0
 #: Seconds a batch may wait for its group to have a leader (an election, a transfer) before
 #: its publishers are refused: a failover takes about an election timeout, so a publish in
 #: the middle of one is delayed rather than refused.
@@ -282,6 +286,15 @@ class ClusterService:
             )
         self.node.replication = dict.fromkeys(self.groups, len(members))
         self.node.host_groups(self.storages)
+        behind = await self.node.caught_up(CATCH_UP_SECONDS)
+        if behind:
+            log.warning(
+                "cluster: serving with %d partitions not caught up after %g s (no leader, or "
+                "still catching up): %s",
+                len(behind),
+                CATCH_UP_SECONDS,
+                ", ".join(f"{s}/{p}" for s, p in (self.groups[g] for g in behind)),
+            )
         log.info(
             "cluster: node %s holds %d partitions (%d nodes)",
             self.node.name,
