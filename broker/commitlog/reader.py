@@ -8,8 +8,10 @@ trusts more of a file than the owner announced:
 
 * the owner tells the reader its high-water mark (:meth:`LogReader.advance`) only after the
   ``write()`` of the batches below it returned, so every batch whose base offset is below the
-  announced :attr:`end_offset` is complete in the page cache; a reader stops at the first
-  batch at or past it (that one may still be in the middle of its write);
+  announced :attr:`end_offset` is complete in the page cache; a reader stops where the next
+  batch's offset (one past the previous batch's) is at or past it (the bytes there may still
+  be in the middle of their write); a batch before that point is judged as the owner judges
+  it, so a header damaged into a base offset past the mark is damage, not a write;
 * segments appear (roll) and disappear (retention, compaction's swap) under it: the directory
   is listed again when an offset is not in the segments known, and a descriptor that was open
   keeps reading the file it opened (a deleted segment stays readable until closed);
@@ -44,7 +46,6 @@ from broker.commitlog.integrity import (
     crc_ok,
     read_verified,
     scan_segment,
-    written_after,
 )
 from broker.commitlog.record import Record
 from broker.commitlog.segment import LOG_SUFFIX, READ_CHUNK_MIN
@@ -150,24 +151,19 @@ class _SegmentView:
         # read left the sparse index, and every record before it would be skipped.
         i = max(0, bisect_right(self.offsets, offset) - 1)
         pos = self.positions[i]
+        # The offset the batch at ``pos`` starts at (or after, where compaction left a gap).
+        # Below the mark it is a complete batch, whatever its header says: only at the mark
+        # may the bytes here be a write in progress.
+        expected = self.offsets[i]
         last_indexed = pos
         want = max(READ_CHUNK_MIN, min(2 * max_bytes, max_records * AVERAGE_RECORD))
         while True:
             buf = os.pread(self.fd, want, pos)
             p, n = 0, len(buf)
             while n - p >= BATCH_HEADER_SIZE:
+                if expected >= end:
+                    return max_bytes, True  # at the mark: maybe still being written
                 base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, p)[:7]
-                if base >= end:
-                    # Not announced yet: maybe still being written; unless bytes follow it
-                    # and its CRC fails (a damaged base offset, see written_after).
-                    if (
-                        check
-                        and written_after(pos + n, pos + p, length)
-                        and length <= n - p
-                        and not crc_ok(buf, p, length)
-                    ):
-                        raise _corrupt("CRC mismatch", pos + p, self.path, resume)
-                    return max_bytes, True
                 if length < MIN_BATCH_SIZE:
                     raise _corrupt(f"batch length {length} too small", pos + p, self.path, resume)
                 if length > n - p:
@@ -184,25 +180,33 @@ class _SegmentView:
                             resume,
                         )
                     continue
-                # Verified before its header is believed, skipped or not (see Segment).
+                # Verified before its header is believed, skipped or not (see Segment): a
+                # damaged base offset read as one past the mark must not end the read.
                 if check and not crc_ok(buf, p, length):
                     raise _corrupt("CRC mismatch", pos + p, self.path, resume)
+                if base >= end:
+                    return max_bytes, True  # past the mark, after a compaction gap
                 if pos + p - last_indexed >= INDEX_INTERVAL and base > self.offsets[-1]:
                     self.offsets.append(base)
                     self.positions.append(pos + p)
                     last_indexed = pos + p
-                if base + last_delta >= offset:
+                expected = base + last_delta + 1
+                if expected > offset:
                     try:
                         max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
                     except DECODE_ERRORS as exc:
                         raise _corrupt(
                             f"undecodable batch: {exc}", pos + p, self.path, resume
                         ) from None
-                    resume = base + last_delta + 1
+                    resume = expected
                     if stop >= 0 or len(out) >= max_records or max_bytes <= 0:
                         return max_bytes, True
                 p += length
             if p == 0:
+                if expected >= end:
+                    return max_bytes, True
+                if n:
+                    raise _corrupt(f"torn batch header ({n} bytes)", pos, self.path, resume)
                 return max_bytes, False  # end of the file: the next segment follows
             pos += p
 

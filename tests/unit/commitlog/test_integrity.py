@@ -17,7 +17,7 @@ from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from broker.commitlog import integrity
 from broker.commitlog.config import LogConfig
@@ -325,6 +325,7 @@ def fresh_copy(directory: Path) -> None:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
+@example(damages=[(0, ".log", ("flip", 740, 8), b"\x0c")])  # see the follower test below
 @given(
     damages=st.lists(
         st.tuples(st.integers(0, 100), TARGETS, DAMAGE, st.binary(min_size=1, max_size=8)),
@@ -389,6 +390,41 @@ def test_an_index_entry_naming_the_wrong_offset_loses_nothing(
         assert sum("damaged offset index" in r.getMessage() for r in caplog.records) == 1
     finally:
         log.close()
+
+
+def test_follower_reports_a_batch_whose_header_points_past_its_mark(
+    tmp_path: Path, reports: list[DamagedRange]
+) -> None:
+    """Found by the property above: eight bytes XORed with 0x0c from byte 740 of the first
+    segment, inside the header of the batch at byte 738 (offsets 9-11): its base offset read
+    as ~2**57 and its length as 3,322 bytes (past the file's end). ``SegmentedLog`` reported
+    offsets 9..11; the follower's ``LogReader`` took the header for a batch at or past its
+    announced mark still being written and stopped there: reads from offset 9 returned
+    nothing, nothing was reported, and offsets 9-599 were never delivered. The batch before
+    it ended at offset 8, below the mark, so the batch there was complete: its damage is now
+    reported as the log reports it, and the reads go on after it."""
+    directory = tmp_path / "telemetry" / "0"
+    fresh_copy(directory)
+    target = sorted(directory.glob("*.log"))[0]
+    damage(target, "flip", 740, 8, b"\x0c")
+    written = [message(i) for i in range(600)]
+    reader = LogReader(directory, CONFIG, end_offset=600)
+    try:
+        got = read_everything(reader)
+        assert [r.offset for r in got] == [*range(9), *range(12, 600)]
+        check_against_reference(got, written, reports)
+        assert read_everything(reader, columns=True) == got
+    finally:
+        reader.close()
+    assert [(r.path, r.position, r.end, r.offsets()) for r in reports] == [
+        (target, 738, 984, "9..11")
+    ]
+    log = SegmentedLog.open(directory, CONFIG)
+    try:
+        assert read_everything(log) == got
+    finally:
+        log.close()
+    assert len(reports) == 1  # the same range: reported once
 
 
 def test_scan_finds_every_damaged_range(tmp_path: Path) -> None:
