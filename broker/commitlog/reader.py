@@ -42,10 +42,15 @@ from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import CorruptRecordBatch, LogIOError, OffsetOutOfRange
 from broker.commitlog.integrity import (
     DECODE_ERRORS,
+    DamagedRange,
     SegmentScan,
     crc_ok,
+    quarantined,
     read_verified,
+    report,
+    report_gap,
     scan_segment,
+    walk,
 )
 from broker.commitlog.record import Record
 from broker.commitlog.segment import LOG_SUFFIX, READ_CHUNK_MIN
@@ -66,7 +71,7 @@ class _SegmentView:
     (:func:`~broker.commitlog.integrity.read_verified`) as the owner's segment is.
     """
 
-    __slots__ = ("base", "fd", "offsets", "path", "positions", "scan")
+    __slots__ = ("base", "fd", "gap_checked", "offsets", "path", "positions", "scan")
 
     def __init__(self, path: Path, base: int) -> None:
         self.path = path
@@ -75,6 +80,7 @@ class _SegmentView:
         self.offsets = [base]  # batch base offsets, every INDEX_INTERVAL bytes
         self.positions = [0]
         self.scan: SegmentScan | None = None
+        self.gap_checked = False
 
     def read_into(
         self,
@@ -210,6 +216,33 @@ class _SegmentView:
                 return max_bytes, False  # end of the file: the next segment follows
             pos += p
 
+    def check_gap(self, next_base: int) -> None:
+        """A read passes from this segment, sealed, to the next one (base ``next_base``):
+        report the offsets missing between them as the owner does when it opens the log
+        (:func:`~broker.commitlog.integrity.report_gap`: a file cut short at a batch end),
+        unless a damaged tail already covers them or ``mqlog verify --repair`` left the gap.
+        Once per segment: the batches from the last known position are walked, verified."""
+        if self.gap_checked:
+            return
+        self.gap_checked = True
+        if quarantined(self.path.parent, self.base):
+            return
+        size = os.fstat(self.fd).st_size
+        if self.scan is not None:
+            pos, next_offset = self.scan.positions[-1], self.scan.bases[-1]
+        else:
+            pos, next_offset = self.positions[-1], self.offsets[-1]
+        for item in walk(self.fd, self.path, pos, size, next_offset):
+            if isinstance(item, DamagedRange):
+                report(item)
+                if item.last_offset < 0:
+                    return  # a damaged tail: the range runs to the next segment's base
+                next_offset = item.last_offset + 1
+            elif item is not None:
+                next_offset = item[3]
+        if next_offset < next_base:
+            report_gap(self.path, size, next_offset, next_base)
+
     def close(self) -> None:
         os.close(self.fd)
 
@@ -288,6 +321,8 @@ class LogReader:
                 raise OffsetOutOfRange(offset, self.log_start_offset, end)
         i = bisect_right(self._bases, offset) - 1
         stop_on_damage = self.config.on_corruption == "stop"
+        # Compaction leaves gaps between segments; elsewhere a gap is a file cut short.
+        check_gaps = integrity.verify_reads and not self.config.compacted
         try:
             while True:
                 max_bytes, done = self._segments[i].read_into(
@@ -303,6 +338,8 @@ class LogReader:
                     i = bisect_right(self._bases, base) - 1
                     if i == len(self._segments) - 1:
                         break
+                if check_gaps:
+                    self._segments[i].check_gap(self._bases[i + 1])
                 i += 1
         except OSError as exc:
             raise LogIOError(self._segments[i].path, "read segment", exc) from exc
