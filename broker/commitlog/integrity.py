@@ -251,26 +251,16 @@ class _File:
         return self.buf, rel
 
 
-def _check(
-    f: _File, pos: int, min_base: int, stop_base: int | None, path: Path
-) -> tuple[int, int, int] | str | None:
-    """``(length, base, next_offset)`` of the intact batch at ``pos``; None when the batch is
-    not announced yet (base >= ``stop_base``, or, for a follower reader, a batch still being
-    written at the file's end); else why it is damaged."""
+def _check(f: _File, pos: int, min_base: int) -> tuple[int, int, int] | str:
+    """``(length, base, next_offset)`` of the intact batch at ``pos``, else why it is
+    damaged."""
     buf, rel = f.at(pos, BATCH_HEADER_SIZE)
     if len(buf) - rel < BATCH_HEADER_SIZE:
-        return None if stop_base is not None else f"torn batch header ({len(buf) - rel} bytes)"
+        return f"torn batch header ({len(buf) - rel} bytes)"
     base, length = BATCH_HEADER.unpack_from(buf, rel)[:2]
-    if stop_base is not None and base >= stop_base:
-        if not written_after(f.size, pos, length):
-            return None
-        buf, rel = f.at(pos, length)
-        return None if crc_ok(buf, rel, length) else "CRC mismatch (base offset past the mark)"
     if length < MIN_BATCH_SIZE:
         return f"batch length {length} too small"
     if length > f.size - pos:
-        if stop_base is not None:
-            return None
         return f"batch length {length} runs past the end of the file"
     buf, rel = f.at(pos, length)
     # The CRC says the bytes are those written, so their structure is the encoder's: the
@@ -289,17 +279,7 @@ def _check(
     return length, base, base + last_delta + 1
 
 
-def written_after(size: int, pos: int, length: int) -> bool:
-    """Follower readers: whether the batch at ``pos`` is followed by more bytes of the file.
-    A batch whose base offset reads past the announced mark may be one still being written,
-    unless something was written after it (one writer, batches in order): then its write
-    returned, its bytes are final, and a CRC that fails is damage, not a write in progress."""
-    return length >= MIN_BATCH_SIZE and pos + length + BATCH_HEADER_SIZE <= size
-
-
-def _resync(
-    f: _File, pos: int, min_base: int, stop_base: int | None, path: Path
-) -> tuple[int, int] | None:
+def _resync(f: _File, pos: int, min_base: int) -> tuple[int, int] | None:
     """The first position after ``pos`` where an intact batch starts, and its base offset."""
     q = pos + 1
     end = f.size - MIN_BATCH_SIZE
@@ -312,10 +292,7 @@ def _resync(
             base, length = BATCH_HEADER.unpack_from(chunk, match.start())[:2]
             if base < min_base or length < MIN_BATCH_SIZE or length > f.size - at:
                 continue
-            if stop_base is not None and base >= stop_base:
-                continue
-            found = _check(f, at, min_base, stop_base, path)
-            if isinstance(found, tuple):
+            if isinstance(_check(f, at, min_base), tuple):
                 return at, base
         q += SCAN_CHUNK
     return None
@@ -332,37 +309,39 @@ def walk(
 ) -> Iterator[tuple[bytes, int, int, int] | DamagedRange | None]:
     """Every batch of the file from ``pos`` (a batch start whose base is >= ``min_base``) to
     ``size``, each validated in full: ``(buffer, offset in it, file position, next offset)``
-    for an intact batch, a :class:`DamagedRange` for damage. Yields None and stops at a batch
-    whose base offset is >= ``stop_base`` (a follower reader's announced mark). ``pace`` is
-    called with the size of every read."""
+    for an intact batch, a :class:`DamagedRange` for damage. ``pace`` is called with the size
+    of every read.
+
+    ``stop_base`` is a follower reader's announced mark: every batch whose base offset is
+    below it is complete. Yields None and stops where the next batch's offset (one past the
+    previous batch) is at or past the mark, whatever the bytes there hold (perhaps a write in
+    progress), or at an intact batch whose base is (after a compaction gap). Below the mark a
+    batch is judged as the owner judges it: a header whose base offset or length was damaged
+    into one past the mark or the file's end is damage, never taken for a write in progress.
+    """
     f = _File(fd, size, pace)
     while pos < size:
-        found = _check(f, pos, min_base, stop_base, path)
-        if found is None:
-            # Not announced, or still being written; unless an intact announced batch
-            # follows: then the writer passed here and this one is damaged.
-            after = _resync(f, pos, min_base, stop_base, path)
-            if after is None:
+        if stop_base is not None and min_base >= stop_base:
+            yield None
+            return
+        found = _check(f, pos, min_base)
+        if isinstance(found, tuple):
+            length, base, next_offset = found
+            if stop_base is not None and base >= stop_base:
                 yield None
                 return
-            yield DamagedRange(
-                path, pos, after[0], min_base, after[1] - 1, "unreadable batch before the mark"
-            )
-            min_base, pos = after[1], after[0]
-            continue
-        if isinstance(found, tuple):
-            length, _base, next_offset = found
             buf, rel = f.at(pos, length)
             yield buf, rel, pos, next_offset
             min_base = next_offset
             pos += length
             continue
-        after = _resync(f, pos, min_base, stop_base, path)
+        after = _resync(f, pos, min_base)
         if after is None:
             yield DamagedRange(path, pos, size, min_base, -1, found)
             return
         yield DamagedRange(path, pos, after[0], min_base, after[1] - 1, found)
         pos = after[0]
+        min_base = after[1]
 
 
 def scan_segment(
@@ -445,7 +424,7 @@ def read_verified(
 def resync(fd: int, path: Path, pos: int, size: int, min_base: int) -> tuple[int, int] | None:
     """Position and base offset of the first intact batch after the bad one at ``pos`` whose
     base is >= ``min_base``, or None when none follows before ``size``."""
-    return _resync(_File(fd, size), pos, min_base, None, path)
+    return _resync(_File(fd, size), pos, min_base)
 
 
 def report_index(path: Path, named: int, position: int, found: int) -> None:

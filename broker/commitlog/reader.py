@@ -8,8 +8,10 @@ trusts more of a file than the owner announced:
 
 * the owner tells the reader its high-water mark (:meth:`LogReader.advance`) only after the
   ``write()`` of the batches below it returned, so every batch whose base offset is below the
-  announced :attr:`end_offset` is complete in the page cache; a reader stops at the first
-  batch at or past it (that one may still be in the middle of its write);
+  announced :attr:`end_offset` is complete in the page cache; a reader stops where the next
+  batch's offset (one past the previous batch's) is at or past it (the bytes there may still
+  be in the middle of their write); a batch before that point is judged as the owner judges
+  it, so a header damaged into a base offset past the mark is damage, not a write;
 * segments appear (roll) and disappear (retention, compaction's swap) under it: the directory
   is listed again when an offset is not in the segments known, and a descriptor that was open
   keeps reading the file it opened (a deleted segment stays readable until closed);
@@ -40,11 +42,15 @@ from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import CorruptRecordBatch, LogIOError, OffsetOutOfRange
 from broker.commitlog.integrity import (
     DECODE_ERRORS,
+    DamagedRange,
     SegmentScan,
     crc_ok,
+    quarantined,
     read_verified,
+    report,
+    report_gap,
     scan_segment,
-    written_after,
+    walk,
 )
 from broker.commitlog.record import Record
 from broker.commitlog.segment import LOG_SUFFIX, READ_CHUNK_MIN
@@ -65,7 +71,7 @@ class _SegmentView:
     (:func:`~broker.commitlog.integrity.read_verified`) as the owner's segment is.
     """
 
-    __slots__ = ("base", "fd", "offsets", "path", "positions", "scan")
+    __slots__ = ("base", "fd", "gap_checked", "offsets", "path", "positions", "scan")
 
     def __init__(self, path: Path, base: int) -> None:
         self.path = path
@@ -74,6 +80,7 @@ class _SegmentView:
         self.offsets = [base]  # batch base offsets, every INDEX_INTERVAL bytes
         self.positions = [0]
         self.scan: SegmentScan | None = None
+        self.gap_checked = False
 
     def read_into(
         self,
@@ -150,24 +157,19 @@ class _SegmentView:
         # read left the sparse index, and every record before it would be skipped.
         i = max(0, bisect_right(self.offsets, offset) - 1)
         pos = self.positions[i]
+        # The offset the batch at ``pos`` starts at (or after, where compaction left a gap).
+        # Below the mark it is a complete batch, whatever its header says: only at the mark
+        # may the bytes here be a write in progress.
+        expected = self.offsets[i]
         last_indexed = pos
         want = max(READ_CHUNK_MIN, min(2 * max_bytes, max_records * AVERAGE_RECORD))
         while True:
             buf = os.pread(self.fd, want, pos)
             p, n = 0, len(buf)
             while n - p >= BATCH_HEADER_SIZE:
+                if expected >= end:
+                    return max_bytes, True  # at the mark: maybe still being written
                 base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, p)[:7]
-                if base >= end:
-                    # Not announced yet: maybe still being written; unless bytes follow it
-                    # and its CRC fails (a damaged base offset, see written_after).
-                    if (
-                        check
-                        and written_after(pos + n, pos + p, length)
-                        and length <= n - p
-                        and not crc_ok(buf, p, length)
-                    ):
-                        raise _corrupt("CRC mismatch", pos + p, self.path, resume)
-                    return max_bytes, True
                 if length < MIN_BATCH_SIZE:
                     raise _corrupt(f"batch length {length} too small", pos + p, self.path, resume)
                 if length > n - p:
@@ -184,27 +186,62 @@ class _SegmentView:
                             resume,
                         )
                     continue
-                # Verified before its header is believed, skipped or not (see Segment).
+                # Verified before its header is believed, skipped or not (see Segment): a
+                # damaged base offset read as one past the mark must not end the read.
                 if check and not crc_ok(buf, p, length):
                     raise _corrupt("CRC mismatch", pos + p, self.path, resume)
+                if base >= end:
+                    return max_bytes, True  # past the mark, after a compaction gap
                 if pos + p - last_indexed >= INDEX_INTERVAL and base > self.offsets[-1]:
                     self.offsets.append(base)
                     self.positions.append(pos + p)
                     last_indexed = pos + p
-                if base + last_delta >= offset:
+                expected = base + last_delta + 1
+                if expected > offset:
                     try:
                         max_bytes, stop = decode(buf, p, out, offset, max_records, max_bytes)
                     except DECODE_ERRORS as exc:
                         raise _corrupt(
                             f"undecodable batch: {exc}", pos + p, self.path, resume
                         ) from None
-                    resume = base + last_delta + 1
+                    resume = expected
                     if stop >= 0 or len(out) >= max_records or max_bytes <= 0:
                         return max_bytes, True
                 p += length
             if p == 0:
+                if expected >= end:
+                    return max_bytes, True
+                if n:
+                    raise _corrupt(f"torn batch header ({n} bytes)", pos, self.path, resume)
                 return max_bytes, False  # end of the file: the next segment follows
             pos += p
+
+    def check_gap(self, next_base: int) -> None:
+        """A read passes from this segment, sealed, to the next one (base ``next_base``):
+        report the offsets missing between them as the owner does when it opens the log
+        (:func:`~broker.commitlog.integrity.report_gap`: a file cut short at a batch end),
+        unless a damaged tail already covers them or ``mqlog verify --repair`` left the gap.
+        Once per segment: the batches from the last known position are walked, verified."""
+        if self.gap_checked:
+            return
+        self.gap_checked = True
+        if quarantined(self.path.parent, self.base):
+            return
+        size = os.fstat(self.fd).st_size
+        if self.scan is not None:
+            pos, next_offset = self.scan.positions[-1], self.scan.bases[-1]
+        else:
+            pos, next_offset = self.positions[-1], self.offsets[-1]
+        for item in walk(self.fd, self.path, pos, size, next_offset):
+            if isinstance(item, DamagedRange):
+                report(item)
+                if item.last_offset < 0:
+                    return  # a damaged tail: the range runs to the next segment's base
+                next_offset = item.last_offset + 1
+            elif item is not None:
+                next_offset = item[3]
+        if next_offset < next_base:
+            report_gap(self.path, size, next_offset, next_base)
 
     def close(self) -> None:
         os.close(self.fd)
@@ -284,6 +321,8 @@ class LogReader:
                 raise OffsetOutOfRange(offset, self.log_start_offset, end)
         i = bisect_right(self._bases, offset) - 1
         stop_on_damage = self.config.on_corruption == "stop"
+        # Compaction leaves gaps between segments; elsewhere a gap is a file cut short.
+        check_gaps = integrity.verify_reads and not self.config.compacted
         try:
             while True:
                 max_bytes, done = self._segments[i].read_into(
@@ -299,6 +338,8 @@ class LogReader:
                     i = bisect_right(self._bases, base) - 1
                     if i == len(self._segments) - 1:
                         break
+                if check_gaps:
+                    self._segments[i].check_gap(self._bases[i + 1])
                 i += 1
         except OSError as exc:
             raise LogIOError(self._segments[i].path, "read segment", exc) from exc

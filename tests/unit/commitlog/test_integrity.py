@@ -13,11 +13,12 @@ from __future__ import annotations
 import logging
 import os
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import hypothesis.strategies as st
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 
 from broker.commitlog import integrity
 from broker.commitlog.config import LogConfig
@@ -325,6 +326,9 @@ def fresh_copy(directory: Path) -> None:
     deadline=None,
     suppress_health_check=[HealthCheck.function_scoped_fixture],
 )
+# The follower's failures, see the two tests below the property.
+@example(damages=[(0, ".log", ("flip", 740, 8), b"\x0c")])
+@example(damages=[(0, ".log", ("truncate", 0, 0), b"\x00")])
 @given(
     damages=st.lists(
         st.tuples(st.integers(0, 100), TARGETS, DAMAGE, st.binary(min_size=1, max_size=8)),
@@ -356,11 +360,17 @@ def test_random_damage_is_reported_never_delivered(
             assert read_everything(log, columns=True) == got
         finally:
             log.close()
+        # A follower reader runs in another process than the owner's log: judged by what
+        # it reports itself.
+        integrity.forget_reports()
+        own: list[DamagedRange] = []
+        integrity.add_listener(own.append)
         reader = LogReader(directory, CONFIG, end_offset=got[-1].offset + 1 if got else 0)
         try:
-            check_against_reference(read_everything(reader), written, ranges)
+            check_against_reference(read_everything(reader), written, own)
         finally:
             reader.close()
+            integrity.remove_listener(own.append)
     finally:
         integrity.remove_listener(ranges.append)
         integrity.forget_reports()
@@ -389,6 +399,73 @@ def test_an_index_entry_naming_the_wrong_offset_loses_nothing(
         assert sum("damaged offset index" in r.getMessage() for r in caplog.records) == 1
     finally:
         log.close()
+
+
+def test_follower_reports_a_batch_whose_header_points_past_its_mark(
+    tmp_path: Path, reports: list[DamagedRange]
+) -> None:
+    """Found by the property above: eight bytes XORed with 0x0c from byte 740 of the first
+    segment, inside the header of the batch at byte 738 (offsets 9-11): its base offset read
+    as ~2**57 and its length as 3,322 bytes (past the file's end). ``SegmentedLog`` reported
+    offsets 9..11; the follower's ``LogReader`` took the header for a batch at or past its
+    announced mark still being written and stopped there: reads from offset 9 returned
+    nothing, nothing was reported, and offsets 9-599 were never delivered. The batch before
+    it ended at offset 8, below the mark, so the batch there was complete: its damage is now
+    reported as the log reports it, and the reads go on after it."""
+    directory = tmp_path / "telemetry" / "0"
+    fresh_copy(directory)
+    target = sorted(directory.glob("*.log"))[0]
+    damage(target, "flip", 740, 8, b"\x0c")
+    written = [message(i) for i in range(600)]
+    reader = LogReader(directory, CONFIG, end_offset=600)
+    try:
+        got = read_everything(reader)
+        assert [r.offset for r in got] == [*range(9), *range(12, 600)]
+        check_against_reference(got, written, reports)
+        assert read_everything(reader, columns=True) == got
+    finally:
+        reader.close()
+    assert [(r.path, r.position, r.end, r.offsets()) for r in reports] == [
+        (target, 738, 984, "9..11")
+    ]
+    log = SegmentedLog.open(directory, CONFIG)
+    try:
+        assert read_everything(log) == got
+    finally:
+        log.close()
+    assert len(reports) == 1  # the same range: reported once
+
+
+def test_follower_reports_a_segment_cut_at_a_batch_end(
+    tmp_path: Path, reports: list[DamagedRange]
+) -> None:
+    """Found by the property above: the first segment truncated to 0 bytes (a file cut at a
+    batch end). ``SegmentedLog`` reports offsets 0..47 when it opens the log (the segment ends
+    at offset 0, the next starts at 48); the follower's ``LogReader``, in another process,
+    read the empty file, went on to the next segment and never said what it passed over. It
+    now reports the gap as the log does, once, when a read passes from a sealed segment to
+    the next (not for a compacted stream, whose gaps are compaction's)."""
+    directory = tmp_path / "telemetry" / "0"
+    fresh_copy(directory)
+    first = sorted(directory.glob("*.log"))[0]
+    damage(first, "truncate", 0, 0, b"\x00")
+    written = [message(i) for i in range(600)]
+    reader = LogReader(directory, CONFIG, end_offset=600)
+    try:
+        for columns in (False, True):
+            got = read_everything(reader, columns)
+            assert [r.offset for r in got] == [*range(48, 600)]
+            check_against_reference(got, written, reports)
+    finally:
+        reader.close()
+    assert [(r.path, r.position, r.end, r.offsets()) for r in reports] == [(first, 0, 0, "0..47")]
+    integrity.forget_reports()
+    compacted = LogReader(directory, replace(CONFIG, compacted=True), end_offset=600)
+    try:
+        assert read_everything(compacted) == got
+    finally:
+        compacted.close()
+    assert len(reports) == 1  # nothing more
 
 
 def test_scan_finds_every_damaged_range(tmp_path: Path) -> None:
