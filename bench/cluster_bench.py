@@ -36,6 +36,8 @@ import os
 import shutil
 import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -264,7 +266,10 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         p.start()
     _expect(out, "ready", args.procs)
     go.set()
+    spies = _profile(target, args) if args.profile else []
     pubs = _expect(out, "pub", args.procs, timeout=args.warmup + args.duration + 60)
+    for spy in spies:
+        spy.wait(30)
     stop.set()
     sub = _expect(out, "sub", 1, timeout=120)[0]
     for p in procs:
@@ -284,6 +289,39 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         "publishers": args.publishers,
         "window": args.window,
     }
+
+
+def _profile(target: Target, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
+    """After the warmup, py-spy (``--nonblocking``, the venv's ``py-spy``) records every node's
+    processes, workers included, for the measured window: collapsed stacks in
+    ``<profile>/<target>-<node>-r<round>.txt`` (CPU samples only: idle threads left out)."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        raise SystemExit(f"--profile: {spy} not found (pip install py-spy)")
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    time.sleep(args.warmup)
+    return [
+        subprocess.Popen(
+            [
+                str(spy),
+                "record",
+                "--nonblocking",
+                "--subprocesses",
+                "--format",
+                "raw",
+                "--duration",
+                str(max(1, int(args.duration) - 1)),
+                "--pid",
+                str(proc.pid),
+                "-o",
+                str(out / f"{target.name}-{name}-r{args.round}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, proc in target.procs.items()
+    ]
 
 
 def _expect(out: Any, kind: str, n: int, timeout: float = 60.0) -> list[Any]:
@@ -354,10 +392,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mqlog-fsync", default="always", choices=("always", "interval", "never"))
     ap.add_argument("--mqlog-workers", type=int, default=1)
     ap.add_argument("--keep", action="store_true", help="keep the brokers' data and logs")
+    ap.add_argument(
+        "--profile", default="", help="directory: py-spy profiles of every node's measured window"
+    )
     args = ap.parse_args(argv)
     names = [name for name in args.targets.split(",") if name]
     runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
     for i in range(args.rounds):
+        args.round = i + 1
         for name in names:
             row = run_target(name, args)
             row["round"] = i + 1
