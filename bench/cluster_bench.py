@@ -48,6 +48,7 @@ import numpy as np
 from bench.loadgen import DISCONNECT, connect_packet, raise_nofile, varint
 from bench.mqttclient import MqttClient
 from bench.targets import MqlogTarget, NatsTarget, Target
+from broker.cluster.placement import node_ids, replicas
 from tests.cluster_lab import MqlogCluster
 from tests.netlab import Lab, Node
 
@@ -76,6 +77,29 @@ class MqlogClusterBenchTarget(Target):
     def status(self, node: Node) -> dict[str, Any]:
         """``GET /api/v1/cluster`` of ``node``."""
         return self.cluster.status(self.cluster.members[node.index])
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Until every node names, for every partition, the replica placement prefers
+        (``broker.cluster.placement``) as its leader: the balancer hands leadership there a few
+        seconds after the start (``BALANCE_TICKS``), and a transfer during the measured
+        window would end its in-flight publishes with an unknown outcome (connections
+        closed)."""
+        names = node_ids(m.node_id for m in self.cluster.members)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                views = [self.status(node)["partitions"] for node in self.lab.nodes]
+            except OSError:
+                views = []
+            if views and all(
+                p["leader"] == names[replicas(p["group"], names, len(names))[0]]
+                for view in views
+                for p in view
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"leaders not on their preferred replicas after {timeout}s")
+            time.sleep(0.2)
 
     def leaders(self) -> dict[str, str | None]:
         """Each partition's leader ("stream/partition" -> node id) as the first node that
@@ -247,6 +271,8 @@ async def _warm(target: Target, timeout: float = 60.0) -> None:
 def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     """One target, already started: fan-in for the configured time."""
     asyncio.run(_warm(target))
+    if isinstance(target, MqlogClusterBenchTarget):
+        target.settle()
     addrs = [target.addr(n) for n in target.lab.nodes]
     ctx = mp.get_context("fork")
     go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
