@@ -292,8 +292,14 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         p.start()
     _expect(out, "ready", args.procs)
     go.set()
+    time.sleep(args.warmup)
+    cpu0 = {name: _cpu_seconds(proc.pid) for name, proc in target.procs.items()}
     spies = _profile(target, args) if args.profile else []
-    pubs = _expect(out, "pub", args.procs, timeout=args.warmup + args.duration + 60)
+    time.sleep(args.duration)
+    cpu = {
+        name: round(_cpu_seconds(proc.pid) - cpu0[name], 2) for name, proc in target.procs.items()
+    }
+    pubs = _expect(out, "pub", args.procs, timeout=args.duration + 60)
     for spy in spies:
         spy.wait(30)
     stop.set()
@@ -312,21 +318,42 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         "puback_p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
         "sent": sent,
         "received": sub[1],
+        "cpu_s": cpu,
+        "cpu_us_per_msg": round(sum(cpu.values()) * 1e6 / acked, 1) if acked else None,
         "publishers": args.publishers,
         "window": args.window,
     }
 
 
+def _cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (a node's
+    broker and its workers), from ``/proc/<pid>/stat``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:  # fields from the state on: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
 def _profile(target: Target, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
-    """After the warmup, py-spy (``--nonblocking``, the venv's ``py-spy``) records every node's
-    processes, workers included, for the measured window: collapsed stacks in
-    ``<profile>/<target>-<node>-r<round>.txt`` (CPU samples only: idle threads left out)."""
+    """Started after the warmup: py-spy (``--nonblocking``, the venv's ``py-spy``) records
+    every node's processes, workers included, for the measured window: collapsed stacks in
+    ``<profile>/<target>-<node>-r<round>.txt``. Threads py-spy deems idle are left out; a
+    blocking system call such as an fsync counts, and so may time in uvloop's C code, which
+    shows as ``Runner.run``."""
     spy = Path(sys.executable).parent / "py-spy"
     if not spy.exists():
         raise SystemExit(f"--profile: {spy} not found (pip install py-spy)")
     out = Path(args.profile)
     out.mkdir(parents=True, exist_ok=True)
-    time.sleep(args.warmup)
     return [
         subprocess.Popen(
             [
