@@ -295,6 +295,7 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     time.sleep(args.warmup)
     cpu0 = {name: _cpu_seconds(proc.pid) for name, proc in target.procs.items()}
     spies = _profile(target, args) if args.profile else []
+    counters = _count_syscalls(target, args.duration - 1) if args.syscalls else {}
     time.sleep(args.duration)
     cpu = {
         name: round(_cpu_seconds(proc.pid) - cpu0[name], 2) for name, proc in target.procs.items()
@@ -319,6 +320,9 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         "sent": sent,
         "received": sub[1],
         "cpu_s": cpu,
+        "syscalls_s": {
+            name: _read_counts(perf, args.duration - 1) for name, perf in counters.items()
+        },
         "cpu_us_per_msg": round(sum(cpu.values()) * 1e6 / acked, 1) if acked else None,
         "publishers": args.publishers,
         "window": args.window,
@@ -341,6 +345,38 @@ def _cpu_seconds(pgid: int) -> float:
         if int(fields[2]) == pgid:  # fields from the state on: state, ppid, pgrp, ...
             total += int(fields[11]) + int(fields[12])  # utime, stime
     return total / tick
+
+
+#: System calls ``--syscalls`` counts per node (perf's tracepoints).
+SYSCALLS = ("fdatasync", "fsync", "epoll_wait", "write", "writev", "sendmsg")
+
+
+def _count_syscalls(target: Target, seconds: float) -> dict[str, subprocess.Popen[str]]:
+    """``perf stat`` of :data:`SYSCALLS` over each node's process group for ``seconds``."""
+    events = ",".join(f"syscalls:sys_enter_{name}" for name in SYSCALLS)
+    counters = {}
+    for name, proc in target.procs.items():
+        pids = subprocess.run(
+            ["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        counters[name] = subprocess.Popen(
+            ["perf", "stat", "-x", ",", "-e", events, "-p", ",".join(pids), "sleep", str(seconds)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    return counters
+
+
+def _read_counts(perf: subprocess.Popen[str], seconds: float) -> dict[str, float]:
+    """Per second, each system call ``perf stat -x ,`` counted."""
+    _, err = perf.communicate(timeout=30)
+    counts = {}
+    for line in err.splitlines():
+        parts = line.split(",")
+        if len(parts) > 2 and parts[2].startswith("syscalls:sys_enter_") and parts[0].isdigit():
+            counts[parts[2].removeprefix("syscalls:sys_enter_")] = round(int(parts[0]) / seconds)
+    return counts
 
 
 def _profile(target: Target, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
@@ -447,6 +483,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--keep", action="store_true", help="keep the brokers' data and logs")
     ap.add_argument(
         "--profile", default="", help="directory: py-spy profiles of every node's measured window"
+    )
+    ap.add_argument(
+        "--syscalls", action="store_true", help="count fsyncs, writes, loop wakeups per node (perf)"
     )
     args = ap.parse_args(argv)
     names = [name for name in args.targets.split(",") if name]
