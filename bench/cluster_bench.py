@@ -210,7 +210,20 @@ async def _pubs(spec: dict[str, Any], go: Any, out: Any) -> None:
         if c.transport is not None:
             c.transport.write(DISCONNECT)
             c.transport.close()
-    out.put(("pub", int(sum(c.acked_in for c in conns)), lat.tobytes(), sent))
+    nodes = len(spec["addrs"])
+    by_node = {
+        n: np.array(
+            [
+                x
+                for k, c in zip(spec["indexes"], conns, strict=True)
+                if k % nodes == n
+                for x in c.lat
+            ]
+        )
+        for n in range(nodes)
+    }
+    p50s = {n: (float(np.percentile(v, 50)) / 1e6, len(v)) for n, v in by_node.items() if len(v)}
+    out.put(("pub", int(sum(c.acked_in for c in conns)), lat.tobytes(), sent, p50s))
 
 
 async def _sub(spec: dict[str, Any], go: Any, stop: Any, out: Any) -> None:
@@ -310,6 +323,14 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     acked = sum(r[1] for r in pubs)
     lat = np.concatenate([np.frombuffer(r[2], dtype=np.int64) for r in pubs]) / 1e6
     sent = sum(r[3] for r in pubs)
+    # PUBACK p50 of the publishers connected to each node (the median of the processes'
+    # p50s weighted by their counts: close enough for a per-node view)
+    p50_by_node = {}
+    for n, name in enumerate(target.procs):
+        parts = [r[4][n] for r in pubs if n in r[4]]
+        if parts:
+            total = sum(k for _, k in parts)
+            p50_by_node[name] = round(sum(v * k for v, k in parts) / total, 2)
     return {
         "target": target.name,
         "nodes": len(target.lab.nodes),
@@ -319,6 +340,7 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         "puback_p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
         "sent": sent,
         "received": sub[1],
+        "puback_p50_ms_by_node": p50_by_node,
         "cpu_s": cpu,
         "syscalls_s": {
             name: _read_counts(perf, args.duration - 1) for name, perf in counters.items()
