@@ -6,12 +6,22 @@ Raft's safety needs (its ``Ready``):
 1. hard states first: each is made durable (``GroupStorage.persist_hard_state``: temp file,
    fsync, rename, directory fsync) before the core is told, so no vote or reply in a newer
    term rests on a term or vote a crash could forget (Raft s5.1, figure 2 "persistent state");
-2. flushes: each group's log is fsynced (under ``fsync = "always"`` every append already was,
-   and the flush costs nothing) and the core told ``flushed``, so the commit index only ever
-   counts what a majority has on disk;
-3. frames go to the transport: at most one per peer node per round, every group's messages in
+2. frames go to the transport: at most one per peer node per round, every group's messages in
    it, heartbeats coalesced (``broker.cluster.frames``, encoded by ``broker.cluster.wire``);
-   the cores hold back any message a hard state not yet durable governs;
+   the cores hold back any message a hard state not yet durable governs. They leave before
+   the flushes: a leader's entries reach its followers while its own disk writes them (Raft
+   thesis s10.2.1), and a follower's acknowledgement says what it has flushed, apart from
+   what it holds, so nothing counts an entry before it is durable;
+3. flushes: each group's log is fsynced once for every entry appended since its last flush
+   (appends only write to the page cache, ``GroupStorage.append``) and the core told
+   ``flushed``, so the commit index only ever counts what a majority has on disk; the
+   acknowledgements this makes leave in the next pass of the round. The fsyncs run on one
+   thread (``GroupStorage.sync_target``), one job at a time for every group with unsynced
+   entries, while the loop goes on reading publishes and frames and appending; each
+   covers what was appended before it started, and what came meanwhile waits for the
+   next job. A group whose fsync failed never reports its log durable again (its entries
+   count on the other replicas only): after an fsync error the kernel may have dropped the
+   dirty pages, and a retry could succeed without them;
 4. commits: each group's storage pins its high-water mark (readers never see past it) and
    :attr:`ClusterNode.on_commit` tells the broker, which acknowledges and delivers.
 
@@ -33,10 +43,13 @@ Called only from the owning event loop's thread.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
 import random
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -65,6 +78,10 @@ FIRST_APP_KIND = 16
 
 #: Ticks (heartbeat intervals) between two passes of the leader balancer.
 BALANCE_TICKS = 50
+
+#: fsync jobs in flight at most (``ClusterNode._start_sync``): a job started while others
+#: run joins the file system's next journal commit instead of waiting for theirs to end.
+SYNC_JOBS = 4
 
 #: Seconds between "still waiting for members" log lines while the cluster forms.
 FORMATION_LOG_SECONDS = 5.0
@@ -132,6 +149,14 @@ class ClusterNode:
         #: Group id -> its partition (stream, partition), for views and log lines.
         self.group_keys: dict[int, tuple[str, int]] = {}
         self._scheduled = False
+        #: Groups with entries appended since their last fsync started (a dict: ordered).
+        self._unsynced: dict[int, None] = {}
+        #: The fsync jobs in flight, and their threads.
+        self._syncing: set[asyncio.Future[None]] = set()
+        self._sync_thread = ThreadPoolExecutor(SYNC_JOBS, thread_name_prefix="raft-fsync")
+        #: Groups whose fsync failed: never reported durable again (module docstring).
+        self._sync_failed: set[int] = set()
+        self._closed = False
         self._ticks = 0
         self._timer: asyncio.TimerHandle | None = None
         self._formed = asyncio.Event()
@@ -342,16 +367,19 @@ class ClusterNode:
                     self.storages[g].persist_hard_state(state)
                     done_states.append((g, state))
                 self._step(host.hard_states_persisted, done_states)
+            for frame in ready.frames:
+                self._send_frame(frame)
             if ready.flushes:
                 done: list[tuple[int, int]] = []
                 for g, index in ready.flushes.items():
                     storage = self.storages[g]
-                    if storage.flushed_index < index:
-                        storage.flush()
-                    done.append((g, storage.flushed_index))
-                self._step(host.flushed, done)
-            for frame in ready.frames:
-                self._send_frame(frame)
+                    if storage.flushed_index >= index:
+                        done.append((g, storage.flushed_index))
+                    elif g not in self._sync_failed:
+                        self._unsynced[g] = None
+                if done:
+                    self._step(host.flushed, done)
+                self._start_sync()
             for g, index in ready.commits.items():
                 self.storages[g].set_commit(index)
                 commits[g] = index
@@ -373,6 +401,55 @@ class ClusterNode:
                         core.term,
                     )
                 self.on_leader(g)
+
+    def _start_sync(self) -> None:
+        """Start an fsync job for every group in :attr:`_unsynced`, unless one is in flight
+        (its completion starts the next). A log that cannot be synced off the loop
+        (``sync_target`` None) is flushed here; its completion goes out in the next pass."""
+        host = self.host
+        if len(self._syncing) >= SYNC_JOBS or not self._unsynced or self._closed or host is None:
+            return
+        targets: list[tuple[int, int, int, int]] = []
+        done: list[tuple[int, int]] = []
+        for g in self._unsynced:
+            storage = self.storages[g]
+            target = storage.sync_target()
+            if target is None:
+                storage.flush()
+                done.append((g, storage.flushed_index))
+            else:
+                targets.append((g, *target))
+        self._unsynced.clear()
+        if done:
+            self._step(host.flushed, done)
+            self._schedule()
+        if targets:
+            fds = [fd for _, fd, _, _ in targets]
+            job = self.loop.run_in_executor(self._sync_thread, _fdatasync_all, fds)
+            job.add_done_callback(lambda f: self._synced(targets, f))
+            self._syncing.add(job)
+
+    def _synced(self, targets: list[tuple[int, int, int, int]], job: asyncio.Future[None]) -> None:
+        """The fsync job of :meth:`_start_sync` ended (on the loop's thread)."""
+        self._syncing.discard(job)
+        host = self.host
+        if self._closed or host is None:
+            return
+        error = None if job.cancelled() else job.exception()
+        if job.cancelled() or error is not None:
+            for g, *_ in targets:
+                self._sync_failed.add(g)
+                log.critical(
+                    "cluster: %s/%d: fsync failed (%s): this replica no longer reports its log "
+                    "durable; restart the node",
+                    *self.group_keys.get(g, ("group", g)),
+                    error or "cancelled",
+                )
+            return
+        done = [(g, self.storages[g].synced(index, gen)) for g, _fd, index, gen in targets]
+        self._step(host.flushed, done)
+        self._start_sync()  # what was appended meanwhile
+        self._schedule()
 
     def _send_frame(self, frame: Frame) -> None:
         name = self.names.get(frame.to)
@@ -448,7 +525,23 @@ class ClusterNode:
         if self._timer is not None:
             self._timer.cancel()
         self._round()  # what is durable and due goes out before the sockets close
+        self._closed = True
+        for job in list(self._syncing):
+            with contextlib.suppress(OSError):
+                await job
+        self._sync_thread.shutdown(wait=True)
         await self.transport.close()
+
+
+def _fdatasync_all(fds: list[int]) -> None:
+    """On the fsync thread: fdatasync each descriptor, then close them all (even on an
+    error, which the caller gets)."""
+    try:
+        for fd in fds:
+            os.fdatasync(fd)
+    finally:
+        for fd in fds:
+            os.close(fd)
 
 
 def _counters(obj: Any) -> dict[str, int]:
