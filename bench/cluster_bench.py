@@ -13,7 +13,14 @@ across the bridge, so every byte crosses a veth as it would cross a wire):
 
 ``--rounds N`` runs every target N times, interleaved (round 1: each target in turn, then
 round 2, ...), so that a slow spell of this shared machine hits them alike; the table gives
-each target's median round (by msg/s) and the load average seen at its runs' starts.
+each target's median msg/s, the medians of its runs' PUBACK p50 and p99, every run's msg/s and
+the load average at each run's start.
+
+Where the time goes, per run (in its JSON line): the CPU seconds of each node's processes over
+the measured window and the CPU per acknowledged message (``cpu_s``, ``cpu_us_per_msg``), the
+PUBACK p50 of the publishers connected to each node (``puback_p50_ms_by_node``: the cost of
+forwarding to the leader); with ``--syscalls``, each node's fdatasync, write, writev calls per
+second (``perf stat``); with ``--profile DIR``, py-spy's stacks of every node.
 
 Workload: ``--publishers`` connections (in ``--procs`` processes, uvloop), each keeping
 ``--window`` QoS 1 publishes of 64 bytes in flight on its own topic ``bench/<k>/fanin``, and
