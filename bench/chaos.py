@@ -19,16 +19,20 @@ Targets (``--target``), each a small adapter (a ``Target`` subclass in bench/tar
   session (clean session off) subscribed to ``chaos/#`` at QoS 1 before the first publish.
 - ``mqlog``: one mqlog node in one namespace with ``fsync = "always"``; faults kill -9 and
   restart it, or pause it. The drain subscribes to ``$replay/earliest/chaos/#``.
-
-A replicated mqlog cluster is not here yet: its adapter is a ``Target`` that starts N
-``mqlog serve`` processes with a ``[cluster]`` section, answers ``leader()`` from
-``GET /api/v1/cluster`` and drains through ``$replay/earliest/chaos/#``. It will be written
-with the cluster (issue 20); nothing stands in for it.
+- ``mqlog-cluster``: three mqlog nodes with a ``[cluster]`` section (every partition a Raft
+  group of three replicas, ``fsync = "always"``); ``chaos/#`` is one stream of one partition,
+  so the faults aim at the leader of that one group (``GET /api/v1/cluster``). The drain
+  subscribes to ``$replay/earliest/chaos/#``. After it, the replicas are compared: once
+  every node reports the group caught up, the nodes stop and each node's copy of the
+  partition is read from its data directory; copies that differ at an offset are
+  **divergent** (must be 0), copies that end early are **behind** (``replicas`` in the
+  JSON line; a divergent replica fails the run like a lost message).
 
 Usage (root; the lab needs ``ip`` and ``nft``)::
 
     python -m bench.chaos --target nats --faults 40 --seed 1
     python -m bench.chaos --target mqlog --faults 20 --seed 1
+    python -m bench.chaos --target mqlog-cluster --faults 100 --seed 1
 
 Prints the checker's table, one line per fault, and a JSON line (``--json FILE`` appends it);
 the whole history (every publish, read and fault) goes to ``<workdir>/history.jsonl``.
@@ -243,6 +247,13 @@ class RunResult:
     seconds: float
     reconnects: int
     workdir: str
+    #: ``Target.check_replicas()`` after the drain (None: the target cannot compare).
+    replicas: dict[str, Any] | None = None
+
+    @property
+    def ok(self) -> bool:
+        """The checker's verdict, and no divergent replica where the target can tell."""
+        return self.report.ok and not (self.replicas or {}).get("divergent_replicas")
 
     def summary(self) -> dict[str, Any]:
         r = self.report
@@ -262,6 +273,7 @@ class RunResult:
             "never_available": r.never_available,
             "reconnects": self.reconnects,
             "unavailable_by_fault": by_kind(r),
+            "replicas": self.replicas,
             "seconds": round(self.seconds, 1),
         }
 
@@ -306,6 +318,7 @@ async def run_chaos(
                 await asyncio.to_thread(target.start, node)
     expect = {p.uid for p in hist.publishes if p.acked}
     reads = await target.drain(expect, quiet=2.0, timeout=120.0)
+    replicas = await asyncio.to_thread(target.check_replicas)
     # times from the start of the run, for the report
     pubs = [
         dataclasses.replace(
@@ -317,7 +330,13 @@ async def run_chaos(
     report = check(pubs, reads, faults)
     write_history(target.workdir / "history.jsonl", t0, pubs, reads, faults)
     return RunResult(
-        target.name, seed, report, time.monotonic() - t0, hist.reconnects, str(target.workdir)
+        target.name,
+        seed,
+        report,
+        time.monotonic() - t0,
+        hist.reconnects,
+        str(target.workdir),
+        replicas,
     )
 
 
@@ -408,6 +427,8 @@ def main(argv: list[str] | None = None) -> int:
             ack_timeout=args.ack_timeout,
         )
         print(res.report.table())
+        if res.replicas is not None:
+            print(f"replicas: {json.dumps(res.replicas)}")
         print(f"logs, data and history.jsonl: {res.workdir}")
         line = {**res.summary(), "report": json.loads(dumps(res.report))}
         print(json.dumps(res.summary()))
@@ -430,7 +451,7 @@ def main(argv: list[str] | None = None) -> int:
         meds = [r.report.unavailable_median for r in results if r.report.unavailable_median]
         if meds:
             print(f"median of medians {statistics.median(meds):.2f} s")
-    return 0 if all(r.report.ok for r in results) else 1
+    return 0 if all(r.ok for r in results) else 1
 
 
 def _f(x: float | None) -> str:

@@ -22,6 +22,10 @@ PUBACK p50 of the publishers connected to each node (``puback_p50_ms_by_node``: 
 forwarding to the leader); with ``--syscalls``, each node's fdatasync, write, writev calls per
 second (``perf stat``); with ``--profile DIR``, py-spy's stacks of every node.
 
+bench/targets.py's ``MqlogClusterTarget`` (the chaos runs' adapter) is the same deployment
+with a ``chaos`` stream; this bench keeps :class:`MqlogClusterBenchTarget`, whose processes
+are the base ``Target``'s (``procs``), which the CPU, perf and py-spy counters read.
+
 Workload: ``--publishers`` connections (in ``--procs`` processes, uvloop), each keeping
 ``--window`` QoS 1 publishes of 64 bytes in flight on its own topic ``bench/<k>/fanin``, and
 one subscriber on ``bench/+/fanin`` at QoS 1 acknowledging every delivery. After ``--warmup``

@@ -3,12 +3,11 @@ bench/cluster_bench.py: one adapter (a ``Target`` subclass) per broker.
 
 - ``NatsTarget``: NATS 2.9 (Debian ``nats-server``), three nodes, MQTT on JetStream with
   ``stream_replicas: 3``, cluster routes between the three;
-- ``MqlogTarget``: one mqlog node (``fsync = "always"`` unless told otherwise).
-
-The replicated mqlog cluster's adapter belongs here once the cluster exists (issue 20): a
-``Target`` of size 3 whose ``argv`` runs ``mqlog serve`` with a ``[cluster]`` section (node_id,
-bind, seeds, secret_file), whose ``leader()`` reads ``GET /api/v1/cluster``, and whose drain
-subscribes to ``$replay/earliest/chaos/#``. Nothing stands in for it.
+- ``MqlogTarget``: one mqlog node (``fsync = "always"`` unless told otherwise);
+- ``MqlogClusterTarget``: three mqlog nodes with a ``[cluster]`` section (replication factor
+  3, ``fsync = "always"``), run by tests/cluster_lab.py's ``MqlogCluster``; the ``chaos/#``
+  topics are one stream of one partition, so one Raft group carries the whole workload and
+  ``leader()`` names its leader from ``GET /api/v1/cluster``.
 """
 
 from __future__ import annotations
@@ -23,9 +22,13 @@ import urllib.request
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from bench.mqttclient import MqttClient
+from broker.commitlog import LogConfig
+from broker.commitlog.reader import LogReader
 from tests.checker import Read
+from tests.cluster_lab import Member, MqlogCluster
 from tests.netlab import Lab, Node, Proc, wait_tcp
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -112,6 +115,11 @@ class Target:
 
     async def before_run(self) -> None:
         """Called once the nodes listen, before the first publish."""
+
+    def check_replicas(self) -> dict[str, Any] | None:
+        """After the drain, every node up and healed: how the nodes' copies of the data
+        compare (None: the target cannot tell). May stop the nodes."""
+        return None
 
     async def drain(self, expect: set[str], quiet: float, timeout: float) -> list[Read]:
         """Read back everything under ``chaos/`` once, until every id of ``expect`` came
@@ -274,4 +282,170 @@ class NatsTarget(Target):
         await client.closed
 
 
-TARGETS: dict[str, type[Target]] = {"nats": NatsTarget, "mqlog": MqlogTarget}
+class MqlogClusterTarget(Target):
+    """Three mqlog nodes, every partition a Raft group of three replicas, ``fsync =
+    "always"``: a PUBACK follows a majority's fsync. The processes, configs and secret are
+    tests/cluster_lab.py's ``MqlogCluster`` (node ``n<i>`` of the lab is member
+    ``n<i+1>``); the ``chaos/#`` topics are the stream ``chaos`` of one partition
+    (:attr:`STREAM`), whose group's leader is what ``leader()`` names. ``extra`` is TOML
+    appended to every node's config (more ``[[streams]]``, or ``[cluster]`` timings)."""
+
+    name = "mqlog-cluster"
+    size = 3
+    #: The stream every ``chaos/...`` publish goes to: one partition, so one Raft group.
+    STREAM = "chaos"
+    STREAM_TOML = (
+        f'[[streams]]\nname = "{STREAM}"\ntopic_filter = ["{TOPIC_PREFIX}/#"]\npartitions = 1\n'
+    )
+
+    def __init__(self, lab: Lab, workdir: Path, extra: str = "") -> None:
+        super().__init__(lab, workdir)
+        self.cluster = MqlogCluster(lab, workdir, extra=self.STREAM_TOML + extra)
+
+    def member(self, node: Node) -> Member:
+        return self.cluster.members[node.index]
+
+    def start(self, node: Node) -> None:
+        self.cluster.start(self.member(node), timeout=self.ready_timeout)
+
+    def start_all(self) -> None:
+        self.cluster.start(timeout=self.ready_timeout)
+
+    def kill(self, node: Node) -> None:
+        """kill -9 of the node's process group; returns once every process of it is gone
+        (they hold the data directory)."""
+        self.cluster.kill(self.member(node))
+
+    def pause(self, node: Node) -> None:
+        self.cluster.pause(self.member(node))
+
+    def resume(self, node: Node) -> None:
+        self.cluster.resume(self.member(node))
+
+    def alive(self, node: Node) -> bool:
+        return self.member(node).running()
+
+    def partition_views(self, stream: str, partition: int) -> dict[str, dict[str, Any]]:
+        """Each answering node's view of ``stream``/``partition`` (its entry of
+        ``GET /api/v1/cluster``), by node id; a node that does not answer within 0.5 s
+        (paused, killed, cut off from the host) is left out."""
+        views: dict[str, dict[str, Any]] = {}
+        for m in self.cluster.members:
+            try:
+                doc = self.cluster.status(m, timeout=0.5)
+            except (OSError, ValueError):
+                continue
+            for p in doc.get("partitions", []):
+                if p.get("stream") == stream and p.get("partition") == partition:
+                    views[m.node_id] = p
+        return views
+
+    def leader(self) -> Node | None:
+        """The leader of the ``chaos`` group: among the nodes that answer, the leader named
+        in the highest term (Raft has at most one leader per term, section 5.2; a node back
+        from a partition may still name an older one); None when no node names one."""
+        named = [
+            (int(v.get("term") or 0), v["leader"])
+            for v in self.partition_views(self.STREAM, 0).values()
+            if v.get("leader")
+        ]
+        if not named:
+            return None
+        lead = max(named)[1]
+        for m in self.cluster.members:
+            if m.node_id == lead:
+                return m.node
+        return None
+
+    def converge(self, timeout: float) -> float | None:
+        """Seconds until every node reports the ``chaos`` group with one leader in one term
+        and the same last index, all of it committed (every replica caught up); None if that
+        did not happen within ``timeout``."""
+        t0 = time.monotonic()
+        while True:
+            views = self.partition_views(self.STREAM, 0)
+            seen = {
+                (v["term"], v["leader"], v["last_index"], v["commit_index"]) for v in views.values()
+            }
+            if len(views) == len(self.cluster.members) and len(seen) == 1:
+                (_, leader, last, commit) = seen.pop()
+                if leader is not None and last == commit:
+                    return time.monotonic() - t0
+            if time.monotonic() - t0 > timeout:
+                return None
+            time.sleep(0.1)
+
+    def replica(self, node: Node) -> list[StoredRecord]:
+        """The records of ``node``'s copy of the ``chaos`` partition, read from its data
+        directory with the read-only ``LogReader`` (the node should be stopped)."""
+        return read_replica(self.member(node).data_dir / self.STREAM / "0")
+
+    def check_replicas(self, timeout: float = 60.0) -> dict[str, Any]:
+        """Wait until the replicas converge (:meth:`converge`), stop every node (SIGTERM),
+        then compare the three copies of the ``chaos`` partition record by record
+        (:func:`compare_replicas`)."""
+        converged = self.converge(timeout)
+        self.cluster.stop()
+        copies = {m.node_id: self.replica(m.node) for m in self.cluster.members}
+        return {
+            "converged_s": None if converged is None else round(converged, 2),
+            **compare_replicas(copies),
+        }
+
+    def drain_filter(self) -> str:
+        return f"$replay/earliest/{TOPIC_PREFIX}/#"
+
+
+#: One stored record as the replicas are compared: offset, timestamp, topic, payload.
+StoredRecord = tuple[int, int, str, bytes]
+
+
+def read_replica(directory: Path) -> list[StoredRecord]:
+    """Every record of the partition log in ``directory`` (control batches skipped), read
+    without writing anything (``LogReader``: no recovery, no marker)."""
+    reader = LogReader(directory, LogConfig(), end_offset=1 << 62)
+    out: list[StoredRecord] = []
+    offset = reader.log_start_offset
+    while True:
+        batch = reader.read(offset, 10_000, 8 << 20)
+        if not batch:
+            return out
+        out.extend((r.offset, r.timestamp, r.topic, r.payload) for r in batch)
+        offset = batch[-1].offset + 1
+
+
+def compare_replicas(copies: dict[str, list[StoredRecord]]) -> dict[str, Any]:
+    """Compare the copies of one partition (by node). At each offset below a copy's end, the
+    copy holds a record or nothing (a control batch there, where another holds a record);
+    where the copies disagree, each that differs from the majority's (every one, on a tie) is
+    **divergent**: Raft's Log Matching property (s5.3) says no two committed copies differ.
+    A copy that agrees everywhere but ends early is **behind** (it did not catch up).
+    Returns ``divergent_replicas`` (count), ``divergent`` and ``behind`` (node names),
+    ``records`` (each copy's count) and ``first_divergence`` (an offset, or None)."""
+    held = {n: {r[0]: r for r in recs} for n, recs in copies.items()}
+    ends = {n: (recs[-1][0] + 1 if recs else 0) for n, recs in copies.items()}
+    divergent: set[str] = set()
+    first: int | None = None
+    for offset in sorted(set().union(*held.values())):
+        values = {n: held[n].get(offset) for n in copies if offset < ends[n]}
+        ranked = Counter(values.values()).most_common()
+        if len(ranked) == 1:
+            continue
+        first = offset if first is None else first
+        majority = ranked[0][0] if ranked[0][1] > ranked[1][1] else ()
+        divergent.update(n for n, v in values.items() if v != majority)
+    longest = max(ends.values(), default=0)
+    return {
+        "divergent_replicas": len(divergent),
+        "divergent": sorted(divergent),
+        "behind": sorted(n for n in copies if n not in divergent and ends[n] < longest),
+        "records": {n: len(recs) for n, recs in copies.items()},
+        "first_divergence": first,
+    }
+
+
+TARGETS: dict[str, type[Target]] = {
+    "nats": NatsTarget,
+    "mqlog": MqlogTarget,
+    "mqlog-cluster": MqlogClusterTarget,
+}

@@ -32,6 +32,7 @@ from broker.commitlog.reader import LogReader
 from broker.commitlog.scrub import LogScrubber
 from broker.config import Config
 from broker.http.api import HttpApi, sessions_view
+from broker.metrics.cluster import ClusterMetrics
 from broker.metrics.collector import BrokerCollector, Metrics
 from broker.metrics.sys_topics import SYS_SPEC, SysPublisher, sys_values
 from broker.mqtt.reason_codes import ReasonCode
@@ -42,7 +43,7 @@ from broker.net.tls import TLSConfigError, TLSProtocol, server_context
 from broker.net.transport import MQTTProtocol
 from broker.net.websocket import WebSocketListener
 from broker.router.router import Router
-from broker.workers.replicated import ClusterService
+from broker.workers.replicated import CLUSTER_SPECS, ClusterService
 from broker.workers.runtime import WorkerRuntime, WorkerSpec
 
 log = logging.getLogger("broker.server")
@@ -104,7 +105,7 @@ class Server:
         # $SYS topics first: their own internal stream, whatever the user's filters say.
         self.streams = Streams(
             config.commitlog.data_dir,
-            [SYS_SPEC, *config.stream_specs()],
+            [SYS_SPEC, *config.stream_specs(), *(CLUSTER_SPECS if config.cluster else ())],
             clock=clock,
             matches=topic_matches,
         )
@@ -141,13 +142,19 @@ class Server:
         if self.cluster is not None:
             self.cluster.attach(self.router)
         self.metrics.registry.register(BrokerCollector(self))
+        if self.cluster is not None:
+            cluster_metrics = ClusterMetrics(self, self.metrics.registry)
+            self.cluster.observe_commit = cluster_metrics.commit_seconds.observe
         self.links: set[MQTTProtocol] = set()
         #: Every link by its keepalive (or CONNECT) deadline, looked at when that passes.
         self.keepalive: KeepaliveWheel[MQTTProtocol] = KeepaliveWheel(TICK_SECONDS, monotonic())
         self._flush_pending: list[MQTTProtocol] = []
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
-        self._cleaner = LogCleaner(self.streams)
+        # Replicated partitions' retention runs in their Raft groups (broker.cluster.node).
+        self._cleaner = LogCleaner(
+            self.streams, skip=self.cluster.keys if self.cluster is not None else ()
+        )
         scrub = config.commitlog
         self._scrubber = (
             LogScrubber(self.streams, scrub.scrub_interval, scrub.scrub_bytes_per_second)
@@ -339,6 +346,11 @@ class Server:
         if self.cluster is None:
             return {"mode": "single node", "node_id": None, "nodes": [], "partitions": []}
         return self.cluster.status()
+
+    def transfer_leader(self, key: PartitionKey, node: str) -> str:
+        if self.cluster is None:
+            raise ValueError("a single node: no [cluster] section")
+        return self.cluster.transfer_leader(key, node)
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"ready": self.ready, **self.counts()}

@@ -61,6 +61,7 @@ from broker.auth import (
     valid_user_name,
     write_password_file,
 )
+from broker.cli import cluster as cluster_cli
 from broker.cli.admin import (
     DEFAULT_BROKER,
     PASSWORD_ENV,
@@ -337,6 +338,7 @@ def build_parser() -> argparse.ArgumentParser:
             "--user", help=f"a user of the password file (password in ${PASSWORD_ENV})"
         )
         cmd.set_defaults(func=func)
+    cluster_cli.add_parser(sub)
     drain = sub.add_parser("spark-drain", help="drain streams into Parquet with Spark")
     drain.add_argument(
         "--broker", default=DEFAULT_BROKER, help=f"the broker's HTTP API (default {DEFAULT_BROKER})"

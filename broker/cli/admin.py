@@ -32,8 +32,22 @@ PASSWORD_ENV = "MQLOG_PASSWORD"
 def _get(broker: str, path: str, user: str | None = None) -> Any:
     """GET ``path`` from the broker's admin API and decode the JSON body; with ``user``, as
     that user (HTTP Basic, the password from :data:`PASSWORD_ENV`)."""
-    url = broker.rstrip("/") + path
-    request = urllib.request.Request(url)
+    return _call(urllib.request.Request(broker.rstrip("/") + path), broker, user)
+
+
+def _post(broker: str, path: str, body: Any, user: str | None = None) -> Any:
+    """POST ``body`` as JSON to ``path``; the decoded answer (an error's message raised)."""
+    request = urllib.request.Request(
+        broker.rstrip("/") + path,
+        data=orjson.dumps(body),
+        headers={"Content-Type": "application/json"},
+        method="POST",
+    )
+    return _call(request, broker, user)
+
+
+def _call(request: urllib.request.Request, broker: str, user: str | None) -> Any:
+    url = request.full_url
     if user is not None:
         token = base64.b64encode(f"{user}:{os.environ.get(PASSWORD_ENV, '')}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
@@ -48,7 +62,11 @@ def _get(broker: str, path: str, user: str | None = None) -> Any:
                 if user is None
                 else f"{url}: HTTP 401: user {user!r} refused (is ${PASSWORD_ENV} right?)"
             ) from None
-        raise BrokerUnreachable(f"{url}: HTTP {e.code} {e.reason}") from None
+        try:
+            message = orjson.loads(e.read())["error"]
+        except (orjson.JSONDecodeError, KeyError, TypeError):
+            message = e.reason
+        raise BrokerUnreachable(f"{url}: HTTP {e.code}: {message}") from None
     except (urllib.error.URLError, OSError) as e:
         reason = getattr(e, "reason", e)
         raise BrokerUnreachable(

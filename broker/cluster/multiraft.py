@@ -51,8 +51,10 @@ from broker.cluster.messages import (
     Entry,
     Flush,
     HardState,
+    LogStart,
     Message,
     PersistHardState,
+    ResetLog,
     Send,
     Truncate,
 )
@@ -68,6 +70,10 @@ class GroupLog(LogReader, Protocol):
 
     def truncate(self, from_index: int) -> None:
         """Drop every entry at ``from_index`` and above."""
+
+    def reset_log(self, reset: ResetLog) -> None:
+        """Replace the whole log by an installed snapshot (empty after ``reset.last_index``),
+        durably, before returning."""
 
 
 @dataclass(slots=True)
@@ -246,6 +252,12 @@ class MultiRaft:
         self._route(group, effects)
         return core.terms.last_index
 
+    def compacted(self, group: int, first_index: int) -> LogStart:
+        """Retention removed ``group``'s entries before ``first_index`` (committed and
+        durable): the core's ``compacted``, whose ``LogStart`` the driver stores with the log.
+        A follower that needs what went gets a snapshot (``InstallSnapshot``)."""
+        return self._cores[group].compacted(first_index)
+
     def transfer_leadership(self, group: int, peer: int) -> None:
         effects = self._cores[group].transfer_leadership(peer)
         self._wake(group)
@@ -359,6 +371,8 @@ class MultiRaft:
                 self._logs[g].append(e.first_index, e.entries)
             elif isinstance(e, Truncate):
                 self._logs[g].truncate(e.from_index)
+            elif isinstance(e, ResetLog):
+                self._logs[g].reset_log(e)
             elif isinstance(e, Flush):
                 flushes = self._ready.flushes
                 flushes[g] = max(flushes.get(g, 0), e.index)

@@ -15,13 +15,9 @@ Raft's safety needs (its ``Ready``):
 3. flushes: each group's log is fsynced once for every entry appended since its last flush
    (appends only write to the page cache, ``GroupStorage.append``) and the core told
    ``flushed``, so the commit index only ever counts what a majority has on disk; the
-   acknowledgements this makes leave in the next pass of the round. The fsyncs run on one
-   thread (``GroupStorage.sync_target``), one job at a time for every group with unsynced
-   entries, while the loop goes on reading publishes and frames and appending; each
-   covers what was appended before it started, and what came meanwhile waits for the
-   next job. A group whose fsync failed never reports its log durable again (its entries
-   count on the other replicas only): after an fsync error the kernel may have dropped the
-   dirty pages, and a retry could succeed without them;
+   acknowledgements this makes leave in the next pass of the round. The fsyncs run on a
+   thread while the loop goes on reading publishes and frames and appending
+   (``broker.cluster.logsync``: what each covers, what a failed one means);
 4. commits: each group's storage pins its high-water mark (readers never see past it) and
    :attr:`ClusterNode.on_commit` tells the broker, which acknowledges and delivers.
 
@@ -43,13 +39,10 @@ Called only from the owning event loop's thread.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
-import os
 import random
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
@@ -58,6 +51,7 @@ import orjson
 
 from broker.cluster.frames import Frame
 from broker.cluster.hardstate import write_atomically
+from broker.cluster.logsync import LogSyncer
 from broker.cluster.membership import Configuration
 from broker.cluster.messages import HardState
 from broker.cluster.multiraft import MultiRaft
@@ -67,9 +61,10 @@ from broker.cluster.placement import node_id_of, node_ids, replicas
 from broker.cluster.raft import RaftNode, Role
 from broker.cluster.storage import GroupStorage
 from broker.cluster.wire import WireError, decode_frame, encode_frame
+from broker.commitlog import CommitLogError
 from broker.config.cluster import ClusterConfig
 
-log = logging.getLogger("broker.cluster")
+logger = logging.getLogger("broker.cluster")
 
 #: Transport kinds: a Raft frame; kinds from :data:`FIRST_APP_KIND` on belong to the broker
 #: (forwarded publishes and their answers, broker.workers.replicated).
@@ -79,9 +74,8 @@ FIRST_APP_KIND = 16
 #: Ticks (heartbeat intervals) between two passes of the leader balancer.
 BALANCE_TICKS = 50
 
-#: fsync jobs in flight at most (``ClusterNode._start_sync``): a job started while others
-#: run joins the file system's next journal commit instead of waiting for theirs to end.
-SYNC_JOBS = 4
+#: Seconds between two retention passes over the groups' logs (the log cleaner's interval).
+RETENTION_SECONDS = 30.0
 
 #: Seconds between "still waiting for members" log lines while the cluster forms.
 FORMATION_LOG_SECONDS = 5.0
@@ -117,6 +111,8 @@ def node_settings(config: ClusterConfig) -> NodeSettings:
 @dataclass(slots=True)
 class NodeStats:
     leader_changes: int = 0
+    #: Times this node became a group's leader.
+    elections_won: int = 0
     refused: int = 0
     bad_frames: int = 0
     rounds: int = 0
@@ -149,15 +145,15 @@ class ClusterNode:
         #: Group id -> its partition (stream, partition), for views and log lines.
         self.group_keys: dict[int, tuple[str, int]] = {}
         self._scheduled = False
-        #: Groups with entries appended since their last fsync started (a dict: ordered).
-        self._unsynced: dict[int, None] = {}
-        #: The fsync jobs in flight, and their threads.
-        self._syncing: set[asyncio.Future[None]] = set()
-        self._sync_thread = ThreadPoolExecutor(SYNC_JOBS, thread_name_prefix="raft-fsync")
-        #: Groups whose fsync failed: never reported durable again (module docstring).
-        self._sync_failed: set[int] = set()
-        self._closed = False
+        self.syncer = LogSyncer(
+            self.loop,
+            self.storages,
+            self._synced,
+            lambda g: "{}/{}".format(*self.group_keys.get(g, ("group", g))),
+        )
         self._ticks = 0
+        #: Ticks between two retention passes (the log cleaner's 30 s).
+        self._retention_ticks = max(1, round(RETENTION_SECONDS / settings.heartbeat_interval))
         self._timer: asyncio.TimerHandle | None = None
         self._formed = asyncio.Event()
         self.transport = PeerTransport(
@@ -176,20 +172,20 @@ class ClusterNode:
         known = self._load_members()
         await self.transport.start()
         if known is None:
-            log.info("cluster: forming with seeds %s", _addrs(self.settings.seeds))
+            logger.info("cluster: forming with seeds %s", _addrs(self.settings.seeds))
             while not self._all_seeds_known():
                 try:
                     await asyncio.wait_for(self._formed.wait(), FORMATION_LOG_SECONDS)
                 except TimeoutError:
                     missing = [a for a in self.settings.seeds if a not in self._seen_addrs()]
-                    log.info("cluster: waiting for %s", _addrs(missing))
+                    logger.info("cluster: waiting for %s", _addrs(missing))
                 self._formed.clear()
             members = {self.name: self.settings.bind, **self.transport.members}
             self._save_members(members)
         else:
             members = known
         self.names = node_ids(members)
-        log.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
+        logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
         return sorted(self.names)
 
     def _seen_addrs(self) -> set[tuple[str, int]]:
@@ -233,6 +229,28 @@ class ClusterNode:
             self._leaders[g] = (None, core.term)
         self._timer = self.loop.call_later(self.settings.heartbeat_interval, self._tick)
 
+    async def caught_up(self, timeout: float) -> list[int]:
+        """Wait until every group has a leader and, where this node follows, commits as far
+        as the leader said it had committed (so that the high-water mark a new subscription
+        starts from is not one a restart left behind), or ``timeout`` passes; returns the
+        groups still behind."""
+        deadline = self.loop.time() + timeout
+        while True:
+            behind = [g for g in self.storages if not self._caught_up(g)]
+            if not behind or self.loop.time() >= deadline:
+                return behind
+            await asyncio.sleep(self.settings.heartbeat_interval)
+
+    def _caught_up(self, group: int) -> bool:
+        core = self.core(group)
+        if core.role is Role.LEADER:
+            return True
+        return (
+            core.leader is not None
+            and core.leader_commit is not None
+            and (core.commit >= core.leader_commit)
+        )
+
     def replicas_of(self, group: int) -> list[int]:
         """The group's first configuration (placement): its replication factor
         (:attr:`replication`, else ``[cluster]``'s), capped at the node count."""
@@ -244,12 +262,15 @@ class ClusterNode:
         return self.host.core(group)
 
     def leader(self, group: int) -> int | None:
-        """The group's leader as this node knows it (itself included), or None."""
-        core = self.core(group)
+        """The group's leader as this node knows it (itself included), or None (also
+        before the groups are hosted)."""
+        if self.host is None or group not in self.storages:
+            return None
+        core = self.host.core(group)
         return self.id if core.role is Role.LEADER else core.leader
 
     def is_leader(self, group: int) -> bool:
-        return self.core(group).role is Role.LEADER
+        return self.leader(group) == self.id
 
     # -- inputs ------------------------------------------------------------------------------
 
@@ -279,7 +300,7 @@ class ClusterNode:
                 frame = decode_frame(payload)
             except WireError as e:
                 self.stats.bad_frames += 1
-                log.warning("cluster: bad frame from %s dropped: %s", name, e)
+                logger.warning("cluster: bad frame from %s dropped: %s", name, e)
                 return
             if frame.frm != node_id_of(name) or frame.to != self.id:
                 self.stats.bad_frames += 1
@@ -298,7 +319,7 @@ class ClusterNode:
             # A core refused a request that would break safety: a bug somewhere, logged
             # loudly, and the request dropped (the group stays as it was).
             self.stats.refused += 1
-            log.error("cluster: %s", e)
+            logger.error("cluster: %s", e)
 
     def _tick(self) -> None:
         assert self.host is not None
@@ -307,7 +328,42 @@ class ClusterNode:
         self._ticks += 1
         if self._ticks % BALANCE_TICKS == 0:
             self._balance()
+        if self._ticks % self._retention_ticks == 0:
+            self.enforce_retention()
         self._schedule()
+
+    def enforce_retention(self, now_ms: int | None = None) -> int:
+        """Retention of every group's log, here on the loop thread (the log cleaner skips
+        replicated partitions): only whole segments that end at or before what this node's
+        core holds committed and durable (``min(commit, durable_index)``, as an offset), and
+        the core is told the new start in the same step (``compacted``), so it never reads a
+        removed entry and a follower that needs one gets a snapshot. Returns the segments
+        deleted."""
+        assert self.host is not None
+        deleted = 0
+        for g, storage in self.storages.items():
+            core = self.host.core(g)
+            log = storage.log
+            try:
+                n = log.enforce_retention(now_ms, below=min(core.commit, core.durable_index))
+            except (CommitLogError, OSError):
+                logger.exception(
+                    "cluster: retention of %s/%d failed", *self.group_keys.get(g, ("group", g))
+                )
+                continue
+            if n:
+                deleted += n
+                storage.compacted(self.host.compacted(g, log.log_start_offset + 1))
+            if log.config.compacted:
+                # Below the high-water mark only, and every batch keeps its boundaries (an
+                # emptied one stays as a placeholder): the Raft log's entries never move.
+                try:
+                    log.compact()
+                except (CommitLogError, OSError):
+                    logger.exception(
+                        "cluster: compaction of %s/%d failed", *self.group_keys.get(g, ("group", g))
+                    )
+        return deleted
 
     def _balance(self) -> None:
         """Hand each group this node leads to its preferred replica (the first of its
@@ -335,7 +391,7 @@ class ClusterNode:
                 try:
                     self.host.transfer_leadership(g, preferred)
                 except (RuntimeError, ValueError) as e:
-                    log.warning("cluster: transfer of group %d to %s refused: %s", g, name, e)
+                    logger.warning("cluster: transfer of group %d to %s refused: %s", g, name, e)
 
     def preferred(self, group: int) -> int | None:
         """The replica that should lead ``group``: the first voter in placement order."""
@@ -375,11 +431,11 @@ class ClusterNode:
                     storage = self.storages[g]
                     if storage.flushed_index >= index:
                         done.append((g, storage.flushed_index))
-                    elif g not in self._sync_failed:
-                        self._unsynced[g] = None
+                    else:
+                        self.syncer.add(g)
                 if done:
                     self._step(host.flushed, done)
-                self._start_sync()
+                self.syncer.start()
             for g, index in ready.commits.items():
                 self.storages[g].set_commit(index)
                 commits[g] = index
@@ -394,7 +450,9 @@ class ClusterNode:
                 self._leaders[g] = now
                 if now[0] != leader:
                     self.stats.leader_changes += 1
-                    log.info(
+                    if now[0] == self.id:
+                        self.stats.elections_won += 1
+                    logger.info(
                         "cluster: %s/%d: leader %s in term %d",
                         *self.group_keys.get(g, ("group", g)),
                         self.names.get(now[0], "none") if now[0] is not None else "none",
@@ -402,54 +460,11 @@ class ClusterNode:
                     )
                 self.on_leader(g)
 
-    def _start_sync(self) -> None:
-        """Start an fsync job for every group in :attr:`_unsynced`, unless one is in flight
-        (its completion starts the next). A log that cannot be synced off the loop
-        (``sync_target`` None) is flushed here; its completion goes out in the next pass."""
-        host = self.host
-        if len(self._syncing) >= SYNC_JOBS or not self._unsynced or self._closed or host is None:
-            return
-        targets: list[tuple[int, int, int, int]] = []
-        done: list[tuple[int, int]] = []
-        for g in self._unsynced:
-            storage = self.storages[g]
-            target = storage.sync_target()
-            if target is None:
-                storage.flush()
-                done.append((g, storage.flushed_index))
-            else:
-                targets.append((g, *target))
-        self._unsynced.clear()
-        if done:
-            self._step(host.flushed, done)
+    def _synced(self, done: list[tuple[int, int]]) -> None:
+        """Fsyncs of :attr:`syncer` made these ``(group, index)`` durable."""
+        if self.host is not None:
+            self._step(self.host.flushed, done)
             self._schedule()
-        if targets:
-            fds = [fd for _, fd, _, _ in targets]
-            job = self.loop.run_in_executor(self._sync_thread, _fdatasync_all, fds)
-            job.add_done_callback(lambda f: self._synced(targets, f))
-            self._syncing.add(job)
-
-    def _synced(self, targets: list[tuple[int, int, int, int]], job: asyncio.Future[None]) -> None:
-        """The fsync job of :meth:`_start_sync` ended (on the loop's thread)."""
-        self._syncing.discard(job)
-        host = self.host
-        if self._closed or host is None:
-            return
-        error = None if job.cancelled() else job.exception()
-        if job.cancelled() or error is not None:
-            for g, *_ in targets:
-                self._sync_failed.add(g)
-                log.critical(
-                    "cluster: %s/%d: fsync failed (%s): this replica no longer reports its log "
-                    "durable; restart the node",
-                    *self.group_keys.get(g, ("group", g)),
-                    error or "cancelled",
-                )
-            return
-        done = [(g, self.storages[g].synced(index, gen)) for g, _fd, index, gen in targets]
-        self._step(host.flushed, done)
-        self._start_sync()  # what was appended meanwhile
-        self._schedule()
 
     def _send_frame(self, frame: Frame) -> None:
         name = self.names.get(frame.to)
@@ -497,6 +512,7 @@ class ClusterNode:
                 "term": core.term,
                 "leader": self.names.get(leader) if leader is not None else None,
                 "replicas": sorted(self.names.get(n, str(n)) for n in core.configuration.members),
+                "preferred_leader": self.names.get(self.preferred(g) or -1),
                 "commit_index": storage.commit,
                 "last_index": last,
                 "quiesced": host.quiesced(g),
@@ -525,23 +541,8 @@ class ClusterNode:
         if self._timer is not None:
             self._timer.cancel()
         self._round()  # what is durable and due goes out before the sockets close
-        self._closed = True
-        for job in list(self._syncing):
-            with contextlib.suppress(OSError):
-                await job
-        self._sync_thread.shutdown(wait=True)
+        await self.syncer.close()
         await self.transport.close()
-
-
-def _fdatasync_all(fds: list[int]) -> None:
-    """On the fsync thread: fdatasync each descriptor, then close them all (even on an
-    error, which the caller gets)."""
-    try:
-        for fd in fds:
-            os.fdatasync(fd)
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 def _counters(obj: Any) -> dict[str, int]:

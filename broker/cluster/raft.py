@@ -143,6 +143,8 @@ class RaftNode(Elections, Snapshots):
         self._transfer_elapsed = 0
         #: As a follower: the highest index known to equal the current leader's log.
         self._leader_match = 0
+        #: As a follower: the commit index the leader last sent (None: nothing heard yet).
+        self.leader_commit: int | None = None
         self._held: list[Message] = []
         #: Requests refused because obeying them would break safety (a bug somewhere).
         self.refused: list[str] = []
@@ -421,6 +423,7 @@ class RaftNode(Elections, Snapshots):
 
     def _on_append(self, m: AppendEntries) -> None:
         self._become_follower(self.term, m.frm)
+        self.leader_commit = m.commit
         if m.prev_index < self.terms.start:
             clipped = self._clip_to_start(m)
             if clipped is None:

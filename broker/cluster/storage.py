@@ -14,6 +14,13 @@ and the commit index is the log's high-water mark, which this storage pins
   control type = the entry kind, body = the payload, timestamp ``CONTROL_TIMESTAMP`` (0: each
   replica encodes its own, and with no clock in them they are the same bytes everywhere, and
   never move a segment's max timestamp); readers of records skip them.
+* Compaction (a compacted stream, whose log must ``keep_empty_batches``: :meth:`over` refuses
+  it otherwise) keeps every batch's base offset, offsets and epoch: a batch it rewrote is the
+  same entry with fewer records, and one it emptied a control batch of type
+  ``CONTROL_COMPACTED`` covering the same offsets, which is a DATA entry too (its bytes, its
+  count of offsets), so a compacted entry replicates verbatim and a follower's log matches.
+  Compaction counts only records below the high-water mark (the commit index), so a
+  truncation never cuts what removed a committed record.
 * Truncation cuts the log between batches, never below the commit index (``floor``); the
   commit hint of the hard state also floors it after a restart, never the other way round.
 * The term table (``TermTable``: term -> first index) is rebuilt at :meth:`open` from the
@@ -61,6 +68,7 @@ Called from one thread (the group's driver); not thread-safe.
 from __future__ import annotations
 
 import logging
+import struct
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -77,13 +85,21 @@ from broker.cluster.hardstate import (
 from broker.cluster.membership import Configuration, Membership
 from broker.cluster.messages import Entry, EntryKind, HardState, LogStart, ResetLog
 from broker.cluster.terms import TermTable
-from broker.commitlog import LogConfig, Record, SegmentedLog
+from broker.commitlog import (
+    CorruptRecordBatch,
+    LogConfig,
+    Record,
+    SegmentedLog,
+    UnsupportedFormat,
+)
 from broker.commitlog.batch import (
+    CONTROL_COMPACTED,
     CONTROL_FLAG,
     decode_control,
     encode_batch,
     encode_control,
     read_header,
+    validate_batch,
 )
 
 logger = logging.getLogger("broker.cluster")
@@ -149,6 +165,11 @@ class GroupStorage:
         """:meth:`open` over ``log``, already open (the broker's ``Streams`` opened it and
         closes it); on an error the log is closed."""
         try:
+            if log.config.compacted and not log.config.keep_empty_batches:
+                raise StorageError(
+                    f"{log.directory}: a compacted log is a Raft log only if its compaction "
+                    "keeps the batches it empties (LogConfig.keep_empty_batches)"
+                )
             found = read_hard_state(log.directory)
             hard, hint = found if found is not None else (HardState(0, None), 0)
             stored = read_log_start(log.directory)
@@ -209,6 +230,8 @@ class GroupStorage:
             if e.kind is EntryKind.DATA:
                 batch = e.payload
                 h = read_header(batch)
+                if h.attributes & CONTROL_FLAG and _control_type(batch) != CONTROL_COMPACTED:
+                    raise StorageError(f"{self.directory}: a DATA entry holds a control batch")
                 if (h.base_offset, h.leader_epoch, h.next_offset - base) != (base, e.term, e.count):
                     raise StorageError(
                         f"{self.directory}: entry of term {e.term} covering {e.count} at index "
@@ -314,11 +337,23 @@ class GroupStorage:
 
 
 def _entry(batch: bytes) -> Entry:
+    """The entry a stored batch is: a NOOP or CONFIG control batch that entry, any other batch
+    (a compacted one's placeholder included) a DATA entry of its bytes and offsets."""
     h = read_header(batch)
     if h.attributes & CONTROL_FLAG:
         kind, body = decode_control(batch)
-        return Entry(h.leader_epoch, body, EntryKind(kind), 1)
+        if kind != CONTROL_COMPACTED:
+            return Entry(h.leader_epoch, body, EntryKind(kind), 1)
     return Entry(h.leader_epoch, batch, EntryKind.DATA, h.next_offset - h.base_offset)
+
+
+def _control_type(batch: bytes) -> int:
+    """The control type of a control batch received in a DATA entry, -1 for bad bytes."""
+    try:
+        validate_batch(batch, 0, 0)
+        return decode_control(batch)[0]
+    except (CorruptRecordBatch, UnsupportedFormat, ValueError, struct.error):
+        return -1
 
 
 def _offset_runs(terms: TermTable) -> list[tuple[int, int]]:

@@ -46,19 +46,23 @@ bytes of columns per record::
     ..      properties         every record's properties, concatenated in record order
     ..      payloads           every record's payload, concatenated in record order
 
-Invariants of a valid batch: ``record_count >= 1``; offset deltas strictly increase and the
-last equals ``last_offset_delta`` (compaction leaves gaps, so ``last_offset_delta >=
-record_count - 1``); string indexes lie inside the table; the table, the columns, the
-properties and the payloads fill exactly ``batch_length - 48`` bytes; the CRC matches.
+Invariants of a valid batch: ``record_count >= 1``; offset deltas strictly increase, the last
+at most ``last_offset_delta``; string indexes lie inside the table; the table, the columns, the
+properties and the payloads fill exactly ``batch_length - 48`` bytes; the CRC matches. A batch
+covers offsets ``base_offset .. base_offset + last_offset_delta``, a record at each when
+appended; compaction (:mod:`broker.commitlog.policy`) leaves gaps, the last record's included,
+and keeps a batch's base offset, last offset delta (as Kafka keeps ``lastOffsetDelta``), epoch
+and attributes, so batches (Raft's entries, :mod:`broker.cluster.storage`) never move.
 
-A control batch (attributes bit 0) holds no client record but a marker of the writer's protocol
-(:mod:`broker.cluster.storage` writes its Raft no-op and configuration entries so): one record,
-offset delta 0, topic and client id both the empty string, qos 0, no flags, no properties, and
-a payload of a 2-byte little-endian control type (the writer's: 1 no-op, 2 configuration)
-followed by the control body (:func:`encode_control`, :func:`decode_control`). It takes one
-offset like any record, and every reader of records skips it (:func:`decode_into`, the column
-reads, so ``read``/``read_columns``, the fetch API, replay and live delivery; compaction keeps
-it as it is).
+A control batch (attributes bit 0) holds no client record but a marker: one record at delta 0,
+empty topic and client id, qos 0, no flags, no properties, a payload of a 2-byte little-endian
+control type and the control body (:func:`encode_control`, :func:`decode_control`): 1 (no-op)
+and 2 (configuration), :mod:`broker.cluster.storage`'s Raft entries, one offset each; 3
+(``CONTROL_COMPACTED``, no body) what compaction leaves of a batch it emptied in a log that
+``keep_empty_batches``, with its offsets, epoch and ``max_timestamp`` (the segment's age holds).
+Readers of records skip them (:func:`decode_into`, the column reads, so ``read``,
+``read_columns``, the fetch API, replay, live delivery); compaction keeps them as they are. Older
+readers refuse a gap at a batch's end: ``DATA/FORMAT`` 2 keeps them off (``streams.py``).
 
 Why columns: the whole batch is encoded and decoded by C loops (``zip``, ``map``, one
 ``struct`` call for every fixed field of every record, ``bytes.join``) instead of a Python loop
@@ -99,6 +103,8 @@ MAX_STRING_BYTES = 0xFFFF
 RETAIN_FLAG = 0x01
 #: Attributes bit 0: a control batch, which readers of records skip (module doc).
 CONTROL_FLAG = 0x01
+#: Control type of what compaction leaves of a batch it emptied (module doc).
+CONTROL_COMPACTED = 3
 _CONTROL_TYPE = struct.Struct("<H")
 
 _CRC = struct.Struct("<I")
@@ -191,15 +197,18 @@ def encode_batch(
     *,
     leader_epoch: int = 0,
     keep_offsets: bool = False,
+    last_offset_delta: int | None = None,
+    attributes: int = 0,
 ) -> bytearray:
-    """Encode ``records`` as one batch starting at ``base_offset``.
+    """Encode ``records`` as one batch starting at ``base_offset`` (the append hot path:
+    every step is one C-level pass over the batch, see module doc).
 
     With ``keep_offsets`` (compaction), each record's own ``offset`` is kept and must be
     strictly increasing from ``base_offset``; otherwise records get consecutive offsets and
-    the ``offset`` field passed in is ignored. Raises :class:`InvalidRecord` for a field that
-    does not fit the format (topic or client id over 65,535 UTF-8 bytes, negative qos...).
-
-    The append hot path: every step is one C-level pass over the batch (see module doc).
+    the ``offset`` field passed in is ignored. ``last_offset_delta`` (compaction keeps the
+    original's) may end the batch past its last record; ``attributes`` is the header's byte.
+    Raises :class:`InvalidRecord` for a field that does not fit the format (topic or client id
+    over 65,535 UTF-8 bytes, negative qos...) or a ``last_offset_delta`` before the last record.
     """
     n = len(records)
     if not n:
@@ -220,6 +229,10 @@ def encode_batch(
         else:
             last_delta = n - 1
             delta_column = _consecutive_deltas(n)
+        if last_offset_delta is not None:
+            if last_offset_delta < last_delta:
+                raise InvalidRecord(f"last offset delta {last_offset_delta} < {last_delta}")
+            last_delta = last_offset_delta
         # The string table and both index columns in one pass per column: a missing string
         # gets the next index as it is first seen (topics first, then client ids), so the
         # table is in first-appearance order.
@@ -265,7 +278,7 @@ def encode_batch(
         base_offset,
         length,
         MAGIC,
-        0,
+        attributes,
         0,
         leader_epoch,
         last_delta,
@@ -281,9 +294,15 @@ def encode_batch(
 
 
 def encode_control(
-    base_offset: int, leader_epoch: int, control_type: int, body: bytes, timestamp_ms: int
+    base_offset: int,
+    leader_epoch: int,
+    control_type: int,
+    body: bytes,
+    timestamp_ms: int,
+    last_offset_delta: int = 0,
 ) -> bytes:
-    """A control batch (module doc) at ``base_offset``: one offset, skipped by readers."""
+    """A control batch (module doc) at ``base_offset``, skipped by readers: one offset, or
+    ``last_offset_delta + 1`` (a ``CONTROL_COMPACTED`` batch)."""
     if not 0 <= control_type <= 0xFFFF:
         raise InvalidRecord(f"control type {control_type} does not fit 2 bytes")
     payload = _CONTROL_TYPE.pack(control_type) + body
@@ -291,11 +310,8 @@ def encode_control(
         base_offset,
         [Record(0, timestamp_ms, "", payload, 0, False, "", b"")],
         leader_epoch=leader_epoch,
-    )
-    buf[13] = CONTROL_FLAG
-    length = len(buf)
-    _CRC.pack_into(
-        buf, CRC_OFFSET, crc32(buf, BATCH_HEADER_SIZE, length, crc32(buf, 0, CRC_OFFSET))
+        last_offset_delta=last_offset_delta,
+        attributes=CONTROL_FLAG,
     )
     return bytes(buf)
 
@@ -377,8 +393,9 @@ def validate_batch(
         raise CorruptRecordBatch("record offset deltas not increasing", where, path)
     if max(cols[2 * n : 4 * n]) >= len(strings):
         raise CorruptRecordBatch("string index outside the table", where, path)
-    variable = sum(cols[4 * n : 6 * n])
-    if p + n * RECORD_FIXED_SIZE + variable != end or deltas[-1] != h.last_offset_delta:
+    if deltas[-1] > h.last_offset_delta:  # below it: compaction's gap at the batch's end
+        raise CorruptRecordBatch("record offset delta past the last offset delta", where, path)
+    if p + n * RECORD_FIXED_SIZE + sum(cols[4 * n : 6 * n]) != end:
         raise CorruptRecordBatch("record sizes do not add up to the batch length", where, path)
     return h
 

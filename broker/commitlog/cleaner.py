@@ -10,9 +10,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Container
 
 from broker.commitlog.errors import CommitLogError, LogClosed
+from broker.commitlog.keys import PartitionKey
 from broker.commitlog.streams import Streams
 
 logger = logging.getLogger("broker.commitlog")
@@ -27,11 +28,19 @@ class LogCleaner:
     """
 
     def __init__(
-        self, streams: Streams, interval_s: float = 30.0, *, clock: Callable[[], float] = time.time
+        self,
+        streams: Streams,
+        interval_s: float = 30.0,
+        *,
+        clock: Callable[[], float] = time.time,
+        skip: Container[PartitionKey] = (),
     ) -> None:
         if interval_s <= 0:
             raise ValueError(f"interval_s must be > 0, got {interval_s}")
         self.streams = streams
+        #: Partitions another owner cleans (a replicated partition's retention is bounded by
+        #: its commit index and told to its Raft group, on the group's own thread).
+        self.skip = skip
         self.interval_s = interval_s
         self._clock = clock
         self._stop = threading.Event()
@@ -42,6 +51,8 @@ class LogCleaner:
         deleted = removed = 0
         now_ms = int(self._clock() * 1000)
         for (stream, partition), log in self.streams.open_logs().items():
+            if (stream, partition) in self.skip:
+                continue
             try:
                 deleted += log.enforce_retention(now_ms)
                 if log.config.compacted:

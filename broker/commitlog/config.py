@@ -41,6 +41,11 @@ class LogConfig:
     retention_ms: int | None = 7 * 24 * 3600 * 1000
     retention_bytes: int | None = None
     compacted: bool = False
+    #: Compaction leaves a ``CONTROL_COMPACTED`` placeholder where it empties a batch, so that
+    #: every batch keeps its offsets (a log whose batches are Raft entries needs it:
+    #: ``broker.cluster.storage``); else the batch goes, its offsets a gap, and an emptied
+    #: segment with it. A placeholder costs 86 bytes, forever: a local log goes without.
+    keep_empty_batches: bool = False
     on_corruption: CorruptionPolicy = "skip"
 
     def __post_init__(self) -> None:

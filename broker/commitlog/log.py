@@ -6,7 +6,8 @@ Invariants:
 
 * offsets are logical record numbers from 0, assigned on append, never reused: segment base
   offsets strictly increase and each segment starts at or after the previous one's
-  ``next_offset`` (compaction may leave gaps, which reads skip);
+  ``next_offset`` (compaction leaves gaps, which reads skip: inside batches, and unless
+  ``keep_empty_batches`` where it removed a batch or a segment);
 * the last segment is the *active* one, the only one appended to; it is never deleted by
   retention. ``end_offset`` (log end offset) is its ``next_offset``; ``log_start_offset`` is
   the first segment's base offset;
@@ -430,9 +431,11 @@ class SegmentedLog(ReplicaOps):
             return True
 
     # -------------------------------------------------------------- cleaner thread
-    def enforce_retention(self, now_ms: int | None = None) -> int:
+    def enforce_retention(self, now_ms: int | None = None, *, below: int | None = None) -> int:
         """Delete closed segments past ``retention_ms`` / ``retention_bytes`` (see
-        :mod:`broker.commitlog.policy`); return how many. Safe from the cleaner thread."""
+        :mod:`broker.commitlog.policy`); return how many. Safe from the cleaner thread.
+        ``below``: only segments that end at or before this offset (a replicated log: what is
+        committed and durable everywhere it counts, so Raft never needs it again)."""
         with self._cleaner_lock:
             now = self._now_ms() if now_ms is None else now_ms
             with self._lock:
@@ -440,6 +443,9 @@ class SegmentedLog(ReplicaOps):
                 count = retention_victims(
                     self._segments, now, self.config.retention_ms, self.config.retention_bytes
                 )
+                if below is not None:
+                    while count and self._segments[count - 1].next_offset > below:
+                        count -= 1
                 victims = self._segments[:count]
                 del self._segments[:count]
                 del self._bases[:count]
@@ -458,8 +464,10 @@ class SegmentedLog(ReplicaOps):
 
     def compact(self) -> int:
         """Compacted logs: rewrite closed segments keeping the latest record per topic;
-        tombstones are dropped; offsets are kept. Returns the number of records removed.
-        Safe from the cleaner thread."""
+        tombstones are dropped; only records below :attr:`high_watermark` count (a replicated
+        log's committed ones); offsets are kept, and with ``keep_empty_batches`` every batch's
+        (:func:`~broker.commitlog.policy.cleaned_batches`), so no segment is dropped or ends
+        earlier. Returns the number of records removed. Safe from the cleaner thread."""
         if not self.config.compacted:
             raise CommitLogError(f"{self.directory}: compact() on a log that is not compacted")
         with self._cleaner_lock:
@@ -468,19 +476,21 @@ class SegmentedLog(ReplicaOps):
                 segments = list(self._segments)
                 active = segments[-1]
                 active_end = active.size
-                # Nothing new to compact: no record appended and no segment rolled since.
-                state = (active.base_offset, active.next_offset)
+                # Only committed records count (policy module doc).
+                below = self.high_watermark
+                # Nothing new to compact: no record committed and no segment rolled since.
+                state = (active.base_offset, min(active.next_offset, below))
                 if state == self._compacted_state or len(segments) < 2:
                     return 0
             try:
                 latest = build_offset_map(
-                    [(s, s.size) for s in segments[:-1]] + [(active, active_end)]
+                    [(s, s.size) for s in segments[:-1]] + [(active, active_end)], below
                 )
                 removed = 0
                 for segment in segments[:-1]:
-                    removable = count_removable(segment, latest)
+                    removable = count_removable(segment, latest, below)
                     if removable:
-                        self._replace_cleaned(segment, latest, first=segment is segments[0])
+                        self._replace_cleaned(segment, latest, below, first=segment is segments[0])
                         removed += removable
             except CorruptRecordBatch as exc:
                 # Never rewrite damage away: the log stays as it is until it is repaired.
@@ -492,18 +502,25 @@ class SegmentedLog(ReplicaOps):
                 logger.info("%s: compaction removed %d records", self.directory, removed)
             return removed
 
-    def _replace_cleaned(self, segment: Segment, latest: dict[str, int], *, first: bool) -> None:
+    def _replace_cleaned(
+        self, segment: Segment, latest: dict[str, int], below: int, *, first: bool
+    ) -> None:
         """Write the cleaned copy of ``segment`` and swap it in (crash-safe order: old indexes
-        removed, log renamed over, new indexes renamed in; a missing index is rebuilt)."""
+        removed, log renamed over, new indexes renamed in; a missing index is rebuilt), or drop
+        the segment if nothing is left in it but the log's first (only without
+        ``keep_empty_batches``: else every batch stays)."""
         sync = self._sync_on_roll
         cleaned = write_segment(
             self.directory,
             segment.base_offset,
             self.config,
-            cleaned_batches(segment, latest),
+            cleaned_batches(segment, latest, below, self.config.keep_empty_batches),
             CLEANED_SUFFIX,
             fsync=sync,
         )
+        if self.config.keep_empty_batches and cleaned.next_offset != segment.next_offset:
+            cleaned.delete()  # a bug, never the data's fault: the segment stays as it is
+            raise CommitLogError(f"{segment.log_path}: its compacted copy ends elsewhere")
         with self._lock:
             position = self._segments.index(segment)
             if cleaned.size == 0 and not first:

@@ -11,8 +11,18 @@ the start of the log only, so the retained offsets stay one contiguous range:
 
 Compaction (compacted logs only) keeps, per key (the record's topic), only the record with the
 highest offset; a key whose latest record is a tombstone (empty payload) loses all its records
-once that tombstone is in a closed segment. Offsets are preserved (gaps are allowed) and record
-batches keep their boundaries, each rewritten batch holding the surviving records.
+once that tombstone is in a closed segment. Only records below the high-water mark count (a
+replicated log's committed ones): one past it neither goes nor supersedes another.
+
+Offsets are preserved (gaps are allowed) and so are record batches: a rewritten batch keeps its
+base offset, last offset delta, leader epoch and attributes and holds the surviving records at
+their own offsets; a batch that loses nothing (a control batch included) is kept byte for byte.
+A batch left with none becomes, with ``keep_empty_batches``, a ``CONTROL_COMPACTED`` control
+batch covering the same offsets (:mod:`broker.commitlog.batch`): then every batch's offsets and
+epoch are the same before and after, segments never lose a batch (nor end earlier), and a
+compacted log can be a Raft log (an entry is a batch, :mod:`broker.cluster.storage`). Without
+it (a local log) the emptied batch goes: a placeholder would cost 86 bytes for every batch ever
+emptied (measured: 10,000 one-record updates of 100 keys compact to 16 KB without, 867 KB with).
 
 The functions here are pure policy or read closed segments only; the log applies their result
 under its lock (:meth:`SegmentedLog.enforce_retention`, :meth:`SegmentedLog.compact`), and
@@ -24,7 +34,15 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from broker.commitlog.batch import CONTROL_FLAG, decode_batch, encode_batch, read_header
+from broker.commitlog.batch import (
+    CONTROL_COMPACTED,
+    CONTROL_FLAG,
+    decode_batch,
+    encode_batch,
+    encode_control,
+    read_header,
+)
+from broker.commitlog.record import Record
 from broker.commitlog.segment import Segment
 
 
@@ -48,38 +66,62 @@ def retention_victims(
     return count
 
 
-def build_offset_map(scans: Iterable[tuple[Segment, int]]) -> dict[str, int]:
-    """Map key (topic) -> latest offset over ``(segment, end_position)`` pairs, in order."""
+def build_offset_map(scans: Iterable[tuple[Segment, int]], below: int) -> dict[str, int]:
+    """Map key (topic) -> latest offset below ``below`` (the high-water mark) over
+    ``(segment, end_position)`` pairs, in order."""
     latest: dict[str, int] = {}
     for segment, end in scans:
         for record in segment.iter_records(end):
-            latest[record.topic] = record.offset
+            if record.offset < below:
+                latest[record.topic] = record.offset
     return latest
 
 
-def count_removable(segment: Segment, latest: dict[str, int]) -> int:
+def _removable(record: Record, latest: dict[str, int], below: int) -> bool:
+    """Whether compaction drops ``record``: below the high-water mark, and a tombstone or
+    superseded. A record past the mark neither goes nor supersedes one: a replicated log may
+    still truncate it, which would not bring back what it removed (Kafka's cleaner likewise
+    stops before its last stable offset, which the high-water mark bounds)."""
+    offset = record.offset
+    return offset < below and (not record.payload or latest.get(record.topic, offset) != offset)
+
+
+def count_removable(segment: Segment, latest: dict[str, int], below: int) -> int:
     """Records of ``segment`` that compaction with ``latest`` would drop."""
-    removable = 0
-    for record in segment.iter_records():
-        if not record.payload or latest.get(record.topic, record.offset) != record.offset:
-            removable += 1
-    return removable
+    return sum(_removable(record, latest, below) for record in segment.iter_records())
 
 
-def cleaned_batches(segment: Segment, latest: dict[str, int]) -> Iterator[bytearray]:
-    """Re-encoded batches of ``segment`` holding only the records compaction keeps; a control
-    batch (a Raft no-op or configuration) is kept as it is."""
+def cleaned_batches(
+    segment: Segment, latest: dict[str, int], below: int, keep_empty: bool
+) -> Iterator[bytes | bytearray]:
+    """The batches of ``segment`` holding only the records compaction keeps, each with its
+    offsets and epoch, and with ``keep_empty`` a placeholder for each batch emptied (module
+    doc); ``below``: the high-water mark (:func:`build_offset_map`)."""
     for buf, rel, _pos in segment.iter_batches():
         header = read_header(buf, rel)
+        whole = buf[rel : rel + header.batch_length]
         if header.attributes & CONTROL_FLAG:
-            yield bytearray(buf[rel : rel + header.batch_length])
+            yield whole
             continue
         records = decode_batch(buf, rel)
-        kept = [r for r in records if r.payload and latest.get(r.topic, r.offset) == r.offset]
-        if kept:
+        kept = [r for r in records if not _removable(r, latest, below)]
+        if len(kept) == len(records):
+            yield whole
+        elif kept:
             yield encode_batch(
-                kept[0].offset,
+                header.base_offset,
                 kept,
                 leader_epoch=header.leader_epoch,
                 keep_offsets=True,
+                last_offset_delta=header.last_offset_delta,
+                attributes=header.attributes,
+            )
+        elif keep_empty:
+            yield encode_control(
+                header.base_offset,
+                header.leader_epoch,
+                CONTROL_COMPACTED,
+                b"",
+                header.max_timestamp,
+                header.last_offset_delta,
             )

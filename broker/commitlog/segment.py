@@ -6,9 +6,10 @@ sequence of record batches (:mod:`broker.commitlog.batch`); ``size`` bytes of it
 immutable once written. Invariants:
 
 * batches are contiguous from position 0 to ``size``; base offsets strictly increase, the first
-  is >= ``base_offset``, and ``next_offset`` is one past the last record (``base_offset`` when
-  empty); compaction may leave gaps between offsets, never reorders them;
-* ``max_timestamp`` is the largest record timestamp in the segment (-1 when empty);
+  is >= ``base_offset``, and ``next_offset`` is the last batch's (one past its last offset
+  delta, which may lie past its last record after compaction; ``base_offset`` when empty);
+  compaction may leave gaps between offsets, never reorders them;
+* ``max_timestamp`` is the largest of its batches' (a placeholder's too; -1 when empty);
 * an index entry is added before a batch once more than ``index_interval_bytes`` were appended
   since the previous entry, so rebuilding an index from the ``.log`` yields the same entries;
 * only the log's active (last) segment is appended to; one ``append`` is one ``write()`` on a
@@ -518,7 +519,7 @@ class Segment:
             for record in decode_batch(buf, rel):
                 if record.offset >= start and record.timestamp >= timestamp:
                     return record.offset
-        return None  # pragma: no cover - max_timestamp guarantees a match
+        return None  # only control batches hold it (a compacted batch's placeholder)
 
     # --------------------------------------------------------------- durability
     def dup_fd(self) -> int:

@@ -10,8 +10,10 @@ closes logs, and routes every topic to ``default`` as long as no spec has a topi
 internal compacted streams ``$retained`` (key: topic) and ``$sessions`` (key: client id)
 always exist (1 partition, compacted, kept forever) unless the configuration defines them.
 
-``DATA/FORMAT`` holds the on-disk format version (:data:`broker.commitlog.batch.MAGIC`): it is
-written when the directory is new, and a newer version raises :class:`UnsupportedFormat`.
+``DATA/FORMAT`` holds the data directory's format version (:data:`FORMAT_VERSION`): it is
+written when the directory is new, an older one is raised to it (every batch it holds is valid
+in the new version), and a newer one raises :class:`UnsupportedFormat`, so a broker never opens
+data it could take for damage.
 
 Threads: ``stream_for`` / ``partition_for`` are pure lookups (a bounded cache: the matcher
 runs once per topic until the cache is cleared); ``log`` opens
@@ -28,13 +30,17 @@ import zlib
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from broker.commitlog.batch import MAGIC
 from broker.commitlog.config import LogConfig, StreamSpec
 from broker.commitlog.errors import CommitLogError, LogConfigError, LogIOError, UnsupportedFormat
 from broker.commitlog.keys import PartitionKey
 from broker.commitlog.log import SegmentedLog
 
 FORMAT_FILE = "FORMAT"
+#: Version 1: batches of format :data:`~broker.commitlog.batch.MAGIC` 1 as first written.
+#: Version 2: compaction keeps batch boundaries, so a batch may end in a gap or be a
+#: ``CONTROL_COMPACTED`` placeholder (:mod:`broker.commitlog.batch`), which a version-1 broker's
+#: validation refuses (it would report it as damage, or cut it from a segment it recovers).
+FORMAT_VERSION = 2
 DEFAULT_STREAM = "default"
 RETAINED_STREAM = "$retained"
 SESSIONS_STREAM = "$sessions"
@@ -48,20 +54,17 @@ TopicMatcher = Callable[[str, str], bool]
 
 
 def check_format(data_dir: Path) -> int:
-    """Create ``DATA/FORMAT`` if missing; raise :class:`UnsupportedFormat` if it is newer.
-
-    Returns the version found (or written).
-    """
+    """Create ``DATA/FORMAT`` if missing, raise an older version to :data:`FORMAT_VERSION`,
+    raise :class:`UnsupportedFormat` for a newer one. Returns the version found (the current
+    one for a new directory)."""
     path = data_dir / FORMAT_FILE
     try:
         data_dir.mkdir(parents=True, exist_ok=True)
         try:
             text = path.read_text(encoding="ascii").strip()
         except FileNotFoundError:
-            tmp = path.with_name(FORMAT_FILE + ".tmp")
-            tmp.write_text(f"{MAGIC}\n", encoding="ascii")
-            os.replace(tmp, path)
-            return MAGIC
+            _write_format(path)
+            return FORMAT_VERSION
     except OSError as exc:
         raise LogIOError(path, "read or create the format file", exc) from exc
     except UnicodeDecodeError as exc:
@@ -69,9 +72,20 @@ def check_format(data_dir: Path) -> int:
     if not text.isdigit():
         raise CommitLogError(f"{path}: invalid format version {text!r}")
     version = int(text)
-    if version > MAGIC:
-        raise UnsupportedFormat(path, version, MAGIC)
+    if version > FORMAT_VERSION:
+        raise UnsupportedFormat(path, version, FORMAT_VERSION)
+    if version < FORMAT_VERSION:
+        try:
+            _write_format(path)
+        except OSError as exc:
+            raise LogIOError(path, "raise the format version", exc) from exc
     return version
+
+
+def _write_format(path: Path) -> None:
+    tmp = path.with_name(FORMAT_FILE + ".tmp")
+    tmp.write_text(f"{FORMAT_VERSION}\n", encoding="ascii")
+    os.replace(tmp, path)
 
 
 class Streams:

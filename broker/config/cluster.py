@@ -60,7 +60,7 @@ class ClusterConfig:
     bind: str  # this node's cluster address (an IP address, normalized)
     secret_file: Path
     secret: bytes = field(repr=False)  # secret_file's bytes, trailing newlines stripped
-    seeds: tuple[Seed, ...] = ()  # other members; empty for the first node
+    seeds: tuple[Seed, ...] = ()  # every other member's Raft address (static in issue 20)
     gossip_port: int = DEFAULT_GOSSIP_PORT  # UDP
     raft_port: int = DEFAULT_RAFT_PORT  # TCP
     replication_factor: int = 3  # copies of each partition (capped at the node count)

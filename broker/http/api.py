@@ -97,6 +97,11 @@ class AdminSource(PartitionSource, SessionsSource, Protocol):
         lag, commit index and term (``"mode": "single node"`` without ``[cluster]``)."""
         ...
 
+    def transfer_leader(self, key: tuple[str, int], node: str) -> str:
+        """Start moving ``key``'s leadership to ``node``; what was done, in a sentence.
+        Raises ValueError (a single node, an unknown partition or node)."""
+        ...
+
 
 class HttpApi:
     """The admin HTTP listener of one broker. Started and stopped by the server."""
@@ -115,6 +120,10 @@ class HttpApi:
                 web.get(f"{API}/streams/{{stream}}/partitions", self.partitions),
                 web.get(f"{API}/sessions", self.sessions),
                 web.get(f"{API}/cluster", self.cluster),
+                web.post(
+                    f"{API}/cluster/partitions/{{stream}}/{{partition}}/leader",
+                    self.transfer_leader,
+                ),
                 *FetchApi(server).routes(),
             ]
         )
@@ -144,6 +153,24 @@ class HttpApi:
 
     async def cluster(self, request: web.Request) -> web.Response:
         return _json(self.server.cluster_view())
+
+    async def transfer_leader(self, request: web.Request) -> web.Response:
+        """``POST .../cluster/partitions/<stream>/<p>/leader`` ``{"node": "<node_id>"}``:
+        start moving the partition's leadership to that node (answered at once; the move
+        shows in ``GET /api/v1/cluster``)."""
+        try:
+            body = await request.json()
+            node = body["node"]
+            key = (request.match_info["stream"], int(request.match_info["partition"]))
+        except (ValueError, KeyError, TypeError):
+            return _error(
+                400, 'expected a JSON body {"node": "<node_id>"} and an integer partition'
+            )
+        try:
+            message = self.server.transfer_leader(key, str(node))
+        except ValueError as e:
+            return _error(409, str(e))
+        return _json({"message": message})
 
     async def healthz(self, request: web.Request) -> web.Response:
         """200 ``{"status": "ok", "ready": true, "connections", "sessions"}`` while every

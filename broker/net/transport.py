@@ -336,16 +336,16 @@ class MQTTProtocol(asyncio.Protocol):
                 self._plain_key = key
 
     def _plain_acked(self, packet_id: int, offset: int | None) -> None:
-        """A PUBLISH of the device path is in the log (``offset``; None: the append failed):
-        acknowledge it as :class:`~broker.router.router.Router.publish` would."""
+        """Answer a device-path PUBLISH as :class:`~broker.router.commit.Ack` would: it is in
+        the log at ``offset``, or not (None), or may be (negative: ``OUTCOME_UNKNOWN``)."""
         if self._closing:
             return
-        if offset is None:
-            if self.version == 5:
+        if offset is None or offset < 0:
+            if offset is None and self.version == 5:
                 props: dict[int, Any] = {PropertyId.REASON_STRING: "the log append failed"}
                 self.send(PubAck(packet_id, ReasonCode.UNSPECIFIED_ERROR, props))
-            else:
-                self.close()  # 3.1.1 has no negative acknowledgement
+            else:  # 3.1.1 has no negative ack; an unknown outcome gets none: resend it
+                self.close(ReasonCode.UNSPECIFIED_ERROR, "publish not stored, or not known to be")
             return
         # _write inlined: the connection's puback() is the one call this path makes.
         data = self.conn.puback(packet_id)

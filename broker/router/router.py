@@ -130,6 +130,9 @@ class Router:
         self.partition = state.partition
         self.flush = commit.flush
         self.append_forwarded = commit.append_forwarded
+        #: Committed ``$retained`` records to the retained index (a replicated ``$retained``
+        #: applies what each commit brings, on every node).
+        self.apply_retained = store.apply_retained
         self.wake = delivery.wake
         # Connections and sessions.
         self.connect = lifecycle.connect

@@ -23,8 +23,11 @@ unknown (they may commit under the new leader, or be overwritten): the publisher
 :data:`~broker.router.commit.OUTCOME_UNKNOWN`, no acknowledgement, and their connections are
 closed so that they publish again (QoS 1 duplicates are allowed; nothing acknowledged is lost).
 A forward whose answer does not come within :data:`FORWARD_TIMEOUT` (the link to the leader
-broke, the leader died) ends the same way. A batch refused outright (no leader, not the
-leader) gets ``None``: a negative acknowledgement (MQTT 5) or a closed connection (3.1.1).
+broke, the leader died) ends the same way. A batch that finds no leader taking proposals (an
+election or a leadership transfer in progress, a forward refused by a node that no longer
+leads) is held and dispatched again when a leader is known, so a publish in the middle of a
+failover is delayed, not refused; only after :data:`HOLD_SECONDS` without one do its
+publishers get ``None``: a negative acknowledgement (MQTT 5) or a closed connection (3.1.1).
 
 The internal ``$sessions`` / ``$retained`` streams and compacted streams stay local to each
 node in this step: compaction re-encodes batches, which would move entry boundaries under the
@@ -37,20 +40,25 @@ from __future__ import annotations
 
 import logging
 import struct
+import time
 from collections import deque
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode, node_settings
 from broker.cluster.placement import group_ids
-from broker.cluster.raft import NotLeader
+from broker.cluster.raft import NotLeader, Role
 from broker.cluster.storage import GroupStorage, encode_entry
 from broker.commitlog import Record, SegmentedLog, Streams
 from broker.commitlog.batch import decode_batch, encode_batch
+from broker.commitlog.config import StreamSpec
 from broker.commitlog.keys import PartitionKey
+from broker.commitlog.streams import INTERNAL_LOG, RETAINED_STREAM
 from broker.config import Config
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
+from broker.router.state import RETAINED
 
 if TYPE_CHECKING:
     from broker.router.router import Router
@@ -62,17 +70,35 @@ Ack = Callable[[int | None], None]
 #: A forwarded batch for a group whose leader is here, and the answer.
 FORWARD = FIRST_APP_KIND
 FORWARDED = FIRST_APP_KIND + 1
+#: A request to hand a group's leadership to a node: group, node id (u32 each).
+TRANSFER = FIRST_APP_KIND + 2
 #: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
 FORWARD_TIMEOUT = 10.0
+#: Seconds a starting node waits for its groups to have a leader and to commit as far as it
+#: said, before it serves clients (a new subscription's "latest" is then the cluster's, not
+#: the stale mark of the restarted node; a node cut off from the majority serves after this).
+CATCH_UP_SECONDS = 10.0
+#: Seconds a batch may wait for its group to have a leader (an election, a transfer) before
+#: its publishers are refused: a failover takes about an election timeout, so a publish in
+#: the middle of one is delayed rather than refused.
+HOLD_SECONDS = 5.0
 
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
+_TRANSFER = struct.Struct("<II")
+
+#: In a cluster ``$retained`` is a Raft group like the stream partitions: compacted with its
+#: batches' boundaries kept (an emptied batch stays as a placeholder, so Raft's entries never
+#: move), every node applying each commit to its retained index.
+CLUSTER_SPECS = (
+    StreamSpec(RETAINED_STREAM, (), 1, replace(INTERNAL_LOG, keep_empty_batches=True)),
+)
 
 
 class ReplicatedPartition(Partition):
     """See the module docstring."""
 
-    __slots__ = ("group", "inflight", "service")
+    __slots__ = ("group", "held", "inflight", "service")
 
     def __init__(
         self, key: PartitionKey, log: SegmentedLog, group: int, service: ClusterService
@@ -80,8 +106,10 @@ class ReplicatedPartition(Partition):
         super().__init__(key, log)
         self.group = group
         self.service = service
-        #: Proposed entries awaiting commit: (last index, term, records, acks).
-        self.inflight: deque[tuple[int, int, list[Record], list[Ack | None]]] = deque()
+        #: Proposed entries awaiting commit: (last index, term, records, acks, proposed at).
+        self.inflight: deque[tuple[int, int, list[Record], list[Ack | None], float]] = deque()
+        #: Batches waiting for a leader: (records, acks, monotonic deadline).
+        self.held: list[tuple[list[Record], list[Ack | None], float]] = []
 
     @property
     def end_offset(self) -> int:
@@ -112,30 +140,53 @@ class ReplicatedPartition(Partition):
         records, acks = self.pending, self.acks
         self.pending, self.acks = [], []
         mark = self.log.high_watermark
-        if not records:
-            return mark, mark
-        node = self.service.node
-        if not node.is_leader(self.group):
-            self.service.forward(self, records, acks)
-            return mark, mark
-        core = node.core(self.group)
-        term = core.term
-        payload, count = encode_entry(records, core.terms.last_index, term)
-        try:
-            index = node.propose(self.group, payload, count)
-        except NotLeader:
-            _answer(acks, None)
-            return mark, mark
-        self.inflight.append((index, term, records, acks))
+        if records:
+            self.dispatch(records, acks, time.monotonic() + HOLD_SECONDS)
         return mark, mark
+
+    def dispatch(self, records: list[Record], acks: list[Ack | None], deadline: float) -> None:
+        """Propose ``records`` here (the leader), forward them to the leader, or, while the
+        group has no leader that takes proposals (an election, a leadership transfer), hold
+        them until one does or ``deadline`` passes (then a refusal: ``None``)."""
+        node = self.service.node
+        if node.host is None:  # not hosting yet (start-up): held until it is
+            self.held.append((records, acks, deadline))
+            return
+        core = node.core(self.group)
+        if core.role is Role.LEADER and core.transferee is None:
+            term = core.term
+            payload, count = encode_entry(records, core.terms.last_index, term)
+            try:
+                index = node.propose(self.group, payload, count)
+            except NotLeader:
+                pass
+            else:
+                self.inflight.append((index, term, records, acks, time.perf_counter()))
+                return
+        elif self.service.forward(self, records, acks, deadline):
+            return
+        self.held.append((records, acks, deadline))
+
+    def release(self, now: float) -> None:
+        """Dispatch what is held again (a leader may be known now); refuse what waited past
+        its deadline."""
+        held, self.held = self.held, []
+        for records, acks, deadline in held:
+            if now > deadline:
+                _answer(acks, None)
+            else:
+                self.dispatch(records, acks, deadline)
 
     def committed(self, commit: int) -> None:
         """The group's commit index reached ``commit``: acknowledge what it covers."""
         inflight = self.inflight
         terms = self.service.node.storages[self.group].terms
         new = tuple.__new__
+        observe = self.service.observe_commit
+        now = time.perf_counter()
         while inflight and inflight[0][0] <= commit:
-            index, term, records, acks = inflight.popleft()
+            index, term, records, acks, proposed = inflight.popleft()
+            observe(now - proposed)
             first = index - len(records)
             if terms.term_at(index) != term:
                 _answer(acks, OUTCOME_UNKNOWN)  # overwritten: never acknowledged
@@ -157,6 +208,17 @@ class ReplicatedPartition(Partition):
             _answer(inflight.popleft()[3], OUTCOME_UNKNOWN)
 
 
+class Forward(NamedTuple):
+    """A batch forwarded to a leader, awaiting its answer."""
+
+    sent: float  # monotonic
+    part: ReplicatedPartition
+    records: list[Record]
+    acks: list[Ack | None]
+    deadline: float  # of holding it again if refused (ReplicatedPartition.dispatch)
+    leader: int  # the node it went to
+
+
 def _answer(acks: list[Ack | None], outcome: int | None) -> None:
     for ack in acks:
         if ack is not None:
@@ -175,21 +237,31 @@ class ClusterService:
         specs = [
             spec
             for spec in streams.specs.values()
-            if not spec.name.startswith("$") and not spec.log.compacted
+            if (not spec.name.startswith("$") and not spec.log.compacted)
+            or spec.name == RETAINED_STREAM
         ]
         self.groups = group_ids((spec.name, p) for spec in specs for p in range(spec.partitions))
         rf = {spec.name: config.replication_factor(spec) for spec in specs}
         self.node.replication = {g: rf[key[0]] for g, key in self.groups.items()}
+        #: Each group's storage, opened now, before the router loads anything: it pins the
+        #: log's high-water mark at the last commit it knows, so no reader (the router's
+        #: start-up included) sees a record that may yet be truncated.
+        self.storages = {g: GroupStorage.over(streams.log(*key)) for g, key in self.groups.items()}
+        #: ``$retained`` offsets below this are in the router's retained index.
+        self._retained_applied = streams.log(*RETAINED).high_watermark
         self.keys = {key: g for g, key in self.groups.items()}
         self.node.group_keys = dict(self.groups)
         self.node.on_commit = self._on_commit
         self.node.on_leader = self._on_leader
         self.node.handlers[FORWARD] = self._on_forward
         self.node.handlers[FORWARDED] = self._on_answer
+        self.node.handlers[TRANSFER] = self._on_transfer
         self.router: Router | None = None
+        #: Called with each committed entry's propose-to-commit seconds (the metrics').
+        self.observe_commit: Callable[[float], None] = lambda seconds: None
         self._next_request = 1
-        #: Forwarded batches awaiting their answer: id -> (sent at, partition, acks, node).
-        self._waiting: dict[int, tuple[float, ReplicatedPartition, list[Ack | None], int]] = {}
+        #: Forwarded batches awaiting their answer, by request id.
+        self._waiting: dict[int, Forward] = {}
 
     def attach(self, router: Router) -> None:
         self.router = router
@@ -197,39 +269,65 @@ class ClusterService:
     def make_partition(self, key: PartitionKey) -> PartitionBase:
         """The router's partition factory: replicated or local (module docstring)."""
         g = self.keys.get(key)
-        if g is None or g not in self.node.storages:
+        if g is None:
             return Partition(key, self.streams.log(*key))
         return ReplicatedPartition(key, self.streams.log(*key), g, self)
 
     async def start(self) -> None:
-        """Form the cluster, then host this node's replicas of every group."""
+        """Form the cluster, then host every group (see :attr:`storages`)."""
         members = await self.node.start()
-        storages: dict[int, GroupStorage] = {}
-        for g, key in self.groups.items():
-            if self.node.id in self.node.replicas_of(g):
-                storages[g] = GroupStorage.over(self.streams.log(*key))
-        self.node.host_groups(storages)
+        small = sorted({rf for rf in self.node.replication.values() if rf < len(members)})
+        if small:
+            log.warning(
+                "cluster: replication_factor %s is below the node count (%d): in this release "
+                "every node holds every partition (a subscriber is fed by its own node's copy)",
+                ", ".join(map(str, small)),
+                len(members),
+            )
+        self.node.replication = dict.fromkeys(self.groups, len(members))
+        self.node.host_groups(self.storages)
+        behind = await self.node.caught_up(CATCH_UP_SECONDS)
+        if behind:
+            log.warning(
+                "cluster: serving with %d partitions not caught up after %g s (no leader, or "
+                "still catching up): %s",
+                len(behind),
+                CATCH_UP_SECONDS,
+                ", ".join(f"{s}/{p}" for s, p in (self.groups[g] for g in behind)),
+            )
         log.info(
-            "cluster: node %s holds %d of %d partitions (%d nodes)",
+            "cluster: node %s holds %d partitions (%d nodes)",
             self.node.name,
-            len(storages),
-            len(self.groups),
+            len(self.storages),
             len(members),
         )
 
     async def close(self) -> None:
-        for _sent, _part, acks, _node in self._waiting.values():
-            _answer(acks, OUTCOME_UNKNOWN)
+        for waiting in self._waiting.values():
+            _answer(waiting.acks, OUTCOME_UNKNOWN)
         self._waiting.clear()
+        for part in self._replicated():
+            for _records, acks, _deadline in part.held:
+                _answer(acks, None)
+            part.held.clear()
         await self.node.close()
 
     def tick(self) -> None:
-        """Called by the server's timer: forwards unanswered for too long."""
-        now = self.node.loop.time()
-        late = [r for r, (sent, *_) in self._waiting.items() if now - sent > FORWARD_TIMEOUT]
+        """Called by the server's timer: forwards unanswered for too long have an unknown
+        outcome; held batches are dispatched again, or refused past their deadline."""
+        now = time.monotonic()
+        late = [r for r, w in self._waiting.items() if now - w.sent > FORWARD_TIMEOUT]
         for request in late:
-            _, _, acks, _ = self._waiting.pop(request)
-            _answer(acks, OUTCOME_UNKNOWN)
+            _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
+        for part in self._replicated():
+            if part.held:
+                part.release(now)
+
+    def _replicated(self) -> list[ReplicatedPartition]:
+        router = self.router
+        if router is None:
+            return []
+        return [p for p in router.partitions.values() if isinstance(p, ReplicatedPartition)]
 
     # -- commits and leaders -----------------------------------------------------------------
 
@@ -242,6 +340,8 @@ class ClusterService:
         return part if isinstance(part, ReplicatedPartition) else None
 
     def _on_commit(self, g: int, commit: int) -> None:
+        if self.groups.get(g) == RETAINED and self.router is not None:
+            self._apply_retained(commit)
         part = self._partition(g)
         if part is None:
             return
@@ -249,29 +349,57 @@ class ClusterService:
         assert self.router is not None
         self.router.wake(part)
 
+    def _apply_retained(self, commit: int) -> None:
+        """Committed ``$retained`` records, up to offset ``commit``, to the retained index
+        (the router loaded the log up to the last commit known at start; control batches and
+        compaction placeholders hold no record)."""
+        assert self.router is not None
+        part = self.router.partition(RETAINED)
+        offset = self._retained_applied
+        while offset < commit:
+            records = part.read(offset)
+            if not records:
+                break
+            records = [r for r in records if r.offset < commit]
+            self.router.apply_retained(records)
+            offset = records[-1].offset + 1 if records else commit
+        self._retained_applied = max(offset, self._retained_applied)
+
     def _on_leader(self, g: int) -> None:
+        # Forwards to a node that no longer leads may or may not have committed there: their
+        # publishers are told at once (their connections closed, so they resend), not after
+        # FORWARD_TIMEOUT.
+        leader = self.node.leader(g)
+        gone = [r for r, w in self._waiting.items() if w.part.group == g and w.leader != leader]
+        for request in gone:
+            _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
         part = self._partition(g)
         if part is not None:
             part.leadership_changed()
+            if part.held and self.node.leader(g) is not None:
+                part.release(time.monotonic())
 
     # -- forwarding --------------------------------------------------------------------------
 
     def forward(
-        self, part: ReplicatedPartition, records: list[Record], acks: list[Ack | None]
-    ) -> None:
-        """Send ``records`` to the leader of ``part``'s group (``None`` to their acks when
-        no leader is known or the message cannot leave)."""
+        self,
+        part: ReplicatedPartition,
+        records: list[Record],
+        acks: list[Ack | None],
+        deadline: float,
+    ) -> bool:
+        """Send ``records`` to the leader of ``part``'s group; False when no other node is
+        known to lead it or the message cannot leave (the caller holds them)."""
         leader = self.node.leader(part.group)
         if leader is None or leader == self.node.id:
-            _answer(acks, None)
-            return
+            return False
         request = self._next_request
         self._next_request += 1
         body = _FORWARD.pack(request, part.group) + encode_batch(0, records)
         if not self.node.send(leader, FORWARD, body):
-            _answer(acks, None)
-            return
-        self._waiting[request] = (self.node.loop.time(), part, acks, leader)
+            return False
+        self._waiting[request] = Forward(time.monotonic(), part, records, acks, deadline, leader)
+        return True
 
     def _on_forward(self, frm: int, body: memoryview) -> None:
         request, g = _FORWARD.unpack_from(body)
@@ -297,15 +425,56 @@ class ClusterService:
         waiting = self._waiting.pop(request, None)
         if waiting is None:
             return  # timed out meanwhile: its publishers were told
-        acks = waiting[2]
+        part, records, acks, deadline = (
+            waiting.part,
+            waiting.records,
+            waiting.acks,
+            waiting.deadline,
+        )
         if first == -1:
-            _answer(acks, None)
+            # Refused (that node no longer leads, or had no leader): wait for the next one.
+            part.held.append((records, acks, deadline))
+            if self.node.leader(part.group) not in (None, frm):
+                part.release(time.monotonic())
         elif first == OUTCOME_UNKNOWN:
             _answer(acks, OUTCOME_UNKNOWN)
         else:
             for i, ack in enumerate(acks):
                 if ack is not None:
                     ack(first + i)
+
+    # -- operations --------------------------------------------------------------------------
+
+    def transfer_leader(self, key: PartitionKey, name: str) -> str:
+        """Start moving ``key``'s leadership to node ``name`` (``mqlog cluster
+        transfer-leader``): here if this node leads it, else through its leader."""
+        g = self.keys.get(key)
+        to = next((i for i, n in self.node.names.items() if n == name), None)
+        if g is None or g not in self.node.storages:
+            raise ValueError(f"{key[0]}/{key[1]} is not a replicated partition held here")
+        if to is None or to not in self.node.core(g).configuration.voters:
+            raise ValueError(f"{name!r} is not a voter of {key[0]}/{key[1]}")
+        leader = self.node.leader(g)
+        if leader is None:
+            raise ValueError(f"{key[0]}/{key[1]} has no leader now: try again")
+        if leader == to:
+            return f"{key[0]}/{key[1]}: {name} leads it already"
+        if leader == self.node.id:
+            self.node.transfer_leadership(g, to)
+            return f"{key[0]}/{key[1]}: handing leadership to {name}"
+        if not self.node.send(leader, TRANSFER, _TRANSFER.pack(g, to)):
+            raise ValueError(
+                f"{key[0]}/{key[1]}: its leader {self.node.names[leader]} is unreachable"
+            )
+        return f"{key[0]}/{key[1]}: asked its leader {self.node.names[leader]} to hand it to {name}"
+
+    def _on_transfer(self, frm: int, body: memoryview) -> None:
+        g, to = _TRANSFER.unpack_from(body)
+        if g in self.node.storages and self.node.is_leader(g) and to != self.node.id:
+            try:
+                self.node.transfer_leadership(g, to)
+            except ValueError as e:
+                log.warning("cluster: transfer of group %d asked by node %d refused: %s", g, frm, e)
 
     def status(self) -> dict[str, Any]:
         view = self.node.status()

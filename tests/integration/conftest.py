@@ -54,7 +54,8 @@ class BrokerProcess:
         )
         self.log_path = tmp / "broker.log"
         self.proc: subprocess.Popen[bytes] | None = None
-        self.output: list[str] = []
+        #: "listening on mqtt://" lines in the log so far: one per start that got ready.
+        self.readies = 0
 
     def start(self, timeout: float = 20.0) -> None:
         log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
@@ -78,8 +79,8 @@ class BrokerProcess:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log_path.read_text(errors="replace")
-            if text.count(READY) > sum(line.count(READY) for line in self.output):
-                self.output.append(text)
+            if text.count(READY) > self.readies:  # this start's line (the log is appended)
+                self.readies = text.count(READY)
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{text}")

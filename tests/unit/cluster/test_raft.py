@@ -135,8 +135,7 @@ def test_cluster_imports_no_network_module_outside_the_driver() -> None:
     bad = [
         (path.name, found)
         for path in sorted(root.glob("*.py"))
-        if path.name not in IO_MODULES
-        and (found := forbidden_imports(path.read_text(), NETWORK))
+        if path.name not in IO_MODULES and (found := forbidden_imports(path.read_text(), NETWORK))
     ]
     assert not bad
     io = [p.name for p in root.glob("*.py") if forbidden_imports(p.read_text(), NETWORK)]

@@ -528,3 +528,20 @@ def test_roll_syncs_before_the_append_returns(
     log.roll()
     assert ("/" in calls) == (policy == "always" or compacted)
     log.close()
+
+
+def test_retention_below_an_offset_keeps_every_segment_that_ends_past_it(tmp_path: Path) -> None:
+    """A replicated log's retention stops at what its Raft group holds committed and durable:
+    whole segments ending at or before ``below`` only, however far the byte cap asks."""
+    log = SegmentedLog.open(tmp_path, LogConfig(segment_bytes=1024, retention_bytes=1))
+    for _ in range(10):
+        log.append(recs(5))
+    ends = [s.next_offset for s in log._segments[:-1]]
+    assert len(ends) >= 4
+    below = ends[2] + 1  # inside the fourth segment
+    assert log.enforce_retention(below=below) == 3
+    assert log.log_start_offset == ends[2]
+    assert log.enforce_retention(below=below) == 0  # the fourth ends past it
+    closed = len(log._segments) - 1
+    assert log.enforce_retention() == closed  # unbounded: every closed one
+    log.close()

@@ -30,6 +30,7 @@ from hypothesis.stateful import (
     rule,
 )
 
+from broker.commitlog.batch import read_header
 from broker.commitlog.config import LogConfig
 from broker.commitlog.errors import OffsetOutOfRange
 from broker.commitlog.log import SegmentedLog
@@ -349,8 +350,13 @@ class CompactedLogModel(LogModel):
         # A record superseded only by one in the active segment may go or stay.
         may_remove = {o for o, r in closed.items() if r.topic in in_active} - must_remove
 
+        batches = self._batches()
         removed = self.log.compact()
         event("compaction removed records" if removed else "compaction removed nothing")
+        if self.CONFIG.keep_empty_batches:  # every batch keeps its offsets (Raft's entries)
+            assert self._batches() == batches
+        else:  # the batches left keep theirs
+            assert set(self._batches()) <= set(batches)
 
         old_start = self.start
         new_start = self.log.log_start_offset
@@ -370,6 +376,14 @@ class CompactedLogModel(LogModel):
         self.start = new_start
         assert self.log.end_offset == self.end
         assert self.log.segments[-1] == active_base
+
+    def _batches(self) -> list[tuple[int, int, int]]:
+        """(base offset, next offset, leader epoch) of every batch of the log."""
+        log = self.log
+        if log.end_offset == log.log_start_offset:
+            return []
+        found = log.read_batches(log.log_start_offset, log.end_offset, 1 << 30, 1 << 40)
+        return [(h.base_offset, h.next_offset, h.leader_epoch) for h in map(read_header, found)]
 
     def _read_from(self, offset: int) -> list[Record]:
         out: list[Record] = []
@@ -403,3 +417,13 @@ TestIntervalLog = pytest.mark.slow(IntervalLogModel.TestCase)
 TestIntervalLog.settings = SETTINGS
 TestCompactedLog = pytest.mark.slow(CompactedLogModel.TestCase)
 TestCompactedLog.settings = SETTINGS
+
+
+class RaftCompactedLogModel(CompactedLogModel):
+    """A compacted log whose batches are Raft entries: emptied ones stay as placeholders."""
+
+    CONFIG = dataclasses.replace(CompactedLogModel.CONFIG, keep_empty_batches=True)
+
+
+TestRaftCompactedLog = pytest.mark.slow(RaftCompactedLogModel.TestCase)
+TestRaftCompactedLog.settings = SETTINGS

@@ -106,8 +106,10 @@ def test_a_log_of_control_batches_only_reads_empty(tmp_path: Path) -> None:
         assert (read.count, read.bases, read.next_offset) == (2, [3], 6)
 
 
-def test_compaction_keeps_control_batches(tmp_path: Path) -> None:
-    with open_log(tmp_path, compacted=True, segment_bytes=600) as log:
+@pytest.mark.parametrize("keep_empty_batches", [False, True])
+def test_compaction_keeps_control_batches(tmp_path: Path, keep_empty_batches: bool) -> None:
+    keep = keep_empty_batches
+    with open_log(tmp_path, compacted=True, segment_bytes=600, keep_empty_batches=keep) as log:
         for i in range(12):
             log.append([Record(0, 1000 + i, "same/topic", b"v%d" % i, 0, False, "c", b"")])
             if i % 4 == 0:
@@ -115,9 +117,16 @@ def test_compaction_keeps_control_batches(tmp_path: Path) -> None:
         controls = [
             read_header(b).base_offset for b in all_batches(log) if read_header(b)[3] & CONTROL_FLAG
         ]
+        ends = [read_header(b).next_offset for b in all_batches(log)]
         assert len(log.segments) > 2 and log.compact() > 0
         after = all_batches(log)
-        kept = [read_header(b).base_offset for b in after if read_header(b)[3] & CONTROL_FLAG]
+        if keep:  # the emptied batches are placeholders
+            assert [read_header(b).next_offset for b in after] == ends
+        kept = [
+            read_header(b).base_offset
+            for b in after
+            if read_header(b)[3] & CONTROL_FLAG and decode_control(b)[0] == 1
+        ]
         assert kept == controls
         payloads = [r.payload for r in log.read(0)]  # the active segment is not compacted
         assert payloads[-1] == b"v11" and b"v0" not in payloads

@@ -22,7 +22,7 @@ from broker.commitlog import (
     StreamSpec,
     UnsupportedFormat,
 )
-from broker.commitlog.batch import MAGIC
+from broker.commitlog.streams import FORMAT_VERSION
 from broker.mqtt.topics import topic_matches
 
 DAY = 24 * 3600 * 1000
@@ -133,9 +133,16 @@ def test_unknown_stream_or_partition(tmp_path: Path) -> None:
 
 def test_format_file(tmp_path: Path) -> None:
     Streams(tmp_path, []).close()
-    assert (tmp_path / "FORMAT").read_text().strip() == str(MAGIC)
+    assert (tmp_path / "FORMAT").read_text().strip() == str(FORMAT_VERSION) == "2"
     Streams(tmp_path, []).close()  # same version: fine
-    (tmp_path / "FORMAT").write_text(f"{MAGIC + 1}\n")
+    # Version 1 (before compaction kept batch boundaries) opens and is raised to the current
+    # one, which a version-1 broker refuses instead of taking compacted batches for damage.
+    (tmp_path / "FORMAT").write_text("1\n")
+    with Streams(tmp_path, []) as streams:
+        assert streams.format_version == 1
+    assert (tmp_path / "FORMAT").read_text() == "2\n"
+    assert not (tmp_path / "FORMAT.tmp").exists()
+    (tmp_path / "FORMAT").write_text(f"{FORMAT_VERSION + 1}\n")
     with pytest.raises(UnsupportedFormat) as info:
         Streams(tmp_path, [])
     assert str(tmp_path / "FORMAT") in str(info.value)

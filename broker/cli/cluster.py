@@ -1,0 +1,97 @@
+"""``mqlog cluster status`` and ``mqlog cluster transfer-leader``: a node's view of the cluster,
+from its HTTP admin API (``GET /api/v1/cluster``; ``POST .../partitions/<stream>/<p>/leader``).
+
+``status`` prints the members (name, address, state as this node sees them) and, per
+partition, its leader, term, commit index, this node's role and the followers' lag (known on
+the leader: ask the leader's node for exact lags). ``transfer-leader STREAM/PARTITION NODE``
+asks for the partition's leadership to move to NODE (Raft's leadership transfer, thesis
+s3.10): the node asked passes it to the current leader, and the command waits until the
+partition's leader is NODE (or ``--timeout`` passes, exit status 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+import urllib.parse
+from typing import Any
+
+from broker.cli.admin import (
+    DEFAULT_BROKER,
+    PASSWORD_ENV,
+    BrokerUnreachable,
+    _get,
+    _post,
+    table,
+)
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    view = _get(args.broker, "/api/v1/cluster", args.user)
+    if view.get("mode") != "cluster":
+        print("single node: no [cluster] section in this broker's config")
+        return 0
+    print(f"node {view['node_id']}: {len(view['nodes'])} nodes")
+    print(
+        table(
+            ["NODE", "ADDRESS", "STATE"],
+            [[n["id"], n["address"], n["state"]] for n in view["nodes"]],
+        )
+    )
+    print()
+    rows: list[list[Any]] = []
+    for p in view["partitions"]:
+        lags = ", ".join(f"{f['node']}:{f['lag']}" for f in p["followers"]) or "-"
+        rows.append(
+            [
+                f"{p['stream']}/{p['partition']}",
+                p["leader"] or "none",
+                p["term"],
+                p["commit_index"],
+                p["role"],
+                ",".join(p["replicas"]),
+                lags,
+            ]
+        )
+    print(table(["PARTITION", "LEADER", "TERM", "COMMIT", "ROLE HERE", "REPLICAS", "LAG"], rows))
+    return 0
+
+
+def cmd_transfer_leader(args: argparse.Namespace) -> int:
+    stream, sep, p = args.partition.rpartition("/")
+    if not sep or not p.isdigit():
+        raise BrokerUnreachable(f"{args.partition!r}: expected STREAM/PARTITION, e.g. devices/0")
+    path = f"/api/v1/cluster/partitions/{urllib.parse.quote(stream, safe='')}/{p}/leader"
+    answer = _post(args.broker, path, {"node": args.node}, args.user)
+    print(answer.get("message", ""))
+    deadline = time.monotonic() + args.timeout
+    while time.monotonic() < deadline:
+        view = _get(args.broker, "/api/v1/cluster", args.user)
+        for part in view["partitions"]:
+            if (part["stream"], str(part["partition"])) == (stream, p) and part[
+                "leader"
+            ] == args.node:
+                print(f"{stream}/{p}: leader {args.node} in term {part['term']}")
+                return 0
+        time.sleep(0.1)
+    print(f"{stream}/{p}: leader is not {args.node} after {args.timeout:g} s")
+    return 1
+
+
+def add_parser(sub: Any) -> None:
+    cluster = sub.add_parser("cluster", help="a cluster node's view: status, transfer-leader")
+    commands = cluster.add_subparsers(dest="cluster_command", required=True)
+    status = commands.add_parser("status", help="members, and each partition's leader and lag")
+    status.set_defaults(func=cmd_status)
+    transfer = commands.add_parser("transfer-leader", help="move a partition's leadership")
+    transfer.add_argument("partition", help="STREAM/PARTITION, e.g. devices/0")
+    transfer.add_argument("node", help="the node_id to lead it")
+    transfer.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (10)")
+    transfer.set_defaults(func=cmd_transfer_leader)
+    for cmd in (status, transfer):
+        cmd.add_argument(
+            "--broker", default=DEFAULT_BROKER, help=f"a node's HTTP API (default {DEFAULT_BROKER})"
+        )
+        cmd.add_argument(
+            "--user", help=f"a user of the password file (password in ${PASSWORD_ENV})"
+        )
