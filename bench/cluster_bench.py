@@ -4,12 +4,27 @@ Each target runs in the lab of tests/netlab.py (one namespace per node, clients 
 across the bridge, so every byte crosses a veth as it would cross a wire):
 
 - ``mqlog``: one mqlog node (``--mqlog-fsync``, default "always": a PUBACK follows the fsync);
+- ``mqlog-cluster``: three mqlog nodes, ``replication_factor = 3``, ``fsync = "always"`` (a
+  PUBACK follows the quorum commit: a majority has fsynced the entry), one worker each
+  (:class:`MqlogClusterBenchTarget`, configs from tests/cluster_lab.py), publishers spread
+  over the three nodes (those on a follower are forwarded to the partition's leader);
 - ``nats``: NATS 2.9, three nodes, MQTT on JetStream with ``stream_replicas: 3`` (the file
   store; bench/targets.py's NatsTarget), publishers spread over the three nodes.
 
-The row the issue is about, mqlog with three nodes and ``replication_factor = 3``, runs on
-bench/targets.py's ``MqlogClusterTarget`` (``mqlog-cluster``: three ``mqlog serve`` processes
-with a ``[cluster]`` section, ``fsync = "always"``).
+``--rounds N`` runs every target N times, interleaved (round 1: each target in turn, then
+round 2, ...), so that a slow spell of this shared machine hits them alike; the table gives
+each target's median msg/s, the medians of its runs' PUBACK p50 and p99, every run's msg/s and
+the load average at each run's start.
+
+Where the time goes, per run (in its JSON line): the CPU seconds of each node's processes over
+the measured window and the CPU per acknowledged message (``cpu_s``, ``cpu_us_per_msg``), the
+PUBACK p50 of the publishers connected to each node (``puback_p50_ms_by_node``: the cost of
+forwarding to the leader); with ``--syscalls``, each node's fdatasync, write, writev calls per
+second (``perf stat``); with ``--profile DIR``, py-spy's stacks of every node.
+
+bench/targets.py's ``MqlogClusterTarget`` (the chaos runs' adapter) is the same deployment
+with a ``chaos`` stream; this bench keeps :class:`MqlogClusterBenchTarget`, whose processes
+are the base ``Target``'s (``procs``), which the CPU, perf and py-spy counters read.
 
 Workload: ``--publishers`` connections (in ``--procs`` processes, uvloop), each keeping
 ``--window`` QoS 1 publishes of 64 bytes in flight on its own topic ``bench/<k>/fanin``, and
@@ -18,8 +33,8 @@ seconds, ``--duration`` seconds are measured: acknowledged publishes per second,
 PUBACK latency (send to PUBACK) p50/p99 of the publishes sent in that window. The subscriber's
 count must reach every acknowledged publish (checked after the run).
 
-Usage (root): ``python -m bench.cluster_bench [--targets mqlog,nats] [--duration 10]``; prints
-a table and one JSON line per target.
+Usage (root): ``python -m bench.cluster_bench [--targets mqlog,mqlog-cluster,nats]
+[--rounds 3] [--duration 10]``; prints a table and one JSON line per run and per median.
 """
 
 from __future__ import annotations
@@ -28,8 +43,12 @@ import argparse
 import asyncio
 import json
 import multiprocessing as mp
+import os
 import shutil
+import statistics
 import struct
+import subprocess
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -40,9 +59,69 @@ import numpy as np
 from bench.loadgen import DISCONNECT, connect_packet, raise_nofile, varint
 from bench.mqttclient import MqttClient
 from bench.targets import MqlogTarget, NatsTarget, Target
-from tests.netlab import Lab
+from broker.cluster.placement import node_ids, replicas
+from tests.cluster_lab import MqlogCluster
+from tests.netlab import Lab, Node
 
 PAYLOAD = b"\x5a" * 64
+
+
+class MqlogClusterBenchTarget(Target):
+    """Three mqlog nodes with ``[cluster]`` (RF=3, ``fsync = "always"``, one worker each),
+    configured by tests/cluster_lab.py's :class:`MqlogCluster` (one secret, every other node a
+    seed). This bench's own adapter until bench/targets.py has the chaos harness's."""
+
+    name = "mqlog-cluster"
+    size = 3
+
+    def __init__(self, lab: Lab, workdir: Path) -> None:
+        super().__init__(lab, workdir)
+        self.cluster = MqlogCluster(lab, workdir)
+
+    def argv(self, node: Node) -> list[str]:
+        member = self.cluster.members[node.index]
+        return [str(self.cluster.mqlog), "serve", "-c", str(member.config_path)]
+
+    def env(self) -> dict[str, str]:
+        return self.cluster.env()
+
+    def status(self, node: Node) -> dict[str, Any]:
+        """``GET /api/v1/cluster`` of ``node``."""
+        return self.cluster.status(self.cluster.members[node.index])
+
+    def settle(self, timeout: float = 30.0) -> None:
+        """Until every node names, for every partition, the replica placement prefers
+        (``broker.cluster.placement``) as its leader: the balancer hands leadership there a few
+        seconds after the start (``BALANCE_TICKS``), and a transfer during the measured
+        window would end its in-flight publishes with an unknown outcome (connections
+        closed)."""
+        names = node_ids(m.node_id for m in self.cluster.members)
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                views = [self.status(node)["partitions"] for node in self.lab.nodes]
+            except OSError:
+                views = []
+            if views and all(
+                p["leader"] == names[replicas(p["group"], names, len(names))[0]]
+                for view in views
+                for p in view
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"leaders not on their preferred replicas after {timeout}s")
+            time.sleep(0.2)
+
+    def leaders(self) -> dict[str, str | None]:
+        """Each partition's leader ("stream/partition" -> node id) as the first node that
+        answers sees it."""
+        for node in self.lab.nodes:
+            try:
+                doc = self.status(node)
+            except OSError:
+                continue
+            return {f"{p['stream']}/{p['partition']}": p["leader"] for p in doc["partitions"]}
+        return {}
 
 
 class _Pub(asyncio.Protocol):
@@ -142,7 +221,20 @@ async def _pubs(spec: dict[str, Any], go: Any, out: Any) -> None:
         if c.transport is not None:
             c.transport.write(DISCONNECT)
             c.transport.close()
-    out.put(("pub", int(sum(c.acked_in for c in conns)), lat.tobytes(), sent))
+    nodes = len(spec["addrs"])
+    by_node = {
+        n: np.array(
+            [
+                x
+                for k, c in zip(spec["indexes"], conns, strict=True)
+                if k % nodes == n
+                for x in c.lat
+            ]
+        )
+        for n in range(nodes)
+    }
+    p50s = {n: (float(np.percentile(v, 50)) / 1e6, len(v)) for n, v in by_node.items() if len(v)}
+    out.put(("pub", int(sum(c.acked_in for c in conns)), lat.tobytes(), sent, p50s))
 
 
 async def _sub(spec: dict[str, Any], go: Any, stop: Any, out: Any) -> None:
@@ -203,6 +295,8 @@ async def _warm(target: Target, timeout: float = 60.0) -> None:
 def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     """One target, already started: fan-in for the configured time."""
     asyncio.run(_warm(target))
+    if isinstance(target, MqlogClusterBenchTarget):
+        target.settle()
     addrs = [target.addr(n) for n in target.lab.nodes]
     ctx = mp.get_context("fork")
     go, stop, out = ctx.Event(), ctx.Event(), ctx.Queue()
@@ -222,7 +316,17 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         p.start()
     _expect(out, "ready", args.procs)
     go.set()
-    pubs = _expect(out, "pub", args.procs, timeout=args.warmup + args.duration + 60)
+    time.sleep(args.warmup)
+    cpu0 = {name: _cpu_seconds(proc.pid) for name, proc in target.procs.items()}
+    spies = _profile(target, args) if args.profile else []
+    counters = _count_syscalls(target, args.duration - 1) if args.syscalls else {}
+    time.sleep(args.duration)
+    cpu = {
+        name: round(_cpu_seconds(proc.pid) - cpu0[name], 2) for name, proc in target.procs.items()
+    }
+    pubs = _expect(out, "pub", args.procs, timeout=args.duration + 60)
+    for spy in spies:
+        spy.wait(30)
     stop.set()
     sub = _expect(out, "sub", 1, timeout=120)[0]
     for p in procs:
@@ -230,6 +334,14 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     acked = sum(r[1] for r in pubs)
     lat = np.concatenate([np.frombuffer(r[2], dtype=np.int64) for r in pubs]) / 1e6
     sent = sum(r[3] for r in pubs)
+    # PUBACK p50 of the publishers connected to each node (the median of the processes'
+    # p50s weighted by their counts: close enough for a per-node view)
+    p50_by_node = {}
+    for n, name in enumerate(target.procs):
+        parts = [r[4][n] for r in pubs if n in r[4]]
+        if parts:
+            total = sum(k for _, k in parts)
+            p50_by_node[name] = round(sum(v * k for v, k in parts) / total, 2)
     return {
         "target": target.name,
         "nodes": len(target.lab.nodes),
@@ -239,9 +351,99 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
         "puback_p99_ms": round(float(np.percentile(lat, 99)), 2) if len(lat) else None,
         "sent": sent,
         "received": sub[1],
+        "puback_p50_ms_by_node": p50_by_node,
+        "cpu_s": cpu,
+        "syscalls_s": {
+            name: _read_counts(perf, args.duration - 1) for name, perf in counters.items()
+        },
+        "cpu_us_per_msg": round(sum(cpu.values()) * 1e6 / acked, 1) if acked else None,
         "publishers": args.publishers,
         "window": args.window,
     }
+
+
+def _cpu_seconds(pgid: int) -> float:
+    """User + system CPU seconds of every live process in process group ``pgid`` (a node's
+    broker and its workers), from ``/proc/<pid>/stat``."""
+    tick = os.sysconf("SC_CLK_TCK")
+    total = 0
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        if int(fields[2]) == pgid:  # fields from the state on: state, ppid, pgrp, ...
+            total += int(fields[11]) + int(fields[12])  # utime, stime
+    return total / tick
+
+
+#: System calls ``--syscalls`` counts per node (perf's tracepoints).
+SYSCALLS = ("fdatasync", "fsync", "epoll_wait", "write", "writev", "sendmsg")
+
+
+def _count_syscalls(target: Target, seconds: float) -> dict[str, subprocess.Popen[str]]:
+    """``perf stat`` of :data:`SYSCALLS` over each node's process group for ``seconds``."""
+    events = ",".join(f"syscalls:sys_enter_{name}" for name in SYSCALLS)
+    counters = {}
+    for name, proc in target.procs.items():
+        pids = subprocess.run(
+            ["ps", "-o", "pid=", "-g", str(proc.pid)], capture_output=True, text=True, check=True
+        ).stdout.split()
+        counters[name] = subprocess.Popen(
+            ["perf", "stat", "-x", ",", "-e", events, "-p", ",".join(pids), "sleep", str(seconds)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+    return counters
+
+
+def _read_counts(perf: subprocess.Popen[str], seconds: float) -> dict[str, float]:
+    """Per second, each system call ``perf stat -x ,`` counted."""
+    _, err = perf.communicate(timeout=30)
+    counts = {}
+    for line in err.splitlines():
+        parts = line.split(",")
+        if len(parts) > 2 and parts[2].startswith("syscalls:sys_enter_") and parts[0].isdigit():
+            counts[parts[2].removeprefix("syscalls:sys_enter_")] = round(int(parts[0]) / seconds)
+    return counts
+
+
+def _profile(target: Target, args: argparse.Namespace) -> list[subprocess.Popen[bytes]]:
+    """Started after the warmup: py-spy (``--nonblocking``, the venv's ``py-spy``) records
+    every node's processes, workers included, for the measured window: collapsed stacks in
+    ``<profile>/<target>-<node>-r<round>.txt``. Threads py-spy deems idle are left out; a
+    blocking system call such as an fsync counts, and so may time in uvloop's C code, which
+    shows as ``Runner.run``."""
+    spy = Path(sys.executable).parent / "py-spy"
+    if not spy.exists():
+        raise SystemExit(f"--profile: {spy} not found (pip install py-spy)")
+    out = Path(args.profile)
+    out.mkdir(parents=True, exist_ok=True)
+    return [
+        subprocess.Popen(
+            [
+                str(spy),
+                "record",
+                "--nonblocking",
+                "--subprocesses",
+                "--format",
+                "raw",
+                "--duration",
+                str(max(1, int(args.duration) - 1)),
+                "--pid",
+                str(proc.pid),
+                "-o",
+                str(out / f"{target.name}-{name}-r{args.round}.txt"),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+        )
+        for name, proc in target.procs.items()
+    ]
 
 
 def _expect(out: Any, kind: str, n: int, timeout: float = 60.0) -> list[Any]:
@@ -258,30 +460,52 @@ def _expect(out: Any, kind: str, n: int, timeout: float = 60.0) -> list[Any]:
 
 def run_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"cluster-bench-{name}-"))
-    size = {"mqlog": 1, "nats": 3}[name]
+    size = {"mqlog": 1, "mqlog-cluster": 3, "nats": 3}[name]
+    load = os.getloadavg()
     try:
         with Lab(size) as lab:
             target: Target
             if name == "mqlog":
                 target = MqlogTarget(lab, work, workers=args.mqlog_workers, fsync=args.mqlog_fsync)
+            elif name == "mqlog-cluster":
+                target = MqlogClusterBenchTarget(lab, work)
             else:
                 target = NatsTarget(lab, work)
             target.start_all()
             row = measure(target, args)
+            if isinstance(target, MqlogClusterBenchTarget):
+                row["leaders"] = target.leaders()
     finally:
         if not args.keep:
             shutil.rmtree(work, ignore_errors=True)
-    row["config"] = (
-        f"fsync={args.mqlog_fsync} workers={args.mqlog_workers}"
-        if name == "mqlog"
-        else "JetStream file store, stream_replicas=3"
-    )
+    row["load_1m"] = round(load[0], 2)
+    row["config"] = {
+        "mqlog": f"fsync={args.mqlog_fsync} workers={args.mqlog_workers}",
+        "mqlog-cluster": "RF=3 fsync=always workers=1",
+        "nats": "JetStream file store, stream_replicas=3",
+    }[name]
     return row
+
+
+def median_row(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The run with the median msg/s (the lower middle one of an even count), with every
+    run's msg/s and load beside it."""
+    ordered = sorted(rows, key=lambda r: r["msg_s"])
+    mid = ordered[(len(ordered) - 1) // 2]
+    return {
+        **mid,
+        "runs": len(rows),
+        "msg_s_runs": [r["msg_s"] for r in rows],
+        "p50_ms_median": statistics.median(r["puback_p50_ms"] or 0.0 for r in rows),
+        "p99_ms_median": statistics.median(r["puback_p99_ms"] or 0.0 for r in rows),
+        "load_1m_runs": [r["load_1m"] for r in rows],
+    }
 
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--targets", default="mqlog,nats")
+    ap.add_argument("--targets", default="mqlog,mqlog-cluster,nats")
+    ap.add_argument("--rounds", type=int, default=1, help="runs of each target, interleaved")
     ap.add_argument("--publishers", type=int, default=50)
     ap.add_argument("--procs", type=int, default=2, help="publisher processes")
     ap.add_argument("--window", type=int, default=8, help="QoS 1 in flight per publisher")
@@ -290,19 +514,41 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--mqlog-fsync", default="always", choices=("always", "interval", "never"))
     ap.add_argument("--mqlog-workers", type=int, default=1)
     ap.add_argument("--keep", action="store_true", help="keep the brokers' data and logs")
+    ap.add_argument(
+        "--profile", default="", help="directory: py-spy profiles of every node's measured window"
+    )
+    ap.add_argument(
+        "--syscalls", action="store_true", help="count fsyncs, writes, loop wakeups per node (perf)"
+    )
     args = ap.parse_args(argv)
-    rows = [run_target(name, args) for name in args.targets.split(",") if name]
-    print(f"{'target':<8} {'nodes':>5} {'msg/s':>9} {'p50 ms':>8} {'p99 ms':>8}  config")
+    names = [name for name in args.targets.split(",") if name]
+    runs: dict[str, list[dict[str, Any]]] = {name: [] for name in names}
+    for i in range(args.rounds):
+        args.round = i + 1
+        for name in names:
+            row = run_target(name, args)
+            row["round"] = i + 1
+            runs[name].append(row)
+            print(json.dumps({"bench": "cluster", **row}), flush=True)
+    rows = [median_row(runs[name]) for name in names]
+    print(
+        f"{'target':<14} {'nodes':>5} {'msg/s':>9} {'p50 ms':>8} {'p99 ms':>8} "
+        f"{'runs msg/s':>24} {'load 1m':>16}  config"
+    )
     for r in rows:
         print(
-            f"{r['target']:<8} {r['nodes']:>5} {r['msg_s']:>9} {r['puback_p50_ms']!s:>8} "
-            f"{r['puback_p99_ms']!s:>8}  {r['config']}"
+            f"{r['target']:<14} {r['nodes']:>5} {r['msg_s']:>9} {r['p50_ms_median']!s:>8} "
+            f"{r['p99_ms_median']!s:>8} {r['msg_s_runs']!s:>24} "
+            f"{r['load_1m_runs']!s:>16}  {r['config']}"
         )
     for r in rows:
-        print(json.dumps({"bench": "cluster", **r}))
-    bad = [r for r in rows if r["received"] < r["acked_measured"]]
+        print(json.dumps({"bench": "cluster-median", **r}))
+    bad = [r for name in names for r in runs[name] if r["received"] < r["acked_measured"]]
     for r in bad:
-        print(f"{r['target']}: the subscriber got {r['received']} of the acknowledged publishes")
+        print(
+            f"{r['target']} round {r['round']}: the subscriber got {r['received']} of the "
+            f"{r['acked_measured']} acknowledged publishes"
+        )
     return 1 if bad else 0
 
 

@@ -6,12 +6,18 @@ Raft's safety needs (its ``Ready``):
 1. hard states first: each is made durable (``GroupStorage.persist_hard_state``: temp file,
    fsync, rename, directory fsync) before the core is told, so no vote or reply in a newer
    term rests on a term or vote a crash could forget (Raft s5.1, figure 2 "persistent state");
-2. flushes: each group's log is fsynced (under ``fsync = "always"`` every append already was,
-   and the flush costs nothing) and the core told ``flushed``, so the commit index only ever
-   counts what a majority has on disk;
-3. frames go to the transport: at most one per peer node per round, every group's messages in
+2. frames go to the transport: at most one per peer node per round, every group's messages in
    it, heartbeats coalesced (``broker.cluster.frames``, encoded by ``broker.cluster.wire``);
-   the cores hold back any message a hard state not yet durable governs;
+   the cores hold back any message a hard state not yet durable governs. They leave before
+   the flushes: a leader's entries reach its followers while its own disk writes them (Raft
+   thesis s10.2.1), and a follower's acknowledgement says what it has flushed, apart from
+   what it holds, so nothing counts an entry before it is durable;
+3. flushes: each group's log is fsynced once for every entry appended since its last flush
+   (appends only write to the page cache, ``GroupStorage.append``) and the core told
+   ``flushed``, so the commit index only ever counts what a majority has on disk; the
+   acknowledgements this makes leave in the next pass of the round. The fsyncs run on a
+   thread while the loop goes on reading publishes and frames and appending
+   (``broker.cluster.logsync``: what each covers, what a failed one means);
 4. commits: each group's storage pins its high-water mark (readers never see past it) and
    :attr:`ClusterNode.on_commit` tells the broker, which acknowledges and delivers.
 
@@ -45,6 +51,7 @@ import orjson
 
 from broker.cluster.frames import Frame
 from broker.cluster.hardstate import write_atomically
+from broker.cluster.logsync import LogSyncer
 from broker.cluster.membership import Configuration
 from broker.cluster.messages import HardState
 from broker.cluster.multiraft import MultiRaft
@@ -138,6 +145,12 @@ class ClusterNode:
         #: Group id -> its partition (stream, partition), for views and log lines.
         self.group_keys: dict[int, tuple[str, int]] = {}
         self._scheduled = False
+        self.syncer = LogSyncer(
+            self.loop,
+            self.storages,
+            self._synced,
+            lambda g: "{}/{}".format(*self.group_keys.get(g, ("group", g))),
+        )
         self._ticks = 0
         #: Ticks between two retention passes (the log cleaner's 30 s).
         self._retention_ticks = max(1, round(RETENTION_SECONDS / settings.heartbeat_interval))
@@ -410,16 +423,19 @@ class ClusterNode:
                     self.storages[g].persist_hard_state(state)
                     done_states.append((g, state))
                 self._step(host.hard_states_persisted, done_states)
+            for frame in ready.frames:
+                self._send_frame(frame)
             if ready.flushes:
                 done: list[tuple[int, int]] = []
                 for g, index in ready.flushes.items():
                     storage = self.storages[g]
-                    if storage.flushed_index < index:
-                        storage.flush()
-                    done.append((g, storage.flushed_index))
-                self._step(host.flushed, done)
-            for frame in ready.frames:
-                self._send_frame(frame)
+                    if storage.flushed_index >= index:
+                        done.append((g, storage.flushed_index))
+                    else:
+                        self.syncer.add(g)
+                if done:
+                    self._step(host.flushed, done)
+                self.syncer.start()
             for g, index in ready.commits.items():
                 self.storages[g].set_commit(index)
                 commits[g] = index
@@ -443,6 +459,12 @@ class ClusterNode:
                         core.term,
                     )
                 self.on_leader(g)
+
+    def _synced(self, done: list[tuple[int, int]]) -> None:
+        """Fsyncs of :attr:`syncer` made these ``(group, index)`` durable."""
+        if self.host is not None:
+            self._step(self.host.flushed, done)
+            self._schedule()
 
     def _send_frame(self, frame: Frame) -> None:
         name = self.names.get(frame.to)
@@ -519,6 +541,7 @@ class ClusterNode:
         if self._timer is not None:
             self._timer.cancel()
         self._round()  # what is durable and due goes out before the sockets close
+        await self.syncer.close()
         await self.transport.close()
 
 

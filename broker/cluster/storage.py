@@ -35,8 +35,15 @@ and the commit index is the log's high-water mark, which this storage pins
   scan, 0.20 s with the checkpoint (the log's own open).
 * A torn last batch (a crash in the middle of a ``write()``) fails its CRC and the log's
   recovery cuts it: the log ends at the last whole entry.
-* ``flush`` fsyncs the log (whatever the stream's fsync policy; under ``always`` every append
-  already was); :attr:`flushed_index` is what the core may be told in ``flushed()``.
+* ``append`` writes to the page cache only, whatever the stream's fsync policy
+  (``append_raw(defer_fsync=True)``); ``flush`` fsyncs the log, once for every entry appended
+  since the last one, and :attr:`flushed_index` (what the core may be told in ``flushed()``)
+  moves only there. So the driver sends a round's messages before its one fsync (a leader
+  writes its own disk in parallel with its followers, Raft thesis s10.2.1; a follower
+  fsyncs a frame of many entries once), and the core counts an entry towards commit only
+  once reported flushed. The fsync may run on another thread (:meth:`sync_target`, then
+  :meth:`synced` on the owner's): it covers what was appended before it started, and a
+  truncation meanwhile voids it (the indexes it would vouch for may hold other entries).
 * The hard state (term, voted_for, commit hint) is written temp file + fsync + rename +
   directory fsync before the core is told ``hard_state_persisted``.
 * The log start and the configurations (``raft-log-start``, :mod:`broker.cluster.hardstate`):
@@ -141,6 +148,8 @@ class GroupStorage:
         self.commit = commit
         #: Entries up to this index are durable.
         self.flushed_index = terms.last_index
+        #: Counts truncations and resets: an fsync started before one vouches for nothing.
+        self.generation = 0
 
     @classmethod
     def open(
@@ -209,7 +218,8 @@ class GroupStorage:
     # -- effects ----------------------------------------------------------------------------
 
     def append(self, first_index: int, entries: Sequence[Entry]) -> None:
-        """``AppendLog``: write ``entries`` from ``first_index``, the log's end offset + 1."""
+        """``AppendLog``: write ``entries`` from ``first_index``, the log's end offset + 1, to
+        the page cache (durable at the next :meth:`flush`)."""
         if first_index != self.terms.last_index + 1:
             raise StorageError(
                 f"{self.directory}: append at index {first_index}, the log ends at "
@@ -240,10 +250,8 @@ class GroupStorage:
                 # Before the batch: the checkpoint never lacks a run the log holds.
                 runs = [*_offset_runs(self.terms), (base, e.term)]
                 write_epoch_checkpoint(self.directory, runs)
-            self.log.append_raw(batch)
+            self.log.append_raw(batch, defer_fsync=True)
             self.terms.append(e.term, e.count)
-        if self.log.config.fsync == "always":
-            self.flushed_index = self.terms.last_index
 
     def truncate(self, from_index: int) -> None:
         """``Truncate``: drop every entry from ``from_index`` on (an entry's first index),
@@ -251,6 +259,7 @@ class GroupStorage:
         before = len(self.terms.runs())
         self.log.truncate(from_index - 1, floor=self.commit)
         self.terms.truncate_from(from_index)
+        self.generation += 1
         self.flushed_index = min(self.flushed_index, self.terms.last_index)
         if len(self.terms.runs()) < before:
             write_epoch_checkpoint(self.directory, _offset_runs(self.terms))
@@ -278,6 +287,7 @@ class GroupStorage:
         self.terms.reset(index, reset.last_term)
         self._write_log_start()
         self.log.reset(index)
+        self.generation += 1
         write_epoch_checkpoint(self.directory, [])
         self.flushed_index = index
         self.set_commit(index)
@@ -292,6 +302,23 @@ class GroupStorage:
         """``Flush``: fsync the log; return the index now durable (for ``core.flushed``)."""
         self.log.flush()
         self.flushed_index = self.terms.last_index
+        return self.flushed_index
+
+    def sync_target(self) -> tuple[int, int, int] | None:
+        """For an fsync on another thread: ``(fd, index, generation)``, where an fdatasync of
+        ``fd`` (the caller closes it) makes the entries up to ``index`` durable, to report with
+        :meth:`synced`; None when only :meth:`flush` can (``SegmentedLog.sync_target``)."""
+        fd = self.log.sync_target()
+        if fd is None:
+            return None
+        return fd, self.terms.last_index, self.generation
+
+    def synced(self, index: int, generation: int) -> int:
+        """The fdatasync of a :meth:`sync_target` returned: the entries up to ``index`` are
+        durable unless the log was truncated or reset since (``generation``). Returns
+        :attr:`flushed_index` (for ``core.flushed``)."""
+        if generation == self.generation:
+            self.flushed_index = max(self.flushed_index, min(index, self.terms.last_index))
         return self.flushed_index
 
     def persist_hard_state(self, state: HardState) -> None:

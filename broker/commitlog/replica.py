@@ -61,11 +61,16 @@ class ReplicaOps:
         def _check_open(self) -> None: ...
         def _now_ms(self) -> int: ...
         def _roll_locked(self, now_ms: int) -> None: ...
-        def _write_locked(self, batch: bytes | bytearray, next_offset: int) -> None: ...
+        def _write_locked(
+            self, batch: bytes | bytearray, next_offset: int, sync: bool = True
+        ) -> None: ...
 
-    def append_raw(self, batch: bytes) -> int:
+    def append_raw(self, batch: bytes, *, defer_fsync: bool = False) -> int:
         """Append ``batch``, encoded elsewhere, as it is (one ``write()``); return its base
-        offset, which must be the log end offset.
+        offset, which must be the log end offset. ``defer_fsync``: not fsynced here even
+        under ``fsync = "always"``; it is durable once the caller's next :meth:`flush`
+        returns (a Raft group's driver: one fsync per round for every entry the round
+        appended, after the round's messages left).
 
         The batch is checked as recovery checks one (CRC, structure, magic) before anything is
         written. Raises :class:`CorruptRecordBatch` for bad bytes, :class:`CommitLogError` for
@@ -85,8 +90,23 @@ class ReplicaOps:
                     f"{self.directory}: a batch with base offset {h.base_offset} cannot be "
                     f"appended at the log end offset {base}"
                 )
-            self._write_locked(batch, h.next_offset)
+            self._write_locked(batch, h.next_offset, sync=not defer_fsync)
             return base
+
+    def sync_target(self) -> int | None:
+        """For an fsync off the owner's thread: a new descriptor of the active segment such
+        that an fdatasync of it makes every batch appended before this call durable (the
+        caller closes it); or None when unsynced data lies elsewhere too (a segment rolled
+        without its sync, fsync="interval"), and only :meth:`flush` makes it durable.
+
+        Why the active segment is enough otherwise: under fsync "always" a roll fsyncs the
+        old segment, its indexes and the directory before the new segment takes a batch."""
+        with self._lock:
+            self._check_open()
+            segments = self._segments
+            if self._rolled or any(s.dirty for s in segments[:-1]):
+                return None
+            return segments[-1].dup_fd()
 
     def read_batches(self, offset: int, end: int, max_batches: int, max_bytes: int) -> list[bytes]:
         """The stored batches, byte for byte, from the one holding ``offset`` through the last

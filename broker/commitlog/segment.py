@@ -522,6 +522,11 @@ class Segment:
         return None  # only control batches hold it (a compacted batch's placeholder)
 
     # --------------------------------------------------------------- durability
+    def dup_fd(self) -> int:
+        """A new descriptor of the ``.log`` (``os.dup``), for an fdatasync on another thread;
+        the caller closes it. Syncing it does not clear :attr:`dirty`."""
+        return os.dup(self._fd)
+
     @property
     def dirty(self) -> bool:
         """True when appended data has not been fsynced yet."""

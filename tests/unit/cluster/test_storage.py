@@ -8,6 +8,7 @@ follower is cut and catches up, a follower behind the leader's log start install
 
 from __future__ import annotations
 
+import os
 import random
 import shutil
 from collections import deque
@@ -48,6 +49,7 @@ from broker.cluster.storage import GroupStorage, StorageError, encode_entry
 from broker.cluster.terms import TermTable
 from broker.commitlog import CommitLogError, LogConfig, Record, SegmentedLog
 from broker.commitlog.batch import decode_control, encode_batch
+from broker.commitlog.segment import LOG_SUFFIX, file_name
 
 CONFIG = LogConfig(segment_bytes=2048, index_interval_bytes=200, fsync="interval")
 VOTERS = Configuration.of({0, 1, 2})
@@ -173,6 +175,33 @@ def test_truncation_never_reaches_the_commit_index(tmp_path: Path) -> None:
     storage.truncate(4)
     assert storage.terms == TermTable([(1, 1)], 3)
     assert read_epoch_checkpoint(tmp_path) == [(0, 1)]  # the dropped run left it
+    storage.close()
+
+
+def test_appends_wait_for_a_flush_or_an_fsync_started_after_them(tmp_path: Path) -> None:
+    """Under fsync "always" too, an append is durable only at the next flush; an fsync of a
+    ``sync_target`` vouches for what was appended before it started, and for nothing once
+    the log was truncated meanwhile."""
+    storage = GroupStorage.open(tmp_path, LogConfig(segment_bytes=1 << 20, fsync="always"))
+    put(storage, 1, 2)
+    assert (storage.flushed_index, storage.terms.last_index) == (0, 2)
+    assert storage.flush() == 2
+    put(storage, 1, 3)
+    target = storage.sync_target()
+    assert target is not None
+    fd, index, generation = target
+    put(storage, 1, 1)  # after the fsync started: not covered by it
+    active = tmp_path / file_name(storage.log.segments[-1], LOG_SUFFIX)
+    assert os.path.samestat(os.fstat(fd), os.stat(active))
+    os.fdatasync(fd)
+    os.close(fd)
+    assert (index, storage.synced(index, generation)) == (5, 5)
+    fd, index, generation = storage.sync_target() or (-1, 0, 0)
+    os.close(fd)
+    storage.set_commit(5)
+    storage.truncate(6)
+    put(storage, 2)
+    assert storage.synced(index, generation) == 5  # the truncation voided it
     storage.close()
 
 
