@@ -32,10 +32,24 @@ def passwd(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[
     )
 
 
+#: Password files made by ``mqlog passwd``, by their users: one ``mqlog passwd`` run (a
+#: Python start and an scrypt hash, a second or more under load) per user and test process,
+#: instead of per user and test.
+_made: dict[tuple[tuple[str, str], ...], str] = {}
+
+
 def make_password_file(path: Path, users: dict[str, str]) -> Path:
+    """A password file for ``users`` (name: password) written by ``mqlog passwd``; the same
+    users a second time get a copy of the first file (0600, as ``mqlog passwd`` makes it)."""
+    key = tuple(users.items())
+    if key in _made:
+        path.write_text(_made[key])
+        path.chmod(0o600)
+        return path
     for user, password in users.items():
         result = passwd(str(path), user, stdin=password + "\n")
         assert result.returncode == 0, result.stderr
+    _made[key] = path.read_text()
     return path
 
 
