@@ -35,12 +35,8 @@ lint: $(STAMP)-test
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# On two processes (pytest-xdist), a test file to each in turn, the Spark tests first (the
-# longest file; tests/integration/conftest.py orders them so): a file's module-scoped brokers
-# and Spark session stay in one process; the brokers of each process take their ports from
-# their own block (tests/integration/conftest.py, free_port).
 test: $(STAMP)-test lint
-	$(PY) -m pytest -q -n 2 --dist loadfile --no-loadscope-reorder
+	$(PY) -m pytest -q
 
 # Faster tiers while working (README, "The two commands"): the unit tests without the slow
 # ones, on two processes (pytest-xdist, one per core here); then with the integration tests

@@ -143,9 +143,9 @@ class BrokerProcess:
         return self.proc is not None and self.proc.poll() is None
 
 
-#: Under pytest-xdist (``make test`` runs two processes) process ``gwN`` takes its ports in
-#: turn from its own block below Linux's ephemeral range (32768-60999): never a port the
-#: kernel hands a client socket, nor one another process chose and has not bound yet.
+#: Under pytest-xdist (``pytest -n 2``) process ``gwN`` takes its ports in turn from its own
+#: block below Linux's ephemeral range (32768-60999): never a port the kernel hands a client
+#: socket, nor one another process chose and has not bound yet.
 XDIST_PORT_BASE = 20000
 XDIST_PORT_BLOCK = 3000
 XDIST_PORT_BLOCKS = 4  # 20000-31999
@@ -218,7 +218,7 @@ def broker(broker_factory: BrokerFactory) -> BrokerProcess:
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     """The Spark tests first (a stable sort: the order is otherwise kept): their file is the
-    longest by far (JVM starts), and ``make test`` hands files to its two processes in
-    collection order (``--dist loadfile --no-loadscope-reorder``), so the other process
-    runs the rest meanwhile instead of waiting for Spark at the end."""
+    longest by far (JVM starts). Run on two processes a file to each in turn
+    (``pytest -n 2 --dist loadfile --no-loadscope-reorder``), the other process runs the
+    rest meanwhile instead of leaving Spark alone at the end."""
     items.sort(key=lambda item: item.get_closest_marker("spark") is None)
