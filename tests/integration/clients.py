@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import queue
+import socket
 import subprocess
 import threading
 import time
@@ -30,7 +32,10 @@ class Message:
 class Client:
     """A paho client on its own network thread; messages land in a queue.
 
-    ``connect()`` waits for CONNACK and returns the reason code (0 = accepted).
+    ``connect()`` waits for CONNACK and returns the reason code (0 = accepted). The client
+    never reconnects by itself: a test connects again explicitly, and a refused or lost
+    connection ends the network thread at once (paho's own reconnect waits a second first,
+    which ``disconnect()`` then waited for).
     """
 
     def __init__(
@@ -66,6 +71,7 @@ class Client:
             "client_id": client_id,
             "protocol": protocol,
             "manual_ack": manual_ack,
+            "reconnect_on_failure": False,
         }
         if protocol != V5:
             kwargs["clean_session"] = clean
@@ -175,7 +181,15 @@ class Client:
         self.paho.loop_stop()
 
     def drop(self) -> None:
-        """Close the socket without DISCONNECT (an abnormal disconnect: the will fires)."""
+        """Close the socket without DISCONNECT (an abnormal disconnect: the will fires).
+
+        The shutdown wakes the network thread, which sees the connection lost and ends (it
+        sends nothing more on a shut socket), instead of ``loop_stop`` waiting out its
+        one-second select."""
+        sock = self.paho.socket()
+        if sock is not None:
+            with contextlib.suppress(OSError):  # the broker closed it already
+                sock.shutdown(socket.SHUT_RDWR)
         self.paho.loop_stop()
         sock = self.paho.socket()
         if sock is not None:

@@ -14,6 +14,7 @@ from __future__ import annotations
 import fcntl
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -22,7 +23,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port
+from bench import ports
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = "listening on mqtt://"
@@ -143,6 +144,36 @@ class BrokerProcess:
         return self.proc is not None and self.proc.poll() is None
 
 
+#: Under pytest-xdist (``pytest -n 2``) process ``gwN`` takes its ports in turn from its own
+#: block below Linux's ephemeral range (32768-60999): never a port the kernel hands a client
+#: socket, nor one another process chose and has not bound yet.
+XDIST_PORT_BASE = 20000
+XDIST_PORT_BLOCK = 3000
+XDIST_PORT_BLOCKS = 4  # 20000-31999
+_xdist_given = 0
+
+
+def free_port() -> int:
+    """A port on 127.0.0.1 nothing listens on now, and not given lately by this process
+    (under xdist: not within its last ``XDIST_PORT_BLOCK`` ports; else never)."""
+    global _xdist_given
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "")
+    index = int(worker[2:]) if worker.startswith("gw") and worker[2:].isdigit() else -1
+    if not 0 <= index < XDIST_PORT_BLOCKS:
+        return ports.free_port()
+    first = XDIST_PORT_BASE + index * XDIST_PORT_BLOCK
+    for _ in range(XDIST_PORT_BLOCK):
+        port = first + _xdist_given % XDIST_PORT_BLOCK
+        _xdist_given += 1
+        with socket.socket() as s:
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue  # in use (a broker still running, or another program)
+        return port
+    raise RuntimeError(f"no free port in {first}-{first + XDIST_PORT_BLOCK - 1} ({worker})")
+
+
 BrokerFactory = Callable[..., BrokerProcess]
 
 
@@ -184,3 +215,11 @@ def broker_factory(tmp_path: Path, workers: int) -> Iterator[BrokerFactory]:
 @pytest.fixture
 def broker(broker_factory: BrokerFactory) -> BrokerProcess:
     return broker_factory()
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """The Spark tests first (a stable sort: the order is otherwise kept): their file is the
+    longest by far (JVM starts). Run on two processes a file to each in turn
+    (``pytest -n 2 --dist loadfile --no-loadscope-reorder``), the other process runs the
+    rest meanwhile instead of leaving Spark alone at the end."""
+    items.sort(key=lambda item: item.get_closest_marker("spark") is None)

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 from selenium import webdriver
-from selenium.common.exceptions import WebDriverException
+from selenium.common.exceptions import NoSuchElementException, WebDriverException
 from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import WebDriverWait
@@ -45,8 +45,9 @@ WAIT = 30
 ARTIFACTS = Path(os.environ.get("MQLOG_ARTIFACTS", Path(tempfile.gettempdir()) / "mqlog-artifacts"))
 
 
-@pytest.fixture
-def chromium() -> Iterator[webdriver.Chrome]:
+@pytest.fixture(scope="module")
+def browser() -> Iterator[webdriver.Chrome]:
+    """One Chromium for the module (a start costs seconds); every broker is its own origin."""
     options = webdriver.ChromeOptions()
     options.binary_location = CHROMIUM
     for flag in FLAGS:
@@ -61,6 +62,15 @@ def chromium() -> Iterator[webdriver.Chrome]:
         yield driver
     finally:
         driver.quit()
+
+
+@pytest.fixture
+def chromium(browser: webdriver.Chrome) -> webdriver.Chrome:
+    """The module's Chromium on a blank page, its console log emptied (``get_log`` returns
+    what came since its last call), so a test's ``browser_errors`` are its own."""
+    browser.get("about:blank")
+    browser.get_log("browser")
+    return browser
 
 
 class Publisher:
@@ -91,7 +101,18 @@ class Publisher:
 
 
 def text(driver: webdriver.Chrome, element_id: str) -> str:
-    return str(driver.find_element(By.ID, element_id).text)
+    return shown(driver, f"#{element_id}")
+
+
+def shown(driver: webdriver.Chrome, selector: str) -> str:
+    """The rendered text of the element ``selector`` finds, read in one script: the page
+    replaces its tables on every update, so an element found first and read after could be
+    gone (stale) by then."""
+    script = "const e = document.querySelector(arguments[0]); return e && e.innerText;"
+    value = driver.execute_script(script, selector)
+    if value is None:
+        raise NoSuchElementException(f"no element {selector}")  # waits ignore this one
+    return str(value)
 
 
 def updates(driver: webdriver.Chrome) -> int:
@@ -124,17 +145,15 @@ def watch_figures_move(driver: webdriver.Chrome, publisher: Publisher) -> None:
     # The rates, the chart and the partition's high-water mark follow.
     wait.until(lambda d: float(text(d, "rate-received").replace(",", "")) > 0)
     wait.until(lambda d: float(text(d, "rate-stored").replace(",", "")) > 0)
-    mark = driver.find_element(By.CSS_SELECTOR, 'td[data-key="default/0"]')
-    seen = int(mark.text.replace(",", ""))
-    wait.until(
-        lambda d: (
-            int(d.find_element(By.CSS_SELECTOR, 'td[data-key="default/0"]').text.replace(",", ""))
-            > seen
-        )
+    mark = 'td[data-key="default/0"]'
+    seen = int(shown(driver, mark).replace(",", ""))
+    wait.until(lambda d: int(shown(d, mark).replace(",", "")) > seen)
+    lines = driver.execute_script(
+        "return [...document.querySelectorAll('#chart polyline')]"
+        ".map(l => [l.getAttribute('class'), l.getAttribute('points')]);"
     )
-    lines = driver.find_elements(By.CSS_SELECTOR, "#chart polyline")
-    assert {line.get_attribute("class") for line in lines} == {"received", "sent", "stored"}
-    assert all(len(line.get_attribute("points").split()) >= 2 for line in lines)
+    assert {cls for cls, _ in lines} == {"received", "sent", "stored"}
+    assert all(len(points.split()) >= 2 for _, points in lines)
     assert text(driver, "cluster-mode") == "single node"
     assert "single node" in text(driver, "cluster-note")
     assert publisher.sent > 0
