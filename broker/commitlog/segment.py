@@ -523,8 +523,7 @@ class Segment:
 
     # --------------------------------------------------------------- durability
     def dup_fd(self) -> int:
-        """A new descriptor of the ``.log`` (``os.dup``), for an fdatasync on another thread;
-        the caller closes it. Syncing it does not clear :attr:`dirty`."""
+        """A new ``.log`` descriptor to fdatasync on another thread (the caller closes it)."""
         return os.dup(self._fd)
 
     @property
@@ -574,10 +573,8 @@ class Segment:
                 raise LogIOError(index.path, "write index", exc) from exc
 
     def _drop_read_state(self) -> None:
-        self._hint_offset = -1
-        self._hint_pos = 0
-        self._cache_buf = b""
-        self._cache_pos = 0
+        self._hint_offset, self._hint_pos = -1, 0
+        self._cache_buf, self._cache_pos = b"", 0
         self._verified_from = self._verified_to = 0
 
     def close(self) -> None:
@@ -599,7 +596,4 @@ class Segment:
             path.unlink(missing_ok=True)
 
     def __repr__(self) -> str:
-        return (
-            f"Segment(base_offset={self.base_offset}, next_offset={self.next_offset}, "
-            f"size={self.size})"
-        )
+        return f"Segment(base_offset={self.base_offset}, next_offset={self.next_offset})"
