@@ -6,9 +6,9 @@ Raft's safety needs (its ``Ready``):
 1. hard states first: each is made durable (``GroupStorage.persist_hard_state``: temp file,
    fsync, rename, directory fsync) before the core is told, so no vote or reply in a newer
    term rests on a term or vote a crash could forget (Raft s5.1, figure 2 "persistent state");
-2. flushes: each group's log is fsynced (under ``fsync = "always"`` every append already was,
-   and the flush costs nothing) and the core told ``flushed``, so the commit index only ever
-   counts what a majority has on disk;
+2. flushes: each group's log is fsynced once for every entry the round appended (appends are
+   written, not fsynced, ``broker.cluster.storage``) and the core told ``flushed``, so the
+   commit index only ever counts what a majority has on disk;
 3. frames go to the transport: at most one per peer node per round, every group's messages in
    it, heartbeats coalesced (``broker.cluster.frames``, encoded by ``broker.cluster.wire``);
    the cores hold back any message a hard state not yet durable governs;

@@ -28,8 +28,12 @@ and the commit index is the log's high-water mark, which this storage pins
   scan, 0.20 s with the checkpoint (the log's own open).
 * A torn last batch (a crash in the middle of a ``write()``) fails its CRC and the log's
   recovery cuts it: the log ends at the last whole entry.
-* ``flush`` fsyncs the log (whatever the stream's fsync policy; under ``always`` every append
-  already was); :attr:`flushed_index` is what the core may be told in ``flushed()``.
+* Appends are written, not fsynced (``append_raw(sync=False)``, whatever the stream's fsync
+  policy): ``flush`` fsyncs the log once for everything appended since, and
+  :attr:`flushed_index` is what the core may be told in ``flushed()``. A follower catching up
+  gets up to ``max_batch`` entries per AppendEntries and several in flight: one fsync per
+  entry (as ``fsync = "always"`` does for a plain append) held its event loop for seconds
+  under a loaded disk, long enough for the leader's CheckQuorum to depose itself.
 * The hard state (term, voted_for, commit hint) is written temp file + fsync + rename +
   directory fsync before the core is told ``hard_state_persisted``.
 * The log start and the configurations (``raft-log-start``, :mod:`broker.cluster.hardstate`):
@@ -217,10 +221,8 @@ class GroupStorage:
                 # Before the batch: the checkpoint never lacks a run the log holds.
                 runs = [*_offset_runs(self.terms), (base, e.term)]
                 write_epoch_checkpoint(self.directory, runs)
-            self.log.append_raw(batch)
+            self.log.append_raw(batch, sync=False)
             self.terms.append(e.term, e.count)
-        if self.log.config.fsync == "always":
-            self.flushed_index = self.terms.last_index
 
     def truncate(self, from_index: int) -> None:
         """``Truncate``: drop every entry from ``from_index`` on (an entry's first index),

@@ -273,10 +273,11 @@ class SegmentedLog(ReplicaOps):
             self._write_locked(batch, base + len(records))
             return base
 
-    def _write_locked(self, batch: bytes | bytearray, next_offset: int) -> None:
+    def _write_locked(self, batch: bytes | bytearray, next_offset: int, sync: bool = True) -> None:
         """Write one encoded batch that ends before ``next_offset`` to the active segment,
         rolling first if it would make the segment too big, too old or span too many
-        offsets (``append`` and ``append_raw``)."""
+        offsets (``append`` and ``append_raw``); fsynced under ``fsync = "always"`` unless
+        ``sync`` is False (then by the next :meth:`flush`)."""
         active = self._segments[-1]
         now_ms = self._now_ms()
         if active.size and (
@@ -287,7 +288,7 @@ class SegmentedLog(ReplicaOps):
             self._roll_locked(now_ms)
             active = self._segments[-1]
         first = not active.size
-        active.append(batch, fsync=self._fsync_always)
+        active.append(batch, fsync=self._fsync_always and sync)
         if first:
             active.rolling_base_ms = now_ms
 

@@ -61,11 +61,15 @@ class ReplicaOps:
         def _check_open(self) -> None: ...
         def _now_ms(self) -> int: ...
         def _roll_locked(self, now_ms: int) -> None: ...
-        def _write_locked(self, batch: bytes | bytearray, next_offset: int) -> None: ...
+        def _write_locked(
+            self, batch: bytes | bytearray, next_offset: int, sync: bool = True
+        ) -> None: ...
 
-    def append_raw(self, batch: bytes) -> int:
+    def append_raw(self, batch: bytes, *, sync: bool = True) -> int:
         """Append ``batch``, encoded elsewhere, as it is (one ``write()``); return its base
-        offset, which must be the log end offset.
+        offset, which must be the log end offset. ``sync=False``: not fsynced here even under
+        ``fsync = "always"``, but by the next :meth:`flush` (a replicated log fsyncs once per
+        round of many entries, broker.cluster.storage).
 
         The batch is checked as recovery checks one (CRC, structure, magic) before anything is
         written. Raises :class:`CorruptRecordBatch` for bad bytes, :class:`CommitLogError` for
@@ -85,7 +89,7 @@ class ReplicaOps:
                     f"{self.directory}: a batch with base offset {h.base_offset} cannot be "
                     f"appended at the log end offset {base}"
                 )
-            self._write_locked(batch, h.next_offset)
+            self._write_locked(batch, h.next_offset, sync)
             return base
 
     def read_batches(self, offset: int, end: int, max_batches: int, max_bytes: int) -> list[bytes]:
