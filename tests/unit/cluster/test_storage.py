@@ -49,6 +49,7 @@ from broker.cluster.storage import GroupStorage, StorageError, encode_entry
 from broker.cluster.terms import TermTable
 from broker.commitlog import CommitLogError, LogConfig, Record, SegmentedLog
 from broker.commitlog.batch import decode_control, encode_batch
+from broker.commitlog.disk import fsync_data
 from broker.commitlog.segment import LOG_SUFFIX, file_name
 
 CONFIG = LogConfig(segment_bytes=2048, index_interval_bytes=200, fsync="interval")
@@ -148,6 +149,39 @@ def test_entries_are_batches_and_noops_are_control_batches(tmp_path: Path) -> No
     assert [r.payload for r in storage.log.read(0)] == [b"r0", b"r1", b"r2", b"s0", b"s1"]
     assert storage.flush() == 7
     storage.close()
+
+
+def test_appends_wait_for_one_flush_even_under_fsync_always(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many entries appended at once (a follower catching up) are fsynced once, by ``flush``,
+    not one by one: an fsync per entry held a follower's event loop for seconds under a
+    loaded disk, and the leader's CheckQuorum deposed it. Until the flush, nothing new is
+    reported durable."""
+    calls: list[int] = []
+
+    def counting(fd: int) -> None:
+        calls.append(fd)
+        fsync_data(fd)
+
+    monkeypatch.setattr("broker.commitlog.segment._fsync_data", counting)
+    always = LogConfig(segment_bytes=1 << 20, index_interval_bytes=200, fsync="always")
+    storage = GroupStorage.open(tmp_path, always)
+    put(storage, 1)
+    storage.flush()
+    durable = storage.flushed_index
+    calls.clear()
+    entries = []
+    for i in range(50):
+        entries.append(data(storage, 1, 3, f"e{i}"))
+        storage.append(storage.terms.last_index + 1, entries[-1:])
+    assert calls == [] and storage.flushed_index == durable
+    assert storage.flush() == storage.terms.last_index == durable + 150
+    assert len(calls) == 1
+    storage.close()
+    reopened = SegmentedLog.open(tmp_path, always)
+    assert len(reopened.read(0, 1000)) == 150
+    reopened.close()
 
 
 def test_an_entry_whose_batch_does_not_fit_its_place_is_refused(tmp_path: Path) -> None:

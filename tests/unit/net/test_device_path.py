@@ -28,6 +28,8 @@ from broker.metrics.collector import Metrics
 from broker.mqtt.topics import topic_matches
 from broker.net.keepalive import KeepaliveWheel
 from broker.net.transport import MQTTProtocol
+from broker.router.commit import OUTCOME_UNKNOWN
+from broker.router.partition import Partition
 from broker.router.router import Router
 from broker.server import TICK_SECONDS
 from tests.integration.rawclient import varint
@@ -300,3 +302,50 @@ def test_device_path_scenarios(tmp_path: Path, name: str) -> None:
     full = serve(FullPathOnly, tmp_path / "full", version, reads, ends)
     assert fast == full
     assert fast[1] is closed
+
+
+class UnknownOutcome(Partition):
+    """A partition whose appends, once ``unknown`` is set, end with an unknown outcome, as a
+    replicated partition's do when its leader loses office with them in flight
+    (broker.workers.replicated)."""
+
+    unknown = False
+
+    def commit(self) -> tuple[int, int]:
+        if not self.unknown:
+            return super().commit()
+        acks, self.pending, self.acks = self.acks, [], []
+        for ack in acks:
+            if ack is not None:
+                ack(OUTCOME_UNKNOWN)
+        end = self.log.end_offset
+        return end, end
+
+
+@pytest.mark.parametrize("version", [4, 5])
+@pytest.mark.parametrize("cls", [MQTTProtocol, FullPathOnly])
+def test_an_unknown_outcome_is_never_acknowledged(
+    tmp_path: Path, cls: type[MQTTProtocol], version: int
+) -> None:
+    """OUTCOME_UNKNOWN gets no PUBACK on either path: the connection is closed (5.0: after a
+    DISCONNECT) so that the client publishes again. The device path once PUBACKed it, and a
+    chaos run lost the acknowledged messages an isolated leader had never committed."""
+    server = Server(tmp_path)
+    key = server.streams.partition_for(TOPICS[0])
+    part = UnknownOutcome(key, server.streams.log(*key))
+    server.router.partitions[key] = part
+    proto = cls(server)  # type: ignore[arg-type]
+    transport = Transport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.data_received(connect(version))
+    proto.data_received(publish(version, TOPICS[0], b"a", 1, 1, False, False, b""))
+    server.end_iteration()
+    acked = b"".join(transport.written)
+    assert acked.endswith(b"\x40\x02\x00\x01") and not transport.closed
+    part.unknown = True  # the next publish takes the device path on MQTTProtocol
+    proto.data_received(publish(version, TOPICS[0], b"b", 1, 2, False, False, b""))
+    server.end_iteration()
+    after = b"".join(transport.written)[len(acked) :]
+    assert transport.closed
+    assert after == b"" if version == 4 else after[:1] == b"\xe0", after  # 5.0: DISCONNECT
+    server.streams.close()
