@@ -118,9 +118,8 @@ class ReplicatedPartition(Partition):
     def next_offset(self) -> int:
         return -1  # numbered when proposed (the leader may change before)
 
-    def add(self, record: Record, ack: Ack | None) -> None:
-        self.pending.append(record)
-        self.acks.append(ack)
+    # Gathered as they are (numbered when proposed), not renumbered as Partition.add does.
+    add = PartitionBase.add
 
     def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
         """Committed records from ``offset``: from the tail when it holds ``offset`` (it may
