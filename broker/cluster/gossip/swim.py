@@ -1,0 +1,471 @@
+"""The sans-IO SWIM core of one member (the shape of ``broker.cluster.raft``: inputs in, effects
+out; no clock, socket or task of its own).
+
+Inputs, each with the driver's clock ``now`` (integer ms, monotonic): ``join(seeds, now)``,
+``receive(addr, packet, now)`` (a decoded datagram from ``addr``), ``tick(now)`` (to be called
+at or after ``deadline``, and after any input if the driver sleeps until ``deadline``) and
+``leave(now)``. Each returns the effects to apply, in order: ``Send`` (encode, put on the wire;
+loss is fine) and ``Changed`` (a member's state changed: log it, re-place). Read-only views:
+``members`` (node id -> ``Member``), ``incarnation``, ``health`` and the ``stats`` counters.
+
+The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
+- Every protocol period (``probe_interval``, scaled by the local health) the member pings the
+  next member of a randomized round-robin order (SWIM s4.3: a shuffled list, walked, shuffled
+  again at the end; a newcomer is inserted at a random position), so that each member is probed
+  within 2n - 1 periods in the worst case.
+- No ack within ``probe_timeout`` (scaled): ping-req through ``indirect_checks`` random live
+  members (SWIM s3.1), which relay the target's ack or send a nack (Lifeguard s4.1).
+- No ack by the period's end: the target becomes SUSPECT (SWIM s4.2) and the suspicion is
+  gossiped; a suspected member that hears of it refutes by raising its incarnation and
+  gossiping ALIVE. An unrefuted suspicion becomes DEAD at its timeout (``health``).
+- Updates ride on every packet within ``max_datagram`` (SWIM s4.1) and on gossip packets every
+  ``gossip_interval`` to ``gossip_nodes`` members, each sent ``retransmit_limit`` times
+  (``broadcasts``); a full state exchange (``Sync``) joins a member and, every
+  ``sync_interval``, repairs what gossip missed (memberlist's push-pull).
+- Lifeguard (``SwimConfig.lifeguard``): the local health multiplier, dynamic suspicion
+  timeouts with confirmations, nacks, and the buddy system (a ping to a member we suspect
+  carries the suspicion, so it refutes at once: Lifeguard s4.3).
+
+Invariants: only this member raises its own incarnation; a member's record changes only by
+``members.overrides``; a DEAD or LEFT member is never probed; every packet built fits
+``max_datagram`` bytes once encoded. Not thread-safe: one caller at a time.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from broker.cluster.gossip.broadcasts import Broadcasts
+from broker.cluster.gossip.codec import base_size, update_size
+from broker.cluster.gossip.health import Awareness, Suspicion, retransmit_limit, suspicion_bounds
+from broker.cluster.gossip.members import Member, is_confirmation, overrides
+from broker.cluster.gossip.messages import (
+    Ack,
+    Addr,
+    Changed,
+    Effect,
+    Gossip,
+    Message,
+    Nack,
+    Packet,
+    Ping,
+    PingReq,
+    Send,
+    State,
+    Sync,
+    Update,
+)
+from broker.cluster.gossip.options import SwimConfig, Variant
+
+__all__ = ["Swim"]
+
+LIVE = (State.ALIVE, State.SUSPECT)
+SEQ_MASK = 0xFFFF_FFFF
+#: An intermediary nacks when the target has not acked within this share of probe_timeout, so
+#: that the nack reaches the prober before its period ends (Lifeguard s4.1).
+NACK_SHARE = 0.8
+
+
+@dataclass(slots=True)
+class _Probe:
+    seq: int
+    target: str
+    addr: Addr
+    timeout_at: int  # direct ping's end: ping-req then
+    deadline: int  # the period's end: suspect then
+    indirect: bool = False
+    expected_nacks: int = 0
+    nacks: int = 0
+
+
+@dataclass(slots=True)
+class _Relay:
+    """A ping sent for ``prober``'s ping-req ``seq``."""
+
+    prober: Addr
+    seq: int
+    nack_at: int | None
+    expires: int
+
+
+class Swim:
+    def __init__(
+        self,
+        node_id: str,
+        addr: Addr,
+        rng: random.Random,
+        config: SwimConfig | None = None,
+        now: int = 0,
+        incarnation: int = 0,
+    ) -> None:
+        """``incarnation``: where to start (a restart may start at 0: hearing itself suspected
+        or dead at a higher one, the member refutes past it)."""
+        self.id = node_id
+        self.addr = addr
+        self.config = config = config or SwimConfig()
+        self._rng = rng
+        self.now = now
+        self.members: dict[str, Member] = {
+            node_id: Member(node_id, addr, State.ALIVE, incarnation, now, node_id)
+        }
+        self.health = Awareness(config.awareness_max if config.lifeguard else 1)
+        self.stats: Counter[str] = Counter()
+        self.leaving = False
+        self._broadcasts = Broadcasts()
+        self._suspicions: dict[str, Suspicion] = {}
+        self._order: list[str] = []
+        self._pos = 0
+        self._seq = rng.randrange(SEQ_MASK)
+        self._probe: _Probe | None = None
+        self._relays: dict[int, _Relay] = {}
+        # Members started together spread their probes over the period.
+        self._next_probe = now + rng.randrange(config.probe_interval)
+        self._next_gossip = now + rng.randrange(config.gossip_interval)
+        self._next_sync = now + config.sync_interval if config.sync_interval else None
+        self._syncs = 0
+        self._seeds: list[Addr] = []
+        self._next_join: int | None = None
+        self._out: list[Effect] = []
+
+    # -- views -------------------------------------------------------------------------------
+
+    @property
+    def incarnation(self) -> int:
+        return self.members[self.id].incarnation
+
+    @property
+    def size(self) -> int:
+        """Members believed alive or suspect, this one included (n in the formulas)."""
+        return sum(1 for m in self.members.values() if m.state in LIVE)
+
+    @property
+    def left(self) -> bool:
+        """After ``leave``: the goodbye has been sent its retransmit limit; the driver may stop."""
+        me = self.members[self.id]
+        return self.leaving and me.update() not in self._broadcasts
+
+    @property
+    def deadline(self) -> int:
+        """When ``tick`` is next due (ms)."""
+        times = [self._next_gossip]
+        if not self.leaving:
+            times.append(self._next_probe)
+        if self._probe is not None:
+            p = self._probe
+            times.append(p.deadline if p.indirect else p.timeout_at)
+        times += (s.deadline for s in self._suspicions.values())
+        for relay in self._relays.values():
+            times.append(relay.expires if relay.nack_at is None else relay.nack_at)
+        if self._next_sync is not None:
+            times.append(self._next_sync)
+        if self._next_join is not None:
+            times.append(self._next_join)
+        return min(times)
+
+    # -- inputs ------------------------------------------------------------------------------
+
+    def join(self, seeds: Iterable[Addr], now: int) -> list[Effect]:
+        """Send our state to each seed, asking for theirs (again every ``join_retry`` until a
+        member answers). No seed: the first member of a new cluster."""
+        self.now = now
+        self._seeds = [seed for seed in seeds if seed != self.addr]
+        self._ask_seeds()
+        return self._take()
+
+    def leave(self, now: int) -> list[Effect]:
+        """Say goodbye (LEFT at our incarnation) and stop probing; keep ticking until ``left``."""
+        self.now = now
+        if not self.leaving:
+            self.leaving = True
+            self._probe = None
+            me = self.members[self.id]
+            me.state, me.since = State.LEFT, now
+            self._broadcasts.add(me.update())
+            self._gossip()
+        return self._take()
+
+    def receive(self, addr: Addr, packet: Packet, now: int) -> list[Effect]:
+        """The updates first (so that an ack carries our refutation of a suspicion the ping
+        brought: the buddy system), then the message."""
+        self.now = now
+        for update in packet.updates:
+            self._apply(update)
+        self._handle(addr, packet.message)
+        return self._take()
+
+    def tick(self, now: int) -> list[Effect]:
+        self.now = now
+        for node, suspicion in list(self._suspicions.items()):
+            if now >= suspicion.deadline:
+                del self._suspicions[node]
+                m = self.members[node]
+                if m.state is State.SUSPECT and m.incarnation == suspicion.incarnation:
+                    self._apply(Update(State.DEAD, node, m.incarnation, self.id))
+        for seq, relay in list(self._relays.items()):
+            if relay.nack_at is not None and now >= relay.nack_at:
+                relay.nack_at = None
+                self._send(relay.prober, Nack(relay.seq))
+                self.stats["nacks_sent"] += 1
+            if now >= relay.expires:
+                del self._relays[seq]
+        probe = self._probe
+        if probe is not None:
+            if not probe.indirect and now >= probe.timeout_at:
+                self._ping_req(probe)
+            if now >= probe.deadline:
+                self._probe_failed(probe)
+        if self._probe is None and not self.leaving and now >= self._next_probe:
+            self._start_probe()
+        if now >= self._next_gossip:
+            self._next_gossip = now + self.config.gossip_interval
+            self._gossip()
+        if self._next_sync is not None and now >= self._next_sync:
+            self._next_sync = now + self.config.sync_interval
+            self._anti_entropy()
+        if self._next_join is not None and now >= self._next_join:
+            if any(m.state in LIVE for m in self.members.values() if m.node != self.id):
+                self._next_join = None
+            else:
+                self._ask_seeds()
+        return self._take()
+
+    def _ask_seeds(self) -> None:
+        for seed in self._seeds:
+            self._send_state(seed, reply=True)
+        self._next_join = self.now + self.config.join_retry if self._seeds else None
+
+    # -- probing -----------------------------------------------------------------------------
+
+    def _next_target(self) -> Member | None:
+        """The next live member of the randomized round-robin order (SWIM s4.3)."""
+        for _ in range(2):
+            while self._pos < len(self._order):
+                m = self.members[self._order[self._pos]]
+                self._pos += 1
+                if m.state in LIVE:
+                    return m
+            self._order = [n for n, m in self.members.items() if n != self.id and m.state in LIVE]
+            self._rng.shuffle(self._order)
+            self._pos = 0
+        return None
+
+    def _start_probe(self) -> None:
+        interval = self.health.scale(self.config.probe_interval)
+        self._next_probe = self.now + interval
+        target = self._next_target()
+        if target is None:
+            return
+        seq = self._next_seq()
+        timeout = self.health.scale(self.config.probe_timeout)
+        self._probe = _Probe(seq, target.node, target.addr, self.now + timeout, self.now + interval)
+        buddy: list[Update] = []
+        if self.config.lifeguard and target.state is State.SUSPECT:
+            buddy.append(Update(State.SUSPECT, target.node, target.incarnation, self.id))
+        self._send(target.addr, Ping(seq, target.node), buddy)
+        self.stats["probes"] += 1
+
+    def _ping_req(self, probe: _Probe) -> None:
+        probe.indirect = True
+        peers = [
+            m
+            for m in self.members.values()
+            if m.state is State.ALIVE and m.node not in (self.id, probe.target)
+        ]
+        chosen = self._rng.sample(peers, min(self.config.indirect_checks, len(peers)))
+        for m in chosen:
+            self._send(m.addr, PingReq(probe.seq, probe.target, probe.addr))
+        probe.expected_nacks = len(chosen) if self.config.lifeguard else 0
+        self.stats["indirect_probes"] += 1
+
+    def _probe_failed(self, probe: _Probe) -> None:
+        """Lifeguard s4.1: each nack that should have come and did not says that we may be the
+        slow one; with no one to ask, the failed probe itself counts once."""
+        self._probe = None
+        self.stats["probe_failures"] += 1
+        missing = probe.expected_nacks - probe.nacks
+        self.health.apply(missing if probe.expected_nacks else 1)
+        m = self.members.get(probe.target)
+        if m is not None and m.state in LIVE:
+            self._apply(Update(State.SUSPECT, m.node, m.incarnation, self.id))
+
+    def _handle(self, addr: Addr, message: Message) -> None:
+        match message:
+            case Ping(seq, target):
+                if target == self.id:
+                    self._send(addr, Ack(seq))
+                else:
+                    self.stats["pings_for_another"] += 1
+            case Ack(seq):
+                probe = self._probe
+                if probe is not None and seq == probe.seq:
+                    if not probe.indirect:
+                        self.health.apply(-1)
+                    self._probe = None
+                    self.stats["acks"] += 1
+                elif (relay := self._relays.pop(seq, None)) is not None:
+                    self._send(relay.prober, Ack(relay.seq))
+            case Nack(seq):
+                if self._probe is not None and seq == self._probe.seq:
+                    self._probe.nacks += 1
+                    self.stats["nacks_received"] += 1
+            case PingReq(seq, target, target_addr):
+                ours = self._next_seq()
+                cfg = self.config
+                nack_at = self.now + int(cfg.probe_timeout * NACK_SHARE) if cfg.lifeguard else None
+                self._relays[ours] = _Relay(addr, seq, nack_at, self.now + cfg.probe_interval)
+                self._send(target_addr, Ping(ours, target))
+            case Sync(reply):
+                if reply:
+                    self._send_state(addr, reply=False)
+            case Gossip():
+                pass
+
+    def _next_seq(self) -> int:
+        self._seq = (self._seq + 1) & SEQ_MASK
+        return self._seq
+
+    # -- state -------------------------------------------------------------------------------
+
+    def _apply(self, update: Update) -> None:
+        """Merge one update (``members`` has the rules); pass on whatever was news."""
+        if update.node == self.id:
+            self._about_me(update)
+            return
+        m = self.members.get(update.node)
+        if m is None:
+            # Suspicions and deaths of members we never knew are not news to pass on.
+            if update.state is State.ALIVE and update.addr is not None:
+                self._add(update, update.addr)
+            return
+        if is_confirmation(update, m):
+            suspicion = self._suspicions.get(update.node)
+            if suspicion is not None and suspicion.confirm(update.origin):
+                self._broadcasts.add(update)
+            return
+        if not overrides(update, m):
+            return
+        previous, moved = m.state, update.addr not in (None, m.addr)
+        m.state, m.incarnation, m.since, m.origin = (
+            update.state,
+            update.incarnation,
+            self.now,
+            update.origin,
+        )
+        if update.addr is not None:
+            m.addr = update.addr
+        self._suspicions.pop(update.node, None)
+        if update.state is State.SUSPECT:
+            self._suspect(m, update.origin)
+        self._broadcasts.add(update)
+        if previous is not update.state or moved:
+            self._changed(m, previous)
+
+    def _add(self, update: Update, addr: Addr) -> None:
+        m = Member(update.node, addr, State.ALIVE, update.incarnation, self.now, update.node)
+        self.members[update.node] = m
+        # SWIM s4.3: a newcomer goes in at a random position of what is left of this round.
+        self._order.insert(self._rng.randint(self._pos, len(self._order)), update.node)
+        self._broadcasts.add(update)
+        self._changed(m, None)
+
+    def _suspect(self, m: Member, origin: str) -> None:
+        cfg = self.config
+        n = self.size
+        low, high = suspicion_bounds(
+            cfg.suspicion_mult, cfg.suspicion_max_mult, n, cfg.probe_interval
+        )
+        k = cfg.suspicion_mult - 2
+        if not cfg.lifeguard:
+            high, k = low, 0
+        elif n - 2 < k:
+            k = 0
+        self._suspicions[m.node] = Suspicion(m.incarnation, self.now, k, low, high, {origin})
+
+    def _about_me(self, update: Update) -> None:
+        """Refute (SWIM s4.2): a suspicion or death of us at our incarnation or above, or an
+        ALIVE above it (an earlier run's), is answered with ALIVE at a higher incarnation.
+        Having to refute is a sign that we are slow (Lifeguard s4.1)."""
+        me = self.members[self.id]
+        if self.leaving or self.config.variant is Variant.NO_REFUTE:
+            return
+        if update.state is State.ALIVE:
+            if update.incarnation <= me.incarnation:
+                return
+        elif update.incarnation < me.incarnation:
+            return
+        else:
+            self.health.apply(1)
+        me.incarnation = update.incarnation + 1
+        self._broadcasts.add(me.update())
+        self.stats["refuted"] += 1
+
+    def _changed(self, m: Member, previous: State | None) -> None:
+        if previous is State.SUSPECT and m.state is State.ALIVE:
+            self.stats["suspicions_refuted"] += 1
+        elif m.state is not State.ALIVE:
+            self.stats[m.state.name.lower()] += 1
+        self._out.append(Changed(m.node, m.addr, m.state, m.incarnation, previous))
+
+    # -- dissemination -----------------------------------------------------------------------
+
+    def _send(self, addr: Addr, message: Message, first: list[Update] | None = None) -> None:
+        """``message`` with as many queued updates as fit (none but ``first`` and the queue's:
+        a Gossip with nothing to carry is not sent)."""
+        updates = first or []
+        budget = self.config.max_datagram - base_size(self.id, message)
+        budget -= sum(map(update_size, updates))
+        limit = retransmit_limit(self.config.retransmit_mult, self.size)
+        updates += self._broadcasts.take(budget, update_size, limit)
+        if isinstance(message, Gossip) and not updates:
+            return
+        self._out.append(Send(addr, Packet(self.id, message, tuple(updates))))
+
+    def _gossip(self) -> None:
+        if not self._broadcasts:
+            return
+        gone_since = self.now - self.config.gossip_to_dead
+        targets = [
+            m
+            for m in self.members.values()
+            if m.node != self.id
+            and (m.state in LIVE or (m.state is State.DEAD and m.since > gone_since))
+        ]
+        for m in self._rng.sample(targets, min(self.config.gossip_nodes, len(targets))):
+            self._send(m.addr, Gossip())
+        self.stats["gossip_rounds"] += 1
+
+    def _anti_entropy(self) -> None:
+        """A full exchange with a random live member, or every other time a dead (not left)
+        one: a member wrongly declared dead, or behind a healed partition, hears itself dead,
+        refutes, and the two sides merge (the repair memberlist leaves to serf's reconnect)."""
+        self._syncs += 1
+        wanted = State.DEAD if self._syncs % 2 == 0 else State.ALIVE
+        peers = [m for m in self.members.values() if m.node != self.id and m.state is wanted]
+        if not peers and wanted is State.DEAD:
+            peers = [
+                m for m in self.members.values() if m.node != self.id and m.state is State.ALIVE
+            ]
+        if peers:
+            self._send_state(self._rng.choice(peers).addr, reply=True)
+
+    def _send_state(self, addr: Addr, reply: bool) -> None:
+        """Our whole table, ourselves first, in as many Sync packets as it takes (only the first
+        asks for a reply)."""
+        ours = [self.members[self.id].update()]
+        ours += (m.update() for n, m in self.members.items() if n != self.id)
+        while ours:
+            message = Sync(reply)
+            budget = self.config.max_datagram - base_size(self.id, message)
+            chunk: list[Update] = []
+            while ours and (size := update_size(ours[0])) <= budget and len(chunk) < 255:
+                budget -= size
+                chunk.append(ours.pop(0))
+            self._out.append(Send(addr, Packet(self.id, message, tuple(chunk))))
+            reply = False
+
+    def _take(self) -> list[Effect]:
+        out, self._out = self._out, []
+        return out
