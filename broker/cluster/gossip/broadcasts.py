@@ -9,7 +9,6 @@ a member is only ever gossiped in its latest known state.
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
 
 from broker.cluster.gossip.messages import Update
@@ -20,6 +19,7 @@ __all__ = ["Broadcasts"]
 @dataclass(slots=True)
 class _Queued:
     update: Update
+    size: int
     transmits: int
     order: int
 
@@ -38,22 +38,22 @@ class Broadcasts:
         queued = self._queued.get(update.node)
         return queued is not None and queued.update == update
 
-    def add(self, update: Update) -> None:
-        """Queue ``update``, replacing any queued update about the same member."""
+    def add(self, update: Update, size: int) -> None:
+        """Queue ``update`` (``size`` bytes on the wire), replacing any queued update about the
+        same member."""
         self._order += 1
-        self._queued[update.node] = _Queued(update, 0, self._order)
+        self._queued[update.node] = _Queued(update, size, 0, self._order)
 
-    def take(self, budget: int, size: Callable[[Update], int], limit: int) -> list[Update]:
+    def take(self, budget: int, limit: int) -> list[Update]:
         """Updates whose sizes add up to at most ``budget`` bytes, least sent first; each taken
         counts one transmission and leaves the queue at ``limit``."""
         if not self._queued:
             return []
         chosen: list[Update] = []
         for queued in sorted(self._queued.values(), key=lambda q: (q.transmits, -q.order)):
-            cost = size(queued.update)
-            if cost > budget:
+            if queued.size > budget:
                 continue
-            budget -= cost
+            budget -= queued.size
             chosen.append(queued.update)
             queued.transmits += 1
             if queued.transmits >= limit:

@@ -48,24 +48,30 @@ def suspicion_timeout(confirmations: int, k: int, min_ms: int, max_ms: int) -> i
 
 @dataclass(slots=True)
 class Suspicion:
-    """One suspected member's timer: started at ``start`` (ms) for ``incarnation``; ``seen``
-    holds the origins counted (the first suspecter included, so it never confirms itself)."""
+    """One suspected member's timer: started at ``start`` (ms) for ``incarnation`` on
+    ``origin``'s word; ``seen`` holds the origins counted (``origin`` included, so it never
+    confirms itself)."""
 
+    origin: str
     incarnation: int
     start: int
     k: int
     min_ms: int
     max_ms: int
     seen: set[str] = field(default_factory=set)
+    #: When the suspected member is declared dead (ms), unless refuted first.
+    deadline: int = 0
+
+    def __post_init__(self) -> None:
+        self._reckon()
 
     @property
     def confirmations(self) -> int:
         return len(self.seen) - 1
 
-    @property
-    def deadline(self) -> int:
+    def _reckon(self) -> None:
         timeout = suspicion_timeout(self.confirmations, self.k, self.min_ms, self.max_ms)
-        return self.start + timeout
+        self.deadline = self.start + timeout
 
     def confirm(self, origin: str) -> bool:
         """Count ``origin``'s suspicion; False if already counted or ``k`` already reached
@@ -73,6 +79,7 @@ class Suspicion:
         if self.confirmations >= self.k or origin in self.seen:
             return False
         self.seen.add(origin)
+        self._reckon()
         return True
 
 

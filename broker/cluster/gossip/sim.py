@@ -18,7 +18,8 @@ passed as objects (the codec's cost and limits are tested on their own; ``Swim``
 packets within ``max_datagram``).
 
 Run: ``python -m broker.cluster.gossip.sim [--members 50 100 200] [--seeds 5] [--loss 0.01]
-[--slow 0.1] [--slow-ms 1500]``: prints a table, with and without Lifeguard, and one JSON line.
+[--slow 0.1] [--slow-ms 1500] [--suspicion-mult 4]``: prints a table, with and without
+Lifeguard, and one JSON line.
 """
 
 from __future__ import annotations
@@ -247,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow", type=float, default=0.0, help="share of slow members")
     parser.add_argument("--slow-ms", type=int, default=1500)
     parser.add_argument("--watch", type=int, default=60_000)
+    parser.add_argument("--suspicion-mult", type=int, default=SwimConfig().suspicion_mult)
     args = parser.parse_args(argv)
     header = (
         f"{'members':>7} {'lifeguard':>9} {'detect med':>10} {'p99':>6} {'max':>6} "
@@ -255,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"loss {args.loss:.0%}, slow {args.slow:.0%} (up to {args.slow_ms} ms late), "
+        f"suspicion_mult {args.suspicion_mult}, "
         f"seeds {args.start}..{args.start + args.seeds - 1}"
     )
     print(header)
@@ -267,7 +270,9 @@ def main(argv: list[str] | None = None) -> int:
                 slow=round(args.slow * members),
                 slow_ms=args.slow_ms,
                 watch=args.watch,
-                config=replace(SwimConfig(), lifeguard=lifeguard),
+                config=replace(
+                    SwimConfig(), lifeguard=lifeguard, suspicion_mult=args.suspicion_mult
+                ),
             )
             began = time.process_time()
             results = [
@@ -279,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
                 "loss": args.loss,
                 "slow": scenario.slow,
                 "slow_ms": args.slow_ms,
+                "suspicion_mult": args.suspicion_mult,
                 "cpu_s": round(time.process_time() - began, 1),
             }
             rows.append(row)

@@ -111,6 +111,7 @@ class Swim:
         self.members: dict[str, Member] = {
             node_id: Member(node_id, addr, State.ALIVE, incarnation, now, node_id)
         }
+        self._live = 1
         self.health = Awareness(config.awareness_max if config.lifeguard else 1)
         self.stats: Counter[str] = Counter()
         self.leaving = False
@@ -139,7 +140,7 @@ class Swim:
     @property
     def size(self) -> int:
         """Members believed alive or suspect, this one included (n in the formulas)."""
-        return sum(1 for m in self.members.values() if m.state in LIVE)
+        return self._live
 
     @property
     def left(self) -> bool:
@@ -183,7 +184,8 @@ class Swim:
             self._probe = None
             me = self.members[self.id]
             me.state, me.since = State.LEFT, now
-            self._broadcasts.add(me.update())
+            self._live -= 1
+            self._queue(me.update())
             self._gossip()
         return self._take()
 
@@ -227,7 +229,11 @@ class Swim:
             self._anti_entropy()
         if self._next_join is not None and now >= self._next_join:
             if any(m.state in LIVE for m in self.members.values() if m.node != self.id):
+                # Joined. A Sync reply of several datagrams may have lost one: a second full
+                # exchange soon, with another member, rather than one sync_interval later.
                 self._next_join = None
+                if self._next_sync is not None:
+                    self._next_sync = min(self._next_sync, now + self.config.join_retry)
             else:
                 self._ask_seeds()
         return self._take()
@@ -255,6 +261,7 @@ class Swim:
     def _start_probe(self) -> None:
         interval = self.health.scale(self.config.probe_interval)
         self._next_probe = self.now + interval
+        self._retell_lone_suspicions()
         target = self._next_target()
         if target is None:
             return
@@ -266,6 +273,19 @@ class Swim:
             buddy.append(Update(State.SUSPECT, target.node, target.incarnation, self.id))
         self._send(target.addr, Ping(seq, target.node), buddy)
         self.stats["probes"] += 1
+
+    def _retell_lone_suspicions(self) -> None:
+        """Queue again each suspicion of ours that no one has confirmed and that has left the
+        queue: if its transmissions were all lost (we were cut off when we made it), the
+        suspected member never heard of it and cannot refute, and our timeout would declare a
+        live member dead. Not in SWIM or memberlist; costs a few bytes per period per lone
+        suspicion, and a real death brings confirmations that end it."""
+        for node, suspicion in self._suspicions.items():
+            m = self.members[node]
+            if suspicion.origin == self.id and suspicion.confirmations == 0:
+                update = Update(State.SUSPECT, node, m.incarnation, self.id)
+                if update not in self._broadcasts:
+                    self._queue(update)
 
     def _ping_req(self, probe: _Probe) -> None:
         probe.indirect = True
@@ -343,7 +363,7 @@ class Swim:
         if is_confirmation(update, m):
             suspicion = self._suspicions.get(update.node)
             if suspicion is not None and suspicion.confirm(update.origin):
-                self._broadcasts.add(update)
+                self._queue(update)
             return
         if not overrides(update, m):
             return
@@ -356,19 +376,21 @@ class Swim:
         )
         if update.addr is not None:
             m.addr = update.addr
+        self._live += (update.state in LIVE) - (previous in LIVE)
         self._suspicions.pop(update.node, None)
         if update.state is State.SUSPECT:
             self._suspect(m, update.origin)
-        self._broadcasts.add(update)
+        self._queue(update)
         if previous is not update.state or moved:
             self._changed(m, previous)
 
     def _add(self, update: Update, addr: Addr) -> None:
         m = Member(update.node, addr, State.ALIVE, update.incarnation, self.now, update.node)
         self.members[update.node] = m
+        self._live += 1
         # SWIM s4.3: a newcomer goes in at a random position of what is left of this round.
         self._order.insert(self._rng.randint(self._pos, len(self._order)), update.node)
-        self._broadcasts.add(update)
+        self._queue(update)
         self._changed(m, None)
 
     def _suspect(self, m: Member, origin: str) -> None:
@@ -382,7 +404,9 @@ class Swim:
             high, k = low, 0
         elif n - 2 < k:
             k = 0
-        self._suspicions[m.node] = Suspicion(m.incarnation, self.now, k, low, high, {origin})
+        self._suspicions[m.node] = Suspicion(
+            origin, m.incarnation, self.now, k, low, high, {origin}
+        )
 
     def _about_me(self, update: Update) -> None:
         """Refute (SWIM s4.2): a suspicion or death of us at our incarnation or above, or an
@@ -399,8 +423,11 @@ class Swim:
         else:
             self.health.apply(1)
         me.incarnation = update.incarnation + 1
-        self._broadcasts.add(me.update())
+        self._queue(me.update())
         self.stats["refuted"] += 1
+
+    def _queue(self, update: Update) -> None:
+        self._broadcasts.add(update, update_size(update))
 
     def _changed(self, m: Member, previous: State | None) -> None:
         if previous is State.SUSPECT and m.state is State.ALIVE:
@@ -418,7 +445,7 @@ class Swim:
         budget = self.config.max_datagram - base_size(self.id, message)
         budget -= sum(map(update_size, updates))
         limit = retransmit_limit(self.config.retransmit_mult, self.size)
-        updates += self._broadcasts.take(budget, update_size, limit)
+        updates += self._broadcasts.take(budget, limit)
         if isinstance(message, Gossip) and not updates:
             return
         self._out.append(Send(addr, Packet(self.id, message, tuple(updates))))
