@@ -1,5 +1,6 @@
-"""Lifeguard's local health (s4.1, the Local Health Multiplier) and dynamic suspicion timeouts
-(s4.2), and the sizes that grow with the group (memberlist's util.go): all pure arithmetic.
+"""Lifeguard's local health multiplier ("Local Health Aware Probe") and dynamic suspicion
+timeouts ("Local Health Aware Suspicion"), and the sizes that grow with the group
+(memberlist's util.go): all pure arithmetic.
 
 The local health score ``score`` is in [0, max - 1] and every probe timeout and interval is
 multiplied by ``score + 1``. It rises when this member may be the slow one: a probe whose

@@ -5,7 +5,8 @@ With ``i`` the update's incarnation and ``j`` the one we hold:
 - ALIVE(i) overrides ALIVE(j), SUSPECT(j), DEAD(j) and LEFT(j) when i > j (a member that was
   declared dead or left comes back only with a higher incarnation: a rejoin or a refutation).
 - SUSPECT(i) overrides ALIVE(j) when i >= j and SUSPECT(j) when i > j; a SUSPECT(i) at the
-  same incarnation as the suspicion we hold is a *confirmation* (Lifeguard s4.2), not a change.
+  same incarnation as the suspicion we hold is a *confirmation* (Lifeguard, "Local Health
+  Aware Suspicion"), not a change.
 - DEAD(i) and LEFT(i) override ALIVE(j) and SUSPECT(j) when i >= j. SWIM's Confirm overrides
   any incarnation; memberlist ignores an older one, as here: a stale death notice must not
   kill a member that has since refuted it.
@@ -58,7 +59,8 @@ def overrides(update: Update, member: Member) -> bool:
 
 def is_confirmation(update: Update, member: Member) -> bool:
     """A SUSPECT about a member we already suspect at that incarnation: another member's
-    independent suspicion (its origin), which shortens the suspicion timeout (Lifeguard s4.2)."""
+    independent suspicion (its origin), which shortens the suspicion timeout (Lifeguard,
+    "Local Health Aware Suspicion")."""
     return (
         update.state is State.SUSPECT
         and member.state is State.SUSPECT

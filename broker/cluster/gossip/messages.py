@@ -11,8 +11,8 @@ Probe messages carry a sequence number chosen by the prober; an Ack or Nack name
   under another id must not answer for the old one).
 - ``PingReq(seq, target, target_addr)``: "ping ``target`` for me" (SWIM s3.1); the intermediary
   pings with its own seq and relays the ack under ``seq``, or sends ``Nack(seq)`` if none came
-  in time (Lifeguard s4.1: the prober learns that its intermediaries are alive and listening,
-  so a missing nack says that the prober itself is slow).
+  in time (Lifeguard, "Local Health Aware Probe": the prober learns that its intermediaries
+  are alive and listening, so a missing nack says that the prober itself is slow).
 - ``Gossip()``: updates only.
 - ``Sync(reply)``: the sender's whole member table is in the updates (several packets if it
   does not fit one); ``reply`` asks the receiver for its table in return (a join, and

@@ -29,7 +29,8 @@ class SwimConfig:
     retransmit_mult: int = 4
     #: The minimum suspicion timeout is suspicion_mult * max(1, log10(n)) * probe_interval.
     suspicion_mult: int = 4
-    #: The maximum (Lifeguard s4.2's starting value) is this times the minimum.
+    #: The maximum (where Lifeguard's "Local Health Aware Suspicion" starts) is this times the
+    #: minimum.
     suspicion_max_mult: int = 6
     #: The local health score stays in [0, awareness_max - 1]; timeouts scale by score + 1.
     awareness_max: int = 8
@@ -48,7 +49,7 @@ class SwimConfig:
     #: Largest datagram the core builds, in bytes (an Ethernet MTU less IP/UDP headers, with
     #: room to spare for tunnels).
     max_datagram: int = 1400
-    #: Lifeguard's three refinements and nacks (Lifeguard s4): off gives plain SWIM with
+    #: Lifeguard's three refinements and its nacks; off gives plain SWIM with
     #: memberlist's pre-Lifeguard fixed suspicion timeout (the minimum above).
     lifeguard: bool = True
     variant: Variant = Variant.CORRECT

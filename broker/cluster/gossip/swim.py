@@ -14,7 +14,8 @@ The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
   again at the end; a newcomer is inserted at a random position), so that each member is probed
   within 2n - 1 periods in the worst case.
 - No ack within ``probe_timeout`` (scaled): ping-req through ``indirect_checks`` random live
-  members (SWIM s3.1), which relay the target's ack or send a nack (Lifeguard s4.1).
+  members (SWIM s3.1), which relay the target's ack or send a nack (Lifeguard, "Local Health
+  Aware Probe").
 - No ack by the period's end: the target becomes SUSPECT (SWIM s4.2) and the suspicion is
   gossiped; a suspected member that hears of it refutes by raising its incarnation and
   gossiping ALIVE. An unrefuted suspicion becomes DEAD at its timeout (``health``).
@@ -24,7 +25,7 @@ The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
   ``sync_interval``, repairs what gossip missed (memberlist's push-pull).
 - Lifeguard (``SwimConfig.lifeguard``): the local health multiplier, dynamic suspicion
   timeouts with confirmations, nacks, and the buddy system (a ping to a member we suspect
-  carries the suspicion, so it refutes at once: Lifeguard s4.3).
+  carries the suspicion, so it refutes at once: Lifeguard, "Buddy System").
 
 Invariants: only this member raises its own incarnation; a member's record changes only by
 ``members.overrides``; a DEAD or LEFT member is never probed; every packet built fits
@@ -65,7 +66,7 @@ __all__ = ["Swim"]
 LIVE = (State.ALIVE, State.SUSPECT)
 SEQ_MASK = 0xFFFF_FFFF
 #: An intermediary nacks when the target has not acked within this share of probe_timeout, so
-#: that the nack reaches the prober before its period ends (Lifeguard s4.1).
+#: that the nack reaches the prober before its period ends (Lifeguard, "Local Health Aware Probe").
 NACK_SHARE = 0.8
 
 
@@ -301,8 +302,9 @@ class Swim:
         self.stats["indirect_probes"] += 1
 
     def _probe_failed(self, probe: _Probe) -> None:
-        """Lifeguard s4.1: each nack that should have come and did not says that we may be the
-        slow one; with no one to ask, the failed probe itself counts once."""
+        """Lifeguard, "Local Health Aware Probe": each nack that should have come and did not
+        says that we may be the slow one; with no one to ask, the failed probe itself counts
+        once."""
         self._probe = None
         self.stats["probe_failures"] += 1
         missing = probe.expected_nacks - probe.nacks
@@ -411,7 +413,7 @@ class Swim:
     def _about_me(self, update: Update) -> None:
         """Refute (SWIM s4.2): a suspicion or death of us at our incarnation or above, or an
         ALIVE above it (an earlier run's), is answered with ALIVE at a higher incarnation.
-        Having to refute is a sign that we are slow (Lifeguard s4.1)."""
+        Having to refute is a sign that we are slow (Lifeguard, "Local Health Aware Probe")."""
         me = self.members[self.id]
         if self.leaving or self.config.variant is Variant.NO_REFUTE:
             return

@@ -1,6 +1,6 @@
 """The SWIM core, message by message: precedence (SWIM s4.2), refutation, suspicion timeouts
-(Lifeguard s4.2), the local health multiplier and nacks (s4.1), the buddy system (s4.3) and
-the retransmit limit (SWIM s4.1)."""
+(Lifeguard, "Local Health Aware Suspicion"), the local health multiplier and nacks ("Local
+Health Aware Probe"), the buddy system and the retransmit limit (SWIM s4.1)."""
 
 from __future__ import annotations
 
@@ -124,7 +124,9 @@ def test_a_suspected_member_refutes_with_a_higher_incarnation() -> None:
     swim = core(3)
     out = swim.receive(addr(1), Packet("n1", Ping(9, "n0"), (Update(S, "n0", 0, "n1"),)), 5)
     assert swim.incarnation == 1
-    assert swim.health.score == 1  # having to refute is a sign of being slow (Lifeguard s4.1)
+    assert (
+        swim.health.score == 1
+    )  # having to refute is a sign of being slow (Lifeguard, "Local Health Aware Probe")
     [ack] = sends(out)
     assert ack.packet.message == Ack(9)
     assert Update(A, "n0", 1, "n0", addr(0)) in ack.packet.updates  # the ack carries it
