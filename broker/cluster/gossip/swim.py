@@ -441,8 +441,8 @@ class Swim:
     # -- dissemination -----------------------------------------------------------------------
 
     def _send(self, addr: Addr, message: Message, first: list[Update] | None = None) -> None:
-        """``message`` with as many queued updates as fit (none but ``first`` and the queue's:
-        a Gossip with nothing to carry is not sent)."""
+        """Send ``message`` to ``addr`` carrying ``first``, then as many queued updates as fit
+        in ``max_datagram`` (least sent first); a Gossip with nothing to carry is not sent."""
         updates = first or []
         budget = self.config.max_datagram - base_size(self.id, message)
         budget -= sum(map(update_size, updates))
