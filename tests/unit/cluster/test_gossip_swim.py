@@ -320,3 +320,37 @@ def test_a_leaving_member_says_goodbye_and_stops_probing() -> None:
         other.receive(addr(0), Packet("n0x", Gossip(), (Update(L, "n1", 0, "n1"),)), 1)
     )
     assert (changed.node, changed.state) == ("n1", L)
+
+
+def test_round_robin_probes_every_member_within_2n_minus_1_periods() -> None:
+    """SWIM s4.3: with a shuffled order walked to its end, the gap between two probes of the
+    same member is at most 2(n - 1) - 1 probes (n - 1 others)."""
+    swim = core(6)
+    last: dict[str, int] = {}
+    for k in range(60):
+        ping = run_until_probe(swim)
+        message = ping.packet.message
+        assert isinstance(message, Ping)
+        if message.target in last:
+            assert k - last[message.target] <= 2 * 5 - 1
+        last[message.target] = k
+        swim.receive(ping.addr, Packet(message.target, Ack(message.seq)), swim.now + 5)
+    assert len(last) == 5
+
+
+def test_a_restarted_member_refutes_its_death_and_comes_back() -> None:
+    old = core(3)
+    old.receive(addr(1), Packet("n1", Gossip(), (Update(D, "n2", 3, "n1"),)), 10)
+    assert old.members["n2"].state is D
+    # n2 restarts at incarnation 0, joins through n0 and hears from n0's table that it is dead.
+    fresh = Swim("n2", addr(2), random.Random(5), SwimConfig(), now=20)
+    [ask] = sends(fresh.join([addr(0)], 20))
+    reply = sends(old.receive(addr(2), ask.packet, 30))
+    assert old.members["n2"].state is D  # its ALIVE at 0 does not beat DEAD at 3
+    for send in reply:
+        fresh.receive(addr(0), send.packet, 40)
+    assert fresh.incarnation == 4
+    out = sends(fresh.tick(fresh.deadline))
+    for send in out:
+        old.receive(addr(2), send.packet, fresh.now)
+    assert (old.members["n2"].state, old.members["n2"].incarnation) == (A, 4)
