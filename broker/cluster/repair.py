@@ -39,8 +39,7 @@ could help, the attempt is retried after :data:`FIRST_RETRY_SECONDS`, doubling u
 :data:`MAX_RETRY_SECONDS`, for as long as the range exists. Batches that verify but do not fit
 the range (the bytes differ in length: ``$retained``, compacted by each node at its own time)
 are not written; if every peer that answered sent such batches, the range is left as it is with
-an ERROR saying so, and its reads skip or hold per ``on_corruption`` (``mqlog verify --repair``
-moves the damaged bytes aside; see the README's integrity section).
+an ERROR saying so, and its reads skip or hold per ``on_corruption``, as on a single node.
 
 Called on the node's event loop only, but for the report listener, which may run on the
 scrubber's thread and hands the range over to the loop.

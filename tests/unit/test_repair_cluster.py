@@ -13,12 +13,15 @@ range) and what an asker accepts (CRC, offsets, bytes, epochs).
 from __future__ import annotations
 
 import asyncio
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
+from broker.cluster.messages import AppendEntries, AppendResp, Entry, HardState
 from broker.cluster.node import ClusterNode
+from broker.cluster.raft import RaftNode
 from broker.cluster.repair import (
     NOT_COMMITTED,
     OK,
@@ -28,10 +31,12 @@ from broker.cluster.repair import (
     split_batches,
 )
 from broker.cluster.storage import GroupStorage
+from broker.cluster.terms import TermTable
 from broker.commitlog import LogConfig, RewriteRefused, SegmentedLog, integrity
 from broker.commitlog.batch import encode_batch
 from broker.commitlog.integrity import DamagedRange
 from tests.unit.cluster.test_node import GROUP, Trio, _propose, _records
+from tests.unit.cluster.test_raft import CONFIG, Log, elect
 
 #: Small segments, no retention: many sealed segments to damage.
 LOG = LogConfig(segment_bytes=2048, index_interval_bytes=256, retention_ms=None, fsync="always")
@@ -216,3 +221,42 @@ def test_an_answer_is_cut_at_its_batches_lengths() -> None:
     assert split_batches(b"") == []
     assert split_batches(b"".join(batches)[:-1]) is None
     assert split_batches(b"\x00" * 20) is None
+
+
+# -- the core never sends what its log cannot read --------------------------------------------
+
+
+class DamagedLog(Log):
+    """The driver's log with entries it cannot read now (damaged, being repaired)."""
+
+    unreadable: frozenset[int] = frozenset()
+
+    def entries(self, first: int, last: int, max_entries: int, max_bytes: int) -> list[Entry]:
+        return (
+            [] if first in self.unreadable else super().entries(first, last, max_entries, max_bytes)
+        )
+
+
+def test_a_leader_sends_a_follower_only_heartbeats_while_its_next_entry_is_unreadable() -> None:
+    entries = [Entry(1, f"e{i}".encode()) for i in range(1, 5)]
+    log = DamagedLog(entries)
+    core = RaftNode(
+        1,
+        [1, 2, 3],
+        log,
+        random.Random(0),
+        CONFIG,
+        HardState(1, None),
+        TermTable.of_terms([1, 1, 1, 1]),
+    )
+    elect(core, log)
+    log.unreadable = frozenset({2})
+    # Node 2 holds index 1 only: the leader probes it from 2, which it cannot read.
+    sent = log.apply(core.receive(AppendResp(2, 1, 2, False, 4, 0, 2, None)))
+    assert [m for m in sent if m.to == 2] == []
+    beat = [m for m in log.apply(core.tick()) if m.to == 2]
+    assert beat == [AppendEntries(1, 2, 2, 0, 0, (), 0)]  # a heartbeat, no entry
+    log.unreadable = frozenset()  # repaired
+    sent = [m for m in log.apply(core.tick()) if m.to == 2]
+    assert len(sent) == 1 and isinstance(sent[0], AppendEntries)
+    assert (sent[0].prev_index, sent[0].entries[0]) == (1, entries[1])
