@@ -59,7 +59,7 @@ from broker.cluster.options import RaftConfig
 from broker.cluster.peers import PeerTransport
 from broker.cluster.placement import node_id_of, node_ids, replicas
 from broker.cluster.raft import RaftNode, Role
-from broker.cluster.repair import Repairs
+from broker.cluster.repairer import Repairer
 from broker.cluster.storage import GroupStorage
 from broker.cluster.wire import WireError, decode_frame, encode_frame
 from broker.commitlog import CommitLogError
@@ -166,7 +166,7 @@ class ClusterNode:
             on_peer=self._on_peer,
         )
         #: Corrupt batches of the groups' logs rewritten from another replica (kinds 2 and 3).
-        self.repair = Repairs(self)
+        self.repair = Repairer(self)
         self.repair.on_repaired = lambda g: self.on_commit(g, self.storages[g].commit)
 
     # -- formation ---------------------------------------------------------------------------
