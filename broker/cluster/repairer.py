@@ -146,7 +146,15 @@ class Repairer:
         except LogClosed:
             return True
         if bounds is None:
-            logger.info("%s: nothing left to repair (segment gone, or no offset)", describe(damage))
+            if damage.end <= damage.position and damage.first_offset >= 0:
+                self.stats.given_up += 1
+                logger.error(
+                    "%s: not repaired: the segment file was cut short, there are no bytes to "
+                    "rewrite in place",
+                    describe(damage),
+                )
+            else:
+                logger.info("%s: nothing to repair (its segment is gone)", describe(damage))
             return True
         first, last = bounds
         if last + 1 > storage.commit:

@@ -296,7 +296,7 @@ def _take(
     total = sum(map(len, out))
     for buf, rel, _pos in batches:
         base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, rel)[:7]
-        if base + last_delta < offset or (out and base < read_header(out[-1]).next_offset):
+        if base + last_delta < offset:
             continue
         if base >= end or len(out) >= max_batches or (out and total + length > max_bytes):
             return True
