@@ -213,3 +213,24 @@ def test_a_reader_held_at_the_damage_goes_on_once_it_is_rewritten(
         log.rewrite(damage, batches_for(healthy, damage.first_offset, damage.last_offset))
         rest = log.read(damage.first_offset, COUNT)
         assert got + rest == [message(i) for i in range(COUNT)]
+
+
+def test_damage_across_a_batch_boundary_is_rewritten_with_both_batches(
+    pair: tuple[Path, Path], reports: list[DamagedRange]
+) -> None:
+    damaged, healthy = pair
+    target = sealed(damaged)[1]
+    data = bytearray(target.read_bytes())
+    boundary = read_header(bytes(data[:48])).batch_length  # the end of the first batch
+    for i in range(boundary - 4, boundary + 4):  # its last bytes, the next one's base offset
+        data[i] ^= 0xFF
+    target.write_bytes(data)
+    with SegmentedLog.open(damaged, CONFIG) as log:
+        assert len(read_everything(log)) == COUNT - 6
+        (damage,) = reports
+        assert damage.last_offset - damage.first_offset == 5  # two batches of three
+        batches = batches_for(healthy, damage.first_offset, damage.last_offset)
+        assert len(batches) == 2
+        assert log.rewrite(damage, batches) == 2
+        assert read_everything(log) == [message(i) for i in range(COUNT)]
+    assert target.read_bytes() == (healthy / target.name).read_bytes()
