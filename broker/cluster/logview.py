@@ -23,7 +23,8 @@ class LogReader(Protocol):
         """Whole entries in order from the one starting at ``first`` (always an entry's first
         index) through the one ending at ``last`` (an entry's last index), stopping after
         ``max_entries`` or before the entry that would take the payload bytes past
-        ``max_bytes``; at least one entry."""
+        ``max_bytes``; at least one entry, unless the first cannot be read now (a damaged
+        batch the driver is repairing): then none, and the core sends nothing from there."""
 
     def entry_start(self, index: int) -> int:
         """The first index of the entry holding ``index`` (the log's start < index <= its last
@@ -72,6 +73,8 @@ class LogView:
         reached = first - 1
         if first < split:
             found = self._log.entries(first, min(last, split - 1), room, budget)
+            if not found:
+                return (), reached  # unreadable now (LogReader.entries)
             reached += sum([e.count for e in found])
             assert found and reached < split, f"log lacks entries {first}..{last}"
             if reached < split - 1 or last < split:

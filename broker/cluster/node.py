@@ -59,6 +59,7 @@ from broker.cluster.options import RaftConfig
 from broker.cluster.peers import PeerTransport
 from broker.cluster.placement import node_id_of, node_ids, replicas
 from broker.cluster.raft import RaftNode, Role
+from broker.cluster.repairer import Repairer
 from broker.cluster.storage import GroupStorage
 from broker.cluster.wire import WireError, decode_frame, encode_frame
 from broker.commitlog import CommitLogError
@@ -164,6 +165,9 @@ class ClusterNode:
             on_message=self._on_message,
             on_peer=self._on_peer,
         )
+        #: Corrupt batches of the groups' logs rewritten from another replica (kinds 2 and 3).
+        self.repair = Repairer(self)
+        self.repair.on_repaired = lambda g: self.on_commit(g, self.storages[g].commit)
 
     # -- formation ---------------------------------------------------------------------------
 
@@ -533,11 +537,13 @@ class ClusterNode:
             "node_id": self.name,
             "nodes": nodes,
             "partitions": partitions,
+            "repaired": self.repair.view(),
             "transport": _counters(self.transport.stats),
             "raft": _counters(self.stats),
         }
 
     async def close(self) -> None:
+        self.repair.close()
         if self._timer is not None:
             self._timer.cancel()
         self._round()  # what is durable and due goes out before the sockets close

@@ -369,13 +369,15 @@ class RaftNode(Elections, Snapshots):
         if changed and self.role is Role.LEADER:
             self._track_members()
 
-    def _send_append(self, peer: int) -> None:
+    def _send_append(self, peer: int) -> bool:
         """Whole entries from ``next`` (an entry's first index, so ``prev`` is a batch
-        boundary), up to ``max_batch`` entries and ``max_bytes`` payload bytes."""
+        boundary), up to ``max_batch`` entries and ``max_bytes`` payload bytes. False, and
+        nothing sent, when the log cannot hand out the entry at ``next`` now (a damaged batch
+        being repaired, ``LogReader.entries``): heartbeats go on, and each retries."""
         pr = self._progress[peer]
         if pr.next <= self.terms.start:
             self._send_snapshot(peer)  # what it needs next is no longer in our log
-            return
+            return True
         prev = pr.next - 1
         prev_term = self.terms.term_at(prev)
         assert prev_term is not None, "next is at most last_index + 1"
@@ -384,17 +386,21 @@ class RaftNode(Elections, Snapshots):
             entries, last = self._log.entries(
                 pr.next, self.terms.last_index, config.max_batch, config.max_bytes
             )
+            if not entries:
+                return False
         else:
             entries, last = (), prev
         pr.sent(last)
         self._send(AppendEntries(self.id, peer, self.term, prev, prev_term, entries, self.commit))
+        return True
 
     def _fill(self, peer: int) -> None:
         """Send ``peer`` what it lacks, as far as its progress state lets us (one probe, or
         up to the in-flight window)."""
         pr = self._progress[peer]
         while pr.next <= self.terms.last_index and pr.can_send(self.config.max_inflight):
-            self._send_append(peer)
+            if not self._send_append(peer):
+                break
 
     def _heartbeat(self) -> None:
         """An AppendEntries to each follower. If something is in flight and nothing was
@@ -411,9 +417,11 @@ class RaftNode(Elections, Snapshots):
                     continue
             elif not pr.acked and pr.waiting():
                 pr.probe(pr.match + 1)
-            if pr.next <= self.terms.last_index and pr.can_send(self.config.max_inflight):
-                self._send_append(peer)
-            else:
+            if not (
+                pr.next <= self.terms.last_index
+                and pr.can_send(self.config.max_inflight)
+                and self._send_append(peer)
+            ):
                 anchor = max(pr.match, self.terms.start)
                 prev_term = self.terms.term_at(anchor)
                 assert prev_term is not None, "match is at most last_index"

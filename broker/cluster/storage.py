@@ -35,6 +35,9 @@ and the commit index is the log's high-water mark, which this storage pins
   scan, 0.20 s with the checkpoint (the log's own open).
 * A torn last batch (a crash in the middle of a ``write()``) fails its CRC and the log's
   recovery cuts it: the log ends at the last whole entry.
+* A damaged batch (the disk, not a crash) is never handed out: :meth:`entries` stops before
+  it, and returns none when the read starts in it (the core sends nothing to that follower
+  but heartbeats until ``broker.cluster.repair`` rewrote it from another replica).
 * ``append`` writes to the page cache only, whatever the stream's fsync policy
   (``append_raw(defer_fsync=True)``); ``flush`` fsyncs the log, once for every entry appended
   since the last one, and :attr:`flushed_index` (what the core may be told in ``flushed()``)
@@ -205,7 +208,12 @@ class GroupStorage:
     def entries(self, first: int, last: int, max_entries: int, max_bytes: int) -> list[Entry]:
         if first <= self.terms.start:
             raise StorageError(f"{self.directory}: index {first} is before the log start")
-        batches = self.log.read_batches(first - 1, last, max_entries, max_bytes)
+        try:
+            batches = self.log.read_batches(first - 1, last, max_entries, max_bytes)
+        except CorruptRecordBatch:
+            # Damaged here (reported; broker.cluster.repair rewrites it from a replica): none
+            # leaves until then, never the damaged bytes.
+            return []
         if not batches or read_header(batches[0]).base_offset != first - 1:
             raise StorageError(f"{self.directory}: no entry starts at index {first}")
         return [_entry(batch) for batch in batches]
@@ -213,7 +221,12 @@ class GroupStorage:
     def entry_start(self, index: int) -> int:
         if index <= self.terms.start:
             raise StorageError(f"{self.directory}: index {index} is before the log start")
-        return read_header(self.log.read_batches(index - 1, index, 1, 0)[0]).base_offset + 1
+        try:
+            return read_header(self.log.read_batches(index - 1, index, 1, 0)[0]).base_offset + 1
+        except CorruptRecordBatch:
+            # A damaged batch hides where its entry starts: the first index of the term's run
+            # is an entry's first index at or before it (the core probes from there).
+            return self.terms.first_index_of_run(index)
 
     # -- effects ----------------------------------------------------------------------------
 
@@ -420,8 +433,11 @@ def _agrees(log: SegmentedLog, runs: list[tuple[int, int]]) -> bool:
     if not runs:
         return False
     offset, epoch = runs[-1]
-    last = read_header(log.read_batches(end - 1, end, 1, 0)[0])
-    if offset < start:
-        return last.leader_epoch == epoch
-    first = read_header(log.read_batches(offset, offset + 1, 1, 0)[0])
+    try:
+        last = read_header(log.read_batches(end - 1, end, 1, 0)[0])
+        if offset < start:
+            return last.leader_epoch == epoch
+        first = read_header(log.read_batches(offset, offset + 1, 1, 0)[0])
+    except CorruptRecordBatch:
+        return False  # a damaged batch there: the checkpoint is rebuilt from the headers
     return (first.base_offset, first.leader_epoch, last.leader_epoch) == (offset, epoch, epoch)

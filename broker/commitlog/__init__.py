@@ -26,6 +26,7 @@ from broker.commitlog.errors import (
     LogConfigError,
     LogIOError,
     OffsetOutOfRange,
+    RewriteRefused,
     UnsupportedFormat,
 )
 from broker.commitlog.index import OffsetIndex, TimeIndex
@@ -51,6 +52,7 @@ __all__ = [
     "OffsetIndex",
     "OffsetOutOfRange",
     "Record",
+    "RewriteRefused",
     "Segment",
     "SegmentedLog",
     "StreamSpec",

@@ -98,6 +98,11 @@ class CorruptRecordBatch(CommitLogError):
         self.path = Path(path) if path is not None else None
 
 
+class RewriteRefused(CommitLogError, ValueError):
+    """Batches offered to replace a damaged range do not fit it (offsets, bytes, CRC), or the
+    range is no longer there; nothing was written (:mod:`broker.commitlog.rewrite`)."""
+
+
 class CorruptIndex(CommitLogError):
     """An ``.index`` or ``.timeindex`` file is inconsistent; recovery rebuilds it."""
 

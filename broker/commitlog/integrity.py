@@ -33,9 +33,11 @@ range, a count per ``(stream, partition)`` (:func:`corrupt_counts`, the
 :func:`add_listener`. Thread-safe: reads run on the event loop, the scrubber and the cleaner
 on their own threads.
 
-A range repaired from a healthy replica (issue 25 item 4) needs the replicated cluster: the
-hook is :data:`RepairSource`, given a damaged range it would return the intact batches of that
-offset range; no implementation exists yet, so nothing is repaired in place.
+A replicated log repairs a damaged range from a healthy replica (issue 25 item 4): the
+cluster (``broker.cluster.repair``) listens to the reports (:func:`add_listener`), fetches the
+range's batches from another replica and rewrites them in place
+(:mod:`broker.commitlog.rewrite`), which :func:`forget` the range's report so that new damage
+there is reported again.
 """
 
 from __future__ import annotations
@@ -47,7 +49,7 @@ import threading
 from bisect import bisect_right
 from collections.abc import Callable, Iterator, Sized
 from pathlib import Path
-from typing import NamedTuple, Protocol, TypeVar
+from typing import NamedTuple, TypeVar
 from zlib import crc32 as _zlib_crc32
 
 from broker.commitlog.batch import (
@@ -202,23 +204,20 @@ def remove_listener(listener: Callable[[DamagedRange], None]) -> None:
             _listeners.remove(listener)
 
 
+def forget(path: Path, position: int, end: int) -> None:
+    """A repaired range of ``path``: what was reported at positions ``position..end`` is
+    forgotten (its counts kept), so that damage found there later is reported again."""
+    name = os.fspath(path)
+    with _lock:
+        for key in [k for k in _reported if k[0] == name and position <= k[1] <= end]:
+            _reported.discard(key)
+
+
 def forget_reports() -> None:
     """Tests: start again as if nothing was reported."""
     with _lock:
         _reported.clear()
         _counts.clear()
-
-
-class RepairSource(Protocol):
-    """Where a damaged range could be fetched again (issue 25 item 4: a healthy replica).
-
-    Given a damaged range of a partition, returns the encoded batches covering
-    ``first_offset .. last_offset`` as the replica stores them (each verified by the caller
-    with :func:`crc_ok` before it replaces the range), or None when no replica has them. Only
-    the replicated cluster can implement it; a single node has no other copy.
-    """
-
-    def fetch(self, stream: str, partition: int, damage: DamagedRange) -> list[bytes] | None: ...
 
 
 # -------------------------------------------------------------------- scans

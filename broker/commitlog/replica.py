@@ -3,7 +3,10 @@ operations), mixed into :class:`~broker.commitlog.log.SegmentedLog`:
 
 * :meth:`ReplicaOps.append_raw`: append a batch encoded by another process (a Raft leader)
   byte for byte, so every replica stores the same bytes and the leader's epoch in them;
-* :meth:`ReplicaOps.read_batches`: the stored batches, byte for byte, to send to a replica;
+* :meth:`ReplicaOps.read_batches`: the stored batches, byte for byte, to send to a replica
+  (never a damaged one);
+* :meth:`ReplicaOps.rewrite`: a damaged range replaced in place by another replica's copies
+  of its batches (:mod:`broker.commitlog.rewrite`);
 * :meth:`ReplicaOps.truncate`: drop a suffix from a batch boundary on, never below a floor
   (the replicas' commit point);
 * :meth:`ReplicaOps.set_high_watermark`: pin what readers see (``SegmentedLog.read`` and
@@ -25,10 +28,11 @@ from __future__ import annotations
 import os
 import threading
 from bisect import bisect_right
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from broker.commitlog.batch import BATCH_HEADER, BATCH_HEADER_SIZE, validate_batch
+from broker.commitlog.batch import BATCH_HEADER, BATCH_HEADER_SIZE, read_header, validate_batch
 from broker.commitlog.config import LogConfig
 from broker.commitlog.disk import fsync_data, fsync_directory
 from broker.commitlog.errors import (
@@ -36,8 +40,11 @@ from broker.commitlog.errors import (
     CorruptRecordBatch,
     LogIOError,
     OffsetOutOfRange,
+    RewriteRefused,
 )
 from broker.commitlog.index import OffsetIndex, TimeIndex
+from broker.commitlog.integrity import DamagedRange
+from broker.commitlog.rewrite import range_offsets, rewrite_range, verified_batches
 from broker.commitlog.segment import Segment
 
 
@@ -112,7 +119,11 @@ class ReplicaOps:
         """The stored batches, byte for byte, from the one holding ``offset`` through the last
         one starting below ``end``; at most ``max_batches``, and none that would take the total
         past ``max_bytes`` (but at least one). Raises :class:`OffsetOutOfRange` unless
-        ``log_start_offset <= offset < end_offset``. Control batches included."""
+        ``log_start_offset <= offset < end_offset``. Control batches included.
+
+        Every batch is verified. A damaged batch ends the read before it (reported, see
+        :func:`~broker.commitlog.rewrite.verified_batches`); when the read would start in a
+        damaged range, :class:`CorruptRecordBatch` with the range's offsets is raised."""
         with self._lock:
             self._check_open()
             segments = self._segments
@@ -120,24 +131,49 @@ class ReplicaOps:
             if not start <= offset < stop:
                 raise OffsetOutOfRange(offset, start, stop)
             out: list[bytes] = []
-            total = 0
             for segment in segments[bisect_right(self._bases, offset) - 1 :]:
                 pos = segment.offset_index.lookup(offset)[1]
-                for buf, rel, _pos in segment.iter_batches(pos):
-                    base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, rel)[
-                        :7
-                    ]
-                    if base + last_delta < offset:
-                        continue
-                    if (
-                        base >= end
-                        or len(out) >= max_batches
-                        or (out and total + length > max_bytes)
-                    ):
+                try:
+                    if _take(segment.iter_batches(pos), offset, end, max_batches, max_bytes, out):
                         return out
-                    out.append(bytes(buf[rel : rel + length]))
-                    total += length
+                except CorruptRecordBatch:
+                    resume = read_header(out[-1]).next_offset if out else offset
+                    try:
+                        batches = verified_batches(segment, max(offset, resume))
+                        if _take(batches, offset, end, max_batches, max_bytes, out):
+                            return out
+                    except CorruptRecordBatch:
+                        if out:
+                            return out
+                        raise
             return out
+
+    def damaged_offsets(self, damage: DamagedRange) -> tuple[int, int] | None:
+        """The offsets ``(first, last)`` that ``damage``, a range of one of this log's segments,
+        covers; None when its segment is gone or it holds no offset
+        (:func:`~broker.commitlog.rewrite.range_offsets`)."""
+        with self._lock:
+            self._check_open()
+            found = range_offsets(self._segments, damage)
+            return None if found is None else (found[1], found[2])
+
+    def rewrite(self, damage: DamagedRange, batches: Sequence[bytes]) -> int:
+        """Replace the damaged range ``damage`` of one of this log's segments by ``batches``,
+        another replica's copies of its offsets, in place and durably
+        (:func:`~broker.commitlog.rewrite.rewrite_range`); returns the number of batches
+        written (0: the range held them already). Raises :class:`RewriteRefused` (nothing
+        written: the batches do not fit the range, or the range is gone) or
+        :class:`LogIOError`."""
+        with self._cleaner_lock, self._lock:
+            self._check_open()
+            found = range_offsets(self._segments, damage)
+            if found is None:
+                raise RewriteRefused(
+                    f"{damage.path}: bytes {damage.position}..{damage.end}: no such damaged range "
+                    "in this log now"
+                )
+            segment, first, last = found
+            return rewrite_range(segment, damage, first, last, batches)
 
     def set_high_watermark(self, offset: int) -> None:
         """Readers see only offsets below ``offset`` from now on (a replicated log's commit
@@ -245,6 +281,28 @@ class ReplicaOps:
                 if segment.size:
                     _segment_runs(segment, runs)
             return runs
+
+
+def _take(
+    batches: Iterable[tuple[bytes, int, int]],
+    offset: int,
+    end: int,
+    max_batches: int,
+    max_bytes: int,
+    out: list[bytes],
+) -> bool:
+    """Add to ``out`` the batches of ``batches`` holding offsets at or past ``offset`` (see
+    ``read_batches``); True when a limit or ``end`` ended the read."""
+    total = sum(map(len, out))
+    for buf, rel, _pos in batches:
+        base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, rel)[:7]
+        if base + last_delta < offset:
+            continue
+        if base >= end or len(out) >= max_batches or (out and total + length > max_bytes):
+            return True
+        out.append(bytes(buf[rel : rel + length]))
+        total += length
+    return False
 
 
 def _batch_position(segment: Segment, offset: int) -> int:

@@ -83,6 +83,14 @@ class ClusterMetrics(Collector):
             for f in p["followers"]:
                 lag.add_metric([*key, f["node"]], f["lag"])
         yield from (term, leader, commit, lag)
+        repaired = CounterMetricFamily(
+            "mqlog_repaired_batches",
+            "Corrupt record batches rewritten from another replica's copy",
+            labels=labels,
+        )
+        for r in view.get("repaired", ()):
+            repaired.add_metric([r["stream"], str(r["partition"])], r["batches"])
+        yield repaired
         raft = view["raft"]
         yield _counter(
             "mqlog_cluster_leader_changes",
