@@ -40,6 +40,7 @@ Called only from the worker's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
@@ -85,6 +86,8 @@ CATCH_UP_SECONDS = 10.0
 #: its publishers are refused: a failover takes about an election timeout, so a publish in
 #: the middle of one is delayed rather than refused.
 HOLD_SECONDS = 5.0
+#: Seconds a stopping node waits for the session states it persisted last to commit.
+DRAIN_SECONDS = 2.0
 
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
@@ -310,9 +313,10 @@ class ClusterService:
             len(self.storages),
             len(members),
         )
-        self.sessions.serving = True  # claims applied from now on are answered
+        self.sessions.resume()  # its sessions as committed; claims are answered from now on
 
     async def close(self) -> None:
+        await self._drain_sessions()
         for waiting in self._waiting.values():
             _answer(waiting.acks, OUTCOME_UNKNOWN)
         self._waiting.clear()
@@ -321,6 +325,25 @@ class ClusterService:
                 _answer(acks, None)
             part.held.clear()
         await self.node.close()
+
+    async def _drain_sessions(self) -> None:
+        """At shutdown: let the session states the router just persisted commit (at most
+        :data:`DRAIN_SECONDS`), so that a restart, or a reconnect on another node, finds
+        their last positions."""
+        part = self._partition(self.keys[SESSIONS])
+        if part is None:
+            return
+        g = part.group
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while (
+            part.inflight
+            or part.held
+            or part.pending
+            or any(w.part is part for w in self._waiting.values())
+        ) and time.monotonic() < deadline:
+            if self.node.leader(g) is None:
+                break  # no quorum to commit them
+            await asyncio.sleep(self.node.settings.heartbeat_interval / 4)
 
     def tick(self) -> None:
         """Called by the server's timer: forwards unanswered for too long have an unknown

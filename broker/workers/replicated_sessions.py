@@ -32,7 +32,8 @@ A node that owns the client id connects it at once (the previous connection, if 
 closed by the router as on one node); a claim committed meanwhile elsewhere takes it away
 right after. At start a node loads only the sessions it owns (:class:`ClusterHooks`); claims
 applied while it catches up, before it serves, move sessions away without a release (their
-claimants did not wait for this dead node).
+claimants did not wait for this dead node), and once caught up it reloads the sessions it
+owns from what it applied (:meth:`ClusterSessions.resume`).
 
 Limits of this step: the wills and expiry of a session whose owner is dead wait for that
 node's return or the client's reconnection elsewhere; claim records are kept (one small
@@ -123,6 +124,28 @@ class ClusterSessions:
             offset = records[-1].offset + 1
         #: ``$sessions`` offsets below this are applied.
         self.applied = end
+
+    def resume(self) -> None:
+        """The node caught up and is about to serve: the router holds exactly the sessions
+        this node owns, each in its latest committed state (the log the router loaded at
+        start ended at the commit known then; what committed since was applied here only).
+        Sessions no claim names (written before the cluster) stay as loaded."""
+        router = self.router
+        assert router is not None
+        me = self.node.id
+        for client_id in list(router.sessions):
+            owner = self.owners.get(client_id)
+            if owner is not None and owner.node != me:
+                router.hand_over(client_id)  # offline: it only leaves this router
+        for client_id, owner in self.owners.items():
+            if owner.node != me:
+                continue
+            if client_id in router.sessions:
+                router.hand_over(client_id)
+            state = self.states.get(client_id)
+            if state:
+                router.adopt(client_id, state)
+        self.serving = True
 
     # -- applying commits (every node) ----------------------------------------------------
 

@@ -35,7 +35,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
     c = Cluster(tmp_path_factory.mktemp("cluster-sessions"), partitions=2)
     try:
         c.start()
-        c.wait_leaders(c.nodes)
+        c.wait_balanced()
         yield c
     finally:
         c.stop()

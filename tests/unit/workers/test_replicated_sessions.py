@@ -251,3 +251,29 @@ def test_the_knowledge_is_rebuilt_from_the_log_at_start(tmp_path: Path) -> None:
         assert list(a.harness.router.sessions) == ["dev"]
 
     asyncio.run(run())
+
+
+def test_resume_leaves_the_router_with_the_sessions_this_node_owns(tmp_path: Path) -> None:
+    async def run() -> None:
+        a = Member(tmp_path, "a", ["a", "b"], asyncio.get_running_loop())
+        a.sessions.serving = False
+        router = a.harness.router
+        _link, moved = a.harness.connect("moved", clean=False, expiry=300)
+        a.harness.router.connection_lost(moved, _link, graceful=True)
+        state = orjson.dumps(Session("mine", persistent=True, expiry_interval=60).to_state())
+        # Committed while the node caught up: "mine" is owned here, "moved" by b.
+        a.sessions.apply(
+            [
+                claim_record("a", 3, "mine"),
+                Record(0, 0, "mine", state),
+                claim_record("b", 2, "moved"),
+            ]
+        )
+        assert "moved" not in router.sessions  # handed over (silently: not serving yet)
+        assert not [r for r in a.appended() if r.topic.startswith(CLAIM_PREFIX)]
+        a.sessions.resume()
+        assert a.sessions.serving
+        assert list(router.sessions) == ["mine"]
+        assert router.sessions["mine"].expiry_interval == 60
+
+    asyncio.run(run())
