@@ -257,12 +257,20 @@ class ClusterSessions:
         waiter: asyncio.Future[int | None] = self.node.loop.create_future()
         self._claims[(client_id, epoch)] = waiter
 
-        def committed(offset: int | None) -> None:
-            if offset is None and not waiter.done():  # refused: no leader for too long
-                waiter.set_exception(ClaimError(f"{client_id}: $sessions has no leader"))
-
         payload = orjson.dumps({"node": self.node.name, "epoch": epoch})
         row = (router.state.now_ms(), CLAIM_PREFIX + client_id, payload, 0, False, "", b"")
+
+        def committed(offset: int | None) -> None:
+            if waiter.done():
+                return
+            if offset is None:  # refused: no leader for too long
+                waiter.set_exception(ClaimError(f"{client_id}: $sessions has no leader"))
+            elif offset == OUTCOME_UNKNOWN:
+                # Its leader lost office with it in flight: proposed again. If the first
+                # did commit, it resolves the claim and the second, of the same epoch, is
+                # stale wherever it is applied.
+                router.append_forwarded(SESSIONS, [row], committed)
+
         router.append_forwarded(SESSIONS, [row], committed)
         try:
             return await asyncio.wait_for(waiter, CLAIM_TIMEOUT)
