@@ -330,10 +330,10 @@ class ClusterService:
         """At shutdown: let the session states the router just persisted commit (at most
         :data:`DRAIN_SECONDS`), so that a restart, or a reconnect on another node, finds
         their last positions."""
-        part = self._partition(self.keys[SESSIONS])
+        g = self.keys.get(SESSIONS)
+        part = self._partition(g) if g is not None else None
         if part is None:
             return
-        g = part.group
         deadline = time.monotonic() + DRAIN_SECONDS
         while (
             part.inflight
@@ -341,7 +341,7 @@ class ClusterService:
             or part.pending
             or any(w.part is part for w in self._waiting.values())
         ) and time.monotonic() < deadline:
-            if self.node.leader(g) is None:
+            if self.node.leader(part.group) is None:
                 break  # no quorum to commit them
             await asyncio.sleep(self.node.settings.heartbeat_interval / 4)
 
