@@ -9,7 +9,7 @@ when a client moves to another node complete exactly once, on the receiving and 
 sending side; a second connection with the same client id on another node closes the first
 (5.0: DISCONNECT 0x8E) [MQTT-3.1.4-3], and two racing connects on two nodes leave exactly one
 connected; after the kill -9 of the node holding a session, the client reconnects elsewhere
-and keeps its subscription.
+and keeps its subscription; after a clean stop it resumes elsewhere where it left off.
 """
 
 from __future__ import annotations
@@ -182,6 +182,33 @@ def test_racing_connects_on_two_nodes_leave_exactly_one_connected(cluster: Clust
         survivor.expect_nothing(DISCONNECT, 0.3)
         assert survivor.subscribe(f"devices/{cid}/t", 1) == [1]  # still served
         survivor.disconnect()
+
+
+def test_a_session_of_a_stopped_node_resumes_elsewhere_where_it_left_off(
+    cluster: Cluster,
+) -> None:
+    n1, n2, n3 = cluster.nodes
+    topic = "devices/leaver/t"
+    sub = Client(n2.port, "leaver", V5, clean=False, session_expiry=300)
+    assert sub.connect() == 0
+    assert sub.subscribe(topic, qos=1) == [1]
+    seen = [f"seen{i}".encode() for i in range(5)]
+    assert _publish_all(n1, topic, seen, "leaver-pub") == seen
+    assert [m.payload for m in sub.expect(5)] == seen
+    # A SUBACK follows the PUBACKs paho sent before it (one connection, in order).
+    assert sub.subscribe("devices/leaver/other", qos=1) == [1]
+    n2.stop()  # its positions were committed (by the timer, or by the drain at shutdown)
+    sub.paho.loop_stop()
+    cluster.wait_leaders([n1, n3])
+    later = [b"later1", b"later2"]
+    assert _publish_all(n1, topic, later, "leaver-pub2") == later
+    back = Client(n3.port, "leaver", V5, clean=False, session_expiry=300)
+    assert back.connect() == 0 and back.session_present
+    assert [m.payload for m in back.expect(2)] == later  # nothing it had acknowledged
+    back.expect_none(0.3)
+    back.disconnect()
+    cluster.start([n2])
+    cluster.wait_leaders(cluster.nodes)
 
 
 def test_kill_9_of_the_session_holder_keeps_the_subscription(cluster: Cluster) -> None:
