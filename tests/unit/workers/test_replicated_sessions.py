@@ -21,6 +21,7 @@ from broker.commitlog.config import LogConfig, StreamSpec
 from broker.mqtt.packets import ConnAck
 from broker.mqtt.reason_codes import ReasonCode
 from broker.net.context import HERE, NEW, STATE
+from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.session import Session
 from broker.router.state import SESSIONS
 from broker.workers import replicated_sessions
@@ -275,5 +276,31 @@ def test_resume_leaves_the_router_with_the_sessions_this_node_owns(tmp_path: Pat
         assert a.sessions.serving
         assert list(router.sessions) == ["mine"]
         assert router.sessions["mine"].expiry_interval == 60
+
+    asyncio.run(run())
+
+
+def test_a_claim_overwritten_when_its_leader_lost_office_is_proposed_again(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        a = Member(tmp_path, "a", ["a", "b"], asyncio.get_running_loop())
+        router = a.harness.router
+        append = router.append_forwarded
+        proposed: list[list[tuple[Any, ...]]] = []
+
+        def leader_lost_the_first(key: Any, rows: list[tuple[Any, ...]], ack: Any) -> None:
+            proposed.append(rows)
+            if len(proposed) == 1:
+                ack(OUTCOME_UNKNOWN)  # in flight when its leader stepped down; overwritten
+                return
+            append(key, rows, ack)
+
+        router.append_forwarded = leader_lost_the_first  # type: ignore[method-assign]
+        claim = asyncio.get_running_loop().create_task(a.sessions.claim("dev", lambda x: x))
+        await Log([a]).settle()
+        assert await claim == NEW
+        assert len(proposed) == 2 and proposed[0] == proposed[1]
+        assert a.sessions.owners["dev"] == Owner(a.node.id, 1)
 
     asyncio.run(run())
