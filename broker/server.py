@@ -37,6 +37,7 @@ from broker.metrics.collector import BrokerCollector, Metrics
 from broker.metrics.sys_topics import SYS_SPEC, SysPublisher, sys_values
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import topic_matches
+from broker.net.context import SessionClaims
 from broker.net.iteration import IterationEnd
 from broker.net.keepalive import KeepaliveWheel
 from broker.net.tls import TLSConfigError, TLSProtocol, server_context
@@ -132,7 +133,13 @@ class Server:
                 if self.cluster is not None
                 else None
             ),
-            hooks=self.runtime,  # None: one worker (broker.router.hooks.SingleWorker)
+            # None: one worker (broker.router.hooks.SingleWorker); a cluster node loads the
+            # sessions it owns (broker.workers.replicated_sessions).
+            hooks=self.runtime
+            if self.runtime is not None
+            else self.cluster.hooks
+            if self.cluster is not None
+            else None,
             acl=self.auth.acl,
             on_sync_append=self.metrics.fsync_seconds.observe,
             load=self.runtime is None,
@@ -190,6 +197,16 @@ class Server:
         runtime.views["metrics"] = self.metrics.exposition
         runtime.views["sys"] = lambda: orjson.dumps(sys_values(self))
         runtime.views["health"] = lambda: orjson.dumps(self.counts())
+
+    @property
+    def session_claims(self) -> SessionClaims | None:
+        """Where a CONNECT's session is claimed before the router connects it: the session
+        directory of several workers, the cluster's owners, or None (one worker alone)."""
+        if self.runtime is not None:
+            return self.runtime.sessions
+        if self.cluster is not None:
+            return self.cluster.sessions
+        return None
 
     def partition_log(self, key: PartitionKey) -> SegmentedLog | LogReader:
         """The log of partition ``key`` for reading: this worker's own, or a read-only view

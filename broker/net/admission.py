@@ -9,7 +9,9 @@ One :class:`Admission` per CONNECT, driven by the connection it admits (an
    comes back on the loop (:meth:`~broker.auth.AuthService.complete`).
 2. When several workers share the clients, the session's home worker decides whether it is
    new, already here or handed over (:meth:`broker.workers.sessions.SessionDirectory.claim`);
-   a handed-over state is adopted by the router before the session connects.
+   on a cluster node, a claim in the replicated log does
+   (:meth:`broker.workers.replicated_sessions.ClusterSessions.claim`); a handed-over state
+   is adopted by the router before the session connects.
 3. The applicant connects the session (:meth:`Applicant.enter`, the router's ``connect``).
 
 While step 1 or 2 is pending the admission is :attr:`~Admission.pending` and holds the
@@ -162,17 +164,16 @@ class Admission:
     # ---------------------------------------------------------------- session claim
 
     def _claim(self, username: str | None) -> None:
-        runtime = self._ctx.runtime
+        claims = self._ctx.session_claims
         packet = self._packet
-        if runtime is None or not packet.client_id:
+        if claims is None or not packet.client_id:
             self._applicant.enter(packet, username)
             return
-        # One of several workers: the session may be held by another one. Its home worker
-        # decides (broker.workers.sessions); the input waits meanwhile.
+        # One of several workers, or a cluster node: the session may be held by another one.
+        # Its home worker (broker.workers.sessions) or the claims in the cluster's log
+        # (broker.workers.replicated_sessions) decide; the input waits meanwhile.
         self.pending = True
-        claim = runtime.sessions.claim(
-            packet.client_id, lambda answer: self._claimed(answer, username)
-        )
+        claim = claims.claim(packet.client_id, lambda answer: self._claimed(answer, username))
         self._ctx.loop.create_task(claim).add_done_callback(self._claim_failed)
 
     def _claimed(self, answer: bytes, username: str | None) -> None:

@@ -60,13 +60,6 @@ class SessionClaims(Protocol):
         ...
 
 
-class Runtime(Protocol):
-    """The part of :class:`broker.workers.runtime.WorkerRuntime` the edge uses."""
-
-    @property
-    def sessions(self) -> SessionClaims: ...
-
-
 class EdgeContext(Protocol[L]):
     """The worker as the edge sees it (read-only members; the worker owns them)."""
 
@@ -106,8 +99,9 @@ class EdgeContext(Protocol[L]):
         ...
 
     @property
-    def runtime(self) -> Runtime | None:
-        """The worker runtime when several workers share the clients, else None."""
+    def session_claims(self) -> SessionClaims | None:
+        """Where a CONNECT's session is claimed: the session directory when several workers
+        share the clients, the cluster's owners on a cluster node, else None."""
         ...
 
     def monotonic(self) -> float:

@@ -178,9 +178,20 @@ class Ack:
                 # The packet id must be known as received before the PUBREC can leave, also
                 # across a crash, or a resend after restart would be stored twice (s4.3.3).
                 self.commit.persist_before_acks(
-                    session, lambda _state_offset: self._answer(offset, resends)
+                    session, lambda state_offset: self._stored(state_offset, offset, resends)
                 )
                 return
+        self._answer(offset, resends)
+
+    def _stored(self, state_offset: int | None, offset: int, resends: int) -> None:
+        """The session state a PUBREC follows is stored (``state_offset``), or not: then no
+        PUBREC; the connection is closed so that the client resends the PUBLISH, which this
+        session (its packet id received) answers without storing it again. With a
+        replicated ``$sessions`` the state may fail to commit (no leader, leadership lost)."""
+        if state_offset is None or state_offset == OUTCOME_UNKNOWN:
+            if self.session.link is self.link:
+                self.link.close(ReasonCode.UNSPECIFIED_ERROR, "session state not stored")
+            return
         self._answer(offset, resends)
 
     def _answer(self, offset: int | None, resends: int) -> None:

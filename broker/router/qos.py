@@ -19,8 +19,9 @@ from typing import cast
 
 from broker.mqtt.packets import PubComp, PubRel
 from broker.mqtt.reason_codes import ReasonCode
-from broker.router.commit import Ack, GroupCommit
+from broker.router.commit import OUTCOME_UNKNOWN, Ack, GroupCommit
 from broker.router.delivery import Delivery
+from broker.router.link import Link
 from broker.router.session import Inflight, Session
 from broker.router.shared import SharedGroups
 from broker.router.state import RouterState
@@ -106,7 +107,7 @@ class QosFlows:
         # resent PUBLISH as a new message: the released step is in the log before it leaves,
         # so that a crash in between resends the PUBREL, never the PUBLISH [MQTT-4.3.3-6].
         session.dirty = True
-        self.commit.persist_before_acks(session, lambda _offset: link.send(PubRel(packet_id)))
+        self.commit.persist_before_acks(session, lambda offset: _released(link, packet_id, offset))
 
     def pubrel(self, session: Session, packet_id: int) -> None:
         link = session.link
@@ -160,3 +161,13 @@ class QosFlows:
                 dup=True,
                 packet_id=pid,
             )
+
+
+def _released(link: Link, packet_id: int, state_offset: int | None) -> None:
+    """PUBREL once the released step is stored; if it could not be (a replicated
+    ``$sessions`` without a leader), the connection is closed instead: the client resends
+    PUBREC on its next connection [MQTT-4.4.0-1]."""
+    if state_offset is None or state_offset == OUTCOME_UNKNOWN:
+        link.close(ReasonCode.UNSPECIFIED_ERROR, "session state not stored")
+    else:
+        link.send(PubRel(packet_id))

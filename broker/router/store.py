@@ -1,7 +1,9 @@
 """The session store: session, shared-group and retained state in the compacted streams.
 
 ``$sessions`` holds one record per client id (its :meth:`~broker.router.session.Session.to_state`,
-JSON) or ``$share/...`` filter (the group's positions); an empty payload deletes. ``$retained``
+JSON) or ``$share/...`` filter (the group's positions); an empty payload deletes. In a cluster
+it also holds each client id's ownership record (key: :data:`OWNERSHIP` + the client id),
+which is not loaded as a session. ``$retained``
 holds one record per topic. Both are written through the group commit (broker.router.commit)
 and read back whole at start (:meth:`SessionStore.load`). With several workers a session
 moves between workers as its state (:meth:`SessionStore.hand_over`, :meth:`SessionStore.adopt`).
@@ -25,6 +27,11 @@ from broker.router.commit import AckCallback, GroupCommit
 from broker.router.partition import GroupWatcher, SessionWatcher
 from broker.router.session import Consumer, Session, SharedGroup, Subscription
 from broker.router.state import RETAINED, SESSIONS, RouterState
+
+#: The first character of the ``$sessions`` keys that are no client id nor group: a
+#: cluster's ownership records (broker.workers.replicated_sessions). An MQTT string never
+#: contains U+0000 [MQTT-1.5.4-2].
+OWNERSHIP = "\0"
 
 
 class SessionStore:
@@ -115,7 +122,7 @@ class SessionStore:
         loaded = []
         is_home = self.state.hooks.is_home
         for name, payload in self._session_states().items():
-            if payload and name not in skip and is_home(name):
+            if payload and name not in skip and is_home(name) and name[:1] != OWNERSHIP:
                 if name.startswith("$share/"):
                     self._restore_group(name, orjson.loads(payload))
                 else:
@@ -129,7 +136,7 @@ class SessionStore:
         wanted = set(client_ids) - set(self.sessions)
         found = []
         for name, payload in self._session_states().items():
-            if name in wanted and payload:
+            if name in wanted and payload and name[:1] != OWNERSHIP:
                 self._restore_session(name, orjson.loads(payload))
                 found.append(name)
         return found

@@ -29,15 +29,18 @@ leads) is held and dispatched again when a leader is known, so a publish in the 
 failover is delayed, not refused; only after :data:`HOLD_SECONDS` without one do its
 publishers get ``None``: a negative acknowledgement (MQTT 5) or a closed connection (3.1.1).
 
-The internal ``$sessions`` / ``$retained`` streams and compacted streams stay local to each
-node in this step: compaction re-encodes batches, which would move entry boundaries under the
-Raft log (see the README's cluster section).
+The internal ``$retained`` and ``$sessions`` streams are Raft groups too, compacted with their
+batches' boundaries kept (:data:`CLUSTER_SPECS`); every node applies each commit of
+``$retained`` to its retained index and of ``$sessions`` to its knowledge of the sessions and
+their owners (broker.workers.replicated_sessions). Other compacted streams stay local to each
+node: compaction re-encodes batches, which would move entry boundaries under the Raft log.
 
 Called only from the worker's event loop.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 import time
@@ -54,11 +57,12 @@ from broker.commitlog import Record, SegmentedLog, Streams
 from broker.commitlog.batch import decode_batch, encode_batch
 from broker.commitlog.config import StreamSpec
 from broker.commitlog.keys import PartitionKey
-from broker.commitlog.streams import INTERNAL_LOG, RETAINED_STREAM
+from broker.commitlog.streams import INTERNAL_LOG, RETAINED_STREAM, SESSIONS_STREAM
 from broker.config import Config
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
-from broker.router.state import RETAINED
+from broker.router.state import RETAINED, SESSIONS
+from broker.workers.replicated_sessions import ClusterHooks, ClusterSessions
 
 if TYPE_CHECKING:
     from broker.router.router import Router
@@ -82,16 +86,20 @@ CATCH_UP_SECONDS = 10.0
 #: its publishers are refused: a failover takes about an election timeout, so a publish in
 #: the middle of one is delayed rather than refused.
 HOLD_SECONDS = 5.0
+#: Seconds a stopping node waits for the session states it persisted last to commit.
+DRAIN_SECONDS = 2.0
 
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
 _TRANSFER = struct.Struct("<II")
 
-#: In a cluster ``$retained`` is a Raft group like the stream partitions: compacted with its
-#: batches' boundaries kept (an emptied batch stays as a placeholder, so Raft's entries never
-#: move), every node applying each commit to its retained index.
-CLUSTER_SPECS = (
-    StreamSpec(RETAINED_STREAM, (), 1, replace(INTERNAL_LOG, keep_empty_batches=True)),
+#: In a cluster ``$retained`` and ``$sessions`` are Raft groups like the stream partitions:
+#: compacted with their batches' boundaries kept (an emptied batch stays as a placeholder, so
+#: Raft's entries never move), every node applying each commit to its retained index and its
+#: knowledge of the sessions.
+CLUSTER_SPECS = tuple(
+    StreamSpec(name, (), 1, replace(INTERNAL_LOG, keep_empty_batches=True))
+    for name in (RETAINED_STREAM, SESSIONS_STREAM)
 )
 
 
@@ -237,7 +245,7 @@ class ClusterService:
             spec
             for spec in streams.specs.values()
             if (not spec.name.startswith("$") and not spec.log.compacted)
-            or spec.name == RETAINED_STREAM
+            or spec.name in (RETAINED_STREAM, SESSIONS_STREAM)
         ]
         self.groups = group_ids((spec.name, p) for spec in specs for p in range(spec.partitions))
         rf = {spec.name: config.replication_factor(spec) for spec in specs}
@@ -248,6 +256,10 @@ class ClusterService:
         self.storages = {g: GroupStorage.over(streams.log(*key)) for g, key in self.groups.items()}
         #: ``$retained`` offsets below this are in the router's retained index.
         self._retained_applied = streams.log(*RETAINED).high_watermark
+        #: Sessions and their owners across the cluster, and this node's claims.
+        self.sessions = ClusterSessions(self.node, streams.log(*SESSIONS))
+        #: The router's hooks: it loads the sessions this node owns.
+        self.hooks = ClusterHooks(self.sessions)
         self.keys = {key: g for g, key in self.groups.items()}
         self.node.group_keys = dict(self.groups)
         self.node.on_commit = self._on_commit
@@ -264,6 +276,7 @@ class ClusterService:
 
     def attach(self, router: Router) -> None:
         self.router = router
+        self.sessions.router = router
 
     def make_partition(self, key: PartitionKey) -> PartitionBase:
         """The router's partition factory: replicated or local (module docstring)."""
@@ -300,8 +313,10 @@ class ClusterService:
             len(self.storages),
             len(members),
         )
+        self.sessions.resume()  # its sessions as committed; claims are answered from now on
 
     async def close(self) -> None:
+        await self._drain_sessions()
         for waiting in self._waiting.values():
             _answer(waiting.acks, OUTCOME_UNKNOWN)
         self._waiting.clear()
@@ -310,6 +325,25 @@ class ClusterService:
                 _answer(acks, None)
             part.held.clear()
         await self.node.close()
+
+    async def _drain_sessions(self) -> None:
+        """At shutdown: let the session states the router just persisted commit (at most
+        :data:`DRAIN_SECONDS`), so that a restart, or a reconnect on another node, finds
+        their last positions."""
+        g = self.keys.get(SESSIONS)
+        part = self._partition(g) if g is not None else None
+        if part is None:
+            return
+        deadline = time.monotonic() + DRAIN_SECONDS
+        while (
+            part.inflight
+            or part.held
+            or part.pending
+            or any(w.part is part for w in self._waiting.values())
+        ) and time.monotonic() < deadline:
+            if self.node.leader(part.group) is None:
+                break  # no quorum to commit them
+            await asyncio.sleep(self.node.settings.heartbeat_interval / 4)
 
     def tick(self) -> None:
         """Called by the server's timer: forwards unanswered for too long have an unknown
@@ -339,8 +373,11 @@ class ClusterService:
         return part if isinstance(part, ReplicatedPartition) else None
 
     def _on_commit(self, g: int, commit: int) -> None:
-        if self.groups.get(g) == RETAINED and self.router is not None:
+        key = self.groups.get(g)
+        if key == RETAINED and self.router is not None:
             self._apply_retained(commit)
+        elif key == SESSIONS and self.router is not None:
+            self._apply_sessions(commit)
         part = self._partition(g)
         if part is None:
             return
@@ -363,6 +400,22 @@ class ClusterService:
             self.router.apply_retained(records)
             offset = records[-1].offset + 1 if records else commit
         self._retained_applied = max(offset, self._retained_applied)
+
+    def _apply_sessions(self, commit: int) -> None:
+        """Committed ``$sessions`` records, up to offset ``commit``, to the sessions'
+        knowledge (broker.workers.replicated_sessions)."""
+        assert self.router is not None
+        part = self.router.partition(SESSIONS)
+        sessions = self.sessions
+        offset = sessions.applied
+        while offset < commit:
+            records = part.read(offset)
+            if not records:
+                break
+            records = [r for r in records if r.offset < commit]
+            sessions.apply(records)
+            offset = records[-1].offset + 1 if records else commit
+        sessions.applied = max(offset, sessions.applied)
 
     def _on_leader(self, g: int) -> None:
         # Forwards to a node that no longer leads may or may not have committed there: their
@@ -478,4 +531,5 @@ class ClusterService:
     def status(self) -> dict[str, Any]:
         view = self.node.status()
         view["forwards_waiting"] = len(self._waiting)
+        view["session_takeovers"] = self.sessions.takeovers
         return view

@@ -86,11 +86,6 @@ class Sessions:
         return adopt(self.answer)
 
 
-class Runtime:
-    def __init__(self, sessions: Sessions) -> None:
-        self.sessions = sessions
-
-
 class Router:
     def __init__(self) -> None:
         self.adopted: list[tuple[str, bytes]] = []
@@ -100,10 +95,10 @@ class Router:
 
 
 class Context:
-    def __init__(self, loop: Any = None, runtime: Runtime | None = None) -> None:
+    def __init__(self, loop: Any = None, session_claims: Sessions | None = None) -> None:
         self.auth = Auth()
         self.loop = loop if loop is not None else Loop()
-        self.runtime = runtime
+        self.session_claims = session_claims
         self.router = Router()
 
 
@@ -222,7 +217,7 @@ def claim(answer: bytes | Exception, packet: Connect) -> tuple[Context, Applican
     """Admit ``packet`` with several workers: the claim answers ``answer`` (or fails)."""
 
     async def run() -> tuple[Context, Applicant, Admission]:
-        ctx = Context(asyncio.get_running_loop(), Runtime(Sessions(answer)))
+        ctx = Context(asyncio.get_running_loop(), Sessions(answer))
         applicant = Applicant()
         a = admission(ctx, applicant, packet)
         assert a.start() is True  # the claim runs on the loop
@@ -245,7 +240,7 @@ def test_a_claimed_session_is_adopted_then_entered() -> None:
 def test_the_claim_follows_a_password_check() -> None:
     async def run() -> Applicant:
         loop = asyncio.get_running_loop()
-        ctx = Context(loop, Runtime(Sessions(b"N")))
+        ctx = Context(loop, Sessions(b"N"))
         applicant = Applicant()
         a = admission(ctx, applicant)
         a.start()
@@ -265,7 +260,7 @@ def test_a_failed_claim_is_refused_as_server_unavailable() -> None:
 
 def test_an_empty_client_id_needs_no_claim() -> None:
     async def run() -> list[tuple[Any, ...]]:
-        ctx = Context(asyncio.get_running_loop(), Runtime(Sessions(b"N")))
+        ctx = Context(asyncio.get_running_loop(), Sessions(b"N"))
         applicant = Applicant()
         assert admission(ctx, applicant, Connect("", 4)).start() is False
         return applicant.calls

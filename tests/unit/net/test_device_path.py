@@ -93,7 +93,7 @@ class Server:
         self.auth = AuthService(self.config.auth, self.monotonic)
         self.links: set[Any] = set()
         self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, 1000.0)
-        self.runtime = None
+        self.session_claims = None
         self.flush_due: list[MQTTProtocol] = []
 
     def want_flush(self, link: MQTTProtocol) -> None:

@@ -50,7 +50,7 @@ class FakeServer:
         self.links: set[Any] = set()
         self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, clock())
         self.flushed: list[Any] = []
-        self.runtime = None  # one worker: no session claims
+        self.session_claims = None  # one worker: no session claims
 
     def want_flush(self, link: Any) -> None:
         self.flushed.append(link)

@@ -1,0 +1,328 @@
+"""Replicated sessions: ``$sessions`` as a Raft group, each client id owned by one node at a time.
+
+In a cluster ``$sessions`` is a Raft group like ``$retained`` (broker.workers.replicated's
+``CLUSTER_SPECS``): a session's state, written through the group commit as on one node
+(broker.router.store), is acknowledged once the quorum committed it, and every node applies
+each commit, in log order, to its knowledge of the sessions (:class:`ClusterSessions`):
+``states`` (the latest state record per client id) and ``owners`` (the node that holds each
+client id's session, and its connection epoch). So a client reconnecting with a clean start
+of 0 to ANY node finds its subscriptions, log positions and unacknowledged QoS 1/2 state.
+
+Ownership is decided in the log. Beside a client id's state record (key: the client id), its
+*claim* record (key: NUL + the client id: an MQTT string never contains U+0000
+[MQTT-1.5.4-2], so no client id or ``$share/...`` filter is one) names the owning node and
+an epoch. Every CONNECT with a client id on a node that does not own it:
+
+1. proposes a claim ``(this node, epoch + 1)``, where ``epoch`` is the latest this node applied;
+   applied on every node in log order, a claim is valid only if its epoch is greater than the
+   current one, so of two connects racing on two nodes exactly one claim of an epoch wins; the
+   loser claims again above it (:data:`CLAIM_ATTEMPTS`), and the last connection wins, as on
+   one node [MQTT-3.1.4-3];
+2. the previous owner, applying the winning claim while it serves, closes the connection it
+   holds (5.0: DISCONNECT 0x8E Session taken over [MQTT-3.1.4-3]), takes the session out of
+   its router and writes its final state, then a *release* record naming the new owner and
+   epoch, in that order, in one batch;
+3. the claimant waits for the release (at most :data:`TAKEOVER_TIMEOUT`; not at all when
+   the previous owner's node is not connected) and adopts the latest state applied, the
+   final one; a previous owner that is dead or cut off is logged, and the session continues
+   from its last committed state. A claim overtaken meanwhile by another node's refuses this
+   connection, so exactly one stays connected.
+
+A node that owns the client id connects it at once (the previous connection, if any, is
+closed by the router as on one node); a claim committed meanwhile elsewhere takes it away
+right after. At start a node loads only the sessions it owns (:class:`ClusterHooks`); claims
+applied while it catches up, before it serves, move sessions away without a release (their
+claimants did not wait for this dead node), and once caught up it reloads the sessions it
+owns from what it applied (:meth:`ClusterSessions.resume`).
+
+Limits of this step: the wills and expiry of a session whose owner is dead wait for that
+node's return or the client's reconnection elsewhere; claim records are kept (one small
+record per client id that ever connected); a QoS 2 PUBLISH to a subscriber leaves once its
+state is in the local log, before the quorum commits it, so a kill -9 of that node right then
+may deliver it again under a new packet id (a takeover between live nodes carries the exact
+state and stays exactly once).
+
+Called only from the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable, Iterable
+from typing import TYPE_CHECKING, NamedTuple, TypeVar
+
+import orjson
+
+from broker.cluster.placement import node_id_of
+from broker.commitlog import Record, SegmentedLog
+from broker.net.context import HERE, NEW, STATE
+from broker.router.commit import OUTCOME_UNKNOWN
+from broker.router.hooks import SingleWorker
+from broker.router.state import SESSIONS
+from broker.router.store import OWNERSHIP
+
+if TYPE_CHECKING:
+    from broker.cluster.node import ClusterNode
+    from broker.router.router import Router
+
+log = logging.getLogger("broker.cluster")
+T = TypeVar("T")
+
+#: Key prefix of a claim (and release) record in ``$sessions`` (module docstring); the
+#: session store never loads these as sessions.
+CLAIM_PREFIX = OWNERSHIP
+#: Seconds a claim waits to be committed and applied here.
+CLAIM_TIMEOUT = 10.0
+#: Seconds a claimant waits for the previous owner's release before it continues from the
+#: last committed state of the session.
+TAKEOVER_TIMEOUT = 3.0
+#: Claims one CONNECT makes before it is refused (each lost to a connect on another node).
+CLAIM_ATTEMPTS = 3
+
+#: What a claim that lost (its epoch not above the current one when applied) resolves to.
+_LOST = -1
+
+
+class Owner(NamedTuple):
+    """The node holding a client id's session (a Raft node id) and its connection epoch."""
+
+    node: int
+    epoch: int
+
+
+class ClaimError(Exception):
+    """A CONNECT's claim failed: no commit in time, or other nodes' connections won."""
+
+
+class ClusterSessions:
+    """This node's knowledge of every session and the claims of its CONNECTs (module
+    docstring). ``router`` is set once the router exists; :attr:`serving` once the node
+    caught up and serves clients."""
+
+    def __init__(self, node: ClusterNode, sessions_log: SegmentedLog) -> None:
+        self.node = node
+        self.router: Router | None = None
+        self.serving = False
+        #: Client id -> its owner, as of the last ``$sessions`` record applied.
+        self.owners: dict[str, Owner] = {}
+        #: Client id -> its latest state record's payload (the router's ``to_state`` JSON).
+        self.states: dict[str, bytes] = {}
+        #: Client id -> the epoch of the latest release applied since its last claim.
+        self.released: dict[str, int] = {}
+        self.takeovers = 0
+        self._claims: dict[tuple[str, int], asyncio.Future[int | None]] = {}
+        self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
+        # What this node's log holds (up to its pinned high-water mark) is known at once.
+        offset = sessions_log.log_start_offset
+        end = sessions_log.high_watermark
+        while offset < end:
+            records = sessions_log.read(offset, max_records=1000)
+            if not records:
+                break
+            self.apply([r for r in records if r.offset < end])
+            offset = records[-1].offset + 1
+        #: ``$sessions`` offsets below this are applied.
+        self.applied = end
+
+    def resume(self) -> None:
+        """The node caught up and is about to serve: the router holds exactly the sessions
+        this node owns, each in its latest committed state (the log the router loaded at
+        start ended at the commit known then; what committed since was applied here only).
+        Sessions no claim names (written before the cluster) stay as loaded."""
+        router = self.router
+        assert router is not None
+        me = self.node.id
+        for client_id in list(router.sessions):
+            owner = self.owners.get(client_id)
+            if owner is not None and owner.node != me:
+                router.hand_over(client_id)  # offline: it only leaves this router
+        for client_id, owner in self.owners.items():
+            if owner.node != me:
+                continue
+            if client_id in router.sessions:
+                router.hand_over(client_id)
+            state = self.states.get(client_id)
+            if state:
+                router.adopt(client_id, state)
+        self.serving = True
+
+    # -- applying commits (every node) ----------------------------------------------------
+
+    def apply(self, records: Iterable[Record]) -> None:
+        """Committed ``$sessions`` records, in log order (module docstring)."""
+        for rec in records:
+            key = rec.topic
+            if key.startswith(CLAIM_PREFIX):
+                self._apply_claim(key[len(CLAIM_PREFIX) :], rec.payload)
+            elif key.startswith("$share/"):
+                continue  # a shared group's positions: the node holding it loads them
+            elif rec.payload:
+                self.states[key] = rec.payload
+            else:
+                self.states.pop(key, None)  # the session ended [MQTT-3.1.2-4]
+
+    def _apply_claim(self, client_id: str, payload: bytes) -> None:
+        if not payload:
+            self.owners.pop(client_id, None)
+            return
+        body = orjson.loads(payload)
+        node, epoch = node_id_of(body["node"]), body["epoch"]
+        current = self.owners.get(client_id)
+        if "released_by" in body:
+            if current == (node, epoch):
+                self.released[client_id] = epoch
+                waiter = self._releases.pop((client_id, epoch), None)
+                if waiter is not None and not waiter.done():
+                    waiter.set_result(None)
+            return
+        me = self.node.id
+        if current is not None and epoch <= current.epoch:
+            # Another connection's claim of this epoch came first: this one lost the race.
+            if node == me:
+                self._resolve(client_id, epoch, _LOST)
+            return
+        self.owners[client_id] = Owner(node, epoch)
+        self.released.pop(client_id, None)
+        previous = current.node if current is not None else None
+        if node == me:
+            self._resolve(client_id, epoch, previous)
+        else:
+            self._release(client_id, previous, node, epoch)
+
+    def _resolve(self, client_id: str, epoch: int, outcome: int | None) -> None:
+        waiter = self._claims.pop((client_id, epoch), None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(outcome)
+
+    def _release(self, client_id: str, previous: int | None, to: int, epoch: int) -> None:
+        """Node ``to`` owns ``client_id`` from ``epoch`` on: if the session was this node's,
+        its connection here is closed as taken over [MQTT-3.1.4-3] and, while serving, its
+        final state and the release go in the log for the claimant."""
+        router = self.router
+        held = router is not None and client_id in router.sessions
+        if previous != self.node.id and not held:
+            return
+        state = router.hand_over(client_id) if router is not None and held else None
+        if not self.serving or router is None:
+            return  # catching up at start: that claimant did not wait for this node
+        now = router.state.now_ms()
+        rows: list[tuple[object, ...]] = []
+        if state is not None:
+            rows.append((now, client_id, state, 0, False, "", b""))
+        release = {"node": self.node.names.get(to, str(to)), "epoch": epoch}
+        release["released_by"] = self.node.name
+        rows.append((now, CLAIM_PREFIX + client_id, orjson.dumps(release), 0, False, "", b""))
+        router.append_forwarded(SESSIONS, rows, _ignore)
+        self.takeovers += 1
+        log.info(
+            "cluster: %s: session taken over by node %s (epoch %d)%s",
+            client_id,
+            release["node"],
+            epoch,
+            "" if held else "; it was not held here",
+        )
+
+    # -- claiming (the node a client connects to) -------------------------------------------
+
+    async def claim(self, client_id: str, adopt: Callable[[bytes], T]) -> T:
+        """Make this node the owner of ``client_id``'s session and return what
+        ``adopt(answer)`` returns (``answer``: :data:`HERE`, :data:`NEW`, or :data:`STATE`
+        + the state to adopt; see broker.net.admission). Raises :class:`ClaimError`."""
+        me = self.node.id
+        for _ in range(CLAIM_ATTEMPTS):
+            current = self.owners.get(client_id)
+            if current is not None and current.node == me:
+                return adopt(HERE)
+            epoch = (current.epoch if current is not None else 0) + 1
+            previous = await self._propose(client_id, epoch)
+            if previous == _LOST:
+                continue
+            if previous is not None and previous != me:
+                await self._wait_release(client_id, epoch, previous)
+            if self.owners.get(client_id) != (me, epoch):
+                raise ClaimError(f"{client_id}: a connection on another node took the session")
+            router = self.router
+            if router is not None and client_id in router.sessions:
+                return adopt(HERE)
+            state = self.states.get(client_id)
+            return adopt(STATE + state if state else NEW)
+        raise ClaimError(f"{client_id}: {CLAIM_ATTEMPTS} claims lost to connections elsewhere")
+
+    async def _propose(self, client_id: str, epoch: int) -> int | None:
+        """Propose the claim and wait until it is applied here: the previous owner, None,
+        or :data:`_LOST`."""
+        router = self.router
+        assert router is not None
+        waiter: asyncio.Future[int | None] = self.node.loop.create_future()
+        self._claims[(client_id, epoch)] = waiter
+
+        payload = orjson.dumps({"node": self.node.name, "epoch": epoch})
+        row = (router.state.now_ms(), CLAIM_PREFIX + client_id, payload, 0, False, "", b"")
+
+        def committed(offset: int | None) -> None:
+            if waiter.done():
+                return
+            if offset is None:  # refused: no leader for too long
+                waiter.set_exception(ClaimError(f"{client_id}: $sessions has no leader"))
+            elif offset == OUTCOME_UNKNOWN:
+                # Its leader lost office with it in flight: proposed again. If the first
+                # did commit, it resolves the claim and the second, of the same epoch, is
+                # stale wherever it is applied.
+                router.append_forwarded(SESSIONS, [row], committed)
+
+        router.append_forwarded(SESSIONS, [row], committed)
+        try:
+            return await asyncio.wait_for(waiter, CLAIM_TIMEOUT)
+        except TimeoutError:
+            raise ClaimError(f"{client_id}: claim not committed within {CLAIM_TIMEOUT} s") from None
+        finally:
+            self._claims.pop((client_id, epoch), None)
+
+    async def _wait_release(self, client_id: str, epoch: int, previous: int) -> None:
+        """Until node ``previous`` released the session (its final state is then applied),
+        at most :data:`TAKEOVER_TIMEOUT`; not at all if that node is not connected."""
+        name = self.node.names.get(previous, str(previous))
+        if self.released.get(client_id) == epoch:
+            return
+        if not self.node.transport.connected(name):
+            log.warning(
+                "cluster: %s: node %s, which held the session, is unreachable: the session "
+                "continues here from its last committed state",
+                client_id,
+                name,
+            )
+            return
+        waiter: asyncio.Future[None] = self.node.loop.create_future()
+        self._releases[(client_id, epoch)] = waiter
+        try:
+            await asyncio.wait_for(waiter, TAKEOVER_TIMEOUT)
+        except TimeoutError:
+            log.warning(
+                "cluster: %s: node %s did not release the session within %g s: the session "
+                "continues here from its last committed state",
+                client_id,
+                name,
+                TAKEOVER_TIMEOUT,
+            )
+        finally:
+            self._releases.pop((client_id, epoch), None)
+
+
+def _ignore(offset: int | None) -> None:
+    if offset is None or offset == OUTCOME_UNKNOWN:
+        log.warning("cluster: a session release was not committed (no leader for $sessions)")
+
+
+class ClusterHooks(SingleWorker):
+    """The router's hooks on a cluster node (one worker): at start it loads only the
+    sessions this node owns (or that no claim names: state written before the cluster)."""
+
+    def __init__(self, sessions: ClusterSessions) -> None:
+        self.sessions = sessions
+
+    def is_home(self, name: str) -> bool:
+        if name.startswith(CLAIM_PREFIX):
+            return False  # an ownership record, not a session
+        owner = self.sessions.owners.get(name)
+        return owner is None or owner.node == self.sessions.node.id

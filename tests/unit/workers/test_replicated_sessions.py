@@ -1,0 +1,306 @@
+"""Session ownership through the replicated ``$sessions`` log (broker.workers.replicated_sessions).
+
+Two or three "nodes", each a real router on a real log (tests/unit/router/conftest.py's
+Harness) with its :class:`ClusterSessions`; the Raft group in between is replaced by the test:
+what each node appends to its own ``$sessions`` is collected and applied to every node in one
+order, the log order a Raft group would have committed. Only the network is simulated.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from broker.cluster.placement import node_id_of
+from broker.commitlog import Record
+from broker.commitlog.config import LogConfig, StreamSpec
+from broker.mqtt.packets import ConnAck
+from broker.mqtt.reason_codes import ReasonCode
+from broker.net.context import HERE, NEW, STATE
+from broker.router.commit import OUTCOME_UNKNOWN
+from broker.router.session import Session
+from broker.router.state import SESSIONS
+from broker.workers import replicated_sessions
+from broker.workers.replicated_sessions import (
+    CLAIM_PREFIX,
+    ClaimError,
+    ClusterHooks,
+    ClusterSessions,
+    Owner,
+)
+from tests.unit.router.conftest import Harness
+
+
+class Transport:
+    def __init__(self) -> None:
+        self.down: set[str] = set()
+
+    def connected(self, name: str) -> bool:
+        return name not in self.down
+
+
+class Node:
+    """What ClusterSessions reads of its ClusterNode."""
+
+    def __init__(self, name: str, names: list[str], loop: asyncio.AbstractEventLoop) -> None:
+        self.name = name
+        self.id = node_id_of(name)
+        self.names = {node_id_of(n): n for n in names}
+        self.loop = loop
+        self.transport = Transport()
+
+
+SPECS = [StreamSpec("default", (), 1, LogConfig(fsync="never"))]
+
+
+class Member:
+    """One node: its router (a Harness) and its ClusterSessions."""
+
+    def __init__(self, tmp: Path, name: str, names: list[str], loop: Any) -> None:
+        self.node = Node(name, names, loop)
+        self.harness = Harness(tmp / name, specs=list(SPECS))
+        self.sessions = ClusterSessions(
+            self.node,  # type: ignore[arg-type]
+            self.harness.streams.log(*SESSIONS),
+        )
+        self.sessions.router = self.harness.router
+        self.sessions.serving = True
+        self.sent = self.harness.streams.log(*SESSIONS).high_watermark
+
+    def appended(self) -> list[Record]:
+        """What this node appended to its ``$sessions`` since the last call."""
+        self.harness.run()
+        part = self.harness.router.partition(SESSIONS)
+        out: list[Record] = []
+        while self.sent < part.end_offset:
+            records = part.read(self.sent)
+            out += records
+            self.sent = records[-1].offset + 1
+        return out
+
+
+class Log:
+    """The replicated ``$sessions``: records proposed by the members, committed in the order
+    :meth:`commit` takes them, applied to every member."""
+
+    def __init__(self, members: list[Member]) -> None:
+        self.members = members
+        self.committed: list[Record] = []
+
+    def commit(self, *order: Member) -> list[Record]:
+        batch: list[Record] = []
+        for m in order or tuple(self.members):
+            batch += m.appended()
+        for m in self.members:
+            m.sessions.apply(batch)
+        self.committed += batch
+        return batch
+
+    async def settle(self, rounds: int = 20) -> None:
+        """Commit, and let the claims resume, round after round."""
+        for _ in range(rounds):
+            self.commit()
+            await asyncio.sleep(0)
+
+
+async def turns(n: int = 5) -> None:
+    """Let the tasks resumed by what was applied run."""
+    for _ in range(n):
+        await asyncio.sleep(0)
+
+
+def claim_record(node: str, epoch: int, client_id: str, **extra: Any) -> Record:
+    body = orjson.dumps({"node": node, "epoch": epoch, **extra})
+    return Record(0, 0, CLAIM_PREFIX + client_id, body)
+
+
+def test_racing_claims_of_one_epoch_the_first_in_the_log_wins_everywhere(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b", "c"]
+        a, b, c = (Member(tmp_path, n, names, loop) for n in names)
+        log = Log([a, b, c])
+        b_claim = loop.create_task(b.sessions.claim("dev", lambda answer: answer))
+        c_claim = loop.create_task(c.sessions.claim("dev", lambda answer: answer))
+        await turns()  # both proposed epoch 1
+        log.commit(c, b)  # c's first: b's claim of epoch 1 loses, b claims epoch 2
+        await turns()
+        assert not b_claim.done()
+        assert c_claim.done() and c_claim.result() == NEW
+        assert {m.sessions.owners["dev"] for m in (a, b, c)} == {Owner(c.node.id, 1)}
+        await log.settle()
+        # b's second claim took it over from c, which released it (nothing held there yet)
+        assert await b_claim == NEW
+        assert {m.sessions.owners["dev"] for m in (a, b, c)} == {Owner(b.node.id, 2)}
+        releases = [r for r in log.committed if b"released_by" in r.payload]
+        assert [orjson.loads(r.payload)["released_by"] for r in releases] == ["c"]
+
+    asyncio.run(run())
+
+
+def test_a_takeover_closes_the_old_connection_and_moves_the_state(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b"]
+        a, b = (Member(tmp_path, n, names, loop) for n in names)
+        log = Log([a, b])
+        first = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
+        await log.settle()
+        assert await first == NEW
+        link, session = a.harness.connect("dev", clean=False, expiry=300)
+        a.harness.subscribe(session, "t/#", 2)
+        log.commit()
+        assert b.sessions.states["dev"]  # the subscription is known on b
+
+        adopted: list[bytes] = []
+
+        def adopt(answer: bytes) -> bytes:
+            adopted.append(answer)
+            if answer[:1] == STATE:
+                b.harness.router.adopt("dev", answer[1:])
+            return answer
+
+        second = loop.create_task(b.sessions.claim("dev", adopt))
+        await log.settle()
+        answer = await second
+        assert answer[:1] == STATE
+        assert link.closed == ReasonCode.SESSION_TAKEN_OVER  # [MQTT-3.1.4-3]
+        assert "dev" not in a.harness.router.sessions
+        new_link, resumed = b.harness.connect("dev", clean=False, expiry=300)
+        assert "t/#" in resumed.main.subscriptions
+        assert new_link.of(ConnAck)[0].session_present  # [MQTT-3.2.2-2]
+        # Ownership, as every node applied it, and as a restarted node loads it.
+        assert a.sessions.owners["dev"] == b.sessions.owners["dev"] == Owner(b.node.id, 2)
+        assert not ClusterHooks(a.sessions).is_home("dev")
+        assert ClusterHooks(b.sessions).is_home("dev")
+        assert not ClusterHooks(b.sessions).is_home(CLAIM_PREFIX + "dev")
+        # Reconnecting where it is owned needs no claim.
+        assert await b.sessions.claim("dev", lambda answer: answer) == HERE
+
+    asyncio.run(run())
+
+
+def test_a_dead_previous_owner_is_not_waited_for(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b"]
+        a, b = (Member(tmp_path, n, names, loop) for n in names)
+        # "a" owned the session at epoch 4 and is gone: b knows its last state.
+        state = orjson.dumps({"last": True})
+        for m in (a, b):
+            m.sessions.apply([claim_record("a", 4, "dev"), Record(0, 0, "dev", state)])
+        b.node.transport.down.add("a")
+        log = Log([b])
+        claim = loop.create_task(b.sessions.claim("dev", lambda answer: answer))
+        await log.settle()
+        assert await claim == STATE + state
+        assert b.sessions.owners["dev"] == Owner(b.node.id, 5)
+
+    asyncio.run(run())
+
+
+def test_stale_claims_and_releases_change_nothing(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = Member(tmp_path, "a", ["a", "b"], loop)
+        s = a.sessions
+        s.apply([claim_record("b", 3, "x")])
+        s.apply([claim_record("a", 3, "x"), claim_record("a", 2, "x")])  # not above 3
+        assert s.owners["x"] == Owner(node_id_of("b"), 3)
+        s.apply([claim_record("a", 2, "x", released_by="b")])  # another epoch's release
+        assert "x" not in s.released
+        s.apply([claim_record("b", 3, "x", released_by="a")])
+        assert s.released["x"] == 3
+        s.apply([Record(0, 0, "x", b"{}"), Record(0, 0, "x", b"")])  # a tombstone ends it
+        assert "x" not in s.states
+        s.apply([Record(0, 0, "$share/g/t", b"{}")])  # a shared group: not a session
+        assert "$share/g/t" not in s.states
+
+    asyncio.run(run())
+
+
+def test_a_claim_without_a_commit_fails(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(replicated_sessions, "CLAIM_TIMEOUT", 0.05)
+
+    async def run() -> None:
+        a = Member(tmp_path, "a", ["a", "b"], asyncio.get_running_loop())
+        with pytest.raises(ClaimError, match="not committed"):
+            await a.sessions.claim("lonely", lambda answer: answer)
+
+    asyncio.run(run())
+
+
+def test_the_knowledge_is_rebuilt_from_the_log_at_start(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = Member(tmp_path, "a", ["a", "b"], loop)
+        rows = [
+            (0, CLAIM_PREFIX + "dev", orjson.dumps({"node": "b", "epoch": 7}), 0, False, "", b""),
+            (0, "dev", orjson.dumps(Session("dev", persistent=True).to_state()), 0, False, "", b""),
+        ]
+        a.harness.router.append_forwarded(SESSIONS, rows, None)  # type: ignore[arg-type]
+        a.harness.run()
+        a.harness.restart()
+        again = ClusterSessions(a.node, a.harness.streams.log(*SESSIONS))  # type: ignore[arg-type]
+        assert again.owners["dev"] == Owner(node_id_of("b"), 7)
+        assert orjson.loads(again.states["dev"])["version"] == 4
+        # a router without the cluster loads the session, not the ownership record
+        assert list(a.harness.router.sessions) == ["dev"]
+
+    asyncio.run(run())
+
+
+def test_resume_leaves_the_router_with_the_sessions_this_node_owns(tmp_path: Path) -> None:
+    async def run() -> None:
+        a = Member(tmp_path, "a", ["a", "b"], asyncio.get_running_loop())
+        a.sessions.serving = False
+        router = a.harness.router
+        _link, moved = a.harness.connect("moved", clean=False, expiry=300)
+        a.harness.router.connection_lost(moved, _link, graceful=True)
+        state = orjson.dumps(Session("mine", persistent=True, expiry_interval=60).to_state())
+        # Committed while the node caught up: "mine" is owned here, "moved" by b.
+        a.sessions.apply(
+            [
+                claim_record("a", 3, "mine"),
+                Record(0, 0, "mine", state),
+                claim_record("b", 2, "moved"),
+            ]
+        )
+        assert "moved" not in router.sessions  # handed over (silently: not serving yet)
+        assert not [r for r in a.appended() if r.topic.startswith(CLAIM_PREFIX)]
+        a.sessions.resume()
+        assert a.sessions.serving
+        assert list(router.sessions) == ["mine"]
+        assert router.sessions["mine"].expiry_interval == 60
+
+    asyncio.run(run())
+
+
+def test_a_claim_overwritten_when_its_leader_lost_office_is_proposed_again(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        a = Member(tmp_path, "a", ["a", "b"], asyncio.get_running_loop())
+        router = a.harness.router
+        append = router.append_forwarded
+        proposed: list[list[tuple[Any, ...]]] = []
+
+        def leader_lost_the_first(key: Any, rows: list[tuple[Any, ...]], ack: Any) -> None:
+            proposed.append(rows)
+            if len(proposed) == 1:
+                ack(OUTCOME_UNKNOWN)  # in flight when its leader stepped down; overwritten
+                return
+            append(key, rows, ack)
+
+        router.append_forwarded = leader_lost_the_first  # type: ignore[method-assign]
+        claim = asyncio.get_running_loop().create_task(a.sessions.claim("dev", lambda x: x))
+        await Log([a]).settle()
+        assert await claim == NEW
+        assert len(proposed) == 2 and proposed[0] == proposed[1]
+        assert a.sessions.owners["dev"] == Owner(a.node.id, 1)
+
+    asyncio.run(run())
