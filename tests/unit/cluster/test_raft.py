@@ -125,9 +125,10 @@ def elect(core: RaftNode, log: Log) -> list[Message]:
     return log.apply(core.receive(VoteResp(2, 1, core.term, True)))
 
 
-#: The driver, its fsync jobs and the transport: the only modules of broker/cluster with an
-#: event loop and sockets. Everything else is sans-IO (core, host, storage, simulator).
-IO_MODULES = {"node.py", "peers.py", "peerlink.py", "logsync.py"}
+#: The driver, its fsync jobs, the transport and the metadata group (pysyncobj's thread and
+#: sockets): the only modules of broker/cluster with an event loop and sockets. Everything
+#: else is sans-IO (core, host, storage, simulator, the metadata's state machine).
+IO_MODULES = {"node.py", "peers.py", "peerlink.py", "logsync.py", "metadata_group.py"}
 
 
 def test_cluster_imports_no_network_module_outside_the_driver() -> None:
