@@ -11,10 +11,13 @@ data path, and a lost or stale change of it can never lose data.
   handshake of its own. Its peers are the members the cluster formed with (static, as the data
   groups' first configuration is).
 * **Authentication.** pysyncobj's ``password`` is set to a key derived from the cluster secret
-  (HMAC-SHA256 of it over :data:`PASSWORD_CONTEXT`, so the Raft transport's key and this one
-  differ): its connections are encrypted and authenticated (Fernet: AES-CBC and HMAC), and
-  a peer without the secret cannot send a command (pysyncobj unpickles what it receives: the
-  password is what keeps anyone else's bytes away from that).
+  (HMAC-SHA256 of it over :data:`PASSWORD_CONTEXT`: the secret itself, which the node
+  transport's handshake uses, never serves as this key): its connections are encrypted and
+  authenticated (Fernet: AES-CBC and HMAC), and a peer without the secret cannot send a
+  command (pysyncobj unpickles what it receives: the password is what keeps anyone else's
+  bytes away from that). pysyncobj bounds no frame's length, so an unauthenticated peer can
+  still make a node buffer one large frame before it fails to decrypt: the cluster address
+  should be reachable by the members only.
 * **Durability.** Its log is ``DATA/cluster/metadata.journal`` (pysyncobj's ``journalFile``,
   with its term, vote and commit index in ``metadata.journal.meta``) and its snapshot
   ``DATA/cluster/metadata.dump`` (``fullDumpFile``): the state survives a restart of every

@@ -213,3 +213,34 @@ def test_a_single_member_group_agrees_and_its_state_survives_a_restart(tmp_path:
             await group.close()
 
     asyncio.run(main())
+
+
+def test_without_a_majority_a_node_serves_unconfirmed_and_the_check_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """n1 alone of two members: no leader, so ``agree`` returns after its wait with a
+    warning; once n2 comes, n1's proposal commits and both hold the definition."""
+    members = {"n1": ("127.0.0.1", free_port()), "n2": ("127.0.0.1", free_port())}
+    secret = b"a-test-secret-of-enough-bytes"
+
+    async def main() -> None:
+        n1 = await MetadataGroup.open("n1", members, secret, tmp_path / "n1", 0.3, 0.05)
+        n2 = None
+        try:
+            with caplog.at_level("WARNING", logger="broker.cluster"):
+                await n1.agree(_local(DEVICES, source="n1.toml"), 0.5)
+            assert "no majority of the metadata group answered within 0.5 s" in caplog.text
+            assert "n1.toml unconfirmed" in caplog.text
+            assert n1.status()["streams"] == 0 and n1.status()["leader"] is None
+            n2 = await MetadataGroup.open("n2", members, secret, tmp_path / "n2", 0.3, 0.05)
+            await asyncio.wait_for(n2.agree(_local(DEVICES, source="n2.toml"), 10.0), 10.0)
+            while n1.status()["streams"] == 0:
+                await n1.changed.wait()
+                n1.changed.clear()
+            assert n1.status()["definitions"] == n2.status()["definitions"]
+        finally:
+            await n1.close()
+            if n2 is not None:
+                await n2.close()
+
+    asyncio.run(main())
