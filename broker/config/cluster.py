@@ -161,6 +161,16 @@ def _seeds(sec: Section, bind: str, raft_port: int) -> tuple[Seed, ...]:
             )
         if seed in seeds:
             raise sec.bad(key, entry, f"listed once (it is also seeds[{seeds.index(seed)}])")
+        if seed.host == bind and abs(seed.port - raft_port) == METADATA_PORT_OFFSET:
+            # Nodes sharing an address: one's metadata port (raft_port + 2) is the other's
+            # Raft port.
+            raise sec.bad(
+                key,
+                entry,
+                f"a Raft port other than {sec.key('raft_port')} +/- {METADATA_PORT_OFFSET} "
+                f"on this address (raft_port + {METADATA_PORT_OFFSET} is each node's metadata "
+                "port: space the nodes sharing an address by 3 or more, e.g. 7950, 7960)",
+            )
         seeds.append(seed)
     return tuple(seeds)
 

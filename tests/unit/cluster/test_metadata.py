@@ -244,3 +244,17 @@ def test_without_a_majority_a_node_serves_unconfirmed_and_the_check_goes_on(
                 await n2.close()
 
     asyncio.run(main())
+
+
+def test_a_seed_on_this_address_two_ports_away_is_refused(tmp_path: Path) -> None:
+    """Nodes sharing an address with Raft ports 2 apart: one's metadata port would be the
+    other's Raft port; the config says so at load time, naming the key."""
+    for port in (7952, 7948):
+        data = _config(tmp_path, f'raft_port = 7950\nseeds = ["10.0.0.1:{port}"]')
+        with pytest.raises(
+            ConfigError, match=rf"n1.toml: cluster.seeds\[0\] = '10.0.0.1:{port}' must be"
+        ):
+            parse_config(data, "n1.toml")
+    # Another address, or 3 ports away: fine.
+    parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.2:7952"]'), "n1.toml")
+    parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.1:7953"]'), "n1.toml")
