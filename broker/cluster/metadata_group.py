@@ -87,7 +87,11 @@ TICK_SECONDS = 0.05
 MIN_HEARTBEAT_SECONDS = 0.1
 
 
-class MetadataConflict(ConfigError):
+class MetadataError(ConfigError):
+    """This node cannot join the metadata group, or may not (:class:`MetadataConflict`)."""
+
+
+class MetadataConflict(MetadataError):
     """This node's config defines a stream otherwise than the cluster committed; the message
     names the stream, the key, both values, the config file and both nodes."""
 
@@ -98,10 +102,6 @@ class MetadataConflict(ConfigError):
             f"{self.detail}: this node refuses to start (a stream's definition cannot change "
             "in this release); make its config match the cluster's definition"
         )
-
-
-class MetadataError(ConfigError):
-    """The metadata group cannot start (its address cannot be bound)."""
 
 
 def metadata_address(raft: tuple[str, int]) -> tuple[str, int]:

@@ -58,7 +58,7 @@ from broker.cluster.logsync import LogSyncer
 from broker.cluster.membership import Configuration
 from broker.cluster.messages import HardState
 from broker.cluster.metadata import LocalStreams
-from broker.cluster.metadata_group import MetadataConflict, MetadataGroup
+from broker.cluster.metadata_group import MetadataError, MetadataGroup
 from broker.cluster.multiraft import MultiRaft
 from broker.cluster.options import RaftConfig
 from broker.cluster.peers import PeerTransport
@@ -200,12 +200,12 @@ class ClusterNode:
         self.names = node_ids(members)
         logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
         s = self.settings
-        self.metadata = await MetadataGroup.open(
-            s.name, members, s.secret, self.state_dir, s.election_timeout, s.heartbeat_interval
-        )
         try:
+            self.metadata = await MetadataGroup.open(
+                s.name, members, s.secret, self.state_dir, s.election_timeout, s.heartbeat_interval
+            )
             await self.metadata.agree(self.local_streams, METADATA_WAIT_SECONDS)
-        except MetadataConflict:
+        except MetadataError:  # its port taken, or a stream defined otherwise: not started
             await self.close()
             raise
         return sorted(self.names)

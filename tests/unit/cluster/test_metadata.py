@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import pickle
+import socket
 import tomllib
 from pathlib import Path
 
@@ -23,6 +24,7 @@ from bench.ports import free_port
 from broker.cluster.metadata import LocalStreams, MetadataState, StreamDefinition
 from broker.cluster.metadata_group import (
     MetadataConflict,
+    MetadataError,
     MetadataGroup,
     _Replica,
     metadata_address,
@@ -258,3 +260,19 @@ def test_a_seed_on_this_address_two_ports_away_is_refused(tmp_path: Path) -> Non
     # Another address, or 3 ports away: fine.
     parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.2:7952"]'), "n1.toml")
     parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.1:7953"]'), "n1.toml")
+
+
+def test_a_taken_metadata_port_is_an_error_naming_the_address(tmp_path: Path) -> None:
+    port = free_port()
+    members = {"n1": ("127.0.0.1", port)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 2))
+        taken.listen()
+
+        async def main() -> None:
+            await MetadataGroup.open(
+                "n1", members, b"a-test-secret-of-enough-bytes", tmp_path, 0.3, 0.05
+            )
+
+        with pytest.raises(MetadataError, match=rf"cannot listen on 127.0.0.1:{port + 2} "):
+            asyncio.run(main())
