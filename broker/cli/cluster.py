@@ -3,7 +3,9 @@ from its HTTP admin API (``GET /api/v1/cluster``; ``POST .../partitions/<stream>
 
 ``status`` prints the members (name, address, state as this node sees them) and, per
 partition, its leader, term, commit index, this node's role and the followers' lag (known on
-the leader: ask the leader's node for exact lags). ``transfer-leader STREAM/PARTITION NODE``
+the leader: ask the leader's node for exact lags), then the metadata group's leader and
+what it holds (stream definitions, placed partitions), and any stream this node's config
+defines otherwise than the cluster. ``transfer-leader STREAM/PARTITION NODE``
 asks for the partition's leadership to move to NODE (Raft's leadership transfer, thesis
 s3.10): the node asked passes it to the current leader, and the command waits until the
 partition's leader is NODE (or ``--timeout`` passes, exit status 1).
@@ -54,6 +56,15 @@ def cmd_status(args: argparse.Namespace) -> int:
             ]
         )
     print(table(["PARTITION", "LEADER", "TERM", "COMMIT", "ROLE HERE", "REPLICAS", "LAG"], rows))
+    meta = view.get("metadata")
+    if meta:
+        print(
+            f"\nmetadata: leader {meta['leader'] or 'none'}, term {meta['term']}, "
+            f"{meta['streams']} streams, {meta['placed']} partitions placed, "
+            f"applied {meta['applied']}"
+        )
+        for conflict in meta["conflicts"]:
+            print(f"CONFLICT: {conflict}")
     return 0
 
 

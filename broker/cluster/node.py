@@ -31,7 +31,10 @@ Formation (this issue's static member list): the node listens, connects to ``see
 learns each member's name in the authenticated handshake (``broker.cluster.peers``). The
 cluster is formed once every seed answered; the member list is then written to
 ``DATA/cluster/members`` so that a restart forms at once, with members down. Groups are
-placed from it (``broker.cluster.placement``).
+placed from it (``broker.cluster.placement``). Once formed, the node joins the metadata group
+(``broker.cluster.metadata_group``), where the members agree on the stream definitions
+(:attr:`ClusterNode.local_streams`: a node whose config disagrees refuses to start) and
+record the desired placement; desired only: each group's own log stays authoritative.
 
 Called only from the owning event loop's thread.
 """
@@ -54,6 +57,8 @@ from broker.cluster.hardstate import write_atomically
 from broker.cluster.logsync import LogSyncer
 from broker.cluster.membership import Configuration
 from broker.cluster.messages import HardState
+from broker.cluster.metadata import LocalStreams
+from broker.cluster.metadata_group import MetadataError, MetadataGroup
 from broker.cluster.multiraft import MultiRaft
 from broker.cluster.options import RaftConfig
 from broker.cluster.peers import PeerTransport
@@ -80,6 +85,10 @@ RETENTION_SECONDS = 30.0
 
 #: Seconds between "still waiting for members" log lines while the cluster forms.
 FORMATION_LOG_SECONDS = 5.0
+
+#: Seconds a starting node waits for the metadata group to confirm its stream definitions
+#: before it serves with them unconfirmed (a node cut off from the majority).
+METADATA_WAIT_SECONDS = 10.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +166,10 @@ class ClusterNode:
         self._retention_ticks = max(1, round(RETENTION_SECONDS / settings.heartbeat_interval))
         self._timer: asyncio.TimerHandle | None = None
         self._formed = asyncio.Event()
+        #: This node's stream definitions, checked against the cluster's at start (set by
+        #: the broker before :meth:`start`).
+        self.local_streams = LocalStreams()
+        self.metadata: MetadataGroup | None = None
         self.transport = PeerTransport(
             settings.name,
             settings.bind,
@@ -190,6 +203,15 @@ class ClusterNode:
             members = known
         self.names = node_ids(members)
         logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
+        s = self.settings
+        try:
+            self.metadata = await MetadataGroup.open(
+                s.name, members, s.secret, self.state_dir, s.election_timeout, s.heartbeat_interval
+            )
+            await self.metadata.agree(self.local_streams, METADATA_WAIT_SECONDS)
+        except MetadataError:  # its port taken, or a stream defined otherwise: not started
+            await self.close()
+            raise
         return sorted(self.names)
 
     def _seen_addrs(self) -> set[tuple[str, int]]:
@@ -231,6 +253,8 @@ class ClusterNode:
             )
             self.storages[g] = storage
             self._leaders[g] = (None, core.term)
+        if self.metadata is not None:
+            self.metadata.place({g: self.replicas_of(g) for g in storages}, self.names)
         self._timer = self.loop.call_later(self.settings.heartbeat_interval, self._tick)
 
     async def caught_up(self, timeout: float) -> list[int]:
@@ -540,6 +564,7 @@ class ClusterNode:
             "repaired": self.repair.view(),
             "transport": _counters(self.transport.stats),
             "raft": _counters(self.stats),
+            "metadata": self.metadata.status() if self.metadata is not None else None,
         }
 
     async def close(self) -> None:
@@ -549,6 +574,9 @@ class ClusterNode:
         self._round()  # what is durable and due goes out before the sockets close
         await self.syncer.close()
         await self.transport.close()
+        metadata, self.metadata = self.metadata, None
+        if metadata is not None:
+            await metadata.close()
 
 
 def _counters(obj: Any) -> dict[str, int]:

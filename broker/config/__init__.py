@@ -30,6 +30,7 @@ from typing import Any
 from broker.commitlog.config import CORRUPTION_POLICIES, FsyncPolicy, LogConfig, StreamSpec
 from broker.config.cluster import (
     MAX_REPLICATION_FACTOR,
+    METADATA_PORT_OFFSET,
     ClusterConfig,
     Seed,
     XdpConfig,
@@ -461,6 +462,10 @@ def check_ports(
         ports += [
             ("cluster.gossip_port", cfg.cluster.gossip_port),
             ("cluster.raft_port", cfg.cluster.raft_port),
+            (
+                f"cluster.raft_port + {METADATA_PORT_OFFSET} (the metadata group)",
+                cfg.cluster.raft_port + METADATA_PORT_OFFSET,
+            ),
         ]
     seen: dict[int, str] = {}
     for key, port in ports:

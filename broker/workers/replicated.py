@@ -49,6 +49,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from broker.cluster.metadata import LocalStreams
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode, node_settings
 from broker.cluster.placement import group_ids
 from broker.cluster.raft import NotLeader, Role
@@ -241,6 +242,7 @@ class ClusterService:
         assert config.cluster is not None
         self.streams = streams
         self.node = ClusterNode(node_settings(config.cluster), config.commitlog.data_dir)
+        self.node.local_streams = LocalStreams.of(config)
         specs = [
             spec
             for spec in streams.specs.values()

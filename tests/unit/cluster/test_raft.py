@@ -125,10 +125,18 @@ def elect(core: RaftNode, log: Log) -> list[Message]:
     return log.apply(core.receive(VoteResp(2, 1, core.term, True)))
 
 
-#: The driver, its fsync jobs, its repairs and the transport: the only modules of
-#: broker/cluster with an event loop and sockets. Everything else is sans-IO (core, host,
-#: storage, simulator, the repair protocol).
-IO_MODULES = {"node.py", "peers.py", "peerlink.py", "logsync.py", "repairer.py"}
+#: The driver, its fsync jobs, its repairs, the transport and the metadata group (pysyncobj's
+#: thread and sockets): the only modules of broker/cluster with an event loop and sockets.
+#: Everything else is sans-IO (core, host, storage, simulator, the repair protocol, the
+#: metadata's state machine).
+IO_MODULES = {
+    "node.py",
+    "peers.py",
+    "peerlink.py",
+    "logsync.py",
+    "repairer.py",
+    "metadata_group.py",
+}
 
 
 def test_cluster_imports_no_network_module_outside_the_driver() -> None:

@@ -1,0 +1,278 @@
+"""broker/cluster/metadata.py (the state machine, no network) and the pieces of
+broker/cluster/metadata_group.py that need none: the replicated commands applied as pysyncobj
+applies them, the dump, the conflict's message, the password; then one real single-member
+group on 127.0.0.1 that survives a restart from its journal.
+
+What is asserted: the first definition committed wins and never changes (the same one again
+is a no-op, another is answered with the committed one); a conflict names the stream, the
+key, both values, the config file and both nodes; placement is recorded once per group; the
+state goes through the dump as plain data; a node's streams are read from its config with
+their effective replication factor; the metadata port is checked like the other ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import pickle
+import socket
+import tomllib
+from pathlib import Path
+
+import pytest
+
+from bench.ports import free_port
+from broker.cluster.metadata import LocalStreams, MetadataState, StreamDefinition
+from broker.cluster.metadata_group import (
+    MetadataConflict,
+    MetadataError,
+    MetadataGroup,
+    _Replica,
+    metadata_address,
+    password,
+)
+from broker.config import ConfigError, check_ports, parse_config
+
+DEVICES = StreamDefinition("devices", ("devices/#",), 4, 3)
+LOGS = StreamDefinition("logs", ("logs/#", "audit/#"), 1, 2)
+
+
+def _local(*definitions: StreamDefinition, source: str = "n3.toml") -> LocalStreams:
+    return LocalStreams(definitions, source)
+
+
+# -- the state machine -----------------------------------------------------------------------
+
+
+def test_the_first_definition_committed_wins_and_never_changes() -> None:
+    state = MetadataState()
+    assert state.define(DEVICES.as_data(), "n1") == (DEVICES.as_data(), "n1")
+    # The same definition from another node: a no-op, still n1's.
+    assert state.define(DEVICES.as_data(), "n2") == (DEVICES.as_data(), "n1")
+    # Another definition of the stream: refused, answered with the committed one.
+    eight = StreamDefinition("devices", ("devices/#",), 8, 3)
+    assert state.define(eight.as_data(), "n3") == (DEVICES.as_data(), "n1")
+    assert state.streams == {"devices": (DEVICES, "n1")}
+
+
+def test_a_conflict_names_the_stream_the_key_both_values_the_file_and_both_nodes() -> None:
+    state = MetadataState()
+    state.define(DEVICES.as_data(), "n1")
+    ours = StreamDefinition("devices", ("devices/+/telemetry",), 8, 3)
+    conflicts = state.conflicts(_local(ours), "n3")
+    assert [(c.stream, c.key, c.ours, c.theirs) for c in conflicts] == [
+        ("devices", "topic_filter", ["devices/+/telemetry"], ["devices/#"]),
+        ("devices", "partitions", 8, 4),
+    ]
+    assert str(conflicts[1]) == (
+        "n3.toml: streams[devices].partitions = 8 on node n3, but the cluster's definition "
+        "of stream 'devices' (committed first, from node n1's config) has partitions = 4"
+    )
+    error = str(MetadataConflict(conflicts))
+    assert error.startswith(str(conflicts[0]) + "; " + str(conflicts[1]) + ": ")
+    assert "refuses to start" in error
+
+
+@pytest.mark.parametrize(
+    ("other", "key"),
+    [
+        (StreamDefinition("devices", ("devices/#",), 4, 2), "replication_factor"),
+        (StreamDefinition("devices", ("devices/#",), 4, 3, compacted=True), "compacted"),
+        (StreamDefinition("devices", ("devices/#", "x/#"), 4, 3), "topic_filter"),
+    ],
+)
+def test_every_key_of_a_definition_is_compared(other: StreamDefinition, key: str) -> None:
+    state = MetadataState()
+    state.define(DEVICES.as_data(), "n1")
+    assert [c.key for c in state.conflicts(_local(other), "n2")] == [key]
+    assert state.conflicts(_local(DEVICES), "n2") == []
+
+
+def test_absent_and_unknown_streams() -> None:
+    state = MetadataState()
+    state.define(LOGS.as_data(), "n2")
+    local = _local(DEVICES)
+    assert state.absent(local) == [DEVICES]  # to propose
+    assert state.unknown_to(local) == [("logs", "n2")]  # a warning, not a refusal
+    assert state.conflicts(local, "n1") == []
+
+
+def test_placement_is_recorded_once_per_group() -> None:
+    state = MetadataState()
+    assert state.place({7: ["n1", "n2", "n3"], 9: ["n2", "n3", "n1"]}) == 2
+    assert state.place({7: ["n3", "n1", "n2"], 11: ["n1"]}) == 1
+    assert state.placement == {7: ("n1", "n2", "n3"), 9: ("n2", "n3", "n1"), 11: ("n1",)}
+
+
+def test_the_dump_is_plain_data_and_loads_back() -> None:
+    state = MetadataState()
+    state.define(DEVICES.as_data(), "n1")
+    state.define(LOGS.as_data(), "n2")
+    state.place({7: ["n1", "n2"]})
+    data = state.to_data()
+    # No class of ours in the dump: it unpickles without this module's names.
+    assert "broker" not in pickle.dumps(data).decode("latin-1")
+    again = MetadataState()
+    again.load(pickle.loads(pickle.dumps(data)))
+    assert again.streams == state.streams and again.placement == state.placement
+
+
+# -- the replicated commands, applied as pysyncobj applies a committed entry -----------------
+
+
+def test_the_replica_applies_commands_and_goes_through_its_dump() -> None:
+    changes: list[None] = []
+    replica = _Replica(lambda: changes.append(None))
+    # _doApply=True is how pysyncobj calls a @replicated method for a committed entry.
+    assert replica.define(DEVICES.as_data(), "n1", _doApply=True) == (DEVICES.as_data(), "n1")
+    assert replica.place({7: ["n1"]}, _doApply=True) == 1
+    assert len(changes) == 2  # the loop is told after each
+    dumped = replica._serialize()
+    assert set(dumped) == {"streams", "placement"}  # the lock and callback are not dumped
+    other = _Replica(lambda: changes.append(None))
+    other._deserialize(dumped)
+    assert other.state.streams == replica.state.streams
+    assert other.state.placement == {7: ("n1",)}
+
+
+def test_the_password_is_derived_from_the_secret() -> None:
+    a, b = b"a-cluster-secret-of-32-bytes....", b"another-cluster-secret-32-bytes."
+    assert password(a) == password(a) != password(b)
+    assert a.decode() not in password(a)
+    assert metadata_address(("10.0.0.1", 7950)) == ("10.0.0.1", 7952)
+
+
+# -- the config ------------------------------------------------------------------------------
+
+
+def _config(tmp_path: Path, cluster: str = "", streams: str = "") -> dict[str, object]:
+    secret = tmp_path / "cluster.key"
+    secret.write_bytes(b"0123456789abcdef0123456789abcdef")
+    secret.chmod(0o600)
+    return tomllib.loads(
+        f'[cluster]\nnode_id = "n1"\nbind = "10.0.0.1"\nsecret_file = "{secret}"\n{cluster}\n'
+        + streams
+    )
+
+
+def test_local_streams_carry_the_effective_replication_factor(tmp_path: Path) -> None:
+    data = _config(
+        tmp_path,
+        "replication_factor = 3",
+        '[[streams]]\nname = "devices"\ntopic_filter = ["devices/#"]\npartitions = 4\n'
+        '[[streams]]\nname = "logs"\ntopic_filter = "logs/#"\nreplication_factor = 2\n',
+    )
+    local = LocalStreams.of(parse_config(data, "n1.toml"))
+    assert local.source == "<config>"  # parse_config alone: load_config sets the path
+    assert local.definitions == (
+        StreamDefinition("devices", ("devices/#",), 4, 3),
+        StreamDefinition("logs", ("logs/#",), 1, 2),
+        StreamDefinition("default", (), 1, 3),  # as the broker opens it
+    )
+
+
+def test_the_metadata_port_is_checked_like_the_others(tmp_path: Path) -> None:
+    data = _config(tmp_path, "raft_port = 8078")  # + 2 = 8080, the HTTP API's default
+    with pytest.raises(ConfigError, match=r"cluster.raft_port \+ 2 \(the metadata group\) = 8080"):
+        parse_config(data, "n1.toml")
+    with pytest.raises(ConfigError, match=r"cluster.raft_port"):
+        parse_config(_config(tmp_path, "raft_port = 65534"), "n1.toml")
+    check_ports(parse_config(_config(tmp_path, "raft_port = 65533"), "n1.toml"))
+
+
+# -- one real member: the journal survives a restart -----------------------------------------
+
+
+def test_a_single_member_group_agrees_and_its_state_survives_a_restart(tmp_path: Path) -> None:
+    members = {"n1": ("127.0.0.1", free_port())}
+    secret = b"a-test-secret-of-enough-bytes"
+
+    async def open_group() -> MetadataGroup:
+        return await MetadataGroup.open("n1", members, secret, tmp_path, 0.3, 0.05)
+
+    async def main() -> None:
+        group = await open_group()
+        try:
+            await asyncio.wait_for(group.agree(_local(DEVICES, LOGS), 10.0), 10.0)
+            group.place({7: [1, 2]}, {1: "n1", 2: "n2"})
+            while group.desired(7) is None:
+                await group.changed.wait()
+                group.changed.clear()
+            view = group.status()
+            assert (view["streams"], view["placed"], view["leader"]) == (2, 1, "n1")
+        finally:
+            await group.close()
+        assert (tmp_path / "metadata.journal").exists()
+        # Restarted: the committed definitions come back from the journal, before any
+        # leader is heard, and a config that now disagrees is refused from them.
+        group = await open_group()
+        try:
+            assert group.status()["streams"] == 2
+            assert group.desired(7) == ("n1", "n2")
+            eight = StreamDefinition("devices", ("devices/#",), 8, 3)
+            with pytest.raises(MetadataConflict, match=r"partitions = 8 on node n1"):
+                await group.agree(_local(eight), 10.0)
+        finally:
+            await group.close()
+
+    asyncio.run(main())
+
+
+def test_without_a_majority_a_node_serves_unconfirmed_and_the_check_goes_on(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """n1 alone of two members: no leader, so ``agree`` returns after its wait with a
+    warning; once n2 comes, n1's proposal commits and both hold the definition."""
+    members = {"n1": ("127.0.0.1", free_port()), "n2": ("127.0.0.1", free_port())}
+    secret = b"a-test-secret-of-enough-bytes"
+
+    async def main() -> None:
+        n1 = await MetadataGroup.open("n1", members, secret, tmp_path / "n1", 0.3, 0.05)
+        n2 = None
+        try:
+            with caplog.at_level("WARNING", logger="broker.cluster"):
+                await n1.agree(_local(DEVICES, source="n1.toml"), 0.5)
+            assert "no majority of the metadata group answered within 0.5 s" in caplog.text
+            assert "n1.toml unconfirmed" in caplog.text
+            assert n1.status()["streams"] == 0 and n1.status()["leader"] is None
+            n2 = await MetadataGroup.open("n2", members, secret, tmp_path / "n2", 0.3, 0.05)
+            await asyncio.wait_for(n2.agree(_local(DEVICES, source="n2.toml"), 10.0), 10.0)
+            while n1.status()["streams"] == 0:
+                await n1.changed.wait()
+                n1.changed.clear()
+            assert n1.status()["definitions"] == n2.status()["definitions"]
+        finally:
+            await n1.close()
+            if n2 is not None:
+                await n2.close()
+
+    asyncio.run(main())
+
+
+def test_a_seed_on_this_address_two_ports_away_is_refused(tmp_path: Path) -> None:
+    """Nodes sharing an address with Raft ports 2 apart: one's metadata port would be the
+    other's Raft port; the config says so at load time, naming the key."""
+    for port in (7952, 7948):
+        data = _config(tmp_path, f'raft_port = 7950\nseeds = ["10.0.0.1:{port}"]')
+        with pytest.raises(
+            ConfigError, match=rf"n1.toml: cluster.seeds\[0\] = '10.0.0.1:{port}' must be"
+        ):
+            parse_config(data, "n1.toml")
+    # Another address, or 3 ports away: fine.
+    parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.2:7952"]'), "n1.toml")
+    parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.1:7953"]'), "n1.toml")
+
+
+def test_a_taken_metadata_port_is_an_error_naming_the_address(tmp_path: Path) -> None:
+    port = free_port()
+    members = {"n1": ("127.0.0.1", port)}
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", port + 2))
+        taken.listen()
+
+        async def main() -> None:
+            await MetadataGroup.open(
+                "n1", members, b"a-test-secret-of-enough-bytes", tmp_path, 0.3, 0.05
+            )
+
+        with pytest.raises(MetadataError, match=rf"cannot listen on 127.0.0.1:{port + 2} "):
+            asyncio.run(main())
