@@ -158,10 +158,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_ports(cfg, str(args.config), {key: FLAGS[key] for key in overrides})
     _log_exposure(cfg)
     count = cfg.worker_count()
-    if cfg.cluster is not None and count > 1:
-        # A node's replicas live in one process in this release (README, "Cluster").
-        log.info("cluster: one worker process per node (router.workers = %d ignored)", count)
-        count = 1
     if count == 1:
         _run(_serve(cfg))
         return 0

@@ -458,9 +458,23 @@ def check_ports(
     if cfg.http.enabled:
         ports.append(("http.port", cfg.http.port))
     if cfg.cluster is not None:
+        raft = cfg.cluster.raft_port
+        workers = cfg.worker_count()
+        if raft + workers - 1 > 65535:
+            raise ConfigError(
+                f"{source}: cluster.raft_port = {raft} with {workers} workers (router.workers): "
+                f"worker i listens on raft_port + i, past port 65535"
+            )
+        for i, seed in enumerate(cfg.cluster.seeds):
+            if seed.port + workers - 1 > 65535:
+                raise ConfigError(
+                    f"{source}: cluster.seeds[{i}] = {str(seed)!r} with {workers} workers "
+                    f"(router.workers): worker i dials the seed's port + i, past port 65535"
+                )
         ports += [
             ("cluster.gossip_port", cfg.cluster.gossip_port),
-            ("cluster.raft_port", cfg.cluster.raft_port),
+            ("cluster.raft_port", raft),
+            *((f"cluster.raft_port + {i} (worker {i})", raft + i) for i in range(1, workers)),
         ]
     seen: dict[int, str] = {}
     for key, port in ports:
