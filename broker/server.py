@@ -42,6 +42,7 @@ from broker.net.keepalive import KeepaliveWheel
 from broker.net.tls import TLSConfigError, TLSProtocol, server_context
 from broker.net.transport import MQTTProtocol
 from broker.net.websocket import WebSocketListener
+from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
 from broker.workers.cluster_status import merge_views
@@ -207,6 +208,7 @@ class Server:
             return runtime.make_partition(key)  # type: ignore[no-any-return]
 
         cluster.on_committed = partitions.announce
+        partitions.lost_outcome = OUTCOME_UNKNOWN  # the owner may have proposed them
         return make
 
     def _join_runtime(self, runtime: WorkerRuntime) -> None:

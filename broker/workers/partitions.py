@@ -192,6 +192,10 @@ class PartitionService:
         self.remote: dict[PartitionKey, RemotePartition] = {}
         #: Every other worker's partitions: (earliest offset, high-water mark) as announced.
         self.marks: dict[PartitionKey, tuple[int, int]] = {}
+        #: What the publishers of a forward are told when the owner goes away before its
+        #: answer: None (not stored, the single node's answer), or, in a cluster, where the
+        #: owner may have proposed them already, OUTCOME_UNKNOWN (set by the server).
+        self.lost_outcome: int | None = None
         self.forwarded = 0  # records sent to their owner
         self.received = 0  # records appended for a peer
 
@@ -283,21 +287,21 @@ class PartitionService:
             first = None
             if body is None:
                 log.warning(
-                    "%s/%d: worker %d went away; %d records not stored",
+                    "%s/%d: worker %d went away; %d records %s",
                     *part.key,
                     part.owner,
                     len(records),
+                    "not stored" if self.lost_outcome is None else "of unknown outcome",
                 )
+                first = self.lost_outcome
             else:
                 first = _OFFSET.unpack(body)[0]
-                if first == OUTCOME_UNKNOWN:  # a replicated partition lost its leader
-                    for ack in acks:
-                        if ack is not None:
-                            ack(OUTCOME_UNKNOWN)
-                    return
-                if first < 0:
-                    first = None
-            _settle(acks, first)
+            if first == OUTCOME_UNKNOWN:  # may be committed: no acknowledgement either way
+                for ack in acks:
+                    if ack is not None:
+                        ack(OUTCOME_UNKNOWN)
+                return
+            _settle(acks, None if first is None or first < 0 else first)
 
         try:
             assert self.mesh is not None
