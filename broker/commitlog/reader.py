@@ -363,17 +363,27 @@ class LogReader:
         return self._end
 
     def _refresh(self) -> None:
-        """List the directory again: open new segments, close deleted ones."""
+        """List the directory again: open new segments, close deleted ones.
+
+        Only segments that start below the announced mark: one that starts at or past it
+        holds nothing committed yet, and a replicated log may delete it (a Raft follower
+        cutting an uncommitted suffix) and roll another file of the same name later, which
+        a descriptor opened now would never see."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             names = []
         except OSError as exc:
             raise LogIOError(self.directory, "list log directory", exc) from exc
+        end = self._end
         bases = sorted(
-            int(name[: -len(LOG_SUFFIX)])
-            for name in names
-            if name.endswith(LOG_SUFFIX) and name[: -len(LOG_SUFFIX)].isdigit()
+            base
+            for base in (
+                int(name[: -len(LOG_SUFFIX)])
+                for name in names
+                if name.endswith(LOG_SUFFIX) and name[: -len(LOG_SUFFIX)].isdigit()
+            )
+            if base < end
         )
         known = {view.base: view for view in self._segments}
         views: list[_SegmentView] = []
