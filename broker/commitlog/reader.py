@@ -282,10 +282,13 @@ class LogReader:
 
     def advance(self, end_offset: int, start_offset: int | None = None) -> None:
         """The owner announced its high-water mark (marks only move forward) and, when
-        given, its earliest retained offset: segments retention deleted are let go."""
+        given, its earliest retained offset: segments retention deleted are let go; the
+        first segment is found once the mark passes its start (:attr:`log_start_offset`)."""
         if end_offset > self._end:
             self._end = end_offset
-        if start_offset is not None and self._bases and start_offset > self._bases[0]:
+        if (start_offset is not None and self._bases and start_offset > self._bases[0]) or (
+            not self._bases and self._end > 0
+        ):
             self._refresh()
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:

@@ -194,3 +194,17 @@ def test_a_segment_past_the_mark_that_a_truncation_replaced_is_read_anew(tmp_pat
             got += reader.read(mark + len(got))
         assert [r.payload for r in got] == [r.payload for r in new]
         reader.close()
+
+
+def test_a_reader_made_before_the_first_record_knows_where_the_log_starts(tmp_path: Path) -> None:
+    """A reader made when the mark was 0 holds no segment (none starts below it); once the
+    mark moves, the log starts where the owner's does, not at the mark (a ``$replay`` from
+    the earliest offset starts there)."""
+    with SegmentedLog.open(tmp_path, SMALL) as log:
+        reader = LogReader(tmp_path, SMALL, 0)
+        assert reader.log_start_offset == 0
+        log.append(records(5))
+        reader.advance(log.end_offset, log.log_start_offset)
+        assert reader.log_start_offset == 0
+        assert reader.read(0) == log.read(0)
+        reader.close()
