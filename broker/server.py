@@ -357,12 +357,13 @@ class Server:
             self._scrubber.stop()
         self.router.close()
         self._flush_links()
-        if self.cluster is not None:
-            await self.cluster.close()
         if self.runtime is not None:
             # Sessions persisted above may be on their way to the worker owning $sessions,
-            # and peers may be sending theirs here: every worker finishes before any closes.
+            # and peers may be sending theirs here: every worker finishes before any closes
+            # (with its Raft groups still running: a forward's answer waits for its commit).
             await self.runtime.finish()
+        if self.cluster is not None:
+            await self.cluster.close()
         self.streams.close()
         for server in self._listeners:
             await server.wait_closed()
