@@ -18,6 +18,8 @@ import os
 import queue
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 import urllib.request
@@ -224,6 +226,24 @@ def test_the_status_shows_every_partition_once_from_both_workers(cluster: Cluste
     assert sorted(keys) == sorted(leaders) and len(set(keys)) == len(keys)
     for p in view["partitions"]:
         assert p["replicas"] == ["n1", "n2", "n3"]
+    # mqlog cluster status says the same.
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "cluster",
+            "status",
+            "--broker",
+            cluster.nodes[0].http_url,
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    assert f"node n1: 3 nodes, {WORKERS} workers" in out
+    for stream, partition in keys:
+        assert f"{stream}/{partition}" in out
     # Both workers host groups: each logged its share.
     text = cluster.nodes[0].log()
     for i in range(WORKERS):
