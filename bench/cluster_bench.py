@@ -8,6 +8,9 @@ across the bridge, so every byte crosses a veth as it would cross a wire):
   PUBACK follows the quorum commit: a majority has fsynced the entry), one worker each
   (:class:`MqlogClusterBenchTarget`, configs from tests/cluster_lab.py), publishers spread
   over the three nodes (those on a follower are forwarded to the partition's leader);
+  ``--cluster-workers N`` runs N workers per node, and ``mqlog-cluster-wN`` is the same
+  cluster with N workers per node, so that ``--targets mqlog-cluster,mqlog-cluster-w2``
+  compares one and two workers per node in one run;
 - ``nats``: NATS 2.9, three nodes, MQTT on JetStream with ``stream_replicas: 3`` (the file
   store; bench/targets.py's NatsTarget), publishers spread over the three nodes.
 
@@ -67,16 +70,21 @@ PAYLOAD = b"\x5a" * 64
 
 
 class MqlogClusterBenchTarget(Target):
-    """Three mqlog nodes with ``[cluster]`` (RF=3, ``fsync = "always"``, one worker each),
+    """Three mqlog nodes with ``[cluster]`` (RF=3, ``fsync = "always"``, ``workers`` each),
     configured by tests/cluster_lab.py's :class:`MqlogCluster` (one secret, every other node a
     seed). This bench's own adapter until bench/targets.py has the chaos harness's."""
 
     name = "mqlog-cluster"
     size = 3
 
-    def __init__(self, lab: Lab, workdir: Path) -> None:
+    def __init__(self, lab: Lab, workdir: Path, workers: int = 1, partitions: int = 0) -> None:
         super().__init__(lab, workdir)
-        self.cluster = MqlogCluster(lab, workdir)
+        extra = (
+            f'[[streams]]\nname = "bench"\ntopic_filter = ["bench/#"]\npartitions = {partitions}\n'
+            if partitions
+            else ""
+        )
+        self.cluster = MqlogCluster(lab, workdir, workers=workers, extra=extra)
 
     def argv(self, node: Node) -> list[str]:
         member = self.cluster.members[node.index]
@@ -460,19 +468,23 @@ def _expect(out: Any, kind: str, n: int, timeout: float = 60.0) -> list[Any]:
 
 def run_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
     work = Path(tempfile.mkdtemp(prefix=f"cluster-bench-{name}-"))
-    size = {"mqlog": 1, "mqlog-cluster": 3, "nats": 3}[name]
+    # "mqlog-cluster-w2": the cluster with 2 workers per node (else --cluster-workers).
+    kind, _, suffix = name.partition("-w") if name.startswith("mqlog-cluster") else (name, "", "")
+    workers = int(suffix) if suffix else args.cluster_workers
+    size = {"mqlog": 1, "mqlog-cluster": 3, "nats": 3}[kind]
     load = os.getloadavg()
     try:
         with Lab(size) as lab:
             target: Target
             if name == "mqlog":
                 target = MqlogTarget(lab, work, workers=args.mqlog_workers, fsync=args.mqlog_fsync)
-            elif name == "mqlog-cluster":
-                target = MqlogClusterBenchTarget(lab, work)
+            elif kind == "mqlog-cluster":
+                target = MqlogClusterBenchTarget(lab, work, workers, args.cluster_partitions)
             else:
                 target = NatsTarget(lab, work)
             target.start_all()
             row = measure(target, args)
+            row["target"] = name  # mqlog-cluster-wN apart from mqlog-cluster
             if isinstance(target, MqlogClusterBenchTarget):
                 row["leaders"] = target.leaders()
     finally:
@@ -481,9 +493,10 @@ def run_target(name: str, args: argparse.Namespace) -> dict[str, Any]:
     row["load_1m"] = round(load[0], 2)
     row["config"] = {
         "mqlog": f"fsync={args.mqlog_fsync} workers={args.mqlog_workers}",
-        "mqlog-cluster": "RF=3 fsync=always workers=1",
+        "mqlog-cluster": f"RF=3 fsync=always workers={workers}"
+        + (f" partitions={args.cluster_partitions}" if args.cluster_partitions else ""),
         "nats": "JetStream file store, stream_replicas=3",
-    }[name]
+    }[kind]
     return row
 
 
@@ -513,6 +526,19 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--duration", type=float, default=10.0)
     ap.add_argument("--mqlog-fsync", default="always", choices=("always", "interval", "never"))
     ap.add_argument("--mqlog-workers", type=int, default=1)
+    ap.add_argument(
+        "--cluster-workers",
+        type=int,
+        default=1,
+        help="workers per node of mqlog-cluster (mqlog-cluster-wN: N, in the same run)",
+    )
+    ap.add_argument(
+        "--cluster-partitions",
+        type=int,
+        default=0,
+        help="a stream 'bench' of this many partitions for the publishers' topics "
+        "(0: the default stream's one partition)",
+    )
     ap.add_argument("--keep", action="store_true", help="keep the brokers' data and logs")
     ap.add_argument(
         "--profile", default="", help="directory: py-spy profiles of every node's measured window"

@@ -43,7 +43,11 @@ from broker.net.keepalive import KeepaliveWheel
 from broker.net.tls import TLSConfigError, TLSProtocol, server_context
 from broker.net.transport import MQTTProtocol
 from broker.net.websocket import WebSocketListener
+from broker.router.commit import OUTCOME_UNKNOWN
+from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
+from broker.workers.cluster_status import merge_views
+from broker.workers.mesh import PeerDown, owner_of
 from broker.workers.replicated import CLUSTER_SPECS, ClusterService
 from broker.workers.runtime import WorkerRuntime, WorkerSpec
 
@@ -115,8 +119,20 @@ class Server:
             if worker is not None and worker.count > 1
             else None
         )
-        #: The cluster ([cluster]): every partition of the replicated streams a Raft group.
-        self.cluster = ClusterService(config, self.streams) if config.cluster is not None else None
+        #: The cluster ([cluster]): every partition of the replicated streams a Raft group;
+        #: with several workers, each hosts the groups of the partitions it owns.
+        self.cluster = (
+            ClusterService(
+                config,
+                self.streams,
+                (self.runtime.index, self.runtime.count),
+                self.runtime.partitions.owns,
+            )
+            if config.cluster is not None and self.runtime is not None
+            else ClusterService(config, self.streams)
+            if config.cluster is not None
+            else None
+        )
         #: Where the group commit, the links' output and the mesh's frames wait for the end
         #: of the iteration, and run in one pass (broker.net.iteration).
         self.iteration_end = IterationEnd(self.loop)
@@ -126,15 +142,9 @@ class Server:
             schedule=self.iteration_end.call_soon,
             clock=clock,
             monotonic=monotonic,
-            partition_factory=(
-                self.runtime.make_partition
-                if self.runtime is not None
-                else self.cluster.make_partition
-                if self.cluster is not None
-                else None
-            ),
-            # None: one worker (broker.router.hooks.SingleWorker); a cluster node loads the
-            # sessions it owns (broker.workers.replicated_sessions).
+            partition_factory=self._partition_factory(),
+            # None: one worker (broker.router.hooks.SingleWorker); a cluster node of one worker
+            # loads the sessions it owns (broker.workers.replicated_sessions).
             hooks=self.runtime
             if self.runtime is not None
             else self.cluster.hooks
@@ -185,6 +195,29 @@ class Server:
         )
         self.stopped = asyncio.Event()
 
+    def _partition_factory(self) -> Callable[[PartitionKey], PartitionBase] | None:
+        """The router's partitions: a replicated one for a partition this worker hosts the
+        Raft group of, else the worker runtime's (owned or another worker's), else the
+        cluster's, else the router's own (one worker, no cluster)."""
+        runtime, cluster = self.runtime, self.cluster
+        if runtime is None:
+            return cluster.make_partition if cluster is not None else None
+        if cluster is None:
+            return runtime.make_partition
+        partitions = runtime.partitions
+
+        def make(key: PartitionKey) -> PartitionBase:
+            if key in cluster.keys:  # replicated, and this worker owns it
+                part = cluster.make_partition(key)
+                if isinstance(part, Partition):
+                    partitions.adopt(part)
+                return part
+            return runtime.make_partition(key)  # type: ignore[no-any-return]
+
+        cluster.on_committed = partitions.announce
+        partitions.lost_outcome = OUTCOME_UNKNOWN  # the owner may have proposed them
+        return make
+
     def _join_runtime(self, runtime: WorkerRuntime) -> None:
         """Connect the worker runtime to the router (which has the runtime as its hooks),
         the server's output pass, authentication and admin views (see
@@ -197,6 +230,8 @@ class Server:
         runtime.views["metrics"] = self.metrics.exposition
         runtime.views["sys"] = lambda: orjson.dumps(sys_values(self))
         runtime.views["health"] = lambda: orjson.dumps(self.counts())
+        runtime.views["cluster"] = lambda: orjson.dumps(self.cluster_view())
+        runtime.actions["transfer_leader"] = self._transfer_action
 
     @property
     def session_claims(self) -> SessionClaims | None:
@@ -339,12 +374,13 @@ class Server:
             self._scrubber.stop()
         self.router.close()
         self._flush_links()
-        if self.cluster is not None:
-            await self.cluster.close()
         if self.runtime is not None:
             # Sessions persisted above may be on their way to the worker owning $sessions,
-            # and peers may be sending theirs here: every worker finishes before any closes.
+            # and peers may be sending theirs here: every worker finishes before any closes
+            # (with its Raft groups still running: a forward's answer waits for its commit).
             await self.runtime.finish()
+        if self.cluster is not None:
+            await self.cluster.close()
         self.streams.close()
         for server in self._listeners:
             await server.wait_closed()
@@ -358,16 +394,46 @@ class Server:
         return {"connections": len(self.links), "sessions": len(self.router.sessions)}
 
     def cluster_view(self) -> dict[str, Any]:
-        """``GET /api/v1/cluster``: this node's view of the cluster (module doc of
-        broker.cluster.node), or the single node's."""
+        """This worker's view of the cluster (module doc of broker.cluster.node): the groups
+        it hosts, its links; or the single node's. The metrics read it (each worker's, added
+        up by worker 0); :meth:`cluster_status` is the node's."""
         if self.cluster is None:
             return {"mode": "single node", "node_id": None, "nodes": [], "partitions": []}
         return self.cluster.status()
 
-    def transfer_leader(self, key: PartitionKey, node: str) -> str:
+    async def cluster_status(self) -> dict[str, Any]:
+        """``GET /api/v1/cluster``, ``mqlog cluster status``: this node's view, every
+        worker's put together (broker.workers.cluster_status)."""
+        if self.runtime is None or self.cluster is None:
+            return self.cluster_view()
+        views = [orjson.loads(part) for part in await self.runtime.gather("cluster")]
+        return merge_views(views)
+
+    async def transfer_leader(self, key: PartitionKey, node: str) -> str:
+        """Start moving ``key``'s leadership to ``node``, through the worker hosting its
+        group. Raises ValueError (a single node, an unknown partition or node)."""
         if self.cluster is None:
             raise ValueError("a single node: no [cluster] section")
-        return self.cluster.transfer_leader(key, node)
+        runtime = self.runtime
+        if runtime is None or key not in self.cluster.replicated:
+            return self.cluster.transfer_leader(key, node)
+        owner = owner_of(key, runtime.count)
+        try:
+            answer = await runtime.call(owner, "transfer_leader", [key[0], key[1], node])
+        except PeerDown:
+            raise ValueError(f"{key[0]}/{key[1]}: its worker {owner} is down: try again") from None
+        if "error" in answer:
+            raise ValueError(answer["error"])
+        return str(answer["message"])
+
+    def _transfer_action(self, argument: list[Any]) -> dict[str, str]:
+        """:meth:`transfer_leader` in the worker hosting the group (the runtime's action)."""
+        stream, partition, node = argument
+        assert self.cluster is not None
+        try:
+            return {"message": self.cluster.transfer_leader((stream, partition), node)}
+        except ValueError as e:
+            return {"error": str(e)}
 
     def describe(self) -> dict[str, Any]:
         info: dict[str, Any] = {"ready": self.ready, **self.counts()}

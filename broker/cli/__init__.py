@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import getpass
 import importlib.metadata
 import importlib.util
@@ -128,8 +129,21 @@ async def _serve(cfg: Config, worker: WorkerSpec | None = None) -> None:
     stop = asyncio.Event()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
+    # A cluster's node serves once the cluster formed, which waits for the other nodes as
+    # long as they take: SIGTERM / SIGINT stops it meanwhile too.
+    starting = asyncio.ensure_future(server.start())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({starting, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    stopping.cancel()
+    if not starting.done():
+        starting.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await starting
+        log.info("stopping before serving")
+        await server.stop()
+        return
     try:
-        listeners = await server.start()
+        listeners = starting.result()
     except OSError as e:
         await server.stop()
         raise ServeError(f"cannot listen: {e}") from None
@@ -158,10 +172,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     check_ports(cfg, str(args.config), {key: FLAGS[key] for key in overrides})
     _log_exposure(cfg)
     count = cfg.worker_count()
-    if cfg.cluster is not None and count > 1:
-        # A node's replicas live in one process in this release (README, "Cluster").
-        log.info("cluster: one worker process per node (router.workers = %d ignored)", count)
-        count = 1
     if count == 1:
         _run(_serve(cfg))
         return 0

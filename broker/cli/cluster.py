@@ -33,7 +33,8 @@ def cmd_status(args: argparse.Namespace) -> int:
     if view.get("mode") != "cluster":
         print("single node: no [cluster] section in this broker's config")
         return 0
-    print(f"node {view['node_id']}: {len(view['nodes'])} nodes")
+    workers = f", {view['workers']} workers" if view.get("workers", 1) > 1 else ""
+    print(f"node {view['node_id']}: {len(view['nodes'])} nodes{workers}")
     print(
         table(
             ["NODE", "ADDRESS", "STATE"],

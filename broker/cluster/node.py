@@ -36,6 +36,15 @@ placed from it (``broker.cluster.placement``). Once formed, the node joins the m
 (:attr:`ClusterNode.local_streams`: a node whose config disagrees refuses to start) and
 record the desired placement; desired only: each group's own log stays authoritative.
 
+Several workers per node (``router.workers``): each worker process runs a ``ClusterNode`` of
+its own, hosting the groups of the partitions it owns, on ``raft_port + index``, dialling
+each seed's port ``+ index``: worker ``i`` of every node hosts the same groups (the owner of a
+partition is a function of the worker count alone, ``broker.workers.mesh.owner_of``), so its
+peers are the workers ``i`` of the other nodes, and the transport refuses a peer with another
+count (``broker.cluster.peerlink``). Every worker forms on its own and keeps its own member
+list (``members`` for worker 0, ``members.worker<i>`` for the others: no two processes write
+one file).
+
 Called only from the owning event loop's thread.
 """
 
@@ -102,19 +111,24 @@ class NodeSettings:
     replication_factor: int
     election_timeout: float  # seconds
     heartbeat_interval: float  # seconds
+    #: This worker's index and the node's worker count (module docstring).
+    worker: tuple[int, int] = (0, 1)
 
 
-def node_settings(config: ClusterConfig) -> NodeSettings:
-    """What ``[cluster]`` says, in the node's terms. In this release ``seeds`` name the other
-    members' Raft addresses (``host:raft_port``)."""
+def node_settings(config: ClusterConfig, worker: tuple[int, int] = (0, 1)) -> NodeSettings:
+    """What ``[cluster]`` says, in the node's terms, for worker ``worker[0]`` of ``worker[1]``.
+    In this release ``seeds`` name the other members' Raft addresses (``host:raft_port``);
+    worker ``i`` listens on ``raft_port + i`` and dials each seed's port ``+ i``."""
+    i = worker[0]
     return NodeSettings(
         name=config.node_id,
-        bind=(config.bind, config.raft_port),
-        seeds=[(seed.host, seed.port) for seed in config.seeds],
+        bind=(config.bind, config.raft_port + i),
+        seeds=[(seed.host, seed.port + i) for seed in config.seeds],
         secret=config.secret,
         replication_factor=config.replication_factor,
         election_timeout=config.election_timeout / 1000,
         heartbeat_interval=config.heartbeat_interval / 1000,
+        worker=worker,
     )
 
 
@@ -137,6 +151,8 @@ class ClusterNode:
         self.id = node_id_of(settings.name)
         self.loop = asyncio.get_running_loop()
         self.state_dir = Path(data_dir) / "cluster"
+        index = settings.worker[0]
+        self.members_file = self.state_dir / ("members" if index == 0 else f"members.worker{index}")
         ticks = max(2, round(settings.election_timeout / settings.heartbeat_interval))
         self.raft_config = RaftConfig(election_ticks=ticks, heartbeat_ticks=1)
         self.stats = NodeStats()
@@ -177,6 +193,7 @@ class ClusterNode:
             settings.secret,
             on_message=self._on_message,
             on_peer=self._on_peer,
+            worker=settings.worker,
         )
         #: Corrupt batches of the groups' logs rewritten from another replica (kinds 2 and 3).
         self.repair = Repairer(self)
@@ -204,6 +221,8 @@ class ClusterNode:
         self.names = node_ids(members)
         logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
         s = self.settings
+        if s.worker[0] != 0:
+            return sorted(self.names)  # worker 0 of each node is the metadata group's member
         try:
             self.metadata = await MetadataGroup.open(
                 s.name, members, s.secret, self.state_dir, s.election_timeout, s.heartbeat_interval
@@ -227,7 +246,7 @@ class ClusterNode:
 
     def _load_members(self) -> dict[str, tuple[str, int]] | None:
         try:
-            data = orjson.loads((self.state_dir / "members").read_bytes())
+            data = orjson.loads(self.members_file.read_bytes())
         except FileNotFoundError:
             return None
         return {name: (addr[0], int(addr[1])) for name, addr in data["members"].items()}
@@ -235,7 +254,7 @@ class ClusterNode:
     def _save_members(self, members: dict[str, tuple[str, int]]) -> None:
         self.state_dir.mkdir(parents=True, exist_ok=True)
         body = orjson.dumps({"members": {n: list(a) for n, a in sorted(members.items())}})
-        write_atomically(self.state_dir / "members", body)
+        write_atomically(self.members_file, body)
 
     # -- groups ------------------------------------------------------------------------------
 

@@ -1,10 +1,11 @@
 """One connection between two nodes (``broker.cluster.peers`` holds them all): its handshake,
 then the frames it carries.
 
-Handshake (version 1), both sides proving that they hold the shared secret::
+Handshake (version 2), both sides proving that they hold the shared secret::
 
     connector -> acceptor   HELLO  = "MQLR" | version u8 | nonce[16] | id_len u8 | node id
                                      | host_len u8 | host | port u16   (the advertised address)
+                                     | worker u16 | workers u16
     acceptor -> connector   REPLY  = the same fields for the acceptor | proof_a[32]
     connector -> acceptor   proof_c[32]
 
@@ -12,7 +13,18 @@ Handshake (version 1), both sides proving that they hold the shared secret::
 ``proof_c`` likewise with ``b"connector"``: the MAC covers both nonces and both ids (so a
 recorded handshake cannot be replayed) and both advertised addresses (so none can be altered on
 the way), and the role label keeps a peer from answering a proof with the proof it was sent.
-Proofs are compared with ``hmac.compare_digest``. A wrong magic, version or proof, a peer
+Proofs are compared with ``hmac.compare_digest``.
+
+``worker`` / ``workers``: which worker process of its node the sender is, among how many
+(``router.workers``). Each worker of a node hosts the Raft groups of the partitions it owns
+and has a transport of its own (worker ``i`` on ``raft_port + i``), so worker ``i`` of one node
+talks to worker ``i`` of every other; that needs every node to run the same count. Once the
+peer's proof checked out (so a stranger cannot provoke it), each side compares the peer's
+pair with its own and refuses a link whose count or index differs (:class:`Incompatible`:
+an ERROR naming both counts and the key, counted in ``incompatible``; the connector sends its
+proof first, so the acceptor sees the proof and says the same in its own log).
+
+A wrong magic, version or proof, a peer
 claiming our node id, a connection closed during the handshake, or one not finished within
 ``handshake_timeout`` (2 s): that connection is closed and counted in ``auth_failures``, with
 one WARNING per remote address per minute; nothing else is affected. A node that dials itself
@@ -53,6 +65,8 @@ class PeerStats:
     dropped_full: int = 0
     dropped_unconnected: int = 0
     auth_failures: int = 0
+    #: Authenticated peers refused for another worker count or index (module docstring).
+    incompatible: int = 0
     bad_frames: int = 0
     #: Outgoing links that completed a handshake.
     connects: int = 0
@@ -64,6 +78,8 @@ class PeerTransport(Protocol):
     each other)."""
 
     node_id: str
+    #: (this worker's index, the node's worker count): see the module docstring.
+    worker: tuple[int, int]
     stats: PeerStats
     _loop: asyncio.AbstractEventLoop
     _closing: bool
@@ -78,13 +94,14 @@ class PeerTransport(Protocol):
     def _authenticated(self, link: Link) -> None: ...
     def _announced(self, payload: memoryview) -> None: ...
     def _refuse(self, link: Link, reason: str) -> None: ...
-    def _warn(self, key: str, message: str) -> None: ...
+    def _incompatible(self, link: Link, reason: str) -> None: ...
+    def _warn(self, key: str, message: str, level: int = ...) -> None: ...
 
 
 log = logging.getLogger("broker.cluster.peers")
 
 MAGIC = b"MQLR"
-VERSION = 1
+VERSION = 2
 MAX_FRAME = 64 << 20
 #: The transport's own frame kind (member announcements); ``send`` refuses it.
 KIND_MEMBERS = 0
@@ -93,6 +110,7 @@ PROOF_SIZE = 32
 
 HEADER = struct.Struct(">IB")
 _PORT = struct.Struct(">H")
+_WORKER = struct.Struct(">HH")  # worker index, worker count
 #: A connection's buffer until it is an authenticated incoming link: larger than a HELLO or
 #: REPLY and its proof (at most 567 bytes), so a stranger costs little memory.
 _HANDSHAKE_SIZE = 1024
@@ -111,6 +129,10 @@ class Refused(Exception):
     """A handshake refused: the message says why (logged, counted in auth_failures)."""
 
 
+class Incompatible(Refused):
+    """An authenticated peer runs another worker count, or answered as another worker."""
+
+
 class BadFrame(Exception):
     """A malformed frame from an authenticated peer (counted in bad_frames)."""
 
@@ -120,9 +142,9 @@ def encode_member(node: bytes, address: Address) -> bytes:
     return bytes([len(node)]) + node + bytes([len(host)]) + host + _PORT.pack(address[1])
 
 
-def hello(nonce: bytes, node: bytes, address: Address) -> bytes:
-    """A HELLO, or a REPLY without its proof."""
-    return MAGIC + bytes([VERSION]) + nonce + encode_member(node, address)
+def hello(nonce: bytes, node: bytes, address: Address, worker: tuple[int, int] = (0, 1)) -> bytes:
+    """A HELLO, or a REPLY without its proof (``worker``: index, count)."""
+    return MAGIC + bytes([VERSION]) + nonce + encode_member(node, address) + _WORKER.pack(*worker)
 
 
 def parse_member(view: memoryview, o: int) -> tuple[str, Address, int] | None:
@@ -146,9 +168,9 @@ def parse_member(view: memoryview, o: int) -> tuple[str, Address, int] | None:
     return node, (host, _PORT.unpack_from(view, host_end)[0]), host_end + 2
 
 
-def parse_hello(view: memoryview) -> tuple[bytes, str, Address, int] | None:
-    """``(nonce, node id, advertised address, length)`` of the HELLO (or REPLY, without its
-    proof) at the start of ``view``; None if more bytes are needed."""
+def parse_hello(view: memoryview) -> tuple[bytes, str, Address, tuple[int, int], int] | None:
+    """``(nonce, node id, advertised address, (worker, workers), length)`` of the HELLO (or
+    REPLY, without its proof) at the start of ``view``; None if more bytes are needed."""
     head = len(MAGIC) + 1 + NONCE_SIZE
     if bytes(view[: len(MAGIC)]) != MAGIC[: len(view)]:
         raise Refused(f"not a peer (magic {bytes(view[: len(MAGIC)])!r})")
@@ -157,9 +179,25 @@ def parse_hello(view: memoryview) -> tuple[bytes, str, Address, int] | None:
     if view[len(MAGIC)] != VERSION:
         raise Refused(f"handshake version {view[len(MAGIC)]}, expected {VERSION}")
     member = parse_member(view, head)
-    if member is None:
+    if member is None or len(view) < member[2] + _WORKER.size:
         return None
-    return bytes(view[len(MAGIC) + 1 : head]), member[0], member[1], member[2]
+    index, count = _WORKER.unpack_from(view, member[2])
+    nonce = bytes(view[len(MAGIC) + 1 : head])
+    return nonce, member[0], member[1], (index, count), member[2] + _WORKER.size
+
+
+def check_worker(node: str, ours: tuple[int, int], theirs: tuple[int, int]) -> None:
+    """Raise :class:`Incompatible` unless ``theirs`` (index, count) matches ``ours``."""
+    if theirs[1] != ours[1]:
+        raise Incompatible(
+            f"node {node!r} runs {theirs[1]} worker(s) per node and this node {ours[1]}: every "
+            f"node of a cluster must run the same count (router.workers / --workers)"
+        )
+    if theirs[0] != ours[0]:
+        raise Incompatible(
+            f"node {node!r} answered as its worker {theirs[0]}, expected worker {ours[0]}: "
+            f"seeds must name each node's [cluster] raft_port (worker i uses raft_port + i)"
+        )
 
 
 class Link(asyncio.BufferedProtocol):
@@ -188,6 +226,7 @@ class Link(asyncio.BufferedProtocol):
         self._hello = b""
         self._reply = b""
         self._nonce = b""
+        self._worker = (0, 1)  # the acceptor's peer's, from its HELLO
         self._timer: asyncio.TimerHandle | None = None
 
     # -- asyncio callbacks
@@ -226,6 +265,8 @@ class Link(asyncio.BufferedProtocol):
                 self._handshake()
             if self.ready and self._end > self._start:
                 self._frames()
+        except Incompatible as e:
+            self.owner._incompatible(self, str(e))
         except Refused as e:
             self.owner._refuse(self, str(e))
         except BadFrame as e:
@@ -266,7 +307,7 @@ class Link(asyncio.BufferedProtocol):
             parsed = parse_hello(view)
             if parsed is None:
                 return
-            nonce, node, address, n = parsed
+            nonce, node, address, self._worker, n = parsed
             self._hello = bytes(view[:n])
             self._start += n
             dialer = self.owner._nonces.get(nonce)
@@ -285,11 +326,12 @@ class Link(asyncio.BufferedProtocol):
             if not hmac.compare_digest(bytes(view[:PROOF_SIZE]), self._proof(b"connector")):
                 raise Refused(f"node {self.node!r} failed to prove the shared secret")
             self._start += PROOF_SIZE
+            check_worker(self.node, self.owner.worker, self._worker)
         else:
             parsed = parse_hello(view)
-            if parsed is None or len(view) < parsed[3] + PROOF_SIZE:
+            if parsed is None or len(view) < parsed[4] + PROOF_SIZE:
                 return
-            _, node, address, n = parsed
+            _, node, address, worker, n = parsed
             self._reply = bytes(view[:n])
             self._peer(node, address)
             proof = bytes(view[n : n + PROOF_SIZE])
@@ -298,6 +340,7 @@ class Link(asyncio.BufferedProtocol):
             self._start += n + PROOF_SIZE
             assert self.transport is not None
             self.transport.write(self._proof(b"connector"))
+            check_worker(node, self.owner.worker, worker)  # after the proof: see the docstring
         self.ready = True
         if self._timer is not None:
             self._timer.cancel()

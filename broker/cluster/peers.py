@@ -65,7 +65,9 @@ class PeerTransport:
     peers (port 0: an ephemeral port, ``address`` then tells which); ``seeds``: peers to dial
     first; ``secret``: the shared secret. ``on_message(peer, kind, payload)`` gets every frame
     (``payload`` valid only during the call); ``on_peer(peer, address)`` is called when a peer
-    authenticates with an address not known before (its first time, or it moved)."""
+    authenticates with an address not known before (its first time, or it moved).
+    ``worker``: this transport's worker index and the node's worker count, which every peer
+    must share (``broker.cluster.peerlink``)."""
 
     def __init__(
         self,
@@ -79,6 +81,7 @@ class PeerTransport:
         max_buffer: int = 8 << 20,
         reconnect: tuple[float, float] = (0.05, 2.0),
         handshake_timeout: float = HANDSHAKE_TIMEOUT,
+        worker: tuple[int, int] = (0, 1),
     ) -> None:
         if not 0 < len(node_id.encode()) < 256:
             raise ValueError(f"node_id {node_id!r}: 1 to 255 bytes of UTF-8")
@@ -88,7 +91,10 @@ class PeerTransport:
             raise ValueError(f"reconnect {reconnect}: expected 0 < first delay <= cap")
         if max_buffer <= 0 or handshake_timeout <= 0:
             raise ValueError("max_buffer and handshake_timeout must be positive")
+        if not 0 <= worker[0] < worker[1] < 65536:
+            raise ValueError(f"worker {worker}: expected (index, count), 0 <= index < count")
         self.node_id = node_id
+        self.worker = worker
         self._node = node_id.encode()
         self.bind = bind
         self.address: Address = bind
@@ -204,7 +210,7 @@ class PeerTransport:
     # -- the links' callbacks
 
     def _hello(self, nonce: bytes) -> bytes:
-        return hello(nonce, self._node, self.address)
+        return hello(nonce, self._node, self.address, self.worker)
 
     def _authenticated(self, link: Link) -> None:
         node, dialer = link.node, link.dialer
@@ -269,13 +275,22 @@ class PeerTransport:
         self._warn(link.remote, f"peer connection {side} {link.remote} refused: {reason}")
         link.close()
 
-    def _warn(self, key: str, message: str) -> None:
+    def _incompatible(self, link: Link, reason: str) -> None:
+        """An authenticated peer runs another worker count (or is another worker): an error
+        in the configuration of one of the two nodes, logged as such (once a minute)."""
+        self.stats.incompatible += 1
+        self._warn(
+            link.remote, f"peer connection with {link.remote} refused: {reason}", logging.ERROR
+        )
+        link.close()
+
+    def _warn(self, key: str, message: str, level: int = logging.WARNING) -> None:
         now = self._loop.time()
         if now - self._warned.get(key, -WARN_INTERVAL) >= WARN_INTERVAL:
             if len(self._warned) > 1024:
                 self._warned.clear()
             self._warned[key] = now
-            log.warning("%s", message)
+            log.log(level, "%s", message)
 
     # -- dialling
 

@@ -282,10 +282,13 @@ class LogReader:
 
     def advance(self, end_offset: int, start_offset: int | None = None) -> None:
         """The owner announced its high-water mark (marks only move forward) and, when
-        given, its earliest retained offset: segments retention deleted are let go."""
+        given, its earliest retained offset: segments retention deleted are let go; the
+        first segment is found once the mark passes its start (:attr:`log_start_offset`)."""
         if end_offset > self._end:
             self._end = end_offset
-        if start_offset is not None and self._bases and start_offset > self._bases[0]:
+        if (start_offset is not None and self._bases and start_offset > self._bases[0]) or (
+            not self._bases and self._end > 0
+        ):
             self._refresh()
 
     def read(self, offset: int, max_records: int = 1000, max_bytes: int = 1 << 20) -> list[Record]:
@@ -363,17 +366,27 @@ class LogReader:
         return self._end
 
     def _refresh(self) -> None:
-        """List the directory again: open new segments, close deleted ones."""
+        """List the directory again: open new segments, close deleted ones.
+
+        Only segments that start below the announced mark: one that starts at or past it
+        holds nothing committed yet, and a replicated log may delete it (a Raft follower
+        cutting an uncommitted suffix) and roll another file of the same name later, which
+        a descriptor opened now would never see."""
         try:
             names = os.listdir(self.directory)
         except FileNotFoundError:
             names = []
         except OSError as exc:
             raise LogIOError(self.directory, "list log directory", exc) from exc
+        end = self._end
         bases = sorted(
-            int(name[: -len(LOG_SUFFIX)])
-            for name in names
-            if name.endswith(LOG_SUFFIX) and name[: -len(LOG_SUFFIX)].isdigit()
+            base
+            for base in (
+                int(name[: -len(LOG_SUFFIX)])
+                for name in names
+                if name.endswith(LOG_SUFFIX) and name[: -len(LOG_SUFFIX)].isdigit()
+            )
+            if base < end
         )
         known = {view.base: view for view in self._segments}
         views: list[_SegmentView] = []

@@ -173,8 +173,11 @@ class Config:
         return spec.replication_factor or self.cluster.replication_factor
 
     def worker_count(self) -> int:
-        """Workers to run: the configured number, or one per core when 0."""
-        return self.router.workers or (os.cpu_count() or 1)
+        """Workers to run: the configured number, or when 0 one per core (one in a cluster:
+        the README's Cluster section says why)."""
+        if self.router.workers:
+            return self.router.workers
+        return 1 if self.cluster is not None else (os.cpu_count() or 1)
 
 
 def _log_config(sec: Section, base: LogConfig) -> LogConfig:
@@ -459,13 +462,36 @@ def check_ports(
     if cfg.http.enabled:
         ports.append(("http.port", cfg.http.port))
     if cfg.cluster is not None:
+        raft = cfg.cluster.raft_port
+        workers = cfg.worker_count()
+        if raft + workers - 1 > 65535:
+            raise ConfigError(
+                f"{source}: cluster.raft_port = {raft} with {workers} workers (router.workers): "
+                f"worker i listens on raft_port + i, past port 65535"
+            )
+        for i, seed in enumerate(cfg.cluster.seeds):
+            if seed.port + workers - 1 > 65535:
+                raise ConfigError(
+                    f"{source}: cluster.seeds[{i}] = {str(seed)!r} with {workers} workers "
+                    f"(router.workers): worker i dials the seed's port + i, past port 65535"
+                )
+        # Nodes sharing an address: each one's ports (raft_port - 1 ... raft_port + workers - 1)
+        # must be clear of the others' (seeds name their raft_port).
+        own = range(raft + METADATA_PORT_OFFSET, raft + workers)
+        for i, seed in enumerate(cfg.cluster.seeds):
+            theirs = range(seed.port + METADATA_PORT_OFFSET, seed.port + workers)
+            if seed.host == cfg.cluster.bind and set(own) & set(theirs):
+                raise ConfigError(
+                    f"{source}: cluster.seeds[{i}] = {str(seed)!r} shares this node's address "
+                    f"and its ports {theirs.start}-{theirs.stop - 1} overlap this node's "
+                    f"{own.start}-{own.stop - 1} (the metadata group on raft_port - 1, worker i "
+                    f"on raft_port + i): space the nodes' raft_port by {workers + 1} or more"
+                )
         ports += [
             ("cluster.gossip_port", cfg.cluster.gossip_port),
-            ("cluster.raft_port", cfg.cluster.raft_port),
-            (
-                f"cluster.raft_port + {METADATA_PORT_OFFSET} (the metadata group)",
-                cfg.cluster.raft_port + METADATA_PORT_OFFSET,
-            ),
+            ("cluster.raft_port", raft),
+            *((f"cluster.raft_port + {i} (worker {i})", raft + i) for i in range(1, workers)),
+            ("cluster.raft_port - 1 (the metadata group)", raft + METADATA_PORT_OFFSET),
         ]
     seen: dict[int, str] = {}
     for key, port in ports:

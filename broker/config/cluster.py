@@ -26,13 +26,10 @@ log = logging.getLogger("broker.config")
 
 DEFAULT_GOSSIP_PORT = 7946
 DEFAULT_RAFT_PORT = 7950
-#: The metadata group (broker.cluster.metadata_group) listens on raft_port + this, on every
-#: node: a node derives its peers' metadata addresses from their Raft addresses. 2, not 1:
-#: the same parity as raft_port. A Raft port taken from the ephemeral range (as the tests do,
-#: with bind(0), which Linux answers with odd ports) then has an odd metadata port too, clear
-#: of the even ports Linux gives outgoing connections (since 4.6); raft_port + 1 was once
-#: found taken by one of the cluster's own connections.
-METADATA_PORT_OFFSET = 2
+#: The metadata group (broker.cluster.metadata_group) listens on raft_port + this (so 7949),
+#: on every node: a node derives its peers' metadata addresses from their Raft addresses.
+#: Below the Raft port, since worker i of a node uses raft_port + i.
+METADATA_PORT_OFFSET = -1
 MAX_REPLICATION_FACTOR = 7
 #: A shared secret shorter than this is refused (16 bytes: 128 bits if they are random).
 MIN_SECRET_BYTES = 16
@@ -161,16 +158,6 @@ def _seeds(sec: Section, bind: str, raft_port: int) -> tuple[Seed, ...]:
             )
         if seed in seeds:
             raise sec.bad(key, entry, f"listed once (it is also seeds[{seeds.index(seed)}])")
-        if seed.host == bind and abs(seed.port - raft_port) == METADATA_PORT_OFFSET:
-            # Nodes sharing an address: one's metadata port (raft_port + 2) is the other's
-            # Raft port.
-            raise sec.bad(
-                key,
-                entry,
-                f"a Raft port other than {sec.key('raft_port')} +/- {METADATA_PORT_OFFSET} "
-                f"on this address (raft_port + {METADATA_PORT_OFFSET} is each node's metadata "
-                "port: space the nodes sharing an address by 3 or more, e.g. 7950, 7960)",
-            )
         seeds.append(seed)
     return tuple(seeds)
 
@@ -224,7 +211,7 @@ def parse_cluster(table: Any, source: str) -> ClusterConfig:
     d = ClusterConfig(node_id, bind, Path(), b"")
     gossip_port = sec.integer("gossip_port", d.gossip_port, lo=1, hi=65535)
     # raft_port + METADATA_PORT_OFFSET must be a port too.
-    raft_port = sec.integer("raft_port", d.raft_port, lo=1, hi=65535 - METADATA_PORT_OFFSET)
+    raft_port = sec.integer("raft_port", d.raft_port, lo=1 - METADATA_PORT_OFFSET, hi=65535)
     seeds = _seeds(sec, bind, raft_port)
     secret_text = _required_string(sec, "secret_file")
     if not secret_text:

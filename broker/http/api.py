@@ -92,12 +92,13 @@ class AdminSource(PartitionSource, SessionsSource, Protocol):
         """``ready`` and the counts /healthz shows."""
         ...
 
-    def cluster_view(self) -> dict[str, Any]:
+    async def cluster_status(self) -> dict[str, Any]:
         """``GET /api/v1/cluster``: nodes and, per partition, leader, replicas, follower
-        lag, commit index and term (``"mode": "single node"`` without ``[cluster]``)."""
+        lag, commit index and term (``"mode": "single node"`` without ``[cluster]``); with
+        several workers, every worker's part."""
         ...
 
-    def transfer_leader(self, key: tuple[str, int], node: str) -> str:
+    async def transfer_leader(self, key: tuple[str, int], node: str) -> str:
         """Start moving ``key``'s leadership to ``node``; what was done, in a sentence.
         Raises ValueError (a single node, an unknown partition or node)."""
         ...
@@ -152,7 +153,7 @@ class HttpApi:
     # ---------------------------------------------------------------- handlers
 
     async def cluster(self, request: web.Request) -> web.Response:
-        return _json(self.server.cluster_view())
+        return _json(await self.server.cluster_status())
 
     async def transfer_leader(self, request: web.Request) -> web.Response:
         """``POST .../cluster/partitions/<stream>/<p>/leader`` ``{"node": "<node_id>"}``:
@@ -167,7 +168,7 @@ class HttpApi:
                 400, 'expected a JSON body {"node": "<node_id>"} and an integer partition'
             )
         try:
-            message = self.server.transfer_leader(key, str(node))
+            message = await self.server.transfer_leader(key, str(node))
         except ValueError as e:
             return _error(409, str(e))
         return _json({"message": message})

@@ -102,7 +102,7 @@ class ConsoleSource(SysSource, Protocol):
     @property
     def streams(self) -> Streams: ...
 
-    def cluster_view(self) -> dict[str, Any]: ...
+    async def cluster_status(self) -> dict[str, Any]: ...
 
     def partition_log(self, key: tuple[str, int]) -> SegmentedLog | LogReader: ...
 
@@ -296,7 +296,7 @@ class Console:
                 "free_bytes": _free_bytes(data_dir),
             },
             **_most_behind(sessions),
-            "cluster": self.server.cluster_view(),
+            "cluster": await self.server.cluster_status(),
         }
 
     def _streams(self) -> list[dict[str, Any]]:

@@ -283,7 +283,7 @@ def _counter(name: str, help_: str, value: float) -> CounterMetricFamily:
 
 
 #: Figures that are the same for every worker, not a share of the whole: merged by maximum.
-_NOT_ADDED = frozenset({"mqlog_uptime_seconds"})
+_NOT_ADDED = frozenset({"mqlog_uptime_seconds", "mqlog_cluster_nodes"})
 
 
 def merge_expositions(parts: list[bytes]) -> bytes:

@@ -41,6 +41,7 @@ from typing import Any
 from broker.commitlog import LogConfig, Record, SegmentedLog
 from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
+from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
 from broker.workers.mesh import FIRST_USER_KIND, Mesh, PeerDown
 
@@ -185,11 +186,16 @@ class PartitionService:
         self.enqueue: Callable[[PartitionKey, list[tuple[Any, ...]], Ack], None] | None = None
         self.wake: Callable[[Any], None] | None = None
         self.on_moved: Callable[[PartitionKey, int, RemotePartition], None] | None = None
-        #: The partitions this worker owns (opened at start, so MARKS can answer for all).
-        self.owned: dict[PartitionKey, OwnedPartition] = {}
+        #: The partitions this worker owns (opened at start, so MARKS can answer for all):
+        #: OwnedPartition, or a replicated one made by the cluster (:meth:`adopt`).
+        self.owned: dict[PartitionKey, Partition] = {}
         self.remote: dict[PartitionKey, RemotePartition] = {}
         #: Every other worker's partitions: (earliest offset, high-water mark) as announced.
         self.marks: dict[PartitionKey, tuple[int, int]] = {}
+        #: What the publishers of a forward are told when the owner goes away before its
+        #: answer: None (not stored, the single node's answer), or, in a cluster, where the
+        #: owner may have proposed them already, OUTCOME_UNKNOWN (set by the server).
+        self.lost_outcome: int | None = None
         self.forwarded = 0  # records sent to their owner
         self.received = 0  # records appended for a peer
 
@@ -205,7 +211,8 @@ class PartitionService:
         """The router's partition object for ``key``: owned or remote."""
         owner = self.owner_of(key, self.count)
         if owner == self.worker:
-            owned = self.owned[key] = OwnedPartition(key, open_log(key), self._announce)
+            owned = OwnedPartition(key, open_log(key), self.announce)
+            self.owned[key] = owned
             return owned
         start, end = self.marks.get(key, (0, 0))
         reader = LogReader(self.directory_of(key), self.config_of(key), end)
@@ -224,9 +231,17 @@ class PartitionService:
                 self._moved(key, *_MARKS.unpack_from(body, pos))
                 pos += _MARKS.size
 
+    def adopt(self, part: Partition) -> None:
+        """``part``, which this worker owns, was made elsewhere (a replicated partition,
+        broker.workers.replicated): MARKS answers for it too; it calls :meth:`announce`
+        itself when its high-water mark moves."""
+        self.owned[part.key] = part
+
     # ------------------------------------------------------------ owner side
 
-    def _announce(self, part: OwnedPartition, records: list[Record]) -> None:
+    def announce(self, part: Partition, records: list[Record]) -> None:
+        """Tell every peer ``part``'s new marks and, when few and ending at the mark, the
+        ``records`` of the commit (:data:`ANNOUNCED_RECORDS`)."""
         if self.mesh is None or not self.mesh.peers:
             return
         body = _pack_marks(part)
@@ -272,16 +287,21 @@ class PartitionService:
             first = None
             if body is None:
                 log.warning(
-                    "%s/%d: worker %d went away; %d records not stored",
+                    "%s/%d: worker %d went away; %d records %s",
                     *part.key,
                     part.owner,
                     len(records),
+                    "not stored" if self.lost_outcome is None else "of unknown outcome",
                 )
+                first = self.lost_outcome
             else:
                 first = _OFFSET.unpack(body)[0]
-                if first < 0:
-                    first = None
-            _settle(acks, first)
+            if first == OUTCOME_UNKNOWN:  # may be committed: no acknowledgement either way
+                for ack in acks:
+                    if ack is not None:
+                        ack(OUTCOME_UNKNOWN)
+                return
+            _settle(acks, None if first is None or first < 0 else first)
 
         try:
             assert self.mesh is not None
@@ -339,7 +359,8 @@ class PartitionService:
 
 
 def _pack_marks(part: Partition) -> bytes:
-    return pack_key(part.key) + _MARKS.pack(part.log.log_start_offset, part.log.end_offset)
+    # end_offset: a replicated partition's is its commit index, not its log's end.
+    return pack_key(part.key) + _MARKS.pack(part.log.log_start_offset, part.end_offset)
 
 
 def _settle(acks: list[Ack | None], first: int | None) -> None:

@@ -35,6 +35,16 @@ batches' boundaries kept (:data:`CLUSTER_SPECS`); every node applies each commit
 their owners (broker.workers.replicated_sessions). Other compacted streams stay local to each
 node: compaction re-encodes batches, which would move entry boundaries under the Raft log.
 
+Several workers per node. Each worker runs a :class:`ClusterService` of its own, hosting the
+groups of the partitions it owns (``broker.workers.mesh.owner_of``, as on one node) with a
+:class:`~broker.cluster.node.ClusterNode` of its own on ``raft_port + index``
+(``broker.cluster.node``): the other workers reach those partitions as they reach any
+partition another worker owns (``broker.workers.partitions``: publishes forwarded to the
+owner, reads from its files up to the high-water mark it announces, which here is the
+group's commit index: :attr:`ClusterService.on_committed` announces it after every commit,
+on leaders and followers alike). So ``$retained`` lives in one worker per node, the one that
+owns it on a single node.
+
 Called only from the worker's event loop.
 """
 
@@ -185,13 +195,15 @@ class ReplicatedPartition(Partition):
             else:
                 self.dispatch(records, acks, deadline)
 
-    def committed(self, commit: int) -> None:
-        """The group's commit index reached ``commit``: acknowledge what it covers."""
+    def committed(self, commit: int) -> list[Record]:
+        """The group's commit index reached ``commit``: acknowledge what it covers; returns
+        the records this node proposed that it covers, numbered."""
         inflight = self.inflight
         terms = self.service.node.storages[self.group].terms
         new = tuple.__new__
         observe = self.service.observe_commit
         now = time.perf_counter()
+        out: list[Record] = []
         while inflight and inflight[0][0] <= commit:
             index, term, records, acks, proposed = inflight.popleft()
             observe(now - proposed)
@@ -201,9 +213,11 @@ class ReplicatedPartition(Partition):
                 continue
             stored = [new(Record, (first + i, *r[1:])) for i, r in enumerate(records)]
             self.keep_tail(first, stored)
+            out += stored
             for i, ack in enumerate(acks):
                 if ack is not None:
                     ack(first + i)
+        return out
 
     def leadership_changed(self) -> None:
         """This node stopped leading the group, or its term changed: whatever is in flight
@@ -238,10 +252,16 @@ class ClusterService:
     replicated streams), forwarding to leaders. Built by the server when ``[cluster]`` is
     configured; :meth:`attach` connects it to the router, :meth:`start` forms the cluster."""
 
-    def __init__(self, config: Config, streams: Streams) -> None:
+    def __init__(
+        self,
+        config: Config,
+        streams: Streams,
+        worker: tuple[int, int] = (0, 1),
+        owns: Callable[[PartitionKey], bool] = lambda key: True,
+    ) -> None:
         assert config.cluster is not None
         self.streams = streams
-        self.node = ClusterNode(node_settings(config.cluster), config.commitlog.data_dir)
+        self.node = ClusterNode(node_settings(config.cluster, worker), config.commitlog.data_dir)
         self.node.local_streams = LocalStreams.of(config)
         specs = [
             spec
@@ -249,20 +269,33 @@ class ClusterService:
             if (not spec.name.startswith("$") and not spec.log.compacted)
             or spec.name in (RETAINED_STREAM, SESSIONS_STREAM)
         ]
-        self.groups = group_ids((spec.name, p) for spec in specs for p in range(spec.partitions))
+        every = group_ids((spec.name, p) for spec in specs for p in range(spec.partitions))
+        #: The groups this worker hosts: those of the partitions it owns (module docstring).
+        self.groups = {g: key for g, key in every.items() if owns(key)}
         rf = {spec.name: config.replication_factor(spec) for spec in specs}
         self.node.replication = {g: rf[key[0]] for g, key in self.groups.items()}
         #: Each group's storage, opened now, before the router loads anything: it pins the
         #: log's high-water mark at the last commit it knows, so no reader (the router's
         #: start-up included) sees a record that may yet be truncated.
         self.storages = {g: GroupStorage.over(streams.log(*key)) for g, key in self.groups.items()}
-        #: ``$retained`` offsets below this are in the router's retained index.
-        self._retained_applied = streams.log(*RETAINED).high_watermark
-        #: Sessions and their owners across the cluster, and this node's claims.
-        self.sessions = ClusterSessions(self.node, streams.log(*SESSIONS))
-        #: The router's hooks: it loads the sessions this node owns.
-        self.hooks = ClusterHooks(self.sessions)
+        #: ``$retained`` offsets below this are in the router's retained index (when hosted).
+        self._retained_applied = streams.log(*RETAINED).high_watermark if owns(RETAINED) else 0
+        #: Sessions and their owners across the cluster, and this node's claims: with one
+        #: worker per node. With several, ``$sessions`` is replicated (its writes reach the
+        #: worker owning it) but a client id is not fenced across nodes (README, Cluster).
+        self.sessions = (
+            ClusterSessions(self.node, streams.log(*SESSIONS)) if worker[1] == 1 else None
+        )
+        #: The router's hooks: it loads the sessions this node owns (one worker per node).
+        self.hooks = ClusterHooks(self.sessions) if self.sessions is not None else None
         self.keys = {key: g for g, key in self.groups.items()}
+        #: Every replicated partition, this worker's or not.
+        self.replicated = frozenset(every.values())
+        #: Called after each commit of a hosted partition with the records this node proposed
+        #: that it covers (the other workers of the node learn the new mark; set by the server).
+        self.on_committed: Callable[[ReplicatedPartition, list[Record]], None] = (
+            lambda part, records: None
+        )
         self.node.group_keys = dict(self.groups)
         self.node.on_commit = self._on_commit
         self.node.on_leader = self._on_leader
@@ -278,7 +311,8 @@ class ClusterService:
 
     def attach(self, router: Router) -> None:
         self.router = router
-        self.sessions.router = router
+        if self.sessions is not None:
+            self.sessions.router = router
 
     def make_partition(self, key: PartitionKey) -> PartitionBase:
         """The router's partition factory: replicated or local (module docstring)."""
@@ -309,13 +343,16 @@ class ClusterService:
                 CATCH_UP_SECONDS,
                 ", ".join(f"{s}/{p}" for s, p in (self.groups[g] for g in behind)),
             )
+        index, count = self.node.settings.worker
         log.info(
-            "cluster: node %s holds %d partitions (%d nodes)",
+            "cluster: node %s%s holds %d partitions (%d nodes)",
             self.node.name,
+            f" worker {index} of {count}" if count > 1 else "",
             len(self.storages),
             len(members),
         )
-        self.sessions.resume()  # its sessions as committed; claims are answered from now on
+        if self.sessions is not None:
+            self.sessions.resume()  # its sessions as committed; claims are answered from now on
 
     async def close(self) -> None:
         await self._drain_sessions()
@@ -378,12 +415,18 @@ class ClusterService:
         key = self.groups.get(g)
         if key == RETAINED and self.router is not None:
             self._apply_retained(commit)
-        elif key == SESSIONS and self.router is not None:
+        elif key == SESSIONS and self.router is not None and self.sessions is not None:
             self._apply_sessions(commit)
         part = self._partition(g)
         if part is None:
             return
-        part.committed(commit)
+        records = part.committed(commit)
+        if records and (
+            records[-1].offset + 1 != part.end_offset
+            or records[-1].offset - records[0].offset + 1 != len(records)
+        ):
+            records = []  # not the whole of what the mark covers: the peers read the files
+        self.on_committed(part, records)
         assert self.router is not None
         self.router.wake(part)
 
@@ -409,6 +452,7 @@ class ClusterService:
         assert self.router is not None
         part = self.router.partition(SESSIONS)
         sessions = self.sessions
+        assert sessions is not None
         offset = sessions.applied
         while offset < commit:
             records = part.read(offset)
@@ -533,5 +577,5 @@ class ClusterService:
     def status(self) -> dict[str, Any]:
         view = self.node.status()
         view["forwards_waiting"] = len(self._waiting)
-        view["session_takeovers"] = self.sessions.takeovers
+        view["session_takeovers"] = self.sessions.takeovers if self.sessions is not None else 0
         return view

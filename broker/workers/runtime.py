@@ -26,6 +26,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+import orjson
+
 from broker.commitlog import LogConfig, Record, SegmentedLog, Streams
 from broker.commitlog.keys import PartitionKey
 from broker.workers.groups import MeshGroupPeers
@@ -54,6 +56,10 @@ CONNECTIONS = SESSIONS_NEXT_KIND + 2
 LOGIN_FAILED = SESSIONS_NEXT_KIND + 3
 #: The four kinds of the shared groups' frames (broker.workers.groups) start here.
 GROUP_KINDS = SESSIONS_NEXT_KIND + 4
+#: Request: run one of a worker's admin actions (``name\0`` and its JSON argument), answered
+#: with its JSON result (an admin request that only the worker owning a partition can do,
+#: such as a cluster's leadership transfer).
+CALL = GROUP_KINDS + 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,6 +99,7 @@ class WorkerRuntime:
                 **self.groups.handlers(),
                 FINISHED: self._on_finished,
                 VIEW: self._on_view,
+                CALL: self._on_call,
                 CONNECTIONS: self._on_connections,
                 LOGIN_FAILED: self._on_login_failed,
             },
@@ -102,6 +109,8 @@ class WorkerRuntime:
         self._finished: set[int] = set()
         #: Admin views by name: each returns this worker's part as bytes (set by the server).
         self.views: dict[str, Callable[[], bytes]] = {}
+        #: Admin actions by name: each takes a JSON value and returns one (set by the server).
+        self.actions: dict[str, Callable[[Any], Any]] = {}
         #: Connected clients per peer, as each last said.
         self.peer_connections: dict[int, int] = {}
         self._connections: int | None = None  # to announce at the end of this iteration
@@ -221,6 +230,20 @@ class WorkerRuntime:
     def _on_view(self, peer: int, request: int, body: memoryview) -> None:
         view = self.views.get(bytes(body).decode())
         self.mesh.reply(peer, request, view() if view is not None else b"")
+
+    def _on_call(self, peer: int, request: int, body: memoryview) -> None:
+        name, _, argument = bytes(body).partition(b"\0")
+        action = self.actions.get(name.decode())
+        result = action(orjson.loads(argument)) if action is not None else None
+        self.mesh.reply(peer, request, orjson.dumps(result))
+
+    async def call(self, worker: int, name: str, argument: Any) -> Any:
+        """Action ``name`` of ``worker`` (this one included) with ``argument``: its result
+        (raises :class:`PeerDown` if that worker is down)."""
+        if worker == self.index:
+            return self.actions[name](argument)
+        body = await self.mesh.call(worker, CALL, name.encode() + b"\0" + orjson.dumps(argument))
+        return orjson.loads(body)
 
     async def gather(self, name: str) -> list[bytes]:
         """View ``name`` of every worker, this one first (a worker that is down is missing:

@@ -38,7 +38,9 @@ log = logging.getLogger("broker.workers")
 
 #: Seconds a worker has to stop after SIGTERM before it is killed.
 STOP_SECONDS = 30.0
-#: Seconds a worker has from its fork to serving.
+#: Seconds a worker has from its fork to serving (without ``[cluster]``: a cluster's worker
+#: serves once the cluster formed, which waits for the other nodes as long as they take, as
+#: a single-worker node does; each worker logs which members it is waiting for).
 START_SECONDS = 60.0
 #: Delay before restarting a dead worker; doubled for each death within RESTART_WINDOW of its
 #: start, up to RESTART_MAX (a worker that crashes at once must not spin the machine).
@@ -85,7 +87,8 @@ class Supervisor:
             self.config = self._claim_ports(self.config)
             for worker in self.workers:
                 self._start(worker)
-            self._wait_ready()
+            if not self._wait_ready():
+                return self._stop()  # SIGTERM / SIGINT while starting
             log.info("supervisor (pid %d): %d workers serving", os.getpid(), self.count)
             for listener in self.listeners():
                 log.info("listening on %s", listener)
@@ -176,14 +179,20 @@ class Supervisor:
         worker.started = time.monotonic()
         log.info("worker %d: started, pid %d", worker.index, pid)
 
-    def _wait_ready(self) -> None:
-        """Until every worker serves; a worker that ends first fails the start."""
-        deadline = time.monotonic() + START_SECONDS
+    def _wait_ready(self) -> bool:
+        """Until every worker serves (True) or SIGTERM / SIGINT comes (False); a worker
+        that ends first fails the start, as does one not serving within
+        :data:`START_SECONDS` (no limit with ``[cluster]``)."""
+        limit = None if self.config.cluster is not None else START_SECONDS
+        deadline = time.monotonic() + (limit or 0.0)
         for worker in self.workers:
             while True:
                 said = self._read_ready(worker, timeout=0.1)
                 if said:
                     break
+                if signal.sigtimedwait({signal.SIGTERM, signal.SIGINT}, 0) is not None:
+                    self._stopping = True
+                    return False
                 pid, status = os.waitpid(worker.pid, 0 if said is None else os.WNOHANG)
                 if pid:
                     worker.pid = 0
@@ -191,10 +200,9 @@ class Supervisor:
                         f"worker {worker.index} failed to start "
                         f"({_describe(status)}); see its message above"
                     )
-                if time.monotonic() > deadline:
-                    raise ServeError(
-                        f"worker {worker.index} did not start within {START_SECONDS:.0f} s"
-                    )
+                if limit is not None and time.monotonic() > deadline:
+                    raise ServeError(f"worker {worker.index} did not start within {limit:.0f} s")
+        return True
 
     def _read_ready(self, worker: _Worker, timeout: float) -> bool | None:
         """True once ``worker`` said it serves; False while it has not yet; None when its

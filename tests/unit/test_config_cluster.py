@@ -288,6 +288,37 @@ def test_port_clash_with_a_flag_names_it(secret: Path) -> None:
     check_ports(cfg, "b.toml")  # the CLI's own check passes the same config
 
 
+def test_each_worker_has_its_raft_port(secret: Path) -> None:
+    """Worker i listens on raft_port + i: those ports clash like the others, and may not
+    run past 65535 (nor may a seed's port + i, which worker i dials)."""
+    data = {
+        "cluster": {"node_id": "n1", "bind": "10.0.0.1", "secret_file": str(secret)},
+        "router": {"workers": 3},
+        "http": {"port": 7952},
+    }
+    with pytest.raises(
+        ConfigError,
+        match=r"^b.toml: cluster.raft_port \+ 2 \(worker 2\) = 7952 is also http.port$",
+    ):
+        parse_config(data, "b.toml")
+    data["http"] = {"port": 8080}
+    cfg = parse_config(data, "b.toml")
+    with pytest.raises(ConfigError, match=r"cluster.raft_port \+ 1 \(worker 1\).*--http-port"):
+        check_ports(
+            parse_config(data, "b.toml", {"http.port": 7951}),
+            "b.toml",
+            {"http.port": "--http-port"},
+        )
+    check_ports(cfg, "b.toml")
+    data["cluster"]["raft_port"] = 65534  # type: ignore[index]
+    with pytest.raises(ConfigError, match=r"raft_port = 65534 with 3 workers .*past port 65535"):
+        parse_config(data, "b.toml")
+    data["cluster"]["raft_port"] = 7950  # type: ignore[index]
+    data["cluster"]["seeds"] = ["10.0.0.2:65535"]  # type: ignore[index]
+    with pytest.raises(ConfigError, match=r"cluster.seeds\[0\] = '10.0.0.2:65535' with 3 workers"):
+        parse_config(data, "b.toml")
+
+
 # ------------------------------------------------------------------ the secret file
 
 

@@ -13,10 +13,11 @@ import asyncio
 from pathlib import Path
 
 from bench.ports import free_port
-from broker.cluster.node import ClusterNode, NodeSettings
+from broker.cluster.node import ClusterNode, NodeSettings, node_settings
 from broker.cluster.raft import Role
 from broker.cluster.storage import GroupStorage, encode_entry
 from broker.commitlog import LogConfig, Record, SegmentedLog
+from broker.config.cluster import ClusterConfig, Seed
 
 SECRET = b"a-test-secret-of-enough-bytes"
 GROUP = 7
@@ -174,5 +175,30 @@ def test_a_compacted_group_compacts_below_commit_and_keeps_replicating(tmp_path:
             for i in range(3):
                 if trio.nodes[i] is not None:
                     await trio.stop(i)
+
+    asyncio.run(main())
+
+
+def test_worker_i_listens_on_raft_port_plus_i_and_keeps_its_own_member_list(
+    tmp_path: Path,
+) -> None:
+    """Several workers per node: worker i binds raft_port + i, dials each seed's port + i,
+    says (i, count) in its handshakes, and writes its member list to a file of its own."""
+    config = ClusterConfig(
+        "n1", "10.0.0.1", tmp_path / "k", SECRET, seeds=(Seed("10.0.0.2", 7960),), raft_port=7950
+    )
+    assert node_settings(config).bind == ("10.0.0.1", 7950)
+    s = node_settings(config, (1, 2))
+    assert s.bind == ("10.0.0.1", 7951) and s.seeds == [("10.0.0.2", 7961)]
+    assert s.worker == (1, 2)
+
+    async def main() -> None:
+        zero = ClusterNode(node_settings(config, (0, 2)), tmp_path)
+        one = ClusterNode(s, tmp_path)
+        assert zero.members_file.name == "members"  # as with one worker: data dirs carry over
+        assert one.members_file.name == "members.worker1"
+        assert one.transport.worker == (1, 2) and one.transport.bind == ("10.0.0.1", 7951)
+        await zero.close()
+        await one.close()
 
     asyncio.run(main())

@@ -131,8 +131,10 @@ def member(node: str, address: tuple[str, int]) -> bytes:
     )
 
 
-def hello(node: str, address: tuple[str, int], nonce: bytes) -> bytes:
-    return b"MQLR\x01" + nonce + member(node, address)
+def hello(
+    node: str, address: tuple[str, int], nonce: bytes, worker: tuple[int, int] = (0, 1)
+) -> bytes:
+    return b"MQLR\x02" + nonce + member(node, address) + struct.pack(">HH", *worker)
 
 
 def proof(secret: bytes, role: bytes, hello_bytes: bytes, reply: bytes) -> bytes:
@@ -143,7 +145,7 @@ async def read_hello(reader: asyncio.StreamReader) -> bytes:
     head = await reader.readexactly(4 + 1 + 16 + 1)
     node = await reader.readexactly(head[-1])
     host_len = await reader.readexactly(1)
-    rest = await reader.readexactly(host_len[0] + 2)
+    rest = await reader.readexactly(host_len[0] + 2 + 4)  # port, worker, workers
     return head + node + host_len + rest
 
 
@@ -229,6 +231,47 @@ def test_a_wrong_secret_is_refused_on_both_sides_and_the_others_carry_on() -> No
         assert "x" not in a.t.members and not a.t.connected("x") and x.t.members == {}
         assert b.t.stats.auth_failures == 0
         await close(a, b, x)
+
+    run(test)
+
+
+def test_a_peer_with_another_worker_count_is_refused_on_both_sides() -> None:
+    async def test(warnings: Warnings) -> None:
+        a = await Node("a", worker=(0, 2)).start()
+        b = await Node("b", [a.address], worker=(0, 2)).start()
+        x = await Node("x", [a.address], worker=(0, 3)).start()
+        await warnings.until(lambda: a.t.stats.incompatible >= 1 and x.t.stats.incompatible >= 1)
+        # Both sides name both counts and the key to change.
+        assert any(
+            "node 'x' runs 3 worker(s) per node and this node 2" in line
+            and "router.workers / --workers" in line
+            for line in warnings.lines
+        ), warnings.lines
+        assert any(
+            "node 'a' runs 2 worker(s) per node and this node 3" in line for line in warnings.lines
+        )
+        await wait(a.t.wait_connected("b"))
+        assert a.t.send("b", 3, b"still fine")
+        assert await b.next() == ("a", 3, b"still fine")
+        assert not a.t.connected("x") and not x.t.connected("a")
+        assert a.t.stats.auth_failures == 0 and b.t.stats.incompatible == 0
+        await close(a, b, x)
+
+    run(test)
+
+
+def test_a_seed_that_is_another_worker_of_its_node_is_refused() -> None:
+    async def test(warnings: Warnings) -> None:
+        a1 = await Node("a", worker=(1, 2)).start()
+        b0 = await Node("b", [a1.address], worker=(0, 2)).start()
+        await warnings.until(lambda: b0.t.stats.incompatible >= 1)
+        assert any(
+            "node 'a' answered as its worker 1, expected worker 0" in line
+            and "worker i uses raft_port + i" in line
+            for line in warnings.lines
+        ), warnings.lines
+        assert not b0.t.connected("a")
+        await close(a1, b0)
 
     run(test)
 

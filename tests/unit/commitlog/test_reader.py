@@ -162,3 +162,49 @@ def test_a_second_pass_across_segments_skips_nothing(tmp_path: Path) -> None:
                 assert (len(cols), cols.next_offset) == (len(got), got[-1].offset + 1)
                 offset = got[-1].offset + 1
         reader.close()
+
+
+def test_a_segment_past_the_mark_that_a_truncation_replaced_is_read_anew(tmp_path: Path) -> None:
+    """A replicated log (a Raft follower) may cut what is past its high-water mark and
+    write other batches there: a segment after the cut is deleted, and the new batches may
+    roll a segment of the same name (same sizes: the same records proposed again). A reader
+    never holds a segment that starts at or past the announced mark, so it reads the new
+    file once the mark covers it, not the deleted one."""
+    with SegmentedLog.open(tmp_path, SMALL) as log:
+        while len(log.segments) < 2:
+            log.append(records(5, log.end_offset, 200))
+        mark = log.end_offset - 5  # the last batch, which rolled, and what follows: not committed
+        while len(log.segments) < 3:
+            log.append(records(5, log.end_offset, 200))
+        rolled = log.segments[-1]
+        log.set_high_watermark(mark)
+        reader = LogReader(tmp_path, SMALL, mark)
+        assert reader.read(mark - 1) == log.read(mark - 1)
+        log.truncate(mark, floor=mark)  # another leader's log wins
+        new: list[Record] = []
+        while len(log.segments) < 3:
+            batch = records(5, 1_000 + len(new), 200)
+            log.append(batch)
+            new += batch
+        assert log.segments[-1] == rolled  # the same name, another file
+        log.set_high_watermark(log.end_offset)
+        reader.advance(log.end_offset)
+        got: list[Record] = []
+        while len(got) < len(new):
+            got += reader.read(mark + len(got))
+        assert [r.payload for r in got] == [r.payload for r in new]
+        reader.close()
+
+
+def test_a_reader_made_before_the_first_record_knows_where_the_log_starts(tmp_path: Path) -> None:
+    """A reader made when the mark was 0 holds no segment (none starts below it); once the
+    mark moves, the log starts where the owner's does, not at the mark (a ``$replay`` from
+    the earliest offset starts there)."""
+    with SegmentedLog.open(tmp_path, SMALL) as log:
+        reader = LogReader(tmp_path, SMALL, 0)
+        assert reader.log_start_offset == 0
+        log.append(records(5))
+        reader.advance(log.end_offset, log.log_start_offset)
+        assert reader.log_start_offset == 0
+        assert reader.read(0) == log.read(0)
+        reader.close()

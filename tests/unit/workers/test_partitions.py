@@ -15,6 +15,7 @@ import uvloop
 
 from broker.commitlog import LogConfig, Record, SegmentedLog
 from broker.commitlog.keys import PartitionKey
+from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import PartitionBase, SessionWatcher
 from broker.workers.mesh import Mesh, owner_of
 from broker.workers.partitions import (
@@ -209,5 +210,45 @@ def test_a_partition_nobody_reads_keeps_no_tail_and_a_restarted_owner_continues_
         await reader.mesh.close()
         owned.log.close()
         reader.service.close()
+
+    run(main)
+
+
+def test_an_unknown_outcome_reaches_every_publisher_of_a_forward(tmp_path: Path) -> None:
+    """A replicated partition's owner answers a forward with OUTCOME_UNKNOWN (its group lost
+    its leader with the batch in flight): every publisher of the batch gets it, none a
+    refusal; and when the owner goes away before answering, the publishers get
+    ``lost_outcome``: None (not stored) on a single node, OUTCOME_UNKNOWN in a cluster."""
+
+    async def main() -> None:
+        owner, reader = Worker(tmp_path, 0), Worker(tmp_path, 1)
+        answers: list[Callable[[int | None], None]] = []
+        owner.service.enqueue = lambda key, rows, ack: answers.append(ack)
+        await connected(owner, reader)
+        owner.partition(KEY)
+        remote = reader.partition(KEY)
+        got: list[int | None] = []
+
+        def publish(n: int) -> None:
+            for rec in records(random.Random(n), n, 10):
+                remote.add(rec, got.append)
+            remote.commit()
+
+        publish(3)
+        await until(lambda: len(answers) == 1)
+        answers.pop()(OUTCOME_UNKNOWN)
+        await until(lambda: len(got) == 3)
+        assert got == [OUTCOME_UNKNOWN] * 3
+
+        got.clear()
+        reader.service.lost_outcome = OUTCOME_UNKNOWN
+        publish(2)
+        await until(lambda: len(answers) == 1)
+        await owner.mesh.close()  # gone before its answer
+        await until(lambda: len(got) == 2)
+        assert got == [OUTCOME_UNKNOWN] * 2
+        await reader.mesh.close()
+        reader.service.close()
+        owner.service.owned[KEY].log.close()
 
     run(main)
