@@ -3,6 +3,7 @@ tests import it too)."""
 
 from __future__ import annotations
 
+import random
 import socket
 
 #: Ports free_port gave (never twice: the system may pick a port it just freed again, and a
@@ -19,3 +20,37 @@ def free_port() -> int:
         if port not in _given_ports:
             _given_ports.add(port)
             return port
+
+
+#: Where :func:`cluster_port` looks: below Linux's ephemeral range (32768-60999 by default),
+#: so that no outgoing connection is ever given a port next to a node's Raft port (bind(0)
+#: answers with odd ports, connect() takes even ones: raft_port - 1 and + 1 are even) and
+#: above the xdist blocks' neighbours nothing else here listens on.
+CLUSTER_PORT_RANGE = (10_000, 19_999)
+
+
+def cluster_port(workers: int = 1) -> int:
+    """A Raft port for a cluster node on 127.0.0.1 with ``workers`` workers: the port, the
+    metadata group's below it and the workers' above it (``p - 1`` to ``p + workers - 1``)
+    are free now and were never given by this process."""
+    lo, hi = CLUSTER_PORT_RANGE
+    rng = random.Random()
+    for _ in range(10_000):
+        port = rng.randrange(lo + 1, hi - workers)
+        span = range(port - 1, port + workers)
+        if any(p in _given_ports for p in span):
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for p in span:
+                s = socket.socket()
+                socks.append(s)
+                s.bind(("127.0.0.1", p))
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+        _given_ports.update(span)
+        return port
+    raise RuntimeError(f"no {workers + 1} free ports in a row in {lo}-{hi}")

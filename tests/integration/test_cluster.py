@@ -25,7 +25,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port
+from bench.ports import cluster_port
 from tests.integration.clients import Client
 from tests.integration.conftest import BrokerProcess
 
@@ -38,7 +38,7 @@ class Cluster:
         secret.write_bytes(SECRET)
         secret.chmod(0o600)
         self.secret = secret
-        self.raft_ports = [free_port() for _ in range(n)]
+        self.raft_ports = [cluster_port() for _ in range(n)]
         self.nodes: list[BrokerProcess] = []
         for i in range(n):
             seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(self.raft_ports) if j != i)
@@ -225,7 +225,7 @@ def test_a_node_with_the_wrong_secret_is_refused(cluster: Cluster, tmp_path: Pat
     bad_secret = tmp_path / "bad.key"
     bad_secret.write_bytes(b"another-secret-of-enough-length")
     bad_secret.chmod(0o600)
-    port = free_port()
+    port = cluster_port()
     extra = (
         f'[cluster]\nnode_id = "intruder"\nbind = "127.0.0.1"\nraft_port = {port}\n'
         f'seeds = ["127.0.0.1:{cluster.raft_ports[0]}"]\nsecret_file = "{bad_secret}"\n'

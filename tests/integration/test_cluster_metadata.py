@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from bench.ports import free_port
+from bench.ports import cluster_port
 from tests.integration.conftest import ROOT, BrokerProcess
 
 SECRET = b"0123456789abcdef-test-metadata-secret"
@@ -45,7 +45,7 @@ class Trio:
         secret = tmp / "cluster.key"
         secret.write_bytes(SECRET)
         secret.chmod(0o600)
-        ports = [free_port() for _ in range(3)]
+        ports = [cluster_port() for _ in range(3)]
         self.nodes = []
         for i in range(3):
             seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(ports) if j != i)

@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port
+from bench.ports import cluster_port
 from tests.integration.clients import SubProcess
 from tests.integration.conftest import READY, BrokerProcess
 
@@ -55,7 +55,7 @@ class Cluster:
         secret = tmp / "cluster.key"
         secret.write_bytes(SECRET)
         secret.chmod(0o600)
-        ports = [free_port() for _ in range(3)]
+        ports = [cluster_port() for _ in range(3)]
         self.nodes: list[BrokerProcess] = []
         for i in range(3):
             seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(ports) if j != i)

@@ -17,7 +17,6 @@ import json
 import os
 import queue
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -29,36 +28,13 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import _given_ports
+from bench.ports import cluster_port
 from tests.integration.clients import Client
 from tests.integration.conftest import BrokerProcess
 from tests.integration.test_cluster import SECRET, _publish_all
 
 WORKERS = 2
 PARTITIONS = 4
-
-
-def free_ports(n: int) -> int:
-    """The first of ``n`` consecutive free ports on 127.0.0.1 (worker i: first + i)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            first = int(s.getsockname()[1])
-        if first + n > 65535 or any(first + i in _given_ports for i in range(n)):
-            continue
-        try:
-            socks = []
-            for i in range(n):
-                s = socket.socket()
-                socks.append(s)
-                s.bind(("127.0.0.1", first + i))
-        except OSError:
-            continue
-        finally:
-            for s in socks:
-                s.close()
-        _given_ports.update(first + i for i in range(n))
-        return first
 
 
 def topic_for(partition: int, name: str = "k") -> str:
@@ -129,7 +105,7 @@ class Cluster:
         secret.chmod(0o600)
         self.tmp = tmp
         self.secret = secret
-        self.raft_ports = [free_ports(WORKERS) for _ in range(n)]
+        self.raft_ports = [cluster_port(WORKERS) for _ in range(n)]
         self.nodes = [
             self.node(
                 f"n{i + 1}", self.raft_ports[i], self.raft_ports[:i] + self.raft_ports[i + 1 :]
@@ -329,7 +305,7 @@ def test_kill_9_of_a_node_fails_over_and_nothing_acknowledged_is_lost(cluster: C
 
 def test_a_node_with_another_worker_count_is_refused(cluster: Cluster) -> None:
     cluster.wait_leaders(cluster.nodes)
-    odd = cluster.node("n4", free_ports(3), cluster.raft_ports, workers=3)
+    odd = cluster.node("n4", cluster_port(3), cluster.raft_ports, workers=3)
     thread = threading.Thread(target=lambda: _start_quietly(odd))
     thread.start()
     try:

@@ -273,7 +273,7 @@ def test_own_address_in_seeds_ipv6(tmp_path: Path, secret: Path) -> None:
     text = cluster_toml(secret, 'seeds = ["[fd00:0::1]:7950"]').replace("10.0.0.1", "fd00::1")
     assert "not this node's own" in error_for(tmp_path, text)
     # The same address at another port is another member (several nodes on one host).
-    text = text.replace(":7950", ":7951")
+    text = text.replace(":7950", ":7952")  # (its ports 7951-7952 clear of 7949-7950)
     assert load_config(write(tmp_path, text)).cluster is not None
 
 

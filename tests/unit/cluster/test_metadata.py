@@ -20,7 +20,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import free_port
+from bench.ports import cluster_port
 from broker.cluster.metadata import LocalStreams, MetadataState, StreamDefinition
 from broker.cluster.metadata_group import (
     MetadataConflict,
@@ -138,7 +138,7 @@ def test_the_password_is_derived_from_the_secret() -> None:
     a, b = b"a-cluster-secret-of-32-bytes....", b"another-cluster-secret-32-bytes."
     assert password(a) == password(a) != password(b)
     assert a.decode() not in password(a)
-    assert metadata_address(("10.0.0.1", 7950)) == ("10.0.0.1", 7952)
+    assert metadata_address(("10.0.0.1", 7950)) == ("10.0.0.1", 7949)
 
 
 # -- the config ------------------------------------------------------------------------------
@@ -171,19 +171,19 @@ def test_local_streams_carry_the_effective_replication_factor(tmp_path: Path) ->
 
 
 def test_the_metadata_port_is_checked_like_the_others(tmp_path: Path) -> None:
-    data = _config(tmp_path, "raft_port = 8078")  # + 2 = 8080, the HTTP API's default
-    with pytest.raises(ConfigError, match=r"cluster.raft_port \+ 2 \(the metadata group\) = 8080"):
+    data = _config(tmp_path, "raft_port = 8081")  # - 1 = 8080, the HTTP API's default
+    with pytest.raises(ConfigError, match=r"cluster.raft_port - 1 \(the metadata group\) = 8080"):
         parse_config(data, "n1.toml")
     with pytest.raises(ConfigError, match=r"cluster.raft_port"):
-        parse_config(_config(tmp_path, "raft_port = 65534"), "n1.toml")
-    check_ports(parse_config(_config(tmp_path, "raft_port = 65533"), "n1.toml"))
+        parse_config(_config(tmp_path, "raft_port = 1"), "n1.toml")
+    check_ports(parse_config(_config(tmp_path, "raft_port = 2"), "n1.toml"))
 
 
 # -- one real member: the journal survives a restart -----------------------------------------
 
 
 def test_a_single_member_group_agrees_and_its_state_survives_a_restart(tmp_path: Path) -> None:
-    members = {"n1": ("127.0.0.1", free_port())}
+    members = {"n1": ("127.0.0.1", cluster_port())}
     secret = b"a-test-secret-of-enough-bytes"
 
     async def open_group() -> MetadataGroup:
@@ -222,7 +222,7 @@ def test_without_a_majority_a_node_serves_unconfirmed_and_the_check_goes_on(
 ) -> None:
     """n1 alone of two members: no leader, so ``agree`` returns after its wait with a
     warning; once n2 comes, n1's proposal commits and both hold the definition."""
-    members = {"n1": ("127.0.0.1", free_port()), "n2": ("127.0.0.1", free_port())}
+    members = {"n1": ("127.0.0.1", cluster_port()), "n2": ("127.0.0.1", cluster_port())}
     secret = b"a-test-secret-of-enough-bytes"
 
     async def main() -> None:
@@ -248,25 +248,31 @@ def test_without_a_majority_a_node_serves_unconfirmed_and_the_check_goes_on(
     asyncio.run(main())
 
 
-def test_a_seed_on_this_address_two_ports_away_is_refused(tmp_path: Path) -> None:
-    """Nodes sharing an address with Raft ports 2 apart: one's metadata port would be the
-    other's Raft port; the config says so at load time, naming the key."""
-    for port in (7952, 7948):
+def test_a_seed_on_this_address_with_overlapping_ports_is_refused(tmp_path: Path) -> None:
+    """Nodes sharing an address with Raft ports 1 apart: one's metadata port (raft_port - 1)
+    would be the other's Raft port; the config says so at load time, naming the key."""
+    for port in (7951, 7949):
         data = _config(tmp_path, f'raft_port = 7950\nseeds = ["10.0.0.1:{port}"]')
         with pytest.raises(
-            ConfigError, match=rf"n1.toml: cluster.seeds\[0\] = '10.0.0.1:{port}' must be"
+            ConfigError,
+            match=rf"n1.toml: cluster.seeds\[0\] = '10.0.0.1:{port}' shares this node's address",
         ):
             parse_config(data, "n1.toml")
-    # Another address, or 3 ports away: fine.
-    parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.2:7952"]'), "n1.toml")
-    parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.1:7953"]'), "n1.toml")
+    # With two workers, ports 7949-7951 against 7951-7953:
+    data = _config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.1:7952"]')
+    data["router"] = {"workers": 2}
+    with pytest.raises(ConfigError, match=r"space the nodes' raft_port by 3 or more"):
+        parse_config(data, "n1.toml")
+    # Another address, or 2 ports away with one worker: fine.
+    parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.2:7951"]'), "n1.toml")
+    parse_config(_config(tmp_path, 'raft_port = 7950\nseeds = ["10.0.0.1:7952"]'), "n1.toml")
 
 
 def test_a_taken_metadata_port_is_an_error_naming_the_address(tmp_path: Path) -> None:
-    port = free_port()
+    port = cluster_port()
     members = {"n1": ("127.0.0.1", port)}
     with socket.socket() as taken:
-        taken.bind(("127.0.0.1", port + 2))
+        taken.bind(("127.0.0.1", port - 1))
         taken.listen()
 
         async def main() -> None:
@@ -274,5 +280,5 @@ def test_a_taken_metadata_port_is_an_error_naming_the_address(tmp_path: Path) ->
                 "n1", members, b"a-test-secret-of-enough-bytes", tmp_path, 0.3, 0.05
             )
 
-        with pytest.raises(MetadataError, match=rf"cannot listen on 127.0.0.1:{port + 2} "):
+        with pytest.raises(MetadataError, match=rf"cannot listen on 127.0.0.1:{port - 1} "):
             asyncio.run(main())

@@ -12,7 +12,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from bench.ports import free_port
+from bench.ports import cluster_port
 from broker.cluster.node import ClusterNode, NodeSettings, node_settings
 from broker.cluster.raft import Role
 from broker.cluster.storage import GroupStorage, encode_entry
@@ -36,7 +36,7 @@ class Trio:
     def __init__(self, root: Path, config: LogConfig = LOG) -> None:
         self.root = root
         self.config = config
-        self.ports = [free_port() for _ in range(3)]
+        self.ports = [cluster_port() for _ in range(3)]
         self.nodes: list[ClusterNode | None] = [None, None, None]
 
     def settings(self, i: int) -> NodeSettings:
