@@ -353,6 +353,12 @@ class ClusterService:
         )
         if self.sessions is not None:
             self.sessions.resume()  # its sessions as committed; claims are answered from now on
+        elif index == 0:
+            log.warning(
+                "cluster: %d workers per node: sessions are replicated, but a client id is not "
+                "fenced across nodes in this release (it is with router.workers = 1)",
+                count,
+            )
 
     async def close(self) -> None:
         await self._drain_sessions()

@@ -194,7 +194,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
 
 def test_the_status_shows_every_partition_once_from_both_workers(cluster: Cluster) -> None:
     leaders = cluster.wait_leaders(cluster.nodes)
-    assert len(leaders) == PARTITIONS + 2  # devices, default and $retained
+    assert len(leaders) == PARTITIONS + 3  # devices, default, $retained and $sessions
     view = cluster.status(cluster.nodes[0])
     assert view["workers"] == WORKERS
     assert [n["state"] for n in view["nodes"]].count("connected") == 2
@@ -381,7 +381,7 @@ def test_kill_9_of_one_worker_it_comes_back_and_serves_its_partitions(cluster: C
         time.sleep(0.1)
     cluster.wait_leaders(cluster.nodes)
     view = cluster.status(b)
-    assert len(view["partitions"]) == PARTITIONS + 2
+    assert len(view["partitions"]) == PARTITIONS + 3
     for p in range(PARTITIONS):
         topic = topic_for(p, "wk")
         payloads = [f"{topic}-{i}".encode() for i in range(5)]
