@@ -32,8 +32,8 @@ publishers get ``None``: a negative acknowledgement (MQTT 5) or a closed connect
 The internal ``$retained`` and ``$sessions`` streams are Raft groups too, compacted with their
 batches' boundaries kept (:data:`CLUSTER_SPECS`); every node applies each commit of
 ``$retained`` to its retained index and of ``$sessions`` to its knowledge of the sessions and
-their owners (broker.workers.replicated_sessions). Other compacted streams stay local to each
-node: compaction re-encodes batches, which would move entry boundaries under the Raft log.
+their owners (broker.workers.replicated_sessions). User streams are never compacted (retention
+only), so every compacted log of a cluster keeps its entries' boundaries.
 
 Several workers per node. Each worker runs a :class:`ClusterService` of its own, hosting the
 groups of the partitions it owns (``broker.workers.mesh.owner_of``, as on one node) with a
