@@ -222,9 +222,32 @@ def broker(broker_factory: BrokerFactory) -> BrokerProcess:
     return broker_factory()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def _worker_count(item: pytest.Item) -> int | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    n = callspec.params.get("module_workers", callspec.params.get("workers"))
+    return None if n is None else int(n)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The Spark tests first (a stable sort: the order is otherwise kept): their file is the
     longest by far (JVM starts). Run on two processes a file to each in turn
     (``pytest -n 2 --dist loadfile --no-loadscope-reorder``), the other process runs the
-    rest meanwhile instead of leaving Spark alone at the end."""
+    rest meanwhile instead of leaving Spark alone at the end.
+
+    A test marked ``only_workers(n)`` keeps its ``[wn]`` variant only (all of them when
+    ``MQLOG_TEST_WORKERS`` leaves ``n`` out); the mark's reason says why the other count
+    adds nothing."""
+    keep, drop = [], []
+    for item in items:
+        mark = item.get_closest_marker("only_workers")
+        n = _worker_count(item)
+        if mark is not None and n is not None and mark.args[0] in WORKERS and n != mark.args[0]:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     items.sort(key=lambda item: item.get_closest_marker("spark") is None)
