@@ -36,6 +36,24 @@ WORKERS = [int(n) for n in os.environ.get("MQLOG_TEST_WORKERS", "1,2").split(","
 LAUNCHER = os.environ.get("MQLOG_TEST_LAUNCHER", "1") != "0"
 
 
+def run_mqlog(
+    *args: str, input: str | None = None, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """``mqlog *args`` run to its end (forked by the launcher, see :data:`LAUNCHER`), its
+    output captured as text."""
+    if LAUNCHER:
+        return launcher().run(list(args), input=input, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args],
+        cwd=ROOT,
+        input=input,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
 class BrokerProcess:
     """A broker child process; restartable on the same port and data directory."""
 

@@ -12,8 +12,9 @@ sees differs from a process started by ``subprocess``.
 
 The launcher is the children's parent: it reaps them and answers for their exit status.
 Requests and answers are JSON lines on its stdin and stdout:
-``["spawn", argv, log_path, env, cwd]`` -> pid, ``["poll", pid]`` -> return code or null,
-``["wait", pid, timeout]`` -> return code or null when ``timeout`` passed.
+``["spawn", argv, out, err, stdin, env, cwd]`` -> pid (see :func:`_child`),
+``["poll", pid]`` -> return code or null, ``["wait", pid, timeout]`` -> return code or null
+when ``timeout`` passed.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import os
 import signal
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import traceback
@@ -34,24 +36,28 @@ import broker.cli
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _child(argv: list[str], log_path: str, env: dict[str, str], cwd: str) -> None:
-    """In the forked child: become ``mqlog <argv>``; never returns."""
+def _child(
+    argv: list[str], out: str, err: str | None, stdin: str | None, env: dict[str, str], cwd: str
+) -> None:
+    """In the forked child: become ``mqlog <argv>`` with stdout appended to ``out``, stderr
+    to ``err`` (None: ``out`` too), stdin read from ``stdin`` (None: /dev/null); never
+    returns."""
     code = 1
     try:
-        fd = os.open(log_path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-        os.dup2(fd, 1)
-        os.dup2(fd, 2)
-        os.close(fd)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
+        for fd, path in ((1, out), (2, err or out)):
+            opened = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+            os.dup2(opened, fd)
+            os.close(opened)
+        source = os.open(stdin or os.devnull, os.O_RDONLY)
+        os.dup2(source, 0)
+        os.close(source)
         sys.stdin = open(0, closefd=False)  # noqa: SIM115 - the process's own streams
         sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115
         sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
         os.chdir(cwd)
         os.environ.clear()
         os.environ.update(env)
-        sys.argv = ["mqlog", *argv]
+        sys.argv = [str(ROOT / "broker" / "cli" / "__main__.py"), *argv]  # as with -m
         code = broker.cli.main(argv)
     except SystemExit as e:
         code = e.code if isinstance(e.code, int) else 1
@@ -85,10 +91,9 @@ def _serve() -> None:
         request = json.loads(line)
         answer: Any
         if request[0] == "spawn":
-            _, argv, log_path, env, cwd = request
             pid = os.fork()
             if pid == 0:
-                _child(argv, log_path, env, cwd)
+                _child(*request[1:])
             answer = pid
         elif request[0] == "poll":
             answer = reap(request[1], block=False)
@@ -128,8 +133,34 @@ class Launcher:
 
     def spawn(self, argv: list[str], log_path: Path, env: dict[str, str]) -> LaunchedProcess:
         log_path.touch()  # there when the caller reads it, before the child opened it
-        pid = self.ask("spawn", argv, str(log_path), env, str(ROOT))
+        pid = self.ask("spawn", argv, str(log_path), None, None, env, str(ROOT))
         return LaunchedProcess(self, int(pid))
+
+    def run(
+        self,
+        argv: list[str],
+        *,
+        input: str | None = None,
+        env: dict[str, str] | None = None,
+        timeout: float = 30,
+    ) -> subprocess.CompletedProcess[str]:
+        """``subprocess.run([python, -m, broker.cli, *argv], input=input, env=env,
+        capture_output=True, text=True, timeout=timeout)``, forked from here."""
+        with tempfile.TemporaryDirectory(prefix="mqlog-run-") as tmp:
+            out, err, stdin = (Path(tmp) / name for name in ("out", "err", "in"))
+            stdin.write_text(input or "")
+            pid = self.ask(
+                "spawn", argv, str(out), str(err), str(stdin), env or dict(os.environ), str(ROOT)
+            )
+            proc = LaunchedProcess(self, int(pid))
+            try:
+                code = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+                raise
+            text = [p.read_text() if p.exists() else "" for p in (out, err)]
+            return subprocess.CompletedProcess(["mqlog", *argv], code, *text)
 
     def close(self) -> None:
         if self._proc.stdin is not None:
