@@ -318,9 +318,15 @@ class Server:
         self._flush_pending.append(link)
 
     def _flush_links(self) -> None:
+        """Each pending link's output. A failure on one link is logged and does not stop the
+        others: a link left out here keeps its output (it is not pending again until that
+        output is written) and its client waits for it forever."""
         pending, self._flush_pending = self._flush_pending, []
         for link in pending:
-            link.flush_output()
+            try:
+                link.flush_output()
+            except Exception:
+                log.exception("bug while writing to %s (%s)", link.client_id or "?", link.peer)
 
     async def _run_timers(self) -> None:
         while True:

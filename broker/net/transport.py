@@ -530,7 +530,7 @@ class MQTTProtocol(asyncio.Protocol):
     # ---------------------------------------------------------------- output
 
     def _write(self, data: bytes) -> None:
-        if not self._out:
+        if not self._out and not self._closing:  # closing: shut; later output is dropped
             self.edge.want_flush(self)
         self._out.append(data)
         self._out_bytes += len(data)

@@ -1,7 +1,9 @@
 """Fixtures that run the real broker process (``mqlog serve``) for black-box tests.
 
 Each test gets its own broker on a free port with its own data directory; the process is
-stopped (SIGTERM, then SIGKILL if it hangs) when the test ends.
+stopped (SIGTERM, then SIGKILL if it hangs) when the test ends. The processes are forked by
+a launcher that imported the broker once (tests.integration.launcher): a start took 2-5 s on
+the CI machine, most of it the interpreter's imports; 0.3-0.8 s so.
 
 Every test using a broker runs twice: with one worker and with two worker processes
 (``--workers 2``: the supervisor and two routers sharing the port). ``MQLOG_TEST_WORKERS``
@@ -24,10 +26,32 @@ from pathlib import Path
 import pytest
 
 from bench import ports
+from tests.integration.launcher import LaunchedProcess, launcher
 
 ROOT = Path(__file__).resolve().parents[2]
 READY = "listening on mqtt://"
 WORKERS = [int(n) for n in os.environ.get("MQLOG_TEST_WORKERS", "1,2").split(",")]
+#: Brokers are forked by the launcher (tests.integration.launcher: no interpreter start and
+#: imports for each); ``MQLOG_TEST_LAUNCHER=0`` starts each as ``python -m broker.cli``.
+LAUNCHER = os.environ.get("MQLOG_TEST_LAUNCHER", "1") != "0"
+
+
+def run_mqlog(
+    *args: str, input: str | None = None, env: dict[str, str] | None = None, timeout: float = 30
+) -> subprocess.CompletedProcess[str]:
+    """``mqlog *args`` run to its end (forked by the launcher, see :data:`LAUNCHER`), its
+    output captured as text."""
+    if LAUNCHER:
+        return launcher().run(list(args), input=input, env=env, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", *args],
+        cwd=ROOT,
+        input=input,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
 
 
 class BrokerProcess:
@@ -54,29 +78,25 @@ class BrokerProcess:
             f'[http]\nhost = "127.0.0.1"\nport = {self.http_port}\n' + config
         )
         self.log_path = tmp / "broker.log"
-        self.proc: subprocess.Popen[bytes] | None = None
+        self.proc: subprocess.Popen[bytes] | LaunchedProcess | None = None
         #: "listening on mqtt://" lines in the log so far: one per start that got ready.
         self.readies = 0
 
     def start(self, timeout: float = 20.0) -> None:
-        log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
-        self.proc = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "broker.cli",
-                "serve",
-                "-c",
-                str(self.config_path),
-                "--workers",
-                str(self.workers),
-            ],
-            cwd=ROOT,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, "PYTHONUNBUFFERED": "1"},
-        )
-        log.close()
+        argv = ["serve", "-c", str(self.config_path), "--workers", str(self.workers)]
+        env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+        if LAUNCHER:
+            self.proc = launcher().spawn(argv, self.log_path, env)
+        else:
+            log = open(self.log_path, "ab")  # noqa: SIM115 - kept open for the child's lifetime
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "broker.cli", *argv],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+            )
+            log.close()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             text = self.log_path.read_text(errors="replace")
@@ -85,14 +105,17 @@ class BrokerProcess:
                 return
             if self.proc.poll() is not None:
                 raise RuntimeError(f"broker exited with {self.proc.returncode}:\n{text}")
-            time.sleep(0.05)
+            time.sleep(0.02)
         raise RuntimeError(f"broker not ready after {timeout}s:\n{self.log_path.read_text()}")
 
     def stop(self, timeout: float = 15.0) -> int:
         """SIGTERM and wait: the clean shutdown path."""
         proc = self.proc
-        if proc is None or proc.poll() is not None:
-            return proc.returncode if proc else 0
+        if proc is None:
+            return 0
+        returncode = proc.poll()
+        if returncode is not None:
+            return returncode
         proc.send_signal(signal.SIGTERM)
         try:
             return proc.wait(timeout)
@@ -217,9 +240,32 @@ def broker(broker_factory: BrokerFactory) -> BrokerProcess:
     return broker_factory()
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def _worker_count(item: pytest.Item) -> int | None:
+    callspec = getattr(item, "callspec", None)
+    if callspec is None:
+        return None
+    n = callspec.params.get("module_workers", callspec.params.get("workers"))
+    return None if n is None else int(n)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The Spark tests first (a stable sort: the order is otherwise kept): their file is the
     longest by far (JVM starts). Run on two processes a file to each in turn
     (``pytest -n 2 --dist loadfile --no-loadscope-reorder``), the other process runs the
-    rest meanwhile instead of leaving Spark alone at the end."""
+    rest meanwhile instead of leaving Spark alone at the end.
+
+    A test marked ``only_workers(n)`` keeps its ``[wn]`` variant only (all of them when
+    ``MQLOG_TEST_WORKERS`` leaves ``n`` out); the mark's reason says why the other count
+    adds nothing."""
+    keep, drop = [], []
+    for item in items:
+        mark = item.get_closest_marker("only_workers")
+        n = _worker_count(item)
+        if mark is not None and n is not None and mark.args[0] in WORKERS and n != mark.args[0]:
+            drop.append(item)
+        else:
+            keep.append(item)
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        items[:] = keep
     items.sort(key=lambda item: item.get_closest_marker("spark") is None)

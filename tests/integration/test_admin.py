@@ -4,7 +4,6 @@ broker: what they report must follow what clients did over MQTT."""
 from __future__ import annotations
 
 import subprocess
-import sys
 import time
 import urllib.error
 import urllib.request
@@ -14,7 +13,7 @@ import orjson
 import pytest
 
 from tests.integration.clients import V5, V311, Client
-from tests.integration.conftest import ROOT, BrokerFactory, BrokerProcess, free_port
+from tests.integration.conftest import BrokerFactory, BrokerProcess, free_port, run_mqlog
 
 STREAMS = """
 [[streams]]
@@ -32,13 +31,7 @@ def get(broker: BrokerProcess, path: str) -> Any:
 
 
 def mqlog(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker.cli", *args],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    return run_mqlog(*args)
 
 
 def rows(output: str, first: str) -> list[list[str]]:

@@ -4,11 +4,10 @@ the per-address rate limiter, `mqlog passwd`, and MQTT 5 enhanced authentication
 from __future__ import annotations
 
 import subprocess
-import sys
 from pathlib import Path
 
 from tests.integration.clients import V5, V311, Client
-from tests.integration.conftest import ROOT, BrokerFactory, BrokerProcess
+from tests.integration.conftest import BrokerFactory, BrokerProcess, run_mqlog
 from tests.integration.rawclient import RawClient, read_packet, wait_closed
 from tests.mqttbytes import CONNACK, connect5, packet, utf8, varint
 
@@ -22,14 +21,7 @@ BANNED_5 = 0x8A
 
 
 def passwd(*args: str, stdin: str | None = None) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "broker.cli", "passwd", *args],
-        cwd=ROOT,
-        input=stdin,
-        capture_output=True,
-        text=True,
-        timeout=30,
-    )
+    return run_mqlog("passwd", *args, input=stdin)
 
 
 #: Password files made by ``mqlog passwd``, by their users: one ``mqlog passwd`` run (a

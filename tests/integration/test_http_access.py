@@ -6,8 +6,6 @@ from __future__ import annotations
 
 import base64
 import os
-import subprocess
-import sys
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -17,7 +15,7 @@ import pyarrow as pa
 import pytest
 
 from tests.integration.clients import Client
-from tests.integration.conftest import ROOT, BrokerFactory, BrokerProcess
+from tests.integration.conftest import BrokerFactory, BrokerProcess, run_mqlog
 from tests.integration.test_auth import make_password_file
 
 ACL = """\
@@ -128,15 +126,12 @@ def test_anonymous_http_allowed_by_default(broker: BrokerProcess) -> None:
 def test_cli_commands_take_a_user(closed_broker: BrokerProcess) -> None:
     """`mqlog streams` / `mqlog offsets` against a closed broker: one line saying what is
     wanted without --user, the tables with it (the password from $MQLOG_PASSWORD)."""
-    base = [sys.executable, "-m", "broker.cli"]
     for command in ("streams", "offsets"):
-        cmd = [*base, command, "--broker", closed_broker.http_url]
-        out = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=60)
+        cmd = [command, "--broker", closed_broker.http_url]
+        out = run_mqlog(*cmd, timeout=60)
         assert out.returncode == 1 and "Traceback" not in out.stderr
         assert "HTTP 401: the broker wants a user of its password file (--user NAME" in out.stderr
         env = {**os.environ, "MQLOG_PASSWORD": "a-pw"}
-        out = subprocess.run(
-            [*cmd, "--user", "alice"], cwd=ROOT, env=env, capture_output=True, text=True, timeout=60
-        )
+        out = run_mqlog(*cmd, "--user", "alice", env=env, timeout=60)
         assert out.returncode == 0, out.stderr
         assert ("STREAM" if command == "streams" else "sessions (") in out.stdout

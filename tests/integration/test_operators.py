@@ -200,9 +200,15 @@ def test_paho_past_receive_maximum_is_told_0x93(broker_factory: BrokerFactory) -
     paho.max_inflight_messages_set(1000)
     paho.max_queued_messages_set(0)
     paho.on_disconnect = on_disconnect
+    connected = threading.Event()
+    paho.on_connect = lambda *_: connected.set()
     paho.connect("127.0.0.1", broker.port)
     paho.loop_start()
     try:
+        # The flood starts once the CONNACK (and the Receive Maximum in it) arrived:
+        # PUBLISHes read with the CONNECT, before it, are refused with the CONNECT (a
+        # CONNACK 0x82: the connection's decoder counts them), not told 0x93.
+        assert connected.wait(10), "no CONNACK"
         for _ in range(1000):
             paho.publish("flood/paho", b"y" * 512, qos=2)
             if gone.is_set():

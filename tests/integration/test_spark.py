@@ -46,6 +46,12 @@ STREAMS = (
 )
 OLD_RECORDS = 200
 
+#: A test about the Spark side (the drain's checkpoint, its errors, the example script), each
+#: starting a JVM of its own, runs against the two-worker broker only: the broker side (the
+#: fetch API over one worker and across two) is covered for both counts by the batch,
+#: streaming, limit and retention tests.
+SPARK_SIDE = pytest.mark.only_workers(2, reason="Spark-side test; the broker side is covered")
+
 Published = dict[str, list[tuple[bytes, dict[str, str]]]]  # topic -> [(payload, properties)]
 
 
@@ -378,6 +384,7 @@ def drain_command(broker: BrokerProcess, out: Path, checkpoint: Path, *extra: st
     ]
 
 
+@SPARK_SIDE
 def test_drain_survives_sigkill_mid_batch_exactly_once(
     spark: Any, broker: BrokerProcess, tmp_path: Path
 ) -> None:
@@ -429,6 +436,7 @@ def test_drain_survives_sigkill_mid_batch_exactly_once(
     assert {"stream", "partition", "offset", "payload", "date"} <= set(rows[0].asDict())
 
 
+@SPARK_SIDE
 def test_drain_unknown_stream_is_a_clear_error(broker: BrokerProcess, tmp_path: Path) -> None:
     done = subprocess.run(
         drain_command(broker, tmp_path / "o", tmp_path / "c", "--stream", "nope", "--once"),
@@ -441,6 +449,7 @@ def test_drain_unknown_stream_is_a_clear_error(broker: BrokerProcess, tmp_path: 
     assert "unknown stream(s) 'nope'" in done.stderr and "batch" in done.stderr
 
 
+@SPARK_SIDE
 def test_example_fleet_drain_and_per_device_aggregates(
     broker: BrokerProcess, tmp_path: Path
 ) -> None:
