@@ -55,7 +55,7 @@ import logging
 import random
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -69,7 +69,6 @@ from broker.cluster.messages import HardState
 from broker.cluster.metadata import LocalStreams
 from broker.cluster.metadata_group import MetadataError, MetadataGroup
 from broker.cluster.multiraft import MultiRaft
-from broker.cluster.nodestatus import addr, node_status
 from broker.cluster.options import RaftConfig
 from broker.cluster.peers import PeerTransport
 from broker.cluster.placement import node_id_of, node_ids, replicas
@@ -523,8 +522,69 @@ class ClusterNode:
 
     def status(self) -> dict[str, Any]:
         """The node's view for ``GET /api/v1/cluster``, ``mqlog cluster status`` and the
-        console (broker.cluster.nodestatus)."""
-        return node_status(self)
+        console: nodes (name, address, state) and, per partition this node holds, its role
+        here, term, leader, replicas, commit index and, on the leader, each follower's lag."""
+        nodes = []
+        for i, name in sorted(self.names.items(), key=lambda kv: kv[1]):
+            here = i == self.id
+            nodes.append(
+                {
+                    "id": name,
+                    "raft_id": i,
+                    "address": _addr(
+                        self.settings.bind if here else self.transport.members.get(name, ("?", 0))
+                    ),
+                    "state": "self"
+                    if here
+                    else "connected"
+                    if self.transport.connected(name)
+                    else "unreachable",
+                }
+            )
+        partitions = []
+        host = self.host
+        for g, storage in sorted(
+            self.storages.items(), key=lambda kv: self.group_keys.get(kv[0], ("", 0))
+        ):
+            assert host is not None
+            core = host.core(g)
+            leader = self.leader(g)
+            stream, p = self.group_keys.get(g, ("?", 0))
+            last = storage.terms.last_index
+            entry: dict[str, Any] = {
+                "stream": stream,
+                "partition": p,
+                "group": g,
+                "role": core.role.name.lower(),
+                "term": core.term,
+                "leader": self.names.get(leader) if leader is not None else None,
+                "replicas": sorted(self.names.get(n, str(n)) for n in core.configuration.members),
+                "preferred_leader": self.names.get(self.preferred(g) or -1),
+                "commit_index": storage.commit,
+                "last_index": last,
+                "quiesced": host.quiesced(g),
+                "followers": [
+                    {
+                        "node": self.names.get(peer, str(peer)),
+                        "match": pr.match,
+                        "lag": last - pr.match,
+                    }
+                    for peer, pr in sorted(core.progress.items())
+                ]
+                if core.role is Role.LEADER
+                else [],
+            }
+            partitions.append(entry)
+        return {
+            "mode": "cluster",
+            "node_id": self.name,
+            "nodes": nodes,
+            "partitions": partitions,
+            "repaired": self.repair.view(),
+            "transport": _counters(self.transport.stats),
+            "raft": _counters(self.stats),
+            "metadata": self.metadata.status() if self.metadata is not None else None,
+        }
 
     async def close(self) -> None:
         self.repair.close()
@@ -538,5 +598,15 @@ class ClusterNode:
             await metadata.close()
 
 
+def _counters(obj: Any) -> dict[str, int]:
+    """A stats dataclass's counters."""
+    return {f.name: getattr(obj, f.name) for f in fields(obj)}
+
+
+def _addr(a: tuple[str, int]) -> str:
+    host, port = a
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def _addrs(addrs: list[tuple[str, int]]) -> str:
-    return ", ".join(addr(a) for a in addrs) or "none"
+    return ", ".join(_addr(a) for a in addrs) or "none"
