@@ -69,6 +69,7 @@ from broker.cluster.messages import HardState
 from broker.cluster.metadata import LocalStreams
 from broker.cluster.metadata_group import MetadataError, MetadataGroup
 from broker.cluster.multiraft import MultiRaft
+from broker.cluster.nodesettings import NodeSettings
 from broker.cluster.options import RaftConfig
 from broker.cluster.peers import PeerTransport
 from broker.cluster.placement import node_id_of, node_ids, replicas
@@ -77,7 +78,6 @@ from broker.cluster.repairer import Repairer
 from broker.cluster.storage import GroupStorage
 from broker.cluster.wire import WireError, decode_frame, encode_frame
 from broker.commitlog import CommitLogError
-from broker.config.cluster import ClusterConfig
 
 logger = logging.getLogger("broker.cluster")
 
@@ -98,38 +98,6 @@ FORMATION_LOG_SECONDS = 5.0
 #: Seconds a starting node waits for the metadata group to confirm its stream definitions
 #: before it serves with them unconfirmed (a node cut off from the majority).
 METADATA_WAIT_SECONDS = 10.0
-
-
-@dataclass(frozen=True, slots=True)
-class NodeSettings:
-    """What a node needs of ``[cluster]`` (broker.config's ClusterConfig)."""
-
-    name: str
-    bind: tuple[str, int]
-    seeds: list[tuple[str, int]]
-    secret: bytes
-    replication_factor: int
-    election_timeout: float  # seconds
-    heartbeat_interval: float  # seconds
-    #: This worker's index and the node's worker count (module docstring).
-    worker: tuple[int, int] = (0, 1)
-
-
-def node_settings(config: ClusterConfig, worker: tuple[int, int] = (0, 1)) -> NodeSettings:
-    """What ``[cluster]`` says, in the node's terms, for worker ``worker[0]`` of ``worker[1]``.
-    In this release ``seeds`` name the other members' Raft addresses (``host:raft_port``);
-    worker ``i`` listens on ``raft_port + i`` and dials each seed's port ``+ i``."""
-    i = worker[0]
-    return NodeSettings(
-        name=config.node_id,
-        bind=(config.bind, config.raft_port + i),
-        seeds=[(seed.host, seed.port + i) for seed in config.seeds],
-        secret=config.secret,
-        replication_factor=config.replication_factor,
-        election_timeout=config.election_timeout / 1000,
-        heartbeat_interval=config.heartbeat_interval / 1000,
-        worker=worker,
-    )
 
 
 @dataclass(slots=True)

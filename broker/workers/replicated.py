@@ -60,7 +60,8 @@ from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from broker.cluster.metadata import LocalStreams
-from broker.cluster.node import FIRST_APP_KIND, ClusterNode, node_settings
+from broker.cluster.node import FIRST_APP_KIND, ClusterNode
+from broker.cluster.nodesettings import node_settings
 from broker.cluster.placement import group_ids
 from broker.cluster.raft import NotLeader, Role
 from broker.cluster.storage import GroupStorage, encode_entry

@@ -13,7 +13,8 @@ import asyncio
 from pathlib import Path
 
 from bench.ports import cluster_port
-from broker.cluster.node import ClusterNode, NodeSettings, node_settings
+from broker.cluster.node import ClusterNode
+from broker.cluster.nodesettings import NodeSettings, node_settings
 from broker.cluster.raft import Role
 from broker.cluster.storage import GroupStorage, encode_entry
 from broker.commitlog import LogConfig, Record, SegmentedLog
