@@ -8,7 +8,9 @@ what it holds (stream definitions, placed partitions), and any stream this node'
 defines otherwise than the cluster. ``transfer-leader STREAM/PARTITION NODE``
 asks for the partition's leadership to move to NODE (Raft's leadership transfer, thesis
 s3.10): the node asked passes it to the current leader, and the command waits until the
-partition's leader is NODE (or ``--timeout`` passes, exit status 1).
+partition's leader is NODE (or ``--timeout`` passes, exit status 1). The balancer then
+leaves that partition where the operator put it for five minutes (as Kafka's leader
+imbalance check waits 300 s) before it hands it back to its preferred replica.
 """
 
 from __future__ import annotations

@@ -88,6 +88,10 @@ FIRST_APP_KIND = 16
 
 #: Ticks (heartbeat intervals) between two passes of the leader balancer.
 BALANCE_TICKS = 50
+#: Seconds the balancer leaves a group alone after an operator moved its leadership (``mqlog
+#: cluster transfer-leader``): the operator's choice stands, as long as Kafka's leader
+#: imbalance check interval (``leader.imbalance.check.interval.seconds``, 300).
+OPERATOR_HOLD_SECONDS = 300.0
 
 #: Seconds between two retention passes over the groups' logs (the log cleaner's interval).
 RETENTION_SECONDS = 30.0
@@ -130,6 +134,8 @@ class ClusterNode:
         self.on_leader: Callable[[int], None] = lambda g: None
         #: Transport kind -> handler of (peer node id, payload), kinds >= FIRST_APP_KIND.
         self.handlers: dict[int, Callable[[int, memoryview], None]] = {}
+        #: Group -> loop time until which the balancer leaves it alone (:meth:`hold`).
+        self.held: dict[int, float] = {}
         self.names: dict[int, str] = {}
         self.host: MultiRaft | None = None
         self.storages: dict[int, GroupStorage] = {}
@@ -301,6 +307,10 @@ class ClusterNode:
         self.host.transfer_leadership(group, to)
         self._schedule()
 
+    def hold(self, group: int, seconds: float = OPERATOR_HOLD_SECONDS) -> None:
+        """Keep the balancer off ``group`` here for ``seconds`` (an operator chose its leader)."""
+        self.held[group] = self.loop.time() + seconds
+
     def send(self, node: int, kind: int, payload: bytes) -> bool:
         """Send a broker message to ``node``; False if it could not leave (not connected, or
         its buffer full): the caller treats it as lost."""
@@ -391,6 +401,8 @@ class ClusterNode:
         for g in self.storages:
             core = self.host.core(g)
             if core.role is not Role.LEADER or core.transferee is not None:
+                continue
+            if self.held.get(g, 0.0) > self.loop.time():
                 continue
             preferred = self.preferred(g)
             if preferred is None or preferred == self.id:

@@ -88,6 +88,9 @@ FORWARD = FIRST_APP_KIND
 FORWARDED = FIRST_APP_KIND + 1
 #: A request to hand a group's leadership to a node: group, node id (u32 each).
 TRANSFER = FIRST_APP_KIND + 2
+#: Sent by a leader to the node an operator hands a group to, before the hand-over: the
+#: balancer there leaves the group alone for a while (group id, u32).
+HOLD = FIRST_APP_KIND + 3
 #: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
 FORWARD_TIMEOUT = 10.0
 #: Seconds a starting node waits for its groups to have a leader and to commit as far as it
@@ -104,6 +107,7 @@ DRAIN_SECONDS = 2.0
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
 _TRANSFER = struct.Struct("<II")
+_HOLD = struct.Struct("<I")
 
 #: In a cluster ``$retained`` and ``$sessions`` are Raft groups like the stream partitions:
 #: compacted with their batches' boundaries kept (an emptied batch stays as a placeholder, so
@@ -303,6 +307,7 @@ class ClusterService:
         self.node.handlers[FORWARD] = self._on_forward
         self.node.handlers[FORWARDED] = self._on_answer
         self.node.handlers[TRANSFER] = self._on_transfer
+        self.node.handlers[HOLD] = self._on_hold
         self.router: Router | None = None
         #: Called with each committed entry's propose-to-commit seconds (the metrics').
         self.observe_commit: Callable[[float], None] = lambda seconds: None
@@ -565,7 +570,7 @@ class ClusterService:
         if leader == to:
             return f"{key[0]}/{key[1]}: {name} leads it already"
         if leader == self.node.id:
-            self.node.transfer_leadership(g, to)
+            self._hand_over(g, to)
             return f"{key[0]}/{key[1]}: handing leadership to {name}"
         if not self.node.send(leader, TRANSFER, _TRANSFER.pack(g, to)):
             raise ValueError(
@@ -577,9 +582,20 @@ class ClusterService:
         g, to = _TRANSFER.unpack_from(body)
         if g in self.node.storages and self.node.is_leader(g) and to != self.node.id:
             try:
-                self.node.transfer_leadership(g, to)
+                self._hand_over(g, to)
             except ValueError as e:
                 log.warning("cluster: transfer of group %d asked by node %d refused: %s", g, frm, e)
+
+    def _hand_over(self, g: int, to: int) -> None:
+        """An operator's transfer: the new leader is told to keep it first (the balancer would
+        hand it back to the preferred replica within seconds), then the hand-over starts."""
+        self.node.send(to, HOLD, _HOLD.pack(g))
+        self.node.transfer_leadership(g, to)
+
+    def _on_hold(self, frm: int, body: memoryview) -> None:
+        (g,) = _HOLD.unpack_from(body)
+        if g in self.node.storages:
+            self.node.hold(g)
 
     def status(self) -> dict[str, Any]:
         view = self.node.status()

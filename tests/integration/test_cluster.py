@@ -310,6 +310,12 @@ def test_status_metrics_transfer_leader_and_the_balancer(cluster: Cluster) -> No
     )
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{key}: leader {target}" in done.stdout
+    # The operator's choice stands: the balancer (every 50 heartbeats, 2.5 s here) leaves it.
+    time.sleep(3.5)
+    again = {
+        f"{p['stream']}/{p['partition']}": p["leader"] for p in cluster.status(b)["partitions"]
+    }
+    assert again[key] == target
     bad = subprocess.run(
         [
             sys.executable,
