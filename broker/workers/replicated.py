@@ -59,6 +59,7 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from broker.cluster.leadership import Leadership
 from broker.cluster.metadata import LocalStreams
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode
 from broker.cluster.nodesettings import node_settings
@@ -86,11 +87,6 @@ Ack = Callable[[int | None], None]
 #: A forwarded batch for a group whose leader is here, and the answer.
 FORWARD = FIRST_APP_KIND
 FORWARDED = FIRST_APP_KIND + 1
-#: A request to hand a group's leadership to a node: group, node id (u32 each).
-TRANSFER = FIRST_APP_KIND + 2
-#: Sent by a leader to the node an operator hands a group to, before the hand-over: the
-#: balancer there leaves the group alone for a while (group id, u32).
-HOLD = FIRST_APP_KIND + 3
 #: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
 FORWARD_TIMEOUT = 10.0
 #: Seconds a starting node waits for its groups to have a leader and to commit as far as it
@@ -106,8 +102,6 @@ DRAIN_SECONDS = 2.0
 
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
-_TRANSFER = struct.Struct("<II")
-_HOLD = struct.Struct("<I")
 
 #: In a cluster ``$retained`` and ``$sessions`` are Raft groups like the stream partitions:
 #: compacted with their batches' boundaries kept (an emptied batch stays as a placeholder, so
@@ -306,8 +300,7 @@ class ClusterService:
         self.node.on_leader = self._on_leader
         self.node.handlers[FORWARD] = self._on_forward
         self.node.handlers[FORWARDED] = self._on_answer
-        self.node.handlers[TRANSFER] = self._on_transfer
-        self.node.handlers[HOLD] = self._on_hold
+        self.leadership = Leadership(self.node)
         self.router: Router | None = None
         #: Called with each committed entry's propose-to-commit seconds (the metrics').
         self.observe_commit: Callable[[float], None] = lambda seconds: None
@@ -557,45 +550,12 @@ class ClusterService:
 
     def transfer_leader(self, key: PartitionKey, name: str) -> str:
         """Start moving ``key``'s leadership to node ``name`` (``mqlog cluster
-        transfer-leader``): here if this node leads it, else through its leader."""
+        transfer-leader``, broker.cluster.leadership)."""
+        label = f"{key[0]}/{key[1]}"
         g = self.keys.get(key)
-        to = next((i for i, n in self.node.names.items() if n == name), None)
-        if g is None or g not in self.node.storages:
-            raise ValueError(f"{key[0]}/{key[1]} is not a replicated partition held here")
-        if to is None or to not in self.node.core(g).configuration.voters:
-            raise ValueError(f"{name!r} is not a voter of {key[0]}/{key[1]}")
-        leader = self.node.leader(g)
-        if leader is None:
-            raise ValueError(f"{key[0]}/{key[1]} has no leader now: try again")
-        if leader == to:
-            return f"{key[0]}/{key[1]}: {name} leads it already"
-        if leader == self.node.id:
-            self._hand_over(g, to)
-            return f"{key[0]}/{key[1]}: handing leadership to {name}"
-        if not self.node.send(leader, TRANSFER, _TRANSFER.pack(g, to)):
-            raise ValueError(
-                f"{key[0]}/{key[1]}: its leader {self.node.names[leader]} is unreachable"
-            )
-        return f"{key[0]}/{key[1]}: asked its leader {self.node.names[leader]} to hand it to {name}"
-
-    def _on_transfer(self, frm: int, body: memoryview) -> None:
-        g, to = _TRANSFER.unpack_from(body)
-        if g in self.node.storages and self.node.is_leader(g) and to != self.node.id:
-            try:
-                self._hand_over(g, to)
-            except ValueError as e:
-                log.warning("cluster: transfer of group %d asked by node %d refused: %s", g, frm, e)
-
-    def _hand_over(self, g: int, to: int) -> None:
-        """An operator's transfer: the new leader is told to keep it first (the balancer would
-        hand it back to the preferred replica within seconds), then the hand-over starts."""
-        self.node.send(to, HOLD, _HOLD.pack(g))
-        self.node.transfer_leadership(g, to)
-
-    def _on_hold(self, frm: int, body: memoryview) -> None:
-        (g,) = _HOLD.unpack_from(body)
-        if g in self.node.storages:
-            self.node.hold(g)
+        if g is None:
+            raise ValueError(f"{label} is not a replicated partition held here")
+        return self.leadership.transfer(g, label, name)
 
     def status(self) -> dict[str, Any]:
         view = self.node.status()

@@ -1,0 +1,75 @@
+"""An operator's leadership transfer (``mqlog cluster transfer-leader``) across the nodes.
+
+The node asked need not lead the group: it passes the request to the leader's node
+(:data:`TRANSFER`). The leader first tells the new leader to keep the group
+(:data:`HOLD`: its balancer, which hands every group to its preferred replica, leaves this
+one alone for :data:`~broker.cluster.node.OPERATOR_HOLD_SECONDS`), then starts Raft's
+leadership transfer (TimeoutNow, thesis s3.10). Both messages ride the link to that node in
+order; a lost one leaves the leader where it was, and the command, which waits for the new
+leader to show, says so.
+"""
+
+from __future__ import annotations
+
+import logging
+import struct
+
+from broker.cluster.node import FIRST_APP_KIND, ClusterNode
+
+log = logging.getLogger("broker.cluster")
+
+#: A request to hand a group's leadership to a node: group, node id (u32 each). Kinds
+#: FIRST_APP_KIND and + 1 are the broker's forwards (broker.workers.replicated).
+TRANSFER = FIRST_APP_KIND + 2
+#: Sent by a leader to the node an operator hands a group to, before the hand-over: group.
+HOLD = FIRST_APP_KIND + 3
+
+_TRANSFER = struct.Struct("<II")
+_HOLD = struct.Struct("<I")
+
+
+class Leadership:
+    """Operator transfers of ``node``'s groups; registers its two message kinds."""
+
+    def __init__(self, node: ClusterNode) -> None:
+        self.node = node
+        node.handlers[TRANSFER] = self._on_transfer
+        node.handlers[HOLD] = self._on_hold
+
+    def transfer(self, g: int, label: str, name: str) -> str:
+        """Start moving group ``g``'s (called ``label``) leadership to node ``name``: here if
+        this node leads it, else through its leader. Raises ``ValueError`` with the reason."""
+        node = self.node
+        to = next((i for i, n in node.names.items() if n == name), None)
+        if g not in node.storages:
+            raise ValueError(f"{label} is not a replicated partition held here")
+        if to is None or to not in node.core(g).configuration.voters:
+            raise ValueError(f"{name!r} is not a voter of {label}")
+        leader = node.leader(g)
+        if leader is None:
+            raise ValueError(f"{label} has no leader now: try again")
+        if leader == to:
+            return f"{label}: {name} leads it already"
+        if leader == node.id:
+            self._hand_over(g, to)
+            return f"{label}: handing leadership to {name}"
+        if not node.send(leader, TRANSFER, _TRANSFER.pack(g, to)):
+            raise ValueError(f"{label}: its leader {node.names[leader]} is unreachable")
+        return f"{label}: asked its leader {node.names[leader]} to hand it to {name}"
+
+    def _on_transfer(self, frm: int, body: memoryview) -> None:
+        g, to = _TRANSFER.unpack_from(body)
+        if g in self.node.storages and self.node.is_leader(g) and to != self.node.id:
+            try:
+                self._hand_over(g, to)
+            except ValueError as e:
+                log.warning("cluster: transfer of group %d asked by node %d refused: %s", g, frm, e)
+
+    def _hand_over(self, g: int, to: int) -> None:
+        self.node.send(to, HOLD, _HOLD.pack(g))
+        self.node.transfer_leadership(g, to)
+
+    def _on_hold(self, frm: int, body: memoryview) -> None:
+        (g,) = _HOLD.unpack_from(body)
+        if g in self.node.storages:
+            self.node.hold(g)
