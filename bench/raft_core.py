@@ -12,7 +12,10 @@ inside). Measured with ``time.process_time``, for three ways of running the grou
   step, heartbeats and their answers coalesced, with quiescence off (every group ticks and
   beats);
 * ``quiet``: the same with quiescence on: an idle group stops ticking and beating, and the
-  hosts exchange one (empty) frame per node pair per heartbeat interval as node liveness.
+  hosts exchange one (empty) frame per node pair per heartbeat interval as node liveness;
+* ``down``: ``quiet`` with the third node down (idle run only): once the survivors have not
+  heard it for an election timeout and the groups it led elected again, they quiesce over
+  the live replicas (``CPU/node`` is then over the two live nodes).
 
 Two measurements:
 
@@ -64,7 +67,7 @@ NODES = 3
 PAYLOAD = bytes(64)
 CONFIG = RaftConfig(election_ticks=10, heartbeat_ticks=2)
 TICKS_PER_S = 100
-MODES = ("core", "host", "quiet")
+MODES = ("core", "host", "quiet", "down")
 #: Most group-ticks an idle run spends with every group ticking (about 10 s of CPU here).
 IDLE_BUDGET = 1_500_000
 
@@ -153,6 +156,8 @@ class HostCluster:
             for g in range(groups):
                 host.add_group(g, list(range(NODES)), Log())
         self.beats = 0
+        #: Nodes that are down: not ticked, their frames and frames to them lost.
+        self.down: set[int] = set()
 
     def pump(self) -> None:
         hosts = self.hosts
@@ -161,6 +166,8 @@ class HostCluster:
             busy = False
             frames = []
             for host in hosts:
+                if host.id in self.down:
+                    continue
                 ready = host.ready()
                 if not ready:
                     continue
@@ -172,21 +179,24 @@ class HostCluster:
                     host.flushed(ready.flushes.items())
             for frame in frames:
                 self.beats += len(frame.beats)
-                hosts[frame.to].receive(frame)
+                if frame.to not in self.down:
+                    hosts[frame.to].receive(frame)
 
     def tick(self) -> None:
         for host in self.hosts:
-            host.tick()
+            if host.id not in self.down:
+                host.tick()
         self.pump()
 
     def propose(self, node: int, g: int, payload: bytes) -> None:
         self.hosts[node].propose(g, payload)
 
     def group_cores(self, g: int) -> Iterable[RaftNode]:
-        return (h.core(g) for h in self.hosts)
+        return (h.core(g) for h in self.hosts if h.id not in self.down)
 
     def quiet(self) -> bool:
-        return all(h.ticking == 0 for h in self.hosts) or not self.hosts[0].quiesce
+        live = [h for h in self.hosts if h.id not in self.down]
+        return all(h.ticking == 0 for h in live) or not self.hosts[0].quiesce
 
 
 Cluster = CoreCluster | HostCluster
@@ -195,7 +205,7 @@ Cluster = CoreCluster | HostCluster
 def make(mode: str, groups: int) -> Cluster:
     if mode == "core":
         return CoreCluster(groups)
-    return HostCluster(groups, quiesce=mode == "quiet")
+    return HostCluster(groups, quiesce=mode in ("quiet", "down"))
 
 
 def leaders(cluster: Cluster, groups: int) -> list[tuple[int, RaftNode]]:
@@ -244,7 +254,13 @@ def measure_busy(mode: str, groups: int, rounds: int, per_round: int) -> dict[st
 def measure_idle(mode: str, groups: int, seconds: float) -> dict[str, float]:
     cluster = make(mode, groups)
     settle(cluster, groups)
-    if mode != "quiet":  # every group ticks on every node: keep the run within budget
+    live = NODES
+    if mode == "down":
+        assert isinstance(cluster, HostCluster)
+        cluster.down.add(NODES - 1)
+        live -= 1
+        settle(cluster, groups)  # the groups it led elect on the others, then all quiesce
+    if mode not in ("quiet", "down"):  # every group ticks on every node: keep the run within budget
         seconds = min(seconds, IDLE_BUDGET / (groups * NODES * TICKS_PER_S))
     ticks = max(1, round(seconds * TICKS_PER_S))
     seconds = ticks / TICKS_PER_S
@@ -257,7 +273,7 @@ def measure_idle(mode: str, groups: int, seconds: float) -> dict[str, float]:
     return {
         "idle_seconds": seconds,
         "idle_cpu_us_per_group_s": per_group * 1e6,
-        "idle_core_share": per_group * groups / NODES,
+        "idle_core_share": per_group * groups / live,
         "idle_beats_per_group_s": (cluster.beats - beats) / seconds / groups,
     }
 
@@ -279,7 +295,7 @@ def main() -> None:
     modes = args.modes.split(",")
     busy, idle = [], []
     for mode in modes:
-        for groups in (int(g) for g in args.groups.split(",")):
+        for groups in (int(g) for g in args.groups.split(",")) if mode != "down" else ():
             # The same work per group would take 1 group no time at all: 100x the rounds.
             rounds = args.rounds * max(1, 100 // groups)
             runs = [measure_busy(mode, groups, rounds, args.per_round) for _ in range(args.runs)]

@@ -55,7 +55,7 @@ nothing but tests and the simulator may set it.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from broker.cluster.election import Elections, Role
 from broker.cluster.logview import LogReader, LogView
@@ -268,14 +268,25 @@ class RaftNode(Elections, Snapshots):
         """A leader with nothing left to do: every follower holds and has flushed its whole
         log, all of it is committed and durable here, no message waits for a hard state, no
         transfer runs. Read-only; what a host needs to quiesce the group."""
+        return self.idle_without(())
+
+    def idle_without(self, down: Collection[int]) -> bool:
+        """:attr:`idle` over the followers not in ``down`` (nodes the host has not heard
+        from for an election timeout), provided the voters left, this leader included, are
+        a majority: CockroachDB quiesces over the live replicas only, so a dead node does not
+        keep every group it is a replica of ticking. Read-only."""
         last = self.terms.last_index
-        return (
+        if not (
             self.role is Role.LEADER
             and self.transferee is None
             and self.commit == last == self.durable_index
             and not self._held
-            and all(p.match == p.flushed == last for p in self._progress.values())
-        )
+        ):
+            return False
+        voters = self.configuration.voters
+        if down and sum(v not in down for v in voters) * 2 <= len(voters):
+            return False
+        return all(p.match == p.flushed == last for n, p in self._progress.items() if n not in down)
 
     def receive(self, m: Message) -> list[Effect]:
         if m.term > self.term:

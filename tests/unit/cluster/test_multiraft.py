@@ -503,6 +503,49 @@ def test_a_restarted_node_is_caught_up_and_quiesces_again() -> None:
     assert all(net.logs[2][g].items[-1].payload == b"while down" for g in net.group_ids)
 
 
+def test_a_dead_follower_node_lets_the_others_quiesce_and_wakes_them_on_return() -> None:
+    net = Net(groups=20, seed=17)
+    settle(net)
+    net.crash(2)
+    # The groups node 2 led elect on 0 and 1; then every group quiesces over the live replicas
+    # (CockroachDB's rule): nothing ticks while node 2 stays down.
+    net.run_until(lambda: all(net.leader_among(g, (0, 1)) for g in net.group_ids), 150)
+    net.run_until(net.all_quiesced, 3 * CONFIG.election_ticks)
+    ticks = [h.stats.group_ticks for h in net.live()]
+    beats = net.beats
+    net.run(100)
+    assert [h.stats.group_ticks for h in net.live()] == ticks and net.beats == beats
+    # A proposal still commits (2 of 3) and its group quiesces again without node 2.
+    lead = net.leader_among(5, (0, 1))
+    assert lead is not None
+    index = net.host(lead.id).propose(5, b"while down")
+    net.run_until(net.all_quiesced, 20)
+    assert all(h.core(5).commit == index for h in net.live())
+    # Node 2 returns: its first frame wakes the groups quiesced without it, so it hears their
+    # leaders within a heartbeat, catches up, and everything quiesces again with three.
+    net.start(2)
+    net.run_until(lambda: net.all_led() and net.all_quiesced(), 3 * CONFIG.election_ticks)
+    assert sum(h.stats.woken_by_return for h in net.live()) == 20
+    assert net.host(2).core(5).commit == index
+    assert net.logs[2][5].items[-1].payload == b"while down"
+    net.check_logs()
+
+
+def test_a_leader_without_a_live_majority_never_quiesces() -> None:
+    net = Net(groups=5, seed=19)
+    settle(net)
+    led = [g for g in net.group_ids if net.leader(g).id == 0]  # type: ignore[union-attr]
+    assert led, "node 0 leads some groups"
+    net.crash(1)
+    net.crash(2)
+    net.run(3 * CONFIG.election_ticks)
+    # The groups it led tick again (the followers' silence keeps them from quiescing), so
+    # CheckQuorum deposes the leader that cannot reach a majority (Raft thesis s6.2).
+    host = net.host(0)
+    assert host.ticking == 5
+    assert all(host.core(g).role is not Role.LEADER for g in led)
+
+
 @pytest.mark.parametrize("seed", range(4))
 def test_under_faults_safety_holds_and_groups_settle_again(seed: int) -> None:
     """Drops, delays, slow disks, partitions, crashes that lose unflushed tails: quiescence
