@@ -6,7 +6,7 @@ placement; invariants in ``broker.cluster.metadata``), so it may use a simpler R
 data path, and a lost or stale change of it can never lose data.
 
 * **Address.** It listens on the node's cluster address (``[cluster] bind``) at
-  ``raft_port + 2`` (:data:`~broker.config.cluster.METADATA_PORT_OFFSET`): a node learns its
+  ``raft_port - 1`` (:data:`~broker.config.cluster.METADATA_PORT_OFFSET`): a node learns its
   peers' metadata addresses from their Raft addresses (seeds, the member list), with no key or
   handshake of its own. Its peers are the members the cluster formed with (static, as the data
   groups' first configuration is).
@@ -22,11 +22,17 @@ data path, and a lost or stale change of it can never lose data.
   with its term, vote and commit index in ``metadata.journal.meta``) and its snapshot
   ``DATA/cluster/metadata.dump`` (``fullDumpFile``): the state survives a restart of every
   node. pysyncobj writes the journal through mmap without fsync, so it survives a process
-  crash, not always a power cut; that is acceptable only because the metadata is desired
-  state (a definition lost that way is proposed again by the next node that starts).
-  pysyncobj records its commit index once a second (and this module on a clean stop):
-  after a crash, what was committed in the last second is applied again once a leader is
-  heard, not from the local copy.
+  crash, not always a power cut. So every applied change is also written to
+  ``DATA/cluster/meta`` (:data:`LOCAL_COPY`: the whole state as JSON, temp file, fsync,
+  rename, directory fsync) before the node acts on it, and a start loads that copy before
+  pysyncobj replays its journal over it (every command is idempotent, first committed
+  wins): a node whose journal a power cut took still holds every definition it ever
+  applied, and refuses a conflicting config at once, before any leader is heard. DESIGN.md
+  names a local compacted ``$meta`` stream for this; a file written whole is that stream
+  with one key: the state is a few KiB of desired state, one fsync per change either way,
+  and no cleaner is needed to keep it small. pysyncobj records its commit index once a
+  second (and this module on a clean stop): after a crash, what was committed in the last
+  second is applied again once a leader is heard.
 * **Timings** follow the data groups': the election timeout is ``[cluster] election_timeout``
   (randomized up to twice it), heartbeats every ``heartbeat_interval`` but not more often
   than every :data:`MIN_HEARTBEAT_SECONDS` (nothing here is latency-bound, and each
@@ -63,9 +69,11 @@ from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
+import orjson
 from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
 from pysyncobj.syncobj import SyncObjException
 
+from broker.cluster.hardstate import write_atomically
 from broker.cluster.metadata import Conflict, LocalStreams, MetadataState
 from broker.config.cluster import METADATA_PORT_OFFSET
 from broker.config.values import ConfigError
@@ -76,6 +84,8 @@ logger = logging.getLogger("broker.cluster")
 PASSWORD_CONTEXT = b"mqlog cluster metadata group v1"
 JOURNAL = "metadata.journal"
 DUMP = "metadata.dump"
+#: The fsynced copy of the applied state (module docstring, Durability).
+LOCAL_COPY = "meta"
 #: pysyncobj's minimum time between two connection attempts to a peer (its default, 5 s,
 #: would hold a node that started before its peers that long).
 CONNECT_RETRY_SECONDS = 0.5
@@ -123,17 +133,52 @@ class _Replica(SyncObjConsumer):  # type: ignore[misc]
     """The replicated commands. The ``@replicated`` methods run on pysyncobj's thread when a
     command is applied (called from elsewhere they propose it instead: pass ``callback``)."""
 
-    def __init__(self, changed: Callable[[], None]) -> None:
+    def __init__(self, changed: Callable[[], None], copy: Path | None = None) -> None:
         # Set before SyncObjConsumer.__init__ (which counts them as properties): never dumped.
         self.lock = threading.Lock()
         self.state = MetadataState()
         self._changed = changed
+        #: Where each applied change is made durable (None: nowhere, in tests of the commands).
+        self.copy = copy
+        self._saved: dict[str, Any] | None = None
         super().__init__()
+
+    def load_copy(self) -> bool:
+        """Start from the fsynced copy, if there is one (before pysyncobj replays)."""
+        if self.copy is None:
+            return False
+        try:
+            data = orjson.loads(self.copy.read_bytes())
+        except FileNotFoundError:
+            return False
+        except (OSError, orjson.JSONDecodeError, ValueError) as e:
+            # Written whole by rename: damage here is the disk's; the group has the state.
+            logger.error("cluster: metadata: %s unreadable, not used: %s", self.copy, e)
+            return False
+        with self.lock:
+            self.state.load(data)
+            self._saved = self.state.to_data()
+        return True
+
+    def _save(self) -> None:
+        """Make the state as applied durable (held under :attr:`lock`; a no-op if unchanged)."""
+        if self.copy is None:
+            return
+        data = self.state.to_data()
+        if data == self._saved:
+            return
+        try:
+            write_atomically(self.copy, orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS))
+        except OSError as e:  # the journal still has it; the next change tries again
+            logger.error("cluster: metadata: cannot write %s: %s", self.copy, e)
+            return
+        self._saved = data
 
     @replicated  # type: ignore[untyped-decorator]
     def define(self, data: dict[str, Any], node: str) -> tuple[dict[str, Any], str]:
         with self.lock:
             result = self.state.define(data, node)
+            self._save()
         self._changed()
         return result
 
@@ -141,6 +186,7 @@ class _Replica(SyncObjConsumer):  # type: ignore[misc]
     def place(self, groups: dict[int, list[str]]) -> int:
         with self.lock:
             new = self.state.place(groups)
+            self._save()
         self._changed()
         return new
 
@@ -151,6 +197,7 @@ class _Replica(SyncObjConsumer):  # type: ignore[misc]
     def _deserialize(self, data: dict[str, Any]) -> None:
         with self.lock:
             self.state.load(data)
+            self._save()
         self._changed()
 
 
@@ -196,6 +243,8 @@ class MetadataGroup:
         cannot) and replays its local copy, off the loop, then starts the group's thread."""
         group = cls(name, members, heartbeat_interval)
         state_dir.mkdir(parents=True, exist_ok=True)
+        group.replica.copy = state_dir / LOCAL_COPY
+        await asyncio.to_thread(group.replica.load_copy)
         group.sync = await asyncio.to_thread(
             group._build, secret, state_dir, election_timeout, heartbeat_interval
         )
