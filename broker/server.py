@@ -39,7 +39,7 @@ from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import topic_matches
 from broker.net.context import SessionClaims
 from broker.net.iteration import IterationEnd
-from broker.net.keepalive import KeepaliveWheel
+from broker.net.keepalive import KeepaliveWheel, keepalive_deadline, link_expired
 from broker.net.tls import TLSConfigError, TLSProtocol, server_context
 from broker.net.transport import MQTTProtocol
 from broker.net.websocket import WebSocketListener
@@ -349,11 +349,11 @@ class Server:
         [MQTT-3.1.2-24]; file the others that came due again under their new deadline."""
         wheel = self.keepalive
         for link in wheel.due(now):
-            if link.keepalive_expired(now):
+            if link_expired(link, now):
                 log.info("%s (%s): keepalive expired", link.client_id or "-", link.peer)
                 link.close(ReasonCode.KEEP_ALIVE_TIMEOUT, "keep alive timeout")
                 continue
-            deadline = link.keepalive_deadline()
+            deadline = keepalive_deadline(link)
             if deadline is not None:
                 wheel.file(link, deadline)
 

@@ -15,9 +15,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Hashable
-from typing import Generic, TypeVar
+from typing import Generic, Protocol, TypeVar
 
-__all__ = ["KeepaliveWheel"]
+from broker.mqtt.connection import keepalive_expired
+
+__all__ = ["KeepaliveWheel", "Watched", "keepalive_deadline", "link_expired"]
 
 T = TypeVar("T", bound=Hashable)
 
@@ -71,3 +73,35 @@ class KeepaliveWheel(Generic[T]):
                     out.append(item)
         self._cursor = max(self._cursor, last)
         return out
+
+
+class Watched(Protocol):
+    """What the keepalive check reads of a connection (broker.net.transport's)."""
+
+    @property
+    def session(self) -> object | None: ...
+    @property
+    def connected_at(self) -> float: ...
+    @property
+    def connect_timeout(self) -> float: ...
+    @property
+    def keepalive(self) -> int: ...
+    @property
+    def last_received(self) -> float: ...
+
+
+def link_expired(link: Watched, now: float) -> bool:
+    """[MQTT-3.1.2-24]: nothing received for 1.5 x keepalive; or no CONNECT in time."""
+    if link.session is None:
+        return now - link.connected_at > link.connect_timeout
+    return keepalive_expired(link.keepalive, link.last_received, now)
+
+
+def keepalive_deadline(link: Watched) -> float | None:
+    """When :func:`link_expired` may next become true if nothing arrives; None when it never
+    will (keepalive 0, s3.1.2.10)."""
+    if link.session is None:
+        return link.connected_at + link.connect_timeout
+    if link.keepalive <= 0:
+        return None
+    return link.last_received + 1.5 * link.keepalive

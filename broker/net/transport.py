@@ -38,7 +38,7 @@ from collections.abc import Callable, Sequence
 from functools import partial
 from typing import TYPE_CHECKING, Any, cast
 
-from broker.mqtt.connection import ServerConnection, keepalive_expired
+from broker.mqtt.connection import ServerConnection
 from broker.mqtt.decode import PubAckRun
 from broker.mqtt.errors import MQTTError, ProtocolError
 from broker.mqtt.packets import (
@@ -68,6 +68,7 @@ from broker.net.connlog import (
     log_connected,
     log_disconnected,
 )
+from broker.net.keepalive import keepalive_deadline
 from broker.router.router import TOPIC_ALIAS_MAXIMUM
 
 if TYPE_CHECKING:
@@ -100,6 +101,7 @@ class MQTTProtocol(asyncio.Protocol):
         "_ending",
         "_fresh",
         "_graceful",
+        "_held",
         "_high_water",
         "_out",
         "_out_bytes",
@@ -155,6 +157,8 @@ class MQTTProtocol(asyncio.Protocol):
         self._fresh = True  # nothing received yet (a TLS ClientHello is recognised then)
         self._out: list[bytes] = []
         self._out_bytes = 0
+        #: Holds (:meth:`hold`) on the output: while any, nothing queued leaves.
+        self._held = 0
         self._paused = False
         self._acked = False
         self._closing = False
@@ -429,7 +433,7 @@ class MQTTProtocol(asyncio.Protocol):
         if self.edge.config.server.connection_messages:
             log_connected(self.peer, self.client_id, packet, username)
             self._ending = PEER_CLOSED
-        deadline = self.keepalive_deadline()
+        deadline = keepalive_deadline(self)
         if deadline is None:
             self.edge.keepalive.discard(self)
         else:
@@ -516,6 +520,8 @@ class MQTTProtocol(asyncio.Protocol):
             return  # closed, or closing gracefully (broker.net.closing)
         if self._ending == PEER_CLOSED:
             self._ending = closed_by_broker(reason_code, reason)
+        if self._held:  # what waited on a state that may never be stored never leaves
+            self._out, self._out_bytes, self._held = [], 0, 0
         if reason_code is not None and self.version == 5 and self.session is not None:
             props: dict[int, Any] = {}
             if reason and self._problem_info():
@@ -535,10 +541,19 @@ class MQTTProtocol(asyncio.Protocol):
         self._out.append(data)
         self._out_bytes += len(data)
 
+    def hold(self) -> None:  # Link: queued output stays until as many release() calls
+        self._held += 1
+
+    def release(self) -> None:
+        if self._held:
+            self._held -= 1
+            if not self._held and self._out and not self._closing:
+                self.edge.want_flush(self)
+
     def flush_output(self) -> None:
         """Write everything queued this iteration in one call (called by the server)."""
         out = self._out
-        if not out:
+        if not out or self._held:
             return
         full = self._out_bytes >= self._budget
         self._out = []
@@ -567,21 +582,6 @@ class MQTTProtocol(asyncio.Protocol):
             # Our last bytes, FIN, then its input drained until it closes: the client
             # reads the DISCONNECT or CONNACK instead of a reset.
             close_gracefully(self.transport, self.edge)
-
-    def keepalive_expired(self, now: float) -> bool:
-        """[MQTT-3.1.2-24]: nothing received for 1.5 x keepalive; or no CONNECT in time."""
-        if self.session is None:
-            return now - self.connected_at > self.connect_timeout
-        return keepalive_expired(self.keepalive, self.last_received, now)
-
-    def keepalive_deadline(self) -> float | None:
-        """When :meth:`keepalive_expired` may next become true if nothing arrives; None
-        when it never will (keepalive 0, s3.1.2.10)."""
-        if self.session is None:
-            return self.connected_at + self.connect_timeout
-        if self.keepalive <= 0:
-            return None
-        return self.last_received + 1.5 * self.keepalive
 
 
 #: What a packet a client sends after CONNECT makes the transport do, by type (PUBLISH aside:

@@ -18,6 +18,7 @@ import logging
 from bisect import bisect_right
 from collections import deque
 from collections.abc import Callable, Iterable
+from functools import partial
 from itertools import accumulate, repeat
 from operator import add
 from typing import Any
@@ -28,7 +29,7 @@ from broker.commitlog.keys import PartitionKey
 from broker.mqtt.properties import PropertyId, decode_properties
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import topic_matches
-from broker.router.commit import GroupCommit
+from broker.router.commit import OUTCOME_UNKNOWN, GroupCommit
 from broker.router.link import Link
 from broker.router.partition import Columns, GroupWatcher, PartitionBase, SessionWatcher
 from broker.router.session import (
@@ -550,8 +551,12 @@ class Delivery:
                 if qos == 2 and session.persistent:
                     # Exactly once across a crash: were this delivery (its packet id and the
                     # advanced cursor) lost, the record would go out again under a new packet
-                    # id and the client could not tell it is a duplicate (s4.3.3).
-                    self.persist_before_acks(session)
+                    # id and the client could not tell it is a duplicate (s4.3.3). So the
+                    # PUBLISH (and what follows it to this client, in order) leaves only once
+                    # the state is in the log: in a cluster, committed by a majority of
+                    # $sessions' replicas, so a kill -9 of this node cannot lose it.
+                    link.hold()
+                    self.persist_before_acks(session, partial(_state_stored, session, link))
         else:
             packet_id = None
         sent = link.send_publish(rec.topic, rec.payload, qos, retain, dup, packet_id, props)
@@ -559,6 +564,17 @@ class Delivery:
             session.inflight.pop(packet_id, None)  # too large: counts as delivered
             if group is not None:
                 self.group_done(session, group, key, rec.offset)
+
+
+def _state_stored(session: Session, link: Link, offset: int | None) -> None:
+    """The state of a QoS 2 delivery to ``link`` is in the log: its PUBLISH may leave. Not
+    stored (no leader of ``$sessions``, its leadership lost): the connection is closed with
+    the PUBLISH unsent, and the client's next session resumes from the committed state."""
+    if offset is None or offset == OUTCOME_UNKNOWN:
+        if session.link is link:
+            link.close(ReasonCode.UNSPECIFIED_ERROR, "session state not stored")
+        return
+    link.release()
 
 
 def _deleted(part: PartitionBase, offset: int) -> None:

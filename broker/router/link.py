@@ -50,6 +50,14 @@ class Link(Protocol):
         (:meth:`send_publish`): topic aliases, or the client's maximum packet size."""
         ...
 
+    def hold(self) -> None:
+        """Keep everything queued from now on, in order, until as many :meth:`release` calls
+        (an outgoing QoS 2 PUBLISH waits so for its session state: see
+        broker.router.delivery). A :meth:`close` meanwhile drops what was held."""
+
+    def release(self) -> None:
+        """End one :meth:`hold`; with none left, what was queued leaves this iteration."""
+
     def can_write(self) -> bool:
         """True while the output buffer is below its high-water mark."""
         ...

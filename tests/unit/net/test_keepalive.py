@@ -15,7 +15,7 @@ from broker.auth import AuthService
 from broker.config import Config, RouterConfig
 from broker.metrics.collector import Metrics
 from broker.mqtt.connection import keepalive_expired
-from broker.net.keepalive import KeepaliveWheel
+from broker.net.keepalive import KeepaliveWheel, keepalive_deadline, link_expired
 from broker.net.transport import MQTTProtocol
 from broker.server import TICK_SECONDS, Server
 from tests.mqttbytes import connect311
@@ -87,9 +87,9 @@ def test_keepalive_expired_function(keepalive: int, idle: float, expired: bool) 
 def test_transport_closes_after_one_and_a_half_keepalive() -> None:
     proto, clock = connected(10)
     clock.now += 15.0
-    assert not proto.keepalive_expired(clock())
+    assert not link_expired(proto, clock())
     clock.now += 0.01
-    assert proto.keepalive_expired(clock())
+    assert link_expired(proto, clock())
 
 
 def test_any_packet_restarts_the_keepalive_timer() -> None:
@@ -97,9 +97,9 @@ def test_any_packet_restarts_the_keepalive_timer() -> None:
     clock.now += 14.0
     proto.data_received(bytes.fromhex("c000"))  # PINGREQ
     clock.now += 14.0  # 28 s since CONNECT, 14 s since the last packet
-    assert not proto.keepalive_expired(clock())
+    assert not link_expired(proto, clock())
     clock.now += 1.5
-    assert proto.keepalive_expired(clock())
+    assert link_expired(proto, clock())
 
 
 def test_partial_packet_counts_as_activity() -> None:
@@ -108,22 +108,22 @@ def test_partial_packet_counts_as_activity() -> None:
     clock.now += 2.9
     proto.data_received(bytes.fromhex("30"))  # first byte of a PUBLISH
     clock.now += 2.9
-    assert not proto.keepalive_expired(clock())
+    assert not link_expired(proto, clock())
 
 
 def test_keepalive_zero_never_expires() -> None:
     proto, clock = connected(0)
     clock.now += 10**7
-    assert not proto.keepalive_expired(clock())
+    assert not link_expired(proto, clock())
 
 
 def test_connect_timeout_on_fake_clock() -> None:
     clock = FakeClock()
     proto = MQTTProtocol(FakeServer(clock, connect_timeout=3))  # type: ignore[arg-type]
     clock.now += 3.0
-    assert not proto.keepalive_expired(clock())
+    assert not link_expired(proto, clock())
     clock.now += 0.01
-    assert proto.keepalive_expired(clock())  # s3.1.4: no CONNECT in time
+    assert link_expired(proto, clock())  # s3.1.4: no CONNECT in time
 
 
 def test_bytes_before_connect_do_not_extend_the_connect_timeout() -> None:
@@ -132,7 +132,7 @@ def test_bytes_before_connect_do_not_extend_the_connect_timeout() -> None:
     clock.now += 2.0
     proto.data_received(connect311("k", keepalive=60)[:4])  # an incomplete CONNECT
     clock.now += 1.5
-    assert proto.keepalive_expired(clock())
+    assert link_expired(proto, clock())
 
 
 # ---------------------------------------------------------------- the wheel
@@ -147,11 +147,12 @@ class Closable:
         self.client_id = "k"
         self.peer = "test"
 
-    def keepalive_expired(self, now: float) -> bool:
-        return self.proto.keepalive_expired(now)
-
-    def keepalive_deadline(self) -> float | None:
-        return self.proto.keepalive_deadline()
+    # What the keepalive check reads (broker.net.keepalive.Watched), from the real protocol.
+    session = property(lambda self: self.proto.session)
+    connected_at = property(lambda self: self.proto.connected_at)
+    connect_timeout = property(lambda self: self.proto.connect_timeout)
+    keepalive = property(lambda self: self.proto.keepalive)
+    last_received = property(lambda self: self.proto.last_received)
 
     def close(self, reason_code: int | None = None, reason: str = "") -> None:
         self.closed = reason_code
@@ -162,7 +163,7 @@ def ticking(proto: MQTTProtocol, clock: FakeClock, seconds: float) -> Closable:
     the link."""
     server = proto.edge
     link = Closable(proto)
-    deadline = proto.keepalive_deadline()
+    deadline = keepalive_deadline(proto)
     assert deadline is not None
     server.keepalive = KeepaliveWheel(TICK_SECONDS, clock())
     server.keepalive.file(link, deadline)
@@ -186,13 +187,13 @@ def test_a_live_client_is_looked_at_once_per_one_and_a_half_keepalive() -> None:
     start = clock.now
     server = proto.edge
     link = Closable(proto)
-    server.keepalive.file(link, proto.keepalive_deadline())
+    server.keepalive.file(link, keepalive_deadline(proto))
     looks = 0
     while clock.now - start < 100:
         clock.now += TICK_SECONDS
         proto.data_received(bytes.fromhex("c000"))  # a PINGREQ every tick
         looks += len(server.keepalive.due(clock.now))
-        deadline = proto.keepalive_deadline()
+        deadline = keepalive_deadline(proto)
         assert deadline is not None
         server.keepalive.file(link, deadline)
     assert link.closed is None
@@ -203,10 +204,10 @@ def test_keepalive_zero_leaves_the_wheel() -> None:
     clock = FakeClock()
     server = FakeServer(clock)
     proto = MQTTProtocol(server)  # type: ignore[arg-type]
-    server.keepalive.file(proto, proto.keepalive_deadline())  # as connection_made does
+    server.keepalive.file(proto, keepalive_deadline(proto))  # as connection_made does
     assert len(server.keepalive) == 1
     proto.data_received(connect311("k", keepalive=0))
-    assert proto.keepalive_deadline() is None
+    assert keepalive_deadline(proto) is None
     assert len(server.keepalive) == 0
     # Past any deadline a CONNECT could file (the longest keepalive is 65535 s, x 1.5); the
     # wheel walks every slot up to it, so not further.
@@ -226,7 +227,7 @@ def test_the_connect_refiles_a_shorter_deadline() -> None:
     clock = FakeClock()
     server = FakeServer(clock, connect_timeout=30)
     proto = MQTTProtocol(server)  # type: ignore[arg-type]
-    server.keepalive.file(proto, proto.keepalive_deadline())
+    server.keepalive.file(proto, keepalive_deadline(proto))
     proto.data_received(connect311("k", keepalive=2))  # keepalive 2: expires at 3 s, not at 30
     assert server.keepalive.due(clock.now + 2.9) == []
     assert server.keepalive.due(clock.now + 3.0) == [proto]

@@ -57,9 +57,17 @@ class FakeLink:
     closed: int | bool | None = False
     writable: bool = True
     runs: int = 0  # send_publish_run calls
+    holds: int = 0
+    releases: int = 0
 
     def send(self, packet: Packet) -> None:
         self.packets.append(packet)
+
+    def hold(self) -> None:
+        self.holds += 1
+
+    def release(self) -> None:
+        self.releases += 1
 
     def send_publish(
         self,

@@ -51,9 +51,17 @@ class BytesLink:
     out: list[bytes] = field(default_factory=list)
     queued: int = 0
     runs: int = 0
+    holds: int = 0
+    releases: int = 0
 
     def send(self, packet: Any) -> None:
         self._write(self.conn.send(packet))
+
+    def hold(self) -> None:
+        self.holds += 1
+
+    def release(self) -> None:
+        self.releases += 1
 
     def send_publish(
         self,

@@ -2,9 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from broker.config import RouterConfig
 from broker.mqtt.packets import PubAck, PubComp, Publish, PubRec, PubRel
 from broker.mqtt.properties import PropertyId
+from broker.mqtt.reason_codes import ReasonCode
+from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.session import Inflight, Session
 from tests.unit.router.conftest import Harness
 
@@ -217,3 +221,43 @@ def test_pubacks_resume_a_run_stopped_at_the_quota(h: Harness) -> None:
     assert [p.payload for p in sub_link.publishes] == [b"%d" % i for i in range(50)]
     h.router.puback_run(sub, [p.packet_id for p in sub_link.publishes[-10:]])
     assert not sub.waiting  # nothing left to send: the last pump did not stop at the quota
+
+
+def test_a_qos2_delivery_leaves_only_once_its_state_is_stored(h: Harness) -> None:
+    """With a replicated ``$sessions`` the state's write is acknowledged later (at the
+    quorum commit): the PUBLISH waits on the link (hold) until then, and if the state is not
+    stored the connection is closed with it unsent, so a node's death cannot make the same
+    message go out again under a new packet id (exactly once, s4.3.3)."""
+    link, s = h.connect("sub", 5, expiry=600)
+    h.subscribe(s, "t/#", 2)
+    _, p = h.connect("pub", 5)
+    commit = h.router.flush.__self__  # type: ignore[attr-defined]
+    write = commit.persist
+    later: list[Callable[[int | None], None]] = []
+
+    def replicated(session: Session, ack: Callable[[int | None], None] | None) -> None:
+        write(session, None)  # in the log; its acknowledgement comes with the commit
+        if ack is not None:
+            later.append(ack)
+
+    commit.persist = replicated
+    h.publish(p, "t/1", b"once", 2, 1)
+    h.run()
+    (first,) = link.take()  # queued, but held: a real link writes nothing yet
+    assert (first.payload, link.holds, link.releases) == (b"once", 1, 0)
+    later.pop()(7)
+    assert link.releases == 1 and not link.closed
+    h.publish(p, "t/2", b"lost", 2, 2)
+    h.run()
+    assert link.holds == 2
+    later.pop()(OUTCOME_UNKNOWN)
+    assert link.releases == 1 and link.closed == ReasonCode.UNSPECIFIED_ERROR
+
+
+def test_a_qos2_delivery_to_a_clean_session_is_not_held(h: Harness) -> None:
+    link, s = h.connect("sub", 5)
+    h.subscribe(s, "t/#", 2)
+    _, p = h.connect("pub", 5)
+    h.publish(p, "t/1", b"x", 2, 1)
+    h.run()
+    assert len(link.take()) == 1 and link.holds == 0
