@@ -37,10 +37,9 @@ owns from what it applied (:meth:`ClusterSessions.resume`).
 
 Limits of this step: the wills and expiry of a session whose owner is dead wait for that
 node's return or the client's reconnection elsewhere; claim records are kept (one small
-record per client id that ever connected); a QoS 2 PUBLISH to a subscriber leaves once its
-state is in the local log, before the quorum commits it, so a kill -9 of that node right then
-may deliver it again under a new packet id (a takeover between live nodes carries the exact
-state and stays exactly once).
+record per client id that ever connected). A QoS 2 PUBLISH to a subscriber leaves only once
+its state (packet id, cursor) is committed here (broker.router.delivery holds the link until
+then), so a kill -9 of this node cannot send it again under a new packet id.
 
 Called only from the worker's event loop.
 """
