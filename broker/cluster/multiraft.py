@@ -45,19 +45,21 @@ raft_core.py: 1,000 such groups are three cores) for as long as it stayed down.
 from __future__ import annotations
 
 import random
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from broker.cluster.frames import Ack, Beat, Frame, ack_message, beat_message
-from broker.cluster.membership import Membership
+from broker.cluster.membership import ChangeKind, Configuration, Membership
 from broker.cluster.messages import (
+    AppendEntries,
     AppendLog,
     Commit,
     Effect,
     Entry,
     Flush,
     HardState,
+    InstallSnapshot,
     LogStart,
     Message,
     PersistHardState,
@@ -117,6 +119,8 @@ class HostStats:
     unknown_group: int = 0
     #: Frames dropped because they came from a node outside ``nodes``.
     unknown_node: int = 0
+    #: Groups joined as a new replica (:meth:`MultiRaft.join_group`).
+    joined: int = 0
 
 
 class MultiRaft:
@@ -157,6 +161,9 @@ class MultiRaft:
         self._sent_at = dict.fromkeys(self.peers, -self.config.heartbeat_ticks)
         self._out: dict[int, Frame] = {}
         self._ready = Ready()
+        #: Asked for a log when a leader replicates a group this node does not host (group,
+        #: leader): one to join it as a learner (:meth:`join_group`), or None to ignore.
+        self.on_unknown_group: Callable[[int, int], GroupLog | None] | None = None
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -182,6 +189,40 @@ class MultiRaft:
         self._logs[group] = log
         self._ticking[group] = None
         return core
+
+    def add_node(self, node: int) -> None:
+        """A node joined the cluster: frames to and from it are taken from now on."""
+        if node == self.id or node in self._heard:
+            return
+        self.peers.append(node)
+        self._under[node] = {}
+        self._heard[node] = self.now
+        self._sent_at[node] = self.now - self.config.heartbeat_ticks
+
+    def join_group(self, group: int, leader: int, log: GroupLog) -> RaftNode:
+        """Host ``group`` as a new, empty replica because ``leader`` replicates it here (it
+        added this node as a learner, thesis s4.2.1): until the log brings the group's
+        configuration (every CONFIG entry holds all of it), this node is a learner of a group
+        whose only known voter is ``leader``, so it never campaigns on a guess."""
+        if group in self._cores:
+            raise ValueError(f"group {group} is already hosted on node {self.id}")
+        placeholder = Membership(Configuration.of({leader}, {self.id}))
+        core = RaftNode(self.id, (), log, self._rng, self.config, membership=placeholder)
+        self._cores[group] = core
+        self._logs[group] = log
+        self._ticking[group] = None
+        self.stats.joined += 1
+        return core
+
+    def remove_group(self, group: int) -> None:
+        """Stop hosting ``group`` (this node is no longer among its members); its log is the
+        caller's to delete."""
+        self._cores.pop(group)
+        self._logs.pop(group)
+        self._ticking.pop(group, None)
+        leader = self._quiesced.pop(group, None)
+        if leader is not None and leader != self.id:
+            self._under[leader].pop(group, None)
 
     def core(self, group: int) -> RaftNode:
         """The core of ``group``, to read its state (role, leader, term, commit)."""
@@ -247,7 +288,7 @@ class MultiRaft:
         for a in frame.acks:
             self._on_ack(frm, a)
         for g, m in frame.messages:
-            core = self._cores.get(g)
+            core = self._cores.get(g) or self._joined(g, m)
             if core is None:
                 self.stats.unknown_group += 1
                 continue
@@ -269,6 +310,13 @@ class MultiRaft:
         durable): the core's ``compacted``, whose ``LogStart`` the driver stores with the log.
         A follower that needs what went gets a snapshot (``InstallSnapshot``)."""
         return self._cores[group].compacted(first_index)
+
+    def propose_change(self, group: int, kind: ChangeKind, node: int) -> None:
+        """One single-server membership change of ``group`` on its leader here
+        (``RaftNode.propose_change``, whose refusals it raises)."""
+        effects = self._cores[group].propose_change(kind, node)
+        self._wake(group)
+        self._route(group, effects)
 
     def transfer_leadership(self, group: int, peer: int) -> None:
         effects = self._cores[group].transfer_leadership(peer)
@@ -299,11 +347,19 @@ class MultiRaft:
         self.stats.frames_sent += len(ready.frames)
         return ready
 
+    def _joined(self, g: int, m: Message) -> RaftNode | None:
+        """A group this node does not host: joined if ``m`` is a leader's replication to it
+        and :attr:`on_unknown_group` gives a log for it (the driver knows the group)."""
+        if self.on_unknown_group is None or not isinstance(m, AppendEntries | InstallSnapshot):
+            return None
+        log = self.on_unknown_group(g, m.frm)
+        return None if log is None else self.join_group(g, m.frm, log)
+
     # -- quiescence --------------------------------------------------------------------------
 
     def _on_beat(self, frm: int, b: Beat) -> None:
         g = b.group
-        core = self._cores.get(g)
+        core = self._cores.get(g) or self._joined(g, beat_message(frm, self.id, b))
         if core is None:
             self.stats.unknown_group += 1
             return

@@ -202,9 +202,12 @@ class Net:
             if index > len(record):
                 record.extend(entries[len(record) :])
                 # Committed means durable on a majority (Raft s5.4.2 over flushed offsets).
-                held = [log[g] for log in self.logs if log[g].durable >= index]
-                keep = sum(log.prefix(index) == record for log in held)
-                assert keep > self.n // 2, f"g{g}: committed {index} durable on {keep} nodes"
+                keep = [
+                    n
+                    for n, log in enumerate(self.logs)
+                    if log[g].durable >= index and log[g].prefix(index) == record
+                ]
+                assert self.majority(host, g, index, keep), f"g{g}: {index} durable on {keep}"
         if not self.disk_delay:
             self._complete(host, ready)
         elif ready.hard_states or ready.flushes:
@@ -213,6 +216,11 @@ class Net:
             self._disk_due[node] = due
             self._seq += 1
             heapq.heappush(self._disk, (due, self._seq, node, self.life[node], ready))
+
+    def majority(self, host: MultiRaft, g: int, index: int, nodes: list[int]) -> bool:
+        """``nodes`` are a majority of the voters that committed ``index`` (every node votes
+        here)."""
+        return len(nodes) > self.n // 2
 
     def _complete(self, host: MultiRaft, ready: Ready) -> None:
         """The fsync round of ``ready`` is done: what it covered is durable."""
