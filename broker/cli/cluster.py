@@ -6,12 +6,13 @@ partition, its leader, term, commit index, this node's role and the followers' l
 the leader: ask the leader's node for exact lags), then the metadata group's leader and
 what it holds (stream definitions, placed partitions), any stream this node's config
 defines otherwise than the cluster, and the XDP filter (attached, or why user space filters
-gossip instead; its allowlist; packets and bytes by class and verdict). ``transfer-leader STREAM/PARTITION NODE``
-asks for the partition's leadership to move to NODE (Raft's leadership transfer, thesis
-s3.10): the node asked passes it to the current leader, and the command waits until the
-partition's leader is NODE (or ``--timeout`` passes, exit status 1). The balancer then
-leaves that partition where the operator put it for five minutes (as Kafka's leader
-imbalance check waits 300 s) before it hands it back to its preferred replica.
+gossip instead; its allowlist; packets and bytes by class and verdict).
+``transfer-leader STREAM/PARTITION NODE`` asks for the partition's leadership to move to
+NODE (Raft's leadership transfer, thesis s3.10): the node asked passes it to the current
+leader, and the command waits until the partition's leader is NODE (or ``--timeout``
+passes, exit status 1). The balancer then leaves that partition where the operator put it
+for five minutes (as Kafka's leader imbalance check waits 300 s) before it hands it back
+to its preferred replica.
 """
 
 from __future__ import annotations

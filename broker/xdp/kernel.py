@@ -132,4 +132,3 @@ class KernelFilter(MemberFilter):
 def kernel_release_headers() -> Path:
     """Where bcc looks for the running kernel's headers."""
     return Path("/lib/modules") / os.uname().release / "build"
-

@@ -86,7 +86,7 @@ class MemberFilter(ABC):
     @abstractmethod
     def counters(self) -> Counters: ...
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (only the kernel filter holds anything)
         """Stop filtering (the kernel filter detaches); idempotent."""
 
     def status(self) -> dict[str, Any]:
