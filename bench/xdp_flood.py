@@ -30,7 +30,6 @@ import asyncio
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -47,7 +46,8 @@ MQTT, HTTP, GOSSIP, RAFT = 1883, 8080, 7946, 7950
 SENDER = """
 import socket, sys, time
 s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
-dst, n, rate, payload = (sys.argv[1], 7946), int(sys.argv[2]), int(sys.argv[3]), bytes.fromhex(sys.argv[4])
+dst, n, rate = (sys.argv[1], 7946), int(sys.argv[2]), int(sys.argv[3])
+payload = bytes.fromhex(sys.argv[4])
 start = time.monotonic()
 for i in range(n):
     s.sendto(payload, dst)
