@@ -127,8 +127,3 @@ class KernelFilter(MemberFilter):
 
     def status(self) -> dict[str, Any]:
         return {**super().status(), "interface": self.interface, "mode": self.mode}
-
-
-def kernel_release_headers() -> Path:
-    """Where bcc looks for the running kernel's headers."""
-    return Path("/lib/modules") / os.uname().release / "build"
