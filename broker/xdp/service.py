@@ -60,6 +60,29 @@ def static_members(cluster: ClusterConfig) -> list[str]:
     return addrs
 
 
+#: Capability bits (linux/capability.h): attaching to an interface needs CAP_NET_ADMIN;
+#: loading a program and creating its maps, CAP_BPF (Linux 5.8+) or CAP_SYS_ADMIN.
+CAP_NET_ADMIN, CAP_SYS_ADMIN, CAP_BPF = 12, 21, 39
+
+
+def _missing_privilege() -> str | None:
+    """What this process lacks to load and attach an XDP program (its effective
+    capabilities, /proc/self/status), or None. bcc would only say "failed to compile"."""
+    try:
+        with open("/proc/self/status") as f:
+            caps = next(int(line.split()[1], 16) for line in f if line.startswith("CapEff:"))
+    except (OSError, StopIteration, ValueError):
+        return None  # not Linux's procfs: let the kernel answer
+    missing = []
+    if not caps & (1 << CAP_BPF | 1 << CAP_SYS_ADMIN):
+        missing.append("CAP_BPF")
+    if not caps & (1 << CAP_NET_ADMIN):
+        missing.append("CAP_NET_ADMIN")
+    if missing:
+        return f"no privilege to load BPF: {' and '.join(missing)} not permitted (run as root)"
+    return None
+
+
 def _kernel_unavailable(config: Config) -> str | None:
     """Why the kernel filter cannot be tried, or None."""
     xdp, cluster = config.xdp, config.cluster
@@ -69,6 +92,9 @@ def _kernel_unavailable(config: Config) -> str | None:
         return f"cluster.bind = {cluster.bind} is IPv6: the XDP program filters IPv4 only"
     if not SOURCE.is_file():
         return f"{SOURCE} is missing"
+    missing = _missing_privilege()
+    if missing is not None:
+        return missing
     headers = f"/lib/modules/{os.uname().release}/build"
     if not os.path.isdir(headers):
         return f"no kernel headers at {headers} (scripts/install-system-deps.sh links them)"

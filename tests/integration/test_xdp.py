@@ -235,6 +235,35 @@ def test_removed_member_is_dropped_from_then_on(agent: Agent, lab: Lab) -> None:
         agent.call("allow", addr=lab.host_addr)
 
 
+NO_PRIVILEGE = """
+import json, sys
+from pathlib import Path
+from broker.config import load_config
+from broker.xdp import open_filter
+f = open_filter(load_config(Path(sys.argv[1])))
+print(json.dumps(f.status()))
+"""
+
+
+def test_without_privilege_the_broker_filters_in_user_space(tmp_path: Path) -> None:
+    """root without its capabilities (setpriv drops them all): the filter is not even
+    compiled (bcc would only say "failed to compile"), and the reason names what lacks."""
+    key = tmp_path / "cluster.key"
+    key.write_text("k" * 32)
+    key.chmod(0o600)
+    config = tmp_path / "broker.toml"
+    config.write_text(
+        f'[cluster]\nnode_id = "n1"\nbind = "127.0.0.1"\nsecret_file = "{key}"\n'
+        '[xdp]\nenabled = true\ninterface = "lo"\n'
+    )
+    drop = ["setpriv", "--bounding-set", "-all", "--inh-caps", "-all", "--ambient-caps", "-all"]
+    argv = [*drop, sys.executable, "-c", NO_PRIVILEGE, str(config)]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env(), cwd=ROOT, check=True)
+    status = json.loads(out.stdout)
+    assert status["enabled"] is False and status["filter"] == "user space"
+    assert "not permitted" in status["reason"], status["reason"]
+
+
 # ------------------------------------------------------------------ the broker
 
 

@@ -10,6 +10,7 @@ import asyncio
 import logging
 import random
 import socket
+import sys
 from pathlib import Path
 
 import pytest
@@ -167,3 +168,17 @@ def test_metrics_and_status_block(capsys: pytest.CaptureFixture[str]) -> None:
     assert "xdp: off, gossip filtered in user space (bcc is not installed)" in out
     assert "allowed: 10.0.0.2" in out
     assert "gossip  drop_stranger        1      4" in out
+
+
+def test_without_bcc_the_reason_names_the_package(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from broker.xdp import system_bcc
+
+    monkeypatch.delitem(sys.modules, "bcc", raising=False)
+    monkeypatch.setattr(system_bcc, "DIST_PACKAGES", str(tmp_path))  # no bcc in there
+    monkeypatch.setattr(socket, "if_nametoindex", lambda name: 1)
+    xdp = '[xdp]\nenabled = true\ninterface = "eth0"\n'
+    f = open_filter(load_config(config_file(tmp_path, xdp=xdp)))
+    assert isinstance(f, UserSpaceFilter)
+    assert f.reason is not None and "python3-bpfcc" in f.reason
