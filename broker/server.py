@@ -50,6 +50,7 @@ from broker.workers.cluster_status import merge_views
 from broker.workers.mesh import PeerDown, owner_of
 from broker.workers.replicated import CLUSTER_SPECS, ClusterService
 from broker.workers.runtime import WorkerRuntime, WorkerSpec
+from broker.xdp import MemberFilter, open_filter
 
 log = logging.getLogger("broker.server")
 
@@ -193,6 +194,10 @@ class Server:
             if config.server.sys_interval and first
             else None
         )
+        #: The cluster interface's filter (broker.xdp: the XDP program, or its user-space twin
+        #: where BPF cannot load), on worker 0 of a cluster node; the membership code keeps
+        #: its allowlist with ``set_members`` and gives the gossip socket its ``accept``.
+        self.xdp: MemberFilter | None = None
         self.stopped = asyncio.Event()
 
     def _partition_factory(self) -> Callable[[PartitionKey], PartitionBase] | None:
@@ -258,6 +263,9 @@ class Server:
             )
             loaded = self.router.load(skip=runtime.sessions.registry)
             runtime.sessions.loaded(loaded)
+        if self.config.cluster is not None and (self.worker is None or self.worker.index == 0):
+            # Before the cluster's sockets open; seconds of compilation, off the loop.
+            self.xdp = await asyncio.to_thread(open_filter, self.config)
         if self.cluster is not None:
             await self.cluster.start()  # formed and hosting before any client is served
         # Alone, no SO_REUSEPORT: a second broker on the same port must fail to bind, not
@@ -387,6 +395,8 @@ class Server:
             await self.runtime.finish()
         if self.cluster is not None:
             await self.cluster.close()
+        if self.xdp is not None:
+            self.xdp.close()  # the kernel filter detaches (a crash detaches it too)
         self.streams.close()
         for server in self._listeners:
             await server.wait_closed()
@@ -405,6 +415,8 @@ class Server:
         up by worker 0); :meth:`cluster_status` is the node's."""
         if self.cluster is None:
             return {"mode": "single node", "node_id": None, "nodes": [], "partitions": []}
+        if self.xdp is not None:
+            return {**self.cluster.status(), "xdp": self.xdp.status()}
         return self.cluster.status()
 
     async def cluster_status(self) -> dict[str, Any]:

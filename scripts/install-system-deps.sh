@@ -21,6 +21,12 @@ if [ "${1:-test}" != runtime ]; then
     command -v ip >/dev/null 2>&1 || need+=(iproute2)
     command -v nft >/dev/null 2>&1 || need+=(nftables)
     command -v nats-server >/dev/null 2>&1 || need+=(nats-server)
+    # The XDP filter's tests (tests/integration/test_xdp.py): bcc compiles bpf/mqlog_xdp.c
+    # against kernel headers; bpftool lists what is attached.
+    [ -d /usr/lib/python3/dist-packages/bcc ] || need+=(python3-bpfcc)
+    command -v bpftool >/dev/null 2>&1 || need+=(bpftool)
+    arch=$(dpkg --print-architecture 2>/dev/null || echo amd64)
+    dpkg -s "linux-headers-$arch" >/dev/null 2>&1 || need+=("linux-headers-$arch")
 fi
 if [ ${#need[@]} -gt 0 ]; then
     if [ "$(id -u)" -ne 0 ]; then
@@ -31,4 +37,18 @@ if [ ${#need[@]} -gt 0 ]; then
     DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "${need[@]}" >/dev/null
     # The mosquitto package starts a system broker on 1883; tests run their own instances.
     (systemctl disable --now mosquitto 2>/dev/null || service mosquitto stop 2>/dev/null || pkill -x mosquitto) >/dev/null 2>&1 || true
+fi
+
+# bcc looks for the running kernel's headers in /lib/modules/$(uname -r)/build. A kernel that
+# ships none (a VM's or a container's) gets Debian's: close enough for XDP's few structures
+# (ethhdr, iphdr, udphdr, tcphdr and the BPF uapi have been stable for years).
+modules="/lib/modules/$(uname -r)"
+if [ "${1:-test}" != runtime ] && [ ! -e "$modules/build" ] && [ "$(id -u)" -eq 0 ]; then
+    build=$(ls -d /usr/src/linux-headers-*-"${arch:-amd64}" 2>/dev/null | sort -V | tail -n 1)
+    common=$(ls -d /usr/src/linux-headers-*-common 2>/dev/null | sort -V | tail -n 1)
+    if [ -n "$build" ] && [ -n "$common" ]; then
+        mkdir -p "$modules"
+        ln -sfn "$build" "$modules/build"
+        ln -sfn "$common" "$modules/source"
+    fi
 fi

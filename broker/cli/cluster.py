@@ -4,13 +4,15 @@ from its HTTP admin API (``GET /api/v1/cluster``; ``POST .../partitions/<stream>
 ``status`` prints the members (name, address, state as this node sees them) and, per
 partition, its leader, term, commit index, this node's role and the followers' lag (known on
 the leader: ask the leader's node for exact lags), then the metadata group's leader and
-what it holds (stream definitions, placed partitions), and any stream this node's config
-defines otherwise than the cluster. ``transfer-leader STREAM/PARTITION NODE``
-asks for the partition's leadership to move to NODE (Raft's leadership transfer, thesis
-s3.10): the node asked passes it to the current leader, and the command waits until the
-partition's leader is NODE (or ``--timeout`` passes, exit status 1). The balancer then
-leaves that partition where the operator put it for five minutes (as Kafka's leader
-imbalance check waits 300 s) before it hands it back to its preferred replica.
+what it holds (stream definitions, placed partitions), any stream this node's config
+defines otherwise than the cluster, and the XDP filter (attached, or why user space filters
+gossip instead; its allowlist; packets and bytes by class and verdict).
+``transfer-leader STREAM/PARTITION NODE`` asks for the partition's leadership to move to
+NODE (Raft's leadership transfer, thesis s3.10): the node asked passes it to the current
+leader, and the command waits until the partition's leader is NODE (or ``--timeout``
+passes, exit status 1). The balancer then leaves that partition where the operator put it
+for five minutes (as Kafka's leader imbalance check waits 300 s) before it hands it back
+to its preferred replica.
 """
 
 from __future__ import annotations
@@ -68,7 +70,26 @@ def cmd_status(args: argparse.Namespace) -> int:
         )
         for conflict in meta["conflicts"]:
             print(f"CONFLICT: {conflict}")
+    xdp = view.get("xdp")
+    if xdp:
+        _print_xdp(xdp)
     return 0
+
+
+def _print_xdp(xdp: dict[str, Any]) -> None:
+    """The filter of the cluster interface: where it runs, its allowlist, its counters."""
+    if xdp["enabled"]:
+        print(f"\nxdp: attached to {xdp['interface']} ({xdp['mode']} mode)")
+    else:
+        print(f"\nxdp: off, gossip filtered in user space ({xdp['reason']})")
+    print(f"allowed: {', '.join(xdp['members']) or 'none'}")
+    rows = [
+        [cls, verdict, n, xdp["bytes"].get(cls, {}).get(verdict, 0)]
+        for cls, verdicts in sorted(xdp["packets"].items())
+        for verdict, n in sorted(verdicts.items())
+    ]
+    if rows:
+        print(table(["CLASS", "VERDICT", "PACKETS", "BYTES"], rows))
 
 
 def cmd_transfer_leader(args: argparse.Namespace) -> int:

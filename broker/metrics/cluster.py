@@ -16,6 +16,8 @@ from prometheus_client import CollectorRegistry, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from broker.metrics.xdp import xdp_metrics
+
 #: Commit latency buckets (seconds): a quorum's fsyncs and a round trip, ~1 ms on one host.
 COMMIT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
 
@@ -107,6 +109,7 @@ class ClusterMetrics(Collector):
             "Publishes forwarded to a leader and not answered yet",
             value=view.get("forwards_waiting", 0),
         )
+        yield from xdp_metrics(view.get("xdp"))
 
 
 def _counter(name: str, help_: str, value: int) -> CounterMetricFamily:

@@ -7,7 +7,9 @@ core's ``deadline`` for ``Swim.tick``. Whatever the codec refuses is dropped and
 ``counters["dropped_<reason>"]`` (bad_magic, bad_version, bad_mac, malformed, replayed); a
 bug while handling a well-formed packet is logged with its traceback and counted as
 ``errors``, and the endpoint keeps serving. Every member state change is logged (one line)
-and passed to ``on_change``.
+and passed to ``on_change``. ``accept(host, data)``, when given, sees each datagram first
+and drops those it refuses (``counters["filtered"]``): the user-space XDP filter
+(broker.xdp: member allowlist and magic) where the kernel program cannot run.
 
 Time is ``loop.time()`` in integer ms (monotonic). Runs on one event loop; not thread-safe.
 """
@@ -40,8 +42,10 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         config: SwimConfig | None = None,
         rng: random.Random | None = None,
         on_change: Callable[[Changed], None] | None = None,
+        accept: Callable[[str, bytes], bool] | None = None,
     ) -> None:
         self.node_id = node_id
+        self._accept = accept
         self._secret = secret
         self._config = config
         self._rng = rng or random.Random()
@@ -76,6 +80,9 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         self._schedule()
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
+        if self._accept is not None and not self._accept(addr[0], data):
+            self.counters["filtered"] += 1
+            return
         self.counters["received"] += 1
         try:
             packet, stamp = decode(data, self._secret)
@@ -187,10 +194,12 @@ async def open_endpoint(
     config: SwimConfig | None = None,
     rng: random.Random | None = None,
     on_change: Callable[[Changed], None] | None = None,
+    accept: Callable[[str, bytes], bool] | None = None,
 ) -> GossipEndpoint:
     """A ``GossipEndpoint`` bound to ``bind`` (port 0: any free port; ``core.addr`` says which)."""
     loop = asyncio.get_running_loop()
     _, endpoint = await loop.create_datagram_endpoint(
-        lambda: GossipEndpoint(node_id, secret, config, rng, on_change), local_addr=bind
+        lambda: GossipEndpoint(node_id, secret, config, rng, on_change, accept),
+        local_addr=bind,
     )
     return endpoint
