@@ -36,10 +36,12 @@ The repair of a damaged range of group ``g`` (``repairer.Repairer.add``):
 A peer that does not answer within ``repairer.ANSWER_TIMEOUT``, has not committed the range, or
 holds it damaged too (it then repairs its own copy) leaves the range to the next peer; when none
 could help, the attempt is retried after ``repairer.FIRST_RETRY_SECONDS``, doubling up to
-``MAX_RETRY_SECONDS``, for as long as the range exists. Batches that verify but do not fit
-the range (the bytes differ in length: ``$retained``, compacted by each node at its own time)
-are not written; if every peer that answered sent such batches, the range is left as it is with
-an ERROR saying so, and its reads skip or hold per ``on_corruption``, as on a single node.
+``MAX_RETRY_SECONDS``, for as long as the range exists. In a compacted log (``$retained``,
+``$sessions``, compacted by each node at its own time) the copies may differ in length: the
+sealed segment is then rewritten whole with the peer's batches for the range and swapped in
+(``ReplicaOps.rewrite``). Batches that verify but do not fit the range are not written; if
+every peer that answered sent such batches, the range is left as it is with an ERROR saying
+so, and its reads skip or hold per ``on_corruption``, as on a single node.
 
 This module is the protocol, sans-IO: the messages, what a replica answers (:func:`answer`),
 what an asker accepts (:func:`check_answer`). The driver on the node's event loop is
@@ -140,8 +142,11 @@ def check_answer(
     storage: GroupStorage, damage: DamagedRange, first: int, last: int, batches: list[bytes]
 ) -> None:
     """Raise :class:`RewriteRefused` unless ``batches`` verify, tile ``first..last``, fill the
-    damaged bytes, and each carries the epoch this node's term table holds for its index."""
-    check_batches(damage, first, last, batches)
+    damaged bytes (unless the log is compacted), and each carries the epoch this node's term
+    table holds for its index."""
+    # A compacted log's copies may differ in length (each replica compacts at its own time):
+    # its sealed segment is then rewritten whole (``ReplicaOps.rewrite``).
+    check_batches(damage, first, last, batches, exact_size=not storage.log.config.compacted)
     for batch in batches:
         h = read_header(batch)
         term = storage.terms.term_at(h.base_offset + 1)

@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import TypeVar
 
 from broker.commitlog.batch import BATCH_HEADER, Decoder, decode_into, encode_batch
-from broker.commitlog.cleaned import write_segment
+from broker.commitlog.cleaned import swap_in, write_segment
 from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import MAX_SEGMENT_OFFSETS, LogConfig
 from broker.commitlog.directory import drop_after_truncation, tidy_directory
@@ -529,23 +529,7 @@ class SegmentedLog(ReplicaOps):
                 cleaned.delete()
                 segment.delete()
                 return
-            try:
-                segment.index_path.unlink(missing_ok=True)
-                segment.timeindex_path.unlink(missing_ok=True)
-                os.replace(cleaned.log_path, segment.log_path)
-                os.replace(cleaned.index_path, segment.index_path)
-                os.replace(cleaned.timeindex_path, segment.timeindex_path)
-                if sync:
-                    fsync_directory(self.directory)
-            except OSError as exc:
-                cleaned.close()
-                raise LogIOError(segment.log_path, "swap in compacted segment", exc) from exc
-            cleaned.log_path = segment.log_path
-            cleaned.index_path = cleaned.offset_index.path = segment.index_path
-            cleaned.timeindex_path = cleaned.time_index.path = segment.timeindex_path
-            cleaned.rolling_base_ms = segment.rolling_base_ms
-            self._segments[position] = cleaned
-            segment.close()
+            self._segments[position] = swap_in(segment, cleaned, self.directory, fsync=sync)
 
     # ------------------------------------------------------------------------ close
     def close(self) -> None:

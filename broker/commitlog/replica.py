@@ -32,7 +32,9 @@ from collections.abc import Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from broker.commitlog import integrity
 from broker.commitlog.batch import BATCH_HEADER, BATCH_HEADER_SIZE, read_header, validate_batch
+from broker.commitlog.cleaned import swap_in, write_segment
 from broker.commitlog.config import LogConfig
 from broker.commitlog.disk import fsync_data, fsync_directory
 from broker.commitlog.errors import (
@@ -44,8 +46,14 @@ from broker.commitlog.errors import (
 )
 from broker.commitlog.index import OffsetIndex, TimeIndex
 from broker.commitlog.integrity import DamagedRange
-from broker.commitlog.rewrite import range_offsets, rewrite_range, verified_batches
-from broker.commitlog.segment import Segment
+from broker.commitlog.rewrite import (
+    check_batches,
+    range_offsets,
+    resized_batches,
+    rewrite_range,
+    verified_batches,
+)
+from broker.commitlog.segment import CLEANED_SUFFIX, Segment
 
 
 class ReplicaOps:
@@ -160,20 +168,51 @@ class ReplicaOps:
     def rewrite(self, damage: DamagedRange, batches: Sequence[bytes]) -> int:
         """Replace the damaged range ``damage`` of one of this log's segments by ``batches``,
         another replica's copies of its offsets, in place and durably
-        (:func:`~broker.commitlog.rewrite.rewrite_range`); returns the number of batches
-        written (0: the range held them already). Raises :class:`RewriteRefused` (nothing
-        written: the batches do not fit the range, or the range is gone) or
+        (:func:`~broker.commitlog.rewrite.rewrite_range`); in a compacted log whose copies
+        differ in length, a sealed segment is rewritten whole and swapped in, as compaction
+        does (:func:`~broker.commitlog.rewrite.resized_batches`). Returns the number of
+        batches written (0: the range held them already). Raises :class:`RewriteRefused`
+        (nothing written: the batches do not fit the range, or the range is gone) or
         :class:`LogIOError`."""
-        with self._cleaner_lock, self._lock:
-            self._check_open()
-            found = range_offsets(self._segments, damage)
-            if found is None:
+        with self._cleaner_lock:
+            with self._lock:
+                self._check_open()
+                found = range_offsets(self._segments, damage)
+                if found is None:
+                    raise RewriteRefused(
+                        f"{damage.path}: bytes {damage.position}..{damage.end}: no such damaged "
+                        "range in this log now"
+                    )
+                segment, first, last = found
+                if (
+                    sum(map(len, batches)) == damage.end - damage.position
+                    or not self.config.compacted
+                    or segment is self._segments[-1]
+                ):
+                    return rewrite_range(segment, damage, first, last, batches)
+            # Written outside the log's lock (appends go on), under the cleaner's (nothing
+            # else rewrites or deletes a sealed segment meanwhile).
+            check_batches(damage, first, last, batches, exact_size=False)
+            copy = write_segment(
+                self.directory,
+                segment.base_offset,
+                self.config,
+                resized_batches(segment, damage, batches),
+                CLEANED_SUFFIX,
+                fsync=True,
+            )
+            if copy.next_offset != segment.next_offset:
+                copy.delete()
                 raise RewriteRefused(
-                    f"{damage.path}: bytes {damage.position}..{damage.end}: no such damaged range "
-                    "in this log now"
+                    f"{damage.path}: the rewritten segment ends at offset {copy.next_offset}, "
+                    f"the damaged one at {segment.next_offset}"
                 )
-            segment, first, last = found
-            return rewrite_range(segment, damage, first, last, batches)
+            with self._lock:
+                self._check_open()
+                position = self._segments.index(segment)
+                self._segments[position] = swap_in(segment, copy, self.directory, fsync=True)
+            integrity.forget(damage.path, damage.position, damage.end)
+            return len(batches)
 
     def set_high_watermark(self, offset: int) -> None:
         """Readers see only offsets below ``offset`` from now on (a replicated log's commit

@@ -18,10 +18,14 @@ damaged bytes, in place, only when
 * the range is still damaged, and the batch after it still starts at ``last_offset`` + 1.
 
 Otherwise nothing is written: :class:`~broker.commitlog.errors.RewriteRefused` says why. When
-only the length differs (a compacted log whose replicas compacted at different times), the
-range stays damaged and reported, and reads pass over it or hold at it per the stream's
-``on_corruption``. The epochs of the batches are the caller's to check: the log knows no term
-but the one each batch stores.
+only the length differs (a compacted log, ``$retained`` or ``$sessions``, whose replicas
+compacted at different times: each keeps every batch's offsets and epoch, not its bytes), the
+range cannot be rewritten in place, and the sealed segment is rewritten whole instead, as the
+cleaner rewrites one (:func:`resized_batches`, then ``ReplicaOps.rewrite`` swaps the copy in):
+every batch as it is, the range's offsets from the replacement. Only a segment whose one
+damaged range this is: with other damage in it the copy would lose bytes, so it is refused
+(reads pass over it or hold at it per the stream's ``on_corruption``). The epochs of the
+batches are the caller's to check: the log knows no term but the one each batch stores.
 
 The write uses its own descriptor without ``O_APPEND`` (on Linux a ``pwrite`` to an
 ``O_APPEND`` descriptor appends, whatever its offset), is fdatasynced and read back; then the
@@ -83,9 +87,15 @@ def _where(damage: DamagedRange) -> str:
     return f"{damage.path}: bytes {damage.position}..{damage.end} (offsets {damage.offsets()})"
 
 
-def check_batches(damage: DamagedRange, first: int, last: int, batches: Sequence[bytes]) -> int:
-    """Check that ``batches`` tile offsets ``first..last`` and fill the range's bytes (module
-    doc); returns their largest timestamp. Raises :class:`RewriteRefused`."""
+def check_batches(
+    damage: DamagedRange,
+    first: int,
+    last: int,
+    batches: Sequence[bytes],
+    exact_size: bool = True,
+) -> int:
+    """Check that ``batches`` tile offsets ``first..last`` and (``exact_size``) fill the range's
+    bytes (module doc); returns their largest timestamp. Raises :class:`RewriteRefused`."""
     expect = first
     total = 0
     max_ts = -1
@@ -112,7 +122,7 @@ def check_batches(damage: DamagedRange, first: int, last: int, batches: Sequence
             f"{_where(damage)}: the replacement batches end at offset {expect - 1}, the range "
             f"at {last}"
         )
-    if total != damage.end - damage.position:
+    if exact_size and total != damage.end - damage.position:
         raise RewriteRefused(
             f"{_where(damage)}: {total} bytes of replacement batches for "
             f"{damage.end - damage.position} damaged bytes: not rewritten in place"
@@ -171,6 +181,40 @@ def rewrite_range(
     if damage.path != path:
         integrity.forget(damage.path, damage.position, damage.end)
     return written
+
+
+def resized_batches(
+    segment: Segment, damage: DamagedRange, replacement: Sequence[bytes]
+) -> Iterator[bytes]:
+    """Every batch of sealed ``segment``, verified, with the range ``damage`` replaced by
+    ``replacement`` (module doc); :class:`RewriteRefused` if the segment holds other damage,
+    or no longer this range (repaired meanwhile)."""
+    path = segment.log_path
+    try:
+        fd = os.open(path, os.O_RDONLY | _CLOEXEC)
+    except OSError as exc:
+        raise LogIOError(path, "open segment", exc) from exc
+    replaced = False
+    try:
+        for item in integrity.walk(fd, path, 0, segment.size, segment.base_offset):
+            if item is None:
+                break
+            if isinstance(item, DamagedRange):
+                if (item.position, item.end) != (damage.position, damage.end):
+                    raise RewriteRefused(
+                        f"{_where(damage)}: the segment is damaged at bytes "
+                        f"{item.position}..{item.end} too: not rewritten whole"
+                    )
+                yield from replacement
+                replaced = True
+                continue
+            buf, rel, _pos, _next = item
+            length = read_header(bytes(buf[rel : rel + BATCH_HEADER_SIZE])).batch_length
+            yield bytes(buf[rel : rel + length])
+    finally:
+        os.close(fd)
+    if not replaced:
+        raise RewriteRefused(f"{_where(damage)}: the range holds intact batches now")
 
 
 def verified_batches(segment: Segment, offset: int) -> Iterator[tuple[bytes, int, int]]:

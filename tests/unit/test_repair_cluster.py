@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -213,6 +214,20 @@ def test_an_asker_accepts_only_batches_of_the_terms_its_log_holds(storage: Group
         check_answer(storage, damage, 4, 5, [other_term])
     with pytest.raises(RewriteRefused, match="CRC"):
         check_answer(storage, damage, 4, 5, [good[0][:-1] + bytes([good[0][-1] ^ 1])])
+
+
+def test_an_asker_accepts_a_copy_of_another_length_only_for_a_compacted_log(
+    storage: GroupStorage,
+) -> None:
+    good = storage.log.read_batches(4, 6, 10, 1 << 20)
+    damage = DamagedRange(storage.log.directory / "00000000000000000000.log", 100, 0, 4, 5, "x")
+    damage = damage._replace(end=100 + len(good[0]) + 9)  # a longer damaged batch
+    with pytest.raises(RewriteRefused, match="damaged bytes: not rewritten in place"):
+        check_answer(storage, damage, 4, 5, good)
+    # $retained / $sessions: each replica compacts at its own time, lengths may differ.
+    compacted = replace(storage.log.config, compacted=True, keep_empty_batches=True)
+    storage.log.config = compacted
+    check_answer(storage, damage, 4, 5, good)
 
 
 def test_an_answer_is_cut_at_its_batches_lengths() -> None:

@@ -14,7 +14,8 @@ from pathlib import Path
 import pytest
 
 from broker.commitlog import CorruptRecordBatch, RewriteRefused, SegmentedLog, integrity
-from broker.commitlog.batch import encode_batch, read_header
+from broker.commitlog.batch import BATCH_HEADER_SIZE, BatchHeader, encode_batch, read_header
+from broker.commitlog.config import LogConfig
 from broker.commitlog.integrity import DamagedRange, scan_segment
 from tests.unit.commitlog.test_integrity import CONFIG, STOP, message, read_everything, sealed
 
@@ -234,3 +235,85 @@ def test_damage_across_a_batch_boundary_is_rewritten_with_both_batches(
         assert log.rewrite(damage, batches) == 2
         assert read_everything(log) == [message(i) for i in range(COUNT)]
     assert target.read_bytes() == (healthy / target.name).read_bytes()
+
+
+COMPACTED = LogConfig(
+    segment_bytes=4096,
+    index_interval_bytes=256,
+    fsync="never",
+    compacted=True,
+    keep_empty_batches=True,
+)
+
+
+def test_a_compacted_replicas_shorter_copy_rewrites_the_segment_whole(
+    tmp_path: Path, reports: list[DamagedRange]
+) -> None:
+    """``$retained`` and ``$sessions`` are compacted by each node at its own time: the
+    healthy replica's copy of the damaged offsets is shorter (compaction emptied those
+    batches into placeholders), so it cannot be written in place; the sealed segment is
+    rewritten whole, its other batches as they were."""
+    damaged, healthy = tmp_path / "s" / "0", tmp_path / "h" / "0"
+    replica(damaged, COMPACTED)
+    replica(healthy, COMPACTED)
+    with SegmentedLog.open(healthy, COMPACTED) as log:
+        assert log.compact() > 0  # one topic: every record but the last one is removed
+    target = flip_payload_byte(damaged)
+    with SegmentedLog.open(damaged, COMPACTED) as log:
+        read_everything(log)
+        (damage,) = reports
+        first, last = damage.first_offset, damage.last_offset
+        with SegmentedLog.open(healthy, COMPACTED) as other:
+            copy = other.read_batches(first, last + 1, 1 << 20, 1 << 30)
+        assert sum(map(len, copy)) < damage.end - damage.position
+        others = [h for h in scan_batches(target) if not first <= h.base_offset <= last]
+        assert log.rewrite(damage, copy) == len(copy)
+        after = read_everything(log)
+        # The range reads as on the healthy replica (compacted away), the rest as written.
+        assert [r.offset for r in after] == [i for i in range(COUNT) if not first <= i <= last]
+        assert after == [message(i) for i in range(COUNT) if not first <= i <= last]
+    assert [h for h in scan_batches(target) if not first <= h.base_offset <= last] == others
+    assert not list(damaged.glob("*.cleaned"))
+    # Reopened: the segment and its rebuilt indexes read the same; nothing is damaged.
+    reports.clear()
+    with SegmentedLog.open(damaged, COMPACTED) as log:
+        assert [r.offset for r in read_everything(log)] == [r.offset for r in after]
+        assert log.read(first + 3, 3) == [message(i) for i in range(first + 3, first + 6)]
+    assert reports == []
+
+
+def test_a_compacted_segment_with_other_damage_is_not_rewritten_whole(
+    tmp_path: Path, reports: list[DamagedRange]
+) -> None:
+    damaged, healthy = tmp_path / "s" / "0", tmp_path / "h" / "0"
+    replica(damaged, COMPACTED)
+    replica(healthy, COMPACTED)
+    with SegmentedLog.open(healthy, COMPACTED) as log:
+        log.compact()
+    target = sealed(damaged)[1]
+    data = bytearray(target.read_bytes())
+    for at in (data.index(b"m00") + 2, data.rindex(b"m00") + 2):
+        data[at] ^= 0x20  # two damaged batches, far apart
+    target.write_bytes(data)
+    before = target.read_bytes()
+    with SegmentedLog.open(damaged, COMPACTED) as log:
+        read_everything(log)
+        first_damage = reports[0]
+        first, last = first_damage.first_offset, first_damage.last_offset
+        with SegmentedLog.open(healthy, COMPACTED) as other:
+            copy = other.read_batches(first, last + 1, 1 << 20, 1 << 30)
+        with pytest.raises(RewriteRefused, match="too: not rewritten whole"):
+            log.rewrite(first_damage, copy)
+    assert target.read_bytes() == before
+    assert not list(damaged.glob("*.cleaned"))
+
+
+def scan_batches(path: Path) -> list[BatchHeader]:
+    """The headers of every batch of a segment file (intact ones)."""
+    data = path.read_bytes()
+    out, pos = [], 0
+    while pos + BATCH_HEADER_SIZE <= len(data):
+        h = read_header(data[pos : pos + BATCH_HEADER_SIZE])
+        out.append(h)
+        pos += h.batch_length
+    return out
