@@ -76,6 +76,8 @@ class ClusterMetrics(Collector):
             labels=[*labels, "follower"],
         )
         for p in view["partitions"]:
+            if not p.get("replica", True):
+                continue  # read remotely: its replicas report it
             key = [p["stream"], str(p["partition"])]
             term.add_metric(key, p["term"])
             leader.add_metric(key, 1 if p["role"] == "leader" else 0)
