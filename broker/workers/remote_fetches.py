@@ -20,8 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from broker.cluster.fetch import (
     NOT_REPLICA,
@@ -41,11 +40,13 @@ from broker.cluster.node import FIRST_APP_KIND
 from broker.cluster.storage import GroupStorage
 from broker.commitlog.errors import CommitLogError, CorruptRecordBatch, OffsetOutOfRange
 from broker.router.state import RETAINED, SESSIONS
-from broker.workers.remote_partition import Chunk, RemotePartition
+from broker.workers.remote_partition import Chunk, PartitionHost, Poll, RemotePartition
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
-    from broker.workers.replicated import ClusterService
+    from broker.commitlog import Streams
+    from broker.commitlog.keys import PartitionKey
+    from broker.router.router import Router
 
 log = logging.getLogger("broker.cluster")
 
@@ -66,15 +67,18 @@ HISTORY_FETCHES = 4
 MAX_PARKED = 4096
 
 
-@dataclass(slots=True)
-class Poll:
-    """A fetch in flight."""
+class FetchHost(PartitionHost, Protocol):
+    """What the fetch service needs of the worker's cluster side
+    (``broker.workers.replicated.ClusterService``)."""
 
-    request: int
-    offset: int
-    live: bool
-    sent: float  # monotonic
-    to: int  # node id
+    node: ClusterNode
+    groups: dict[int, PartitionKey]
+    storages: dict[int, GroupStorage]
+    router: Router | None
+    streams: Streams
+    remote_parts: dict[PartitionKey, RemotePartition]
+
+    def remote_moved(self, part: RemotePartition) -> None: ...
 
 
 class RemoteFetches:
@@ -82,7 +86,7 @@ class RemoteFetches:
     :class:`RemotePartition` objects' polls and history reads) and the answering side (the
     groups it hosts: requests answered at once or held until the next commit)."""
 
-    def __init__(self, service: ClusterService) -> None:
+    def __init__(self, service: FetchHost) -> None:
         self.service = service
         self.node: ClusterNode = service.node
         #: Remote partitions by group.

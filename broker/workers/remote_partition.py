@@ -47,7 +47,8 @@ import time
 from bisect import bisect_left, bisect_right
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, NamedTuple
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 from broker.commitlog import LogConfig, Record
 from broker.commitlog.errors import CommitLogError, OffsetOutOfRange
@@ -55,8 +56,7 @@ from broker.commitlog.keys import PartitionKey
 from broker.router.partition import READ_BATCH, Columns, PartitionBase
 
 if TYPE_CHECKING:
-    from broker.workers.remote_fetches import Poll
-    from broker.workers.replicated import ClusterService
+    from broker.cluster.node import ClusterNode
 
 Ack = Callable[[int | None], None]
 
@@ -190,6 +190,38 @@ class RemoteLog:
         return self.log_start_offset if best is None else best
 
 
+@dataclass(slots=True)
+class Poll:
+    """A fetch in flight."""
+
+    request: int
+    offset: int
+    live: bool
+    sent: float  # monotonic
+    to: int  # node id
+
+
+class PartitionHost(Protocol):
+    """What a remote partition needs of the worker's cluster side
+    (``broker.workers.replicated.ClusterService``)."""
+
+    hold_seconds: float
+    node: ClusterNode
+
+    @property
+    def remote(self) -> HistoryReads: ...
+
+    def forward(
+        self, part: RemotePartition, records: list[Record], acks: list[Ack | None], deadline: float
+    ) -> bool: ...
+
+    def remote_leader(self, part: RemotePartition) -> None: ...
+
+
+class HistoryReads(Protocol):
+    def history(self, part: RemotePartition, offset: int) -> None: ...
+
+
 class RemotePartition(PartitionBase):
     """A partition whose group this node does not host (module docstring)."""
 
@@ -214,7 +246,7 @@ class RemotePartition(PartitionBase):
         key: PartitionKey,
         config: LogConfig,
         group: int,
-        service: ClusterService,
+        service: PartitionHost,
         replicas: list[int],
     ) -> None:
         self.group = group

@@ -19,15 +19,17 @@ Needs root, ``ip`` and ``nft``; skipped with the reason otherwise.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import itertools
 import time
 import zlib
 from collections.abc import Iterator
-from pathlib import Path
+from typing import Any
 
 import pytest
 
 from bench.mqttclient import MqttClient
-from broker.cluster.placement import group_id_of, node_id_of, node_ids, replicas
+from broker.cluster.placement import group_id_of, node_ids, replicas
 from tests import netlab
 from tests.cluster_lab import MQTT_PORT, Member, MqlogCluster
 from tests.integration.clients import Client
@@ -77,6 +79,18 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MqlogCluster]:
         yield c
 
 
+def status(cluster: MqlogCluster, m: Member) -> dict[str, Any]:
+    """``m``'s ``GET /api/v1/cluster`` (its HTTP listener opens just after MQTT's)."""
+    deadline = time.monotonic() + 10
+    while True:
+        try:
+            return cluster.status(m)
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.1)
+
+
 def client(m: Member, name: str, **kw: object) -> Client:
     c = Client(MQTT_PORT, f"{name}-{m.node_id}", host=m.addr, **kw)  # type: ignore[arg-type]
     assert c.connect() == 0
@@ -91,7 +105,7 @@ def test_placement_leaves_every_node_outside_some_partition() -> None:
 def test_status_marks_replicas_and_remote_partitions(cluster: MqlogCluster) -> None:
     where = placement()
     for m in cluster.members:
-        view = cluster.status(m)
+        view = status(cluster, m)
         mine = {p["partition"]: p for p in view["partitions"] if p["stream"] == STREAM}
         assert set(mine) == set(range(PARTITIONS))
         for p, entry in mine.items():
@@ -136,6 +150,10 @@ def test_every_node_publishes_and_every_node_receives_in_order(cluster: MqlogClu
     finally:
         for c in subs + pubs:
             c.disconnect()
+    # The outsiders did read remotely (their long polls answered by the replicas).
+    views = [status(cluster, m) for m in cluster.members]
+    assert sum(v["remote_reads"]["fetches_served"] for v in views) > 0
+    assert all(v["remote_reads"]["fetch_answers_dropped"] == 0 for v in views)
 
 
 def test_replay_and_retained_through_a_node_outside_the_group(cluster: MqlogCluster) -> None:
@@ -179,10 +197,12 @@ def test_replay_and_retained_through_a_node_outside_the_group(cluster: MqlogClus
                 s.disconnect()
 
 
-async def _load(host: str, topic: str, n: int, stop_after: asyncio.Event) -> list[str]:
+async def _load(
+    host: str, topic: str, n: int, stop_after: asyncio.Event, times: list[float]
+) -> list[str]:
     """``n`` QoS 1 publishes to ``topic`` through ``host``, each resent (DUP) on a new
     connection until PUBACKed [MQTT-4.4.0-1]; sets ``stop_after`` half-way; returns the
-    acknowledged payloads in order."""
+    acknowledged payloads in order (``times``: when each was acknowledged)."""
     acked: list[str] = []
     c: MqttClient | None = None
     deadline = time.monotonic() + 60
@@ -198,6 +218,7 @@ async def _load(host: str, topic: str, n: int, stop_after: asyncio.Event) -> lis
                         c = await MqttClient.connect(host, MQTT_PORT, "kill-pub", timeout=5)
                     await asyncio.wait_for(c.publish(topic, uid.encode(), dup=dup), 5)
                     acked.append(uid)
+                    times.append(time.monotonic())
                     break
                 except (OSError, ConnectionError, TimeoutError):
                     if c is not None:
@@ -218,15 +239,17 @@ def test_kill_of_the_leader_under_load_through_an_outsider_loses_nothing(
     far = cluster.member(outsider(p))
     topic = topic_in(p, "kill")
     leader_name = None
-    for entry in cluster.status(far)["partitions"]:
+    for entry in status(cluster, far)["partitions"]:
         if (entry["stream"], entry["partition"]) == (STREAM, p):
             leader_name = entry["leader"]
     assert leader_name is not None and leader_name != far.node_id
     leader = cluster.member(leader_name)
 
+    times: list[float] = []
+
     async def run() -> list[str]:
         half = asyncio.Event()
-        load = asyncio.create_task(_load(far.addr, topic, 400, half))
+        load = asyncio.create_task(_load(far.addr, topic, 400, half, times))
         await half.wait()
         await asyncio.to_thread(cluster.kill, leader)
         return await load
@@ -234,16 +257,19 @@ def test_kill_of_the_leader_under_load_through_an_outsider_loses_nothing(
     started = time.monotonic()
     acked = asyncio.run(run())
     assert len(acked) == 400 and time.monotonic() - started < 60
+    # Publishes through the outsider are acknowledged again soon after the kill (an election
+    # and the outsider's poll learning the new leader; issue 20's target is <= 5 s).
+    gap = max(b - a for a, b in itertools.pairwise(times))
+    print(f"longest PUBACK gap through the outsider across the kill: {gap:.2f} s")
+    assert gap < 8.0
     sub = client(far, "kill-sub")
     try:
         assert sub.subscribe(f"$replay/earliest/{topic}", qos=1) == [1]
         got: list[bytes] = []
         deadline = time.monotonic() + 20
         while len(set(got)) < len(acked) and time.monotonic() < deadline:
-            try:
+            with contextlib.suppress(AssertionError):
                 got += [m.payload for m in sub.expect(1, timeout=1)]
-            except AssertionError:
-                pass
     finally:
         sub.disconnect()
     seen = [x.decode() for x in got]
@@ -253,4 +279,3 @@ def test_kill_of_the_leader_under_load_through_an_outsider_loses_nothing(
     assert first == [x for x in first if x in set(acked)] and first == sorted(
         first, key=lambda x: int(x[1:])
     )
-    assert node_id_of(leader_name) in node_ids(m.node_id for m in cluster.members)
