@@ -181,9 +181,9 @@ class RemoteFetches:
             self.history(part, end)  # only control batches there: read on
 
     def _again(self, part: RemotePartition, poll: Poll) -> None:
-        if poll.live:
-            self.poll(part, LIVE_WAIT_MS)
-        # A history read is asked again by the next reader that needs it.
+        """After a failed fetch: a live poll goes again at the next :meth:`tick` (to the
+        next replica: a replica that cannot answer, e.g. not hosting yet, is not asked in a
+        loop); a history read is asked again by the next reader that needs it."""
 
     def tick(self, now: float) -> None:
         """Fetches unanswered past :data:`ANSWER_TIMEOUT` go to the next replica; held
@@ -232,9 +232,11 @@ class RemoteFetches:
             return
         if (
             req.wait_ms
-            and req.offset == storage.log.high_watermark
+            and req.offset >= storage.log.high_watermark
             and self.parked_count < MAX_PARKED
         ):
+            # Nothing new yet, or this replica not as far as the asker (a new leader before its
+            # first commit, a follower behind): held until it is, or the wait ends.
             deadline = time.monotonic() + req.wait_ms / 1000
             self.parked.setdefault(req.group, []).append((frm, req, deadline))
             self.parked_count += 1
@@ -242,11 +244,18 @@ class RemoteFetches:
         self._answer(frm, req)
 
     def committed(self, group: int) -> None:
-        """The group's commit index moved here: the polls held for it are answered."""
-        held = self.parked.pop(group, None)
-        if held:
-            self.parked_count -= len(held)
-            for frm, req, _ in held:
+        """The group's commit index moved here: the polls held for it that it reached are
+        answered."""
+        held = self.parked.get(group)
+        storage = self.node.storages.get(group)
+        if not held or storage is None:
+            return
+        hwm = storage.log.high_watermark
+        due = [h for h in held if h[1].offset < hwm]
+        if due:
+            self.parked[group] = [h for h in held if h[1].offset >= hwm]
+            self.parked_count -= len(due)
+            for frm, req, _ in due:
                 self._answer(frm, req)
 
     def _answer(self, frm: int, req: FetchRequest) -> None:

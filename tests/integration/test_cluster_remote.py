@@ -197,6 +197,58 @@ def test_replay_and_retained_through_a_node_outside_the_group(cluster: MqlogClus
                 s.disconnect()
 
 
+def test_an_outsider_delivers_about_as_soon_as_a_follower(cluster: MqlogCluster) -> None:
+    """Live delivery from the long poll: a commit reaches the outsider's subscriber about when
+    it reaches a follower's (which learns it with the leader's next message)."""
+    p = 2
+    topic = topic_in(p, "latency")
+    far = cluster.member(outsider(p))
+    view = status(cluster, far)
+    [entry] = [e for e in view["partitions"] if (e["stream"], e["partition"]) == (STREAM, p)]
+    leader = cluster.member(entry["leader"])
+    follower = cluster.member(next(n for n in placement()[p] if n != leader.node_id))
+    arrived: dict[str, dict[bytes, float]] = {"outsider": {}, "follower": {}}
+
+    async def run() -> dict[bytes, float]:
+        subs = []
+        for role, m in (("outsider", far), ("follower", follower)):
+            seen = arrived[role]
+            subs.append(
+                await MqttClient.connect(
+                    m.addr,
+                    MQTT_PORT,
+                    f"lat-{role}",
+                    on_message=lambda t, b, seen=seen: seen.setdefault(b, time.monotonic()),
+                )
+            )
+            assert await subs[-1].subscribe(topic) == 1
+        pub = await MqttClient.connect(leader.addr, MQTT_PORT, "lat-pub")
+        sent: dict[bytes, float] = {}
+        for i in range(60):
+            payload = f"l{i}".encode()
+            sent[payload] = time.monotonic()
+            await pub.publish(topic, payload)
+            await asyncio.sleep(0.02)
+        deadline = time.monotonic() + 10
+        while min(len(s) for s in arrived.values()) < 60 and time.monotonic() < deadline:
+            await asyncio.sleep(0.05)
+        for c in [*subs, pub]:
+            c.close()
+        return sent
+
+    sent = asyncio.run(run())
+    medians = {}
+    for role, seen in arrived.items():
+        assert set(seen) == set(sent), role
+        lat = sorted(seen[k] - sent[k] for k in sent)
+        medians[role] = lat[len(lat) // 2]
+    print(
+        f"median publish-to-delivery: outsider {medians['outsider'] * 1000:.1f} ms, "
+        f"follower {medians['follower'] * 1000:.1f} ms"
+    )
+    assert medians["outsider"] < medians["follower"] + 0.1
+
+
 async def _load(
     host: str, topic: str, n: int, stop_after: asyncio.Event, times: list[float]
 ) -> list[str]:
