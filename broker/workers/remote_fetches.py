@@ -186,9 +186,16 @@ class RemoteFetches:
         loop); a history read is asked again by the next reader that needs it."""
 
     def tick(self, now: float) -> None:
-        """Fetches unanswered past :data:`ANSWER_TIMEOUT` go to the next replica; held
-        polls past their wait are answered; partitions without a poll start one."""
-        late = [r for r, (_, p) in self.polls.items() if now - p.sent > ANSWER_TIMEOUT]
+        """Fetches unanswered past :data:`ANSWER_TIMEOUT`, or sent to a node whose link is
+        down (a dead leader: its successor is learnt from another replica within a tick, not
+        a timeout), go to the next replica; held polls past their wait are answered;
+        partitions without a poll start one."""
+        names, transport = self.node.names, self.node.transport
+        late = [
+            r
+            for r, (_, p) in self.polls.items()
+            if now - p.sent > ANSWER_TIMEOUT or not transport.connected(names.get(p.to, ""))
+        ]
         for request in late:
             part, poll = self.polls.pop(request)
             part.forget(poll)

@@ -6,6 +6,7 @@ and its partition serves what it fetched (broker.workers.remote_partition)."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -41,6 +42,8 @@ class Node:
         self.storages = storages
         self.names = {LEADER: "n7", 8: "n8"}
         self.sent: list[tuple[int, int, bytes]] = []
+        self.down: set[str] = set()
+        self.transport = SimpleNamespace(connected=lambda name: name not in self.down)
 
     def send(self, to: int, kind: int, body: bytes) -> bool:
         self.sent.append((to, kind, body))
@@ -212,3 +215,16 @@ def test_chunks_stay_disjoint_and_bounded() -> None:
     assert chunks.read(0, 10) == ([], 0)
     chunks.add(Chunk(5, 7, [rec(6)], 2))  # offset 5 holds no record (a no-op)
     assert chunks.read(5, 10)[0] == [rec(6)]
+
+
+def test_a_poll_to_a_node_whose_link_went_down_goes_to_the_next_replica_at_the_tick() -> None:
+    service, part = outsider()
+    service.remote.add(part)
+    [(to, _, _)] = service.node.sent
+    service.node.sent.clear()
+    service.remote.tick(time.monotonic())
+    assert service.node.sent == []  # answered within its wait: nothing to do
+    service.node.down.add(service.node.names[to])  # its link broke (kill -9)
+    service.remote.tick(time.monotonic())
+    [(again, kind, _)] = service.node.sent
+    assert kind == FETCH and again != to
