@@ -21,8 +21,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import json
 import queue
 import time
+import urllib.error
+import urllib.request
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -32,7 +35,7 @@ import pytest
 from bench.mqttclient import MqttClient
 from broker.cluster.placement import group_id_of, node_ids, replicas
 from tests import netlab
-from tests.cluster_lab import MQTT_PORT, Member, MqlogCluster
+from tests.cluster_lab import HTTP_PORT, MQTT_PORT, Member, MqlogCluster
 from tests.integration.clients import Client
 from tests.netlab import Lab
 
@@ -248,6 +251,71 @@ def test_an_outsider_delivers_about_as_soon_as_a_follower(cluster: MqlogCluster)
         f"follower {medians['follower'] * 1000:.1f} ms"
     )
     assert medians["outsider"] < medians["follower"] + 0.1
+
+
+def test_sessions_wills_shared_groups_and_http_through_an_outsider(cluster: MqlogCluster) -> None:
+    p = 3
+    far = cluster.member(outsider(p))
+    near = cluster.member(placement()[p][0])
+    # A persistent session made on a replica resumes on the outsider, the records published
+    # while it was away read remotely.
+    topic = topic_in(p, "session")
+    s = Client(MQTT_PORT, "roamer", host=near.addr, clean=False)
+    assert s.connect() == 0
+    assert s.subscribe(topic, qos=1) == [1]
+    s.disconnect()
+    pub = client(near, "session-pub")
+    try:
+        for i in range(50):
+            pub.publish(topic, f"s{i}", qos=1, wait=i == 49)
+    finally:
+        pub.disconnect()
+    s = Client(MQTT_PORT, "roamer", host=far.addr, clean=False)
+    try:
+        assert s.connect() == 0 and s.session_present
+        got = s.expect(50, timeout=20)
+        assert [m.payload for m in got] == [f"s{i}".encode() for i in range(50)]
+    finally:
+        s.disconnect()
+    # A will published by the outsider when its client vanishes.
+    will_topic = topic_in(p, "will")
+    watcher = client(near, "will-sub")
+    try:
+        assert watcher.subscribe(will_topic, qos=1) == [1]
+        doomed = Client(MQTT_PORT, "doomed", host=far.addr, will=(will_topic, b"gone", 1, False))
+        assert doomed.connect() == 0
+        doomed.drop()
+        [msg] = watcher.expect(1, timeout=10)
+        assert msg.payload == b"gone"
+    finally:
+        watcher.disconnect()
+    # A shared group on the outsider: each record to one of its members, once. (Its members
+    # are on one node: a group's position is kept per node; README, Cluster.)
+    shared = topic_in(p, "shared")
+    members = [client(far, "share-a"), client(far, "share-b")]
+    pub = client(far, "share-pub")
+    try:
+        for m in members:
+            assert m.subscribe("$share/g/rf/shared/#", qos=1) == [1]
+        for i in range(40):
+            pub.publish(shared, f"g{i}", qos=1, wait=i == 39)
+        got = []
+        deadline = time.monotonic() + 15
+        while len(got) < 40 and time.monotonic() < deadline:
+            for m in members:
+                with contextlib.suppress(AssertionError, queue.Empty):
+                    got += [x.payload for x in m.expect(1, timeout=0.2)]
+        assert sorted(got) == sorted(f"g{i}".encode() for i in range(40))
+    finally:
+        for c in [*members, pub]:
+            c.disconnect()
+    # The HTTP fetch API of a partition held elsewhere names the replicas to ask.
+    url = f"http://{far.addr}:{HTTP_PORT}/api/v1/streams/{STREAM}/partitions/{p}/records?offset=0"
+    with pytest.raises(urllib.error.HTTPError) as refused:
+        urllib.request.urlopen(url, timeout=5)
+    assert refused.value.code == 503
+    body = json.loads(refused.value.read())
+    assert all(n in body["error"] for n in placement()[p])
 
 
 async def _load(
