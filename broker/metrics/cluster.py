@@ -109,6 +109,17 @@ class ClusterMetrics(Collector):
             "Publishes forwarded to a leader and not answered yet",
             value=view.get("forwards_waiting", 0),
         )
+        remote = view.get("remote_reads", {})
+        for name, help_ in REMOTE_READS.items():
+            yield _counter(f"mqlog_cluster_{name}", help_, remote.get(name, 0))
+
+
+#: Counters of the remote reads (broker.workers.remote_fetches), by their status name.
+REMOTE_READS = {
+    "fetches_served": "Fetches of nodes outside a partition's group answered here",
+    "fetches_refused": "Malformed or oversized fetch requests refused",
+    "fetch_answers_dropped": "Fetch answers that failed verification (CRC, bounds), dropped",
+}
 
 
 def _counter(name: str, help_: str, value: int) -> CounterMetricFamily:

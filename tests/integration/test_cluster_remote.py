@@ -158,6 +158,13 @@ def test_every_node_publishes_and_every_node_receives_in_order(cluster: MqlogClu
     views = [status(cluster, m) for m in cluster.members]
     assert sum(v["remote_reads"]["fetches_served"] for v in views) > 0
     assert all(v["remote_reads"]["fetch_answers_dropped"] == 0 for v in views)
+    served = 0.0
+    for m in cluster.members:
+        with urllib.request.urlopen(f"http://{m.addr}:{HTTP_PORT}/metrics", timeout=5) as r:
+            for line in r.read().decode().splitlines():
+                if line.startswith("mqlog_cluster_fetches_served_total "):
+                    served += float(line.split()[1])
+    assert served > 0
 
 
 def test_replay_and_retained_through_a_node_outside_the_group(cluster: MqlogCluster) -> None:
