@@ -97,6 +97,8 @@ class RemoteFetches:
         #: Live polls held on this replica, by group: (asking node, request, deadline).
         self.parked: dict[int, list[tuple[int, FetchRequest, float]]] = {}
         self.parked_count = 0
+        #: Partitions whose history read failed: their readers are woken at the next tick.
+        self.retry: set[RemotePartition] = set()
         self.refused = 0  # malformed or oversized requests
         self.bad_answers = 0  # answers that failed verification
         self.served = 0
@@ -123,6 +125,8 @@ class RemoteFetches:
         poll = self._send(part, offset, FETCH_BYTES, 0, live=False)
         if poll is not None:
             part.history[offset] = poll
+        else:
+            self.retry.add(part)  # no replica reachable now: the readers try at the tick
 
     def _send(
         self, part: RemotePartition, offset: int, max_bytes: int, wait_ms: int, live: bool
@@ -181,9 +185,11 @@ class RemoteFetches:
             self.history(part, end)  # only control batches there: read on
 
     def _again(self, part: RemotePartition, poll: Poll) -> None:
-        """After a failed fetch: a live poll goes again at the next :meth:`tick` (to the
-        next replica: a replica that cannot answer, e.g. not hosting yet, is not asked in a
-        loop); a history read is asked again by the next reader that needs it."""
+        """After a failed fetch, at the next :meth:`tick` (to the next replica: one that
+        cannot answer, e.g. not hosting yet, is not asked in a loop): a live poll goes again;
+        for a history read the partition's readers are woken, and read (so fetch) again."""
+        if not poll.live:
+            self.retry.add(part)
 
     def tick(self, now: float) -> None:
         """Fetches unanswered past :data:`ANSWER_TIMEOUT`, or sent to a node whose link is
@@ -204,6 +210,9 @@ class RemoteFetches:
         for part in self.parts.values():
             if part.live is None:
                 self.poll(part, LIVE_WAIT_MS)
+        retry, self.retry = self.retry, set()
+        for part in retry:
+            self.service.remote_moved(part)
         for g, held in list(self.parked.items()):
             due = [h for h in held if h[2] <= now]
             if due:

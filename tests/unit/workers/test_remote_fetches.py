@@ -228,3 +228,17 @@ def test_a_poll_to_a_node_whose_link_went_down_goes_to_the_next_replica_at_the_t
     service.remote.tick(time.monotonic())
     [(again, kind, _)] = service.node.sent
     assert kind == FETCH and again != to
+
+
+def test_a_failed_history_read_wakes_the_readers_at_the_next_tick() -> None:
+    service, part = outsider()
+    part.log.end_offset = 100
+    assert part.read(50) == []
+    [(_to, _, body)] = service.node.sent
+    request = int.from_bytes(body[:8], "little")
+    service.remote._on_fetched(
+        LEADER, memoryview(encode_answer(request, GROUP, REFUSED, None, 0, 0))
+    )
+    assert service.moved == []  # not at once: a failing replica is not asked in a loop
+    service.remote.tick(time.monotonic())
+    assert service.moved == [part]  # woken: the reader reads, and so fetches, again
