@@ -418,11 +418,8 @@ class ClusterService:
                 part.release(now)
 
     def _replicated(self) -> list[ReplicatedPartition | RemotePartition]:
-        router = self.router
-        if router is None:
-            return []
-        kinds = (ReplicatedPartition, RemotePartition)
-        return [p for p in router.partitions.values() if isinstance(p, kinds)]
+        parts = self.router.partitions.values() if self.router is not None else ()
+        return [p for p in parts if isinstance(p, (ReplicatedPartition, RemotePartition))]
 
     # -- commits and leaders -----------------------------------------------------------------
 
