@@ -53,7 +53,7 @@ def cmd_status(args: argparse.Namespace) -> int:
             [
                 f"{p['stream']}/{p['partition']}",
                 p["leader"] or "none",
-                p["term"],
+                "-" if p["term"] is None else p["term"],
                 p["commit_index"],
                 p["role"],
                 ",".join(p["replicas"]),

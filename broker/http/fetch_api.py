@@ -180,6 +180,8 @@ class FetchApi:
                 },
                 503,
             )
+        except CommitLogError as e:  # not held here (a cluster node outside its group)
+            return _json({"error": str(e)}, 503)
         if as_json:
             next_offset = records[-1].offset + 1 if records else offset
         else:

@@ -78,6 +78,8 @@ class ClusterMetrics(Collector):
             labels=[*labels, "follower"],
         )
         for p in view["partitions"]:
+            if not p.get("replica", True):
+                continue  # read remotely: its replicas report it
             key = [p["stream"], str(p["partition"])]
             term.add_metric(key, p["term"])
             leader.add_metric(key, 1 if p["role"] == "leader" else 0)
@@ -110,6 +112,17 @@ class ClusterMetrics(Collector):
             value=view.get("forwards_waiting", 0),
         )
         yield from xdp_metrics(view.get("xdp"))
+        remote = view.get("remote_reads", {})
+        for name, help_ in REMOTE_READS.items():
+            yield _counter(f"mqlog_cluster_{name}", help_, remote.get(name, 0))
+
+
+#: Counters of the remote reads (broker.workers.remote_fetches), by their status name.
+REMOTE_READS = {
+    "fetches_served": "Fetches of nodes outside a partition's group answered here",
+    "fetches_refused": "Malformed or oversized fetch requests refused",
+    "fetch_answers_dropped": "Fetch answers that failed verification (CRC, bounds), dropped",
+}
 
 
 def _counter(name: str, help_: str, value: int) -> CounterMetricFamily:

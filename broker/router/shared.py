@@ -246,6 +246,8 @@ class SharedGroups:
                 if records is None:
                     cursor = part.log.log_start_offset
                     continue
+                if not records:
+                    break  # nothing readable yet (a damaged range, a remote fetch): woken later
                 for rec in records:
                     if not topic_matches(group.topic_filter, rec.topic):
                         cursor = rec.offset + 1

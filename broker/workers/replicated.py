@@ -13,7 +13,10 @@ A :class:`ReplicatedPartition` is a router partition whose log is one Raft group
 * elsewhere (a follower, or no leader known yet) the batch is forwarded to the leader's node
   (:class:`ClusterService`), whose answer carries the first offset once committed there;
 * readers, on every replica, see only committed records: :attr:`end_offset` is the log's
-  high-water mark, which the storage pins to the commit index, and a commit wakes them.
+  high-water mark, which the storage pins to the commit index, and a commit wakes them;
+* on a node outside the group (``replication_factor`` below the node count) the partition is
+  a ``broker.workers.remote_partition.RemotePartition``: forwarded like a follower's, read
+  through the fetch protocol (``broker.workers.remote_fetches``).
 
 Outcomes. An entry is acknowledged only if the commit index reaches it while the term at
 its index is still the one it was proposed in (an index and a term name one entry, Raft's Log
@@ -75,6 +78,8 @@ from broker.config import Config
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
 from broker.router.state import RETAINED, SESSIONS
+from broker.workers.remote_fetches import RemoteFetches
+from broker.workers.remote_partition import RemotePartition
 from broker.workers.replicated_sessions import ClusterHooks, ClusterSessions
 
 if TYPE_CHECKING:
@@ -103,10 +108,8 @@ DRAIN_SECONDS = 2.0
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
 
-#: In a cluster ``$retained`` and ``$sessions`` are Raft groups like the stream partitions:
-#: compacted with their batches' boundaries kept (an emptied batch stays as a placeholder, so
-#: Raft's entries never move), every node applying each commit to its retained index and its
-#: knowledge of the sessions.
+#: ``$retained`` and ``$sessions`` as Raft groups: compacted with their batches' boundaries
+#: kept (an emptied batch stays as a placeholder, so Raft's entries never move).
 CLUSTER_SPECS = tuple(
     StreamSpec(name, (), 1, replace(INTERNAL_LOG, keep_empty_batches=True))
     for name in (RETAINED_STREAM, SESSIONS_STREAM)
@@ -218,6 +221,10 @@ class ReplicatedPartition(Partition):
                     ack(first + i)
         return out
 
+    def leader(self) -> int | None:
+        """The group's leader as this node's core knows it."""
+        return self.service.node.leader(self.group)
+
     def leadership_changed(self) -> None:
         """This node stopped leading the group, or its term changed: whatever is in flight
         has an unknown outcome (module docstring)."""
@@ -233,7 +240,7 @@ class Forward(NamedTuple):
     """A batch forwarded to a leader, awaiting its answer."""
 
     sent: float  # monotonic
-    part: ReplicatedPartition
+    part: ReplicatedPartition | RemotePartition
     records: list[Record]
     acks: list[Ack | None]
     deadline: float  # of holding it again if refused (ReplicatedPartition.dispatch)
@@ -247,9 +254,8 @@ def _answer(acks: list[Ack | None], outcome: int | None) -> None:
 
 
 class ClusterService:
-    """The cluster side of one broker process: the node, its groups (every partition of the
-    replicated streams), forwarding to leaders. Built by the server when ``[cluster]`` is
-    configured; :meth:`attach` connects it to the router, :meth:`start` forms the cluster."""
+    """The cluster side of one broker process: the node, its groups, forwarding to leaders,
+    remote reads. :meth:`attach` connects it to the router, :meth:`start` forms the cluster."""
 
     def __init__(
         self,
@@ -307,6 +313,11 @@ class ClusterService:
         self._next_request = 1
         #: Forwarded batches awaiting their answer, by request id.
         self._waiting: dict[int, Forward] = {}
+        #: How long a batch may wait for a leader (ReplicatedPartition.dispatch).
+        self.hold_seconds = HOLD_SECONDS
+        #: Partitions of this worker whose group this node does not host (remote reads).
+        self.remote_parts: dict[PartitionKey, RemotePartition] = {}
+        self.remote = RemoteFetches(self)
 
     def attach(self, router: Router) -> None:
         self.router = router
@@ -318,22 +329,26 @@ class ClusterService:
         g = self.keys.get(key)
         if g is None:
             return Partition(key, self.streams.log(*key))
+        remote = self.remote_parts.get(key)
+        if remote is not None:
+            return remote
         return ReplicatedPartition(key, self.streams.log(*key), g, self)
 
     async def start(self) -> None:
         """Form the cluster, then host every group (see :attr:`storages`)."""
         members = await self.node.start()
+        index, count = self.node.settings.worker
         small = sorted({rf for rf in self.node.replication.values() if rf < len(members)})
-        if small:
+        if small and count > 1:
             log.warning(
-                "cluster: replication_factor %s is below the node count (%d): in this release "
-                "every node holds every partition (a subscriber is fed by its own node's copy)",
+                "cluster: replication_factor %s is below the node count (%d): with several "
+                "workers per node every node holds every partition in this release",
                 ", ".join(map(str, small)),
                 len(members),
             )
-        self.node.replication = dict.fromkeys(self.groups, len(members))
-        self.node.host_groups(self.storages)
+        self.node.host_groups(self.remote.place(len(members)))
         behind = await self.node.caught_up(CATCH_UP_SECONDS)
+        behind += await self.remote.caught_up(CATCH_UP_SECONDS)
         if behind:
             log.warning(
                 "cluster: serving with %d partitions not caught up after %g s (no leader, or "
@@ -342,12 +357,12 @@ class ClusterService:
                 CATCH_UP_SECONDS,
                 ", ".join(f"{s}/{p}" for s, p in (self.groups[g] for g in behind)),
             )
-        index, count = self.node.settings.worker
         log.info(
-            "cluster: node %s%s holds %d partitions (%d nodes)",
+            "cluster: node %s%s holds %d partitions, reads %d remotely (%d nodes)",
             self.node.name,
             f" worker {index} of {count}" if count > 1 else "",
-            len(self.storages),
+            len(self.node.storages),
+            len(self.remote_parts),
             len(members),
         )
         if self.sessions is not None:
@@ -361,6 +376,7 @@ class ClusterService:
 
     async def close(self) -> None:
         await self._drain_sessions()
+        self.remote.close()
         for waiting in self._waiting.values():
             _answer(waiting.acks, OUTCOME_UNKNOWN)
         self._waiting.clear()
@@ -396,15 +412,14 @@ class ClusterService:
         late = [r for r, w in self._waiting.items() if now - w.sent > FORWARD_TIMEOUT]
         for request in late:
             _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
+        self.remote.tick(now)
         for part in self._replicated():
             if part.held:
                 part.release(now)
 
-    def _replicated(self) -> list[ReplicatedPartition]:
-        router = self.router
-        if router is None:
-            return []
-        return [p for p in router.partitions.values() if isinstance(p, ReplicatedPartition)]
+    def _replicated(self) -> list[ReplicatedPartition | RemotePartition]:
+        parts = self.router.partitions.values() if self.router is not None else ()
+        return [p for p in parts if isinstance(p, (ReplicatedPartition, RemotePartition))]
 
     # -- commits and leaders -----------------------------------------------------------------
 
@@ -417,6 +432,7 @@ class ClusterService:
         return part if isinstance(part, ReplicatedPartition) else None
 
     def _on_commit(self, g: int, commit: int) -> None:
+        self.remote.committed(g)
         key = self.groups.get(g)
         if key == RETAINED and self.router is not None:
             self._apply_retained(commit)
@@ -437,63 +453,74 @@ class ClusterService:
 
     def _apply_retained(self, commit: int) -> None:
         """Committed ``$retained`` records, up to offset ``commit``, to the retained index
-        (the router loaded the log up to the last commit known at start; control batches and
-        compaction placeholders hold no record)."""
+        (the router loaded the log up to the last commit known at start)."""
         assert self.router is not None
-        part = self.router.partition(RETAINED)
-        offset = self._retained_applied
-        while offset < commit:
-            records = part.read(offset)
-            if not records:
-                break
-            records = [r for r in records if r.offset < commit]
-            self.router.apply_retained(records)
-            offset = records[-1].offset + 1 if records else commit
-        self._retained_applied = max(offset, self._retained_applied)
+        start = self._retained_applied
+        self._retained_applied = self._apply(RETAINED, start, commit, self.router.apply_retained)
 
     def _apply_sessions(self, commit: int) -> None:
         """Committed ``$sessions`` records, up to offset ``commit``, to the sessions'
         knowledge (broker.workers.replicated_sessions)."""
-        assert self.router is not None
-        part = self.router.partition(SESSIONS)
         sessions = self.sessions
         assert sessions is not None
-        offset = sessions.applied
+        sessions.applied = self._apply(SESSIONS, sessions.applied, commit, sessions.apply)
+
+    def _apply(
+        self, key: PartitionKey, offset: int, commit: int, apply: Callable[[list[Record]], Any]
+    ) -> int:
+        """Records of ``key`` from ``offset`` up to ``commit`` to ``apply`` (control batches
+        and compaction placeholders hold no record); returns the offset applied to."""
+        assert self.router is not None
+        part, start = self.router.partition(key), offset
         while offset < commit:
             records = part.read(offset)
             if not records:
                 break
             records = [r for r in records if r.offset < commit]
-            sessions.apply(records)
+            apply(records)
             offset = records[-1].offset + 1 if records else commit
-        sessions.applied = max(offset, sessions.applied)
+        return max(offset, start)
 
     def _on_leader(self, g: int) -> None:
         # Forwards to a node that no longer leads may or may not have committed there: their
         # publishers are told at once (their connections closed, so they resend), not after
         # FORWARD_TIMEOUT.
-        leader = self.node.leader(g)
-        gone = [r for r, w in self._waiting.items() if w.part.group == g and w.leader != leader]
-        for request in gone:
-            _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
+        self._forwards_lost(g, self.node.leader(g))
         part = self._partition(g)
         if part is not None:
             part.leadership_changed()
             if part.held and self.node.leader(g) is not None:
                 part.release(time.monotonic())
 
+    def _forwards_lost(self, g: int, leader: int | None) -> None:
+        """Forwards of group ``g`` to a node other than ``leader``: outcome unknown."""
+        gone = [r for r, w in self._waiting.items() if w.part.group == g and w.leader != leader]
+        for request in gone:
+            _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
+
+    def remote_leader(self, part: RemotePartition) -> None:
+        """A replica named another leader of ``part``'s group (as :meth:`_on_leader`)."""
+        self._forwards_lost(part.group, part.leader_hint)
+        if part.held and part.leader_hint is not None:
+            part.release(time.monotonic())
+
+    def remote_moved(self, part: RemotePartition) -> None:
+        """A remote partition's mark moved, or records arrived: its readers take them."""
+        if self.router is not None and self.router.partitions.get(part.key) is part:
+            self.router.wake(part)
+
     # -- forwarding --------------------------------------------------------------------------
 
     def forward(
         self,
-        part: ReplicatedPartition,
+        part: ReplicatedPartition | RemotePartition,
         records: list[Record],
         acks: list[Ack | None],
         deadline: float,
     ) -> bool:
         """Send ``records`` to the leader of ``part``'s group; False when no other node is
         known to lead it or the message cannot leave (the caller holds them)."""
-        leader = self.node.leader(part.group)
+        leader = part.leader()
         if leader is None or leader == self.node.id:
             return False
         request = self._next_request
@@ -537,7 +564,9 @@ class ClusterService:
         if first == -1:
             # Refused (that node no longer leads, or had no leader): wait for the next one.
             part.held.append((records, acks, deadline))
-            if self.node.leader(part.group) not in (None, frm):
+            if isinstance(part, RemotePartition):
+                part.skip(frm)  # its live poll brings the new leader
+            if part.leader() not in (None, frm):
                 part.release(time.monotonic())
         elif first == OUTCOME_UNKNOWN:
             _answer(acks, OUTCOME_UNKNOWN)
@@ -559,6 +588,10 @@ class ClusterService:
 
     def status(self) -> dict[str, Any]:
         view = self.node.status()
+        for entry in view["partitions"]:
+            entry["replica"] = True
+        view["partitions"] += self.remote.status()
+        view["remote_reads"] = self.remote.stats()
         view["forwards_waiting"] = len(self._waiting)
         view["session_takeovers"] = self.sessions.takeovers if self.sessions is not None else 0
         return view

@@ -183,7 +183,12 @@ function drawCluster(doc) {
     cell(row, String(p.leader ?? "none"));
     cell(row, String(p.term ?? ""), "num");
     cell(row, count(p.commit_index ?? 0), "num");
-    cell(row, (p.followers || []).map((f) => `${f.node} (${count(f.lag)})`).join(", "));
+    cell(
+      row,
+      p.replica === false
+        ? `remote (replicas ${(p.replicas || []).join(", ")})`
+        : (p.followers || []).map((f) => `${f.node} (${count(f.lag)})`).join(", "),
+    );
   }
 }
 
