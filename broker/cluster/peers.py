@@ -196,6 +196,13 @@ class PeerTransport:
             if link._open and transport is not None and not transport.is_closing():
                 transport.writelines(parts)
 
+    def learn(self, node: str, address: Address) -> None:
+        """``node``'s address as learned elsewhere (gossip metadata, the persisted member
+        list): dial it there, unless linked to it at that address already. Call after
+        :meth:`start`."""
+        if node != self.node_id and not self._closing:
+            self._learn(node, address)
+
     def connected(self, node: str) -> bool:
         """True if an authenticated outgoing link to ``node`` is up (``send`` can write)."""
         return node in self._out

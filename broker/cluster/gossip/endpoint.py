@@ -4,7 +4,9 @@ clock, and the codec at the edge.
 ``GossipEndpoint`` is a ``DatagramProtocol``: each datagram is decoded (``codec.decode``, then
 the sender's ``ReplayWindow``) and handed to ``Swim.receive``; one timer handle is kept at the
 core's ``deadline`` for ``Swim.tick``. Whatever the codec refuses is dropped and counted under
-``counters["dropped_<reason>"]`` (bad_magic, bad_version, bad_mac, malformed, replayed); a
+``counters["dropped_<reason>"]`` (bad_magic, bad_version, bad_mac, malformed, replayed), and
+so is an authenticated datagram the driver's ``accept`` refuses (``dropped_stranger``: the
+node's allowlist in user space, ``broker.cluster.membership_service``); a
 bug while handling a well-formed packet is logged with its traceback and counted as
 ``errors``, and the endpoint keeps serving. Every member state change is logged (one line)
 and passed to ``on_change``.
@@ -23,7 +25,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from broker.cluster.gossip.codec import CodecError, ReplayWindow, decode, encode
-from broker.cluster.gossip.messages import Addr, Changed, Effect, Send
+from broker.cluster.gossip.messages import Addr, Changed, Effect, Packet, Send
 from broker.cluster.gossip.options import SwimConfig
 from broker.cluster.gossip.swim import Swim
 
@@ -40,8 +42,12 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         config: SwimConfig | None = None,
         rng: random.Random | None = None,
         on_change: Callable[[Changed], None] | None = None,
+        meta: bytes = b"",
+        accept: Callable[[Addr, Packet], bool] | None = None,
     ) -> None:
         self.node_id = node_id
+        self._meta = meta
+        self._accept = accept
         self._secret = secret
         self._config = config
         self._rng = rng or random.Random()
@@ -72,7 +78,9 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         # The selector loop's datagram transport is not registered as a DatagramTransport.
         self._transport = cast(asyncio.DatagramTransport, transport)
         host, port = self._transport.get_extra_info("sockname")[:2]
-        self._core = Swim(self.node_id, (host, port), self._rng, self._config, now=self._now())
+        self._core = Swim(
+            self.node_id, (host, port), self._rng, self._config, now=self._now(), meta=self._meta
+        )
         self._schedule()
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
@@ -83,6 +91,9 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         except CodecError as exc:
             self.counters[f"dropped_{exc.reason}"] += 1
             log.debug("gossip datagram from %s dropped: %s", addr, exc)
+            return
+        if self._accept is not None and not self._accept((addr[0], addr[1]), packet):
+            self.counters["dropped_stranger"] += 1
             return
         try:
             self._apply(self.core.receive((addr[0], addr[1]), packet, self._now()))
@@ -172,7 +183,9 @@ class GossipEndpoint(asyncio.DatagramProtocol):
                     effect.addr[0],
                     effect.addr[1],
                     "new" if effect.previous is None else effect.previous.name.lower(),
-                    effect.state.name.lower(),
+                    effect.state.name.lower()
+                    if effect.state is not effect.previous
+                    else f"{effect.state.name.lower()} (moved or new meta)",
                     effect.incarnation,
                 )
                 if self._on_change is not None:
@@ -187,10 +200,15 @@ async def open_endpoint(
     config: SwimConfig | None = None,
     rng: random.Random | None = None,
     on_change: Callable[[Changed], None] | None = None,
+    meta: bytes = b"",
+    accept: Callable[[Addr, Packet], bool] | None = None,
 ) -> GossipEndpoint:
-    """A ``GossipEndpoint`` bound to ``bind`` (port 0: any free port; ``core.addr`` says which)."""
+    """A ``GossipEndpoint`` bound to ``bind`` (port 0: any free port; ``core.addr`` says which).
+    ``meta``: what this member announces of itself (``Update.meta``); ``accept(addr, packet)``:
+    whether an authenticated datagram is let in (None: all are)."""
     loop = asyncio.get_running_loop()
     _, endpoint = await loop.create_datagram_endpoint(
-        lambda: GossipEndpoint(node_id, secret, config, rng, on_change), local_addr=bind
+        lambda: GossipEndpoint(node_id, secret, config, rng, on_change, meta, accept),
+        local_addr=bind,
     )
     return endpoint

@@ -101,16 +101,21 @@ class Swim:
         config: SwimConfig | None = None,
         now: int = 0,
         incarnation: int = 0,
+        meta: bytes = b"",
     ) -> None:
         """``incarnation``: where to start (a restart may start at 0: hearing itself suspected
-        or dead at a higher one, the member refutes past it)."""
+        or dead at a higher one, or alive at its own incarnation with another address or
+        ``meta``, the member refutes past it). ``meta``: what this member says of itself in
+        its ALIVE updates (at most 255 bytes, opaque to the core)."""
+        if len(meta) > 255:
+            raise ValueError(f"meta of {len(meta)} bytes (at most 255)")
         self.id = node_id
         self.addr = addr
         self.config = config = config or SwimConfig()
         self._rng = rng
         self.now = now
         self.members: dict[str, Member] = {
-            node_id: Member(node_id, addr, State.ALIVE, incarnation, now, node_id)
+            node_id: Member(node_id, addr, State.ALIVE, incarnation, now, node_id, meta)
         }
         self._live = 1
         self.health = Awareness(config.awareness_max if config.lifeguard else 1)
@@ -369,7 +374,8 @@ class Swim:
             return
         if not overrides(update, m):
             return
-        previous, moved = m.state, update.addr not in (None, m.addr)
+        previous = m.state
+        moved = update.state is State.ALIVE and (update.addr, update.meta) != (m.addr, m.meta)
         m.state, m.incarnation, m.since, m.origin = (
             update.state,
             update.incarnation,
@@ -377,7 +383,7 @@ class Swim:
             update.origin,
         )
         if update.addr is not None:
-            m.addr = update.addr
+            m.addr, m.meta = update.addr, update.meta
         self._live += (update.state in LIVE) - (previous in LIVE)
         self._suspicions.pop(update.node, None)
         if update.state is State.SUSPECT:
@@ -387,7 +393,9 @@ class Swim:
             self._changed(m, previous)
 
     def _add(self, update: Update, addr: Addr) -> None:
-        m = Member(update.node, addr, State.ALIVE, update.incarnation, self.now, update.node)
+        m = Member(
+            update.node, addr, State.ALIVE, update.incarnation, self.now, update.node, update.meta
+        )
         self.members[update.node] = m
         self._live += 1
         # SWIM s4.3: a newcomer goes in at a random position of what is left of this round.
@@ -418,8 +426,16 @@ class Swim:
         if self.leaving or self.config.variant is Variant.NO_REFUTE:
             return
         if update.state is State.ALIVE:
-            if update.incarnation <= me.incarnation:
+            if update.incarnation < me.incarnation:
                 return
+            if update.incarnation == me.incarnation and (update.addr, update.meta) == (
+                me.addr,
+                me.meta,
+            ):
+                return  # our own record, passed on
+            # Above ours (an earlier run's), or ours with another address or meta (an earlier
+            # run at the same incarnation, before it was suspected): the members must learn
+            # this run's, which only a higher incarnation overrides.
         elif update.incarnation < me.incarnation:
             return
         else:
@@ -436,7 +452,7 @@ class Swim:
             self.stats["suspicions_refuted"] += 1
         elif m.state is not State.ALIVE:
             self.stats[m.state.name.lower()] += 1
-        self._out.append(Changed(m.node, m.addr, m.state, m.incarnation, previous))
+        self._out.append(Changed(m.node, m.addr, m.state, m.incarnation, previous, m.meta))
 
     # -- dissemination -----------------------------------------------------------------------
 
