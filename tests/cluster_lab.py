@@ -256,3 +256,55 @@ class MqlogCluster:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             doc: dict[str, Any] = json.load(response)
         return doc
+
+    # ------------------------------------------------------------------ gossip
+
+    def gossip_view(self, m: Member, timeout: float = 2.0) -> dict[str, tuple[str, int]]:
+        """``m``'s gossip view: each member's (state, incarnation) by node id (alive, suspect,
+        dead or left), from ``GET /api/v1/cluster``'s ``members``."""
+        return {
+            e["id"]: (e["state"], e["incarnation"])
+            for e in self.status(m, timeout).get("members", ())
+        }
+
+    def wait_all_alive(self, members: list[Member] | None = None, timeout: float = 30.0) -> None:
+        """Until every member of ``members`` (all) sees every one of them alive."""
+        chosen = members or self.members
+        want = {m.node_id for m in chosen}
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                views = [self.gossip_view(m) for m in chosen]
+            except OSError:
+                views = []
+            if views and all(
+                want <= {n for n, (state, _) in v.items() if state == "alive"} for v in views
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterLabError(f"members not all alive within {timeout}s: {views}")
+            time.sleep(0.1)
+
+    def kill_and_time_death(
+        self, victim: Member, timeout: float = 30.0, poll: float = 0.05
+    ) -> dict[str, float]:
+        """kill -9 of ``victim``, then the seconds until each running member's gossip view
+        shows it dead (polled every ``poll`` s: the figures are that much late at most)."""
+        survivors = [m for m in self.members if m is not victim and m.running()]
+        start = time.monotonic()
+        self.kill(victim)
+        seen: dict[str, float] = {}
+        while len(seen) < len(survivors):
+            for m in survivors:
+                if m.node_id in seen:
+                    continue
+                try:
+                    state = self.gossip_view(m, timeout=1.0).get(victim.node_id, ("?", 0))[0]
+                except OSError:
+                    continue
+                if state == "dead":
+                    seen[m.node_id] = time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise ClusterLabError(f"{victim.node_id} not declared dead everywhere: {seen}")
+            time.sleep(poll)
+        return seen

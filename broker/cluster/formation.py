@@ -95,6 +95,7 @@ async def by_gossip(
                 transport.learn(name, addr)
 
         membership.on_member = learned
+        transport.on_link_lost = membership.probe_soon
     else:
         waited = 0.0
         while (known := load_members(shared)) is None:

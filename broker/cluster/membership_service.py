@@ -60,6 +60,7 @@ COUNTERS = (
     "suspect",
     "suspicions_refuted",
     "refuted",
+    "probe_hints",
     "dead",
     "left",
     "gossip_rounds",
@@ -185,6 +186,12 @@ class MembershipService:
     def gossip_addresses(self) -> dict[str, Addr]:
         """Every member's gossip address (to persist: a restart joins through them too)."""
         return {m.node: m.addr for m in self.core_members() if m.node != self.name}
+
+    def probe_soon(self, node: str) -> None:
+        """The node's Raft link to ``node`` closed: probe it next (``Swim.probe_soon``; a
+        hint that brings a probe forward, never a suspicion by itself)."""
+        if self.endpoint is not None:
+            self.endpoint.probe_soon(node)
 
     def close(self) -> None:
         """Stop gossiping, without a goodbye: a stopped node is a failed one to the others

@@ -289,6 +289,8 @@ class Link(asyncio.BufferedProtocol):
         if self.ready:
             if owner._out.get(self.node) is self:
                 del owner._out[self.node]
+            if not owner._closing:
+                owner._link_lost(self.node)
         elif not self._quiet and not owner._closing:
             owner._refuse(self, "closed during the handshake")
         if not self.closed.done():

@@ -41,6 +41,7 @@ GOSSIP = {
     "suspect": "Members this node marked suspect (its own probes or others' word)",
     "suspicions_refuted": "Suspected members seen alive again (false suspicions refuted)",
     "refuted": "Suspicions or deaths of this node it refuted (incarnation raised)",
+    "probe_hints": "Probes brought forward because a Raft link to the member closed",
     "dead": "Members this node marked dead",
     "left": "Members this node saw leave",
     "gossip_rounds": "Dissemination rounds (pending updates sent to random members)",

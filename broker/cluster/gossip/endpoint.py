@@ -118,6 +118,11 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         """Join through ``seeds`` (resolved IP addresses); none for the first member."""
         self._apply(self.core.join(seeds, self._now()))
 
+    def probe_soon(self, node: str) -> None:
+        """Probe ``node`` next (``Swim.probe_soon``: a hint, e.g. its TCP link closed)."""
+        if self._transport is not None:
+            self._apply(self.core.probe_soon(node, self._now()))
+
     async def leave(self, timeout: float) -> None:
         """Say goodbye, wait until it has been gossiped (or ``timeout`` s), then close."""
         self._apply(self.core.leave(self._now()))

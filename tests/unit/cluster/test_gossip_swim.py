@@ -354,3 +354,28 @@ def test_a_restarted_member_refutes_its_death_and_comes_back() -> None:
     for send in out:
         old.receive(addr(2), send.packet, fresh.now)
     assert (old.members["n2"].state, old.members["n2"].incarnation) == (A, 4)
+
+
+def test_probe_soon_probes_that_member_next_and_at_once() -> None:
+    """A hint (the node's Raft link to n3 closed) brings a probe of n3 forward: sent at once
+    when no probe is in flight, next after the one in flight otherwise; it suspects no one
+    by itself, and a hint about an unknown or dead member is ignored."""
+    swim = core(5)
+    first = run_until_probe(swim)
+    assert isinstance(first.packet.message, Ping)
+    busy = first.packet.message.target
+    other = next(f"n{i}" for i in range(1, 5) if f"n{i}" != busy)
+    assert sends(swim.probe_soon(other, swim.now)) == []  # a probe is in flight
+    swim.receive(first.addr, Packet(busy, Ack(first.packet.message.seq)), swim.now + 1)
+    probe = run_until_probe(swim)
+    assert isinstance(probe.packet.message, Ping) and probe.packet.message.target == other
+    swim.receive(probe.addr, Packet(other, Ack(probe.packet.message.seq)), swim.now + 1)
+    # No probe in flight: the hinted member is pinged as soon as the core is ticked.
+    now = swim.now + 2
+    swim.probe_soon(busy, now)
+    assert swim.deadline == now
+    [ping] = [s for s in sends(swim.tick(now)) if isinstance(s.packet.message, Ping)]
+    assert isinstance(ping.packet.message, Ping) and ping.packet.message.target == busy
+    assert all(m.state is A for m in swim.members.values())
+    swim.probe_soon("n99", now)
+    assert swim._urgent is None and swim.stats["probe_hints"] == 2
