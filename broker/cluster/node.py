@@ -40,9 +40,9 @@ record the desired placement; desired only: each group's own log stays authorita
 Several workers per node (``router.workers``): each worker process runs a ``ClusterNode`` of
 its own, hosting the groups of the partitions it owns, on ``raft_port + index``, dialling
 each member's Raft port ``+ index``: worker ``i`` of every node hosts the same groups (the
-owner of a partition is a function of the worker count alone, ``broker.workers.mesh.owner_of``), so its
-peers are the workers ``i`` of the other nodes, and the transport refuses a peer with another
-count (``broker.cluster.peerlink``). Only worker 0 gossips; the others read its member list
+owner of a partition is a function of the worker count alone,
+``broker.workers.mesh.owner_of``), so its peers are the workers ``i`` of the other nodes, and
+the transport refuses a peer with another count (``broker.cluster.peerlink``). Only worker 0 gossips; the others read its member list
 (without gossip, in the node's unit tests, every worker forms on its own and keeps its own
 list, ``members.worker<i>``: no two processes write one file).
 
