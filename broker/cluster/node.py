@@ -42,9 +42,10 @@ its own, hosting the groups of the partitions it owns, on ``raft_port + index``,
 each member's Raft port ``+ index``: worker ``i`` of every node hosts the same groups (the
 owner of a partition is a function of the worker count alone,
 ``broker.workers.mesh.owner_of``), so its peers are the workers ``i`` of the other nodes, and
-the transport refuses a peer with another count (``broker.cluster.peerlink``). Only worker 0 gossips; the others read its member list
-(without gossip, in the node's unit tests, every worker forms on its own and keeps its own
-list, ``members.worker<i>``: no two processes write one file).
+the transport refuses a peer with another count (``broker.cluster.peerlink``). Only worker 0
+gossips; the others read its member list (without gossip, in the node's unit tests, every
+worker forms on its own and keeps its own list, ``members.worker<i>``: no two processes
+write one file).
 
 Called only from the owning event loop's thread.
 """
