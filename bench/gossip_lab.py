@@ -111,6 +111,7 @@ def loss(cluster: MqlogCluster, lossy: Member, percent: int, minutes: float) -> 
         "refuted_by_suspect": delta.get("refuted", 0),
         "probes": delta.get("probes", 0),
         "probe_failures": delta.get("probe_failures", 0),
+        "indirect_probes": delta.get("indirect_probes", 0),
         "worst_health_score": worst_health,
     }
 
@@ -141,7 +142,8 @@ def main() -> None:
             print(
                 f"false deaths {r['false_deaths']}, suspicions {r['suspicions']} "
                 f"(refuted {r['suspicions_refuted']}), probes {r['probes']} "
-                f"(failed {r['probe_failures']}), worst health score {r['worst_health_score']}"
+                f"(indirect {r['indirect_probes']}, failed {r['probe_failures']}), "
+                f"worst health score {r['worst_health_score']}"
             )
     print(json.dumps(out))
 

@@ -12,6 +12,7 @@ node with the wrong secret is refused and counted. The faults that need separate
 from __future__ import annotations
 
 import contextlib
+import re
 import json
 import queue
 import subprocess
@@ -277,6 +278,11 @@ def test_status_metrics_transfer_leader_and_the_balancer(cluster: Cluster) -> No
         check=True,
     ).stdout
     assert "node n2: 3 nodes" in out
+    # The members as gossip has them: state and incarnation, the Raft port each announced.
+    assert "MEMBER" in out and "INCARNATION" in out and "n2 (self)" in out
+    for i, port in enumerate(cluster.raft_ports):
+        assert re.search(rf"n{i + 1}\b.*127\.0\.0\.1:{cluster.gossip_ports[i]}\s+alive", out)
+        assert f"127.0.0.1:{port}" in out
     for p in parts:
         assert f"{p['stream']}/{p['partition']}" in out
     # Metrics: this node's terms, leaderships and the commit latency of what it led.
@@ -290,6 +296,9 @@ def test_status_metrics_transfer_leader_and_the_balancer(cluster: Cluster) -> No
         'mqlog_cluster_nodes{state="connected"} 2.0',
         "mqlog_cluster_frames_sent_total",
         "mqlog_cluster_commit_seconds_bucket",
+        'mqlog_gossip_members{state="alive"} 3.0',
+        "mqlog_gossip_probes_total",
+        'mqlog_gossip_dropped_datagrams_total{reason="bad_mac"}',
     ):
         assert name in metrics, name
     # transfer-leader through a node that does not lead the partition.
