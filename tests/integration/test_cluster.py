@@ -12,9 +12,9 @@ node with the wrong secret is refused and counted. The faults that need separate
 from __future__ import annotations
 
 import contextlib
-import re
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading

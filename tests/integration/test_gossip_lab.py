@@ -1,6 +1,7 @@
 """Gossip membership on five real mqlog nodes in network namespaces (tests/cluster_lab.py):
 they form through their gossip seeds and all see each other alive; a stranger's datagrams to
-a node's gossip port (another protocol's bytes, a datagram under another secret) are dropped,
+a node's gossip port (another protocol's bytes, a datagram under another secret, and one
+under the cluster's secret from a host that is not a member) are dropped,
 counted by reason in the status view and in /metrics, and the node keeps serving; kill -9 of
 one node is declared dead by every other within 5 s (issue 21, 1 s probe interval; the
 detection time is measured over several kills by ``bench/gossip_lab.py``, here one).
@@ -48,15 +49,22 @@ def test_five_nodes_gossip_drop_strangers_and_see_a_kill_within_5s(tmp_path: Pat
         assert members["n2"]["mqtt"] == f"{n2.addr}:1883"
 
         # A stranger (the host, not a member) sends HTTP bytes and a well-formed datagram
-        # under another secret to n1's gossip port.
+        # under another secret to n1's gossip port, then one under the cluster's secret (a
+        # leaked key): the first two fail the magic and the MAC, the third the allowlist.
+        secret = cluster.secret_file.read_bytes().rstrip(b"\r\n")
         with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
             s.sendto(b"GET / HTTP/1.1\r\n\r\n", (n1.addr, GOSSIP_PORT))
             forged = encode(Packet("n9", Ping(1, "n1")), b"not-the-cluster-secret-0123456789", 1, 1)
             s.sendto(forged, (n1.addr, GOSSIP_PORT))
+            s.sendto(encode(Packet("n9", Ping(1, "n1")), secret, 1, 1), (n1.addr, GOSSIP_PORT))
         deadline = time.monotonic() + 10
         while True:
             gossip = cluster.status(n1)["gossip"]
-            if gossip["dropped_bad_magic"] >= 1 and gossip["dropped_bad_mac"] >= 1:
+            if (
+                gossip["dropped_bad_magic"] >= 1
+                and gossip["dropped_bad_mac"] >= 1
+                and gossip["dropped_stranger"] >= 1
+            ):
                 break
             assert time.monotonic() < deadline, f"drops not counted: {gossip}"
             time.sleep(0.1)

@@ -55,7 +55,10 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.DatagramTransport | None = None
         self._core: Swim | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        #: The pending tick and when it is due (loop time, s). The time is kept here: uvloop
+        #: hands back a plain Handle, without ``when()``, for a time already past.
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0
         self._replay = ReplayWindow()
         #: This run's epoch (its start time): a restart's datagrams are never taken for replays.
         self._epoch = time.time_ns() // 1_000_000
@@ -166,9 +169,10 @@ class GossipEndpoint(asyncio.DatagramProtocol):
             return
         when = self.core.deadline / 1000
         if self._timer is not None:
-            if self._timer.when() <= when:
+            if self._timer_at <= when:
                 return
             self._timer.cancel()
+        self._timer_at = when
         self._timer = self._loop.call_at(when, self._tick)
 
     def _apply(self, effects: list[Effect]) -> None:
