@@ -44,21 +44,27 @@ def _counters(cluster: MqlogCluster) -> dict[str, int]:
     return total
 
 
-def detection(cluster: MqlogCluster, kills: int) -> dict[str, Any]:
+def detection(cluster: MqlogCluster, kills: int, isolate: bool = False) -> dict[str, Any]:
+    """kill -9 (or, with ``isolate``, a full partition: no connection closes, so no probe is
+    brought forward, plain SWIM) of one node per round, timed on every other."""
     times: list[float] = []
     per_kill: list[float] = []
+    what = "isolation" if isolate else "kill"
     for k in range(kills):
         victim = cluster.members[1 + k % (len(cluster.members) - 1)]
-        seen = cluster.kill_and_time_death(victim)
+        seen = cluster.kill_and_time_death(victim, isolate=isolate)
         times += seen.values()
         per_kill.append(max(seen.values()))
         print(
-            f"kill {k + 1}: {victim.node_id} dead everywhere after {max(seen.values()):.2f} s "
+            f"{what} {k + 1}: {victim.node_id} dead everywhere after {max(seen.values()):.2f} s "
             f"({', '.join(f'{n} {t:.2f}' for n, t in sorted(seen.items()))})",
             flush=True,
         )
-        cluster.start(victim)
-        cluster.wait_all_alive()
+        if isolate:
+            cluster.lab.heal()
+        else:
+            cluster.start(victim)
+        cluster.wait_all_alive(timeout=90)
     return {
         "kills": kills,
         "observations": len(times),
@@ -120,6 +126,9 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nodes", type=int, default=5)
     ap.add_argument("--kills", type=int, default=5, help="kill -9 rounds (0: skip)")
+    ap.add_argument(
+        "--isolations", type=int, default=0, help="full-partition rounds: plain SWIM (0: skip)"
+    )
     ap.add_argument("--minutes", type=float, default=10.0, help="loss phase length (0: skip)")
     ap.add_argument("--loss", type=int, default=10, help="percent of packets lost")
     ap.add_argument("--cluster-extra", default="", help="TOML lines added to [cluster]")
@@ -133,6 +142,13 @@ def main() -> None:
             out["detection"] = d = detection(cluster, args.kills)
             print(
                 f"\ndetection over {d['kills']} kills ({d['observations']} observations): "
+                f"p50 {d['p50_s']} s, p99 {d['p99_s']} s, max {d['max_s']} s"
+            )
+        if args.isolations:
+            out["isolation"] = d = detection(cluster, args.isolations, isolate=True)
+            print(
+                f"\ndetection of an isolated node over {d['kills']} rounds "
+                f"({d['observations']} observations): "
                 f"p50 {d['p50_s']} s, p99 {d['p99_s']} s, max {d['max_s']} s"
             )
         if args.minutes:

@@ -286,13 +286,18 @@ class MqlogCluster:
             time.sleep(0.1)
 
     def kill_and_time_death(
-        self, victim: Member, timeout: float = 30.0, poll: float = 0.05
+        self, victim: Member, timeout: float = 30.0, poll: float = 0.05, isolate: bool = False
     ) -> dict[str, float]:
-        """kill -9 of ``victim``, then the seconds until each running member's gossip view
-        shows it dead (polled every ``poll`` s: the figures are that much late at most)."""
+        """kill -9 of ``victim`` (or, with ``isolate``, a full partition of it from the other
+        nodes: a silent death, no connection closed), then the seconds until each running
+        member's gossip view shows it dead (polled every ``poll`` s: the figures are that
+        much late at most)."""
         survivors = [m for m in self.members if m is not victim and m.running()]
         start = time.monotonic()
-        self.kill(victim)
+        if isolate:
+            self.lab.isolate(victim.node)
+        else:
+            self.kill(victim)
         seen: dict[str, float] = {}
         while len(seen) < len(survivors):
             for m in survivors:
