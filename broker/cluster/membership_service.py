@@ -40,6 +40,7 @@ from collections.abc import Callable, Iterable
 from typing import Any
 
 from broker.cluster.gossip.endpoint import GossipEndpoint, open_endpoint
+from broker.cluster.gossip.members import Member
 from broker.cluster.gossip.messages import Addr, Changed, Packet, State, Sync
 from broker.cluster.nodemeta import MetaError, NodeMeta
 from broker.cluster.nodesettings import GossipSettings
@@ -93,8 +94,9 @@ class MembershipService:
         self.metas: dict[str, NodeMeta] = {}
         #: Members whose metadata was refused, with why (logged once per announcement).
         self.bad_meta: dict[str, str] = {}
-        #: The seeds as IP addresses (resolved at start and while formation waits).
-        self.seeds: list[Addr] = []
+        #: Each seed as configured -> its IP address (resolved at start, and the missing ones
+        #: again while formation waits).
+        self._resolved: dict[Addr, Addr] = {}
         self.counters: Counter[str] = Counter()
         #: Called with (member, its Raft address) when a member is first heard of with valid
         #: metadata or announces another address (the node's transport dials it).
@@ -120,24 +122,29 @@ class MembershipService:
             meta=self._meta,
             accept=self._accept,
         )
-        self.seeds = await self._resolve()
+        await self._resolve()
         joined = list(dict.fromkeys([*self.seeds, *known]))
         self.endpoint.join(joined)
         self._publish()
 
-    async def _resolve(self) -> list[Addr]:
-        """The seeds as IP addresses (a host name that does not resolve now is logged and
-        left out: the next resolution may find it)."""
+    @property
+    def seeds(self) -> list[Addr]:
+        """The seeds resolved so far, as IP addresses."""
+        return list(self._resolved.values())
+
+    async def _resolve(self) -> None:
+        """Resolve the seeds not resolved yet (a host name that does not resolve now is
+        logged and left for the next try)."""
         loop = asyncio.get_running_loop()
-        out: list[Addr] = []
         for host, port in self.settings.seeds:
+            if (host, port) in self._resolved:
+                continue
             try:
                 infos = await loop.getaddrinfo(host, port, type=socket.SOCK_DGRAM)
             except OSError as e:
                 logger.warning("gossip: seed %s:%d does not resolve: %s", host, port, e)
                 continue
-            out.append((str(infos[0][4][0]), port))
-        return out
+            self._resolved[host, port] = (str(infos[0][4][0]), port)
 
     async def formed(self, log_every: float) -> dict[str, tuple[str, int]]:
         """Wait until every seed is a live member with valid metadata (logging which are
@@ -154,25 +161,21 @@ class MembershipService:
                 logger.info(
                     "cluster: waiting for seeds %s (gossip)", ", ".join(_addr(a) for a in missing)
                 )
-                if len(self.seeds) < len(self.settings.seeds):
-                    self.seeds = await self._resolve()
+                if len(self._resolved) < len(self.settings.seeds):
+                    await self._resolve()
                     assert self.endpoint is not None
                     self.endpoint.join(self.seeds)
                     self._publish()
 
     def missing_seeds(self) -> list[Addr]:
-        """Seeds (resolved, or not yet) no live member with valid metadata gossips from."""
-        if len(self.seeds) < len(self.settings.seeds):
-            resolved = {a[1] for a in self.seeds}
-            unresolved = [a for a in self.settings.seeds if a[1] not in resolved]
-        else:
-            unresolved = []
+        """The seeds (as configured) not resolved yet, or from whose address no live member
+        with valid metadata gossips."""
         live = {
             m.addr
             for m in self.core_members()
             if m.state in LIVE and (m.node in self.metas or m.node == self.name)
         }
-        return [a for a in self.seeds if a not in live] + unresolved
+        return [seed for seed in self.settings.seeds if self._resolved.get(seed) not in live]
 
     def raft_addresses(self) -> dict[str, tuple[str, int]]:
         """Every live member's Raft address (its gossip host, its announced ``raft_port``)."""
@@ -264,7 +267,7 @@ class MembershipService:
 
     # -- views -------------------------------------------------------------------------------
 
-    def core_members(self) -> list[Any]:
+    def core_members(self) -> list[Member]:
         return list(self.endpoint.core.members.values()) if self.endpoint is not None else []
 
     def view(self) -> list[dict[str, Any]]:
