@@ -54,3 +54,23 @@ def cluster_port(workers: int = 1) -> int:
         _given_ports.update(span)
         return port
     raise RuntimeError(f"no {workers + 1} free ports in a row in {lo}-{hi}")
+
+
+def gossip_port() -> int:
+    """A UDP port on 127.0.0.1 for a cluster node's gossip (``[cluster] gossip_port``), in
+    :data:`CLUSTER_PORT_RANGE`, free now and never given by this process (as a TCP port
+    either: the config refuses one number for two listeners)."""
+    lo, hi = CLUSTER_PORT_RANGE
+    rng = random.Random()
+    for _ in range(10_000):
+        port = rng.randrange(lo, hi)
+        if port in _given_ports:
+            continue
+        try:
+            with socket.socket(socket.AF_INET, socket.SOCK_DGRAM) as s:
+                s.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        _given_ports.add(port)
+        return port
+    raise RuntimeError(f"no free UDP port in {lo}-{hi}")

@@ -7,7 +7,7 @@ Layout, for node ``i`` (0-based) of a lab whose namespaces are on ``10.77.K.0/24
     node_id   "n<i+1>"
     MQTT      <addr>:1883      HTTP <addr>:8080 (GET /api/v1/cluster: :meth:`MqlogCluster.status`)
     cluster   bind = <addr>, raft_port 7950, gossip_port 7946,
-              seeds = every other node's "<addr>:7950"
+              seeds = every other node's gossip address "<addr>:7946"
     files     <workdir>/n<i+1>.toml, <workdir>/n<i+1>-data/, <workdir>/n<i+1>.log (appended
               across restarts), and one shared <workdir>/cluster.key (mode 0600)
 
@@ -85,13 +85,23 @@ class MqlogCluster:
 
     Construction writes the secret and every node's config; :meth:`start` starts them all.
     ``workers`` is each node's ``[router] workers``; ``extra`` is TOML appended to every
-    node's config (more sections, e.g. ``[[streams]]``)."""
+    node's config (more sections, e.g. ``[[streams]]``); ``cluster_extra`` is TOML appended to
+    every node's ``[cluster]`` section (e.g. ``suspicion_mult = 3``)."""
 
-    def __init__(self, lab: Lab, workdir: Path, *, workers: int = 1, extra: str = "") -> None:
+    def __init__(
+        self,
+        lab: Lab,
+        workdir: Path,
+        *,
+        workers: int = 1,
+        extra: str = "",
+        cluster_extra: str = "",
+    ) -> None:
         self.lab = lab
         self.workdir = workdir
         self.workers = workers
         self.extra = extra
+        self.cluster_extra = cluster_extra
         self.mqlog = Path(sys.executable).parent / "mqlog"
         if not self.mqlog.exists():
             raise ClusterLabError(f"{self.mqlog} not found (pip install -e . in this venv)")
@@ -121,7 +131,7 @@ class MqlogCluster:
     def config(self, member: Member) -> str:
         """``member``'s TOML: its listeners on its own address, its data directory, fsync
         always, and ``[cluster]`` with every other member as a seed."""
-        seeds = ", ".join(f'"{m.addr}:{RAFT_PORT}"' for m in self.members if m is not member)
+        seeds = ", ".join(f'"{m.addr}:{GOSSIP_PORT}"' for m in self.members if m is not member)
         return (
             f'[server]\nhost = "{member.addr}"\nport = {MQTT_PORT}\nsys_interval = 0\n'
             f"[router]\nworkers = {self.workers}\n"
@@ -129,7 +139,7 @@ class MqlogCluster:
             f'[http]\nhost = "{member.addr}"\nport = {HTTP_PORT}\n'
             f'[cluster]\nnode_id = "{member.node_id}"\nbind = "{member.addr}"\n'
             f"seeds = [{seeds}]\ngossip_port = {GOSSIP_PORT}\nraft_port = {RAFT_PORT}\n"
-            f'secret_file = "{self.secret_file}"\n' + self.extra
+            f'secret_file = "{self.secret_file}"\n{self.cluster_extra}\n' + self.extra
         )
 
     def member(self, node_id: str) -> Member:
@@ -246,3 +256,60 @@ class MqlogCluster:
         with urllib.request.urlopen(url, timeout=timeout) as response:
             doc: dict[str, Any] = json.load(response)
         return doc
+
+    # ------------------------------------------------------------------ gossip
+
+    def gossip_view(self, m: Member, timeout: float = 2.0) -> dict[str, tuple[str, int]]:
+        """``m``'s gossip view: each member's (state, incarnation) by node id (alive, suspect,
+        dead or left), from ``GET /api/v1/cluster``'s ``members``."""
+        return {
+            e["id"]: (e["state"], e["incarnation"])
+            for e in self.status(m, timeout).get("members", ())
+        }
+
+    def wait_all_alive(self, members: list[Member] | None = None, timeout: float = 30.0) -> None:
+        """Until every member of ``members`` (all) sees every one of them alive."""
+        chosen = members or self.members
+        want = {m.node_id for m in chosen}
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                views = [self.gossip_view(m) for m in chosen]
+            except OSError:
+                views = []
+            if views and all(
+                want <= {n for n, (state, _) in v.items() if state == "alive"} for v in views
+            ):
+                return
+            if time.monotonic() > deadline:
+                raise ClusterLabError(f"members not all alive within {timeout}s: {views}")
+            time.sleep(0.1)
+
+    def kill_and_time_death(
+        self, victim: Member, timeout: float = 30.0, poll: float = 0.05, isolate: bool = False
+    ) -> dict[str, float]:
+        """kill -9 of ``victim`` (or, with ``isolate``, a full partition of it from the other
+        nodes: a silent death, no connection closed), then the seconds until each running
+        member's gossip view shows it dead (polled every ``poll`` s: the figures are that
+        much late at most)."""
+        survivors = [m for m in self.members if m is not victim and m.running()]
+        start = time.monotonic()
+        if isolate:
+            self.lab.isolate(victim.node)
+        else:
+            self.kill(victim)
+        seen: dict[str, float] = {}
+        while len(seen) < len(survivors):
+            for m in survivors:
+                if m.node_id in seen:
+                    continue
+                try:
+                    state = self.gossip_view(m, timeout=1.0).get(victim.node_id, ("?", 0))[0]
+                except OSError:
+                    continue
+                if state == "dead":
+                    seen[m.node_id] = time.monotonic() - start
+            if time.monotonic() - start > timeout:
+                raise ClusterLabError(f"{victim.node_id} not declared dead everywhere: {seen}")
+            time.sleep(poll)
+        return seen

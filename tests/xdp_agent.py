@@ -35,7 +35,7 @@ async def main(mode: str, iface: str, gossip: int, raft: int, mqtt: int) -> None
         if mode == "kernel"
         else UserSpaceFilter("the test runs the user-space filter")
     )
-    endpoint = await open_endpoint("agent", ("0.0.0.0", gossip), b"s" * 16, accept=filt.accept)
+    endpoint = await open_endpoint("agent", ("0.0.0.0", gossip), b"s" * 16, prefilter=filt.accept)
     servers = [await asyncio.start_server(_answer, "0.0.0.0", p) for p in (raft - 1, raft, mqtt)]
     loop = asyncio.get_running_loop()
     stdin = asyncio.StreamReader()

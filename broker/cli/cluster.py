@@ -1,7 +1,9 @@
 """``mqlog cluster status`` and ``mqlog cluster transfer-leader``: a node's view of the cluster,
 from its HTTP admin API (``GET /api/v1/cluster``; ``POST .../partitions/<stream>/<p>/leader``).
 
-``status`` prints the members (name, address, state as this node sees them) and, per
+``status`` prints the members as gossip has them (name, gossip address, state: alive,
+suspect, dead or left, incarnation, Raft and MQTT addresses they announced), the Raft links
+(name, address, connected or not) and, per
 partition, its leader, term, commit index, this node's role and the followers' lag (known on
 the leader: ask the leader's node for exact lags), then the metadata group's leader and
 what it holds (stream definitions, placed partitions), any stream this node's config
@@ -39,6 +41,25 @@ def cmd_status(args: argparse.Namespace) -> int:
         return 0
     workers = f", {view['workers']} workers" if view.get("workers", 1) > 1 else ""
     print(f"node {view['node_id']}: {len(view['nodes'])} nodes{workers}")
+    members = view.get("members") or []
+    if members:
+        print(
+            table(
+                ["MEMBER", "GOSSIP", "STATE", "INCARNATION", "RAFT", "MQTT"],
+                [
+                    [
+                        m["id"] + (" (self)" if m["self"] else ""),
+                        m["gossip"],
+                        m["state"],
+                        m["incarnation"],
+                        m["raft"] or "-",
+                        m["mqtt"] or "-",
+                    ]
+                    for m in members
+                ],
+            )
+        )
+        print()
     print(
         table(
             ["NODE", "ADDRESS", "STATE"],

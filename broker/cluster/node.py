@@ -27,23 +27,25 @@ frames from several peers) is appended, persisted and sent together. The clock i
 ``call_later`` tick every ``heartbeat_interval``; the cores count ticks (election timeout =
 ``election_timeout / heartbeat_interval`` ticks, randomized per Raft s5.2).
 
-Formation (this issue's static member list): the node listens, connects to ``seeds`` and
-learns each member's name in the authenticated handshake (``broker.cluster.peers``). The
-cluster is formed once every seed answered; the member list is then written to
-``DATA/cluster/members`` so that a restart forms at once, with members down. Groups are
-placed from it (``broker.cluster.placement``). Once formed, the node joins the metadata group
+Formation (``broker.cluster.formation``): worker 0 joins the gossip membership through
+``[cluster] seeds`` (gossip addresses) and the cluster is formed once every seed is a live
+member; each member's Raft address comes from its gossip metadata, and the member list is
+written to ``DATA/cluster/members`` so that a restart forms at once, with members down. Raft
+elections stay Raft's own: gossip never starts or stops one. Groups are placed from it
+(``broker.cluster.placement``). Once formed, the node joins the metadata group
 (``broker.cluster.metadata_group``), where the members agree on the stream definitions
 (:attr:`ClusterNode.local_streams`: a node whose config disagrees refuses to start) and
 record the desired placement; desired only: each group's own log stays authoritative.
 
 Several workers per node (``router.workers``): each worker process runs a ``ClusterNode`` of
 its own, hosting the groups of the partitions it owns, on ``raft_port + index``, dialling
-each seed's port ``+ index``: worker ``i`` of every node hosts the same groups (the owner of a
-partition is a function of the worker count alone, ``broker.workers.mesh.owner_of``), so its
-peers are the workers ``i`` of the other nodes, and the transport refuses a peer with another
-count (``broker.cluster.peerlink``). Every worker forms on its own and keeps its own member
-list (``members`` for worker 0, ``members.worker<i>`` for the others: no two processes write
-one file).
+each member's Raft port ``+ index``: worker ``i`` of every node hosts the same groups (the
+owner of a partition is a function of the worker count alone,
+``broker.workers.mesh.owner_of``), so its peers are the workers ``i`` of the other nodes, and
+the transport refuses a peer with another count (``broker.cluster.peerlink``). Only worker 0
+gossips; the others read its member list (without gossip, in the node's unit tests, every
+worker forms on its own and keeps its own list, ``members.worker<i>``: no two processes
+write one file).
 
 Called only from the owning event loop's thread.
 """
@@ -59,12 +61,11 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-import orjson
-
+from broker.cluster import formation
 from broker.cluster.frames import Frame
-from broker.cluster.hardstate import write_atomically
 from broker.cluster.logsync import LogSyncer
 from broker.cluster.membership import Configuration
+from broker.cluster.membership_service import MembershipService
 from broker.cluster.messages import HardState
 from broker.cluster.metadata import LocalStreams
 from broker.cluster.metadata_group import MetadataError, MetadataGroup
@@ -160,6 +161,8 @@ class ClusterNode:
         #: the broker before :meth:`start`).
         self.local_streams = LocalStreams()
         self.metadata: MetadataGroup | None = None
+        #: The gossip membership (worker 0 only, ``broker.cluster.formation``).
+        self.membership: MembershipService | None = None
         self.transport = PeerTransport(
             settings.name,
             settings.bind,
@@ -177,9 +180,19 @@ class ClusterNode:
 
     async def start(self) -> list[int]:
         """Listen, reach the seeds, and return the member ids once the cluster formed."""
-        known = self._load_members()
         await self.transport.start()
-        if known is None:
+        known = None if self.settings.gossip else formation.load_members(self.members_file)
+        if (gossip := self.settings.gossip) is not None:
+            if self.settings.worker[0] == 0:  # the node's gossip member (formation's doc)
+                self.membership = MembershipService(self.name, gossip, self.settings.secret)
+            members = await formation.by_gossip(
+                self.settings,
+                self.state_dir,
+                self.transport,
+                self.membership,
+                FORMATION_LOG_SECONDS,
+            )
+        elif known is None:
             logger.info("cluster: forming with seeds %s", _addrs(self.settings.seeds))
             while not self._all_seeds_known():
                 try:
@@ -189,9 +202,9 @@ class ClusterNode:
                     logger.info("cluster: waiting for %s", _addrs(missing))
                 self._formed.clear()
             members = {self.name: self.settings.bind, **self.transport.members}
-            self._save_members(members)
+            formation.save_members(self.members_file, members)
         else:
-            members = known
+            members = known[0]
         self.names = node_ids(members)
         logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
         s = self.settings
@@ -217,18 +230,6 @@ class ClusterNode:
     def _on_peer(self, name: str, addr: tuple[str, int]) -> None:
         self.names.setdefault(node_id_of(name), name)
         self._formed.set()
-
-    def _load_members(self) -> dict[str, tuple[str, int]] | None:
-        try:
-            data = orjson.loads(self.members_file.read_bytes())
-        except FileNotFoundError:
-            return None
-        return {name: (addr[0], int(addr[1])) for name, addr in data["members"].items()}
-
-    def _save_members(self, members: dict[str, tuple[str, int]]) -> None:
-        self.state_dir.mkdir(parents=True, exist_ok=True)
-        body = orjson.dumps({"members": {n: list(a) for n, a in sorted(members.items())}})
-        write_atomically(self.members_file, body)
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -564,6 +565,8 @@ class ClusterNode:
             "transport": _counters(self.transport.stats),
             "raft": _counters(self.stats),
             "metadata": self.metadata.status() if self.metadata is not None else None,
+            "members": self.membership.view() if self.membership is not None else [],
+            "gossip": self.membership.stats() if self.membership is not None else {},
         }
 
     async def close(self) -> None:
@@ -573,6 +576,8 @@ class ClusterNode:
         self._round()  # what is durable and due goes out before the sockets close
         await self.syncer.close()
         await self.transport.close()
+        if self.membership is not None:
+            self.membership.close()
         metadata, self.metadata = self.metadata, None
         if metadata is not None:
             await metadata.close()

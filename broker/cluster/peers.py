@@ -119,6 +119,9 @@ class PeerTransport:
         self._server: asyncio.Server | None = None
         self._closing = False
         self._loop: asyncio.AbstractEventLoop  # set by start()
+        #: Called with a peer's id when an authenticated link to or from it closes (the
+        #: gossip membership probes it at once: ``Swim.probe_soon``).
+        self.on_link_lost: Callable[[str], None] = lambda node: None
 
     async def start(self) -> None:
         """Listen on ``bind`` and dial every seed (and, later, every member learned)."""
@@ -196,6 +199,13 @@ class PeerTransport:
             if link._open and transport is not None and not transport.is_closing():
                 transport.writelines(parts)
 
+    def learn(self, node: str, address: Address) -> None:
+        """``node``'s address as learned elsewhere (gossip metadata, the persisted member
+        list): dial it there, unless linked to it at that address already. Call after
+        :meth:`start`."""
+        if node != self.node_id and not self._closing:
+            self._learn(node, address)
+
     def connected(self, node: str) -> bool:
         """True if an authenticated outgoing link to ``node`` is up (``send`` can write)."""
         return node in self._out
@@ -268,6 +278,12 @@ class PeerTransport:
         payload = _COUNT.pack(len(members)) + b"".join(members)
         if link.transport is not None and not link.transport.is_closing():
             link.transport.write(HEADER.pack(len(payload), KIND_MEMBERS) + payload)
+
+    def _link_lost(self, node: str) -> None:
+        try:
+            self.on_link_lost(node)
+        except Exception:
+            log.exception("on_link_lost(%r) failed", node)
 
     def _refuse(self, link: Link, reason: str) -> None:
         self.stats.auth_failures += 1

@@ -469,24 +469,9 @@ def check_ports(
                 f"{source}: cluster.raft_port = {raft} with {workers} workers (router.workers): "
                 f"worker i listens on raft_port + i, past port 65535"
             )
-        for i, seed in enumerate(cfg.cluster.seeds):
-            if seed.port + workers - 1 > 65535:
-                raise ConfigError(
-                    f"{source}: cluster.seeds[{i}] = {str(seed)!r} with {workers} workers "
-                    f"(router.workers): worker i dials the seed's port + i, past port 65535"
-                )
-        # Nodes sharing an address: each one's ports (raft_port - 1 ... raft_port + workers - 1)
-        # must be clear of the others' (seeds name their raft_port).
-        own = range(raft + METADATA_PORT_OFFSET, raft + workers)
-        for i, seed in enumerate(cfg.cluster.seeds):
-            theirs = range(seed.port + METADATA_PORT_OFFSET, seed.port + workers)
-            if seed.host == cfg.cluster.bind and set(own) & set(theirs):
-                raise ConfigError(
-                    f"{source}: cluster.seeds[{i}] = {str(seed)!r} shares this node's address "
-                    f"and its ports {theirs.start}-{theirs.stop - 1} overlap this node's "
-                    f"{own.start}-{own.stop - 1} (the metadata group on raft_port - 1, worker i "
-                    f"on raft_port + i): space the nodes' raft_port by {workers + 1} or more"
-                )
+        # Seeds name gossip addresses: the other nodes' Raft ports come from gossip
+        # (broker.cluster.nodemeta), and nodes sharing an address must space their raft_port
+        # by workers + 1 themselves (one that cannot bind says so at start).
         ports += [
             ("cluster.gossip_port", cfg.cluster.gossip_port),
             ("cluster.raft_port", raft),

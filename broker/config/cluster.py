@@ -7,6 +7,12 @@ unknown key or a bad value is a :class:`ConfigError` naming the key and the file
 The shared secret is read once, here, so that a node without it is refused before it serves
 anything; it is kept as bytes in :attr:`ClusterConfig.secret`, which no repr shows. Durations
 are milliseconds.
+
+``seeds`` are gossip addresses (``host:gossip_port``, DESIGN): a node joins the membership
+through any of them and learns every member's Raft port from its gossip metadata
+(``broker.cluster.nodemeta``). The gossip timings (``probe_interval``, ``probe_timeout``,
+``suspicion_mult``) are SWIM's alone: Raft's ``election_timeout`` and ``heartbeat_interval``
+are independent of them (gossip decides membership, never elections).
 """
 
 from __future__ import annotations
@@ -34,6 +40,10 @@ MAX_REPLICATION_FACTOR = 7
 #: A shared secret shorter than this is refused (16 bytes: 128 bits if they are random).
 MIN_SECRET_BYTES = 16
 ELECTION_TIMEOUT_MS = (100, 60_000)  # the range election_timeout may take
+PROBE_INTERVAL_MS = (100, 60_000)  # the range probe_interval may take
+#: suspicion_mult's range: the minimum suspicion timeout is suspicion_mult * max(1, log10(n))
+#: * probe_interval (memberlist's; broker.cluster.gossip.health).
+SUSPICION_MULT = (1, 10)
 XdpMode = Literal["generic", "native"]
 XDP_MODES: tuple[str, ...] = get_args(XdpMode)
 
@@ -49,7 +59,8 @@ _warned: set[Path] = set()
 
 
 class Seed(NamedTuple):
-    """Another member's ``host:port``; ``host`` is an IP address (normalized) or a host name."""
+    """Another member's gossip ``host:port``; ``host`` is an IP address (normalized) or a host
+    name (resolved when the node joins)."""
 
     host: str
     port: int
@@ -64,13 +75,18 @@ class ClusterConfig:
     bind: str  # this node's cluster address (an IP address, normalized)
     secret_file: Path
     secret: bytes = field(repr=False)  # secret_file's bytes, trailing newlines stripped
-    seeds: tuple[Seed, ...] = ()  # every other member's Raft address (static in issue 20)
+    seeds: tuple[Seed, ...] = ()  # members' gossip addresses (host:gossip_port) to join through
     gossip_port: int = DEFAULT_GOSSIP_PORT  # UDP
     raft_port: int = DEFAULT_RAFT_PORT  # TCP
     replication_factor: int = 3  # copies of each partition (capped at the node count)
     election_timeout: int = 1000  # ms without a leader before a follower stands
     heartbeat_interval: int = 100  # ms; less than a third of election_timeout
     replace_after: int = 300_000  # ms a member may be dead before its replicas are re-created
+    probe_interval: int = 1000  # ms: SWIM's protocol period (one probe per period)
+    probe_timeout: int = 500  # ms a direct probe waits for its ack before indirect probes
+    #: The minimum suspicion timeout is suspicion_mult * max(1, log10(n)) * probe_interval:
+    #: 2 s at up to 10 nodes, so that a death is known everywhere within about 5 s.
+    suspicion_mult: int = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,14 +150,14 @@ def parse_seed(text: str) -> Seed:
     return Seed(host, port)
 
 
-def _seeds(sec: Section, bind: str, raft_port: int) -> tuple[Seed, ...]:
+def _seeds(sec: Section, bind: str, gossip_port: int) -> tuple[Seed, ...]:
     entries: list[str] = sec.get(
         "seeds",
         [],
         lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
         'a list of "host:port" strings',
     )
-    own = Seed(bind, raft_port)
+    own = Seed(bind, gossip_port)
     seeds: list[Seed] = []
     for i, entry in enumerate(entries):
         key = f"seeds[{i}]"
@@ -153,8 +169,8 @@ def _seeds(sec: Section, bind: str, raft_port: int) -> tuple[Seed, ...]:
             raise sec.bad(
                 key,
                 entry,
-                f"another member's address, not this node's own ({sec.key('bind')}, "
-                f"{sec.key('raft_port')})",
+                f"another member's gossip address, not this node's own ({sec.key('bind')}, "
+                f"{sec.key('gossip_port')})",
             )
         if seed in seeds:
             raise sec.bad(key, entry, f"listed once (it is also seeds[{seeds.index(seed)}])")
@@ -212,7 +228,7 @@ def parse_cluster(table: Any, source: str) -> ClusterConfig:
     gossip_port = sec.integer("gossip_port", d.gossip_port, lo=1, hi=65535)
     # raft_port + METADATA_PORT_OFFSET must be a port too.
     raft_port = sec.integer("raft_port", d.raft_port, lo=1 - METADATA_PORT_OFFSET, hi=65535)
-    seeds = _seeds(sec, bind, raft_port)
+    seeds = _seeds(sec, bind, gossip_port)
     secret_text = _required_string(sec, "secret_file")
     if not secret_text:
         raise sec.bad("secret_file", secret_text, "a file's path")
@@ -228,6 +244,16 @@ def parse_cluster(table: Any, source: str) -> ClusterConfig:
             f"less than a third of {sec.key('election_timeout')} ({election} ms)",
         )
     replace_after = _duration(sec, "replace_after", d.replace_after, election)
+    probe_interval = _duration(sec, "probe_interval", d.probe_interval, *PROBE_INTERVAL_MS)
+    probe_timeout = _duration(sec, "probe_timeout", min(d.probe_timeout, probe_interval // 2), 1)
+    if probe_timeout >= probe_interval:
+        # SWIM s3.1: the direct probe's timeout leaves room in the period for the indirect one.
+        raise sec.bad(
+            "probe_timeout",
+            sec.table.get("probe_timeout"),
+            f"less than {sec.key('probe_interval')} ({probe_interval} ms)",
+        )
+    suspicion_mult = sec.integer("suspicion_mult", d.suspicion_mult, *SUSPICION_MULT)
     replication_factor = sec.integer(
         "replication_factor", d.replication_factor, lo=1, hi=MAX_REPLICATION_FACTOR
     )
@@ -244,6 +270,9 @@ def parse_cluster(table: Any, source: str) -> ClusterConfig:
         election_timeout=election,
         heartbeat_interval=heartbeat,
         replace_after=replace_after,
+        probe_interval=probe_interval,
+        probe_timeout=probe_timeout,
+        suspicion_mult=suspicion_mult,
     )
 
 

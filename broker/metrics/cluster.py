@@ -34,6 +34,26 @@ TRANSPORT = {
 }
 
 
+#: Gossip counters exported as ``mqlog_gossip_<name>`` (``ClusterNode.status``'s ``gossip``:
+#: the SWIM core's and the endpoint's counters, broker.cluster.membership_service).
+GOSSIP = {
+    "probes": "Direct probes (pings) this node sent",
+    "probe_failures": "Probes that got no ack, directly or indirectly, within the period",
+    "indirect_probes": "Probes that went on to ping-req through other members",
+    "suspect": "Members this node marked suspect (its own probes or others' word)",
+    "suspicions_refuted": "Suspected members seen alive again (false suspicions refuted)",
+    "refuted": "Suspicions or deaths of this node it refuted (incarnation raised)",
+    "probe_hints": "Probes brought forward because a Raft link to the member closed",
+    "dead": "Members this node marked dead",
+    "left": "Members this node saw leave",
+    "gossip_rounds": "Dissemination rounds (pending updates sent to random members)",
+    "sent": "Gossip datagrams sent",
+    "received": "Gossip datagrams received",
+}
+#: Reasons a datagram to the gossip port is dropped (the endpoint's ``dropped_<reason>``).
+GOSSIP_DROPS = ("bad_magic", "bad_version", "bad_mac", "malformed", "replayed", "stranger")
+
+
 class ClusterSource(Protocol):
     def cluster_view(self) -> dict[str, Any]: ...
 
@@ -106,6 +126,7 @@ class ClusterMetrics(Collector):
         )
         for name, help_ in TRANSPORT.items():
             yield _counter(f"mqlog_cluster_{name}", help_, view["transport"][name])
+        yield from _gossip(view)
         yield GaugeMetricFamily(
             "mqlog_cluster_forwards_waiting",
             "Publishes forwarded to a leader and not answered yet",
@@ -123,6 +144,37 @@ REMOTE_READS = {
     "fetches_refused": "Malformed or oversized fetch requests refused",
     "fetch_answers_dropped": "Fetch answers that failed verification (CRC, bounds), dropped",
 }
+
+
+def _gossip(view: dict[str, Any]) -> Iterator[Metric]:
+    """``mqlog_gossip_*``: the members by state as gossip has them here, the protocol's
+    counters, and the datagrams dropped by reason."""
+    members = view.get("members") or []
+    if not members:
+        return
+    by_state = GaugeMetricFamily(
+        "mqlog_gossip_members", "Members by gossip state as seen here", labels=["state"]
+    )
+    for state in ("alive", "suspect", "dead", "left"):
+        by_state.add_metric([state], sum(1 for m in members if m["state"] == state))
+    yield by_state
+    stats = view.get("gossip", {})
+    for name, help_ in GOSSIP.items():
+        yield _counter(f"mqlog_gossip_{name}", help_, stats.get(name, 0))
+    dropped = CounterMetricFamily(
+        "mqlog_gossip_dropped_datagrams",
+        "Datagrams to the gossip port dropped, by reason (a stranger: authenticated, from a "
+        "host not in the allowlist)",
+        labels=["reason"],
+    )
+    for reason in GOSSIP_DROPS:
+        dropped.add_metric([reason], stats.get(f"dropped_{reason}", 0))
+    yield dropped
+    yield GaugeMetricFamily(
+        "mqlog_gossip_health_score",
+        "Lifeguard's local health score (0 healthy; timeouts scale by score + 1)",
+        value=stats.get("health", 0),
+    )
 
 
 def _counter(name: str, help_: str, value: int) -> CounterMetricFamily:

@@ -65,7 +65,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 from broker.cluster.leadership import Leadership
 from broker.cluster.metadata import LocalStreams
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode
-from broker.cluster.nodesettings import node_settings
+from broker.cluster.nodesettings import advertised, node_settings
 from broker.cluster.placement import group_ids
 from broker.cluster.raft import NotLeader, Role
 from broker.cluster.storage import GroupStorage, encode_entry
@@ -266,7 +266,8 @@ class ClusterService:
     ) -> None:
         assert config.cluster is not None
         self.streams = streams
-        self.node = ClusterNode(node_settings(config.cluster, worker), config.commitlog.data_dir)
+        settings = node_settings(config.cluster, worker, *advertised(config))
+        self.node = ClusterNode(settings, config.commitlog.data_dir)
         self.node.local_streams = LocalStreams.of(config)
         specs = [
             spec

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import queue
+import re
 import subprocess
 import sys
 import threading
@@ -25,7 +26,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import cluster_port
+from bench.ports import cluster_port, gossip_port
 from tests.integration.clients import Client
 from tests.integration.conftest import BrokerProcess
 
@@ -39,14 +40,16 @@ class Cluster:
         secret.chmod(0o600)
         self.secret = secret
         self.raft_ports = [cluster_port() for _ in range(n)]
+        self.gossip_ports = [gossip_port() for _ in range(n)]
         self.nodes: list[BrokerProcess] = []
         for i in range(n):
-            seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(self.raft_ports) if j != i)
+            seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(self.gossip_ports) if j != i)
             extra = (
                 f'[[streams]]\nname = "devices"\ntopic_filter = ["devices/#"]\n'
                 f"partitions = {partitions}\n"
                 f'[cluster]\nnode_id = "n{i + 1}"\nbind = "127.0.0.1"\n'
-                f"raft_port = {self.raft_ports[i]}\nseeds = [{seeds}]\n"
+                f"raft_port = {self.raft_ports[i]}\ngossip_port = {self.gossip_ports[i]}\n"
+                f"seeds = [{seeds}]\n"
                 f'secret_file = "{secret}"\nelection_timeout = "500ms"\n'
                 f'heartbeat_interval = "50ms"\n'
             )
@@ -228,18 +231,22 @@ def test_a_node_with_the_wrong_secret_is_refused(cluster: Cluster, tmp_path: Pat
     port = cluster_port()
     extra = (
         f'[cluster]\nnode_id = "intruder"\nbind = "127.0.0.1"\nraft_port = {port}\n'
-        f'seeds = ["127.0.0.1:{cluster.raft_ports[0]}"]\nsecret_file = "{bad_secret}"\n'
+        f"gossip_port = {gossip_port()}\n"
+        f'seeds = ["127.0.0.1:{cluster.gossip_ports[0]}"]\nsecret_file = "{bad_secret}"\n'
     )
     intruder = BrokerProcess(tmp_path / "intruder", extra)
     thread = threading.Thread(target=lambda: _start_quietly(intruder))
     thread.start()
     try:
+        # Its join datagrams carry an HMAC under another secret: dropped and counted.
         deadline = time.monotonic() + 10
-        while cluster.status(cluster.nodes[0])["transport"]["auth_failures"] == 0:
-            assert time.monotonic() < deadline, "no refused handshake counted"
+        while cluster.status(cluster.nodes[0])["gossip"].get("dropped_bad_mac", 0) == 0:
+            assert time.monotonic() < deadline, "no refused gossip datagram counted"
             time.sleep(0.1)
         view = cluster.status(cluster.nodes[0])
         assert sorted(n["id"] for n in view["nodes"]) == ["n1", "n2", "n3"]
+        assert sorted(m["id"] for m in view["members"]) == ["n1", "n2", "n3"]
+        assert {m["state"] for m in view["members"]} == {"alive"}
         # The cluster keeps serving.
         assert len(_publish_all(cluster.nodes[1], "devices/d/t", [b"still"], "p")) == 1
     finally:
@@ -271,6 +278,11 @@ def test_status_metrics_transfer_leader_and_the_balancer(cluster: Cluster) -> No
         check=True,
     ).stdout
     assert "node n2: 3 nodes" in out
+    # The members as gossip has them: state and incarnation, the Raft port each announced.
+    assert "MEMBER" in out and "INCARNATION" in out and "n2 (self)" in out
+    for i, port in enumerate(cluster.raft_ports):
+        assert re.search(rf"n{i + 1}\b.*127\.0\.0\.1:{cluster.gossip_ports[i]}\s+alive", out)
+        assert f"127.0.0.1:{port}" in out
     for p in parts:
         assert f"{p['stream']}/{p['partition']}" in out
     # Metrics: this node's terms, leaderships and the commit latency of what it led.
@@ -284,6 +296,9 @@ def test_status_metrics_transfer_leader_and_the_balancer(cluster: Cluster) -> No
         'mqlog_cluster_nodes{state="connected"} 2.0',
         "mqlog_cluster_frames_sent_total",
         "mqlog_cluster_commit_seconds_bucket",
+        'mqlog_gossip_members{state="alive"} 3.0',
+        "mqlog_gossip_probes_total",
+        'mqlog_gossip_dropped_datagrams_total{reason="bad_mac"}',
     ):
         assert name in metrics, name
     # transfer-leader through a node that does not lead the partition.

@@ -18,7 +18,7 @@ import pytest
 
 from broker.config import Seed, load_config
 from tests import netlab
-from tests.cluster_lab import MQTT_PORT, RAFT_PORT, Member, MqlogCluster
+from tests.cluster_lab import GOSSIP_PORT, MQTT_PORT, Member, MqlogCluster
 from tests.integration.clients import Client
 from tests.netlab import Lab
 
@@ -68,7 +68,7 @@ def test_three_nodes_serve_survive_kill9_and_leave_nothing(tmp_path: Path) -> No
             c = load_config(m.config_path).cluster
             assert c is not None and (c.node_id, c.bind) == (m.node_id, m.addr)
             others = [o for o in cluster.members if o is not m]
-            assert c.seeds == tuple(Seed(o.addr, RAFT_PORT) for o in others)
+            assert c.seeds == tuple(Seed(o.addr, GOSSIP_PORT) for o in others)
         assert [m.node_id for m in cluster.members] == ["n1", "n2", "n3"]
 
         cluster.start()

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from bench.ports import cluster_port
+from bench.ports import cluster_port, gossip_port
 from tests.integration.conftest import ROOT, BrokerProcess
 
 SECRET = b"0123456789abcdef-test-metadata-secret"
@@ -46,11 +46,13 @@ class Trio:
         secret.write_bytes(SECRET)
         secret.chmod(0o600)
         ports = [cluster_port() for _ in range(3)]
+        gossip = [gossip_port() for _ in range(3)]
         self.nodes = []
         for i in range(3):
-            seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(ports) if j != i)
+            seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(gossip) if j != i)
             cluster = (
                 f'[cluster]\nnode_id = "n{i + 1}"\nbind = "127.0.0.1"\nraft_port = {ports[i]}\n'
+                f"gossip_port = {gossip[i]}\n"
                 f'seeds = [{seeds}]\nsecret_file = "{secret}"\nelection_timeout = "500ms"\n'
                 'heartbeat_interval = "50ms"\n'
             )

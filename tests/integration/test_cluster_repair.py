@@ -34,7 +34,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import cluster_port
+from bench.ports import cluster_port, gossip_port
 from tests.integration.clients import SubProcess
 from tests.integration.conftest import READY, BrokerProcess
 
@@ -56,11 +56,13 @@ class Cluster:
         secret.write_bytes(SECRET)
         secret.chmod(0o600)
         ports = [cluster_port() for _ in range(3)]
+        gossip = [gossip_port() for _ in range(3)]
         self.nodes: list[BrokerProcess] = []
         for i in range(3):
-            seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(ports) if j != i)
+            seeds = ", ".join(f'"127.0.0.1:{p}"' for j, p in enumerate(gossip) if j != i)
             extra = STREAM + (
                 f'[cluster]\nnode_id = "n{i + 1}"\nbind = "127.0.0.1"\nraft_port = {ports[i]}\n'
+                f"gossip_port = {gossip[i]}\n"
                 f'seeds = [{seeds}]\nsecret_file = "{secret}"\nelection_timeout = "500ms"\n'
                 'heartbeat_interval = "50ms"\n'
             )

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import cluster_port
+from bench.ports import cluster_port, gossip_port
 from tests.integration.clients import Client
 from tests.integration.conftest import BrokerProcess
 from tests.integration.test_cluster import SECRET, _publish_all
@@ -106,22 +106,33 @@ class Cluster:
         self.tmp = tmp
         self.secret = secret
         self.raft_ports = [cluster_port(WORKERS) for _ in range(n)]
+        self.gossip_ports = [gossip_port() for _ in range(n)]
         self.nodes = [
             self.node(
-                f"n{i + 1}", self.raft_ports[i], self.raft_ports[:i] + self.raft_ports[i + 1 :]
+                f"n{i + 1}",
+                self.raft_ports[i],
+                self.gossip_ports[:i] + self.gossip_ports[i + 1 :],
+                gossip=self.gossip_ports[i],
             )
             for i in range(n)
         ]
 
     def node(
-        self, name: str, raft_port: int, seeds: list[int], workers: int = WORKERS
+        self,
+        name: str,
+        raft_port: int,
+        seeds: list[int],
+        workers: int = WORKERS,
+        gossip: int | None = None,
     ) -> BrokerProcess:
+        """``seeds``: the other nodes' gossip ports."""
         listed = ", ".join(f'"127.0.0.1:{p}"' for p in seeds)
+        gossip = gossip or gossip_port()
         extra = (
             f'[[streams]]\nname = "devices"\ntopic_filter = ["devices/#"]\n'
             f"partitions = {PARTITIONS}\n"
             f'[cluster]\nnode_id = "{name}"\nbind = "127.0.0.1"\n'
-            f"raft_port = {raft_port}\nseeds = [{listed}]\n"
+            f"raft_port = {raft_port}\ngossip_port = {gossip}\nseeds = [{listed}]\n"
             f'secret_file = "{self.secret}"\nelection_timeout = "500ms"\n'
             f'heartbeat_interval = "50ms"\n'
         )
@@ -305,7 +316,7 @@ def test_kill_9_of_a_node_fails_over_and_nothing_acknowledged_is_lost(cluster: C
 
 def test_a_node_with_another_worker_count_is_refused(cluster: Cluster) -> None:
     cluster.wait_leaders(cluster.nodes)
-    odd = cluster.node("n4", cluster_port(3), cluster.raft_ports, workers=3)
+    odd = cluster.node("n4", cluster_port(3), cluster.gossip_ports, workers=3)
     thread = threading.Thread(target=lambda: _start_quietly(odd))
     thread.start()
     try:

@@ -14,7 +14,7 @@ Layout (network byte order)::
                 PING_REQ: probe seq u32, target str8, addr; SYNC: reply u8 (0 or 1)
       count  1  piggybacked updates, each:
                 state u8, incarnation u32, node str8, origin str8 (empty: the node itself),
-                and for ALIVE only the addr
+                and for ALIVE only the addr and the meta (u8 length + bytes, 0-255)
     addr = u8 4 or 16, the IPv4/IPv6 address, u16 port
 
 A truncated 128-bit HMAC-SHA256 is what RFC 4868 keeps for IPsec (HMAC-SHA-256-128). The MAC
@@ -146,7 +146,9 @@ def _update(update: Update) -> bytes:
     if update.state is State.ALIVE:
         if update.addr is None:
             raise ValueError(f"an ALIVE update needs an address: {update!r}")
-        out += _addr(update.addr)
+        if len(update.meta) > 255:
+            raise ValueError(f"meta of {len(update.meta)} bytes (at most 255): {update!r}")
+        out += _addr(update.addr) + bytes((len(update.meta),)) + update.meta
     return out
 
 
@@ -254,8 +256,10 @@ def _read_update(r: _Reader) -> Update:
     state = State(state_byte)
     node = r.str8()
     origin = r.str8(empty=node)
-    addr = r.addr() if state is State.ALIVE else None
-    return Update(state, node, incarnation, origin, addr)
+    if state is not State.ALIVE:
+        return Update(state, node, incarnation, origin)
+    addr = r.addr()
+    return Update(state, node, incarnation, origin, addr, r.take(r.u8()))
 
 
 def decode(data: bytes, key: bytes) -> tuple[Packet, Stamp]:

@@ -4,12 +4,14 @@ clock, and the codec at the edge.
 ``GossipEndpoint`` is a ``DatagramProtocol``: each datagram is decoded (``codec.decode``, then
 the sender's ``ReplayWindow``) and handed to ``Swim.receive``; one timer handle is kept at the
 core's ``deadline`` for ``Swim.tick``. Whatever the codec refuses is dropped and counted under
-``counters["dropped_<reason>"]`` (bad_magic, bad_version, bad_mac, malformed, replayed); a
+``counters["dropped_<reason>"]`` (bad_magic, bad_version, bad_mac, malformed, replayed), and
+so is an authenticated datagram the driver's ``accept`` refuses (``dropped_stranger``: the
+node's allowlist in user space, ``broker.cluster.membership_service``); a
 bug while handling a well-formed packet is logged with its traceback and counted as
 ``errors``, and the endpoint keeps serving. Every member state change is logged (one line)
-and passed to ``on_change``. ``accept(host, data)``, when given, sees each datagram first
-and drops those it refuses (``counters["filtered"]``): the user-space XDP filter
-(broker.xdp: member allowlist and magic) where the kernel program cannot run.
+and passed to ``on_change``. ``prefilter(host, data)``, when given, sees each datagram before
+the codec and drops those it refuses (``counters["filtered"]``): the user-space twin of the
+XDP program (broker.xdp: member allowlist and magic) where the kernel program cannot run.
 
 Time is ``loop.time()`` in integer ms (monotonic). Runs on one event loop; not thread-safe.
 """
@@ -25,7 +27,7 @@ from collections.abc import Callable, Iterable
 from typing import Any, cast
 
 from broker.cluster.gossip.codec import CodecError, ReplayWindow, decode, encode
-from broker.cluster.gossip.messages import Addr, Changed, Effect, Send
+from broker.cluster.gossip.messages import Addr, Changed, Effect, Packet, Send
 from broker.cluster.gossip.options import SwimConfig
 from broker.cluster.gossip.swim import Swim
 
@@ -42,10 +44,14 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         config: SwimConfig | None = None,
         rng: random.Random | None = None,
         on_change: Callable[[Changed], None] | None = None,
-        accept: Callable[[str, bytes], bool] | None = None,
+        meta: bytes = b"",
+        accept: Callable[[Addr, Packet], bool] | None = None,
+        prefilter: Callable[[str, bytes], bool] | None = None,
     ) -> None:
         self.node_id = node_id
+        self._meta = meta
         self._accept = accept
+        self._prefilter = prefilter
         self._secret = secret
         self._config = config
         self._rng = rng or random.Random()
@@ -53,7 +59,10 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         self._loop = asyncio.get_running_loop()
         self._transport: asyncio.DatagramTransport | None = None
         self._core: Swim | None = None
-        self._timer: asyncio.TimerHandle | None = None
+        #: The pending tick and when it is due (loop time, s). The time is kept here: uvloop
+        #: hands back a plain Handle, without ``when()``, for a time already past.
+        self._timer: asyncio.Handle | None = None
+        self._timer_at = 0.0
         self._replay = ReplayWindow()
         #: This run's epoch (its start time): a restart's datagrams are never taken for replays.
         self._epoch = time.time_ns() // 1_000_000
@@ -76,11 +85,13 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         # The selector loop's datagram transport is not registered as a DatagramTransport.
         self._transport = cast(asyncio.DatagramTransport, transport)
         host, port = self._transport.get_extra_info("sockname")[:2]
-        self._core = Swim(self.node_id, (host, port), self._rng, self._config, now=self._now())
+        self._core = Swim(
+            self.node_id, (host, port), self._rng, self._config, now=self._now(), meta=self._meta
+        )
         self._schedule()
 
     def datagram_received(self, data: bytes, addr: Any) -> None:
-        if self._accept is not None and not self._accept(addr[0], data):
+        if self._prefilter is not None and not self._prefilter(addr[0], data):
             self.counters["filtered"] += 1
             return
         self.counters["received"] += 1
@@ -90,6 +101,9 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         except CodecError as exc:
             self.counters[f"dropped_{exc.reason}"] += 1
             log.debug("gossip datagram from %s dropped: %s", addr, exc)
+            return
+        if self._accept is not None and not self._accept((addr[0], addr[1]), packet):
+            self.counters["dropped_stranger"] += 1
             return
         try:
             self._apply(self.core.receive((addr[0], addr[1]), packet, self._now()))
@@ -113,6 +127,11 @@ class GossipEndpoint(asyncio.DatagramProtocol):
     def join(self, seeds: Iterable[Addr]) -> None:
         """Join through ``seeds`` (resolved IP addresses); none for the first member."""
         self._apply(self.core.join(seeds, self._now()))
+
+    def probe_soon(self, node: str) -> None:
+        """Probe ``node`` next (``Swim.probe_soon``: a hint, e.g. its TCP link closed)."""
+        if self._transport is not None:
+            self._apply(self.core.probe_soon(node, self._now()))
 
     async def leave(self, timeout: float) -> None:
         """Say goodbye, wait until it has been gossiped (or ``timeout`` s), then close."""
@@ -157,9 +176,10 @@ class GossipEndpoint(asyncio.DatagramProtocol):
             return
         when = self.core.deadline / 1000
         if self._timer is not None:
-            if self._timer.when() <= when:
+            if self._timer_at <= when:
                 return
             self._timer.cancel()
+        self._timer_at = when
         self._timer = self._loop.call_at(when, self._tick)
 
     def _apply(self, effects: list[Effect]) -> None:
@@ -179,7 +199,9 @@ class GossipEndpoint(asyncio.DatagramProtocol):
                     effect.addr[0],
                     effect.addr[1],
                     "new" if effect.previous is None else effect.previous.name.lower(),
-                    effect.state.name.lower(),
+                    effect.state.name.lower()
+                    if effect.state is not effect.previous
+                    else f"{effect.state.name.lower()} (moved or new meta)",
                     effect.incarnation,
                 )
                 if self._on_change is not None:
@@ -194,12 +216,16 @@ async def open_endpoint(
     config: SwimConfig | None = None,
     rng: random.Random | None = None,
     on_change: Callable[[Changed], None] | None = None,
-    accept: Callable[[str, bytes], bool] | None = None,
+    meta: bytes = b"",
+    accept: Callable[[Addr, Packet], bool] | None = None,
+    prefilter: Callable[[str, bytes], bool] | None = None,
 ) -> GossipEndpoint:
-    """A ``GossipEndpoint`` bound to ``bind`` (port 0: any free port; ``core.addr`` says which)."""
+    """A ``GossipEndpoint`` bound to ``bind`` (port 0: any free port; ``core.addr`` says which).
+    ``meta``: what this member announces of itself (``Update.meta``); ``accept(addr, packet)``:
+    whether an authenticated datagram is let in (None: all are)."""
     loop = asyncio.get_running_loop()
     _, endpoint = await loop.create_datagram_endpoint(
-        lambda: GossipEndpoint(node_id, secret, config, rng, on_change, accept),
+        lambda: GossipEndpoint(node_id, secret, config, rng, on_change, meta, accept, prefilter),
         local_addr=bind,
     )
     return endpoint

@@ -38,11 +38,16 @@ class Member:
     incarnation: int
     since: int
     origin: str
+    #: What the member said of itself in its last ALIVE (``Update.meta``).
+    meta: bytes = b""
 
     def update(self) -> Update:
         """This record as an update (for a full state exchange)."""
-        addr = self.addr if self.state is State.ALIVE else None
-        return Update(self.state, self.node, self.incarnation, self.origin, addr)
+        if self.state is State.ALIVE:
+            return Update(
+                self.state, self.node, self.incarnation, self.origin, self.addr, self.meta
+            )
+        return Update(self.state, self.node, self.incarnation, self.origin)
 
 
 def overrides(update: Update, member: Member) -> bool:

@@ -38,13 +38,17 @@ class State(enum.IntEnum):
 class Update:
     """``node`` is in ``state`` at ``incarnation``. ``addr`` is set for ALIVE (how to reach the
     member), None otherwise; ``origin`` is the member that suspected or declared it dead (for
-    ALIVE and LEFT, the member itself): Lifeguard counts independent suspicions by origin."""
+    ALIVE and LEFT, the member itself): Lifeguard counts independent suspicions by origin.
+    ``meta`` (ALIVE only, at most 255 bytes) is what the member says of itself beyond its
+    gossip address, opaque here (memberlist's node meta; the node puts its Raft port and
+    worker count there, ``broker.cluster.nodemeta``)."""
 
     state: State
     node: str
     incarnation: int
     origin: str
     addr: Addr | None = None
+    meta: bytes = b""
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,13 +107,15 @@ class Send:
 @dataclass(frozen=True, slots=True)
 class Changed:
     """``node`` moved from ``previous`` (None: first heard of) to ``state`` at
-    ``incarnation``; the node logs one line per change and re-places replicas on deaths."""
+    ``incarnation`` (or, ALIVE still, announced another address or ``meta``); the node logs
+    one line per change and re-places replicas on deaths."""
 
     node: str
     addr: Addr
     state: State
     incarnation: int
     previous: State | None
+    meta: bytes = b""
 
 
 Effect = Send | Changed

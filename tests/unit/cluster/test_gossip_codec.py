@@ -25,6 +25,7 @@ from broker.cluster.gossip.codec import (
     Stamp,
     decode,
     encode,
+    update_size,
 )
 from broker.cluster.gossip.messages import (
     Ack,
@@ -48,6 +49,8 @@ UPDATES = (
     Update(State.SUSPECT, "n2", 7, "n1"),
     Update(State.DEAD, "n3", 2**32 - 1, "n4"),
     Update(State.LEFT, "n5", 1, "n5"),
+    Update(State.ALIVE, "n6", 1, "n6", ("10.0.0.6", 7946), b'{"raft":7950,"workers":2}'),
+    Update(State.ALIVE, "n7", 2, "n7", ("10.0.0.7", 7946), bytes(range(255))),
 )
 MESSAGES = [
     Ping(1, "n2"),
@@ -162,3 +165,20 @@ def test_every_packet_the_core_builds_fits_the_datagram_budget() -> None:
     assert max(sizes) <= config.max_datagram
     assert max(sizes) > config.max_datagram - 200  # and the budget is used, not wasted
     assert len(learned) == 200
+
+
+def test_meta_rides_on_alive_only_and_at_most_255_bytes() -> None:
+    with pytest.raises(ValueError, match="at most 255"):
+        encode(
+            Packet("n0", Gossip(), (Update(State.ALIVE, "n1", 0, "n1", ("::1", 1), bytes(256)),)),
+            KEY,
+            1,
+            1,
+        )
+    meta = Update(State.ALIVE, "n1", 0, "n1", ("10.0.0.1", 7946), b"m" * 10)
+    bare = Update(State.ALIVE, "n1", 0, "n1", ("10.0.0.1", 7946))
+    assert update_size(meta) == update_size(bare) + 10
+    # A truncated meta is malformed, not a shorter one.
+    good = encode(Packet("n0", Gossip(), (meta,)), KEY, 1, 1)
+    with pytest.raises(Malformed):
+        decode(remac(good[:-1]), KEY)

@@ -9,6 +9,8 @@ import asyncio
 import random
 import socket
 
+import uvloop
+
 from broker.cluster.gossip.codec import encode
 from broker.cluster.gossip.endpoint import GossipEndpoint, open_endpoint
 from broker.cluster.gossip.messages import Changed, Packet, Ping, State
@@ -92,3 +94,29 @@ async def scenario() -> None:
 
 def test_endpoints_converge_detect_a_death_see_a_leave_and_drop_strangers() -> None:
     asyncio.run(scenario())
+
+
+def test_under_uvloop_a_probe_hint_reschedules_a_tick_already_due() -> None:
+    """uvloop hands back a plain Handle (no ``when()``) for a time already past: two hints in
+    a row (a Raft link to the member closing both ways) reschedule such a tick; the probe
+    goes out and the member is still alive afterwards (the broker runs on uvloop)."""
+
+    async def main() -> None:
+        a = await open_endpoint("a", ("127.0.0.1", 0), SECRET, FAST, random.Random(1))
+        b = await open_endpoint("b", ("127.0.0.1", 0), SECRET, FAST, random.Random(2))
+        try:
+            a.join([])
+            b.join([a.core.addr])
+            await a.until(lambda: a.core.size == 2, WITHIN_S)
+            probes = a.core.stats["probes"]
+            a.probe_soon("b")
+            a.probe_soon("b")
+            assert a.counters["errors"] == 0
+            await a.until(lambda: a.core.stats["probes"] > probes, WITHIN_S)
+            assert a.core.members["b"].state is State.ALIVE
+            assert a.core.stats["probe_hints"] == 2
+        finally:
+            a.close()
+            b.close()
+
+    uvloop.run(main())

@@ -354,3 +354,56 @@ def test_a_restarted_member_refutes_its_death_and_comes_back() -> None:
     for send in out:
         old.receive(addr(2), send.packet, fresh.now)
     assert (old.members["n2"].state, old.members["n2"].incarnation) == (A, 4)
+
+
+def test_probe_soon_probes_that_member_next_and_at_once() -> None:
+    """A hint (the node's Raft link to n3 closed) brings a probe of n3 forward: sent at once
+    when no probe is in flight, next after the one in flight otherwise; it suspects no one
+    by itself, and a hint about an unknown or dead member is ignored."""
+    swim = core(5)
+    first = run_until_probe(swim)
+    assert isinstance(first.packet.message, Ping)
+    busy = first.packet.message.target
+    other = next(f"n{i}" for i in range(1, 5) if f"n{i}" != busy)
+    assert sends(swim.probe_soon(other, swim.now)) == []  # a probe is in flight
+    swim.receive(first.addr, Packet(busy, Ack(first.packet.message.seq)), swim.now + 1)
+    probe = run_until_probe(swim)
+    assert isinstance(probe.packet.message, Ping) and probe.packet.message.target == other
+    swim.receive(probe.addr, Packet(other, Ack(probe.packet.message.seq)), swim.now + 1)
+    # No probe in flight: the hinted member is pinged as soon as the core is ticked.
+    now = swim.now + 2
+    swim.probe_soon(busy, now)
+    assert swim.deadline == now
+    [ping] = [s for s in sends(swim.tick(now)) if isinstance(s.packet.message, Ping)]
+    assert isinstance(ping.packet.message, Ping) and ping.packet.message.target == busy
+    assert all(m.state is A for m in swim.members.values())
+    swim.probe_soon("n99", now)
+    assert swim._urgent is None and swim.stats["probe_hints"] == 2
+
+
+def test_meta_is_learned_and_a_restart_at_the_same_incarnation_refutes_past_its_old_record() -> (
+    None
+):
+    """An ALIVE's meta is kept with the member and reported in ``Changed``; a new meta at a
+    higher incarnation is a change; a member that hears its own record at its incarnation
+    with another meta (an earlier run's) refutes, so the others learn this run's."""
+    swim = core(1)
+    [new] = changes(swim.receive(addr(1), Packet("n1", Gossip(), (meta_alive(1, 0, b"a"),)), 0))
+    assert (new.node, new.meta, new.previous) == ("n1", b"a", None)
+    assert swim.members["n1"].meta == b"a"
+    assert (
+        changes(swim.receive(addr(1), Packet("n1", Gossip(), (meta_alive(1, 0, b"b"),)), 1)) == []
+    )
+    [moved] = changes(swim.receive(addr(1), Packet("n1", Gossip(), (meta_alive(1, 1, b"b"),)), 2))
+    assert (moved.state, moved.previous, moved.meta) == (A, A, b"b")
+    assert swim.members["n1"].update().meta == b"b"
+
+    restarted = Swim("n0", addr(0), random.Random(1), SwimConfig(), now=0, meta=b"new")
+    restarted.receive(addr(1), Packet("n1", Sync(False), (meta_alive(0, 0, b"old"),)), 0)
+    assert restarted.incarnation == 1 and restarted.stats["refuted"] == 1
+    restarted.receive(addr(1), Packet("n1", Gossip(), (restarted.members["n0"].update(),)), 1)
+    assert restarted.incarnation == 1  # its own record passed on: nothing to refute
+
+
+def meta_alive(i: int, incarnation: int, meta: bytes) -> Update:
+    return Update(A, f"n{i}", incarnation, f"n{i}", addr(i), meta)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bench.ports import cluster_port
 from broker.cluster.node import ClusterNode
+from broker.cluster.nodemeta import NodeMeta
 from broker.cluster.nodesettings import NodeSettings, node_settings
 from broker.cluster.raft import Role
 from broker.cluster.storage import GroupStorage, encode_entry
@@ -183,14 +184,19 @@ def test_a_compacted_group_compacts_below_commit_and_keeps_replicating(tmp_path:
 def test_worker_i_listens_on_raft_port_plus_i_and_keeps_its_own_member_list(
     tmp_path: Path,
 ) -> None:
-    """Several workers per node: worker i binds raft_port + i, dials each seed's port + i,
-    says (i, count) in its handshakes, and writes its member list to a file of its own."""
+    """Several workers per node: worker i binds raft_port + i, says (i, count) in its
+    handshakes; the seeds are gossip addresses (worker 0 joins through them and announces its
+    raft_port and worker count); without gossip each worker keeps a member list of its own."""
     config = ClusterConfig(
         "n1", "10.0.0.1", tmp_path / "k", SECRET, seeds=(Seed("10.0.0.2", 7960),), raft_port=7950
     )
     assert node_settings(config).bind == ("10.0.0.1", 7950)
-    s = node_settings(config, (1, 2))
-    assert s.bind == ("10.0.0.1", 7951) and s.seeds == [("10.0.0.2", 7961)]
+    s = node_settings(config, (1, 2), mqtt="10.0.0.1:1883")
+    assert s.bind == ("10.0.0.1", 7951) and s.seeds == []
+    assert s.gossip is not None and s.gossip.seeds == [("10.0.0.2", 7960)]
+    assert s.gossip.bind == ("10.0.0.1", 7946)
+    assert s.gossip.meta == NodeMeta(7950, 2, "10.0.0.1:1883", "")
+    assert (s.gossip.swim.probe_interval, s.gossip.swim.suspicion_mult) == (1000, 2)
     assert s.worker == (1, 2)
 
     async def main() -> None:

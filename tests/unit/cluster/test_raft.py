@@ -125,12 +125,15 @@ def elect(core: RaftNode, log: Log) -> list[Message]:
     return log.apply(core.receive(VoteResp(2, 1, core.term, True)))
 
 
-#: The driver, its fsync jobs, its repairs, the transport and the metadata group (pysyncobj's
-#: thread and sockets): the only modules of broker/cluster with an event loop and sockets.
-#: Everything else is sans-IO (core, host, storage, simulator, the repair protocol, the
-#: metadata's state machine).
+#: The driver, its fsync jobs, its repairs, the transport, the metadata group (pysyncobj's
+#: thread and sockets) and the gossip membership's driver and formation (the UDP endpoint,
+#: name resolution, waiting for worker 0's list): the only modules of broker/cluster with an
+#: event loop and sockets. Everything else is sans-IO (core, host, storage, simulator, the
+#: repair protocol, the metadata's state machine, the nodes' gossip metadata).
 IO_MODULES = {
     "node.py",
+    "membership_service.py",
+    "formation.py",
     "peers.py",
     "peerlink.py",
     "logsync.py",

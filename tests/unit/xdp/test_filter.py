@@ -129,7 +129,7 @@ def test_gossip_endpoint_drops_what_accept_refuses() -> None:
         guard = UserSpaceFilter("test")
         a = await open_endpoint("a", ("127.0.0.1", 0), SECRET, fast, random.Random(1))
         b = await open_endpoint(
-            "b", ("127.0.0.1", 0), SECRET, fast, random.Random(2), accept=guard.accept
+            "b", ("127.0.0.1", 0), SECRET, fast, random.Random(2), prefilter=guard.accept
         )
         a.join([])
         b.join([a.core.addr])  # b's join reaches a; a's answers are refused by b's filter

@@ -1,0 +1,145 @@
+"""The gossip metadata a node announces (broker.cluster.nodemeta) and what the membership does
+with the members' (broker.cluster.membership_service): the encoding round trip, a strict
+decoder that ignores unknown keys, the 255-byte bound; the allowlist and the user-space
+filter's rule for strangers."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from broker.cluster.gossip.messages import Changed, Gossip, Packet, Ping, State, Sync, Update
+from broker.cluster.gossip.options import SwimConfig
+from broker.cluster.membership_service import MembershipService
+from broker.cluster.nodemeta import MAX_META, MetaError, NodeMeta
+from broker.cluster.nodesettings import GossipSettings
+
+ports = st.integers(1, 65535)
+addresses = st.text(alphabet="0123456789.:[]abcdef", max_size=45)
+
+
+@given(ports, st.integers(1, 65535), addresses, addresses)
+def test_round_trip(raft: int, workers: int, mqtt: str, http: str) -> None:
+    meta = NodeMeta(raft, workers, mqtt, http)
+    data = meta.encode()
+    assert len(data) <= MAX_META
+    assert NodeMeta.decode(data) == meta
+
+
+def test_the_encoding_is_small_json_and_unknown_keys_are_ignored() -> None:
+    data = NodeMeta(7950, 2, "10.0.0.1:1883", "10.0.0.1:8080").encode()
+    assert data == b'{"raft":7950,"workers":2,"mqtt":"10.0.0.1:1883","http":"10.0.0.1:8080"}'
+    assert NodeMeta(7950, 1).encode() == b'{"raft":7950,"workers":1}'
+    later = b'{"raft":7950,"workers":1,"zone":"eu-1","draining":true}'
+    assert NodeMeta.decode(later) == NodeMeta(7950, 1)
+
+
+@pytest.mark.parametrize(
+    ("data", "says"),
+    [
+        (b"", "not JSON"),
+        (b"\xff", "not JSON"),
+        (b"[7950, 1]", "not a JSON object"),
+        (b'{"workers": 1}', "integers"),
+        (b'{"raft": "7950", "workers": 1}', "integers"),
+        (b'{"raft": true, "workers": 1}', "integers"),
+        (b'{"raft": 7950, "workers": 1.5}', "integers"),
+        (b'{"raft": 0, "workers": 1}', "raft port 0"),
+        (b'{"raft": 65536, "workers": 1}', "raft port"),
+        (b'{"raft": 7950, "workers": 0}', "worker count 0"),
+        (b'{"raft": 7950, "workers": 1, "mqtt": 1883}', "strings"),
+    ],
+)
+def test_bad_meta_is_refused_with_a_reason(data: bytes, says: str) -> None:
+    with pytest.raises(MetaError, match=says):
+        NodeMeta.decode(data)
+
+
+def test_meta_over_255_bytes_is_refused_at_encoding() -> None:
+    with pytest.raises(MetaError, match="at most 255"):
+        NodeMeta(7950, 1, "m" * 200, "h" * 100).encode()
+
+
+def _service() -> MembershipService:
+    settings = GossipSettings(
+        bind=("127.0.0.1", 0),
+        seeds=[("127.0.0.1", 1)],
+        swim=SwimConfig(),
+        meta=NodeMeta(7950, 1),
+    )
+    return MembershipService("n1", settings, b"s" * 32)
+
+
+def test_allowlist_and_the_stranger_rule() -> None:
+    """Members' and seeds' hosts are allowed; an authenticated datagram from another host is
+    refused unless it is a Sync or carries its sender's own ALIVE; observers hear every
+    change; a member's bad metadata is refused and counted, its Raft address never dialled."""
+
+    async def main() -> None:
+        service = _service()
+        heard: list[frozenset[str]] = []
+        dialled: list[tuple[str, tuple[str, int]]] = []
+        service.on_member = lambda name, addr: dialled.append((name, addr))
+        await service.start()
+        try:
+            service.subscribe(heard.append)
+            assert heard == [frozenset({"127.0.0.1"})]  # itself and the seed
+            stranger = ("10.9.9.9", 7946)
+            ping = Packet("n9", Ping(1, "n1"))
+            assert not service._accept(stranger, ping)
+            assert service._accept(stranger, Packet("n9", Sync(True)))
+            own = Update(State.ALIVE, "n9", 3, "n9", stranger, b"")
+            assert service._accept(stranger, Packet("n9", Gossip(), (own,)))
+            other = Update(State.ALIVE, "n8", 3, "n8", ("10.9.9.8", 7946), b"")
+            assert not service._accept(stranger, Packet("n9", Gossip(), (other,)))
+
+            good = NodeMeta(7960, 1).encode()
+            service._on_change(Changed("n2", ("10.0.0.2", 7946), State.ALIVE, 0, None, good))
+            assert dialled == [("n2", ("10.0.0.2", 7960))]
+            service._on_change(Changed("n3", ("10.0.0.3", 7946), State.ALIVE, 0, None, b"junk"))
+            assert service.stats()["bad_meta"] == 1 and "n3" in service.bad_meta
+            assert dialled == [("n2", ("10.0.0.2", 7960))]
+        finally:
+            service.close()
+
+    asyncio.run(main())
+
+
+def test_two_services_see_each_other_and_the_allowlist_follows(
+    unused_udp_port: int = 0,
+) -> None:
+    """Real UDP on 127.0.0.1: two members join, each sees the other alive with its metadata,
+    and the stats carry every counter (0 until counted)."""
+
+    async def main() -> None:
+        fast = SwimConfig(probe_interval=50, probe_timeout=20, gossip_interval=10, join_retry=50)
+        a = MembershipService(
+            "a", GossipSettings(("127.0.0.1", 0), [], fast, NodeMeta(7950, 1)), b"k" * 32
+        )
+        await a.start()
+        assert a.endpoint is not None
+        port = a.endpoint.core.addr[1]
+        b = MembershipService(
+            "b",
+            GossipSettings(("127.0.0.1", 0), [("localhost", port)], fast, NodeMeta(7960, 1)),
+            b"k" * 32,
+        )
+        await b.start()
+        try:
+            assert b.seeds == [("127.0.0.1", port)]
+            raft = await asyncio.wait_for(b.formed(1.0), 10)
+            assert raft == {"a": ("127.0.0.1", 7950), "b": ("127.0.0.1", 7960)}
+            view = {m["id"]: m for m in b.view()}
+            assert view["a"]["state"] == "alive" and view["a"]["raft"] == "127.0.0.1:7950"
+            stats = b.stats()
+            assert stats["dropped_stranger"] == 0 and stats["received"] > 0
+        finally:
+            a.close()
+            b.close()
+
+    random.seed(0)
+    asyncio.run(main())
