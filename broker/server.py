@@ -266,6 +266,8 @@ class Server:
         if self.config.cluster is not None and (self.worker is None or self.worker.index == 0):
             # Before the cluster's sockets open; seconds of compilation, off the loop.
             self.xdp = await asyncio.to_thread(open_filter, self.config)
+            if self.cluster is not None:  # the membership keeps its allowlist from now on
+                self.cluster.node.gossip_filter = self.xdp
         if self.cluster is not None:
             await self.cluster.start()  # formed and hosting before any client is served
         # Alone, no SO_REUSEPORT: a second broker on the same port must fail to bind, not

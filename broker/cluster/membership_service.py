@@ -33,11 +33,12 @@ election (issue 21, item 6). Runs on the event loop of worker 0; not thread-safe
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import socket
 from collections import Counter
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import Any, Protocol
 
 from broker.cluster.gossip.endpoint import GossipEndpoint, open_endpoint
 from broker.cluster.gossip.members import Member
@@ -80,6 +81,16 @@ COUNTERS = (
 Allowlist = frozenset[str]
 
 
+class GossipFilter(Protocol):
+    """What the membership needs of the cluster interface's filter (broker.xdp): a predicate
+    on each datagram before the codec, and an allowlist to keep."""
+
+    @property
+    def members(self) -> frozenset[str]: ...
+    def accept(self, host: str, data: bytes) -> bool: ...
+    def set_members(self, addrs: Iterable[str]) -> None: ...
+
+
 class MembershipService:
     """See the module docstring. ``name``: this node's id; ``settings``: where to gossip and
     what to announce; ``secret``: the cluster secret (the datagrams' HMAC key)."""
@@ -106,6 +117,8 @@ class MembershipService:
         self._changed = asyncio.Event()
         #: The Raft address last passed to :attr:`on_member`, per member.
         self._told: dict[str, tuple[str, int]] = {}
+        #: Sees each datagram before the codec (:meth:`guard`).
+        self.prefilter: Callable[[str, bytes], bool] | None = None
 
     # -- life --------------------------------------------------------------------------------
 
@@ -121,6 +134,7 @@ class MembershipService:
             on_change=self._on_change,
             meta=self._meta,
             accept=self._accept,
+            prefilter=self.prefilter,
         )
         await self._resolve()
         joined = list(dict.fromkeys([*self.seeds, *known]))
@@ -203,6 +217,19 @@ class MembershipService:
             self.endpoint.close()
 
     # -- the allowlist -----------------------------------------------------------------------
+
+    def guard(self, gate: GossipFilter) -> None:
+        """Before :meth:`start`: ``gate`` (broker.xdp's filter, in the kernel or its user-space
+        twin) sees every datagram before the codec, and keeps this allowlist together with
+        what it allowed at start (this node, the configured seeds), so a seed not yet a
+        member can answer a join."""
+        self.prefilter = gate.accept
+        base = gate.members
+
+        def keep(allowed: Allowlist) -> None:
+            gate.set_members(a for a in allowed | base if _is_ip(a))
+
+        self.subscribe(keep)
 
     def subscribe(self, observer: Callable[[Allowlist], None]) -> None:
         """Call ``observer`` with the allowlist now and after every change (module doc)."""
@@ -311,3 +338,11 @@ class MembershipService:
 def _addr(a: tuple[str, int]) -> str:
     host, port = a
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _is_ip(text: str) -> bool:
+    try:
+        ipaddress.ip_address(text)
+    except ValueError:
+        return False
+    return True

@@ -65,7 +65,7 @@ from broker.cluster import formation
 from broker.cluster.frames import Frame
 from broker.cluster.logsync import LogSyncer
 from broker.cluster.membership import Configuration
-from broker.cluster.membership_service import MembershipService
+from broker.cluster.membership_service import GossipFilter, MembershipService
 from broker.cluster.messages import HardState
 from broker.cluster.metadata import LocalStreams
 from broker.cluster.metadata_group import MetadataError, MetadataGroup
@@ -163,6 +163,7 @@ class ClusterNode:
         self.metadata: MetadataGroup | None = None
         #: The gossip membership (worker 0 only, ``broker.cluster.formation``).
         self.membership: MembershipService | None = None
+        self.gossip_filter: GossipFilter | None = None  # broker.xdp's, set by the server
         self.transport = PeerTransport(
             settings.name,
             settings.bind,
@@ -185,6 +186,8 @@ class ClusterNode:
         if (gossip := self.settings.gossip) is not None:
             if self.settings.worker[0] == 0:  # the node's gossip member (formation's doc)
                 self.membership = MembershipService(self.name, gossip, self.settings.secret)
+                if self.gossip_filter is not None:
+                    self.membership.guard(self.gossip_filter)
             members = await formation.by_gossip(
                 self.settings,
                 self.state_dir,
