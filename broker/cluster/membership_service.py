@@ -18,8 +18,12 @@ seed is a live member with valid metadata (:meth:`MembershipService.formed`), as
 member list did; the node then persists the member list, so that a restart forms at once.
 
 **The allowlist** (:meth:`MembershipService.subscribe`): the hosts that may send gossip and
-Raft traffic to this node: every alive or suspect member's, and the seeds' (a seed answers a
-join before it is a member; without it a filter would drop the answer). Observers (the XDP
+Raft traffic to this node: every member's that has not left, and the seeds' (a seed answers a
+join before it is a member; without it a filter would drop the answer). A member declared dead
+stays on it until it leaves (or, in a later step, is replaced after ``replace_after``): the
+filter in front of the codec (broker/xdp/) would otherwise drop the ALIVE with which it
+refutes a false death or comes back after a restart, and it could never rejoin; strangers
+were never members, so they stay out. Observers (the XDP
 filter, ``broker/xdp/``) are called with the whole set at once and again on every change. The
 same set applies in user space here (the endpoint's ``accept``): an authenticated datagram
 from any other host is dropped and counted as ``dropped_stranger`` unless it is a state
@@ -241,7 +245,7 @@ class MembershipService:
         return self._allowed
 
     def _publish(self) -> None:
-        hosts = {m.addr[0] for m in self.core_members() if m.state in LIVE}
+        hosts = {m.addr[0] for m in self.core_members() if m.state is not State.LEFT}
         hosts.update(a[0] for a in self.seeds)
         allowed = frozenset(hosts)
         if allowed == self._allowed:
