@@ -36,13 +36,21 @@ class Leadership:
         node.handlers[TRANSFER] = self._on_transfer
         node.handlers[HOLD] = self._on_hold
 
-    def transfer(self, g: int, label: str, name: str) -> str:
+    def transfer(self, g: int, label: str, name: str, leader_hint: int | None = None) -> str:
         """Start moving group ``g``'s (called ``label``) leadership to node ``name``: here if
-        this node leads it, else through its leader. Raises ``ValueError`` with the reason."""
+        this node leads it, else through its leader. On a node outside the group
+        (``leader_hint``: the leader its reads last named) the leader checks that ``name`` is
+        a voter. Raises ``ValueError`` with the reason."""
         node = self.node
         to = next((i for i, n in node.names.items() if n == name), None)
         if g not in node.storages:
-            raise ValueError(f"{label} is not a replicated partition held here")
+            if to is None:
+                raise ValueError(f"{name!r} is not a node of this cluster")
+            if leader_hint is None:
+                raise ValueError(f"{label} has no known leader here now: try again")
+            if not node.send(leader_hint, TRANSFER, _TRANSFER.pack(g, to)):
+                raise ValueError(f"{label}: its leader {node.names[leader_hint]} is unreachable")
+            return f"{label}: asked its leader {node.names[leader_hint]} to hand it to {name}"
         if to is None or to not in node.core(g).configuration.voters:
             raise ValueError(f"{name!r} is not a voter of {label}")
         leader = node.leader(g)
@@ -60,6 +68,9 @@ class Leadership:
     def _on_transfer(self, frm: int, body: memoryview) -> None:
         g, to = _TRANSFER.unpack_from(body)
         if g in self.node.storages and self.node.is_leader(g) and to != self.node.id:
+            if to not in self.node.core(g).configuration.voters:
+                log.warning("cluster: transfer of group %d to %d refused: not a voter", g, to)
+                return
             try:
                 self._hand_over(g, to)
             except ValueError as e:

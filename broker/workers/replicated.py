@@ -584,8 +584,10 @@ class ClusterService:
         label = f"{key[0]}/{key[1]}"
         g = self.keys.get(key)
         if g is None:
-            raise ValueError(f"{label} is not a replicated partition held here")
-        return self.leadership.transfer(g, label, name)
+            raise ValueError(f"{label} is not a replicated partition of this worker")
+        remote = self.remote_parts.get(key)
+        hint = remote.leader_hint if remote is not None else None
+        return self.leadership.transfer(g, label, name, hint)
 
     def status(self) -> dict[str, Any]:
         view = self.node.status()

@@ -23,6 +23,8 @@ import contextlib
 import itertools
 import json
 import queue
+import subprocess
+import sys
 import time
 import urllib.error
 import urllib.request
@@ -407,3 +409,37 @@ def test_kill_of_the_leader_under_load_through_an_outsider_loses_nothing(
     assert first == [x for x in first if x in set(acked)] and first == sorted(
         first, key=lambda x: int(x[1:])
     )
+
+
+def test_transfer_leader_through_a_node_outside_the_group(cluster: MqlogCluster) -> None:
+    """``mqlog cluster transfer-leader`` asked of the outsider: passed to the leader its reads
+    know, which checks that the target votes."""
+    p = 0
+    outside = cluster.member(outsider(p))
+    deadline = time.monotonic() + 20
+    while True:
+        entry = next(
+            e
+            for e in status(cluster, outside)["partitions"]
+            if (e["stream"], e["partition"]) == (STREAM, p)
+        )
+        if entry["leader"]:
+            break
+        assert time.monotonic() < deadline, entry
+        time.sleep(0.2)
+    target = next(n for n in placement()[p] if n != entry["leader"])
+
+    def cli(node: str) -> subprocess.CompletedProcess[str]:
+        argv = ["cluster", "transfer-leader", f"{STREAM}/{p}", node]
+        url = f"http://{outside.addr}:{HTTP_PORT}"
+        return subprocess.run(
+            [sys.executable, "-m", "broker.cli", *argv, "--broker", url],
+            capture_output=True,
+            text=True,
+            env=cluster.env(),
+        )
+
+    done = cli(target)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"{STREAM}/{p}: leader {target}" in done.stdout
+    assert cli("n9").returncode != 0  # not a node of this cluster: refused at once
