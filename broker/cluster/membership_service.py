@@ -18,12 +18,13 @@ seed is a live member with valid metadata (:meth:`MembershipService.formed`), as
 member list did; the node then persists the member list, so that a restart forms at once.
 
 **The allowlist** (:meth:`MembershipService.subscribe`): the hosts that may send gossip and
-Raft traffic to this node: every member's that has not left, and the seeds' (a seed answers a
-join before it is a member; without it a filter would drop the answer). A member declared dead
-stays on it until it leaves (or, in a later step, is replaced after ``replace_after``): the
-filter in front of the codec (broker/xdp/) would otherwise drop the ALIVE with which it
-refutes a false death or comes back after a restart, and it could never rejoin; strangers
-were never members, so they stay out. Observers (the XDP
+Raft traffic to this node: every alive or suspect member's, every member's declared dead less
+than ``[cluster] replace_after`` ago, and the seeds' (a seed answers a join before it is a
+member; without it a filter would drop the answer). A dead member stays on it that long
+because the filter in front of the codec (broker/xdp/) would otherwise drop the ALIVE with
+which it refutes a false death or comes back after a restart, and it could not rejoin unless
+it is a seed; past ``replace_after`` its replicas are re-created elsewhere (issue 21) and it
+is a stranger until it joins again through a seed. Observers (the XDP
 filter, ``broker/xdp/``) are called with the whole set at once and again on every change. The
 same set applies in user space here (the endpoint's ``accept``): an authenticated datagram
 from any other host is dropped and counted as ``dropped_stranger`` unless it is a state
@@ -245,7 +246,7 @@ class MembershipService:
         return self._allowed
 
     def _publish(self) -> None:
-        hosts = {m.addr[0] for m in self.core_members() if m.state is not State.LEFT}
+        hosts = {m.addr[0] for m in self.core_members() if self._allowed_member(m)}
         hosts.update(a[0] for a in self.seeds)
         allowed = frozenset(hosts)
         if allowed == self._allowed:
@@ -256,6 +257,14 @@ class MembershipService:
                 observer(allowed)
             except Exception:
                 logger.exception("gossip: allowlist observer %r failed", observer)
+
+    def _allowed_member(self, m: Member) -> bool:
+        if m.state in LIVE:
+            return True
+        if m.state is not State.DEAD:
+            return False
+        now_ms = asyncio.get_running_loop().time() * 1000
+        return now_ms - m.since < self.settings.replace_after * 1000
 
     def _accept(self, addr: Addr, packet: Packet) -> bool:
         if addr[0] in self._allowed or isinstance(packet.message, Sync):
@@ -269,6 +278,9 @@ class MembershipService:
         of a new Raft address, the allowlist and the formation waiters updated."""
         if change.state is State.ALIVE:
             self._learn_meta(change)
+        elif change.state is State.DEAD:
+            # Off the allowlist once dead for replace_after (the module doc's allowlist).
+            asyncio.get_running_loop().call_later(self.settings.replace_after + 0.05, self._publish)
         self._publish()
         self._changed.set()
 

@@ -24,6 +24,8 @@ class GossipSettings:
     seeds: list[tuple[str, int]]
     swim: SwimConfig
     meta: NodeMeta
+    #: Seconds a dead member stays on the allowlist (``[cluster] replace_after``).
+    replace_after: float = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -77,6 +79,7 @@ def node_settings(
             seeds=[(seed.host, seed.port) for seed in config.seeds],
             swim=swim_config(config),
             meta=NodeMeta(config.raft_port, worker[1], mqtt, http),
+            replace_after=config.replace_after / 1000,
         ),
     )
 

@@ -12,6 +12,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from broker.cluster.gossip.members import Member
 from broker.cluster.gossip.messages import Changed, Gossip, Packet, Ping, State, Sync, Update
 from broker.cluster.gossip.options import SwimConfig
 from broker.cluster.membership_service import MembershipService
@@ -103,6 +104,44 @@ def test_allowlist_and_the_stranger_rule() -> None:
             service._on_change(Changed("n3", ("10.0.0.3", 7946), State.ALIVE, 0, None, b"junk"))
             assert service.stats()["bad_meta"] == 1 and "n3" in service.bad_meta
             assert dialled == [("n2", ("10.0.0.2", 7960))]
+        finally:
+            service.close()
+
+    asyncio.run(main())
+
+
+def test_a_dead_member_stays_allowed_for_replace_after_then_goes() -> None:
+    """A member declared dead stays on the allowlist (so it can refute or rejoin through a
+    filter in front of the codec) for ``replace_after``; one that left, or has been dead
+    longer, is off it; observers hear the removal when the time passes."""
+
+    async def main() -> None:
+        settings = GossipSettings(
+            ("127.0.0.1", 0), [("127.0.0.1", 1)], SwimConfig(), NodeMeta(7950, 1), 0.3
+        )
+        service = MembershipService("n1", settings, b"s" * 32)
+        await service.start()
+        now = int(asyncio.get_running_loop().time() * 1000)
+
+        def member(node: str, host: str, state: State, since: int) -> Member:
+            return Member(node, (host, 7946), state, 1, since, node)
+
+        members = [
+            member("n2", "10.0.0.2", State.ALIVE, now),
+            member("n3", "10.0.0.3", State.DEAD, now),
+            member("n4", "10.0.0.4", State.LEFT, now),
+            member("n5", "10.0.0.5", State.DEAD, now - 10_000),
+            member("n6", "10.0.0.6", State.SUSPECT, now),
+        ]
+        service.core_members = lambda: members  # type: ignore[method-assign]
+        heard: list[frozenset[str]] = []
+        try:
+            service.subscribe(heard.append)
+            service._on_change(Changed("n3", ("10.0.0.3", 7946), State.DEAD, 1, State.SUSPECT))
+            assert service.allowlist == {"127.0.0.1", "10.0.0.2", "10.0.0.3", "10.0.0.6"}
+            await asyncio.sleep(0.5)
+            assert service.allowlist == {"127.0.0.1", "10.0.0.2", "10.0.0.6"}
+            assert heard[-1] == service.allowlist
         finally:
             service.close()
 
