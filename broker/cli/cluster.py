@@ -134,8 +134,21 @@ def cmd_transfer_leader(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_leave(args: argparse.Namespace) -> int:
+    answer = _post(args.broker, "/api/v1/cluster/leave", {}, args.user)
+    for partition, node in sorted(answer.get("moved", {}).items()):
+        print(f"{partition}: handed to {node}")
+    still = answer.get("still_leading", [])
+    for partition in still:
+        print(f"{partition}: still led by {answer.get('node')} (no other replica took it)")
+    print(f"node {answer.get('node')}: clients told to use another server; stopping")
+    return 1 if still else 0
+
+
 def add_parser(sub: Any) -> None:
-    cluster = sub.add_parser("cluster", help="a cluster node's view: status, transfer-leader")
+    cluster = sub.add_parser(
+        "cluster", help="a cluster node's view: status, transfer-leader, leave"
+    )
     commands = cluster.add_subparsers(dest="cluster_command", required=True)
     status = commands.add_parser("status", help="members, and each partition's leader and lag")
     status.set_defaults(func=cmd_status)
@@ -144,7 +157,11 @@ def add_parser(sub: Any) -> None:
     transfer.add_argument("node", help="the node_id to lead it")
     transfer.add_argument("--timeout", type=float, default=10.0, help="seconds to wait (10)")
     transfer.set_defaults(func=cmd_transfer_leader)
-    for cmd in (status, transfer):
+    leave = commands.add_parser(
+        "leave", help="drain the node (leaderships, clients, goodbye) and stop it"
+    )
+    leave.set_defaults(func=cmd_leave)
+    for cmd in (status, transfer, leave):
         cmd.add_argument(
             "--broker", default=DEFAULT_BROKER, help=f"a node's HTTP API (default {DEFAULT_BROKER})"
         )

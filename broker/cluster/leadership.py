@@ -11,6 +11,7 @@ leader to show, says so.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import struct
 
@@ -64,6 +65,34 @@ class Leadership:
         if not node.send(leader, TRANSFER, _TRANSFER.pack(g, to)):
             raise ValueError(f"{label}: its leader {node.names[leader]} is unreachable")
         return f"{label}: asked its leader {node.names[leader]} to hand it to {name}"
+
+    async def drain(self, timeout: float, every: float = 1.0) -> dict[int, int]:
+        """Hand every group this node leads to its most caught-up other voter (``mqlog
+        cluster leave``), each held there against the balancers (:data:`HOLD`); transfers
+        that fail are asked for again every ``every`` s, until none is led here or
+        ``timeout`` passes. Returns group -> the node last asked to lead it."""
+        node = self.node
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        asked: dict[int, int] = {}
+        while True:
+            led = [g for g in node.storages if node.is_leader(g)]
+            if not led or loop.time() >= deadline:
+                return asked
+            for g in led:
+                core = node.core(g)
+                others = [v for v in core.configuration.voters if v != node.id]
+                if not others or core.transferee is not None:
+                    continue
+                progress = core.progress
+                to = max(others, key=lambda v: (progress[v].match, v == asked.get(g)))
+                try:
+                    self._hand_over(g, to)
+                except ValueError as e:
+                    log.warning("cluster: leave: transfer of group %d refused: %s", g, e)
+                    continue
+                asked[g] = to
+            await asyncio.sleep(every)
 
     def _on_transfer(self, frm: int, body: memoryview) -> None:
         g, to = _TRANSFER.unpack_from(body)

@@ -215,9 +215,15 @@ class MembershipService:
         if self.endpoint is not None:
             self.endpoint.probe_soon(node)
 
+    async def leave(self, timeout: float) -> None:
+        """Say goodbye (``mqlog cluster leave``): the others mark this member left, not
+        dead, once it has been gossiped (or ``timeout`` s), then stop gossiping."""
+        if self.endpoint is not None:
+            await self.endpoint.leave(timeout)
+
     def close(self) -> None:
         """Stop gossiping, without a goodbye: a stopped node is a failed one to the others
-        until it comes back (``mqlog cluster leave``, a later step, says goodbye first)."""
+        until it comes back (:meth:`leave` says goodbye first)."""
         if self.endpoint is not None:
             self.endpoint.close()
 

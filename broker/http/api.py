@@ -103,6 +103,11 @@ class AdminSource(PartitionSource, SessionsSource, Protocol):
         Raises ValueError (a single node, an unknown partition or node)."""
         ...
 
+    async def leave(self) -> dict[str, Any]:
+        """Drain this node and stop it (``mqlog cluster leave``); what was handed over.
+        Raises ValueError where it cannot."""
+        ...
+
 
 class HttpApi:
     """The admin HTTP listener of one broker. Started and stopped by the server."""
@@ -125,6 +130,7 @@ class HttpApi:
                     f"{API}/cluster/partitions/{{stream}}/{{partition}}/leader",
                     self.transfer_leader,
                 ),
+                web.post(f"{API}/cluster/leave", self.leave),
                 *FetchApi(server).routes(),
             ]
         )
@@ -172,6 +178,15 @@ class HttpApi:
         except ValueError as e:
             return _error(409, str(e))
         return _json({"message": message})
+
+    async def leave(self, request: web.Request) -> web.Response:
+        """``POST /api/v1/cluster/leave``: hand this node's leaderships over, tell its clients
+        to use another server, say goodbye to the members, then stop (answered before it
+        stops): ``{"node", "moved": {partition: node}, "still_leading": [...]}``."""
+        try:
+            return _json(await self.server.leave())
+        except ValueError as e:
+            return _error(409, str(e))
 
     async def healthz(self, request: web.Request) -> web.Response:
         """200 ``{"status": "ok", "ready": true, "connections", "sessions"}`` while every
