@@ -161,9 +161,10 @@ class MultiRaft:
         self._sent_at = dict.fromkeys(self.peers, -self.config.heartbeat_ticks)
         self._out: dict[int, Frame] = {}
         self._ready = Ready()
-        #: Asked for a log when a leader replicates a group this node does not host (group,
-        #: leader): one to join it as a learner (:meth:`join_group`), or None to ignore.
-        self.on_unknown_group: Callable[[int, int], GroupLog | None] | None = None
+        #: Called when a leader replicates a group this node does not host (group, leader):
+        #: the driver hosts it (:meth:`join_group`, or :meth:`add_group` over a log that
+        #: holds the group already) or leaves the message dropped.
+        self.on_unknown_group: Callable[[int, int], None] | None = None
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -348,12 +349,13 @@ class MultiRaft:
         return ready
 
     def _joined(self, g: int, m: Message) -> RaftNode | None:
-        """A group this node does not host: joined if ``m`` is a leader's replication to it
-        and :attr:`on_unknown_group` gives a log for it (the driver knows the group)."""
+        """A group this node does not host: if ``m`` is a leader's replication to it, the
+        driver may host it now (:attr:`on_unknown_group`, with :meth:`join_group` or
+        :meth:`add_group`); its core, or None."""
         if self.on_unknown_group is None or not isinstance(m, AppendEntries | InstallSnapshot):
             return None
-        log = self.on_unknown_group(g, m.frm)
-        return None if log is None else self.join_group(g, m.frm, log)
+        self.on_unknown_group(g, m.frm)
+        return self._cores.get(g)
 
     # -- quiescence --------------------------------------------------------------------------
 

@@ -41,7 +41,9 @@ class MovingNet(Net):
         if node in self.first:
             for g in self.group_ids:
                 host.add_group(g, list(self.first), self.logs[node][g])
-        host.on_unknown_group = lambda g, leader, node=node: self.logs[node][g]
+        host.on_unknown_group = lambda g, leader, host=host, node=node: (
+            host.join_group(g, leader, self.logs[node][g]) and None
+        )
         self.hosts[node] = host
 
     def majority(self, host: MultiRaft, g: int, index: int, nodes: list[int]) -> bool:
@@ -220,7 +222,7 @@ def test_the_planners_order(
 def test_a_node_joins_only_on_a_leaders_replication_and_as_a_learner() -> None:
     host = MultiRaft(3, range(4), random.Random(1), CONFIG)
     logs: dict[int, MemLog] = {}
-    host.on_unknown_group = lambda g, leader: logs.setdefault(g, MemLog())
+    host.on_unknown_group = lambda g, leader: None
     core = host.join_group(9, 0, logs.setdefault(9, MemLog()))
     assert core.configuration == Configuration.of({0}, {3})
     for _ in range(10 * CONFIG.election_ticks):
