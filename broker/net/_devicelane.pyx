@@ -1,0 +1,217 @@
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+"""The device path compiled (issue 23, item 1): :class:`DeviceLane` does in C what
+``MQTTProtocol._plain_publish`` and ``MQTTProtocol._plain_acked`` (broker.net.transport,
+the pure-Python reference) do for a read that is one plain QoS 0/1 PUBLISH to the
+connection's plain topic, byte for byte the same (tests/unit/net/test_device_path.py runs
+every equivalence test on both).
+
+Per message, what was about ten Python calls and several objects (the connection's
+recognition, a ``partial`` for the ack, the router's ``publish_plain``, the partition's
+``add`` and ``next_offset``, ``flush_soon``; at the commit ``_plain_acked``, ``puback``,
+the PUBACK's encoding) is one call into C, one Record tuple, and one small ack object
+called from the partition's commit. The commit, the PUBACKs' write and the subscribers'
+delivery run per batch, in Python, unchanged.
+
+Where the partition is not a plain :class:`~broker.router.partition.Partition` (another
+worker's, a replicated one: types with their own ``add`` or ``next_offset``), the record
+goes through ``Router.publish_plain`` as on the Python path, with the same compiled ack.
+
+Loaded by :mod:`broker.net.devicepath`; built by ``pip install -e .`` (setup.py). Called
+only from the owning event loop's thread.
+"""
+
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.dict cimport PyDict_GetItem
+from cpython.list cimport PyList_Append, PyList_GET_SIZE
+from cpython.set cimport PySet_Add, PySet_Contains, PySet_Discard, PySet_GET_SIZE
+from libc.string cimport memcmp
+
+cimport cython
+
+from broker.commitlog import Record
+from broker.router.partition import Partition
+
+#: The 4-byte PUBACK (Success, no properties: the same at every level, s3.4.2.1) of each
+#: packet id, made on first use.
+cdef list _PUBACKS = [None] * 65536
+#: Partition types the lane gathers into directly: their ``add`` and ``next_offset`` are
+#: Partition's (decided once per type).
+cdef dict _INLINE = {}
+cdef object _EMPTY = b""
+
+
+cdef inline bytes _puback(int packet_id):
+    data = _PUBACKS[packet_id]
+    if data is None:
+        data = _PUBACKS[packet_id] = bytes((0x40, 2, packet_id >> 8, packet_id & 0xFF))
+    return <bytes>data
+
+
+cdef bint _gathers_inline(object part):
+    cls = type(part)
+    known = PyDict_GetItem(_INLINE, cls)
+    if known is not NULL:
+        return <object>known is True
+    inline = (
+        getattr(cls, "add", None) is Partition.add
+        and getattr(cls, "next_offset", None) is Partition.next_offset
+    )
+    _INLINE[cls] = inline
+    return inline
+
+
+@cython.final
+cdef class DeviceLane:
+    """One connection's device path while it has a plain topic (``expect_plain``): what
+    the recognition needs of its ServerConnection, and where the records go."""
+
+    cdef readonly object proto
+    cdef object decoder
+    cdef bytes field
+    cdef Py_ssize_t max_packet_size
+    cdef int version
+    cdef int receive_maximum
+    cdef set unacked
+    cdef object topic
+    cdef object client_id
+    cdef readonly object key
+    cdef list messages_in
+    cdef object router
+    cdef dict partitions
+    cdef dict dirty
+    cdef object flush_soon
+    cdef object clock
+    cdef object edge
+
+    def __init__(self, proto, key):
+        conn = proto.conn
+        router = proto.router
+        self.proto = proto
+        self.decoder = conn._decoder
+        self.field = conn._plain_field
+        self.max_packet_size = conn._max_packet_size
+        self.version = conn.version or 0
+        self.receive_maximum = conn.receive_maximum
+        self.unacked = conn.inbound_unacked
+        self.topic = conn.plain_topic
+        self.client_id = proto.client_id
+        self.key = key
+        self.messages_in = proto.metrics.messages_in
+        self.router = router
+        self.partitions = router.partitions
+        self.dirty = router.dirty
+        self.flush_soon = router.flush_soon
+        self.clock = router.clock
+        self.edge = proto.edge
+
+    cpdef bint publish(self, bytes data) except -1:
+        """Gather ``data`` if it is one plain PUBLISH to the lane's topic (the rules of
+        ``ServerConnection.plain_publish``); False, with nothing changed, leaves it to the
+        decoder."""
+        cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
+        cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
+        cdef Py_ssize_t length, pos, flen
+        cdef int first, qos, packet_id = 0
+        if n < 2:
+            return False
+        first = p[0]
+        if first != 0x32 and first != 0x30:  # QoS 1 or 0; no DUP, no retain (s3.3.1)
+            return False
+        length = p[1]
+        pos = 2
+        if length & 0x80:  # a second byte of remaining length (up to 16,383 bytes)
+            if n < 3 or p[2] & 0x80:
+                return False
+            length = (length & 0x7F) | (p[2] << 7)
+            pos = 3
+        field = self.field
+        flen = PyBytes_GET_SIZE(field)
+        if pos + length != n or n > self.max_packet_size or not flen or pos + flen > n:
+            return False
+        if memcmp(p + pos, PyBytes_AS_STRING(field), flen) != 0:
+            return False
+        decoder = self.decoder
+        if decoder._pending or decoder._pos < len(decoder._buf):
+            return False  # part of a packet before it: the decoder's
+        pos += flen
+        if first == 0x32:
+            if pos + 2 > n:
+                return False
+            packet_id = (p[pos] << 8) | p[pos + 1]
+            pos += 2
+            if not packet_id:
+                return False  # the decoder refuses it [MQTT-2.2.1-3]
+        if self.version == 5:
+            if pos >= n or p[pos]:
+                return False  # properties: the decoder's
+            pos += 1
+            if packet_id:
+                # s4.9: the client's quota (our Receive Maximum), as the connection keeps it.
+                if (
+                    PySet_Contains(self.unacked, packet_id)
+                    or PySet_GET_SIZE(self.unacked) >= self.receive_maximum
+                ):
+                    return False
+                PySet_Add(self.unacked, packet_id)
+        qos = first >> 1 & 1
+        messages_in = self.messages_in
+        messages_in[qos] += 1
+        payload = data[pos:]
+        timestamp = int(self.clock() * 1000)
+        ack = None
+        if packet_id:
+            ack = DeviceAck.__new__(DeviceAck)
+            (<DeviceAck>ack).lane = self
+            (<DeviceAck>ack).packet_id = packet_id
+        key = self.key
+        found = PyDict_GetItem(self.partitions, key)
+        if found is NULL or not _gathers_inline(<object>found):
+            self.router.publish_plain(
+                self.client_id, self.topic, key, payload, qos, timestamp, ack
+            )
+            return True
+        part = <object>found
+        pending = part.pending
+        offset = part.end + PyList_GET_SIZE(pending)
+        PyList_Append(
+            pending,
+            tuple.__new__(
+                Record,
+                (offset, timestamp, self.topic, payload, qos, False, self.client_id, _EMPTY),
+            ),
+        )
+        PyList_Append(part.acks, ack)
+        found = PyDict_GetItem(self.dirty, key)
+        if found is NULL or <object>found is not part:
+            self.dirty[key] = part
+            self.flush_soon()
+        return True
+
+
+@cython.final
+@cython.freelist(64)
+cdef class DeviceAck:
+    """The acknowledgement of one device-path QoS 1 PUBLISH, called by the partition's
+    commit with the record's offset (the AckCallback contract, broker.router.commit):
+    its PUBACK only after the append [MQTT-4.3.2-2]."""
+
+    cdef DeviceLane lane
+    cdef int packet_id
+
+    def __call__(self, offset):
+        proto = self.lane.proto
+        if proto._closing:
+            return
+        if offset is None or offset < 0:
+            # A failed append or an unknown outcome: the Python path's answer (rare).
+            proto._plain_acked(self.packet_id, offset)
+            return
+        lane = self.lane
+        if lane.version == 5:
+            PySet_Discard(lane.unacked, self.packet_id)  # its quota comes back (s4.9)
+        data = _puback(self.packet_id)
+        out = proto._out
+        if not out:
+            lane.edge.want_flush(proto)
+        PyList_Append(out, data)
+        proto._out_bytes += 4
