@@ -20,16 +20,28 @@ Loaded by :mod:`broker.net.devicepath`; built by ``pip install -e .`` (setup.py)
 only from the owning event loop's thread.
 """
 
-from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_GET_SIZE
+from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
 from cpython.dict cimport PyDict_GetItem
 from cpython.list cimport PyList_Append, PyList_GET_SIZE
+from cpython.object cimport PyObject
+from cpython.ref cimport Py_INCREF
 from cpython.set cimport PySet_Add, PySet_Contains, PySet_Discard, PySet_GET_SIZE
+from cpython.tuple cimport PyTuple_SET_ITEM
 from libc.string cimport memcmp
 
 cimport cython
 
 from broker.commitlog import Record
 from broker.router.partition import Partition
+
+
+cdef extern from "Python.h":
+    # A Record (a tuple subclass) of n items, all NULL until set; a new reference.
+    object PyType_GenericAlloc(type cls, Py_ssize_t n)
+    # A dict lookup with the key's hash given (the key is a tuple: its hash is not cached).
+    PyObject* _PyDict_GetItem_KnownHash(object d, object key, Py_hash_t h) except? NULL
+
+cdef type _RECORD = Record
 
 #: The 4-byte PUBACK (Success, no properties: the same at every level, s3.4.2.1) of each
 #: packet id, made on first use.
@@ -45,6 +57,26 @@ cdef inline bytes _puback(int packet_id):
     if data is None:
         data = _PUBACKS[packet_id] = bytes((0x40, 2, packet_id >> 8, packet_id & 0xFF))
     return <bytes>data
+
+
+cdef inline void _set(object t, Py_ssize_t i, object value):
+    Py_INCREF(value)
+    PyTuple_SET_ITEM(t, i, value)
+
+
+cdef object _record(offset, timestamp, topic, payload, qos, client_id):
+    """``Record(offset, timestamp, topic, payload, qos, False, client_id, b"")`` in one
+    allocation (``tuple.__new__(Record, ...)`` cost a method call and a copy)."""
+    record = PyType_GenericAlloc(_RECORD, 8)
+    _set(record, 0, offset)
+    _set(record, 1, timestamp)
+    _set(record, 2, topic)
+    _set(record, 3, payload)
+    _set(record, 4, qos)
+    _set(record, 5, False)
+    _set(record, 6, client_id)
+    _set(record, 7, _EMPTY)
+    return record
 
 
 cdef bint _gathers_inline(object part):
@@ -75,6 +107,8 @@ cdef class DeviceLane:
     cdef object topic
     cdef object client_id
     cdef readonly object key
+    cdef Py_hash_t key_hash
+    cdef type inline_type
     cdef list messages_in
     cdef object router
     cdef dict partitions
@@ -96,6 +130,8 @@ cdef class DeviceLane:
         self.topic = conn.plain_topic
         self.client_id = proto.client_id
         self.key = key
+        self.key_hash = hash(key)
+        self.inline_type = None
         self.messages_in = proto.metrics.messages_in
         self.router = router
         self.partitions = router.partitions
@@ -156,7 +192,7 @@ cdef class DeviceLane:
         qos = first >> 1 & 1
         messages_in = self.messages_in
         messages_in[qos] += 1
-        payload = data[pos:]
+        payload = PyBytes_FromStringAndSize(<const char*>p + pos, n - pos)
         timestamp = int(self.clock() * 1000)
         ack = None
         if packet_id:
@@ -164,8 +200,10 @@ cdef class DeviceLane:
             (<DeviceAck>ack).lane = self
             (<DeviceAck>ack).packet_id = packet_id
         key = self.key
-        found = PyDict_GetItem(self.partitions, key)
-        if found is NULL or not _gathers_inline(<object>found):
+        found = _PyDict_GetItem_KnownHash(self.partitions, key, self.key_hash)
+        if found is NULL or (
+            type(<object>found) is not self.inline_type and not self._inline(<object>found)
+        ):
             self.router.publish_plain(
                 self.client_id, self.topic, key, payload, qos, timestamp, ack
             )
@@ -174,18 +212,21 @@ cdef class DeviceLane:
         pending = part.pending
         offset = part.end + PyList_GET_SIZE(pending)
         PyList_Append(
-            pending,
-            tuple.__new__(
-                Record,
-                (offset, timestamp, self.topic, payload, qos, False, self.client_id, _EMPTY),
-            ),
+            pending, _record(offset, timestamp, self.topic, payload, qos, self.client_id)
         )
         PyList_Append(part.acks, ack)
-        found = PyDict_GetItem(self.dirty, key)
+        found = _PyDict_GetItem_KnownHash(self.dirty, key, self.key_hash)
         if found is NULL or <object>found is not part:
             self.dirty[key] = part
             self.flush_soon()
         return True
+
+    cdef bint _inline(self, object part) except -1:
+        """Whether records for ``part`` are gathered here (remembered for its type)."""
+        if _gathers_inline(part):
+            self.inline_type = type(part)
+            return True
+        return False
 
 
 @cython.final
