@@ -1,4 +1,4 @@
-# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True
+# cython: language_level=3, boundscheck=False, wraparound=False, cdivision=True, auto_pickle=False
 """The device path compiled (issue 23, item 1): :class:`DeviceLane` does in C what
 ``MQTTProtocol._plain_publish`` and ``MQTTProtocol._plain_acked`` (broker.net.transport,
 the pure-Python reference) do for a read that is one plain QoS 0/1 PUBLISH to the
@@ -110,6 +110,8 @@ cdef class DeviceLane:
     cdef Py_hash_t key_hash
     cdef type inline_type
     cdef list messages_in
+    cdef object metrics
+    cdef object monotonic
     cdef object router
     cdef dict partitions
     cdef dict dirty
@@ -133,6 +135,8 @@ cdef class DeviceLane:
         self.key_hash = hash(key)
         self.inline_type = None
         self.messages_in = proto.metrics.messages_in
+        self.metrics = proto.metrics
+        self.monotonic = proto.edge.monotonic
         self.router = router
         self.partitions = router.partitions
         self.dirty = router.dirty
@@ -140,10 +144,14 @@ cdef class DeviceLane:
         self.clock = router.clock
         self.edge = proto.edge
 
-    cpdef bint publish(self, bytes data) except -1:
-        """Gather ``data`` if it is one plain PUBLISH to the lane's topic (the rules of
-        ``ServerConnection.plain_publish``); False, with nothing changed, leaves it to the
-        decoder."""
+    cpdef bint receive(self, bytes data) except -1:
+        """``MQTTProtocol.data_received`` for a read that is one plain PUBLISH to the lane's
+        topic (the rules of ``ServerConnection.plain_publish``): stamped, counted and
+        gathered. False, with nothing changed, leaves ``data`` to ``data_received``
+        (a closing connection, an admission pending, any other read)."""
+        proto = self.proto
+        if proto._closing or proto._admission is not None:
+            return False
         cdef const unsigned char* p = <const unsigned char*>PyBytes_AS_STRING(data)
         cdef Py_ssize_t n = PyBytes_GET_SIZE(data)
         cdef Py_ssize_t length, pos, flen
@@ -189,6 +197,9 @@ cdef class DeviceLane:
                 ):
                     return False
                 PySet_Add(self.unacked, packet_id)
+        # Recognised: what data_received does first for every read.
+        proto.last_received = self.monotonic()
+        self.metrics.bytes_in += n
         qos = first >> 1 & 1
         messages_in = self.messages_in
         messages_in[qos] += 1

@@ -194,6 +194,9 @@ class MQTTProtocol(asyncio.Protocol):
         self.metrics.connections_opened += 1
 
     def data_received(self, data: bytes) -> None:
+        lane = self._lane
+        if lane is not None and lane.receive(data):
+            return  # the compiled device path (module docstring)
         if self._closing:
             return
         self.last_received = self.edge.monotonic()
@@ -207,11 +210,7 @@ class MQTTProtocol(asyncio.Protocol):
                 # 0x16 is no valid MQTT first byte (CONNECT with reserved flags 0110).
                 self._wrong_protocol()
                 return
-        lane = self._lane
-        if lane is not None:
-            if lane.publish(data):
-                return
-        elif self.conn.plain_topic and self._plain_publish(data):
+        if lane is None and self.conn.plain_topic and self._plain_publish(data):
             return
         self._receive(data, None)
 
