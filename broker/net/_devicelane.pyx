@@ -242,10 +242,13 @@ cdef class DeviceLane:
 
 @cython.final
 @cython.freelist(64)
+@cython.no_gc
 cdef class DeviceAck:
     """The acknowledgement of one device-path QoS 1 PUBLISH, called by the partition's
     commit with the record's offset (the AckCallback contract, broker.router.commit):
-    its PUBACK only after the append [MQTT-4.3.2-2]."""
+    its PUBACK only after the append [MQTT-4.3.2-2]. Not tracked by the garbage collector
+    (one per message; it refers to its lane, and nothing that the lane reaches refers to
+    it: no cycle)."""
 
     cdef DeviceLane lane
     cdef int packet_id
