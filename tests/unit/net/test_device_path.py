@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -443,3 +444,31 @@ def test_a_failed_append_is_answered_alike(tmp_path: Path, version: int) -> None
     assert closed == (version == 4)
     if version == 5:
         assert written[-4:] != b"\x40\x02\x00\x02" and b"the log append failed" in written
+
+
+@pytest.mark.parametrize("path", DEVICE_PATHS)
+def test_the_real_clocks(tmp_path: Path, path: str) -> None:
+    """With the real clocks (time.time, time.monotonic) the compiled lane reads them in C:
+    the record's timestamp and the connection's last read time fall where the Python
+    calls put them."""
+    server = Server(tmp_path)
+    server.router.clock = time.time
+    server.monotonic = time.monotonic
+    proto = DEVICE_PATHS[path](server)  # type: ignore[arg-type]
+    transport = Transport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.data_received(connect(4))
+    proto.data_received(publish(4, TOPICS[0], b"a", 1, 1, False, False, b""))
+    server.end_iteration()
+    lane = proto._lane
+    before_ms, before = int(time.time() * 1000), time.monotonic()
+    proto.data_received(publish(4, TOPICS[0], b"b", 1, 2, False, False, b""))
+    after_ms, after = int(time.time() * 1000), time.monotonic()
+    server.end_iteration()
+    assert (lane is not None) == (path == "compiled" and devicepath.lane_class() is not None)
+    assert before <= proto.last_received <= after
+    stamps = {
+        r[3]: r[1] for r in server.streams.log(*server.streams.partition_for(TOPICS[0])).read(0)
+    }
+    assert before_ms <= stamps[b"b"] <= after_ms
+    server.streams.close()
