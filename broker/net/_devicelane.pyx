@@ -12,9 +12,10 @@ the PUBACK's encoding) is one call into C, one Record tuple, and one small ack o
 called from the partition's commit. The commit, the PUBACKs' write and the subscribers'
 delivery run per batch, in Python, unchanged.
 
-Where the partition is not a plain :class:`~broker.router.partition.Partition` (another
-worker's, a replicated one: types with their own ``add`` or ``next_offset``), the record
-goes through ``Router.publish_plain`` as on the Python path, with the same compiled ack.
+The lane gathers into a :class:`~broker.router.partition.Partition` (this worker's) and into
+a partition with PartitionBase's ``add`` (another worker's: the batch is forwarded, the owner
+numbers it); a type with its own ``add`` or ``next_offset`` (a replicated partition) gets the
+record through ``Router.publish_plain`` as on the Python path, with the same compiled ack.
 
 Loaded by :mod:`broker.net.devicepath`; built by ``pip install -e .`` (setup.py). Called
 only from the owning event loop's thread.
@@ -35,7 +36,7 @@ cimport cython
 import time
 
 from broker.commitlog import Record
-from broker.router.partition import Partition
+from broker.router.partition import Partition, PartitionBase
 
 
 cdef extern from "Python.h":
@@ -49,9 +50,16 @@ cdef type _RECORD = Record
 #: The 4-byte PUBACK (Success, no properties: the same at every level, s3.4.2.1) of each
 #: packet id, made on first use.
 cdef list _PUBACKS = [None] * 65536
-#: Partition types the lane gathers into directly: their ``add`` and ``next_offset`` are
-#: Partition's (decided once per type).
+#: How the lane gathers into a partition, by its type (decided once per type): NUMBERED
+#: where ``add`` and ``next_offset`` are Partition's (this worker appends: the offset is the
+#: log's end plus what is pending), UNNUMBERED where they are PartitionBase's (another
+#: worker's partition, broker.workers.partitions: offset -1, the owner numbers them),
+#: else through ``Router.publish_plain`` (a type with its own: a replicated partition).
 cdef dict _INLINE = {}
+cdef enum:
+    THROUGH_ROUTER = 0
+    NUMBERED = 1
+    UNNUMBERED = 2
 cdef object _EMPTY = b""
 
 
@@ -90,17 +98,18 @@ cdef object _record(offset, timestamp, topic, payload, qos, client_id):
     return record
 
 
-cdef bint _gathers_inline(object part):
-    cls = type(part)
+cdef int _gathering(type cls):
     known = PyDict_GetItem(_INLINE, cls)
     if known is not NULL:
-        return <object>known is True
-    inline = (
-        getattr(cls, "add", None) is Partition.add
-        and getattr(cls, "next_offset", None) is Partition.next_offset
-    )
-    _INLINE[cls] = inline
-    return inline
+        return <int><object>known
+    add, next_offset = getattr(cls, "add", None), getattr(cls, "next_offset", None)
+    how = THROUGH_ROUTER
+    if add is Partition.add and next_offset is Partition.next_offset:
+        how = NUMBERED
+    elif add is PartitionBase.add and next_offset is PartitionBase.next_offset:
+        how = UNNUMBERED
+    _INLINE[cls] = how
+    return how
 
 
 @cython.final
@@ -120,6 +129,7 @@ cdef class DeviceLane:
     cdef readonly object key
     cdef Py_hash_t key_hash
     cdef type inline_type
+    cdef int inline_how
     cdef list messages_in
     cdef object metrics
     cdef object monotonic
@@ -148,6 +158,7 @@ cdef class DeviceLane:
         self.key = key
         self.key_hash = hash(key)
         self.inline_type = None
+        self.inline_how = THROUGH_ROUTER
         self.messages_in = proto.metrics.messages_in
         self.metrics = proto.metrics
         self.monotonic = proto.edge.monotonic
@@ -242,7 +253,10 @@ cdef class DeviceLane:
             return True
         part = <object>found
         pending = part.pending
-        offset = part.end + PyList_GET_SIZE(pending)
+        if self.inline_how == NUMBERED:
+            offset = part.end + PyList_GET_SIZE(pending)
+        else:
+            offset = -1
         PyList_Append(
             pending, _record(offset, timestamp, self.topic, payload, qos, self.client_id)
         )
@@ -255,10 +269,12 @@ cdef class DeviceLane:
 
     cdef bint _inline(self, object part) except -1:
         """Whether records for ``part`` are gathered here (remembered for its type)."""
-        if _gathers_inline(part):
-            self.inline_type = type(part)
-            return True
-        return False
+        how = _gathering(type(part))
+        if how == THROUGH_ROUTER:
+            return False
+        self.inline_type = type(part)
+        self.inline_how = how
+        return True
 
 
 @cython.final

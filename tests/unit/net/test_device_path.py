@@ -33,7 +33,7 @@ from broker.net import devicepath
 from broker.net.keepalive import KeepaliveWheel
 from broker.net.transport import MQTTProtocol
 from broker.router.commit import OUTCOME_UNKNOWN
-from broker.router.partition import Partition
+from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
 from broker.server import TICK_SECONDS
 from tests.integration.rawclient import varint
@@ -218,7 +218,7 @@ def serve(
     version: int,
     reads: list[bytes],
     ends: list[int],
-    partition: type[Partition] = Partition,
+    partition: type[PartitionBase] = Partition,
 ) -> tuple[list[bytes], bool, list[tuple[Any, ...]]]:
     server = Server(data)
     if partition is not Partition:
@@ -345,12 +345,32 @@ class OwnAdd(Partition):
         super().add(record, ack)
 
 
+class Forwarded(PartitionBase):
+    """Another worker's partition as this one sees it (broker.workers.partitions'
+    RemotePartition: PartitionBase's ``add``, records without offsets), with the owner's
+    append done in place of the forward: the records gathered go to the log, each ack gets
+    its offset."""
+
+    def commit(self) -> tuple[int, int]:
+        records, acks = self.pending, self.acks
+        self.pending, self.acks = [], []
+        assert all(r[0] == -1 for r in records), "the owner numbers forwarded records"
+        first = self.log.append(records)
+        for i, ack in enumerate(acks):
+            if ack is not None:
+                ack(first + i)
+        return first, self.log.end_offset
+
+
+@pytest.mark.parametrize("partition", [OwnAdd, Forwarded])
 @pytest.mark.parametrize("path", DEVICE_PATHS)
-def test_a_partition_with_its_own_add(tmp_path: Path, path: str) -> None:
+def test_partitions_of_other_kinds(
+    tmp_path: Path, path: str, partition: type[PartitionBase]
+) -> None:
     reads = [_plain(i, bytes([i]), version=4) for i in range(1, 6)]
     ends = [0, 2, 4]
-    fast = serve(DEVICE_PATHS[path], tmp_path / "fast", 4, reads, ends, OwnAdd)
-    full = serve(FullPathOnly, tmp_path / "full", 4, reads, ends, OwnAdd)
+    fast = serve(DEVICE_PATHS[path], tmp_path / "fast", 4, reads, ends, partition)
+    full = serve(FullPathOnly, tmp_path / "full", 4, reads, ends, partition)
     assert fast == full
     assert [r[3] for r in fast[2]] == [bytes([i]) for i in range(1, 6)]
 
