@@ -303,6 +303,14 @@ def _plain(pid: int, payload: bytes = b"p", version: int = 5) -> bytes:
 
 
 _INNER = _plain(9, version=4)
+
+
+def _subscribe(topic_filter: str, qos: int) -> bytes:
+    name = topic_filter.encode()
+    body = struct.pack("!HH", 1, len(name)) + name + bytes([qos])
+    return b"\x82" + varint(len(body)) + body
+
+
 #: Named read sequences the generator above rarely makes: (version, reads, iteration ends,
 #: whether the client is disconnected).
 SCENARIOS = {
@@ -313,6 +321,14 @@ SCENARIOS = {
         5,
         [_plain(i) for i in range(1, 2 * QUOTA + 1)],
         [QUOTA - 1, 2 * QUOTA - 1],
+        False,
+    ),
+    # The device reads its own messages: deliveries and PUBACKs leave in one write per
+    # iteration (the compiled path's AckFlush leaves a buffer with more in it to the link).
+    "subscribed to its own topic": (
+        4,
+        [_subscribe(TOPICS[0], 0), *(_plain(i, bytes([i]), version=4) for i in range(1, 6))],
+        [0, 2, 3, 5],
         False,
     ),
     # A PUBLISH (to "t") whose payload is a plain PUBLISH, the payload in its own read: it
