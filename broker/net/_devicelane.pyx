@@ -33,9 +33,7 @@ from posix.time cimport CLOCK_MONOTONIC, CLOCK_REALTIME, clock_gettime, timespec
 
 cimport cython
 
-import logging
 import time
-import weakref
 
 from broker.commitlog import Record
 from broker.router.partition import Partition, PartitionBase
@@ -63,9 +61,6 @@ cdef enum:
     NUMBERED = 1
     UNNUMBERED = 2
 cdef object _EMPTY = b""
-cdef object _log = logging.getLogger("broker.net.transport")
-#: One AckFlush per worker (its EdgeContext, the server).
-cdef object _FLUSHES = weakref.WeakKeyDictionary()
 
 
 cdef inline bytes _puback(int packet_id):
@@ -147,7 +142,6 @@ cdef class DeviceLane:
     cdef object flush_soon
     cdef object clock
     cdef object edge
-    cdef AckFlush flush
 
     def __init__(self, proto, key):
         conn = proto.conn
@@ -175,14 +169,7 @@ cdef class DeviceLane:
         self.flush_soon = router.flush_soon
         self.clock = router.clock
         self.c_clock = self.clock is time.time
-        self.edge = edge = proto.edge
-        try:
-            flush = _FLUSHES.get(edge)
-            if flush is None:
-                flush = _FLUSHES[edge] = AckFlush(edge)
-            self.flush = flush
-        except TypeError:  # an edge without weak references: want_flush per connection
-            self.flush = None
+        self.edge = proto.edge
 
     cpdef bint receive(self, bytes data) except -1:
         """``MQTTProtocol.data_received`` for a read that is one plain PUBLISH to the lane's
@@ -317,73 +304,6 @@ cdef class DeviceAck:
         data = _puback(self.packet_id)
         out = proto._out
         if not out:
-            if lane.flush is None:
-                lane.edge.want_flush(proto)
-            else:
-                lane.flush.add(proto)
+            lane.edge.want_flush(proto)
         PyList_Append(out, data)
         proto._out_bytes += 4
-
-
-@cython.final
-cdef class AckFlush:
-    """The end-of-iteration write of the connections a device PUBACK was the first output
-    of, for one worker: one ``want_flush`` per iteration for all of them (not one per
-    connection), and ``MQTTProtocol.flush_output`` done here for the common case (one
-    buffer, within the iteration's budget), the same write. Anything else is the
-    connection's own ``flush_output``. A connection that queues more output the same
-    iteration finds its buffer non-empty and leaves it here."""
-
-    cdef list links
-    cdef bint due
-    #: The worker's edge, weakly (the edge is this object's key in _FLUSHES).
-    cdef object edge
-    #: For the server's error line, should this object's flush fail (it catches its own).
-    cdef readonly str client_id
-    cdef readonly str peer
-
-    def __init__(self, edge):
-        self.links = []
-        self.due = False
-        self.edge = weakref.ref(edge)
-        self.client_id = "device acknowledgements"
-        self.peer = "-"
-
-    cdef int add(self, proto) except -1:
-        PyList_Append(self.links, proto)
-        if not self.due:
-            edge = self.edge()
-            if edge is None:  # the worker is gone (a test's)
-                return 0
-            self.due = True
-            edge.want_flush(self)
-        return 0
-
-    def flush_output(self):
-        links = self.links
-        self.links = []
-        self.due = False
-        for proto in links:
-            try:
-                _flush(proto)
-            except Exception:
-                _log.exception(
-                    "bug while writing to %s (%s)", proto.client_id or "?", proto.peer
-                )
-
-
-cdef int _flush(proto) except -1:
-    """``MQTTProtocol.flush_output`` for one buffer within the budget; else that method."""
-    out = proto._out
-    if PyList_GET_SIZE(out) != 1 or proto._out_bytes >= proto._budget:
-        proto.flush_output()
-        return 0
-    proto._out = []
-    proto._out_bytes = 0
-    transport = proto.transport
-    if transport is None or transport.is_closing():
-        return 0
-    data = out[0]
-    proto.metrics.bytes_out += len(data)
-    transport.write(data)
-    return 0
