@@ -18,14 +18,20 @@ replay1s    replay1 with the PUBACKs written 50 at a time, one write per loop it
             small reads of acknowledgements, as from a client on another core
 fanout1     one publisher (QoS 1, 100 in flight) to 50 QoS 1 subscribers of its topic,
             N / 50 messages (N deliveries)
+fleet       1,000 devices, each publishing QoS 1 to its own ``devices/<nnnnn>/telemetry``,
+            one PUBLISH per write (one packet per read: the device path), 20 devices' writes
+            per loop iteration; one QoS 1 subscriber on ``devices/+/telemetry``; N messages
+            after one each (not counted) has set every device's plain topic
 ==========  ==============================================================================
 
 The stored messages are written once, by a broker of this checkout, and copied for each
 measurement. Figures: instructions per delivered message; with ``--baseline DIR`` the same
-scenarios run against that checkout's ``broker`` package in the same run.
+scenarios run against that checkout's ``broker`` package in the same run; with
+``--python-path`` this checkout also runs with ``MQLOG_DEVICE_PATH=python`` (the pure-Python
+device path instead of the compiled one, broker.net.devicepath).
 
 Run: ``.venv/bin/python -m bench.instr_bench [--baseline DIR] [--messages 200000]
-[--scenario replay1,fanout1] [--runs 2]`` (valgrind on the PATH; about a minute per
+[--scenario replay1,fanout1] [--runs 2] [--python-path]`` (valgrind on the PATH; about a minute per
 scenario and run for 200,000 messages).
 """
 
@@ -51,8 +57,12 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("replay1", "replay0", "replay1s", "fanout1")
+SCENARIOS = ("replay1", "replay0", "replay1s", "fanout1", "fleet")
 FANOUT_SUBSCRIBERS = 50
+#: fleet: devices, and how many of them write per loop iteration.
+FLEET_DEVICES = 1000
+FLEET_PER_ITERATION = 20
+FLEET_TOPIC = "devices/{:05d}/telemetry"  # 23 bytes, as the Subscriber expects
 PUBLISHERS = 50
 #: replay1s: PUBACKs per write.
 ACK_CHUNK = 50
@@ -181,6 +191,86 @@ class Publisher(asyncio.Protocol):
         self.send(acks)
 
 
+class Device(asyncio.Protocol):
+    """A fleet device: each :meth:`send` writes one QoS 1 PUBLISH (one packet per write),
+    made before the measurement (:meth:`prepare`: the client's work stays small beside the
+    broker's); counts PUBACKs."""
+
+    def __init__(self, topic: bytes) -> None:
+        self.topic = topic
+        self.packets: list[bytes] = []
+        self.sent = 0
+        self.acked = 0
+        self.buf = b""
+        self.transport: Any = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+
+    def prepare(self, count: int) -> None:
+        first = self.sent
+        self.packets = [
+            publish_packet(self.topic, seq % 65535 + 1, seq) for seq in range(first, first + count)
+        ]
+
+    def send(self) -> None:
+        self.transport.write(self.packets[self.sent])
+        self.sent += 1
+
+    def data_received(self, data: bytes) -> None:
+        buf = self.buf + data
+        pos, n = 0, len(buf)
+        while n - pos >= 2 and n - pos >= 2 + buf[pos + 1]:
+            self.acked += buf[pos] == 0x40
+            pos += 2 + buf[pos + 1]
+        self.buf = buf[pos:]
+
+
+async def _fleet_round(devices: list[Device]) -> None:
+    """One PUBLISH from every device, FLEET_PER_ITERATION writes per loop iteration."""
+    for i in range(0, len(devices), FLEET_PER_ITERATION):
+        for device in devices[i : i + FLEET_PER_ITERATION]:
+            device.send()
+        await asyncio.sleep(0)
+
+
+async def _fleet(port: int, count: int) -> int:
+    loop = asyncio.get_running_loop()
+    rounds = max(1, count // FLEET_DEVICES)
+    done = loop.create_future()
+    sub = await _connect(
+        port,
+        lambda: Subscriber(1, FLEET_DEVICES * (rounds + 1), done),
+        connect_packet("fleet-sub") + subscribe_packet("devices/+/telemetry", 1),
+    )
+    devices: list[Device] = []
+    for i in range(FLEET_DEVICES):
+        devices.append(
+            await _connect(
+                port,
+                partial(Device, FLEET_TOPIC.format(i).encode()),
+                connect_packet(f"dev{i}"),
+            )
+        )
+    await asyncio.sleep(0.5)
+    for device in devices:
+        device.prepare(rounds + 1)
+    await _fleet_round(devices)  # the first: the full path, which sets the plain topics
+    while sub.got < FLEET_DEVICES:
+        await asyncio.sleep(0.05)
+    _control("--instr=on")
+    _control("--zero")
+    for _ in range(rounds):
+        await _fleet_round(devices)
+    await done
+    for device in devices:
+        while device.acked <= rounds:
+            await asyncio.sleep(0)
+    _control("--dump")
+    _control("--instr=off")
+    return int(sub.got) - FLEET_DEVICES
+
+
 # ============================================================== the measured process
 
 
@@ -237,6 +327,8 @@ async def _scenario(name: str, data: Path, count: int, port: int) -> int:
                 pub.send(pub.window)
             await asyncio.gather(*(p.done for p in pubs))
             return sum(p.acked for p in pubs)
+        if name == "fleet":
+            return await _fleet(port, count)
         if name == "fanout1":
             topic = "fanouts/00000/telemetry"
             subs = []
@@ -291,7 +383,9 @@ def child(name: str, data: Path, count: int, port: int) -> None:
 # ============================================================== the orchestrator
 
 
-def measure(src: Path, name: str, stored: Path, count: int, work: Path) -> tuple[int, int]:
+def measure(
+    src: Path, name: str, stored: Path, count: int, work: Path, env_extra: dict[str, str]
+) -> tuple[int, int]:
     """(instructions, messages delivered) of one run of ``name`` with ``src``'s broker."""
     run = Path(tempfile.mkdtemp(dir=work))
     data = run / "data"
@@ -309,7 +403,7 @@ def measure(src: Path, name: str, stored: Path, count: int, work: Path) -> tuple
         str(count),
         str(_free_port()),
     ]
-    env = {**os.environ, "PYTHONPATH": str(src), "INSTR_BENCH_VALGRIND": "1"}
+    env = {**os.environ, "PYTHONPATH": str(src), "INSTR_BENCH_VALGRIND": "1", **env_extra}
     out = subprocess.run(cmd, cwd=run, env=env, capture_output=True, text=True)
     got = re.search(r"delivered (\d+)", out.stdout)
     dumps = [p for p in run.iterdir() if re.fullmatch(r"callgrind\.\d+\.\d+", p.name)]
@@ -338,34 +432,41 @@ def main() -> None:
     ap.add_argument("--messages", type=int, default=200_000)
     ap.add_argument("--scenario", default=",".join(SCENARIOS))
     ap.add_argument("--runs", type=int, default=2)
+    ap.add_argument(
+        "--python-path",
+        action="store_true",
+        help="also run this checkout with the pure-Python device path (MQLOG_DEVICE_PATH)",
+    )
     args = ap.parse_args()
     names = args.scenario.split(",")
     for name in names:
         if name not in SCENARIOS:
             ap.error(f"--scenario: unknown {name!r} (known: {', '.join(SCENARIOS)})")
-    checkouts = {"this": REPO}
+    checkouts: dict[str, tuple[Path, dict[str, str]]] = {"this": (REPO, {})}
+    if args.python_path:
+        checkouts["python"] = (REPO, {"MQLOG_DEVICE_PATH": "python"})
     if args.baseline is not None:
         if not (args.baseline / "broker").is_dir():
             ap.error(f"--baseline: {args.baseline} has no broker/ package")
-        checkouts["baseline"] = args.baseline.resolve()
+        checkouts["baseline"] = (args.baseline.resolve(), {})
     with tempfile.TemporaryDirectory(prefix="instr-bench-") as tmp:
         work = Path(tmp)
         stored = work / "stored"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         load = [sys.executable, str(Path(__file__).resolve()), "--child", "load"]
-        subprocess.run(
-            [*load, str(stored), str(args.messages), str(_free_port())], env=env, check=True
-        )
+        if set(names) - {"fanout1", "fleet"}:
+            subprocess.run(
+                [*load, str(stored), str(args.messages), str(_free_port())], env=env, check=True
+            )
         empty = work / "empty"
         empty.mkdir()
         per: dict[tuple[str, str], list[float]] = {}
         for run in range(args.runs):
             for name in names:
-                for label, src in checkouts.items():
+                for label, (src, env_extra) in checkouts.items():
                     t0 = time.monotonic()
-                    instr, got = measure(
-                        src, name, empty if name == "fanout1" else stored, args.messages, work
-                    )
+                    data = empty if name in ("fanout1", "fleet") else stored
+                    instr, got = measure(src, name, data, args.messages, work, env_extra)
                     per.setdefault((name, label), []).append(instr / got)
                     print(
                         f"run {run} {name:9s} {label:9s} {instr / got:9,.0f} instructions/msg "

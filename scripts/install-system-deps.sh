@@ -6,6 +6,15 @@ need=()
 # The commit log's batch checksum: libdeflate's CRC-32 is 6x zlib's (broker/commitlog/crc.py;
 # without it the log falls back to zlib, correct but slower).
 ldconfig -p 2>/dev/null | grep -q 'libdeflate\.so\.0' || need+=(libdeflate0)
+# The compiled device path (broker/net/_devicelane.pyx, built by pip install -e .): a C
+# compiler and the headers of the Python that builds it (Debian's python3 needs its -dev).
+command -v cc >/dev/null 2>&1 || need+=(gcc)
+py=${PYTHON:-python3}
+inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)
+if [ -z "$inc" ] || [ ! -e "$inc/Python.h" ]; then
+    ver=$("$py" -c 'import sys; print("%d.%d" % sys.version_info[:2])' 2>/dev/null || echo 3)
+    need+=("python$ver-dev")
+fi
 if [ "${1:-test}" != runtime ]; then
     command -v mosquitto_sub >/dev/null 2>&1 || need+=(mosquitto-clients)
     command -v mosquitto >/dev/null 2>&1 || need+=(mosquitto)

@@ -18,13 +18,14 @@ seed is a live member with valid metadata (:meth:`MembershipService.formed`), as
 member list did; the node then persists the member list, so that a restart forms at once.
 
 **The allowlist** (:meth:`MembershipService.subscribe`): the hosts that may send gossip and
-Raft traffic to this node: every alive or suspect member's, every member's declared dead less
-than ``[cluster] replace_after`` ago, and the seeds' (a seed answers a join before it is a
-member; without it a filter would drop the answer). A dead member stays on it that long
-because the filter in front of the codec (broker/xdp/) would otherwise drop the ALIVE with
-which it refutes a false death or comes back after a restart, and it could not rejoin unless
-it is a seed; past ``replace_after`` its replicas are re-created elsewhere (issue 21) and it
-is a stranger until it joins again through a seed. Observers (the XDP
+Raft traffic to this node: every alive or suspect member's, every member's declared dead (or
+that left: ``mqlog cluster leave``, a drain for maintenance) less than ``[cluster]
+replace_after`` ago, and the seeds' (a seed answers a join before it is a member; without it
+a filter would drop the answer). Such a member stays on it that long because the filter in
+front of the codec (broker/xdp/) would otherwise drop the ALIVE with which it refutes a false
+death or comes back after a restart, and it could not rejoin unless it is a seed; past
+``replace_after`` its replicas are re-created elsewhere (issue 21) and it is a stranger until
+it joins again through a seed. Observers (the XDP
 filter, ``broker/xdp/``) are called with the whole set at once and again on every change. The
 same set applies in user space here (the endpoint's ``accept``): an authenticated datagram
 from any other host is dropped and counted as ``dropped_stranger`` unless it is a state
@@ -267,8 +268,7 @@ class MembershipService:
     def _allowed_member(self, m: Member) -> bool:
         if m.state in LIVE:
             return True
-        if m.state is not State.DEAD:
-            return False
+        # Dead, or left (``mqlog cluster leave`` for maintenance): for replace_after.
         now_ms = asyncio.get_running_loop().time() * 1000
         return now_ms - m.since < self.settings.replace_after * 1000
 
@@ -284,8 +284,8 @@ class MembershipService:
         of a new Raft address, the allowlist and the formation waiters updated."""
         if change.state is State.ALIVE:
             self._learn_meta(change)
-        elif change.state is State.DEAD:
-            # Off the allowlist once dead for replace_after (the module doc's allowlist).
+        elif change.state in (State.DEAD, State.LEFT):
+            # Off the allowlist once dead or left for replace_after (the module doc's).
             asyncio.get_running_loop().call_later(self.settings.replace_after + 0.05, self._publish)
         self._publish()
         self._changed.set()

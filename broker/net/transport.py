@@ -25,8 +25,9 @@ the decoder and the router's checks: that topic's validity, ACL decision and par
 established by the full path (:meth:`~broker.router.router.Router.plain_route`), and it goes
 straight into the partition's batch (:meth:`~broker.router.router.Router.publish_plain`); its
 PUBACK is written from the packet id when the append returns (a fleet of devices, each
-publishing to its own topic, arrives that way). Closing: :mod:`broker.net.closing`; the
-lifecycle log lines: :mod:`broker.net.connlog`.
+publishing to its own topic, arrives that way). Compiled, the same path is a
+:class:`~broker.net._devicelane.DeviceLane` (:mod:`broker.net.devicepath`: which one serves).
+Closing: :mod:`broker.net.closing`; the lifecycle log lines: :mod:`broker.net.connlog`.
 """
 
 from __future__ import annotations
@@ -35,8 +36,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Sequence
-from functools import partial
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, ClassVar, cast
 
 from broker.mqtt.connection import ServerConnection
 from broker.mqtt.decode import PubAckRun
@@ -68,11 +68,13 @@ from broker.net.connlog import (
     log_connected,
     log_disconnected,
 )
+from broker.net.devicepath import new_lane, plain_acked, plain_publish
 from broker.net.keepalive import keepalive_deadline
 from broker.router.router import TOPIC_ALIAS_MAXIMUM
 
 if TYPE_CHECKING:
     from broker.commitlog.keys import PartitionKey
+    from broker.net._devicelane import DeviceLane
     from broker.net.context import EdgeContext
     from broker.router.session import Session
 
@@ -103,6 +105,7 @@ class MQTTProtocol(asyncio.Protocol):
         "_graceful",
         "_held",
         "_high_water",
+        "_lane",
         "_out",
         "_out_bytes",
         "_paused",
@@ -170,6 +173,13 @@ class MQTTProtocol(asyncio.Protocol):
         #: The device path (module docstring): the partition of the connection's plain
         #: topic (``conn.plain_topic``), as the router answered; meaningless until there is one.
         self._plain_key: PartitionKey = ("", 0)
+        self._lane: DeviceLane | None = None  # the same, compiled (devicepath.py)
+
+    #: False: the Python device path even where the compiled one is built (tests).
+    compiled_device_path: ClassVar[bool] = True
+    #: The device path in Python (broker.net.devicepath): the reference, and the fallback.
+    _plain_publish = plain_publish
+    _plain_acked = plain_acked
 
     # ---------------------------------------------------------------- asyncio callbacks
 
@@ -188,6 +198,9 @@ class MQTTProtocol(asyncio.Protocol):
         self.metrics.connections_opened += 1
 
     def data_received(self, data: bytes) -> None:
+        lane = self._lane
+        if lane is not None and lane.receive(data):
+            return  # the compiled device path (module docstring)
         if self._closing:
             return
         self.last_received = self.edge.monotonic()
@@ -201,30 +214,9 @@ class MQTTProtocol(asyncio.Protocol):
                 # 0x16 is no valid MQTT first byte (CONNECT with reserved flags 0110).
                 self._wrong_protocol()
                 return
-        if self.conn.plain_topic and self._plain_publish(data):
+        if lane is None and self.conn.plain_topic and self._plain_publish(data):
             return
         self._receive(data, None)
-
-    def _plain_publish(self, data: bytes) -> bool:
-        """The device path (module docstring): into the partition's batch if the connection
-        recognises ``data`` as one plain PUBLISH to its plain topic; False leaves it to the
-        decoder (:meth:`_receive`)."""
-        plain = self.conn.plain_publish(data)
-        if plain is None:
-            return False
-        topic, payload, qos, packet_id = plain
-        self.metrics.messages_in[qos] += 1
-        router = self.router
-        router.publish_plain(
-            self.client_id,
-            topic,
-            self._plain_key,
-            payload,
-            qos,
-            int(router.clock() * 1000),
-            partial(self._plain_acked, packet_id) if packet_id else None,
-        )
-        return True
 
     def _receive(self, data: bytes | None, packets: list[Packet | PubAckRun] | None) -> None:
         """Decode ``data`` (or take already decoded ``packets``) and dispatch, in order."""
@@ -301,6 +293,7 @@ class MQTTProtocol(asyncio.Protocol):
             edge.links.discard(self)
             self.metrics.connections_closed += 1
         self._closing = True
+        self._lane = None
         session = self.session
         if session is not None:
             self.session = None
@@ -338,25 +331,8 @@ class MQTTProtocol(asyncio.Protocol):
             if key is not None:
                 conn.expect_plain(last.topic)
                 self._plain_key = key
-
-    def _plain_acked(self, packet_id: int, offset: int | None) -> None:
-        """Answer a device-path PUBLISH as :class:`~broker.router.commit.Ack` would: it is in
-        the log at ``offset``, or not (None), or may be (negative: ``OUTCOME_UNKNOWN``)."""
-        if self._closing:
-            return
-        if offset is None or offset < 0:
-            if offset is None and self.version == 5:
-                props: dict[int, Any] = {PropertyId.REASON_STRING: "the log append failed"}
-                self.send(PubAck(packet_id, ReasonCode.UNSPECIFIED_ERROR, props))
-            else:  # 3.1.1 has no negative ack; an unknown outcome gets none: resend it
-                self.close(ReasonCode.UNSPECIFIED_ERROR, "publish not stored, or not known to be")
-            return
-        # _write inlined: the connection's puback() is the one call this path makes.
-        data = self.conn.puback(packet_id)
-        if not self._out:
-            self.edge.want_flush(self)
-        self._out.append(data)
-        self._out_bytes += len(data)
+                if self.compiled_device_path:
+                    self._lane = new_lane(self, key)
 
     # One handler per packet type a client sends after CONNECT, PUBLISH aside (in _HANDLERS).
 

@@ -123,12 +123,15 @@ class Router:
         self.sessions = state.sessions
         self.groups = state.groups
         self.partitions = state.partitions
+        #: The compiled device path (broker.net._devicelane) gathers into partitions itself.
+        self.dirty = state.dirty
         self.retained = state.retained
 
         # The front door: each component's methods, bound (no call added per message).
         # Partitions and the group commit.
         self.partition = state.partition
         self.flush = commit.flush
+        self.flush_soon = commit.flush_soon
         self.append_forwarded = commit.append_forwarded
         #: Committed ``$retained`` records to the retained index (a replicated ``$retained``
         #: applies what each commit brings, on every node).

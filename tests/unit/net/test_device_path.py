@@ -1,18 +1,21 @@
-"""The device path of the transport (broker.net.transport, ``MQTTProtocol._plain_publish``)
-changes nothing a client or the log can see.
+"""The device path of the transport (broker.net.transport), compiled
+(broker.net._devicelane) and in Python (broker.net.devicepath), changes nothing a client or
+the log can see.
 
-Two real transports over real routers and logs are fed the same reads: one takes the device
-path, the other has it switched off, so every read goes through the decoder and
-``Router.publish_run``. Whatever the reads hold (PUBLISHes to a few topics, one of them
-``$SYS``, at QoS 0-2, with DUP, retain, properties, a topic alias, packet id 0, over the 5.0
-receive maximum, split across reads or several in one), both must write the same bytes to
-the client, close it at the same point, and leave the same records in the log.
+Real transports over real routers and logs are fed the same reads: one takes the compiled
+device path, one the Python device path, and one has it switched off, so every read goes
+through the decoder and ``Router.publish_run``. Whatever the reads hold (PUBLISHes to a few
+topics, one of them ``$SYS``, at QoS 0-2, with DUP, retain, properties, a topic alias,
+packet id 0, over the 5.0 receive maximum, split across reads or several in one), each
+device path must write the same bytes to the client as the full path, close it at the same
+point, and leave the same records in the log.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import struct
+import time
 from pathlib import Path
 from typing import Any
 
@@ -26,10 +29,11 @@ from broker.commitlog.config import LogConfig, StreamSpec
 from broker.config import Config, RouterConfig
 from broker.metrics.collector import Metrics
 from broker.mqtt.topics import topic_matches
+from broker.net import devicepath
 from broker.net.keepalive import KeepaliveWheel
 from broker.net.transport import MQTTProtocol
 from broker.router.commit import OUTCOME_UNKNOWN
-from broker.router.partition import Partition
+from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
 from broker.server import TICK_SECONDS
 from tests.integration.rawclient import varint
@@ -117,8 +121,21 @@ class Server:
 
 
 class FullPathOnly(MQTTProtocol):
+    compiled_device_path = False
+
     def _plain_publish(self, data: bytes) -> bool:
         return False
+
+
+class PythonDevicePath(MQTTProtocol):
+    """The reference: the Python device path, even where the compiled one is built."""
+
+    compiled_device_path = False
+
+
+#: MQTTProtocol takes the compiled path where it is built (tests/unit/net/test_devicepath.py
+#: fails where it is not).
+DEVICE_PATHS = {"compiled": MQTTProtocol, "python": PythonDevicePath}
 
 
 def publish(
@@ -196,9 +213,18 @@ def sessions(draw: st.DrawFn) -> tuple[int, list[bytes], list[int]]:
 
 
 def serve(
-    cls: type[MQTTProtocol], data: Path, version: int, reads: list[bytes], ends: list[int]
+    cls: type[MQTTProtocol],
+    data: Path,
+    version: int,
+    reads: list[bytes],
+    ends: list[int],
+    partition: type[PartitionBase] = Partition,
 ) -> tuple[list[bytes], bool, list[tuple[Any, ...]]]:
     server = Server(data)
+    if partition is not Partition:
+        for topic in TOPICS:
+            key = server.streams.partition_for(topic)
+            server.router.partitions[key] = partition(key, server.streams.log(*key))
     proto = cls(server)  # type: ignore[arg-type]
     transport = Transport()
     proto.connection_made(transport)  # type: ignore[arg-type]
@@ -227,19 +253,22 @@ def test_device_path_is_invisible(
 ) -> None:
     version, reads, ends = session
     base = tmp_path_factory.mktemp("device")
-    fast = serve(MQTTProtocol, base / "fast", version, reads, ends)
     full = serve(FullPathOnly, base / "full", version, reads, ends)
-    assert fast[0] == full[0], "different bytes written to the client"
-    assert fast[1] == full[1], "closed on one path and not the other"
-    assert fast[2] == full[2], "different records in the log"
+    for name, cls in DEVICE_PATHS.items():
+        fast = serve(cls, base / name, version, reads, ends)
+        assert fast[0] == full[0], f"{name}: different bytes written to the client"
+        assert fast[1] == full[1], f"{name}: closed on one path and not the other"
+        assert fast[2] == full[2], f"{name}: different records in the log"
 
 
-def test_device_path_is_taken(tmp_path: Path) -> None:
+@pytest.mark.parametrize("path", DEVICE_PATHS)
+def test_device_path_is_taken(tmp_path: Path, path: str) -> None:
     """The second and later plain PUBLISHes to one topic skip the decoder (else the test
-    above compares the full path with itself), and are stored and acknowledged."""
+    above compares the full path with itself), and are stored and acknowledged; on the
+    compiled path by the compiled lane."""
     decoded: list[bytes | None] = []
 
-    class Spy(MQTTProtocol):
+    class Spy(DEVICE_PATHS[path]):  # type: ignore[misc,valid-type]
         def _receive(self, data: bytes | None, packets: Any) -> None:
             decoded.append(data)
             super()._receive(data, packets)
@@ -259,8 +288,10 @@ def test_device_path_is_taken(tmp_path: Path) -> None:
     )
     for read in (first, second, second.replace(b"b", b"B"), other):
         proto.data_received(read)
+    compiled = proto._lane is not None
     server.end_iteration()
     assert decoded == [connect(4), first, other]
+    assert compiled == (path == "compiled" and devicepath.lane_class() is not None)
     assert sorted(r[3] for r in server.records()) == sorted([b"a", b"b", b"B", b"c"])
     acks = b"".join(transport.written)[4:]  # after the CONNACK
     assert acks == b"".join(b"\x40\x02\x00" + bytes([pid]) for pid in (1, 2, 2, 3))
@@ -272,6 +303,14 @@ def _plain(pid: int, payload: bytes = b"p", version: int = 5) -> bytes:
 
 
 _INNER = _plain(9, version=4)
+
+
+def _subscribe(topic_filter: str, qos: int) -> bytes:
+    name = topic_filter.encode()
+    body = struct.pack("!HH", 1, len(name)) + name + bytes([qos])
+    return b"\x82" + varint(len(body)) + body
+
+
 #: Named read sequences the generator above rarely makes: (version, reads, iteration ends,
 #: whether the client is disconnected).
 SCENARIOS = {
@@ -282,6 +321,14 @@ SCENARIOS = {
         5,
         [_plain(i) for i in range(1, 2 * QUOTA + 1)],
         [QUOTA - 1, 2 * QUOTA - 1],
+        False,
+    ),
+    # The device reads its own messages: deliveries and PUBACKs leave in one write per
+    # iteration (the compiled path's AckFlush leaves a buffer with more in it to the link).
+    "subscribed to its own topic": (
+        4,
+        [_subscribe(TOPICS[0], 0), *(_plain(i, bytes([i]), version=4) for i in range(1, 6))],
+        [0, 2, 3, 5],
         False,
     ),
     # A PUBLISH (to "t") whose payload is a plain PUBLISH, the payload in its own read: it
@@ -295,13 +342,53 @@ SCENARIOS = {
 }
 
 
+@pytest.mark.parametrize("path", DEVICE_PATHS)
 @pytest.mark.parametrize("name", SCENARIOS)
-def test_device_path_scenarios(tmp_path: Path, name: str) -> None:
+def test_device_path_scenarios(tmp_path: Path, name: str, path: str) -> None:
     version, reads, ends, closed = SCENARIOS[name]
-    fast = serve(MQTTProtocol, tmp_path / "fast", version, reads, ends)
+    fast = serve(DEVICE_PATHS[path], tmp_path / "fast", version, reads, ends)
     full = serve(FullPathOnly, tmp_path / "full", version, reads, ends)
     assert fast == full
     assert fast[1] is closed
+
+
+class OwnAdd(Partition):
+    """A partition type with an ``add`` of its own (as a replicated partition has): the
+    compiled lane hands its records to ``Router.publish_plain`` instead of gathering them
+    itself."""
+
+    def add(self, record: Any, ack: Any) -> None:
+        super().add(record, ack)
+
+
+class Forwarded(PartitionBase):
+    """Another worker's partition as this one sees it (broker.workers.partitions'
+    RemotePartition: PartitionBase's ``add``, records without offsets), with the owner's
+    append done in place of the forward: the records gathered go to the log, each ack gets
+    its offset."""
+
+    def commit(self) -> tuple[int, int]:
+        records, acks = self.pending, self.acks
+        self.pending, self.acks = [], []
+        assert all(r[0] == -1 for r in records), "the owner numbers forwarded records"
+        first = self.log.append(records)
+        for i, ack in enumerate(acks):
+            if ack is not None:
+                ack(first + i)
+        return first, self.log.end_offset
+
+
+@pytest.mark.parametrize("partition", [OwnAdd, Forwarded])
+@pytest.mark.parametrize("path", DEVICE_PATHS)
+def test_partitions_of_other_kinds(
+    tmp_path: Path, path: str, partition: type[PartitionBase]
+) -> None:
+    reads = [_plain(i, bytes([i]), version=4) for i in range(1, 6)]
+    ends = [0, 2, 4]
+    fast = serve(DEVICE_PATHS[path], tmp_path / "fast", 4, reads, ends, partition)
+    full = serve(FullPathOnly, tmp_path / "full", 4, reads, ends, partition)
+    assert fast == full
+    assert [r[3] for r in fast[2]] == [bytes([i]) for i in range(1, 6)]
 
 
 class UnknownOutcome(Partition):
@@ -323,7 +410,7 @@ class UnknownOutcome(Partition):
 
 
 @pytest.mark.parametrize("version", [4, 5])
-@pytest.mark.parametrize("cls", [MQTTProtocol, FullPathOnly])
+@pytest.mark.parametrize("cls", [MQTTProtocol, PythonDevicePath, FullPathOnly])
 def test_an_unknown_outcome_is_never_acknowledged(
     tmp_path: Path, cls: type[MQTTProtocol], version: int
 ) -> None:
@@ -348,4 +435,76 @@ def test_an_unknown_outcome_is_never_acknowledged(
     after = b"".join(transport.written)[len(acked) :]
     assert transport.closed
     assert after == b"" if version == 4 else after[:1] == b"\xe0", after  # 5.0: DISCONNECT
+    server.streams.close()
+
+
+class FailedAppend(Partition):
+    """A partition whose appends fail once ``failing`` is set (a full disk): Partition's
+    commit calls every ack with None."""
+
+    failing = False
+
+    def commit(self) -> tuple[int, int]:
+        if not self.failing:
+            return super().commit()
+        acks, self.pending, self.acks = self.acks, [], []
+        for ack in acks:
+            if ack is not None:
+                ack(None)
+        raise OSError("disk full")
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_failed_append_is_answered_alike(tmp_path: Path, version: int) -> None:
+    """5.0: a PUBACK with Unspecified Error and a Reason String; 3.1.1 (no negative ack):
+    the connection closed. The same bytes on the compiled and the Python path."""
+    outputs = []
+    for name, cls in DEVICE_PATHS.items():
+        server = Server(tmp_path / name)
+        key = server.streams.partition_for(TOPICS[0])
+        part = FailedAppend(key, server.streams.log(*key))
+        server.router.partitions[key] = part
+        proto = cls(server)  # type: ignore[arg-type]
+        transport = Transport()
+        proto.connection_made(transport)  # type: ignore[arg-type]
+        proto.data_received(connect(version))
+        proto.data_received(publish(version, TOPICS[0], b"a", 1, 1, False, False, b""))
+        server.end_iteration()
+        part.failing = True
+        proto.data_received(publish(version, TOPICS[0], b"b", 1, 2, False, False, b""))
+        server.end_iteration()
+        outputs.append((b"".join(transport.written), transport.closed))
+        server.streams.close()
+    assert outputs[0] == outputs[1]
+    written, closed = outputs[0]
+    assert closed == (version == 4)
+    if version == 5:
+        assert written[-4:] != b"\x40\x02\x00\x02" and b"the log append failed" in written
+
+
+@pytest.mark.parametrize("path", DEVICE_PATHS)
+def test_the_real_clocks(tmp_path: Path, path: str) -> None:
+    """With the real clocks (time.time, time.monotonic) the compiled lane reads them in C:
+    the record's timestamp and the connection's last read time fall where the Python
+    calls put them."""
+    server = Server(tmp_path)
+    server.router.clock = time.time
+    server.monotonic = time.monotonic
+    proto = DEVICE_PATHS[path](server)  # type: ignore[arg-type]
+    transport = Transport()
+    proto.connection_made(transport)  # type: ignore[arg-type]
+    proto.data_received(connect(4))
+    proto.data_received(publish(4, TOPICS[0], b"a", 1, 1, False, False, b""))
+    server.end_iteration()
+    lane = proto._lane
+    before_ms, before = int(time.time() * 1000), time.monotonic()
+    proto.data_received(publish(4, TOPICS[0], b"b", 1, 2, False, False, b""))
+    after_ms, after = int(time.time() * 1000), time.monotonic()
+    server.end_iteration()
+    assert (lane is not None) == (path == "compiled" and devicepath.lane_class() is not None)
+    assert before <= proto.last_received <= after
+    stamps = {
+        r[3]: r[1] for r in server.streams.log(*server.streams.partition_for(TOPICS[0])).read(0)
+    }
+    assert before_ms <= stamps[b"b"] <= after_ms
     server.streams.close()
