@@ -28,14 +28,10 @@ frames from several peers) is appended, persisted and sent together. The clock i
 ``election_timeout / heartbeat_interval`` ticks, randomized per Raft s5.2).
 
 Formation (``broker.cluster.formation``): worker 0 joins the gossip membership through
-``[cluster] seeds`` (gossip addresses) and the cluster is formed once every seed is a live
-member; each member's Raft address comes from its gossip metadata, and the member list is
-written to ``DATA/cluster/members`` so that a restart forms at once, with members down. Raft
-elections stay Raft's own: gossip never starts or stops one. Groups are placed from it
-(``broker.cluster.placement``). Once formed, the node joins the metadata group
-(``broker.cluster.metadata_group``), where the members agree on the stream definitions
-(:attr:`ClusterNode.local_streams`: a node whose config disagrees refuses to start) and
-record the desired placement; desired only: each group's own log stays authoritative.
+``[cluster] seeds``; formed once every seed is a live member (Raft addresses from gossip,
+the list kept in ``DATA/cluster/members``); gossip never starts an election. Groups are placed
+(``broker.cluster.placement``) and re-placed when members are gone (``broker.cluster.reshape``);
+then the metadata group (``broker.cluster.metadata_group``) agrees on the stream definitions.
 
 Several workers per node (``router.workers``): each worker process runs a ``ClusterNode`` of
 its own, hosting the groups of the partitions it owns, on ``raft_port + index``, dialling
@@ -43,9 +39,8 @@ each member's Raft port ``+ index``: worker ``i`` of every node hosts the same g
 owner of a partition is a function of the worker count alone,
 ``broker.workers.mesh.owner_of``), so its peers are the workers ``i`` of the other nodes, and
 the transport refuses a peer with another count (``broker.cluster.peerlink``). Only worker 0
-gossips; the others read its member list (without gossip, in the node's unit tests, every
-worker forms on its own and keeps its own list, ``members.worker<i>``: no two processes
-write one file).
+gossips; the others read its member list (without gossip, in unit tests, each keeps its own,
+``members.worker<i>``).
 
 Called only from the owning event loop's thread.
 """
@@ -76,6 +71,7 @@ from broker.cluster.peers import PeerTransport
 from broker.cluster.placement import node_id_of, node_ids, replicas
 from broker.cluster.raft import RaftNode, Role
 from broker.cluster.repairer import Repairer
+from broker.cluster.reshape import Reshaper
 from broker.cluster.storage import GroupStorage
 from broker.cluster.wire import WireError, decode_frame, encode_frame
 from broker.commitlog import CommitLogError
@@ -175,6 +171,7 @@ class ClusterNode:
         )
         #: Corrupt batches of the groups' logs rewritten from another replica (kinds 2 and 3).
         self.repair = Repairer(self)
+        self.reshape = Reshaper(self)
         self.repair.on_repaired = lambda g: self.on_commit(g, self.storages[g].commit)
 
     # -- formation ---------------------------------------------------------------------------
@@ -241,8 +238,9 @@ class ClusterNode:
         with :meth:`replicas_of`), and start the clock."""
         rng = random.Random(seed if seed is not None else time.time_ns() ^ self.id)
         host = self.host = MultiRaft(self.id, self.names, rng, self.raft_config)
+        host.on_unknown_group = self.reshape.join
         for g, storage in storages.items():
-            peers = self.replicas_of(g)
+            peers = sorted({*self.replicas_of(g), self.id})  # hosted: placed, or its log's
             # The configuration in the log wins over placement (module doc of placement).
             membership = storage.membership(Configuration.of(set(peers)))
             core = host.add_group(
@@ -345,8 +343,7 @@ class ClusterNode:
         try:
             fn(arg)
         except RuntimeError as e:
-            # A core refused a request that would break safety: a bug somewhere, logged
-            # loudly, and the request dropped (the group stays as it was).
+            # A core refused what would break safety: a bug, logged, the request dropped.
             self.stats.refused += 1
             logger.error("cluster: %s", e)
 
@@ -357,17 +354,15 @@ class ClusterNode:
         self._ticks += 1
         if self._ticks % BALANCE_TICKS == 0:
             self._balance()
+            self.reshape.tick()
         if self._ticks % self._retention_ticks == 0:
             self.enforce_retention()
         self._schedule()
 
     def enforce_retention(self, now_ms: int | None = None) -> int:
-        """Retention of every group's log, here on the loop thread (the log cleaner skips
-        replicated partitions): only whole segments that end at or before what this node's
-        core holds committed and durable (``min(commit, durable_index)``, as an offset), and
-        the core is told the new start in the same step (``compacted``), so it never reads a
-        removed entry and a follower that needs one gets a snapshot. Returns the segments
-        deleted."""
+        """Retention of every group's log on the loop thread (the cleaner skips replicated
+        ones): whole segments up to ``min(commit, durable_index)``, the core told the new
+        start in the same step (a follower needing more gets a snapshot). Segments deleted."""
         assert self.host is not None
         deleted = 0
         for g, storage in self.storages.items():
@@ -395,12 +390,9 @@ class ClusterNode:
         return deleted
 
     def _balance(self) -> None:
-        """Hand each group this node leads to its preferred replica (the first of its
-        placement, :func:`~broker.cluster.placement.replicas`) when that one is connected and
-        holds the whole log: leaders spread evenly over the nodes (Kafka's preferred leader
-        election) instead of piling up on whichever node timed out first. One transfer per
-        group at a time (TimeoutNow, Raft thesis s3.10); a transfer that fails leaves the
-        leader in place."""
+        """Hand each group led here to its preferred replica (placement's first) once it is
+        connected and holds the whole log, so leaders spread evenly (Kafka's preferred leader
+        election); TimeoutNow (thesis s3.10), one per group; a failed one leaves it here."""
         assert self.host is not None
         for g in self.storages:
             core = self.host.core(g)
@@ -424,6 +416,12 @@ class ClusterNode:
                 except (RuntimeError, ValueError) as e:
                     logger.warning("cluster: transfer of group %d to %s refused: %s", g, name, e)
 
+    def track(self, g: int, term: int) -> None:  # a group hosted since (reshape)
+        self._leaders[g] = (None, term)
+
+    def label(self, g: int) -> str:
+        return "{}/{}".format(*self.group_keys.get(g, ("group", g)))
+
     def preferred(self, group: int) -> int | None:
         """The replica that should lead ``group``: the first voter in placement order."""
         voters = self.core(group).configuration.voters
@@ -435,6 +433,8 @@ class ClusterNode:
         if not self._scheduled:
             self._scheduled = True
             self.loop.call_soon(self._round)
+
+    wake = _schedule  # (broker.cluster.reshape)
 
     def _round(self) -> None:
         """Do what the host asks (module docstring), until it asks nothing more."""

@@ -36,6 +36,7 @@ from broker.cluster.fetch import (
     encode_request,
     verified_records,
 )
+from broker.cluster.membership import Configuration
 from broker.cluster.node import FIRST_APP_KIND
 from broker.cluster.storage import GroupStorage
 from broker.commitlog.errors import CommitLogError, CorruptRecordBatch, OffsetOutOfRange
@@ -46,9 +47,13 @@ if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
     from broker.commitlog import Streams
     from broker.commitlog.keys import PartitionKey
+    from broker.router.partition import PartitionBase
     from broker.router.router import Router
 
 log = logging.getLogger("broker.cluster")
+
+#: No configuration: what a log without one names (no one).
+_NONE = Configuration.of(())
 
 #: Transport kinds (``FIRST_APP_KIND`` .. + 3 are the forwards and leadership's).
 FETCH = FIRST_APP_KIND + 4
@@ -78,6 +83,8 @@ class FetchHost(PartitionHost, Protocol):
     streams: Streams
     remote_parts: dict[PartitionKey, RemotePartition]
 
+    def make_partition(self, key: PartitionKey) -> PartitionBase: ...
+
     def remote_moved(self, part: RemotePartition) -> None: ...
 
 
@@ -99,6 +106,8 @@ class RemoteFetches:
         self.parked_count = 0
         #: Partitions whose history read failed: their readers are woken at the next tick.
         self.retry: set[RemotePartition] = set()
+        #: A leader added this node to a group read remotely here (broker.cluster.reshape).
+        service.node.reshape.on_join = self.promote
         self.refused = 0  # malformed or oversized requests
         self.bad_answers = 0  # answers that failed verification
         self.served = 0
@@ -325,7 +334,13 @@ class RemoteFetches:
         for g, key in service.groups.items():
             if key in (RETAINED, SESSIONS) or node.settings.worker[1] > 1:
                 node.replication[g] = count
-        hosted = {g: s for g, s in service.storages.items() if node.id in node.replicas_of(g)}
+        # Placed here, or named by the group's own log (a replica re-created here earlier,
+        # broker.cluster.reshape: the log's configuration wins over placement).
+        hosted = {
+            g: s
+            for g, s in service.storages.items()
+            if node.id in node.replicas_of(g) or node.id in s.membership(_NONE).current.members
+        }
         router = service.router
         for g, key in service.groups.items():
             if g in hosted:
@@ -339,6 +354,25 @@ class RemoteFetches:
                 router.partitions[key] = part
             self.add(part)
         return hosted
+
+    def promote(self, g: int) -> GroupStorage | None:
+        """A leader added this node to group ``g`` (broker.cluster.reshape): its partition is
+        served from the group's storage from now on (a replicated partition replaces the
+        remote one in the router, with its watchers) and no longer polled; the storage, or
+        None for a group this worker does not have."""
+        service = self.service
+        key, storage = service.groups.get(g), service.storages.get(g)
+        if key is None or storage is None:
+            return None
+        part = service.remote_parts.pop(key, None)
+        self.parts.pop(g, None)
+        router = service.router
+        if router is not None:
+            new = service.make_partition(key)
+            if part is not None:
+                new.watchers = part.watchers
+            router.partitions[key] = new
+        return storage
 
     async def caught_up(self, timeout: float) -> list[int]:
         """Wait until a replica answered each remote partition once (its marks are the

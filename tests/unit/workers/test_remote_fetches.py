@@ -44,6 +44,7 @@ class Node:
         self.sent: list[tuple[int, int, bytes]] = []
         self.down: set[str] = set()
         self.transport = SimpleNamespace(connected=lambda name: name not in self.down)
+        self.reshape = SimpleNamespace(on_join=None)  # broker.cluster.reshape's hook
 
     def send(self, to: int, kind: int, body: bytes) -> bool:
         self.sent.append((to, kind, body))
