@@ -256,7 +256,7 @@ class MultiRaft:
             if not effects:
                 continue
             # An idle leader's tick emits only its heartbeats: they carry the notice.
-            if quiesce and core.role is Role.LEADER and core.idle_without(self._silent):
+            if quiesce and core.role is Role.LEADER and _quiet(core, self._silent):
                 self._route(g, effects, quiesce=True)
                 self._stop_ticking(g)
                 self._quiesced[g] = self.id
@@ -393,7 +393,7 @@ class MultiRaft:
         effects = self._step(core, ack_message(frm, self.id, a))
         # The answers to a quiescing beat reach a quiesced leader: they change nothing.
         if g in self._quiesced and (
-            effects or (core.role is Role.LEADER and not core.idle_without(self._silent))
+            effects or (core.role is Role.LEADER and not _quiet(core, self._silent))
         ):
             self._wake(g)
         if effects:
@@ -434,7 +434,7 @@ class MultiRaft:
             if not lost:
                 self._wake(g)
                 self.stats.woken_by_return += 1
-            elif not core.idle_without(self._silent):
+            elif not _quiet(core, self._silent):
                 self._wake(g)
 
     # -- effects -----------------------------------------------------------------------------
@@ -469,3 +469,11 @@ class MultiRaft:
                 self._ready.hard_states[g] = e.state
             elif isinstance(e, Commit):
                 self._ready.commits[g] = e.index
+
+
+def _quiet(core: RaftNode, silent: set[int]) -> bool:
+    """A leader's group may quiesce: idle over the live replicas, and no learner in its
+    configuration (a learner is promoted once a round of its catch-up ends within an election
+    timeout, thesis s4.2.1: rounds are counted in ticks and end on acknowledgements, so a
+    quiesced group would keep a caught-up learner from ever being promoted)."""
+    return not core.configuration.learners and core.idle_without(silent)

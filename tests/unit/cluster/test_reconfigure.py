@@ -230,3 +230,25 @@ def test_a_node_joins_only_on_a_leaders_replication_and_as_a_learner() -> None:
     assert core.role is Role.FOLLOWER and core.term == 0  # a learner never campaigns
     assert not host.ready().frames or all(not f.messages for f in host.ready().frames)
     assert host.stats.joined == 1
+
+
+def test_an_idle_groups_learner_slow_to_catch_up_is_still_promoted() -> None:
+    """A learner whose first round of catch-up took longer than an election timeout is not
+    caught up yet (thesis s4.2.1); its next round must be able to end. The group takes no
+    proposals, so it would quiesce: a group with a learner never quiesces."""
+    net = MovingNet(groups=2, nodes=4, first=[0, 1, 2], seed=9)
+    net.run_until(lambda: all(net.members(g) for g in net.group_ids), 300)
+    net.run(CONFIG.election_ticks)  # each term's first entry committed
+    net.blocked |= {(n, 3) for n in range(3)}  # its catch-up stalls past an election timeout
+    for g in net.group_ids:
+        lead = net.leader_of(g)
+        assert lead is not None
+        net.host(lead.id).propose_change(g, ChangeKind.ADD_LEARNER, 3)
+    net.run(3 * CONFIG.election_ticks)
+    net.blocked.clear()
+    for _ in range(400):
+        net.drive([0, 1, 2, 3], live={0, 1, 2, 3}, propose=False)
+        net.step()
+        if net.settled({0, 1, 2, 3}):
+            break
+    assert net.settled({0, 1, 2, 3}), [net.members(g) for g in net.group_ids]
