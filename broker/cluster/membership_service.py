@@ -253,7 +253,8 @@ class MembershipService:
         return self._allowed
 
     def _publish(self) -> None:
-        hosts = {m.addr[0] for m in self.core_members() if self._allowed_member(m)}
+        now_ms = asyncio.get_running_loop().time() * 1000
+        hosts = {m.addr[0] for m in self.core_members() if self._allowed_member(m, now_ms)}
         hosts.update(a[0] for a in self.seeds)
         allowed = frozenset(hosts)
         if allowed == self._allowed:
@@ -265,11 +266,10 @@ class MembershipService:
             except Exception:
                 logger.exception("gossip: allowlist observer %r failed", observer)
 
-    def _allowed_member(self, m: Member) -> bool:
+    def _allowed_member(self, m: Member, now_ms: float) -> bool:
         if m.state in LIVE:
             return True
         # Dead, or left (``mqlog cluster leave`` for maintenance): for replace_after.
-        now_ms = asyncio.get_running_loop().time() * 1000
         return now_ms - m.since < self.settings.replace_after * 1000
 
     def _accept(self, addr: Addr, packet: Packet) -> bool:

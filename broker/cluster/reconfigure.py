@@ -31,7 +31,7 @@ it cannot grow). Placement's order is the order of additions and of transfers.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 from broker.cluster.membership import ChangeKind
 from broker.cluster.raft import RaftNode, Role
@@ -79,3 +79,19 @@ def next_step(core: RaftNode, desired: Sequence[int], live: Collection[int]) -> 
             best = max(wanted, key=lambda m: progress[m].match)
             return Step(None, best)
     return None
+
+
+class StepTaker(Protocol):
+    """What takes a step: ``broker.cluster.multiraft.MultiRaft``."""
+
+    def transfer_leadership(self, group: int, peer: int) -> None: ...
+    def propose_change(self, group: int, kind: ChangeKind, node: int) -> None: ...
+
+
+def take(host: StepTaker, group: int, step: Step) -> None:
+    """Propose ``step`` for ``group`` on its leader's ``host``; raises what the core refuses
+    with (``ChangeRefused``, ``NotLeader``, ``ValueError``)."""
+    if step.kind is None:
+        host.transfer_leadership(group, step.node)
+    else:
+        host.propose_change(group, step.kind, step.node)

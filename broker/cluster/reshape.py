@@ -41,7 +41,7 @@ from broker.cluster.multiraft import MultiRaft
 from broker.cluster.nodesettings import NodeSettings
 from broker.cluster.placement import node_id_of, replicas
 from broker.cluster.raft import NotLeader, Role
-from broker.cluster.reconfigure import next_step
+from broker.cluster.reconfigure import next_step, take
 from broker.cluster.storage import GroupStorage
 
 logger = logging.getLogger("broker.cluster")
@@ -126,10 +126,7 @@ class Reshaper:
             if step is None:
                 continue
             try:
-                if step.kind is None:
-                    host.transfer_leadership(g, step.node)
-                else:
-                    host.propose_change(g, step.kind, step.node)
+                take(host, g, step)
             except (ChangeRefused, NotLeader, ValueError) as e:
                 logger.info("cluster: %s: %s not taken now: %s", node.label(g), step, e)
                 continue

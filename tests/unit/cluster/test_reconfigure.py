@@ -14,7 +14,7 @@ import pytest
 from broker.cluster.membership import ChangeKind, ChangeRefused, Configuration
 from broker.cluster.multiraft import MultiRaft
 from broker.cluster.raft import NotLeader, RaftNode, Role
-from broker.cluster.reconfigure import Step, next_step
+from broker.cluster.reconfigure import Step, next_step, take
 from tests.unit.cluster.test_multiraft import CONFIG, MemLog, Net
 
 
@@ -89,10 +89,7 @@ class MovingNet(Net):
             if step is None:
                 continue
             try:
-                if step.kind is None:
-                    host.transfer_leadership(g, step.node)
-                else:
-                    host.propose_change(g, step.kind, step.node)
+                take(host, g, step)
             except (ChangeRefused, NotLeader):
                 continue
             taken.append(step)
