@@ -29,6 +29,10 @@ replay         N stored messages (1,000,000; --quick 100,000) to one subscriber:
                queue (both QoS 1); plus mqlog at QoS 0 (no Mosquitto equivalent)
 =============  ==========================================================================
 
+* NATS (optional: ``--brokers mqlog,mosquitto,nats``): NATS 2.9 (Debian ``nats-server``),
+  MQTT on JetStream with its file store (the peer that persists, as mqlog does), one node
+  configured by :mod:`bench.nats` (as the chaos runs' three are); replay from its
+  persistent session's stored messages, as for Mosquitto.
 * amqtt (optional: ``--brokers mqlog,mosquitto,amqtt``): the Python broker from the venv,
   3.1.1 only, anonymous-auth plugin only; a tenth of the counted scenarios' messages (its
   rates would make the full counts take many minutes); replay is not measured (its offline
@@ -68,6 +72,7 @@ import numpy as np
 import orjson
 
 from bench import loadgen
+from bench.nats import nats_config, nats_server
 from bench.ports import free_port
 from broker.config import load_config
 
@@ -288,6 +293,40 @@ class Amqtt(Broker):
         self.pid = self.proc.pid
 
 
+class Nats(Broker):
+    """NATS 2.9 (Debian ``nats-server``, optional: ``--brokers ...,nats``): MQTT on
+    JetStream with its file store, the peer that persists as mqlog does; one node, its config
+    written by :mod:`bench.nats` (as the replicated chaos targets' is). ``max_ack_pending``
+    is the delivery window mqlog runs with (``max_inflight``), as Mosquitto's
+    ``max_inflight_messages`` is. Replay is its persistent session's stored messages, as for
+    Mosquitto."""
+
+    name = "nats"
+
+    def start(self) -> None:
+        binary = nats_server()
+        if binary is None:
+            raise RuntimeError("nats-server is not installed (apt-get install nats-server)")
+        window = load_config(REPO / "config" / "broker.toml").router.max_inflight
+        conf = self.tmp / "nats.conf"
+        conf.write_text(
+            nats_config(
+                name="bench",
+                listen=f"127.0.0.1:{free_port()}",
+                store_dir=self.tmp / "nats-data",
+                mqtt_listen=f"127.0.0.1:{self.port}",
+                mqtt=f"max_ack_pending: {window}",
+            )
+        )
+        # its log (a line per start, stop and stream it creates) to a file, as Mosquitto
+        # runs with log_dest none
+        self.proc = subprocess.Popen(
+            [binary, "-c", str(conf), "--log", str(self.tmp / "nats.log")], cwd=self.tmp
+        )
+        wait_port(self.port, self.proc)
+        self.pid = self.proc.pid
+
+
 class Floor(Broker):
     """:mod:`bench.floor_server` (optional, ``--brokers ...,floor``): not a broker, the least
     a Python + uvloop server does per message; measured only where one subscriber gets
@@ -313,7 +352,7 @@ class Floor(Broker):
 
 
 #: Brokers shown after mqlog and Mosquitto when run (figure, mqlog/broker ratio, losses).
-EXTRA_BROKERS = ("amqtt", "floor")
+EXTRA_BROKERS = ("nats", "amqtt", "floor")
 
 
 @dataclass
@@ -912,7 +951,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--brokers",
         default="mqlog,mosquitto",
-        help="comma-separated: mqlog, mosquitto, amqtt (optional, 3.1.1 only), "
+        help="comma-separated: mqlog, mosquitto, nats (optional: NATS 2.9, MQTT on JetStream), "
+        "amqtt (optional, 3.1.1 only), "
         "floor (optional: bench/floor_server.py, not a broker)",
     )
     ap.add_argument("--profile", help="run mqlog under py-spy, raw samples to this file")
@@ -943,6 +983,8 @@ def main(argv: list[str] | None = None) -> int:
         brokers.append(Mqlog(tmp, Path(args.profile).resolve() if args.profile else None))
     if "mosquitto" in names:
         brokers.append(Mosquitto(tmp))
+    if "nats" in names:
+        brokers.append(Nats(tmp))
     if "amqtt" in names:
         brokers.append(Amqtt(tmp))
     if "floor" in names:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import shutil
 import sys
 import time
 import urllib.request
@@ -25,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.mqttclient import MqttClient
+from bench.nats import nats_config, nats_server
 from broker.commitlog import LogConfig
 from broker.commitlog.reader import LogReader
 from tests.checker import Read
@@ -227,14 +227,17 @@ class NatsTarget(Target):
         routes = ", ".join(f"nats-route://{m.addr}:6222" for m in self.lab.peers(node))
         conf = self.workdir / f"{node.name}.conf"
         conf.write_text(
-            f"server_name: {node.name}\n"
-            f'listen: "{node.addr}:4222"\n'
-            f'http: "{node.addr}:{self.monitor_port}"\n'
-            f'jetstream {{ store_dir: "{self.workdir / node.name}" }}\n'
-            f'cluster {{ name: chaos, listen: "{node.addr}:6222", routes: [{routes}] }}\n'
-            f'mqtt {{ listen: "{node.addr}:{MQTT_PORT}", stream_replicas: 3 }}\n'
+            nats_config(
+                name=node.name,
+                listen=f"{node.addr}:4222",
+                http=f"{node.addr}:{self.monitor_port}",
+                store_dir=self.workdir / node.name,
+                cluster=f'name: chaos, listen: "{node.addr}:6222", routes: [{routes}]',
+                mqtt_listen=f"{node.addr}:{MQTT_PORT}",
+                mqtt="stream_replicas: 3",
+            )
         )
-        return [shutil.which("nats-server") or "nats-server", "-c", str(conf)]
+        return [nats_server() or "nats-server", "-c", str(conf)]
 
     def leader(self) -> Node | None:
         """The leader of ``$MQTT_msgs`` (the stream every QoS 1 publish goes to): the node

@@ -13,6 +13,7 @@ from pathlib import Path
 import orjson
 import pytest
 
+from bench.nats import nats_server
 from tests.integration.conftest import ROOT
 
 
@@ -60,3 +61,43 @@ def test_quick_bench_measures_mqlog_and_mosquitto(tmp_path: Path) -> None:
     assert set(summary["ratios_favouring_mqlog"]) == {"fanin1", "fanout0"}
     assert all(r > 0 for r in summary["ratios_favouring_mqlog"].values())
     assert (tmp_path / "mqtt_bench.png").read_bytes().startswith(b"\x89PNG")
+
+
+@pytest.mark.slow  # NATS and mqlog, one small scenario: about 15 s
+@pytest.mark.skipif(
+    nats_server() is None,
+    reason="nats-server is not installed (scripts/install-system-deps.sh installs it)",
+)
+def test_quick_bench_measures_nats(tmp_path: Path) -> None:
+    """NATS (MQTT on JetStream's file store) as the optional broker: it starts, serves the
+    QoS 1 fan-in with every delivery checked, and has its own columns in the table."""
+    out = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "bench.mqtt_bench",
+            "--quick",
+            "--scenario",
+            "fanin1",
+            "--brokers",
+            "mqlog,nats",
+            "--results",
+            str(tmp_path),
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=240,
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    line = re.search(
+        r"run 0 fanin1\s+nats\s+([\d,.]+) msg/s\s+lost (\d+) dup/reorder (\d+)", out.stdout
+    )
+    assert line is not None, out.stdout
+    assert float(line[1].replace(",", "")) > 0
+    assert line[2] == line[3] == "0", line[0]
+    table = out.stdout.split("mqlog vs Mosquitto 2", 1)[1]
+    assert "mqlog/nats" in table, table  # NATS's columns, with mqlog's ratio to it
+    assert re.search(r"fan-in QoS 1 .*\d\.\d\dx", table), table
+    lines = [orjson.loads(x) for x in (tmp_path / "mqtt_bench.jsonl").read_bytes().splitlines()]
+    assert {x["broker"] for x in lines if not x.get("summary")} == {"mqlog", "nats"}
