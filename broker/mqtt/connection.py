@@ -66,6 +66,9 @@ from broker.mqtt.topics import validate_topic_name
 SHARED_QOS0_ENTRIES = 4096
 SHARED_QOS0_MAX_PAYLOAD = 1024
 _shared_qos0: dict[tuple[str, bytes, bool, int], bytes] = {}
+#: The inbound quota of every connection before (or without) a 5.0 CONNECT: always empty
+#: (an empty set is 216 bytes; an idle 3.1.1 device needs none of its own).
+_NO_QUOTA: set[int] = set()
 
 #: Packets a client may send to a server (s2.1.2 "Direction of flow").
 _CLIENT_TO_SERVER = (
@@ -167,9 +170,12 @@ class ServerConnection:
         self.receive_maximum = receive_maximum
         # Packet ids of the client's QoS 1/2 PUBLISHes not yet answered by PUBACK, PUBCOMP
         # or a PUBREC >= 0x80 on this connection (s4.9 flow control).
-        self.inbound_unacked: set[int] = set()
-        self.inbound_aliases: dict[int, str] = {}
-        self.outbound_aliases: dict[str, int] = {}
+        # 3.1.1 has no Receive Maximum: the set is made for a 5.0 CONNECT (_on_connect);
+        # until then this shared one, which nothing adds to (every add is under version 5).
+        self.inbound_unacked: set[int] = _NO_QUOTA
+        #: Topic aliases (5.0), each made on its first alias: None until then.
+        self.inbound_aliases: dict[int, str] | None = None
+        self.outbound_aliases: dict[str, int] | None = None
         self.client_topic_alias_maximum = 0
         self.client_receive_maximum = 65535
         self.client_max_packet_size: int | None = None
@@ -289,6 +295,8 @@ class ServerConnection:
         self._head = b""
         self.connected = True
         self.version = packet.protocol_level
+        if self.version == 5:
+            self.inbound_unacked = set()
         props = packet.properties
         if props:
             self.client_topic_alias_maximum = props.get(PropertyId.TOPIC_ALIAS_MAXIMUM, 0)
@@ -317,10 +325,13 @@ class ServerConnection:
                 raise TopicAliasInvalid(
                     f"topic alias {alias} outside 1..{self.topic_alias_maximum} [MQTT-3.3.2-9]"
                 )
+            aliases = self.inbound_aliases
+            if aliases is None:
+                aliases = self.inbound_aliases = {}
             if packet.topic:
-                self.inbound_aliases[alias] = packet.topic
+                aliases[alias] = packet.topic
             else:
-                topic = self.inbound_aliases.get(alias)
+                topic = aliases.get(alias)
                 if topic is None:
                     raise ProtocolError(f"topic alias {alias} was never set (s3.3.2.3.4)")
                 packet = replace(packet, topic=topic)
@@ -453,15 +464,18 @@ class ServerConnection:
         version = self.version
         assert version is not None
         if self.client_topic_alias_maximum and version == 5:
-            alias = self.outbound_aliases.get(topic)
+            aliases = self.outbound_aliases
+            if aliases is None:
+                aliases = self.outbound_aliases = {}
+            alias = aliases.get(topic)
             props = dict(properties) if properties else {}
             if alias is not None:
                 props[PropertyId.TOPIC_ALIAS] = alias
                 data = encode_publish("", payload, qos, retain, dup, packet_id, props, version)
             else:
                 new_alias = None
-                if len(self.outbound_aliases) < self.client_topic_alias_maximum:
-                    new_alias = len(self.outbound_aliases) + 1
+                if len(aliases) < self.client_topic_alias_maximum:
+                    new_alias = len(aliases) + 1
                     props[PropertyId.TOPIC_ALIAS] = new_alias
                 data = encode_publish(topic, payload, qos, retain, dup, packet_id, props, version)
                 # The mapping exists for the client only once a PUBLISH carrying both topic
@@ -469,7 +483,7 @@ class ServerConnection:
                 if new_alias is not None and (
                     self.client_max_packet_size is None or len(data) <= self.client_max_packet_size
                 ):
-                    self.outbound_aliases[topic] = new_alias
+                    aliases[topic] = new_alias
         elif qos == 0 and not properties and len(payload) <= SHARED_QOS0_MAX_PAYLOAD:
             # The same QoS 0 bytes go to every subscriber of a record: encode them once.
             key = (topic, payload, retain, version)

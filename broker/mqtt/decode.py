@@ -139,7 +139,9 @@ class Decoder:
         self.version: int | None = version
         self._buf: bytes = _EMPTY  # parsed in place from self._pos
         self._pos = 0
-        self._chunks: list[bytes] = []  # received, not yet joined into _buf
+        #: Received, not yet joined into _buf; None while there are none (an idle
+        #: connection's decoder holds no list).
+        self._chunks: list[bytes] | None = None
         self._pending = 0  # total length of _chunks
         self._error: MQTTError | None = None
         #: :meth:`packets` returns consecutive 4-byte PUBACKs as one :class:`PubAckRun`.
@@ -162,7 +164,10 @@ class Decoder:
                 self._buf = chunk
                 self._pos = 0
                 return
-            self._chunks.append(chunk)
+            if self._chunks is None:
+                self._chunks = [chunk]
+            else:
+                self._chunks.append(chunk)
             self._pending += len(chunk)
 
     def next_packet(self) -> Packet | None:
@@ -188,11 +193,12 @@ class Decoder:
         if avail + self._pending < need or not self._pending:
             return False
         parts = self._chunks
+        assert parts is not None  # _pending > 0
         if avail:
             parts.insert(0, self._buf[self._pos :])
         self._buf = _EMPTY.join(parts)
         self._pos = 0
-        self._chunks = []
+        self._chunks = None
         self._pending = 0
         return True
 

@@ -303,7 +303,9 @@ cdef class DeviceAck:
             PySet_Discard(lane.unacked, self.packet_id)  # its quota comes back (s4.9)
         data = _puback(self.packet_id)
         out = proto._out
-        if not out:
+        if out is None:
+            proto._out = [data]
             lane.edge.want_flush(proto)
-        PyList_Append(out, data)
+        else:
+            PyList_Append(out, data)
         proto._out_bytes += 4

@@ -51,9 +51,16 @@ P = ParamSpec("P")
 class Applicant(Protocol):
     """What admission needs of the connection it admits."""
 
-    #: For the log: ``host:port``; the host is what the login rate limiter counts.
-    peer: str
-    peer_host: str
+    @property
+    def peer(self) -> str:
+        """For the log: ``host:port``."""
+        ...
+
+    @property
+    def peer_host(self) -> str:
+        """The host: what the login rate limiter counts."""
+        ...
+
     #: Came in over TLS; the verified certificate's Common Name, if any.
     tls: bool
     tls_identity: str | None

@@ -104,7 +104,9 @@ def plain_acked(self: Any, packet_id: int, offset: int | None) -> None:
         return
     # _write inlined: the connection's puback() is the one call this path makes.
     data = self.conn.puback(packet_id)
-    if not self._out:
+    if self._out is None:
+        self._out = [data]
         self.edge.want_flush(self)
-    self._out.append(data)
+    else:
+        self._out.append(data)
     self._out_bytes += len(data)

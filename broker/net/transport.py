@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import socket
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, ClassVar, cast
 
@@ -112,14 +111,11 @@ class MQTTProtocol(asyncio.Protocol):
         "_plain_key",
         "client_id",
         "conn",
-        "connect_timeout",
         "connected_at",
         "edge",
         "keepalive",
         "last_received",
         "metrics",
-        "peer",
-        "peer_host",
         "router",
         "session",
         "tls",
@@ -143,8 +139,6 @@ class MQTTProtocol(asyncio.Protocol):
             max_topic_levels=cfg.max_topic_levels,
             receive_maximum=cfg.max_inflight,  # announced in CONNACK by the router
         )
-        # s3.1.4: a server may close a connection that sends no CONNECT in reasonable time.
-        self.connect_timeout = float(cfg.connect_timeout)
         self.transport: asyncio.Transport | None = None
         self.session: Session | None = None
         self.client_id = ""
@@ -152,13 +146,12 @@ class MQTTProtocol(asyncio.Protocol):
         self.keepalive = 0
         self.last_received = edge.monotonic()
         self.connected_at = self.last_received
-        self.peer = "?"
-        self.peer_host = "?"
         #: The CONNECT's admission while it is pending (a password check, a session claim):
         #: input is held there, in arrival order, until it ends.
         self._admission: Admission | None = None
         self._fresh = True  # nothing received yet (a TLS ClientHello is recognised then)
-        self._out: list[bytes] = []
+        #: Output queued this iteration; None while there is none (idle: no list).
+        self._out: list[bytes] | None = None
         self._out_bytes = 0
         #: Holds (:meth:`hold`) on the output: while any, nothing queued leaves.
         self._held = 0
@@ -181,17 +174,36 @@ class MQTTProtocol(asyncio.Protocol):
     _plain_publish = plain_publish
     _plain_acked = plain_acked
 
+    @property
+    def connect_timeout(self) -> float:
+        """s3.1.4: a server may close a connection that sends no CONNECT in reasonable time."""
+        return float(self.edge.config.router.connect_timeout)
+
+    # The peer's address is asked of the transport when a log line or a login names it, not
+    # kept as two strings per connection (uvloop keeps it, also after the close).
+
+    @property
+    def peer(self) -> str:
+        """``host:port`` of the client, for log lines."""
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        if peer is None:
+            return "?"
+        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+
+    @property
+    def peer_host(self) -> str:
+        """The client's address (the login's host, broker.auth)."""
+        peer = self.transport.get_extra_info("peername") if self.transport else None
+        if peer is None:
+            return "?"
+        return str(peer[0]) if isinstance(peer, tuple) else str(peer)
+
     # ---------------------------------------------------------------- asyncio callbacks
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's stream transport, or a carrier (broker.net.carrier) with its surface.
+        # TCP_NODELAY: uvloop (and asyncio) set it on every TCP transport they make.
         self.transport = stream = cast(asyncio.Transport, transport)
-        sock = stream.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        peer = stream.get_extra_info("peername")
-        self.peer = f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
-        self.peer_host = str(peer[0]) if isinstance(peer, tuple) else str(peer)
         stream.set_write_buffer_limits(high=self._high_water)
         self.edge.links.add(self)
         self.edge.keepalive.file(self, self.connected_at + self.connect_timeout)
@@ -497,7 +509,7 @@ class MQTTProtocol(asyncio.Protocol):
         if self._ending == PEER_CLOSED:
             self._ending = closed_by_broker(reason_code, reason)
         if self._held:  # what waited on a state that may never be stored never leaves
-            self._out, self._out_bytes, self._held = [], 0, 0
+            self._out, self._out_bytes, self._held = None, 0, 0
         if reason_code is not None and self.version == 5 and self.session is not None:
             props: dict[int, Any] = {}
             if reason and self._problem_info():
@@ -512,9 +524,12 @@ class MQTTProtocol(asyncio.Protocol):
     # ---------------------------------------------------------------- output
 
     def _write(self, data: bytes) -> None:
-        if not self._out and not self._closing:  # closing: shut; later output is dropped
-            self.edge.want_flush(self)
-        self._out.append(data)
+        if self._out is None:
+            self._out = [data]
+            if not self._closing:  # closing: shut; later output is dropped
+                self.edge.want_flush(self)
+        else:
+            self._out.append(data)
         self._out_bytes += len(data)
 
     def hold(self) -> None:  # Link: queued output stays until as many release() calls
@@ -529,10 +544,10 @@ class MQTTProtocol(asyncio.Protocol):
     def flush_output(self) -> None:
         """Write everything queued this iteration in one call (called by the server)."""
         out = self._out
-        if not out or self._held:
+        if out is None or self._held:
             return
         full = self._out_bytes >= self._budget
-        self._out = []
+        self._out = None
         self._out_bytes = 0
         transport = self.transport
         if transport is None or transport.is_closing():

@@ -162,8 +162,7 @@ class Ack:
         pid = self.packet_id
         if offset == OUTCOME_UNKNOWN:
             if self.cls is PubRec:
-                session.pending_qos2.pop(pid, None)
-                session.incoming_qos2.discard(pid)
+                _forget_qos2(session, pid)
             if session.link is self.link:
                 self.link.close(
                     ReasonCode.UNSPECIFIED_ERROR, "publish outcome unknown: send it again"
@@ -171,9 +170,9 @@ class Ack:
             return
         resends = 0
         if self.cls is PubRec:
-            resends = session.pending_qos2.pop(pid, 0)
+            resends = session.pending_qos2.pop(pid, 0) if session.pending_qos2 else 0
             if offset is None:
-                session.incoming_qos2.discard(pid)
+                _forget_qos2(session, pid)
             elif session.persistent:
                 # The packet id must be known as received before the PUBREC can leave, also
                 # across a crash, or a resend after restart would be stored twice (s4.3.3).
@@ -223,3 +222,11 @@ class _Each:
     def __call__(self, offset: int | None) -> None:
         for callback in self.callbacks:
             callback(offset)
+
+
+def _forget_qos2(session: Session, packet_id: int) -> None:
+    """The QoS 2 id was not stored after all: a resend of it is a new message (s4.3.3)."""
+    if session.pending_qos2 is not None:
+        session.pending_qos2.pop(packet_id, None)
+    if session.incoming_qos2 is not None:
+        session.incoming_qos2.discard(packet_id)

@@ -61,11 +61,13 @@ class Ingest:
         if not self.may_publish(session.client_id, packet.topic):
             self._deny_publish(session, link, packet)
             return
-        if qos == 2 and pid in session.incoming_qos2:
+        received = session.incoming_qos2
+        if qos == 2 and received is not None and pid in received:
             # A resend of a QoS 2 message we already stored: acknowledge, do not store again
             # [MQTT-4.3.3-9]; if it is still being appended, its PUBREC follows the append.
-            if pid in session.pending_qos2:
-                session.pending_qos2[pid] += 1
+            pending = session.pending_qos2
+            if pending is not None and pid in pending:
+                pending[pid] += 1
             else:
                 link.send(PubRec(pid))
             return
@@ -73,6 +75,10 @@ class Ingest:
         if qos == 1:
             ack = Ack(self.commit, session, link, PubAck, pid)  # type: ignore[arg-type]
         elif qos == 2:
+            if session.incoming_qos2 is None:
+                session.incoming_qos2 = set()
+            if session.pending_qos2 is None:
+                session.pending_qos2 = {}
             session.incoming_qos2.add(pid)  # type: ignore[arg-type]
             session.pending_qos2[pid] = 0  # type: ignore[index]
             session.dirty = session.persistent

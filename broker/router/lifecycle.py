@@ -13,6 +13,7 @@ Called only from the owning event loop's thread.
 from __future__ import annotations
 
 import logging
+import sys
 import uuid
 from typing import Any
 
@@ -149,7 +150,9 @@ class Lifecycle:
         session.expiry_interval = expiry
         session.will = packet.will
         session.will_due = None  # a new connection cancels a delayed will [MQTT-3.1.3-9]
-        session.owner, session.owner_known = username, True
+        # Interned: a fleet's devices often share a user name, kept once, not per session.
+        session.owner = sys.intern(username) if username is not None else None
+        session.owner_known = True
         session.link = link
         session.disconnected_at = None
         session.receive_maximum = props.get(PropertyId.RECEIVE_MAXIMUM, 65535)

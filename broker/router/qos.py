@@ -112,10 +112,11 @@ class QosFlows:
     def pubrel(self, session: Session, packet_id: int) -> None:
         link = session.link
         assert link is not None
-        if packet_id in session.incoming_qos2:
-            if packet_id in session.pending_qos2:
+        received = session.incoming_qos2
+        if received is not None and packet_id in received:
+            if session.pending_qos2 and packet_id in session.pending_qos2:
                 return  # not stored yet: the client resends PUBREL after our PUBREC
-            session.incoming_qos2.discard(packet_id)
+            received.discard(packet_id)
             if session.persistent:
                 # Forget the id durably before PUBCOMP frees it for reuse [MQTT-4.3.3-9]:
                 # a stale id after a crash would swallow the client's next message.

@@ -198,10 +198,12 @@ class Session:
     #: sent in (read through :meth:`inflight_entry` / :meth:`inflight_entries`).
     inflight: dict[int, Inflight | InflightRun] = field(default_factory=dict)
     #: QoS 2 packet ids received and PUBREC'd, awaiting PUBREL (duplicate detection, s4.3.3).
-    incoming_qos2: set[int] = field(default_factory=set)
+    #: None until the first (an empty set is 216 bytes: most sessions never use QoS 2).
+    incoming_qos2: set[int] | None = None
     #: Of those, the ones whose record is not appended yet (PUBREC still to come), with the
     #: number of resends received meanwhile: each PUBLISH gets its own PUBREC [MQTT-4.3.3-9].
-    pending_qos2: dict[int, int] = field(default_factory=dict)
+    #: None until the first, as ``incoming_qos2``.
+    pending_qos2: dict[int, int] | None = None
     #: Retained messages due on subscribe, not yet sent: (record offset in $retained, qos,
     #: subscription ids). None until there is one (an empty deque takes 760 bytes: two
     #: of them were a third of an idle connection's memory).
@@ -301,7 +303,7 @@ class Session:
                     consumer,
                 ) in self.inflight_entries()
             ],
-            "incoming_qos2": sorted(self.incoming_qos2),
+            "incoming_qos2": sorted(self.incoming_qos2 or ()),
             "next_packet_id": self.next_packet_id,
         }
 
@@ -332,7 +334,7 @@ class Session:
             s.inflight[pid] = Inflight(
                 (stream, part), off, qos, retain, released, group, consumer_name
             )
-        s.incoming_qos2 = set(state.get("incoming_qos2", ()))
+        s.incoming_qos2 = set(state.get("incoming_qos2", ())) or None
         s.next_packet_id = state.get("next_packet_id", 1)
         will = state.get("will")
         if will is not None:

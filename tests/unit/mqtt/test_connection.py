@@ -402,7 +402,7 @@ def test_too_large_for_client_is_skipped_and_sets_no_alias() -> None:
     # Maximum Packet Size 32, Topic Alias Maximum 4
     c = conn5(bytes.fromhex("2700000020220004"))
     assert c.send_publish("big", b"x" * 64, 1, False, False, 1, None) is None  # [MQTT-3.1.2-25]
-    assert c.outbound_aliases == {}
+    assert not c.outbound_aliases
     data = c.send_publish("big", b"small", 1, False, False, 2, None)
     assert data is not None and len(data) <= 32
     p = decode_out(data)

@@ -432,7 +432,7 @@ def test_pubcomp_is_sent_for_every_pubrel_of_the_publisher(tmp_path: Path) -> No
         assert [p.packet_id for p in link.of(PubRec)] == [1]
         h.router.pubrel(pub, 1)
         assert [(p.packet_id, p.reason_code) for p in link.of(PubComp)] == [(1, 0)]
-        assert pub.incoming_qos2 == set()
+        assert not pub.incoming_qos2
     finally:
         h.streams.close()
 
