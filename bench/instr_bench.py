@@ -22,6 +22,12 @@ fleet       1,000 devices, each publishing QoS 1 to its own ``devices/<nnnnn>/te
             one PUBLISH per write (one packet per read: the device path), 20 devices' writes
             per loop iteration; one QoS 1 subscriber on ``devices/+/telemetry``; N messages
             after one each (not counted) has set every device's plain topic
+fleet2      fleet on two workers (the shipped default on two cores): two worker servers of
+            one broker (each a ``Server`` with its worker spec, a mesh between them) in the
+            one process, each on its own port; device ``i`` connects to worker ``i % 2``
+            (as SO_REUSEPORT spreads them), the subscriber to worker 0; so about half of
+            each worker's PUBLISHes go to a partition the other owns (forwarded), and half
+            of the deliveries are announced by the other
 ==========  ==============================================================================
 
 The stored messages are written once, by a broker of this checkout, and copied for each
@@ -57,7 +63,9 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("replay1", "replay0", "replay1s", "fanout1", "fleet")
+SCENARIOS = ("replay1", "replay0", "replay1s", "fanout1", "fleet", "fleet2")
+#: Scenarios that start from an empty data directory.
+FRESH = ("fanout1", "fleet", "fleet2")
 FANOUT_SUBSCRIBERS = 50
 #: fleet: devices, and how many of them write per loop iteration.
 FLEET_DEVICES = 1000
@@ -234,12 +242,12 @@ async def _fleet_round(devices: list[Device]) -> None:
         await asyncio.sleep(0)
 
 
-async def _fleet(port: int, count: int) -> int:
+async def _fleet(ports: list[int], count: int) -> int:
     loop = asyncio.get_running_loop()
     rounds = max(1, count // FLEET_DEVICES)
     done = loop.create_future()
     sub = await _connect(
-        port,
+        ports[0],
         lambda: Subscriber(1, FLEET_DEVICES * (rounds + 1), done),
         connect_packet("fleet-sub") + subscribe_packet("devices/+/telemetry", 1),
     )
@@ -247,7 +255,7 @@ async def _fleet(port: int, count: int) -> int:
     for i in range(FLEET_DEVICES):
         devices.append(
             await _connect(
-                port,
+                ports[i % len(ports)],
                 partial(Device, FLEET_TOPIC.format(i).encode()),
                 connect_packet(f"dev{i}"),
             )
@@ -308,6 +316,8 @@ async def _scenario(name: str, data: Path, count: int, port: int) -> int:
         commitlog=dataclasses.replace(cfg.commitlog, data_dir=data),
         router=dataclasses.replace(cfg.router, workers=1),
     )
+    if name == "fleet2":
+        return await _two_workers(cfg, count)
     server = Server(cfg)
     await server.start()
     loop = asyncio.get_running_loop()
@@ -328,7 +338,7 @@ async def _scenario(name: str, data: Path, count: int, port: int) -> int:
             await asyncio.gather(*(p.done for p in pubs))
             return sum(p.acked for p in pubs)
         if name == "fleet":
-            return await _fleet(port, count)
+            return await _fleet([port], count)
         if name == "fanout1":
             topic = "fanouts/00000/telemetry"
             subs = []
@@ -371,6 +381,28 @@ async def _scenario(name: str, data: Path, count: int, port: int) -> int:
         return int(sub.got)
     finally:
         await server.stop()
+
+
+async def _two_workers(cfg: Any, count: int) -> int:
+    """fleet2: the two workers of one broker on this loop (module docstring)."""
+    from broker.server import Server
+    from broker.workers.runtime import WorkerSpec
+
+    servers = []
+    ports = [cfg.server.port, _free_port()]
+    for index, port in enumerate(ports):
+        _, ready = os.pipe()  # the supervisor's end, never read
+        worker_cfg = dataclasses.replace(
+            cfg,
+            server=dataclasses.replace(cfg.server, port=port),
+            router=dataclasses.replace(cfg.router, workers=2),
+        )
+        servers.append(Server(worker_cfg, worker=WorkerSpec(index, 2, ready)))
+    await asyncio.gather(*(s.start() for s in servers))  # each waits for the other's mesh
+    try:
+        return await _fleet(ports, count)
+    finally:
+        await asyncio.gather(*(s.stop() for s in servers))
 
 
 def child(name: str, data: Path, count: int, port: int) -> None:
@@ -454,7 +486,7 @@ def main() -> None:
         stored = work / "stored"
         env = {**os.environ, "PYTHONPATH": str(REPO)}
         load = [sys.executable, str(Path(__file__).resolve()), "--child", "load"]
-        if set(names) - {"fanout1", "fleet"}:
+        if set(names) - set(FRESH):
             subprocess.run(
                 [*load, str(stored), str(args.messages), str(_free_port())], env=env, check=True
             )
@@ -465,7 +497,7 @@ def main() -> None:
             for name in names:
                 for label, (src, env_extra) in checkouts.items():
                     t0 = time.monotonic()
-                    data = empty if name in ("fanout1", "fleet") else stored
+                    data = empty if name in FRESH else stored
                     instr, got = measure(src, name, data, args.messages, work, env_extra)
                     per.setdefault((name, label), []).append(instr / got)
                     print(
