@@ -156,6 +156,9 @@ class Mesh:
         ] = {}
         self._next_request = 1
         self._flush_due: list[_PeerProtocol] = []
+        #: Called at this iteration's flush, before the frames are written (before_flush).
+        self._builders: list[Callable[[], None]] = []
+        self._flush_scheduled = False
         self._closing = False
         self._loop: asyncio.AbstractEventLoop | None = None
         #: Schedules the frames' write at the end of the iteration (the server's
@@ -225,8 +228,9 @@ class Mesh:
 
     @property
     def pending_requests(self) -> int:
-        """Requests sent and not answered yet."""
-        return len(self._pending)
+        """Requests sent and not answered yet (or gathered, to be sent at this iteration's
+        flush)."""
+        return len(self._pending) + len(self._builders)
 
     # ------------------------------------------------------------ sending
 
@@ -283,15 +287,34 @@ class Mesh:
             raise PeerDown(f"worker {peer} is not reachable")
         return proto
 
+    def before_flush(self, build: Callable[[], None]) -> None:
+        """Call ``build`` once at the end of this iteration, before its frames are written:
+        a service that sends one frame per iteration for many events gathers them until
+        then, and ``build`` queues that frame (one FORWARD for every batch of the iteration,
+        broker.workers.partitions)."""
+        self._builders.append(build)
+        self._schedule_flush()
+
     def _want_flush(self, proto: _PeerProtocol) -> None:
-        if not self._flush_due and self._loop is not None:
+        self._flush_due.append(proto)
+        self._schedule_flush()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled and self._loop is not None:
+            self._flush_scheduled = True
             if self.schedule is not None:
                 self.schedule(self._flush)
             else:
                 self._loop.call_soon(self._flush)
-        self._flush_due.append(proto)
 
     def _flush(self) -> None:
+        builders, self._builders = self._builders, []
+        for build in builders:  # their frames leave in this same flush
+            try:
+                build()
+            except Exception:
+                log.exception("worker %d: bug building a frame", self.worker)
+        self._flush_scheduled = False
         due, self._flush_due = self._flush_due, []
         for proto in due:
             proto.flush()

@@ -10,18 +10,24 @@ the records the owner announced (a tail in memory, as the owner's own) and other
 the files the owner wrote, through a :class:`~broker.commitlog.reader.LogReader` that never
 reads past the announced mark.
 
-Frames (see :mod:`broker.workers.mesh`): ``FORWARD`` is a request whose body is the partition
-key and the records as :mod:`marshal`-ed rows without their offset (timestamp, topic, payload,
-qos, retain, client id, properties), answered with the first offset given (-1: the append
-failed). Marshal, not the log's batch encoding: the owner encodes the batch it appends anyway,
-both ends are forks of one interpreter, the channel is a local stream socket (no checksum
-needed), and a forward of 1-2 records (a fleet's) took 27 + 30 us to encode and decode as a
-batch, 2 + 3 us as rows. ``APPENDED`` is a notification of ``(key, earliest offset,
-high-water mark)``, sent to every peer after every commit, so each worker knows every
-partition's mark; after a commit of at most :data:`ANNOUNCED_RECORDS` records and
-:data:`ANNOUNCED_BYTES` of payload it also carries them, as marshal-ed rows (they end at the
-mark): a worker with a subscriber to that partition feeds it from memory instead of reading
-each small batch back from the owner's file (a fleet's commits are one to three records).
+Frames (see :mod:`broker.workers.mesh`), each sent once per event-loop iteration whatever
+the number of partitions and records it carries (gathered until the mesh's flush,
+:meth:`~broker.workers.mesh.Mesh.before_flush`): a fleet's iteration gathers a record or two
+for each of several partitions, and a frame per partition and commit made the second worker
+cost per message what the first spent per iteration. ``FORWARD`` is a request to one owner
+whose body is, :mod:`marshal`-ed, one ``(stream, partition, rows)`` per partition it owns that
+this iteration gathered records for, the rows without their offset (timestamp, topic, payload,
+qos, retain, client id, properties); answered with the first offset given to each batch, in
+order (``<q`` each; -1: the append failed). Marshal, not the log's batch encoding: the owner
+encodes the batch it appends anyway, both ends are forks of one interpreter, the channel is a
+local stream socket (no checksum needed), and a forward of 1-2 records (a fleet's) took 27 +
+30 us to encode and decode as a batch, 2 + 3 us as rows. ``APPENDED`` is a notification, to
+every peer, of the commits of the iteration: one ``(stream, partition, earliest offset,
+high-water mark, rows)`` each, so each worker knows every partition's mark; ``rows`` are the
+commit's records (they end at the mark) when at most :data:`ANNOUNCED_RECORDS` and
+:data:`ANNOUNCED_BYTES` of payload, else None: a worker with a subscriber to that partition
+feeds it from memory instead of reading each small batch back from the owner's file (a
+fleet's commits are one to three records).
 ``MARKS`` asks a peer for the marks of all it owns (a worker asks each peer
 once when it starts, before it serves: a subscription made then starts from the true end,
 not from 0).
@@ -35,6 +41,7 @@ import logging
 import marshal
 import struct
 from collections.abc import Callable
+from functools import partial
 from itertools import count
 from typing import Any
 
@@ -60,7 +67,6 @@ ANNOUNCED_RECORDS = 64
 ANNOUNCED_BYTES = 64 << 10
 
 _KEY = struct.Struct("<HI")  # stream name length, partition; the name follows
-_OFFSET = struct.Struct("<q")
 _MARKS = struct.Struct("<qq")
 
 Ack = Callable[[int | None], None]
@@ -198,6 +204,11 @@ class PartitionService:
         self.lost_outcome: int | None = None
         self.forwarded = 0  # records sent to their owner
         self.received = 0  # records appended for a peer
+        #: Batches gathered this iteration, by owner: sent in one FORWARD at its end.
+        self._forwards: dict[int, list[tuple[RemotePartition, list[Record], list[Ack | None]]]]
+        self._forwards = {}
+        #: Commits of this iteration, sent to every peer in one APPENDED at its end.
+        self._appended: list[tuple[str, int, int, int, list[tuple[Any, ...]] | None]] = []
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
         return {FORWARD: self._on_forward, APPENDED: self._on_appended, MARKS: self._on_marks}
@@ -240,99 +251,111 @@ class PartitionService:
     # ------------------------------------------------------------ owner side
 
     def announce(self, part: Partition, records: list[Record]) -> None:
-        """Tell every peer ``part``'s new marks and, when few and ending at the mark, the
-        ``records`` of the commit (:data:`ANNOUNCED_RECORDS`)."""
+        """Tell every peer, at the end of this iteration, ``part``'s new marks and, when few
+        and ending at the mark, the ``records`` of the commit (:data:`ANNOUNCED_RECORDS`)."""
         if self.mesh is None or not self.mesh.peers:
             return
-        body = _pack_marks(part)
+        rows: list[tuple[Any, ...]] | None = None
         if 0 < len(records) <= ANNOUNCED_RECORDS:
             rows = [r[1:] for r in records]
-            if sum([len(r[2]) for r in rows]) <= ANNOUNCED_BYTES:
-                body += marshal.dumps(rows)
-        self.mesh.broadcast(APPENDED, body)
+            if sum([len(r[2]) for r in rows]) > ANNOUNCED_BYTES:
+                rows = None
+        if not self._appended:
+            self.mesh.before_flush(self._send_appended)
+        stream, partition = part.key
+        # end_offset: a replicated partition's is its commit index, not its log's end.
+        self._appended.append((stream, partition, part.log.log_start_offset, part.end_offset, rows))
+
+    def _send_appended(self) -> None:
+        appended, self._appended = self._appended, []
+        if self.mesh is not None:
+            self.mesh.broadcast(APPENDED, marshal.dumps(appended))
 
     def _on_marks(self, peer: int, request: int, body: memoryview) -> None:
         assert self.mesh is not None
         self.mesh.reply(peer, request, b"".join(map(_pack_marks, self.owned.values())))
 
     def _on_forward(self, peer: int, request: int, body: memoryview) -> None:
-        key, pos = unpack_key(body)
         mesh = self.mesh
         assert mesh is not None and self.enqueue is not None
-        if not self.owns(key):
-            log.error(
-                "worker %d: peer %d forwarded to %s/%d, which it does not own",
-                self.worker,
-                peer,
-                *key,
-            )
-            mesh.reply(peer, request, _OFFSET.pack(-1))
-            return
-        rows = marshal.loads(body[pos:])
-        self.received += len(rows)
-
-        def answer(first: int | None) -> None:
-            mesh.reply(peer, request, _OFFSET.pack(-1 if first is None else first))
-
-        self.enqueue(key, rows, answer)
+        batches = marshal.loads(body)
+        answer = _Answer(mesh, peer, request, len(batches))
+        for i, (stream, partition, rows) in enumerate(batches):
+            key = (stream, partition)
+            if not self.owns(key):
+                log.error(
+                    "worker %d: peer %d forwarded to %s/%d, which it does not own",
+                    self.worker,
+                    peer,
+                    *key,
+                )
+                answer.settle(i, None)
+                continue
+            self.received += len(rows)
+            self.enqueue(key, rows, partial(answer.settle, i))
 
     # ------------------------------------------------------------ elsewhere
 
     def _forward(
         self, part: RemotePartition, records: list[Record], acks: list[Ack | None]
     ) -> None:
+        """Gather the batch for its owner's FORWARD, sent at the end of this iteration."""
         self.forwarded += len(records)
+        batches = self._forwards.get(part.owner)
+        if batches is None:
+            batches = self._forwards[part.owner] = []
+            assert self.mesh is not None
+            self.mesh.before_flush(partial(self._send_forward, part.owner))
+        batches.append((part, records, acks))
+
+    def _send_forward(self, owner: int) -> None:
+        batches = self._forwards.pop(owner, [])
+        if not batches:
+            return
 
         def done(body: bytes | None) -> None:
-            first = None
             if body is None:
-                log.warning(
-                    "%s/%d: worker %d went away; %d records %s",
-                    *part.key,
-                    part.owner,
-                    len(records),
-                    "not stored" if self.lost_outcome is None else "of unknown outcome",
-                )
-                first = self.lost_outcome
+                firsts: list[int | None] = [self.lost_outcome] * len(batches)
+                for part, records, _ in batches:
+                    log.warning(
+                        "%s/%d: worker %d went away; %d records %s",
+                        *part.key,
+                        owner,
+                        len(records),
+                        "not stored" if self.lost_outcome is None else "of unknown outcome",
+                    )
             else:
-                first = _OFFSET.unpack(body)[0]
-            if first == OUTCOME_UNKNOWN:  # may be committed: no acknowledgement either way
-                for ack in acks:
-                    if ack is not None:
-                        ack(OUTCOME_UNKNOWN)
-                return
-            _settle(acks, None if first is None or first < 0 else first)
+                firsts = list(struct.unpack(f"<{len(batches)}q", body))
+            for (_, _, acks), first in zip(batches, firsts, strict=True):
+                _answered(acks, first)
 
+        assert self.mesh is not None
+        rows = [(*part.key, [r[1:] for r in records]) for part, records, _ in batches]
+        body = marshal.dumps(rows)
         try:
-            assert self.mesh is not None
-            self.mesh.request(
-                part.owner,
-                FORWARD,
-                pack_key(part.key) + marshal.dumps([r[1:] for r in records]),
-                done,
-            )
+            self.mesh.request(owner, FORWARD, body, done)
         except PeerDown as e:
-            log.warning("%s/%d: %s; %d records not stored", *part.key, e, len(records))
-            _settle(acks, None)
+            for part, records, acks in batches:
+                log.warning("%s/%d: %s; %d records not stored", *part.key, e, len(records))
+                _settle(acks, None)
 
     def _on_appended(self, peer: int, request: int, body: memoryview) -> None:
-        key, pos = unpack_key(body)
-        start, end = _MARKS.unpack_from(body, pos)
-        pos += _MARKS.size
-        part = self.remote.get(key)
-        if part is not None and (part.tail or part.watchers):
-            if pos < len(body) and part.watchers:
-                # The records of the commit, which ends at the mark: the tail of a partition
-                # someone here reads (the others would only hold memory).
-                rows = marshal.loads(body[pos:])
-                new = tuple.__new__
-                first = end - len(rows)
-                part.keep_tail(
-                    first, [new(Record, (offset, *row)) for offset, row in zip(count(first), rows)]
-                )
-            else:
-                part.tail = []  # what follows is in the files only
-        self._moved(key, start, end)
+        for stream, partition, start, end, rows in marshal.loads(body):
+            key = (stream, partition)
+            part = self.remote.get(key)
+            if part is not None and (part.tail or part.watchers):
+                if rows is not None and part.watchers:
+                    # The records of the commit, which ends at the mark: the tail of a
+                    # partition someone here reads (the others would only hold memory).
+                    new = tuple.__new__
+                    first = end - len(rows)
+                    part.keep_tail(
+                        first,
+                        [new(Record, (offset, *row)) for offset, row in zip(count(first), rows)],
+                    )
+                else:
+                    part.tail = []  # what follows is in the files only
+            self._moved(key, start, end)
 
     def _moved(self, key: PartitionKey, start: int, end: int) -> None:
         announced = self.marks.get(key)
@@ -361,6 +384,39 @@ class PartitionService:
 def _pack_marks(part: Partition) -> bytes:
     # end_offset: a replicated partition's is its commit index, not its log's end.
     return pack_key(part.key) + _MARKS.pack(part.log.log_start_offset, part.end_offset)
+
+
+class _Answer:
+    """The owner's answer to one FORWARD: the first offset given to each of its batches
+    (-1: not stored), replied once every batch's append has answered (all in this
+    iteration's group commit)."""
+
+    __slots__ = ("firsts", "left", "mesh", "peer", "request")
+
+    def __init__(self, mesh: Mesh, peer: int, request: int, batches: int) -> None:
+        self.mesh = mesh
+        self.peer = peer
+        self.request = request
+        self.firsts = [-1] * batches
+        self.left = batches
+
+    def settle(self, i: int, first: int | None) -> None:
+        self.firsts[i] = -1 if first is None else first
+        self.left -= 1
+        if not self.left:
+            firsts = self.firsts
+            self.mesh.reply(self.peer, self.request, struct.pack(f"<{len(firsts)}q", *firsts))
+
+
+def _answered(acks: list[Ack | None], first: int | None) -> None:
+    """Acknowledge a forwarded batch as its owner answered (``first``: its first offset;
+    negative: not stored; None or OUTCOME_UNKNOWN: the owner went away)."""
+    if first == OUTCOME_UNKNOWN:  # may be committed: no acknowledgement either way
+        for ack in acks:
+            if ack is not None:
+                ack(OUTCOME_UNKNOWN)
+        return
+    _settle(acks, None if first is None or first < 0 else first)
 
 
 def _settle(acks: list[Ack | None], first: int | None) -> None:
