@@ -5,6 +5,7 @@ meshes (sockets), real logs and a real LogReader on the owner's files."""
 from __future__ import annotations
 
 import asyncio
+import marshal
 import random
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -21,6 +22,8 @@ from broker.workers.mesh import Mesh, owner_of
 from broker.workers.partitions import (
     ANNOUNCED_BYTES,
     ANNOUNCED_RECORDS,
+    APPENDED,
+    FORWARD,
     OwnedPartition,
     PartitionService,
     RemotePartition,
@@ -250,5 +253,65 @@ def test_an_unknown_outcome_reaches_every_publisher_of_a_forward(tmp_path: Path)
         await reader.mesh.close()
         reader.service.close()
         owner.service.owned[KEY].log.close()
+
+    run(main)
+
+
+def _counting(mesh: Mesh, kind: int) -> list[Any]:
+    """The bodies of the frames of ``kind`` ``mesh`` receives, unmarshalled, in order."""
+    handler = mesh.handlers[kind]
+    bodies: list[Any] = []
+
+    def counted(peer: int, request: int, body: memoryview) -> None:
+        bodies.append(marshal.loads(body))
+        handler(peer, request, body)
+
+    mesh.handlers[kind] = counted
+    return bodies
+
+
+def test_an_iteration_sends_one_forward_per_owner_and_one_announcement(tmp_path: Path) -> None:
+    """The batches one iteration gathers for several partitions of one owner leave in one
+    FORWARD, answered once with each batch's first offset (every publisher gets its own
+    record's); the owner's commits of one iteration leave in one APPENDED."""
+    keys = [key for key in (("default", p) for p in range(16)) if owner_of(key, 2) == 0][:3]
+
+    async def main() -> None:
+        owner, reader = Worker(tmp_path, 0), Worker(tmp_path, 1)
+        forwards = _counting(owner.mesh, FORWARD)
+        appended = _counting(reader.mesh, APPENDED)
+        gathered: list[tuple[PartitionKey, int, Callable[[int | None], None]]] = []
+        owner.service.enqueue = lambda key, rows, ack: gathered.append((key, len(rows), ack))
+        await connected(owner, reader)
+        remotes = [reader.partition(key) for key in keys]
+        got: dict[PartitionKey, list[int | None]] = {key: [] for key in keys}
+        for n, (key, remote) in enumerate(zip(keys, remotes, strict=True)):
+            for rec in records(random.Random(n), n + 1, 10):
+                remote.add(rec, got[key].append)
+        for remote in remotes:  # one iteration's group commit
+            remote.commit()
+        await until(lambda: len(gathered) == 3)
+        assert len(forwards) == 1
+        assert [(stream, p, len(rows)) for stream, p, rows in forwards[0]] == [
+            (*key, n + 1) for n, key in enumerate(keys)
+        ]
+        for n, (key, size, ack) in enumerate(gathered):
+            assert (key, size) == (keys[n], n + 1)
+            ack(100 * n if n != 1 else None)  # the second batch's append failed
+        await until(lambda: sum(map(len, got.values())) == 6)
+        assert got == {keys[0]: [0], keys[1]: [None, None], keys[2]: [200, 201, 202]}
+
+        owned = [owner.partition(key) for key in keys]
+        for part in owned:
+            for rec in records(random.Random(9), 2, 10):
+                part.add(rec, None)
+            part.commit()
+        await until(lambda: all(reader.service.marks.get(key) == (0, 2) for key in keys))
+        assert len(appended) == 1 and [e[:4] for e in appended[0]] == [(*key, 0, 2) for key in keys]
+        await owner.mesh.close()
+        await reader.mesh.close()
+        reader.service.close()
+        for part in owned:
+            part.log.close()
 
     run(main)
