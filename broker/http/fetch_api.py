@@ -38,7 +38,6 @@ import asyncio
 from typing import Any, Protocol
 
 import orjson
-import pyarrow as pa
 from aiohttp import web
 
 from broker.commitlog import (
@@ -52,12 +51,10 @@ from broker.commitlog import (
 from broker.commitlog.columns import ColumnRead
 from broker.commitlog.reader import LogReader
 from broker.http.access import HttpUser, request_user
-from broker.http.arrow import (
-    ARROW_STREAM_TYPE,
-    columns_to_record_batch,
-    to_ipc_stream,
-    to_json_record,
-)
+
+# broker.http.arrow (and pyarrow with it) is imported by the first fetch, not with this
+# module: pyarrow adds about 50 MB to the RSS of every process that imports it (the
+# supervisor and each worker of every broker), for an API many brokers never serve.
 
 DEFAULT_MAX_RECORDS = 1000
 #: Upper bound of one fetch: a read of this many records holds the loop for a few ms.
@@ -203,6 +200,8 @@ class FetchApi:
             )
             return web.Response(body=body, content_type="application/json", headers=headers)
         body = await loop.run_in_executor(None, _arrow_body, stream, partition, read, reader)
+        from broker.http.arrow import ARROW_STREAM_TYPE  # imported by _arrow_body
+
         return web.Response(body=body, content_type=ARROW_STREAM_TYPE, headers=headers)
 
     async def offset_for_time(self, request: web.Request) -> web.Response:
@@ -227,6 +226,10 @@ class FetchApi:
 
 
 def _arrow_body(stream: str, partition: int, read: ColumnRead, reader: HttpUser | None) -> bytes:
+    import pyarrow as pa  # on first use (see the imports)
+
+    from broker.http.arrow import columns_to_record_batch, to_ipc_stream
+
     batch = columns_to_record_batch(stream, partition, read)
     if reader is not None and batch.num_rows:
         topics = batch.column("topic").to_pylist()
@@ -238,6 +241,8 @@ def _arrow_body(stream: str, partition: int, read: ColumnRead, reader: HttpUser 
 def _json_body(
     stream: str, partition: int, records: list[Record], next_offset: int, high_water_mark: int
 ) -> bytes:
+    from broker.http.arrow import to_json_record  # on first use (see the imports)
+
     return orjson.dumps(
         {
             "stream": stream,
