@@ -52,6 +52,10 @@ class Node:
         self.names = {node_id_of(n): n for n in names}
         self.loop = loop
         self.transport = Transport()
+        # What its ClusterGroupPeers registers and follows (no Raft host here).
+        self.handlers: dict[int, object] = {}
+        self.group_keys: dict[int, object] = {}
+        self.host = None
 
 
 SPECS = [StreamSpec("default", (), 1, LogConfig(fsync="never"))]
