@@ -137,11 +137,14 @@ class SharedGroups:
         group = self.group(full)
         acl = self.state.acl
         authz = Authorizer(acl.rules_for(username, client_id)) if acl is not None else None
-        member = RemoteMember(client_id, worker, qos, identifier, version, window, authz)
         previous = group.remote.get(client_id)
-        if previous is not None and previous.worker == worker:
-            member.outstanding = previous.outstanding  # joined again: still its to finish
-        group.remote[client_id] = member
+        if previous is not None:
+            # Joined again (a new connection, a node whose link to this one came back): what
+            # it had may never be reported done, so it goes out again, to any member.
+            group.orphans.extend(sorted(previous.outstanding))
+        group.remote[client_id] = RemoteMember(
+            client_id, worker, qos, identifier, version, window, authz
+        )
         if client_id not in group.members:
             group.members.append(client_id)
         self.pump_group(group)
