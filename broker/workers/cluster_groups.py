@@ -124,8 +124,10 @@ class ClusterGroupPeers(MeshGroupPeers):
         elif self.home_node == self.node.id:
             self._members_lost()
         elif self.home_node is not None:
-            up = self.node.transport.connected(self.node.names.get(self.home_node, ""))
+            name = self.node.names.get(self.home_node, "")
+            up = self.node.transport.connected(name)
             if up and not self.home_up:
+                log.info("cluster: shared groups: the link to node %s is back: joining again", name)
                 router.rejoin_groups(self.home_node)
             self.home_up = up
 
@@ -140,7 +142,13 @@ class ClusterGroupPeers(MeshGroupPeers):
         assert router is not None
         nodes = {m.worker for group in router.groups.values() for m in group.remote.values()}
         for node in nodes:
-            if not self.node.transport.connected(self.node.names.get(node, "")):
+            name = self.node.names.get(node, "")
+            if not self.node.transport.connected(name):
+                log.warning(
+                    "cluster: shared groups: no link to node %s: its members leave, what they "
+                    "had outstanding goes to the others",
+                    name,
+                )
                 router.worker_left(node)
 
     def close(self) -> None:

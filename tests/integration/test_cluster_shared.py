@@ -8,6 +8,8 @@ the group is held by the node leading ``$sessions``, its home).
   this, a group was kept per node: members on two nodes each got every record).
 - A member (on a node other than the home) that takes records and leaves without
   acknowledging them: those records go to another member, on another node.
+- A member's node cut off from the others for longer than the links' timeout: the home gives
+  what that member had outstanding to another member; healed, the node joins the home again.
 - The home node killed (kill -9) under QoS 1 load: every acknowledged publish reaches a
   surviving member (duplicates allowed and counted: the records in flight at the home go out
   again from the positions it committed); the new home is the new ``$sessions`` leader.
@@ -183,6 +185,60 @@ def test_a_member_leaving_gives_its_unacknowledged_records_to_another(
     kept = collector.payloads({1})
     print(f"taker held {len(taken)} unacknowledged records; the keeper got {len(kept)} of 60")
     assert kept == set(sent), f"missing at the keeper: {sorted(set(sent) - kept)[:10]}"
+
+
+def test_a_member_node_cut_off_gives_its_records_to_others_and_joins_again(
+    cluster: MqlogCluster,
+) -> None:
+    """A node with a member isolated from the other nodes (its client still reaches it) for
+    longer than the links' timeout: the home gives what that member had outstanding to the
+    other member; healed, the node joins the home again and its member gets records again."""
+    h = home(cluster)
+    a, b = [m for m in cluster.members if m is not h]
+    members = [member(a, "cut"), member(b, "cut")]
+    collector = Collector(members)
+    healed_at = 0.0
+    try:
+        for c in members:
+            assert c.subscribe(f"$share/cut/{STREAM}/cut/#", qos=1) == [1]
+        time.sleep(1.0)
+
+        async def run() -> list[str]:
+            nonlocal healed_at
+            half = asyncio.Event()
+            load = asyncio.create_task(_load(h.addr, f"{STREAM}/cut/x", 600, half, []))
+            await half.wait()
+            await asyncio.to_thread(cluster.lab.isolate, a.node)
+            await asyncio.sleep(8.0)  # past the links' 5 s timeout
+            await asyncio.to_thread(cluster.lab.heal)
+            healed_at = time.monotonic()
+            return await load
+
+        acked = {x.encode() for x in asyncio.run(run())}
+        collector.wait(acked, timeout=30)
+        # Later records reach the healed node's member again (it joined the home again).
+        pub = member(h, "cut-pub")
+        later = [f"after{i}".encode() for i in range(40)]
+        time.sleep(2.0)
+        for i, payload in enumerate(later):
+            pub.publish(f"{STREAM}/cut/y", payload, qos=1, wait=i == len(later) - 1)
+        pub.disconnect()
+        collector.wait(set(later))
+    finally:
+        collector.stop()
+        for c in members:
+            c.disconnect()
+        cluster.lab.heal()
+    payloads = [p for _, _, p in collector.got]
+    lost = (acked | set(later)) - set(payloads)
+    back = collector.payloads({0}) & set(later)
+    print(
+        f"member node {a.node_id} cut off 8 s: {len(acked)} acknowledged, lost {len(lost)}, "
+        f"{len(payloads) - len(set(payloads))} duplicates; after the heal its member got "
+        f"{len(back)} of {len(later)}"
+    )
+    assert not lost, f"lost: {sorted(lost)[:10]}"
+    assert back, "the healed node's member got nothing: it did not join the home again"
 
 
 def test_the_home_killed_under_load_loses_no_acknowledged_record(cluster: MqlogCluster) -> None:
