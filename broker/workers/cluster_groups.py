@@ -28,7 +28,6 @@ only from the worker's event loop; one worker per node.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
@@ -63,7 +62,6 @@ class ClusterGroupPeers(MeshGroupPeers):
         #: The node holding every group: the ``$sessions`` leader as last known here.
         self.home_node: int | None = None
         self.home_up = True
-        self._timer: asyncio.TimerHandle | None = None
         super().__init__(self.node.id, self._home_of, FIRST_KIND)
         guarded = {self.JOIN, self.LEAVE, self.DONE}
         for kind, handler in self.handlers().items():
@@ -99,10 +97,10 @@ class ClusterGroupPeers(MeshGroupPeers):
         self._tick()
 
     def _tick(self) -> None:
-        if self.node.host is None:
-            return  # closed
+        if self.node.transport.closed:
+            return  # the node is stopping
         self.check()
-        self._timer = self.node.loop.call_later(CHECK_SECONDS, self._tick)
+        self.node.loop.call_later(CHECK_SECONDS, self._tick)
 
     def check(self) -> None:
         """Follow the ``$sessions`` leader, and the links to the nodes the groups involve."""
@@ -150,7 +148,3 @@ class ClusterGroupPeers(MeshGroupPeers):
                     name,
                 )
                 router.worker_left(node)
-
-    def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()

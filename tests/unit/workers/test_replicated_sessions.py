@@ -36,6 +36,9 @@ from tests.unit.router.conftest import Harness
 
 
 class Transport:
+    #: The ClusterGroupPeers of these nodes never tick (their groups are not tested here).
+    closed = True
+
     def __init__(self) -> None:
         self.down: set[str] = set()
 
@@ -52,10 +55,7 @@ class Node:
         self.names = {node_id_of(n): n for n in names}
         self.loop = loop
         self.transport = Transport()
-        # What its ClusterGroupPeers registers and follows (no Raft host here).
-        self.handlers: dict[int, object] = {}
-        self.group_keys: dict[int, object] = {}
-        self.host = None
+        self.handlers: dict[int, object] = {}  # its ClusterGroupPeers registers its kinds
 
 
 SPECS = [StreamSpec("default", (), 1, LogConfig(fsync="never"))]
