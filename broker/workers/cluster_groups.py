@@ -59,8 +59,11 @@ class ClusterGroupPeers(MeshGroupPeers):
     def __init__(self, node: ClusterNode, states: Mapping[str, bytes]) -> None:
         self.node = node
         self.states = states
-        #: The node holding every group: the ``$sessions`` leader as last known here.
+        #: The node holding every group: the ``$sessions`` leader as last known here (this
+        #: node until :meth:`start`; nobody is connected before).
         self.home_node: int | None = None
+        #: ``$sessions``' Raft group (set by :meth:`start`).
+        self.sessions_group: int | None = None
         self.home_up = True
         super().__init__(self.node.id, self._home_of, FIRST_KIND)
         guarded = {self.JOIN, self.LEAVE, self.DONE}
@@ -94,6 +97,8 @@ class ClusterGroupPeers(MeshGroupPeers):
     def start(self, router: Router) -> None:
         """The node serves: hold the groups if it leads ``$sessions``, and check from now on."""
         self.router = router
+        keys = self.node.group_keys.items()
+        self.sessions_group = next((g for g, key in keys if key == SESSIONS), None)
         self._tick()
 
     def _tick(self) -> None:
@@ -104,8 +109,7 @@ class ClusterGroupPeers(MeshGroupPeers):
 
     def check(self) -> None:
         """Follow the ``$sessions`` leader, and the links to the nodes the groups involve."""
-        router = self.router
-        g = next((g for g, key in self.node.group_keys.items() if key == SESSIONS), None)
+        router, g = self.router, self.sessions_group
         if router is None or g is None:
             return
         leader = self.node.leader(g)

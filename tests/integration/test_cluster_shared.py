@@ -217,9 +217,9 @@ def test_a_member_node_cut_off_gives_its_records_to_others_and_joins_again(
         acked = {x.encode() for x in asyncio.run(run())}
         collector.wait(acked, timeout=30)
         # Later records reach the healed node's member again (it joined the home again).
+        time.sleep(max(0.0, healed_at + 3.0 - time.monotonic()))  # the link is back by then
         pub = member(h, "cut-pub")
         later = [f"after{i}".encode() for i in range(40)]
-        time.sleep(2.0)
         for i, payload in enumerate(later):
             pub.publish(f"{STREAM}/cut/y", payload, qos=1, wait=i == len(later) - 1)
         pub.disconnect()
