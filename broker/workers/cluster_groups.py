@@ -19,7 +19,7 @@ those positions and the members on every node join it again, so a record in flig
 old home goes out again to some member: at least once, with duplicates, never lost. A node
 whose link to the home closes joins it again when the link is back; the home gives what the
 members of a node it lost the link to had outstanding to the other members, as a worker's
-death does on one node.
+death does on one node, and asks that node to join again once its link to it is back.
 
 Each node checks every :data:`CHECK_SECONDS` whether the leader changed (and on a JOIN,
 LEAVE or DONE it receives: it may learn its own election just before its members do). Called
@@ -44,8 +44,11 @@ if TYPE_CHECKING:
 log = logging.getLogger("broker.cluster")
 
 #: Transport kinds JOIN, LEAVE, DELIVER, DONE (``FIRST_APP_KIND`` .. + 5 are the forwards',
-#: leadership's and remote reads').
+#: leadership's and remote reads'), then :data:`REJOIN`.
 FIRST_KIND = FIRST_APP_KIND + 6
+#: Home to a node whose members it let go while it had no link to it, once the link is back:
+#: join again (that node's own link to the home may never have closed).
+REJOIN = FIRST_KIND + 4
 #: Seconds between two checks of the home (the ``$sessions`` leader) and of the links to it
 #: or to its members' nodes.
 CHECK_SECONDS = 0.25
@@ -69,6 +72,9 @@ class ClusterGroupPeers(MeshGroupPeers):
         guarded = {self.JOIN, self.LEAVE, self.DONE}
         for kind, handler in self.handlers().items():
             self.node.handlers[kind] = self._handler(handler, kind in guarded)
+        self.node.handlers[REJOIN] = self._on_rejoin
+        #: At the home: nodes whose members it let go for want of a link (:data:`REJOIN`).
+        self.let_go: set[int] = set()
 
     def _home_of(self, group: str) -> int:
         return self.home_node if self.home_node is not None else self.node.id
@@ -116,6 +122,7 @@ class ClusterGroupPeers(MeshGroupPeers):
         if leader is not None and leader != self.home_node:
             self.home_node = leader
             self.home_up = True
+            self.let_go.clear()
             me = leader == self.node.id
             log.info(
                 "cluster: shared groups: held by node %s from now on%s",
@@ -139,16 +146,27 @@ class ClusterGroupPeers(MeshGroupPeers):
 
     def _members_lost(self) -> None:
         """At the home: members on a node it has no link to leave their groups, and what
-        they had outstanding goes to the others (they join again with the link)."""
+        they had outstanding goes to the others; they are asked to join again once the link
+        is back (:data:`REJOIN`)."""
         router = self.router
         assert router is not None
+        connected = self.node.transport.connected
+        names = self.node.names
+        for node in [n for n in self.let_go if connected(names.get(n, ""))]:
+            self.let_go.discard(node)
+            self.node.send(node, REJOIN, b"")
         nodes = {m.worker for group in router.groups.values() for m in group.remote.values()}
         for node in nodes:
-            name = self.node.names.get(node, "")
-            if not self.node.transport.connected(name):
+            if not connected(names.get(node, "")):
                 log.warning(
                     "cluster: shared groups: no link to node %s: its members leave, what they "
                     "had outstanding goes to the others",
-                    name,
+                    names.get(node, node),
                 )
                 router.worker_left(node)
+                self.let_go.add(node)
+
+    def _on_rejoin(self, frm: int, body: memoryview) -> None:
+        if self.router is not None and frm == self.home_node:
+            log.info("cluster: shared groups: node %s asks to join again", self.node.names[frm])
+            self.router.rejoin_groups(frm)
