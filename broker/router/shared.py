@@ -7,6 +7,8 @@ minimum of its QoS and that member's subscription QoS [MQTT-3.8.4-8], never as r
 With several workers a group is held by one worker, its *home* (the ``group_peers`` of
 :class:`~broker.router.hooks.WorkerHooks`): members whose sessions are elsewhere join it
 through the mesh (``remote_*`` here are the home's and the member's side of those calls).
+In a cluster of one worker per node the home is a node, the ``$sessions`` leader
+(broker.workers.cluster_groups), and :meth:`SharedGroups.rehome` follows it when it moves.
 With one worker every group is held here.
 
 Called only from the owning event loop's thread.

@@ -55,7 +55,9 @@ class Node:
         self.names = {node_id_of(n): n for n in names}
         self.loop = loop
         self.transport = Transport()
-        self.handlers: dict[int, object] = {}  # its ClusterGroupPeers registers its kinds
+        # What its ClusterGroupPeers registers, and looks $sessions' group up in.
+        self.handlers: dict[int, object] = {}
+        self.group_keys: dict[int, object] = {}
 
 
 SPECS = [StreamSpec("default", (), 1, LogConfig(fsync="never"))]
