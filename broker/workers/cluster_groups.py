@@ -22,7 +22,9 @@ members of a node it lost the link to had outstanding to the other members, as a
 death does on one node, and asks that node to join again once its link to it is back.
 
 Each node checks every :data:`CHECK_SECONDS` whether the leader changed (and on a JOIN,
-LEAVE or DONE it receives: it may learn its own election just before its members do). Called
+LEAVE or DONE it receives: it may learn its own election just before its members do), and
+whether its links are up; a link that closes is acted on at once (frames may have been lost
+on it even if it is open again by the next check). Called
 only from the worker's event loop; one worker per node.
 """
 
@@ -35,6 +37,7 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode
+from broker.cluster.placement import node_id_of
 from broker.router.state import SESSIONS
 from broker.workers.groups import MeshGroupPeers
 
@@ -105,6 +108,16 @@ class ClusterGroupPeers(MeshGroupPeers):
         self.router = router
         keys = self.node.group_keys.items()
         self.sessions_group = next((g for g, key in keys if key == SESSIONS), None)
+        # A link that closes may have lost frames (a DONE, a DELIVER) even if it is open
+        # again by the next check: told at once, beside the gossip's probe (formation).
+        transport = self.node.transport
+        gossip = transport.on_link_lost
+
+        def link_lost(name: str) -> None:
+            gossip(name)
+            self._link_lost(node_id_of(name))
+
+        transport.on_link_lost = link_lost
         self._tick()
 
     def _tick(self) -> None:
@@ -144,10 +157,16 @@ class ClusterGroupPeers(MeshGroupPeers):
         """Every group's state as committed in ``$sessions`` and applied here."""
         return {full: orjson.loads(state) for full, state in self.states.items()}
 
+    def _link_lost(self, node: int) -> None:
+        """A link to or from ``node`` closed."""
+        if self.home_node == self.node.id:
+            self._let_go(node)
+        elif node == self.home_node:
+            self.home_up = False  # join again once a link is up
+
     def _members_lost(self) -> None:
-        """At the home: members on a node it has no link to leave their groups, and what
-        they had outstanding goes to the others; they are asked to join again once the link
-        is back (:data:`REJOIN`)."""
+        """At the home: members on a node it has no link to leave their groups; those let
+        go are asked to join again once the link is back (:data:`REJOIN`)."""
         router = self.router
         assert router is not None
         connected = self.node.transport.connected
@@ -158,13 +177,23 @@ class ClusterGroupPeers(MeshGroupPeers):
         nodes = {m.worker for group in router.groups.values() for m in group.remote.values()}
         for node in nodes:
             if not connected(names.get(node, "")):
-                log.warning(
-                    "cluster: shared groups: no link to node %s: its members leave, what they "
-                    "had outstanding goes to the others",
-                    names.get(node, node),
-                )
-                router.worker_left(node)
-                self.let_go.add(node)
+                self._let_go(node)
+
+    def _let_go(self, node: int) -> None:
+        """At the home: ``node``'s members leave their groups (the link to it is or was
+        down), and what they had outstanding goes to the others."""
+        router = self.router
+        if router is None or not any(
+            m.worker == node for group in router.groups.values() for m in group.remote.values()
+        ):
+            return
+        log.warning(
+            "cluster: shared groups: the link to node %s was lost: its members leave, what "
+            "they had outstanding goes to the others",
+            self.node.names.get(node, node),
+        )
+        router.worker_left(node)
+        self.let_go.add(node)
 
     def _on_rejoin(self, frm: int, body: memoryview) -> None:
         if self.router is not None and frm == self.home_node:

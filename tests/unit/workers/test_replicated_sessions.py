@@ -9,6 +9,7 @@ order, the log order a Raft group would have committed. Only the network is simu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -41,6 +42,7 @@ class Transport:
 
     def __init__(self) -> None:
         self.down: set[str] = set()
+        self.on_link_lost: Callable[[str], None] = lambda name: None
 
     def connected(self, name: str) -> bool:
         return name not in self.down
