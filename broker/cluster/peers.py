@@ -206,6 +206,11 @@ class PeerTransport:
         if node != self.node_id and not self._closing:
             self._learn(node, address)
 
+    @property
+    def closed(self) -> bool:
+        """:meth:`close` was called: nothing is sent or received any more."""
+        return self._closing
+
     def connected(self, node: str) -> bool:
         """True if an authenticated outgoing link to ``node`` is up (``send`` can write)."""
         return node in self._out

@@ -31,7 +31,13 @@ from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import topic_matches
 from broker.router.commit import OUTCOME_UNKNOWN, GroupCommit
 from broker.router.link import Link
-from broker.router.partition import Columns, GroupWatcher, PartitionBase, SessionWatcher
+from broker.router.partition import (
+    Columns,
+    GroupWatcher,
+    PartitionBase,
+    QueueWatcher,
+    SessionWatcher,
+)
 from broker.router.session import (
     MAIN,
     Consumer,
@@ -91,6 +97,11 @@ class Delivery:
                 group = self.groups.get(watcher.group)
                 if group is not None:
                     self.pump_group(group)
+            elif type(watcher) is QueueWatcher:
+                part.watchers.discard(watcher)  # woken once
+                session = sessions.get(watcher.client_id)
+                if session is not None:
+                    self.send_group_queue(session)
 
     def can_send(self, session: Session, qos: int) -> bool:
         """``session`` is connected, can write, and has send quota for ``qos`` (s4.9)."""

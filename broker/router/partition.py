@@ -53,9 +53,19 @@ class GroupWatcher(NamedTuple):
     group: str
 
 
-#: Who is woken when a partition has new records. The two are told apart by type, never
-#: equal to each other (a different length).
-Watcher = SessionWatcher | GroupWatcher
+class QueueWatcher(NamedTuple):
+    """A session whose next record from a group held elsewhere (its ``group_queue``) is not
+    committed here yet: the group's home saw the commit first (a cluster's follower learns
+    it a round later)."""
+
+    client_id: str
+    #: Told apart from a :class:`GroupWatcher` of the same string by its length.
+    waiting: bool = True
+
+
+#: Who is woken when a partition has new records. They are told apart by type, never equal
+#: to each other (a different length, or a bool against a string).
+Watcher = SessionWatcher | GroupWatcher | QueueWatcher
 
 
 #: Stored flags byte -> retain (bit 0; the other bits are not ours to read).

@@ -114,6 +114,8 @@ class Router:
         delivery.group_done = shared.group_done
         delivery.connection_lost = lifecycle.connection_lost
         store.connection_lost = lifecycle.connection_lost
+        store.done_positions = shared.done_positions
+        shared.restore_group = store.restore_group
 
         # What the edges read (the same objects as the state's, never replaced).
         self.streams = streams
@@ -166,6 +168,7 @@ class Router:
         self.remote_deliver = shared.remote_deliver
         self.worker_left = shared.worker_left
         self.rejoin_groups = shared.rejoin_groups
+        self.rehome_groups = shared.rehome
         # Persistence.
         self.load = store.load
         self.close = store.close

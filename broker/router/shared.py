@@ -7,6 +7,8 @@ minimum of its QoS and that member's subscription QoS [MQTT-3.8.4-8], never as r
 With several workers a group is held by one worker, its *home* (the ``group_peers`` of
 :class:`~broker.router.hooks.WorkerHooks`): members whose sessions are elsewhere join it
 through the mesh (``remote_*`` here are the home's and the member's side of those calls).
+In a cluster of one worker per node the home is a node, the ``$sessions`` leader
+(broker.workers.cluster_groups), and :meth:`SharedGroups.rehome` follows it when it moves.
 With one worker every group is held here.
 
 Called only from the owning event loop's thread.
@@ -15,13 +17,15 @@ Called only from the owning event loop's thread.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
+from typing import Any
 
 from broker.auth.acl import Authorizer
 from broker.commitlog import Record
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.topics import parse_shared, topic_matches
 from broker.router.delivery import Delivery
-from broker.router.partition import GroupWatcher
+from broker.router.partition import GroupWatcher, QueueWatcher
 from broker.router.session import Consumer, RemoteMember, Session, SharedGroup, Subscription
 from broker.router.state import RouterState
 
@@ -29,6 +33,10 @@ from broker.router.state import RouterState
 class SharedGroups:
     """The shared groups of one router, and its side of groups held elsewhere. See the
     module docstring."""
+
+    #: Set by the router: hold group ``full`` from its persisted state (from the positions
+    #: done when the flag is set; broker.router.store.SessionStore.restore_group).
+    restore_group: Callable[[str, dict[str, Any], bool], None]
 
     def __init__(self, state: RouterState, delivery: Delivery) -> None:
         self.state = state
@@ -131,6 +139,11 @@ class SharedGroups:
         group = self.group(full)
         acl = self.state.acl
         authz = Authorizer(acl.rules_for(username, client_id)) if acl is not None else None
+        previous = group.remote.get(client_id)
+        if previous is not None:
+            # Joined again (a new connection, a node whose link to this one came back): what
+            # it had may never be reported done, so it goes out again, to any member.
+            group.orphans.extend(sorted(previous.outstanding))
         group.remote[client_id] = RemoteMember(
             client_id, worker, qos, identifier, version, window, authz
         )
@@ -158,6 +171,7 @@ class SharedGroups:
         member = group.remote.get(client_id) if group is not None else None
         if group is not None and member is not None:
             member.outstanding.discard((key, offset))
+            self.state.groups_dirty = True  # its done position may move (done_positions)
             self.pump_group(group)
 
     def worker_left(self, worker: int) -> None:
@@ -199,10 +213,14 @@ class SharedGroups:
             full, key, offset, qos = queue[0]
             if not self.can_send(session, qos):
                 return
+            # The group's home read it, so it is committed, even if the owner's mark has
+            # not reached this worker yet; a cluster's replica here learns it a round later.
+            part = self.partition(key)
+            part.committed_through(offset)
+            if offset >= part.end_offset:
+                part.watchers.add(QueueWatcher(session.client_id))
+                return
             queue.popleft()
-            # The group's worker read it, so it is committed, even if the owner's mark has
-            # not reached this worker yet.
-            self.partition(key).committed_through(offset)
             rec = self.read_exact(key, offset)
             sub = session.shared.get(full)
             if rec is not None and sub is not None:
@@ -217,6 +235,47 @@ class SharedGroups:
         peers = self.state.hooks.group_peers
         if home is not None and peers is not None:
             peers.done(home, full, session.client_id, key, offset)
+        elif full in self.groups:
+            self.state.groups_dirty = True  # its done position may move (done_positions)
+
+    def done_positions(self, group: SharedGroup) -> dict[PartitionKey, int]:
+        """Per partition, the group's first record not yet done: below it every record was
+        sent at QoS 0 or acknowledged. A new home continuing from these positions (a
+        cluster's, broker.workers.cluster_groups) delivers every other record at least once
+        [MQTT-4.8.2]: those in flight again, to whichever member."""
+        done = dict(group.consumer.cursors)
+        held = [off for m in group.remote.values() for off in m.outstanding]
+        held.extend(group.orphans)
+        for client_id in group.members:
+            session = self.sessions.get(client_id)
+            if session is not None:
+                held.extend(
+                    (key, offset)
+                    for _, (key, offset, _, _, _, taken_from, _) in session.inflight_entries()
+                    if taken_from == group.consumer.name
+                )
+        for key, offset in held:
+            if key in done and offset < done[key]:
+                done[key] = offset
+        return done
+
+    def rehome(self, held: dict[str, dict[str, Any]] | None) -> None:
+        """Every group's home moved (a cluster's: broker.workers.cluster_groups): the groups
+        held here are dropped; with ``held`` (group -> its persisted state) they are held
+        here from now on, from the positions their last home persisted; then the members
+        here join wherever their groups now are."""
+        for full, group in self.groups.items():
+            for key in group.consumer.cursors:
+                self.partition(key).watchers.discard(GroupWatcher(full))
+        self.groups.clear()
+        self.state.groups_dirty = False
+        for full, state in (held or {}).items():
+            self.restore_group(full, state, True)
+        for session in list(self.sessions.values()):
+            for full in session.shared:
+                self.join_group(session, full)
+        for group in list(self.groups.values()):
+            self.pump_group(group)
 
     def pump_group(self, group: SharedGroup) -> None:
         """Spread the group's records over members that can take them, round robin.

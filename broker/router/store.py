@@ -41,6 +41,8 @@ class SessionStore:
     # Set by the router (the lifecycle calls into the store too):
     #: The link of a session closed (broker.router.lifecycle).
     connection_lost: Callable[..., None]
+    #: A group's positions done (broker.router.shared.SharedGroups.done_positions).
+    done_positions: Callable[[SharedGroup], dict[PartitionKey, int]]
 
     def __init__(self, state: RouterState, commit: GroupCommit) -> None:
         self.state = state
@@ -88,13 +90,16 @@ class SessionStore:
         self.commit.enqueue(Record(-1, state.now_ms(), session.client_id, payload), ack, SESSIONS)
 
     def persist_groups(self) -> None:
+        """Each group's positions: ``cursors``, the next record to hand out (where one node
+        continues after a restart: what was handed out is in its members' sessions), and
+        ``done``, the first record not yet done (where a cluster's new home continues)."""
         state = self.state
         state.groups_dirty = False
         for full, group in state.groups.items():
             cursors = [[k[0], k[1], off] for k, off in group.consumer.cursors.items()]
-            self.commit.enqueue(
-                Record(-1, state.now_ms(), full, orjson.dumps({"cursors": cursors})), None, SESSIONS
-            )
+            done = [[k[0], k[1], off] for k, off in self.done_positions(group).items()]
+            payload = orjson.dumps({"cursors": cursors, "done": done})
+            self.commit.enqueue(Record(-1, state.now_ms(), full, payload), None, SESSIONS)
 
     def close(self) -> None:
         """Persist every session and flush: called on shutdown."""
@@ -124,7 +129,7 @@ class SessionStore:
         for name, payload in self._session_states().items():
             if payload and name not in skip and is_home(name) and name[:1] != OWNERSHIP:
                 if name.startswith("$share/"):
-                    self._restore_group(name, orjson.loads(payload))
+                    self.restore_group(name, orjson.loads(payload))
                 else:
                     self._restore_session(name, orjson.loads(payload))
                     loaded.append(name)
@@ -141,12 +146,15 @@ class SessionStore:
                 found.append(name)
         return found
 
-    def _restore_group(self, full: str, state: dict[str, Any]) -> None:
+    def restore_group(self, full: str, state: dict[str, Any], from_done: bool = False) -> None:
+        """Hold group ``full`` from its persisted state: at its ``cursors``, or at its
+        ``done`` positions (:meth:`persist_groups`) if ``from_done`` and it has them."""
         name, plain = parse_shared(full)
         assert name is not None
         consumer = Consumer(full, group=name)
         consumer.subscriptions[plain] = Subscription(plain, 2)
-        for stream, p, off in state["cursors"]:
+        positions = state.get("done", state["cursors"]) if from_done else state["cursors"]
+        for stream, p, off in positions:
             consumer.cursors[(stream, p)] = off
             self.partition((stream, p)).watchers.add(GroupWatcher(full))
         self.state.groups[full] = SharedGroup(name, plain, consumer)

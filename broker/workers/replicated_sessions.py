@@ -60,6 +60,7 @@ from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.hooks import SingleWorker
 from broker.router.state import SESSIONS
 from broker.router.store import OWNERSHIP
+from broker.workers.cluster_groups import ClusterGroupPeers
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
@@ -112,6 +113,10 @@ class ClusterSessions:
         self.takeovers = 0
         self._claims: dict[tuple[str, int], asyncio.Future[int | None]] = {}
         self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
+        #: Shared group (full filter) -> its latest positions record's payload.
+        self.groups: dict[str, bytes] = {}
+        #: Shared groups across the nodes: held by the ``$sessions`` leader.
+        self.group_peers = ClusterGroupPeers(node, self.groups)
         # What this node's log holds (up to its pinned high-water mark) is known at once.
         offset = sessions_log.log_start_offset
         end = sessions_log.high_watermark
@@ -145,6 +150,7 @@ class ClusterSessions:
             if state:
                 router.adopt(client_id, state)
         self.serving = True
+        self.group_peers.start(router)
 
     # -- applying commits (every node) ----------------------------------------------------
 
@@ -155,7 +161,10 @@ class ClusterSessions:
             if key.startswith(CLAIM_PREFIX):
                 self._apply_claim(key[len(CLAIM_PREFIX) :], rec.payload)
             elif key.startswith("$share/"):
-                continue  # a shared group's positions: the node holding it loads them
+                if rec.payload:  # a shared group's positions (broker.workers.cluster_groups)
+                    self.groups[key] = rec.payload
+                else:
+                    self.groups.pop(key, None)
             elif rec.payload:
                 self.states[key] = rec.payload
             else:
@@ -315,13 +324,17 @@ def _ignore(offset: int | None) -> None:
 
 class ClusterHooks(SingleWorker):
     """The router's hooks on a cluster node (one worker): at start it loads only the
-    sessions this node owns (or that no claim names: state written before the cluster)."""
+    sessions this node owns (or that no claim names: state written before the cluster);
+    shared groups are held by one node (broker.workers.cluster_groups)."""
 
     def __init__(self, sessions: ClusterSessions) -> None:
         self.sessions = sessions
+        self.group_peers = sessions.group_peers
 
     def is_home(self, name: str) -> bool:
         if name.startswith(CLAIM_PREFIX):
             return False  # an ownership record, not a session
+        if name.startswith("$share/"):
+            return False  # held by the $sessions leader once it serves (cluster_groups)
         owner = self.sessions.owners.get(name)
         return owner is None or owner.node == self.sessions.node.id

@@ -298,14 +298,17 @@ def test_sessions_wills_shared_groups_and_http_through_an_outsider(cluster: Mqlo
         assert msg.payload == b"gone"
     finally:
         watcher.disconnect()
-    # A shared group on the outsider: each record to one of its members, once. (Its members
-    # are on one node: a group's position is kept per node; README, Cluster.)
+    # A shared group with a member on the outsider and one on a replica: each record to one
+    # of them, once (broker.workers.cluster_groups; its home reads the partition as any
+    # node does, remotely when it holds no replica).
     shared = topic_in(p, "shared")
-    members = [client(far, "share-a"), client(far, "share-b")]
+    replica = cluster.member(placement()[p][0])
+    members = [client(far, "share-a"), client(replica, "share-b")]
     pub = client(far, "share-pub")
     try:
         for m in members:
             assert m.subscribe("$share/g/rf/shared/#", qos=1) == [1]
+        time.sleep(1.0)  # the joins reach the group's home
         for i in range(40):
             pub.publish(shared, f"g{i}", qos=1, wait=i == 39)
         got = []

@@ -9,6 +9,7 @@ order, the log order a Raft group would have committed. Only the network is simu
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -36,8 +37,12 @@ from tests.unit.router.conftest import Harness
 
 
 class Transport:
+    #: The ClusterGroupPeers of these nodes never tick (their groups are not tested here).
+    closed = True
+
     def __init__(self) -> None:
         self.down: set[str] = set()
+        self.on_link_lost: Callable[[str], None] = lambda name: None
 
     def connected(self, name: str) -> bool:
         return name not in self.down
@@ -52,6 +57,9 @@ class Node:
         self.names = {node_id_of(n): n for n in names}
         self.loop = loop
         self.transport = Transport()
+        # What its ClusterGroupPeers registers, and looks $sessions' group up in.
+        self.handlers: dict[int, object] = {}
+        self.group_keys: dict[int, object] = {}
 
 
 SPECS = [StreamSpec("default", (), 1, LogConfig(fsync="never"))]

@@ -1,0 +1,201 @@
+"""Shared subscription groups across a cluster's nodes: each record of a group goes to exactly
+one member, wherever its client is connected [MQTT-4.8.2].
+
+This is the several-worker protocol of broker.workers.groups (JOIN, LEAVE, DONE to the
+group's home, DELIVER to the member's node) over the node transport, with one home for every
+group: the node leading ``$sessions``. Why that node: every node knows it from Raft, there is
+at most one per term, and it holds every committed ``$sessions`` record (Raft s5.4.1, Leader
+Completeness), so the positions its predecessor committed are there when it takes over; a
+home chosen by hashing over the live members would need its own agreement on who is alive
+and could take over before it applied them. Its cost: one node spreads every group's
+records (the records themselves are read by each member's node from its own replica, or its
+remote reads; a DELIVER names only a partition and an offset).
+
+The home persists each group's ``done`` positions (broker.router.store: below them every
+record was sent at QoS 0 or acknowledged) in ``$sessions``, and every node applies them
+(:attr:`broker.workers.replicated_sessions.ClusterSessions.groups`). When the leadership
+moves (the home died, was cut off, or handed it over) the new leader holds the groups from
+those positions and the members on every node join it again, so a record in flight at the
+old home goes out again to some member: at least once, with duplicates, never lost. A node
+whose link to the home closes joins it again when the link is back; the home gives what the
+members of a node it lost the link to had outstanding to the other members, as a worker's
+death does on one node, and asks that node to join again once its link to it is back.
+
+Each node checks every :data:`CHECK_SECONDS` whether the leader changed (and on a JOIN,
+LEAVE or DONE it receives: it may learn its own election just before its members do), and
+whether its links are up; a link that closes is acted on at once (frames may have been lost
+on it even if it is open again by the next check). Called
+only from the worker's event loop; one worker per node.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Mapping
+from typing import TYPE_CHECKING, Any
+
+import orjson
+
+from broker.cluster.node import FIRST_APP_KIND, ClusterNode
+from broker.cluster.placement import node_id_of
+from broker.router.state import SESSIONS
+from broker.workers.groups import MeshGroupPeers
+
+if TYPE_CHECKING:
+    from broker.router.router import Router
+
+log = logging.getLogger("broker.cluster")
+
+#: Transport kinds JOIN, LEAVE, DELIVER, DONE (``FIRST_APP_KIND`` .. + 5 are the forwards',
+#: leadership's and remote reads'), then :data:`REJOIN`.
+FIRST_KIND = FIRST_APP_KIND + 6
+#: Home to a node whose members it let go while it had no link to it, once the link is back:
+#: join again (that node's own link to the home may never have closed).
+REJOIN = FIRST_KIND + 4
+#: Seconds between two checks of the home (the ``$sessions`` leader) and of the links to it
+#: or to its members' nodes.
+CHECK_SECONDS = 0.25
+
+
+class ClusterGroupPeers(MeshGroupPeers):
+    """:class:`~broker.router.hooks.GroupPeers` of a cluster node: a "worker" is a node id.
+    ``states``: every group's latest positions record as applied here (never replaced).
+    See the module docstring; :meth:`start` once the node serves."""
+
+    def __init__(self, node: ClusterNode, states: Mapping[str, bytes]) -> None:
+        self.node = node
+        self.states = states
+        #: The node holding every group: the ``$sessions`` leader as last known here (this
+        #: node until :meth:`start`; nobody is connected before).
+        self.home_node: int | None = None
+        #: ``$sessions``' Raft group (set by :meth:`start`).
+        self.sessions_group: int | None = None
+        self.home_up = True
+        super().__init__(self.node.id, self._home_of, FIRST_KIND)
+        guarded = {self.JOIN, self.LEAVE, self.DONE}
+        for kind, handler in self.handlers().items():
+            self.node.handlers[kind] = self._handler(handler, kind in guarded)
+        self.node.handlers[REJOIN] = self._on_rejoin
+        #: At the home: nodes whose members it let go for want of a link (:data:`REJOIN`).
+        self.let_go: set[int] = set()
+
+    def _home_of(self, group: str) -> int:
+        return self.home_node if self.home_node is not None else self.node.id
+
+    def _send(self, worker: int, kind: int, body: list[Any]) -> None:
+        # A lost frame is recovered by the checks: a member joins again when the link to
+        # the home is back, a home gives back what a lost node's members had outstanding.
+        self.node.send(worker, kind, orjson.dumps(body))
+
+    def _handler(
+        self, handler: Callable[[int, int, memoryview], None], to_home: bool
+    ) -> Callable[[int, memoryview], None]:
+        def handle(frm: int, body: memoryview) -> None:
+            if self.router is None:
+                return
+            if to_home and self.home_node != self.node.id:
+                self.check()  # elected a moment ago?
+                if self.home_node != self.node.id:
+                    return  # its sender's view is older: it joins the home it learns of
+            handler(frm, 0, body)
+
+        return handle
+
+    # ------------------------------------------------------------ the checks
+
+    def start(self, router: Router) -> None:
+        """The node serves: hold the groups if it leads ``$sessions``, and check from now on."""
+        self.router = router
+        keys = self.node.group_keys.items()
+        self.sessions_group = next((g for g, key in keys if key == SESSIONS), None)
+        # A link that closes may have lost frames (a DONE, a DELIVER) even if it is open
+        # again by the next check: told at once, beside the gossip's probe (formation).
+        transport = self.node.transport
+        gossip = transport.on_link_lost
+
+        def link_lost(name: str) -> None:
+            gossip(name)
+            self._link_lost(node_id_of(name))
+
+        transport.on_link_lost = link_lost
+        self._tick()
+
+    def _tick(self) -> None:
+        if self.node.transport.closed:
+            return  # the node is stopping
+        self.check()
+        self.node.loop.call_later(CHECK_SECONDS, self._tick)
+
+    def check(self) -> None:
+        """Follow the ``$sessions`` leader, and the links to the nodes the groups involve."""
+        router, g = self.router, self.sessions_group
+        if router is None or g is None:
+            return
+        leader = self.node.leader(g)
+        if leader is not None and leader != self.home_node:
+            self.home_node = leader
+            self.home_up = True
+            self.let_go.clear()
+            me = leader == self.node.id
+            log.info(
+                "cluster: shared groups: held by node %s from now on%s",
+                self.node.names.get(leader, leader),
+                " (here)" if me else "",
+            )
+            router.rehome_groups(self._persisted() if me else None)
+        elif self.home_node == self.node.id:
+            self._members_lost()
+        elif self.home_node is not None:
+            name = self.node.names.get(self.home_node, "")
+            up = self.node.transport.connected(name)
+            if up and not self.home_up:
+                log.info("cluster: shared groups: the link to node %s is back: joining again", name)
+                router.rejoin_groups(self.home_node)
+            self.home_up = up
+
+    def _persisted(self) -> dict[str, dict[str, Any]]:
+        """Every group's state as committed in ``$sessions`` and applied here."""
+        return {full: orjson.loads(state) for full, state in self.states.items()}
+
+    def _link_lost(self, node: int) -> None:
+        """A link to or from ``node`` closed."""
+        if self.home_node == self.node.id:
+            self._let_go(node)
+        elif node == self.home_node:
+            self.home_up = False  # join again once a link is up
+
+    def _members_lost(self) -> None:
+        """At the home: members on a node it has no link to leave their groups; those let
+        go are asked to join again once the link is back (:data:`REJOIN`)."""
+        router = self.router
+        assert router is not None
+        connected = self.node.transport.connected
+        names = self.node.names
+        for node in [n for n in self.let_go if connected(names.get(n, ""))]:
+            self.let_go.discard(node)
+            self.node.send(node, REJOIN, b"")
+        nodes = {m.worker for group in router.groups.values() for m in group.remote.values()}
+        for node in nodes:
+            if not connected(names.get(node, "")):
+                self._let_go(node)
+
+    def _let_go(self, node: int) -> None:
+        """At the home: ``node``'s members leave their groups (the link to it is or was
+        down), and what they had outstanding goes to the others."""
+        router = self.router
+        if router is None or not any(
+            m.worker == node for group in router.groups.values() for m in group.remote.values()
+        ):
+            return
+        log.warning(
+            "cluster: shared groups: the link to node %s was lost: its members leave, what "
+            "they had outstanding goes to the others",
+            self.node.names.get(node, node),
+        )
+        router.worker_left(node)
+        self.let_go.add(node)
+
+    def _on_rejoin(self, frm: int, body: memoryview) -> None:
+        if self.router is not None and frm == self.home_node:
+            log.info("cluster: shared groups: node %s asks to join again", self.node.names[frm])
+            self.router.rejoin_groups(frm)
