@@ -286,9 +286,7 @@ class ClusterService:
         self.storages = {g: GroupStorage.over(streams.log(*key)) for g, key in self.groups.items()}
         #: ``$retained`` offsets below this are in the router's retained index (when hosted).
         self._retained_applied = streams.log(*RETAINED).high_watermark if owns(RETAINED) else 0
-        #: Sessions and their owners across the cluster, and this node's claims: with one
-        #: worker per node. With several, ``$sessions`` is replicated (its writes reach the
-        #: worker owning it) but a client id is not fenced across nodes (README, Cluster).
+        #: Sessions and their owners across the cluster, this node's claims (one worker).
         self.sessions = (
             ClusterSessions(self.node, streams.log(*SESSIONS)) if worker[1] == 1 else None
         )
@@ -417,6 +415,8 @@ class ClusterService:
         for part in self._replicated():
             if part.held:
                 part.release(now)
+        if self.sessions is not None:
+            self.sessions.orphans.tick()
 
     def _replicated(self) -> list[ReplicatedPartition | RemotePartition]:
         parts = self.router.partitions.values() if self.router is not None else ()

@@ -35,11 +35,11 @@ applied while it catches up, before it serves, move sessions away without a rele
 claimants did not wait for this dead node), and once caught up it reloads the sessions it
 owns from what it applied (:meth:`ClusterSessions.resume`).
 
-Limits of this step: the wills and expiry of a session whose owner is dead wait for that
-node's return or the client's reconnection elsewhere; claim records are kept (one small
-record per client id that ever connected). A QoS 2 PUBLISH to a subscriber leaves only once
-its state (packet id, cursor) is committed here (broker.router.delivery holds the link until
-then), so a kill -9 of this node cannot send it again under a new packet id.
+The sessions of a node gossip declares dead are claimed by the leader of ``$sessions``, which
+runs their wills and expiry (broker.workers.orphans). Limits of this step: claim records are
+kept (one small record per client id that ever connected). A QoS 2 PUBLISH to a subscriber
+leaves only once its state (packet id, cursor) is committed here (broker.router.delivery
+holds the link until then), so a kill -9 of this node cannot send it again under a new packet id.
 
 Called only from the worker's event loop.
 """
@@ -60,6 +60,7 @@ from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.hooks import SingleWorker
 from broker.router.state import SESSIONS
 from broker.router.store import OWNERSHIP
+from broker.workers.orphans import Orphans
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
@@ -110,6 +111,8 @@ class ClusterSessions:
         #: Client id -> the epoch of the latest release applied since its last claim.
         self.released: dict[str, int] = {}
         self.takeovers = 0
+        #: The sessions of dead members, adopted here while this node leads ``$sessions``.
+        self.orphans = Orphans(self)
         self._claims: dict[tuple[str, int], asyncio.Future[int | None]] = {}
         self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
         # What this node's log holds (up to its pinned high-water mark) is known at once.
@@ -224,13 +227,18 @@ class ClusterSessions:
 
     # -- claiming (the node a client connects to) -------------------------------------------
 
-    async def claim(self, client_id: str, adopt: Callable[[bytes], T]) -> T:
+    async def claim(
+        self, client_id: str, adopt: Callable[[bytes], T], only_from: int | None = None
+    ) -> T:
         """Make this node the owner of ``client_id``'s session and return what
         ``adopt(answer)`` returns (``answer``: :data:`HERE`, :data:`NEW`, or :data:`STATE`
-        + the state to adopt; see broker.net.admission). Raises :class:`ClaimError`."""
+        + the state to adopt; see broker.net.admission). With ``only_from``, only while
+        that node holds it (broker.workers.orphans). Raises :class:`ClaimError`."""
         me = self.node.id
         for _ in range(CLAIM_ATTEMPTS):
             current = self.owners.get(client_id)
+            if only_from is not None and (current is None or current.node != only_from):
+                raise ClaimError(f"{client_id}: claimed by another node meanwhile")
             if current is not None and current.node == me:
                 return adopt(HERE)
             epoch = (current.epoch if current is not None else 0) + 1

@@ -1,0 +1,127 @@
+"""The sessions of a dead node: their wills and expiry run on a surviving node.
+
+A client id's session is held by the node its claim in ``$sessions`` names
+(broker.workers.replicated_sessions); its will and its expiry are that node's timers
+(broker.router.lifecycle). When gossip declares that node dead (or it left without handing
+its sessions over: ``mqlog cluster leave`` and a stop), its clients' connections are lost as
+surely as if each had dropped, so the cluster treats them that way [MQTT-3.1.2-8]: one
+surviving node claims each of its sessions, exactly like a CONNECT would, and holds it
+offline from the state last committed, as disconnected at the time gossip declared the node
+dead. The router's timers then publish the will after its delay (MQTT 5 s3.1.3.2.2, capped
+by the session expiry) and end the session once its expiry interval ran (s3.1.2.11.2),
+exactly as on one node; a client that reconnects anywhere first claims the session from this
+node as from any other, and its new connection cancels the delayed will [MQTT-3.1.3-9].
+
+**Exactly one node acts.** The leader of ``$sessions`` proposes the claims (leadership moves,
+so every node checks on each tick; the one that leads acts). The claims are fenced by their
+epoch like any other: two proposals for the same dead owner (a leader that lost office with
+one in flight, its successor's) carry the same epoch and only the first applied wins, so the
+will goes out from one node only. A dead node that comes back applies these claims before it
+serves: the sessions leave its router unpublished (replicated_sessions' ``resume``).
+
+A node declared dead that is in fact alive but cut off keeps its connections until it applies
+the claim (then closes them, 5.0: DISCONNECT 0x8E): meanwhile both sides may publish the
+will of a client connected there. The suspicion timeout of gossip bounds how often that can
+happen, not whether.
+
+Called only from the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from broker.cluster.gossip.messages import State
+from broker.cluster.placement import group_id_of, node_id_of
+from broker.net.context import STATE
+from broker.router.state import SESSIONS
+
+if TYPE_CHECKING:
+    from broker.cluster.node import ClusterNode
+    from broker.router.router import Router
+
+log = logging.getLogger("broker.cluster")
+
+#: The gossip states of a member whose sessions are adopted.
+GONE = (State.DEAD, State.LEFT)
+#: Claims of a dead node's sessions in flight at once (each is one ``$sessions`` proposal).
+IN_FLIGHT = 256
+
+
+class Holders(Protocol):
+    """What this needs of broker.workers.replicated_sessions' ``ClusterSessions``."""
+
+    node: ClusterNode
+    router: Router | None
+    serving: bool
+    owners: dict[str, Any]  # client id -> its Owner (node id, epoch)
+
+    def claim(
+        self, client_id: str, adopt: Callable[[bytes], None], only_from: int | None = None
+    ) -> Awaitable[None]: ...
+
+
+class Orphans:
+    """This node's adoption of the sessions of dead members (module docstring)."""
+
+    def __init__(self, sessions: Holders) -> None:
+        self.sessions = sessions
+        self.group = group_id_of(SESSIONS)
+        #: Client ids being claimed here now.
+        self.claiming: set[str] = set()
+        self.adopted = 0
+
+    def gone(self) -> dict[int, float]:
+        """The members gossip has dead or left: node id -> wall seconds since when."""
+        node = self.sessions.node
+        membership = node.membership
+        if membership is None:
+            return {}
+        behind = node.loop.time() - time.time()  # loop seconds minus wall seconds
+        return {
+            node_id_of(m.node): m.since / 1000 - behind
+            for m in membership.core_members()
+            if m.state in GONE and m.node != node.name
+        }
+
+    def tick(self) -> None:
+        """While this node leads ``$sessions``: claim the sessions dead members hold."""
+        sessions = self.sessions
+        node = sessions.node
+        if not sessions.serving or sessions.router is None or not node.is_leader(self.group):
+            return
+        gone = self.gone()
+        if not gone:
+            return
+        for client_id, owner in list(sessions.owners.items()):
+            if len(self.claiming) >= IN_FLIGHT:
+                break
+            died = gone.get(owner.node)
+            if died is None or client_id in self.claiming:
+                continue
+            self.claiming.add(client_id)
+            node.loop.create_task(self._adopt(client_id, owner.node, died))
+
+    async def _adopt(self, client_id: str, dead: int, died: float) -> None:
+        sessions = self.sessions
+        router = sessions.router
+        assert router is not None
+
+        def take(answer: bytes) -> None:
+            # Runs as the claim is applied, before a CONNECT's claim could follow it.
+            if answer[:1] == STATE and client_id not in router.sessions:
+                router.adopt(client_id, answer[1:], died)
+                self.adopted += 1
+
+        name = sessions.node.names.get(dead, str(dead))
+        try:
+            await sessions.claim(client_id, take, only_from=dead)
+        except Exception as e:  # another claim won, or no commit: the next tick sees
+            log.info("cluster: %s: session of dead node %s not adopted: %s", client_id, name, e)
+            return
+        finally:
+            self.claiming.discard(client_id)
+        log.info("cluster: %s: session of dead node %s held here, offline", client_id, name)
