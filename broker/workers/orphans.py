@@ -63,6 +63,8 @@ class Holders(Protocol):
         self, client_id: str, adopt: Callable[[bytes], None], only_from: int | None = None
     ) -> Awaitable[None]: ...
 
+    def session_ended(self, client_id: str) -> None: ...
+
 
 class Orphans:
     """This node's adoption of the sessions of dead members (module docstring)."""
@@ -112,9 +114,13 @@ class Orphans:
 
         def take(answer: bytes) -> None:
             # Runs as the claim is applied, before a CONNECT's claim could follow it.
-            if answer[:1] == STATE and client_id not in router.sessions:
+            if client_id in router.sessions:
+                return
+            if answer[:1] == STATE:
                 router.adopt(client_id, answer[1:], died)
                 self.adopted += 1
+            else:  # a clean session without a will: nothing to run, the claim ends
+                sessions.session_ended(client_id)
 
         name = sessions.node.names.get(dead, str(dead))
         try:

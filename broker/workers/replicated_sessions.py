@@ -36,10 +36,29 @@ claimants did not wait for this dead node), and once caught up it reloads the se
 owns from what it applied (:meth:`ClusterSessions.resume`).
 
 The sessions of a node gossip declares dead are claimed by the leader of ``$sessions``, which
-runs their wills and expiry (broker.workers.orphans). Limits of this step: claim records are
-kept (one small record per client id that ever connected). A QoS 2 PUBLISH to a subscriber
-leaves only once its state (packet id, cursor) is committed here (broker.router.delivery
-holds the link until then), so a kill -9 of this node cannot send it again under a new packet id.
+runs their wills and expiry (broker.workers.orphans). A QoS 2 PUBLISH to a subscriber leaves
+only once its state (packet id, cursor) is committed here (broker.router.delivery holds the
+link until then), so a kill -9 of this node cannot send it again under a new packet id.
+
+**Ownership records and compaction.** ``$sessions`` is compacted (each node its own copy, at
+its own time; a follower may be sent a compacted copy), which keeps only the last record of
+each key and drops a key whose last record is a tombstone. So the last ownership record of a
+client id alone must say what the whole history says, and a session that ends must end with a
+tombstone:
+
+* a session the router ends (clean start, expiry, a clean session's disconnection) ends its
+  ownership: the owner writes a tombstone of the claim unless its client is connecting again
+  (:meth:`ClusterSessions.session_ended`), and compaction then removes both records;
+* a release (or assertion, below) names the owner it follows: applied where nobody holds the
+  client id (its claim compacted away, or a tombstone committed out of turn), it makes that
+  node the owner again;
+* a record that lost (a claim of a stale epoch, a release of an earlier epoch, another node's
+  tombstone committed after this node's claim) is answered by the owner with an *assertion*
+  ``(owner, epoch)``, so the last word is the owner's again.
+
+Between a record that lost and the assertion (one commit) a compaction of that very range
+could still keep the stale record; a node reading that copy learns the owner from the
+assertion that follows it.
 
 Called only from the worker's event loop.
 """
@@ -114,6 +133,10 @@ class ClusterSessions:
         #: The sessions of dead members, adopted here while this node leads ``$sessions``.
         self.orphans = Orphans(self)
         self._claims: dict[tuple[str, int], asyncio.Future[int | None]] = {}
+        #: Client ids this node is claiming now (a CONNECT's or an orphan's claim).
+        self._claiming: set[str] = set()
+        #: Client id -> the epoch of this node's ownership whose end it wrote.
+        self._ending: dict[str, int] = {}
         self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
         # What this node's log holds (up to its pinned high-water mark) is known at once.
         offset = sessions_log.log_start_offset
@@ -165,32 +188,89 @@ class ClusterSessions:
                 self.states.pop(key, None)  # the session ended [MQTT-3.1.2-4]
 
     def _apply_claim(self, client_id: str, payload: bytes) -> None:
-        if not payload:
+        """A claim, release, assertion or end of ``client_id``'s ownership (module
+        docstring, "Ownership records and compaction")."""
+        me = self.node.id
+        current = self.owners.get(client_id)
+        if not payload:  # the session ended: nobody holds it
             self.owners.pop(client_id, None)
+            self.released.pop(client_id, None)
+            ended = self._ending.pop(client_id, None)
+            if current is None or current.node != me:
+                return
+            if ended != current.epoch or self._holds(client_id):
+                # An earlier owner's end committed after this node's claim, or this node's
+                # own while its client came back: it still holds the session.
+                self._assert(client_id, current.epoch)
             return
         body = orjson.loads(payload)
         node, epoch = node_id_of(body["node"]), body["epoch"]
-        current = self.owners.get(client_id)
-        if "released_by" in body:
+        if "released_by" in body or "asserted" in body:
+            if current is None or current.epoch <= epoch:
+                # The record names the owner its claim of this epoch made: that is the
+                # owner, also alone in a compacted log, or after a stale claim of the same
+                # epoch that compaction kept, or after an end committed out of turn.
+                self.owners[client_id] = current = Owner(node, epoch)
             if current == (node, epoch):
-                self.released[client_id] = epoch
-                waiter = self._releases.pop((client_id, epoch), None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(None)
+                if "released_by" in body:
+                    self._released(client_id, epoch)
+            elif current.node == me:
+                self._assert(client_id, current.epoch)  # not left the last word
             return
-        me = self.node.id
         if current is not None and epoch <= current.epoch:
             # Another connection's claim of this epoch came first: this one lost the race.
             if node == me:
                 self._resolve(client_id, epoch, _LOST)
+            if current.node == me:
+                self._assert(client_id, current.epoch)  # not left the last word
             return
         self.owners[client_id] = Owner(node, epoch)
         self.released.pop(client_id, None)
+        self._ending.pop(client_id, None)
         previous = current.node if current is not None else None
         if node == me:
             self._resolve(client_id, epoch, previous)
         else:
             self._release(client_id, previous, node, epoch)
+
+    def _holds(self, client_id: str) -> bool:
+        router = self.router
+        return client_id in self._claiming or (router is not None and client_id in router.sessions)
+
+    def _released(self, client_id: str, epoch: int) -> None:
+        self.released[client_id] = epoch
+        waiter = self._releases.pop((client_id, epoch), None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _assert(self, client_id: str, epoch: int) -> None:
+        """Write that this node holds ``client_id`` at ``epoch`` again: the last ownership
+        record of a client id must name its owner (a stale one would, once compaction kept
+        only it, name another)."""
+        router = self.router
+        if not self.serving or router is None:
+            return  # catching up: its own record follows, or the node took it over since
+        body = orjson.dumps({"node": self.node.name, "epoch": epoch, "asserted": True})
+        row = (router.state.now_ms(), CLAIM_PREFIX + client_id, body, 0, False, "", b"")
+        router.append_forwarded(SESSIONS, [row], _ignore)
+
+    def session_ended(self, client_id: str) -> None:
+        """The router ended ``client_id``'s session (clean start, expiry, a clean session's
+        disconnection): unless its client is connecting here again, the ownership ends too,
+        so that compaction removes the claim (a tombstone)."""
+        owner = self.owners.get(client_id)
+        if owner is not None and owner.node == self.node.id and self.serving:
+            self.node.loop.call_soon(self._end, client_id, owner.epoch)
+
+    def _end(self, client_id: str, epoch: int) -> None:
+        router = self.router
+        if router is None or self._holds(client_id):
+            return  # connected again (a clean start), or being claimed here
+        if self.owners.get(client_id) != (self.node.id, epoch):
+            return  # claimed by another node meanwhile
+        self._ending[client_id] = epoch
+        row = (router.state.now_ms(), CLAIM_PREFIX + client_id, b"", 0, False, "", b"")
+        router.append_forwarded(SESSIONS, [row], _ignore)
 
     def _resolve(self, client_id: str, epoch: int, outcome: int | None) -> None:
         waiter = self._claims.pop((client_id, epoch), None)
@@ -234,6 +314,13 @@ class ClusterSessions:
         ``adopt(answer)`` returns (``answer``: :data:`HERE`, :data:`NEW`, or :data:`STATE`
         + the state to adopt; see broker.net.admission). With ``only_from``, only while
         that node holds it (broker.workers.orphans). Raises :class:`ClaimError`."""
+        self._claiming.add(client_id)
+        try:
+            return await self._claim(client_id, adopt, only_from)
+        finally:
+            self._claiming.discard(client_id)
+
+    async def _claim(self, client_id: str, adopt: Callable[[bytes], T], only_from: int | None) -> T:
         me = self.node.id
         for _ in range(CLAIM_ATTEMPTS):
             current = self.owners.get(client_id)
@@ -327,6 +414,9 @@ class ClusterHooks(SingleWorker):
 
     def __init__(self, sessions: ClusterSessions) -> None:
         self.sessions = sessions
+
+    def session_ended(self, client_id: str) -> None:
+        self.sessions.session_ended(client_id)
 
     def is_home(self, name: str) -> bool:
         if name.startswith(CLAIM_PREFIX):

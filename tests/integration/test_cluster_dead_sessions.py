@@ -51,8 +51,11 @@ def _raw(m: Member, client_id: str, version: int, **kw: object) -> RawClient:
     return c
 
 
-def _wills(sub: Client, until: float) -> Counter[tuple[str, bytes]]:
-    """Every message ``sub`` gets until ``until`` (monotonic), counted."""
+def _wills(
+    sub: Client, until: float, first: dict[str, float] | None = None
+) -> Counter[tuple[str, bytes]]:
+    """Every message ``sub`` gets until ``until`` (monotonic), counted; ``first`` gets the
+    time each topic first arrived."""
     got: Counter[tuple[str, bytes]] = Counter()
     while (left := until - time.monotonic()) > 0:
         try:
@@ -60,6 +63,8 @@ def _wills(sub: Client, until: float) -> Counter[tuple[str, bytes]]:
         except queue.Empty:
             break
         got[(m.topic, m.payload)] += 1
+        if first is not None:
+            first.setdefault(m.topic, time.monotonic())
     return got
 
 
@@ -108,8 +113,15 @@ def test_a_dead_nodes_wills_and_expiry_run_on_a_survivor(cluster: MqlogCluster) 
     for topic in ("queued/short", "queued/durable"):
         publisher.publish(topic, b"meanwhile", qos=1)
 
-    got = _wills(watcher, dead_at + DELAY + 6)
+    arrived: dict[str, float] = {}
+    got = _wills(watcher, dead_at + DELAY + 6, arrived)
     assert got == {("wills/clean311", b"c"): 1, ("wills/delayed", b"d"): 1}, got
+    # The delayed one waited its delay from the death (the poll above saw it late by < 1 s).
+    assert arrived["wills/delayed"] >= dead_at - 1.0 + DELAY
+    print(
+        f"declared dead after {max(declared.values()):.2f} s; wills after "
+        + ", ".join(f"{t}: {at - killed:.2f} s" for t, at in sorted(arrived.items()))
+    )
 
     time.sleep(max(0.0, dead_at + SHORT + 2 - time.monotonic()))
     gone = RawClient(MQTT_PORT, 5, host=n3.addr)  # past its expiry: no session
