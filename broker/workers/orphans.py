@@ -55,6 +55,7 @@ class Holders(Protocol):
     """What this needs of broker.workers.replicated_sessions' ``ClusterSessions``."""
 
     node: ClusterNode
+    worker: tuple[int, int]  # this worker's index, the node's worker count
     router: Router | None
     serving: bool
     owners: dict[str, Any]  # client id -> its Owner (node id, epoch)
@@ -93,6 +94,8 @@ class Orphans:
         """While this node leads ``$sessions``: claim the sessions dead members hold."""
         sessions = self.sessions
         node = sessions.node
+        if sessions.worker[1] > 1:
+            return  # several workers per node: not in this release (README, Cluster)
         if not sessions.serving or sessions.router is None or not node.is_leader(self.group):
             return
         gone = self.gone()

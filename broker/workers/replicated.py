@@ -286,12 +286,11 @@ class ClusterService:
         self.storages = {g: GroupStorage.over(streams.log(*key)) for g, key in self.groups.items()}
         #: ``$retained`` offsets below this are in the router's retained index (when hosted).
         self._retained_applied = streams.log(*RETAINED).high_watermark if owns(RETAINED) else 0
-        #: Sessions and their owners across the cluster, this node's claims (one worker).
-        self.sessions = (
-            ClusterSessions(self.node, streams.log(*SESSIONS)) if worker[1] == 1 else None
-        )
-        #: The router's hooks: it loads the sessions this node owns (one worker per node).
-        self.hooks = ClusterHooks(self.sessions) if self.sessions is not None else None
+        #: Sessions and their owners across the cluster, this node's claims (every worker).
+        own = streams.log(*SESSIONS) if owns(SESSIONS) else None
+        self.sessions: ClusterSessions | None = ClusterSessions(self.node, own, worker)
+        #: The router's hooks with one worker per node: it loads the sessions this node owns.
+        self.hooks = ClusterHooks(self.sessions) if worker[1] == 1 else None
         self.keys = {key: g for g, key in self.groups.items()}
         #: Every replicated partition, this worker's or not.
         self.replicated = frozenset(every.values())
@@ -366,12 +365,6 @@ class ClusterService:
         )
         if self.sessions is not None:
             self.sessions.resume()  # its sessions as committed; claims are answered from now on
-        elif index == 0:
-            log.warning(
-                "cluster: %d workers per node: sessions are replicated, but a client id is not "
-                "fenced across nodes in this release (it is with router.workers = 1)",
-                count,
-            )
 
     async def close(self) -> None:
         await self._drain_sessions()
@@ -463,7 +456,7 @@ class ClusterService:
         """Committed ``$sessions`` records, up to offset ``commit``, to the sessions'
         knowledge (broker.workers.replicated_sessions)."""
         sessions = self.sessions
-        assert sessions is not None
+        assert sessions is not None and sessions.applied is not None  # it owns $sessions
         sessions.applied = self._apply(SESSIONS, sessions.applied, commit, sessions.apply)
 
     def _apply(

@@ -35,10 +35,17 @@ applied while it catches up, before it serves, move sessions away without a rele
 claimants did not wait for this dead node), and once caught up it reloads the sessions it
 owns from what it applied (:meth:`ClusterSessions.resume`).
 
+With several workers per node, every worker applies ``$sessions`` (the one that owns it at
+each commit, the others as it announces its new mark: :meth:`ClusterSessions.follow`), and
+acts for the client ids homed at it (``crc32 % workers``, broker.workers.sessions): their
+claims (the home's session directory claims for the node before it decides which worker holds
+the session), releases (the worker holding the session gives it up), assertions and ends.
+
 The sessions of a node gossip declares dead are claimed by the leader of ``$sessions``, which
-runs their wills and expiry (broker.workers.orphans). A QoS 2 PUBLISH to a subscriber leaves
-only once its state (packet id, cursor) is committed here (broker.router.delivery holds the
-link until then), so a kill -9 of this node cannot send it again under a new packet id.
+runs their wills and expiry (broker.workers.orphans; one worker per node). A QoS 2 PUBLISH to
+a subscriber leaves only once its state (packet id, cursor) is committed here
+(broker.router.delivery holds the link until then), so a kill -9 of this node cannot send it
+again under a new packet id.
 
 **Ownership records and compaction.** ``$sessions`` is compacted (each node its own copy, at
 its own time; a follower may be sent a compacted copy), which keeps only the last record of
@@ -68,7 +75,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import orjson
 
@@ -80,6 +87,7 @@ from broker.router.hooks import SingleWorker
 from broker.router.state import SESSIONS
 from broker.router.store import OWNERSHIP
 from broker.workers.orphans import Orphans
+from broker.workers.sessions import SessionDirectory, home_of
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
@@ -119,10 +127,21 @@ class ClusterSessions:
     docstring). ``router`` is set once the router exists; :attr:`serving` once the node
     caught up and serves clients."""
 
-    def __init__(self, node: ClusterNode, sessions_log: SegmentedLog) -> None:
+    def __init__(
+        self,
+        node: ClusterNode,
+        sessions_log: SegmentedLog | None,
+        worker: tuple[int, int] = (0, 1),
+    ) -> None:
         self.node = node
         self.router: Router | None = None
         self.serving = False
+        #: This worker's index and the node's worker count: a worker acts for the client
+        #: ids whose home it is (``crc32 % workers``, broker.workers.sessions).
+        self.worker = worker
+        #: With several workers: the node's session directory (who holds each client id
+        #: homed here); set by the server.
+        self.directory: SessionDirectory | None = None
         #: Client id -> its owner, as of the last ``$sessions`` record applied.
         self.owners: dict[str, Owner] = {}
         #: Client id -> its latest state record's payload (the router's ``to_state`` JSON).
@@ -138,38 +157,72 @@ class ClusterSessions:
         #: Client id -> the epoch of this node's ownership whose end it wrote.
         self._ending: dict[str, int] = {}
         self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
-        # What this node's log holds (up to its pinned high-water mark) is known at once.
-        offset = sessions_log.log_start_offset
-        end = sessions_log.high_watermark
+        #: ``$sessions`` offsets below this are applied (None: not read yet, a worker that
+        #: does not own ``$sessions`` reads it once the owner announced its mark).
+        self.applied: int | None = None
+        if sessions_log is not None:
+            # What this node's log holds (up to its pinned high-water mark) is known at once.
+            self._read(
+                sessions_log.read, sessions_log.log_start_offset, sessions_log.high_watermark
+            )
+
+    def _read(self, read: Callable[..., list[Record]], offset: int, end: int) -> None:
         while offset < end:
-            records = sessions_log.read(offset, max_records=1000)
+            records = read(offset, max_records=1000)
             if not records:
                 break
             self.apply([r for r in records if r.offset < end])
             offset = records[-1].offset + 1
-        #: ``$sessions`` offsets below this are applied.
         self.applied = end
+
+    def follow(self, key: object, old_end: int, part: Any) -> None:
+        """Another worker of this node owns ``$sessions`` and announced its new mark: apply
+        what was committed since (broker.workers.partitions' ``on_moved``)."""
+        if key == SESSIONS and self.applied is not None:
+            self._read(part.log.read, max(self.applied, old_end), part.end_offset)
+
+    def home(self, client_id: str) -> bool:
+        """Whether this worker acts for ``client_id`` on this node."""
+        index, count = self.worker
+        return count == 1 or home_of(client_id, count) == index
+
+    def holds(self, client_id: str) -> bool:
+        """Whether a worker of this node holds ``client_id``'s session."""
+        if self.directory is not None:
+            return client_id in self.directory.registry
+        return self.router is not None and client_id in self.router.sessions
 
     def resume(self) -> None:
         """The node caught up and is about to serve: the router holds exactly the sessions
-        this node owns, each in its latest committed state (the log the router loaded at
-        start ended at the commit known then; what committed since was applied here only).
-        Sessions no claim names (written before the cluster) stay as loaded."""
+        this node owns (of those homed at this worker), each in its latest committed state
+        (the log the router loaded at start ended at the commit known then; what committed
+        since was applied here only). Sessions no claim names (written before the cluster)
+        stay as loaded."""
         router = self.router
         assert router is not None
+        if self.applied is None:
+            part = router.partition(SESSIONS)
+            self._read(part.log.read, part.log.log_start_offset, part.end_offset)
         me = self.node.id
+        registry = self.directory.registry if self.directory is not None else None
         for client_id in list(router.sessions):
             owner = self.owners.get(client_id)
             if owner is not None and owner.node != me:
                 router.hand_over(client_id)  # offline: it only leaves this router
+                if registry is not None and registry.get(client_id) == self.worker[0]:
+                    del registry[client_id]
         for client_id, owner in self.owners.items():
-            if owner.node != me:
+            if owner.node != me or not self.home(client_id):
                 continue
+            if registry is not None and registry.get(client_id, self.worker[0]) != self.worker[0]:
+                continue  # another worker of this node holds it (it restarted; not this one)
             if client_id in router.sessions:
                 router.hand_over(client_id)
             state = self.states.get(client_id)
             if state:
                 router.adopt(client_id, state)
+                if registry is not None:
+                    registry[client_id] = self.worker[0]
         self.serving = True
 
     # -- applying commits (every node) ----------------------------------------------------
@@ -234,8 +287,7 @@ class ClusterSessions:
             self._release(client_id, previous, node, epoch)
 
     def _holds(self, client_id: str) -> bool:
-        router = self.router
-        return client_id in self._claiming or (router is not None and client_id in router.sessions)
+        return client_id in self._claiming or self.holds(client_id)
 
     def _released(self, client_id: str, epoch: int) -> None:
         self.released[client_id] = epoch
@@ -248,8 +300,8 @@ class ClusterSessions:
         record of a client id must name its owner (a stale one would, once compaction kept
         only it, name another)."""
         router = self.router
-        if not self.serving or router is None:
-            return  # catching up: its own record follows, or the node took it over since
+        if not self.serving or router is None or not self.home(client_id):
+            return  # catching up (its own record follows), or another worker's client id
         body = orjson.dumps({"node": self.node.name, "epoch": epoch, "asserted": True})
         row = (router.state.now_ms(), CLAIM_PREFIX + client_id, body, 0, False, "", b"")
         router.append_forwarded(SESSIONS, [row], _ignore)
@@ -259,7 +311,8 @@ class ClusterSessions:
         disconnection): unless its client is connecting here again, the ownership ends too,
         so that compaction removes the claim (a tombstone)."""
         owner = self.owners.get(client_id)
-        if owner is not None and owner.node == self.node.id and self.serving:
+        mine = owner is not None and owner.node == self.node.id
+        if owner is not None and mine and self.serving and self.home(client_id):
             self.node.loop.call_soon(self._end, client_id, owner.epoch)
 
     def _end(self, client_id: str, epoch: int) -> None:
@@ -281,11 +334,31 @@ class ClusterSessions:
         """Node ``to`` owns ``client_id`` from ``epoch`` on: if the session was this node's,
         its connection here is closed as taken over [MQTT-3.1.4-3] and, while serving, its
         final state and the release go in the log for the claimant."""
+        if not self.home(client_id):
+            return  # the worker this client id is homed at acts
+        if self.directory is not None:
+            if previous == self.node.id or self.holds(client_id):
+                self.node.loop.create_task(self._surrender(client_id, to, epoch))
+            return
         router = self.router
         held = router is not None and client_id in router.sessions
         if previous != self.node.id and not held:
             return
         state = router.hand_over(client_id) if router is not None and held else None
+        self._write_release(client_id, state, held, to, epoch)
+
+    async def _surrender(self, client_id: str, to: int, epoch: int) -> None:
+        """:meth:`_release` with several workers: the worker holding the session gives it
+        up (broker.workers.sessions), then the release is written."""
+        assert self.directory is not None
+        held = self.holds(client_id)
+        state = await self.directory.surrender(client_id)
+        self._write_release(client_id, state, held, to, epoch)
+
+    def _write_release(
+        self, client_id: str, state: bytes | None, held: bool, to: int, epoch: int
+    ) -> None:
+        router = self.router
         if not self.serving or router is None:
             return  # catching up at start: that claimant did not wait for this node
         now = router.state.now_ms()
@@ -336,8 +409,7 @@ class ClusterSessions:
                 await self._wait_release(client_id, epoch, previous)
             if self.owners.get(client_id) != (me, epoch):
                 raise ClaimError(f"{client_id}: a connection on another node took the session")
-            router = self.router
-            if router is not None and client_id in router.sessions:
+            if self.holds(client_id):
                 return adopt(HERE)
             state = self.states.get(client_id)
             return adopt(STATE + state if state else NEW)
