@@ -76,6 +76,9 @@ class Orphans:
         #: Client ids being claimed here now.
         self.claiming: set[str] = set()
         self.adopted = 0
+        #: The dead members whose sessions the last sweep found none left of (None: sweep
+        #: on the next tick), so that a member dead for long costs no pass over every owner.
+        self._swept: frozenset[int] | None = None
 
     def gone(self) -> dict[int, float]:
         """The members gossip has dead or left: node id -> wall seconds since when."""
@@ -97,18 +100,25 @@ class Orphans:
         if sessions.worker[1] > 1:
             return  # several workers per node: not in this release (README, Cluster)
         if not sessions.serving or sessions.router is None or not node.is_leader(self.group):
+            self._swept = None  # a leader to be sweeps again
             return
         gone = self.gone()
-        if not gone:
+        if not gone or self._swept == frozenset(gone):
             return
+        found = False
         for client_id, owner in list(sessions.owners.items()):
+            died = gone.get(owner.node)
+            if died is None:
+                continue
+            found = True
             if len(self.claiming) >= IN_FLIGHT:
                 break
-            died = gone.get(owner.node)
-            if died is None or client_id in self.claiming:
+            if client_id in self.claiming:
                 continue
             self.claiming.add(client_id)
             node.loop.create_task(self._adopt(client_id, owner.node, died))
+        # A dead member that comes back is alive again (not in ``gone``): the set changes.
+        self._swept = None if found else frozenset(gone)
 
     async def _adopt(self, client_id: str, dead: int, died: float) -> None:
         sessions = self.sessions

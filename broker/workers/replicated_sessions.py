@@ -264,6 +264,8 @@ class ClusterSessions:
                 # owner, also alone in a compacted log, or after a stale claim of the same
                 # epoch that compaction kept, or after an end committed out of turn.
                 self.owners[client_id] = current = Owner(node, epoch)
+                if node == me and not self._holds(client_id):
+                    self.session_ended(client_id)  # an old release after the end: end again
             if current == (node, epoch):
                 if "released_by" in body:
                     self._released(client_id, epoch)

@@ -406,3 +406,31 @@ def test_racing_claims_leave_the_winner_in_the_compacted_log(tmp_path: Path) -> 
         assert owners_from(tmp_path / "s", kept, loop) == {"y": Owner(b.node.id, 1)}
 
     asyncio.run(run())
+
+
+def test_a_release_committed_after_the_end_ends_the_claim_again(tmp_path: Path) -> None:
+    """A release applied where nobody holds the client id names its owner; if that owner's
+    session ended already, it writes the end again, so no claim outlives the session."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = cluster_member(tmp_path, "a", ["a", "b"], loop)
+        log = Log([a])
+        claim = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
+        await log.settle()
+        assert await claim == NEW
+        link, session = a.harness.connect("dev")
+        a.harness.disconnect(session, link)
+        await turns()
+        await log.settle()
+        assert "dev" not in a.sessions.owners
+        late = claim_record("a", 1, "dev", released_by="b")  # b's release, committed late
+        a.sessions.apply([late])
+        log.committed.append(late)
+        assert a.sessions.owners["dev"] == Owner(a.node.id, 1)
+        await turns()
+        await log.settle()
+        assert "dev" not in a.sessions.owners
+        assert not [r for r in compacted(log.committed) if "dev" in r.topic]
+
+    asyncio.run(run())
