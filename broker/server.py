@@ -251,7 +251,6 @@ class Server:
         node's claim first (broker.workers.replicated_sessions), and every worker follows
         ``$sessions`` as its owner announces new commits."""
         sessions = cluster.sessions
-        assert sessions is not None
         sessions.directory = runtime.sessions
         runtime.sessions.cluster = sessions
         moved = runtime.partitions.on_moved

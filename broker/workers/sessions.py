@@ -215,10 +215,15 @@ class SessionDirectory:
         holder = self.registry.pop(client_id, None)
         if holder is None:
             return None
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy[client_id] = done  # and a claim here waits for this one
         try:
             return await self._release_at(holder, client_id) or None
         except PeerDown:
             return None  # that worker died: its last state is what the log holds
+        finally:
+            del self._busy[client_id]
+            done.set_result(None)
 
     def _on_claim(self, peer: int, request: int, body: memoryview) -> None:
         client_id = bytes(body).decode()
