@@ -248,11 +248,15 @@ class Server:
     @staticmethod
     def _join_cluster_sessions(runtime: WorkerRuntime, cluster: ClusterService) -> None:
         """Several workers on a cluster node: a claim at a client id's home worker is the
-        node's claim first (broker.workers.replicated_sessions), and every worker follows
-        ``$sessions`` as its owner announces new commits."""
+        node's claim first (broker.workers.replicated_sessions), every worker follows
+        ``$sessions`` as its owner announces new commits, and learns from worker 0 which
+        members are dead (broker.workers.orphans)."""
         sessions = cluster.sessions
         sessions.directory = runtime.sessions
         runtime.sessions.cluster = sessions
+        runtime.actions["orphans"] = sessions.orphans.told  # what worker 0's gossip sees
+        if runtime.index == 0:
+            sessions.orphans.tell = lambda survey: runtime.tell_all("orphans", survey)
         moved = runtime.partitions.on_moved
 
         def follow(key: PartitionKey, old_end: int, part: Any) -> None:

@@ -41,8 +41,8 @@ acts for the client ids homed at it (``crc32 % workers``, broker.workers.session
 claims (the home's session directory claims for the node before it decides which worker holds
 the session), releases (the worker holding the session gives it up), assertions and ends.
 
-The sessions of a node gossip declares dead are claimed by the leader of ``$sessions``, which
-runs their wills and expiry (broker.workers.orphans; one worker per node). A QoS 2 PUBLISH to
+The sessions of a node gossip declares dead are claimed by one survivor, which runs their
+wills and expiry (broker.workers.orphans). A QoS 2 PUBLISH to
 a subscriber leaves only once its state (packet id, cursor) is committed here
 (broker.router.delivery holds the link until then), so a kill -9 of this node cannot send it
 again under a new packet id.
@@ -191,6 +191,11 @@ class ClusterSessions:
         if self.directory is not None:
             return client_id in self.directory.registry
         return self.router is not None and client_id in self.router.sessions
+
+    def held_here(self, client_id: str) -> None:
+        """This worker adopted ``client_id``'s session (broker.workers.orphans)."""
+        if self.directory is not None:
+            self.directory.registry[client_id] = self.worker[0]
 
     def resume(self) -> None:
         """The node caught up and is about to serve: the router holds exactly the sessions

@@ -36,10 +36,11 @@ DELAY = 3
 SHORT = 4
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
+@pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
+    """Three nodes of one worker, or of two (the client ids below are homed at both)."""
     with Lab(3) as lab:
-        c = MqlogCluster(lab, tmp_path)
+        c = MqlogCluster(lab, tmp_path, workers=request.param)
         c.start()
         c.wait_all_alive()
         yield c
@@ -75,7 +76,8 @@ def test_a_dead_nodes_wills_and_expiry_run_on_a_survivor(cluster: MqlogCluster) 
     assert watcher.subscribe("wills/#", qos=1) == [1]
     # On n1: a 5.0 will with a delay, a 3.1.1 clean session's will (no delay), a 5.0 will
     # whose client comes back (on n2) before its delay, a session that expires and one that
-    # outlives the death with messages queued for it. Each connection stays open until n1
+    # outlives the death with messages queued for it (with two workers: "clean-311" and
+    # "short" are homed at worker 0, the others at worker 1). Each connection stays open until n1
     # dies (a client closing its socket would have n1 itself publish its will).
     delayed = _raw(
         n1,
@@ -86,7 +88,7 @@ def test_a_dead_nodes_wills_and_expiry_run_on_a_survivor(cluster: MqlogCluster) 
         will=("wills/delayed", b"d", 1, False),
         will_delay=DELAY,
     )
-    clean311 = _raw(n1, "clean311", 4, will=("wills/clean311", b"c", 1, False))
+    clean311 = _raw(n1, "clean-311", 4, will=("wills/clean311", b"c", 1, False))
     returns = _raw(
         n1,
         "returns",
