@@ -34,6 +34,7 @@ Called only from the worker's event loop.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Callable
@@ -86,8 +87,9 @@ class Orphans:
 
     def __init__(self, sessions: Holders) -> None:
         self.sessions = sessions
-        #: Client ids being claimed here now.
+        #: Client ids being claimed here now, and their claims (a task needs a reference).
         self.claiming: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
         self.adopted = 0
         #: The dead members whose sessions the last sweep found none left of (None: sweep
         #: on the next tick), so that a member dead for long costs no pass over every owner.
@@ -140,7 +142,9 @@ class Orphans:
             if client_id in self.claiming:
                 continue
             self.claiming.add(client_id)
-            node.loop.create_task(self._adopt(client_id, owner.node, died))
+            task = node.loop.create_task(self._adopt(client_id, owner.node, died))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
         # A dead member that comes back is alive again (not in ``gone``): the set changes.
         self._swept = None if found else frozenset(gone)
 
