@@ -168,8 +168,8 @@ class Orphans:
         try:
             await sessions.claim(client_id, take, only_from=dead)
         except Exception as e:  # another claim won, or no commit: the next tick sees
-            log.info("cluster: %s: session of dead node %s not adopted: %s", client_id, name, e)
+            log.info("cluster: %s: session of gone node %s not adopted: %s", client_id, name, e)
             return
         finally:
             self.claiming.discard(client_id)
-        log.info("cluster: %s: session of dead node %s held here, offline", client_id, name)
+        log.info("cluster: %s: session of gone node %s held here, offline", client_id, name)
