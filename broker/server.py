@@ -164,6 +164,8 @@ class Server:
             self._join_runtime(self.runtime)
         if self.cluster is not None:
             self.cluster.attach(self.router)
+            if self.runtime is not None:
+                self._join_cluster_sessions(self.runtime, self.cluster)
         self.metrics.registry.register(BrokerCollector(self))
         if self.cluster is not None:
             cluster_metrics = ClusterMetrics(self, self.metrics.registry)
@@ -242,6 +244,27 @@ class Server:
         runtime.views["health"] = lambda: orjson.dumps(self.counts())
         runtime.views["cluster"] = lambda: orjson.dumps(self.cluster_view())
         runtime.actions["transfer_leader"] = self._transfer_action
+
+    @staticmethod
+    def _join_cluster_sessions(runtime: WorkerRuntime, cluster: ClusterService) -> None:
+        """Several workers on a cluster node: a claim at a client id's home worker is the
+        node's claim first (broker.workers.replicated_sessions), every worker follows
+        ``$sessions`` as its owner announces new commits, and learns from worker 0 which
+        members are dead (broker.workers.orphans)."""
+        sessions = cluster.sessions
+        sessions.directory = runtime.sessions
+        runtime.sessions.cluster = sessions
+        runtime.actions["orphans"] = sessions.orphans.told  # what worker 0's gossip sees
+        if runtime.index == 0:
+            sessions.orphans.tell = lambda survey: runtime.tell_all("orphans", survey)
+        moved = runtime.partitions.on_moved
+
+        def follow(key: PartitionKey, old_end: int, part: Any) -> None:
+            if moved is not None:
+                moved(key, old_end, part)
+            sessions.follow(key, old_end, part)
+
+        runtime.partitions.on_moved = follow
 
     @property
     def session_claims(self) -> SessionClaims | None:

@@ -160,6 +160,11 @@ class Lifecycle:
             props.get(PropertyId.REQUEST_PROBLEM_INFORMATION, 1)
         )
         session.dirty = session.persistent
+        if session.will is not None and not session.persistent:
+            # A clean session's will is written too, so that it survives this node: in a
+            # cluster another node publishes it when this one dies (broker.workers.orphans),
+            # and one node defers it to its next start (s3.1.2.5) [MQTT-3.1.2-8].
+            self.store.write(session)
         link.client_id = client_id
         state.connections += 1
         state.hooks.connections_changed(state.connections)
@@ -266,7 +271,7 @@ class Lifecycle:
             self.shared.leave_group(session, full, orphan_inflight=True)
             del session.shared[full]
         self.store.forget(session)
-        if session.persistent or session.dirty:
+        if session.persistent or session.dirty or session.stored:
             tombstone = Record(-1, self.state.now_ms(), session.client_id, b"")
             self.commit.enqueue(tombstone, None, SESSIONS)
         self.state.hooks.session_ended(session.client_id)

@@ -225,6 +225,8 @@ class Session:
     owner_known: bool = True
     next_packet_id: int = 1
     dirty: bool = False  # persisted state changed since last written
+    #: Its state is in ``$sessions``: its end writes a tombstone (broker.router.lifecycle).
+    stored: bool = False
     #: A consumer stopped at the send quota: the next PUBACK pumps (Delivery.pump_acked).
     waiting: bool = False
 
@@ -313,6 +315,7 @@ class Session:
             client_id=client_id,
             version=state["version"],
             persistent=True,
+            stored=True,
             expiry_interval=state["expiry"],
             disconnected_at=state.get("disconnected_at"),
             owner=state.get("owner"),

@@ -82,9 +82,14 @@ class SessionStore:
     def persist(self, session: Session, ack: AckCallback | None = None) -> None:
         """Write the session's state to the compacted ``$sessions`` stream; ``ack`` is
         called once it is in the log."""
-        if not session.persistent:
-            return
+        if session.persistent:
+            self.write(session, ack)
+
+    def write(self, session: Session, ack: AckCallback | None = None) -> None:
+        """Write the session's state, persistent or not (:meth:`persist`; a clean session
+        with a will: broker.router.lifecycle)."""
         session.dirty = False
+        session.stored = True
         state = self.state
         payload = orjson.dumps(session.to_state(state.monotonic()))
         self.commit.enqueue(Record(-1, state.now_ms(), session.client_id, payload), ack, SESSIONS)
@@ -159,21 +164,25 @@ class SessionStore:
             self.partition((stream, p)).watchers.add(GroupWatcher(full))
         self.state.groups[full] = SharedGroup(name, plain, consumer)
 
-    def _restore_session(self, client_id: str, state: dict[str, Any]) -> Session:
-        """A session from its persisted (or handed over) state, registered as offline."""
+    def _restore_session(
+        self, client_id: str, state: dict[str, Any], lost_at: float | None = None
+    ) -> Session:
+        """A session from its persisted (or handed over) state, registered as offline. One
+        whose client was connected when the state was written lost its connection at
+        ``lost_at`` (wall seconds; None: now)."""
         session = Session.from_state(client_id, state)
+        now = self.state.clock()
+        lost = now if lost_at is None else min(lost_at, now)
         if session.disconnected_at is None:
-            session.disconnected_at = self.state.clock()
+            session.disconnected_at = lost
         if session.will is not None:
             # A will still pending at shutdown keeps its remaining delay; one of a client
             # that was connected when the broker died is due as for an abnormal close,
             # deferred to this start as s3.1.2.5 allows. tick() publishes it.
             left = state.get("will_left")
             if left is None:
-                left = min(
-                    session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0),
-                    session.expiry_interval,
-                )
+                delay = session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0)
+                left = max(0.0, min(delay, session.expiry_interval) - (now - lost))
             session.will_due = self.state.monotonic() + left
         self.sessions[client_id] = session
         for consumer in session.consumers.values():
@@ -181,10 +190,11 @@ class SessionStore:
                 self.partition(key).watchers.add(SessionWatcher(client_id, consumer.name))
         return session
 
-    def adopt(self, client_id: str, state: bytes) -> None:
+    def adopt(self, client_id: str, state: bytes, lost_at: float | None = None) -> None:
         """The session of ``client_id``, handed over by the worker that held it, is held
-        here now (offline until :meth:`connect`)."""
-        self._restore_session(client_id, orjson.loads(state))
+        here now (offline until :meth:`connect`); ``lost_at``: see :meth:`_restore_session`
+        (a cluster adopting the sessions of a dead node passes the time of its death)."""
+        self._restore_session(client_id, orjson.loads(state), lost_at)
 
     def hand_over(self, client_id: str) -> bytes | None:
         """Give the session of ``client_id`` to another worker, where its client

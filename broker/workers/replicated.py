@@ -286,14 +286,11 @@ class ClusterService:
         self.storages = {g: GroupStorage.over(streams.log(*key)) for g, key in self.groups.items()}
         #: ``$retained`` offsets below this are in the router's retained index (when hosted).
         self._retained_applied = streams.log(*RETAINED).high_watermark if owns(RETAINED) else 0
-        #: Sessions and their owners across the cluster, and this node's claims: with one
-        #: worker per node. With several, ``$sessions`` is replicated (its writes reach the
-        #: worker owning it) but a client id is not fenced across nodes (README, Cluster).
-        self.sessions = (
-            ClusterSessions(self.node, streams.log(*SESSIONS)) if worker[1] == 1 else None
-        )
-        #: The router's hooks: it loads the sessions this node owns (one worker per node).
-        self.hooks = ClusterHooks(self.sessions) if self.sessions is not None else None
+        #: Sessions and their owners across the cluster, this node's claims (every worker).
+        own = streams.log(*SESSIONS) if owns(SESSIONS) else None
+        self.sessions = ClusterSessions(self.node, own, worker)
+        #: The router's hooks with one worker per node: it loads the sessions this node owns.
+        self.hooks = ClusterHooks(self.sessions) if worker[1] == 1 else None
         self.keys = {key: g for g, key in self.groups.items()}
         #: Every replicated partition, this worker's or not.
         self.replicated = frozenset(every.values())
@@ -322,8 +319,7 @@ class ClusterService:
 
     def attach(self, router: Router) -> None:
         self.router = router
-        if self.sessions is not None:
-            self.sessions.router = router
+        self.sessions.router = router
 
     def make_partition(self, key: PartitionKey) -> PartitionBase:
         """The router's partition factory: replicated or local (module docstring)."""
@@ -366,14 +362,7 @@ class ClusterService:
             len(self.remote_parts),
             len(members),
         )
-        if self.sessions is not None:
-            self.sessions.resume()  # its sessions as committed; claims are answered from now on
-        elif index == 0:
-            log.warning(
-                "cluster: %d workers per node: sessions are replicated, but a client id is not "
-                "fenced across nodes in this release (it is with router.workers = 1)",
-                count,
-            )
+        self.sessions.resume()  # its sessions as committed; claims are answered from now on
 
     async def close(self) -> None:
         await self._drain_sessions()
@@ -417,6 +406,7 @@ class ClusterService:
         for part in self._replicated():
             if part.held:
                 part.release(now)
+        self.sessions.orphans.tick()
 
     def _replicated(self) -> list[ReplicatedPartition | RemotePartition]:
         parts = self.router.partitions.values() if self.router is not None else ()
@@ -437,7 +427,7 @@ class ClusterService:
         key = self.groups.get(g)
         if key == RETAINED and self.router is not None:
             self._apply_retained(commit)
-        elif key == SESSIONS and self.router is not None and self.sessions is not None:
+        elif key == SESSIONS and self.router is not None:
             self._apply_sessions(commit)
         part = self._partition(g)
         if part is None:
@@ -463,7 +453,7 @@ class ClusterService:
         """Committed ``$sessions`` records, up to offset ``commit``, to the sessions'
         knowledge (broker.workers.replicated_sessions)."""
         sessions = self.sessions
-        assert sessions is not None
+        assert sessions.applied is not None  # this worker owns $sessions: read at start
         sessions.applied = self._apply(SESSIONS, sessions.applied, commit, sessions.apply)
 
     def _apply(
@@ -596,5 +586,5 @@ class ClusterService:
         view["partitions"] += self.remote.status()
         view["remote_reads"] = self.remote.stats()
         view["forwards_waiting"] = len(self._waiting)
-        view["session_takeovers"] = self.sessions.takeovers if self.sessions is not None else 0
+        view["session_takeovers"] = self.sessions.takeovers
         return view

@@ -35,11 +35,37 @@ applied while it catches up, before it serves, move sessions away without a rele
 claimants did not wait for this dead node), and once caught up it reloads the sessions it
 owns from what it applied (:meth:`ClusterSessions.resume`).
 
-Limits of this step: the wills and expiry of a session whose owner is dead wait for that
-node's return or the client's reconnection elsewhere; claim records are kept (one small
-record per client id that ever connected). A QoS 2 PUBLISH to a subscriber leaves only once
-its state (packet id, cursor) is committed here (broker.router.delivery holds the link until
-then), so a kill -9 of this node cannot send it again under a new packet id.
+With several workers per node, every worker applies ``$sessions`` (the one that owns it at
+each commit, the others as it announces its new mark: :meth:`ClusterSessions.follow`), and
+acts for the client ids homed at it (``crc32 % workers``, broker.workers.sessions): their
+claims (the home's session directory claims for the node before it decides which worker holds
+the session), releases (the worker holding the session gives it up), assertions and ends.
+
+The sessions of a node gossip declares dead are claimed by one survivor, which runs their
+wills and expiry (broker.workers.orphans). A QoS 2 PUBLISH to
+a subscriber leaves only once its state (packet id, cursor) is committed here
+(broker.router.delivery holds the link until then), so a kill -9 of this node cannot send it
+again under a new packet id.
+
+**Ownership records and compaction.** ``$sessions`` is compacted (each node its own copy, at
+its own time; a follower may be sent a compacted copy), which keeps only the last record of
+each key and drops a key whose last record is a tombstone. So the last ownership record of a
+client id alone must say what the whole history says, and a session that ends must end with a
+tombstone:
+
+* a session the router ends (clean start, expiry, a clean session's disconnection) ends its
+  ownership: the owner writes a tombstone of the claim unless its client is connecting again
+  (:meth:`ClusterSessions.session_ended`), and compaction then removes both records;
+* a release (or assertion, below) names the owner it follows: applied where nobody holds the
+  client id (its claim compacted away, or a tombstone committed out of turn), it makes that
+  node the owner again;
+* a record that lost (a claim of a stale epoch, a release of an earlier epoch, another node's
+  tombstone committed after this node's claim) is answered by the owner with an *assertion*
+  ``(owner, epoch)``, so the last word is the owner's again.
+
+Between a record that lost and the assertion (one commit) a compaction of that very range
+could still keep the stale record; a node reading that copy learns the owner from the
+assertion that follows it.
 
 Called only from the worker's event loop.
 """
@@ -49,7 +75,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
-from typing import TYPE_CHECKING, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import orjson
 
@@ -61,6 +87,8 @@ from broker.router.hooks import SingleWorker
 from broker.router.state import SESSIONS
 from broker.router.store import OWNERSHIP
 from broker.workers.cluster_groups import ClusterGroupPeers
+from broker.workers.orphans import Orphans
+from broker.workers.sessions import SessionDirectory, home_of
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
@@ -100,10 +128,21 @@ class ClusterSessions:
     docstring). ``router`` is set once the router exists; :attr:`serving` once the node
     caught up and serves clients."""
 
-    def __init__(self, node: ClusterNode, sessions_log: SegmentedLog) -> None:
+    def __init__(
+        self,
+        node: ClusterNode,
+        sessions_log: SegmentedLog | None,
+        worker: tuple[int, int] = (0, 1),
+    ) -> None:
         self.node = node
         self.router: Router | None = None
         self.serving = False
+        #: This worker's index and the node's worker count: a worker acts for the client
+        #: ids whose home it is (``crc32 % workers``, broker.workers.sessions).
+        self.worker = worker
+        #: With several workers: the node's session directory (who holds each client id
+        #: homed here); set by the server.
+        self.directory: SessionDirectory | None = None
         #: Client id -> its owner, as of the last ``$sessions`` record applied.
         self.owners: dict[str, Owner] = {}
         #: Client id -> its latest state record's payload (the router's ``to_state`` JSON).
@@ -111,46 +150,94 @@ class ClusterSessions:
         #: Client id -> the epoch of the latest release applied since its last claim.
         self.released: dict[str, int] = {}
         self.takeovers = 0
+        #: The sessions of dead members, adopted here while this node leads ``$sessions``.
+        self.orphans = Orphans(self)
         self._claims: dict[tuple[str, int], asyncio.Future[int | None]] = {}
+        #: Client ids this node is claiming now (a CONNECT's or an orphan's claim).
+        self._claiming: set[str] = set()
+        #: Client id -> the epoch of this node's ownership whose end it wrote.
+        self._ending: dict[str, int] = {}
         self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
         #: Shared group (full filter) -> its latest positions record's payload.
         self.groups: dict[str, bytes] = {}
         #: Shared groups across the nodes: held by the ``$sessions`` leader.
         self.group_peers = ClusterGroupPeers(node, self.groups)
-        # What this node's log holds (up to its pinned high-water mark) is known at once.
-        offset = sessions_log.log_start_offset
-        end = sessions_log.high_watermark
+        #: ``$sessions`` offsets below this are applied (None: not read yet, a worker that
+        #: does not own ``$sessions`` reads it once the owner announced its mark).
+        self.applied: int | None = None
+        if sessions_log is not None:
+            # What this node's log holds (up to its pinned high-water mark) is known at once.
+            self._read(
+                sessions_log.read, sessions_log.log_start_offset, sessions_log.high_watermark
+            )
+
+    def _read(self, read: Callable[..., list[Record]], offset: int, end: int) -> None:
         while offset < end:
-            records = sessions_log.read(offset, max_records=1000)
+            records = read(offset, max_records=1000)
             if not records:
                 break
             self.apply([r for r in records if r.offset < end])
             offset = records[-1].offset + 1
-        #: ``$sessions`` offsets below this are applied.
         self.applied = end
+
+    def follow(self, key: object, old_end: int, part: Any) -> None:
+        """Another worker of this node owns ``$sessions`` and announced its new mark: apply
+        what was committed since (broker.workers.partitions' ``on_moved``)."""
+        if key == SESSIONS and self.applied is not None:
+            self._read(part.log.read, max(self.applied, old_end), part.end_offset)
+
+    def home(self, client_id: str) -> bool:
+        """Whether this worker acts for ``client_id`` on this node."""
+        index, count = self.worker
+        return count == 1 or home_of(client_id, count) == index
+
+    def holds(self, client_id: str) -> bool:
+        """Whether a worker of this node holds ``client_id``'s session."""
+        if self.directory is not None:
+            return client_id in self.directory.registry
+        return self.router is not None and client_id in self.router.sessions
+
+    def held_here(self, client_id: str) -> None:
+        """This worker adopted ``client_id``'s session (broker.workers.orphans)."""
+        if self.directory is not None:
+            self.directory.registry[client_id] = self.worker[0]
 
     def resume(self) -> None:
         """The node caught up and is about to serve: the router holds exactly the sessions
-        this node owns, each in its latest committed state (the log the router loaded at
-        start ended at the commit known then; what committed since was applied here only).
-        Sessions no claim names (written before the cluster) stay as loaded."""
+        this node owns (of those homed at this worker), each in its latest committed state
+        (the log the router loaded at start ended at the commit known then; what committed
+        since was applied here only). Sessions no claim names (written before the cluster)
+        stay as loaded."""
         router = self.router
         assert router is not None
+        if self.applied is None:
+            part = router.partition(SESSIONS)
+            self._read(part.log.read, part.log.log_start_offset, part.end_offset)
         me = self.node.id
+        registry = self.directory.registry if self.directory is not None else None
         for client_id in list(router.sessions):
             owner = self.owners.get(client_id)
             if owner is not None and owner.node != me:
                 router.hand_over(client_id)  # offline: it only leaves this router
+                if registry is not None and registry.get(client_id) == self.worker[0]:
+                    del registry[client_id]
         for client_id, owner in self.owners.items():
-            if owner.node != me:
+            if owner.node != me or not self.home(client_id):
                 continue
+            if registry is not None and registry.get(client_id, self.worker[0]) != self.worker[0]:
+                continue  # another worker of this node holds it (it restarted; not this one)
             if client_id in router.sessions:
                 router.hand_over(client_id)
             state = self.states.get(client_id)
             if state:
                 router.adopt(client_id, state)
+                if registry is not None:
+                    registry[client_id] = self.worker[0]
         self.serving = True
-        self.group_peers.start(router)
+        if self.worker[1] == 1:
+            # With several workers a group is held per node by the mesh's home worker
+            # (broker.workers.groups); across the nodes only with one worker per node.
+            self.group_peers.start(router)
 
     # -- applying commits (every node) ----------------------------------------------------
 
@@ -171,32 +258,91 @@ class ClusterSessions:
                 self.states.pop(key, None)  # the session ended [MQTT-3.1.2-4]
 
     def _apply_claim(self, client_id: str, payload: bytes) -> None:
-        if not payload:
+        """A claim, release, assertion or end of ``client_id``'s ownership (module
+        docstring, "Ownership records and compaction")."""
+        me = self.node.id
+        current = self.owners.get(client_id)
+        if not payload:  # the session ended: nobody holds it
             self.owners.pop(client_id, None)
+            self.released.pop(client_id, None)
+            ended = self._ending.pop(client_id, None)
+            if current is None or current.node != me:
+                return
+            if ended != current.epoch or self._holds(client_id):
+                # An earlier owner's end committed after this node's claim, or this node's
+                # own while its client came back: it still holds the session.
+                self._assert(client_id, current.epoch)
             return
         body = orjson.loads(payload)
         node, epoch = node_id_of(body["node"]), body["epoch"]
-        current = self.owners.get(client_id)
-        if "released_by" in body:
+        if "released_by" in body or "asserted" in body:
+            if current is None or current.epoch <= epoch:
+                # The record names the owner its claim of this epoch made: that is the
+                # owner, also alone in a compacted log, or after a stale claim of the same
+                # epoch that compaction kept, or after an end committed out of turn.
+                self.owners[client_id] = current = Owner(node, epoch)
+                if node == me and not self._holds(client_id):
+                    self.session_ended(client_id)  # an old release after the end: end again
             if current == (node, epoch):
-                self.released[client_id] = epoch
-                waiter = self._releases.pop((client_id, epoch), None)
-                if waiter is not None and not waiter.done():
-                    waiter.set_result(None)
+                if "released_by" in body:
+                    self._released(client_id, epoch)
+            elif current.node == me:
+                self._assert(client_id, current.epoch)  # not left the last word
             return
-        me = self.node.id
         if current is not None and epoch <= current.epoch:
             # Another connection's claim of this epoch came first: this one lost the race.
             if node == me:
                 self._resolve(client_id, epoch, _LOST)
+            if current.node == me:
+                self._assert(client_id, current.epoch)  # not left the last word
             return
         self.owners[client_id] = Owner(node, epoch)
         self.released.pop(client_id, None)
+        self._ending.pop(client_id, None)
         previous = current.node if current is not None else None
         if node == me:
             self._resolve(client_id, epoch, previous)
         else:
             self._release(client_id, previous, node, epoch)
+
+    def _holds(self, client_id: str) -> bool:
+        return client_id in self._claiming or self.holds(client_id)
+
+    def _released(self, client_id: str, epoch: int) -> None:
+        self.released[client_id] = epoch
+        waiter = self._releases.pop((client_id, epoch), None)
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def _assert(self, client_id: str, epoch: int) -> None:
+        """Write that this node holds ``client_id`` at ``epoch`` again: the last ownership
+        record of a client id must name its owner (a stale one would, once compaction kept
+        only it, name another)."""
+        router = self.router
+        if not self.serving or router is None or not self.home(client_id):
+            return  # catching up (its own record follows), or another worker's client id
+        body = orjson.dumps({"node": self.node.name, "epoch": epoch, "asserted": True})
+        row = (router.state.now_ms(), CLAIM_PREFIX + client_id, body, 0, False, "", b"")
+        router.append_forwarded(SESSIONS, [row], _ignore)
+
+    def session_ended(self, client_id: str) -> None:
+        """The router ended ``client_id``'s session (clean start, expiry, a clean session's
+        disconnection): unless its client is connecting here again, the ownership ends too,
+        so that compaction removes the claim (a tombstone)."""
+        owner = self.owners.get(client_id)
+        mine = owner is not None and owner.node == self.node.id
+        if owner is not None and mine and self.serving and self.home(client_id):
+            self.node.loop.call_soon(self._end, client_id, owner.epoch)
+
+    def _end(self, client_id: str, epoch: int) -> None:
+        router = self.router
+        if router is None or self._holds(client_id):
+            return  # connected again (a clean start), or being claimed here
+        if self.owners.get(client_id) != (self.node.id, epoch):
+            return  # claimed by another node meanwhile
+        self._ending[client_id] = epoch
+        row = (router.state.now_ms(), CLAIM_PREFIX + client_id, b"", 0, False, "", b"")
+        router.append_forwarded(SESSIONS, [row], _ignore)
 
     def _resolve(self, client_id: str, epoch: int, outcome: int | None) -> None:
         waiter = self._claims.pop((client_id, epoch), None)
@@ -207,11 +353,31 @@ class ClusterSessions:
         """Node ``to`` owns ``client_id`` from ``epoch`` on: if the session was this node's,
         its connection here is closed as taken over [MQTT-3.1.4-3] and, while serving, its
         final state and the release go in the log for the claimant."""
+        if not self.home(client_id):
+            return  # the worker this client id is homed at acts
+        if self.directory is not None:
+            if previous == self.node.id or self.holds(client_id):
+                self.node.loop.create_task(self._surrender(client_id, to, epoch))
+            return
         router = self.router
         held = router is not None and client_id in router.sessions
         if previous != self.node.id and not held:
             return
         state = router.hand_over(client_id) if router is not None and held else None
+        self._write_release(client_id, state, held, to, epoch)
+
+    async def _surrender(self, client_id: str, to: int, epoch: int) -> None:
+        """:meth:`_release` with several workers: the worker holding the session gives it
+        up (broker.workers.sessions), then the release is written."""
+        assert self.directory is not None
+        held = self.holds(client_id)
+        state = await self.directory.surrender(client_id)
+        self._write_release(client_id, state, held, to, epoch)
+
+    def _write_release(
+        self, client_id: str, state: bytes | None, held: bool, to: int, epoch: int
+    ) -> None:
+        router = self.router
         if not self.serving or router is None:
             return  # catching up at start: that claimant did not wait for this node
         now = router.state.now_ms()
@@ -233,13 +399,25 @@ class ClusterSessions:
 
     # -- claiming (the node a client connects to) -------------------------------------------
 
-    async def claim(self, client_id: str, adopt: Callable[[bytes], T]) -> T:
+    async def claim(
+        self, client_id: str, adopt: Callable[[bytes], T], only_from: int | None = None
+    ) -> T:
         """Make this node the owner of ``client_id``'s session and return what
         ``adopt(answer)`` returns (``answer``: :data:`HERE`, :data:`NEW`, or :data:`STATE`
-        + the state to adopt; see broker.net.admission). Raises :class:`ClaimError`."""
+        + the state to adopt; see broker.net.admission). With ``only_from``, only while
+        that node holds it (broker.workers.orphans). Raises :class:`ClaimError`."""
+        self._claiming.add(client_id)
+        try:
+            return await self._claim(client_id, adopt, only_from)
+        finally:
+            self._claiming.discard(client_id)
+
+    async def _claim(self, client_id: str, adopt: Callable[[bytes], T], only_from: int | None) -> T:
         me = self.node.id
         for _ in range(CLAIM_ATTEMPTS):
             current = self.owners.get(client_id)
+            if only_from is not None and (current is None or current.node != only_from):
+                raise ClaimError(f"{client_id}: claimed by another node meanwhile")
             if current is not None and current.node == me:
                 return adopt(HERE)
             epoch = (current.epoch if current is not None else 0) + 1
@@ -250,8 +428,7 @@ class ClusterSessions:
                 await self._wait_release(client_id, epoch, previous)
             if self.owners.get(client_id) != (me, epoch):
                 raise ClaimError(f"{client_id}: a connection on another node took the session")
-            router = self.router
-            if router is not None and client_id in router.sessions:
+            if self.holds(client_id):
                 return adopt(HERE)
             state = self.states.get(client_id)
             return adopt(STATE + state if state else NEW)
@@ -330,6 +507,9 @@ class ClusterHooks(SingleWorker):
     def __init__(self, sessions: ClusterSessions) -> None:
         self.sessions = sessions
         self.group_peers = sessions.group_peers
+
+    def session_ended(self, client_id: str) -> None:
+        self.sessions.session_ended(client_id)
 
     def is_home(self, name: str) -> bool:
         if name.startswith(CLAIM_PREFIX):

@@ -19,6 +19,7 @@ Start-up order matters, and is :meth:`WorkerRuntime.start`'s:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 import struct
@@ -245,6 +246,14 @@ class WorkerRuntime:
         body = await self.mesh.call(worker, CALL, name.encode() + b"\0" + orjson.dumps(argument))
         return orjson.loads(body)
 
+    def tell_all(self, name: str, argument: Any) -> None:
+        """Run action ``name`` with ``argument`` on every other worker, not waiting for the
+        results (a worker that is down misses it)."""
+        body = name.encode() + b"\0" + orjson.dumps(argument)
+        for peer in list(self.mesh.peers):
+            with contextlib.suppress(PeerDown):
+                self.mesh.call(peer, CALL, body).add_done_callback(_ignore_answer)
+
     async def gather(self, name: str) -> list[bytes]:
         """View ``name`` of every worker, this one first (a worker that is down is missing:
         its part reappears once it is restarted)."""
@@ -301,3 +310,8 @@ def records_between(part: Any, start: int, end: int) -> list[Record]:
         out.extend(r for r in batch if r.offset < end)
         start = batch[-1].offset + 1
     return out
+
+
+def _ignore_answer(answer: asyncio.Future[bytes]) -> None:
+    if not answer.cancelled():
+        answer.exception()  # retrieved: a peer gone meanwhile is no error here

@@ -15,6 +15,11 @@ session, and decides every claim on it, one claim per client id at a time:
 
 A session that ends (expiry, clean session) is dropped from the registry (``ENDED``).
 
+On a cluster node the home first claims the client id for the node (``cluster``:
+broker.workers.replicated_sessions): a session another node held comes with its final state
+(the claimant adopts it), and when another node claims one held here the home takes it from
+the worker holding it (:meth:`SessionDirectory.surrender`).
+
 When a worker dies, each home takes back the sessions that worker held (their last state is
 in the ``$sessions`` stream) and holds them itself, offline, until their clients reconnect
 (so their wills and expiry still run). A worker that starts asks its peers which of its home
@@ -28,8 +33,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import zlib
-from collections.abc import Callable
-from typing import TypeVar
+from collections.abc import Awaitable, Callable
+from typing import Protocol, TypeVar
 
 from broker.net.context import HERE, NEW, STATE
 from broker.workers.mesh import Mesh, PeerDown
@@ -47,10 +52,25 @@ SESSIONS_NEXT_KIND = NEXT_KIND + 4
 
 #: Seconds a claim keeps retrying while the home worker is down (being restarted).
 CLAIM_PATIENCE = 10.0
+#: The home's answer to a claim it could not decide (in a cluster: the node's claim failed).
+REFUSED = b"X"
+
+
+class ClaimRefused(Exception):
+    """The home worker could not decide a claim (its error is in its log)."""
 
 
 def home_of(client_id: str, count: int) -> int:
     return zlib.crc32(client_id.encode()) % count
+
+
+class NodeClaims(Protocol):
+    """In a cluster, the node's claims of client ids (broker.workers.replicated_sessions'
+    ``ClusterSessions`` of the home worker)."""
+
+    def claim(self, client_id: str, adopt: Callable[[bytes], bytes]) -> Awaitable[bytes]: ...
+
+    def session_ended(self, client_id: str) -> None: ...
 
 
 class SessionDirectory:
@@ -80,6 +100,9 @@ class SessionDirectory:
         self.held_ids: Callable[[], list[str]] = list
         self.claims = 0
         self.takeovers = 0  # sessions handed from one worker to another
+        #: In a cluster: a claim is the node's first (the client id may be held by another
+        #: node: it must release it), then this worker's (set by the server).
+        self.cluster: NodeClaims | None = None
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
         return {
@@ -126,11 +149,15 @@ class SessionDirectory:
         deadline = loop.time() + CLAIM_PATIENCE
         while True:
             try:
-                return await self.mesh.call(home, CLAIM, client_id.encode())
+                answer = await self.mesh.call(home, CLAIM, client_id.encode())
             except PeerDown:
                 if loop.time() > deadline:
                     raise
                 await asyncio.sleep(0.1)  # the supervisor is restarting it
+                continue
+            if answer == REFUSED:
+                raise ClaimRefused(f"worker {home} could not decide the claim of {client_id!r}")
+            return answer
 
     def ended(self, client_id: str) -> None:
         """The session of ``client_id`` held here ended: tell its home."""
@@ -148,6 +175,11 @@ class SessionDirectory:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._busy[client_id] = done
         try:
+            if self.cluster is not None:
+                answer = await self.cluster.claim(client_id, _same)
+                if answer != HERE:  # new, or another node's final state: not held here
+                    self.registry[client_id] = claimant
+                    return answer
             while True:
                 holder = self.registry.get(client_id)
                 if holder is None:
@@ -175,6 +207,24 @@ class SessionDirectory:
         assert self.mesh is not None
         return await self.mesh.call(holder, RELEASE, client_id.encode())
 
+    async def surrender(self, client_id: str) -> bytes | None:
+        """Another node took ``client_id`` over: the worker holding its session here gives
+        it up (its connection closed as taken over [MQTT-3.1.4-3]); returns its state."""
+        while (busy := self._busy.get(client_id)) is not None:
+            await asyncio.shield(busy)  # a claim here in progress: it ends first
+        holder = self.registry.pop(client_id, None)
+        if holder is None:
+            return None
+        done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+        self._busy[client_id] = done  # and a claim here waits for this one
+        try:
+            return await self._release_at(holder, client_id) or None
+        except PeerDown:
+            return None  # that worker died: its last state is what the log holds
+        finally:
+            del self._busy[client_id]
+            done.set_result(None)
+
     def _on_claim(self, peer: int, request: int, body: memoryview) -> None:
         client_id = bytes(body).decode()
         mesh = self.mesh
@@ -192,7 +242,8 @@ class SessionDirectory:
                     peer,
                     error,
                 )
-                return  # the claimant's call fails when it gives up
+                mesh.reply(peer, request, REFUSED)
+                return
             mesh.reply(peer, request, task.result())
 
         asyncio.get_running_loop().create_task(self._decide(client_id, peer)).add_done_callback(
@@ -219,6 +270,8 @@ class SessionDirectory:
         # Only if that worker still holds it: a claim may have moved it since.
         if self.registry.get(client_id) == holder and client_id not in self._busy:
             del self.registry[client_id]
+            if self.cluster is not None:
+                self.cluster.session_ended(client_id)  # the node's claim ends too
 
     # ------------------------------------------------------------ restarts
 
@@ -263,3 +316,7 @@ class SessionDirectory:
         """At start: these sessions homed here were loaded from the log and are held here."""
         for cid in client_ids:
             self.registry.setdefault(cid, self.worker)
+
+
+def _same(answer: bytes) -> bytes:
+    return answer

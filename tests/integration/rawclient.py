@@ -119,10 +119,12 @@ class Delivery:
 class RawClient:
     """One MQTT connection driven byte by byte. Every read has a deadline."""
 
-    def __init__(self, port: int, version: int = 4, timeout: float = 5.0) -> None:
+    def __init__(
+        self, port: int, version: int = 4, timeout: float = 5.0, host: str = "127.0.0.1"
+    ) -> None:
         self.version = version
         self.timeout = timeout
-        self.sock = socket.create_connection(("127.0.0.1", port), timeout=timeout)
+        self.sock = socket.create_connection((host, port), timeout=timeout)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = b""
         self._next_pid = 1

@@ -1,7 +1,8 @@
 """``mqlog cluster leave`` on three real nodes in network namespaces (tests/cluster_lab.py):
 the leaving node hands every leadership it holds to another replica, its MQTT 5 clients are
 told 0x9C (use another server), the others see it left (not dead), it stops with exit status
-0, and a QoS 1 publisher on another node loses nothing meanwhile."""
+0, a QoS 1 publisher on another node loses nothing meanwhile, and the will of a client it
+held goes out once, from a survivor."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from pathlib import Path
 
 import paho.mqtt.client as mqtt
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from tests import netlab
 from tests.cluster_lab import HTTP_PORT, MQTT_PORT, MqlogCluster
@@ -50,8 +53,23 @@ def test_leave_hands_leaderships_over_tells_clients_and_stops(cluster: MqlogClus
     while not any(leader == "n1" for leader in _leaders(cluster, "n2").values()):
         assert time.monotonic() < deadline, _leaders(cluster, "n2")
         time.sleep(0.3)
-    # An MQTT 5 client on n1, and a QoS 1 publisher on n2 publishing all along.
-    told = Client(MQTT_PORT, "told", mqtt.MQTTv5, host=n1.addr)
+    # An MQTT 5 client on n1 with a delayed will, and a QoS 1 publisher on n2 publishing
+    # all along.
+    watcher = Client(MQTT_PORT, "watcher", mqtt.MQTTv5, host=n2.addr)
+    assert watcher.connect() == 0
+    assert watcher.subscribe("wills/#", qos=1) == [1]
+    will_props = Properties(PacketTypes.WILLMESSAGE)
+    will_props.WillDelayInterval = 2
+    told = Client(
+        MQTT_PORT,
+        "told",
+        mqtt.MQTTv5,
+        host=n1.addr,
+        clean=False,
+        session_expiry=300,
+        will=("wills/told", b"gone", 1, False),
+        will_properties=will_props,
+    )
     assert told.connect() == 0
     acked: list[bytes] = []
     stop = threading.Event()
@@ -109,6 +127,14 @@ def test_leave_hands_leaderships_over_tells_clients_and_stops(cluster: MqlogClus
     finally:
         stop.set()
         thread.join(timeout=30)
+    # Its connection was closed without a DISCONNECT from the client and n1 is gone: a
+    # survivor holds the session and publishes the will once, after its delay
+    # (broker.workers.orphans) [MQTT-3.1.2-8].
+    assert [(m.topic, m.payload) for m in watcher.expect(1, timeout=20)] == [
+        ("wills/told", b"gone")
+    ]
+    watcher.expect_none(3.0)
+    watcher.disconnect()
     # Everything acknowledged is there, read back through n3.
     assert acked
     reader = Client(MQTT_PORT, "reader", host=cluster.member("n3").addr)

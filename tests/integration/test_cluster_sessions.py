@@ -17,13 +17,20 @@ from __future__ import annotations
 import contextlib
 import queue
 import select
+import shutil
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
+from broker.commitlog import Record, SegmentedLog
+from broker.commitlog.streams import INTERNAL_LOG, SESSIONS_STREAM
+from broker.workers.replicated_sessions import CLAIM_PREFIX
 from tests.integration.clients import V5, V311, Client
+from tests.integration.conftest import BrokerProcess
 from tests.integration.rawclient import RawClient
 from tests.integration.test_cluster import Cluster, _publish_all, _replay
 from tests.mqttbytes import DISCONNECT, PUBCOMP, PUBLISH, PUBREC, PUBREL
@@ -245,3 +252,42 @@ def test_kill_9_of_the_session_holder_keeps_the_subscription(cluster: Cluster) -
     assert last.connect() == 0 and last.session_present
     assert last.subscribe(topic, qos=1) == [1]
     last.disconnect()
+
+
+def _compacted_sessions(b: BrokerProcess, into: Path) -> list[Record]:
+    """A copy of node ``b``'s ``$sessions``, compacted as its nodes compact it (every record
+    in a closed segment, the active one rolled first), read whole."""
+    shutil.copytree(b.data_dir / SESSIONS_STREAM / "0", into)
+    log = SegmentedLog.open(into, replace(INTERNAL_LOG, keep_empty_batches=True))
+    try:
+        log.roll()
+        log.compact()
+        out: list[Record] = []
+        offset = log.log_start_offset
+        while batch := log.read(offset):
+            out += batch
+            offset = batch[-1].offset + 1
+        return out
+    finally:
+        log.close()
+
+
+def test_sessions_that_ended_leave_no_claim_once_compacted(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    keeper = _durable(cluster.nodes[0].port, "keeper", V5)
+    assert keeper.connect() == 0
+    keeper.disconnect()  # a persistent session: its claim stays
+    for i in range(60):
+        b, cid = cluster.nodes[i % 3], f"brief-{i}"
+        if i % 3 == 2:  # a persistent session ended by a clean start [MQTT-3.1.2-4]
+            durable = _durable(b.port, cid, V5)
+            assert durable.connect() == 0
+            durable.disconnect()
+        c = Client(b.port, cid, V311 if i % 3 == 0 else V5)  # clean: it ends as it goes
+        assert c.connect() == 0
+        c.disconnect()
+    time.sleep(3.0)  # the ends committed everywhere
+    keys = {r.topic for r in _compacted_sessions(cluster.nodes[1], tmp_path / "copy")}
+    assert not sorted(k for k in keys if "brief-" in k)
+    assert {"keeper", CLAIM_PREFIX + "keeper"} <= keys

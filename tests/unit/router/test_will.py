@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import orjson
+
 from broker.mqtt.packets import Will
 from broker.mqtt.properties import PropertyId, decode_properties
 from tests.unit.router.conftest import Harness
@@ -131,3 +133,44 @@ def test_no_will_after_restart_when_it_was_disconnected_normally(h: Harness) -> 
     h.restart()
     h.tick(1)
     assert h.log_payloads("will/x") == []
+
+
+def test_a_clean_sessions_will_is_written_and_published_after_a_crash(h: Harness) -> None:
+    """A clean session with a will is in ``$sessions`` from its CONNECT on, so that the will
+    survives the node (a cluster publishes it from another, broker.workers.orphans)."""
+    h.connect("a", 4, will=Will("will/x", b"clean gone", 1))
+    h.streams.close()  # the broker dies: no tick, no router.close()
+    h.open()
+    h.tick(0.5)
+    assert h.log_payloads("will/x") == [b"clean gone"]  # s3.1.2.5: deferred to this start
+    assert "a" not in h.router.sessions  # and its session ended (expiry 0)
+    h.restart()
+    h.tick(1)
+    assert h.log_payloads("will/x") == [b"clean gone"]  # once: the end left a tombstone
+
+
+def test_a_clean_session_disconnected_normally_leaves_no_will_behind(h: Harness) -> None:
+    link, s = h.connect("a", 4, will=Will("will/x", b"never", 1))
+    h.disconnect(s, link)
+    h.streams.close()
+    h.open()
+    h.tick(1)
+    assert h.log_payloads("will/x") == []
+    assert "a" not in h.router.sessions
+
+
+def test_an_adopted_session_counts_its_will_delay_and_expiry_from_the_loss(h: Harness) -> None:
+    """``adopt(..., lost_at)``: the state a node wrote of its connected client, adopted by
+    another after that node died at ``lost_at``: the will delay and the expiry run from then."""
+    _link, s = h.connect("a", 5, expiry=8, will=delayed_will(5, b"late"))
+    state = orjson.dumps(s.to_state(h.router.state.monotonic()))  # written while connected
+    assert orjson.loads(state)["will_left"] is None
+    lost_at = h.router.state.clock() - 3  # its node died 3 s ago
+    h.router.adopt("b", state, lost_at)
+    h.tick(1.9)
+    assert h.log_payloads("will/x") == []
+    h.tick(0.2)
+    assert h.log_payloads("will/x") == [b"late"]  # 5 s after the loss
+    assert "b" in h.router.sessions
+    h.tick(3)
+    assert "b" not in h.router.sessions  # expired 8 s after the loss

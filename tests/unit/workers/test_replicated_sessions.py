@@ -312,3 +312,133 @@ def test_a_claim_overwritten_when_its_leader_lost_office_is_proposed_again(
         assert a.sessions.owners["dev"] == Owner(a.node.id, 1)
 
     asyncio.run(run())
+
+
+def compacted(records: list[Record]) -> list[Record]:
+    """``records`` as compaction leaves them (broker.commitlog.policy): the last record of
+    each key, none of a key whose last record is a tombstone."""
+    last = {r.topic: i for i, r in enumerate(records)}
+    return [r for i, r in enumerate(records) if last[r.topic] == i and r.payload]
+
+
+def owners_from(tmp: Path, records: list[Record], loop: Any) -> dict[str, Owner]:
+    """The owners a node that applies ``records`` alone knows."""
+    fresh = Member(tmp, "fresh", ["a", "b"], loop)
+    fresh.sessions.serving = False
+    fresh.sessions.apply(records)
+    return fresh.sessions.owners
+
+
+def cluster_member(tmp: Path, name: str, names: list[str], loop: Any) -> Member:
+    """A member whose router tells its ClusterSessions of each session it ends."""
+    m = Member(tmp, name, names, loop)
+    m.harness.router.state.hooks = ClusterHooks(m.sessions)
+    return m
+
+
+def test_sessions_that_end_leave_no_claim_after_compaction(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b"]
+        a, b = (cluster_member(tmp_path, n, names, loop) for n in names)
+        log = Log([a, b])
+        for i in range(20):
+            m, cid = (a, b)[i % 2], f"short-{i}"
+            claim = loop.create_task(m.sessions.claim(cid, lambda answer: answer))
+            await log.settle()
+            assert await claim == NEW
+            link, session = m.harness.connect(cid, clean=i % 4 < 2, expiry=0 if i % 3 else 5)
+            if i % 3:
+                m.harness.disconnect(session, link)  # a clean session: it ends now
+            else:
+                m.harness.disconnect(session, link)
+                m.harness.tick(6)  # past its expiry [MQTT-3.1.2-11.2]
+            await turns()
+            await log.settle()
+        keys = {r.topic for r in compacted(log.committed)}
+        assert not {k for k in keys if "short-" in k}, sorted(keys)
+        assert all(not m.sessions.owners for m in (a, b))
+
+    asyncio.run(run())
+
+
+def test_an_end_committed_after_another_nodes_claim_leaves_that_claim(tmp_path: Path) -> None:
+    """Node a ends its session (a clean session disconnects) while its client connects on b:
+    b's claim is committed before a's tombstone. b still owns the client id, everywhere, and
+    in what compaction leaves of the log."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b"]
+        a, b = (cluster_member(tmp_path, n, names, loop) for n in names)
+        log = Log([a, b])
+        first = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
+        await log.settle()
+        assert await first == NEW
+        link, session = a.harness.connect("dev")
+        log.commit()
+        a.harness.disconnect(session, link)
+        await turns()  # a proposed the end of its ownership (epoch 1)
+        second = loop.create_task(b.sessions.claim("dev", lambda answer: answer))
+        await turns()  # b proposed its claim (epoch 2)
+        log.commit(b, a)  # b's claim first, then a's end
+        await log.settle()
+        assert await second == NEW
+        assert a.sessions.owners["dev"] == b.sessions.owners["dev"] == Owner(b.node.id, 2)
+        assert owners_from(tmp_path, compacted(log.committed), loop) == {"dev": Owner(b.node.id, 2)}
+
+    asyncio.run(run())
+
+
+def test_racing_claims_leave_the_winner_in_the_compacted_log(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b"]
+        a, b = (Member(tmp_path, n, names, loop) for n in names)
+        log = Log([a, b])
+        a_claim = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
+        b_claim = loop.create_task(b.sessions.claim("dev", lambda answer: answer))
+        await turns()
+        log.commit(a, b)  # b's claim of epoch 1 loses: the last record is stale
+        await log.settle()
+        await a_claim
+        await b_claim  # b claimed again above a, which released it
+        want = {"dev": Owner(b.node.id, 2)}
+        assert a.sessions.owners == b.sessions.owners == want
+        assert owners_from(tmp_path, compacted(log.committed), loop) == want
+        # A release alone (its claim compacted away) names the owner too.
+        release = claim_record("a", 7, "x", released_by="b")
+        assert owners_from(tmp_path / "r", [release], loop) == {"x": Owner(a.node.id, 7)}
+        # A stale claim compaction kept (the winner's dropped), then the winner's assertion.
+        kept = [claim_record("a", 1, "y"), claim_record("b", 1, "y", asserted=True)]
+        assert owners_from(tmp_path / "s", kept, loop) == {"y": Owner(b.node.id, 1)}
+
+    asyncio.run(run())
+
+
+def test_a_release_committed_after_the_end_ends_the_claim_again(tmp_path: Path) -> None:
+    """A release applied where nobody holds the client id names its owner; if that owner's
+    session ended already, it writes the end again, so no claim outlives the session."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = cluster_member(tmp_path, "a", ["a", "b"], loop)
+        log = Log([a])
+        claim = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
+        await log.settle()
+        assert await claim == NEW
+        link, session = a.harness.connect("dev")
+        a.harness.disconnect(session, link)
+        await turns()
+        await log.settle()
+        assert "dev" not in a.sessions.owners
+        late = claim_record("a", 1, "dev", released_by="b")  # b's release, committed late
+        a.sessions.apply([late])
+        log.committed.append(late)
+        assert a.sessions.owners["dev"] == Owner(a.node.id, 1)
+        await turns()
+        await log.settle()
+        assert "dev" not in a.sessions.owners
+        assert not [r for r in compacted(log.committed) if "dev" in r.topic]
+
+    asyncio.run(run())

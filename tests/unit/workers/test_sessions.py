@@ -4,11 +4,14 @@ with a dictionary standing in for each worker's router."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+
+import pytest
 
 from broker.net.context import HERE, NEW, STATE
 from broker.workers.mesh import Mesh
-from broker.workers.sessions import SessionDirectory, home_of
+from broker.workers.sessions import ClaimRefused, SessionDirectory, home_of
 from tests.unit.workers.test_mesh import run, until
 
 
@@ -152,5 +155,58 @@ def test_a_restarted_worker_learns_which_of_its_sessions_live_elsewhere(tmp_path
         assert w[0].closed == [homed_at_1[0]]
         await again.mesh.close()
         await w[0].mesh.close()
+
+    run(main)
+
+
+class NodeClaims:
+    """The node's claims as a cluster makes them (broker.workers.replicated_sessions):
+    ``answers`` says what the next claim of a client id gets; an Exception is raised."""
+
+    def __init__(self) -> None:
+        self.answers: dict[str, bytes | Exception] = {}
+        self.claimed: list[str] = []
+        self.ended: list[str] = []
+
+    async def claim(self, client_id: str, adopt: Callable[[bytes], bytes]) -> bytes:
+        self.claimed.append(client_id)
+        answer = self.answers.pop(client_id, HERE)
+        if isinstance(answer, Exception):
+            raise answer
+        return adopt(answer)
+
+    def session_ended(self, client_id: str) -> None:
+        self.ended.append(client_id)
+
+
+def test_on_a_cluster_node_the_home_claims_for_the_node_first(tmp_path: Path) -> None:
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 2, log)
+        node = NodeClaims()
+        for x in w:
+            x.dir.cluster = node
+        cid = ids_homed_at(0, 2, 1)[0]
+        # Held by another node: its final state comes with the node's claim.
+        node.answers[cid] = STATE + b'{"from":"n2"}'
+        assert await w[1].connect(cid) == STATE + b'{"from":"n2"}'
+        assert w[0].dir.registry[cid] == 1 and node.claimed == [cid]
+        # Held here: the workers decide as without a cluster.
+        assert await w[0].connect(cid) == STATE + b'{"from":"n2"}'
+        assert w[1].closed == [cid] and w[0].dir.registry[cid] == 0
+        # Another node takes it: the worker holding it gives it up, with its state.
+        assert await w[0].dir.surrender(cid) == b'{"from":"n2"}'
+        assert w[0].closed == [cid] and cid not in w[0].dir.registry
+        # A node claim that fails refuses the CONNECT, also through another worker.
+        node.answers[cid] = RuntimeError("no leader")
+        with pytest.raises(ClaimRefused):
+            await w[1].connect(cid)
+        # A session that ends ends the node's claim.
+        assert await w[1].connect(cid) == NEW
+        w[1].held.clear()
+        w[1].dir.ended(cid)
+        await until(lambda: node.ended == [cid])
+        for x in w:
+            await x.mesh.close()
 
     run(main)

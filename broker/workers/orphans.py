@@ -1,0 +1,175 @@
+"""The sessions of a dead node: their wills and expiry run on a surviving node.
+
+A client id's session is held by the node its claim in ``$sessions`` names
+(broker.workers.replicated_sessions); its will and its expiry are that node's timers
+(broker.router.lifecycle). When gossip declares that node dead (or it left without handing
+its sessions over: ``mqlog cluster leave`` and a stop), its clients' connections are lost as
+surely as if each had dropped, so the cluster treats them that way [MQTT-3.1.2-8]: one
+surviving node claims each of its sessions, exactly like a CONNECT would, and holds it
+offline from the state last committed, as disconnected at the time gossip declared the node
+dead. The router's timers then publish the will after its delay (MQTT 5 s3.1.3.2.2, capped
+by the session expiry) and end the session once its expiry interval ran (s3.1.2.11.2),
+exactly as on one node; a client that reconnects anywhere first claims the session from this
+node as from any other, and its new connection cancels the delayed will [MQTT-3.1.3-9].
+
+**Exactly one node acts.** The live member of the lowest name, as gossip has the members,
+proposes the claims (every node checks on each tick). The claims are fenced by their epoch
+like any other, and each is made only while the dead member holds the client id: two nodes
+that both believe they should act (their gossip views differ for a moment) propose claims of
+the same epoch, only the first applied wins and the other fails, so the will goes out from
+one node only. A dead node that comes back applies these claims before it serves: the
+sessions leave its router unpublished (replicated_sessions' ``resume``).
+
+With several workers per node, worker 0 (the one that gossips) tells the others what it sees
+(:meth:`Orphans.told`), and each worker adopts the client ids homed at it (``crc32 %
+workers``), where its session directory records them (broker.workers.sessions).
+
+A node declared dead that is in fact alive but cut off keeps its connections until it applies
+the claim (then closes them, 5.0: DISCONNECT 0x8E): meanwhile both sides may publish the
+will of a client connected there. The suspicion timeout of gossip bounds how often that can
+happen, not whether.
+
+Called only from the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import TYPE_CHECKING, Any, Protocol
+
+from broker.cluster.gossip.messages import State
+from broker.cluster.placement import node_id_of
+from broker.net.context import STATE
+
+if TYPE_CHECKING:
+    from broker.cluster.node import ClusterNode
+    from broker.router.router import Router
+
+log = logging.getLogger("broker.cluster")
+
+#: The gossip states of a member whose sessions are adopted.
+GONE = (State.DEAD, State.LEFT)
+LIVE = (State.ALIVE, State.SUSPECT)
+#: What gossip says: the members gone (node id -> wall seconds since when) and whether this
+#: node is the one that adopts their sessions.
+Survey = tuple[dict[int, float], bool]
+#: Claims of a dead node's sessions in flight at once (each is one ``$sessions`` proposal).
+IN_FLIGHT = 256
+
+
+class Holders(Protocol):
+    """What this needs of broker.workers.replicated_sessions' ``ClusterSessions``."""
+
+    node: ClusterNode
+    worker: tuple[int, int]  # this worker's index, the node's worker count
+    router: Router | None
+    serving: bool
+    owners: dict[str, Any]  # client id -> its Owner (node id, epoch)
+
+    def claim(
+        self, client_id: str, adopt: Callable[[bytes], None], only_from: int | None = None
+    ) -> Awaitable[None]: ...
+
+    def session_ended(self, client_id: str) -> None: ...
+
+    def home(self, client_id: str) -> bool: ...
+
+    def holds(self, client_id: str) -> bool: ...
+
+    def held_here(self, client_id: str) -> None: ...
+
+
+class Orphans:
+    """This node's adoption of the sessions of dead members (module docstring)."""
+
+    def __init__(self, sessions: Holders) -> None:
+        self.sessions = sessions
+        #: Client ids being claimed here now, and their claims (a task needs a reference).
+        self.claiming: set[str] = set()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self.adopted = 0
+        #: The dead members whose sessions the last sweep found none left of (None: sweep
+        #: on the next tick), so that a member dead for long costs no pass over every owner.
+        self._swept: frozenset[int] | None = None
+        #: What worker 0 last said (several workers: :meth:`told`).
+        self._told: Survey = ({}, False)
+        #: Worker 0 with several workers: tells the other workers each survey (set by the
+        #: server).
+        self.tell: Callable[[Any], None] | None = None
+
+    def survey(self) -> Survey:
+        """What gossip says now (module docstring): on worker 0, from its membership;
+        on another worker, what worker 0 last told it."""
+        node = self.sessions.node
+        membership = node.membership
+        if membership is None:
+            return self._told
+        behind = node.loop.time() - time.time()  # loop seconds minus wall seconds
+        members = [m for m in membership.core_members() if m.node != node.name]
+        gone = {node_id_of(m.node): m.since / 1000 - behind for m in members if m.state in GONE}
+        alive = {m.node for m in members if m.state in LIVE} | {node.name}
+        return gone, min(alive) == node.name
+
+    def told(self, survey: Any) -> None:
+        """Worker 0's survey (JSON: ``[[node id, since], ...], acting``)."""
+        gone, acting = survey
+        self._told = ({int(n): float(t) for n, t in gone}, bool(acting))
+
+    def tick(self) -> None:
+        """If this node adopts: claim the sessions dead members hold (homed here)."""
+        sessions = self.sessions
+        node = sessions.node
+        gone, acting = self.survey()
+        if self.tell is not None and (gone or self._told != (gone, acting)):
+            self._told = (gone, acting)  # told again while a member is gone: a restarted
+            self.tell([list(gone.items()), acting])  # worker learns it within a tick
+        if not acting or not sessions.serving or sessions.router is None:
+            self._swept = None  # one that acts later sweeps again
+            return
+        if not gone or self._swept == frozenset(gone):
+            return
+        found = False
+        for client_id, owner in list(sessions.owners.items()):
+            died = gone.get(owner.node)
+            if died is None or not sessions.home(client_id):
+                continue
+            found = True
+            if len(self.claiming) >= IN_FLIGHT:
+                break
+            if client_id in self.claiming:
+                continue
+            self.claiming.add(client_id)
+            task = node.loop.create_task(self._adopt(client_id, owner.node, died))
+            self._tasks.add(task)
+            task.add_done_callback(self._tasks.discard)
+        # A dead member that comes back is alive again (not in ``gone``): the set changes.
+        self._swept = None if found else frozenset(gone)
+
+    async def _adopt(self, client_id: str, dead: int, died: float) -> None:
+        sessions = self.sessions
+        router = sessions.router
+        assert router is not None
+
+        def take(answer: bytes) -> None:
+            # Runs as the claim is applied, before a CONNECT's claim could follow it.
+            if sessions.holds(client_id):
+                return
+            if answer[:1] == STATE:
+                router.adopt(client_id, answer[1:], died)
+                sessions.held_here(client_id)
+                self.adopted += 1
+            else:  # a clean session without a will: nothing to run, the claim ends
+                sessions.session_ended(client_id)
+
+        name = sessions.node.names.get(dead, str(dead))
+        try:
+            await sessions.claim(client_id, take, only_from=dead)
+        except Exception as e:  # another claim won, or no commit: the next tick sees
+            log.info("cluster: %s: session of gone node %s not adopted: %s", client_id, name, e)
+            return
+        finally:
+            self.claiming.discard(client_id)
+        log.info("cluster: %s: session of gone node %s held here, offline", client_id, name)
