@@ -94,6 +94,25 @@ class Leadership:
                 asked[g] = to
             await asyncio.sleep(every)
 
+    async def vacate(self, timeout: float, every: float = 1.0) -> list[int]:
+        """Wait until the leaders moved this node's replicas elsewhere (``mqlog cluster
+        leave``: the node announced it is leaving, ``broker.cluster.reshape``), handing away
+        any leadership it gets back meanwhile, or ``timeout`` passes. Returns the groups it
+        still holds (those placement keeps here too: too few other members to move them)."""
+        node = self.node
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        while True:
+            eligible, _, leaving = node.reshape.eligible()
+            movable = [
+                g for g in node.storages if node.id not in node.reshape.wanted(g, eligible, leaving)
+            ]
+            if not movable or loop.time() >= deadline:
+                return list(node.storages)
+            if any(node.is_leader(g) for g in movable):
+                await self.drain(0.0)
+            await asyncio.sleep(every)
+
     def _on_transfer(self, frm: int, body: memoryview) -> None:
         g, to = _TRANSFER.unpack_from(body)
         if g in self.node.storages and self.node.is_leader(g) and to != self.node.id:

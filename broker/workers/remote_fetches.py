@@ -108,6 +108,7 @@ class RemoteFetches:
         self.retry: set[RemotePartition] = set()
         #: A leader added this node to a group read remotely here (broker.cluster.reshape).
         service.node.reshape.on_join = self.promote
+        service.node.reshape.on_removed = self.demote
         self.refused = 0  # malformed or oversized requests
         self.bad_answers = 0  # answers that failed verification
         self.served = 0
@@ -334,26 +335,51 @@ class RemoteFetches:
         for g, key in service.groups.items():
             if key in (RETAINED, SESSIONS) or node.settings.worker[1] > 1:
                 node.replication[g] = count
-        # Placed here, or named by the group's own log (a replica re-created here earlier,
-        # broker.cluster.reshape: the log's configuration wins over placement).
+                node.everywhere.add(g)
+        # Named by the group's own log (a replica re-created here earlier,
+        # broker.cluster.reshape: the log's configuration wins over placement), or placed
+        # here when the cluster formed (not on a node that joined it later, nor for a group
+        # this node was removed from).
+        guess = not node.joined
+        removed = node.reshape.removed
         hosted = {
             g: s
             for g, s in service.storages.items()
-            if node.id in node.replicas_of(g) or node.id in s.membership(_NONE).current.members
+            if node.id in s.membership(_NONE).current.members
+            or (guess and g not in removed and node.id in node.replicas_of(g))
         }
-        router = service.router
-        for g, key in service.groups.items():
-            if g in hosted:
-                continue
-            config = service.streams.specs[key[0]].log
-            part = RemotePartition(key, config, g, service, node.replicas_of(g))
-            service.remote_parts[key] = part
-            old = router.partitions.get(key) if router is not None else None
-            if router is not None and old is not None:
-                part.watchers = old.watchers
-                router.partitions[key] = part
-            self.add(part)
+        for g in service.groups:
+            if g not in hosted:
+                self._serve_remotely(g)
         return hosted
+
+    def _serve_remotely(self, g: int) -> None:
+        """Serve group ``g``'s partition from a :class:`RemotePartition` (its watchers kept)."""
+        service, node = self.service, self.node
+        key = service.groups[g]
+        config = service.streams.specs[key[0]].log
+        hint = [n for n in node.replicas_of(g) if n != node.id]
+        part = RemotePartition(key, config, g, service, hint)
+        service.remote_parts[key] = part
+        router = service.router
+        old = router.partitions.get(key) if router is not None else None
+        if router is not None and old is not None:
+            part.watchers = old.watchers
+            router.partitions[key] = part
+        self.add(part)
+
+    def demote(self, g: int) -> None:
+        """This node was removed from group ``g`` (broker.cluster.reshape): its partition is
+        served remotely from now on, and its copy is moved aside (renamed, kept): a new,
+        empty storage takes its place for a later :meth:`promote`."""
+        service = self.service
+        key = service.groups.get(g)
+        if key is None:
+            return
+        self._serve_remotely(g)
+        aside = service.streams.set_aside(*key, f"removed-{int(time.time())}")
+        service.storages[g] = GroupStorage.over(service.streams.log(*key))
+        log.info("cluster: %s/%d: this node's copy moved to %s", *key, aside)
 
     def promote(self, g: int) -> GroupStorage | None:
         """A leader added this node to group ``g`` (broker.cluster.reshape): its partition is
