@@ -134,8 +134,7 @@ class ClusterNode:
         #: Group -> loop time until which the balancer leaves it alone (:meth:`hold`).
         self.held: dict[int, float] = {}
         self.names: dict[int, str] = {}
-        #: The nodes the cluster formed with (the first placement's) and whether this node
-        #: joined it later (``broker.cluster.formation``: it then hosts no group by guess).
+        #: The nodes the cluster formed with and whether this node joined later (formation).
         self.founders: dict[int, str] = {}
         self.joined = False
         #: Groups with a replica on every node (``$retained``, ``$sessions``).
@@ -377,7 +376,7 @@ class ClusterNode:
         self._ticks += 1
         if self._ticks % BALANCE_TICKS == 0:
             self.reshape.balance()
-            self.reshape.tick()
+        self.reshape.tick(self._ticks)
         if self._ticks % self._retention_ticks == 0:
             self.enforce_retention()
         self._schedule()
@@ -543,6 +542,7 @@ class ClusterNode:
                 "term": core.term,
                 "leader": self.names.get(leader) if leader is not None else None,
                 "replicas": sorted(self.names.get(n, str(n)) for n in core.configuration.members),
+                "learners": sorted(self.names.get(n, str(n)) for n in core.configuration.learners),
                 "preferred_leader": self.names.get(self.preferred(g) or -1),
                 "commit_index": storage.commit,
                 "last_index": last,

@@ -2,8 +2,8 @@
 placement over the members, one single-server membership change at a time per group; leaders
 follow the replicas.
 
-Each balance tick (:meth:`Reshaper.tick`, from ``ClusterNode``'s clock), for every group this
-node leads, the replicas placement wants are computed over the *eligible* members
+Every :data:`PLAN_SECONDS` (:meth:`Reshaper.tick`, from ``ClusterNode``'s clock), for every
+group this node leads, the replicas placement wants are computed over the *eligible* members
 (``broker.cluster.placement.replicas``, the rendezvous order of the first placement, so a
 member's arrival or departure moves only the groups whose top set it enters or leaves):
 
@@ -35,7 +35,7 @@ whose log names it (``RemoteFetches.place``).
 
 **Giving a replica up.** A removed replica does not learn of its removal from its own log
 (the leader no longer sends to it, thesis s4.2.2), so once the removal has committed the
-leader tells it (:data:`REMOVED`, again every balance pass until it answers); the node then
+leader tells it (:data:`REMOVED`, again every tick until it answers); the node then
 stops hosting the group, serves the partition remotely again, and moves its copy aside
 (:attr:`Reshaper.on_removed`, ``RemoteFetches.demote``): the committed configuration without
 it has a majority holding every committed entry, so this copy is never the only one, and it
@@ -77,6 +77,8 @@ from broker.cluster.storage import GroupStorage
 logger = logging.getLogger("broker.cluster")
 
 LIVE = (State.ALIVE, State.SUSPECT)
+#: Seconds between two planner passes (each takes at most one step per group).
+PLAN_SECONDS = 1.0
 #: Groups one leader moves at once (a learner catching up, or a change not yet committed).
 MAX_CHANGING = 2
 #: Transport kind (the node's own, below ``node.FIRST_APP_KIND``): a leader tells a removed
@@ -117,9 +119,9 @@ class Reshaper:
         #: Set by the worker: the storage of a group it may host (its partition is read
         #: remotely now and will be served from this storage), or None.
         self.on_join: Callable[[int], GroupStorage | None] = lambda g: None
-        #: Set by the worker: group ``g`` is no longer hosted here; serve it remotely and
-        #: move its copy aside.
-        self.on_removed: Callable[[int], None] = lambda g: None
+        #: Set by the worker: group ``g`` is no longer hosted here, as its leader said (the
+        #: second argument): serve it remotely and move its copy aside.
+        self.on_removed: Callable[[int, int], None] = lambda g, leader: None
         self.changes = 0
         self.joined = 0
         self.given_up = 0
@@ -153,12 +155,17 @@ class Reshaper:
         return [n for n in node.names if n not in gone], live, leaving
 
     def wanted(self, g: int, eligible: list[int], leaving: set[int]) -> list[int]:
-        """The replicas placement wants for group ``g`` (its voters, in placement order)."""
+        """The replicas placement wants for group ``g`` (its voters, in placement order):
+        ``replication_factor`` of them (every eligible member for a group on every node),
+        leaving members left out while the others are at least the replication factor."""
+        rf = self.node.settings.replication_factor
+        if g not in self.node.everywhere:
+            rf = self.node.replication.get(g, rf)
         staying = [n for n in eligible if n not in leaving]
-        if self.node.everywhere and g in self.node.everywhere:
-            return replicas(g, staying or eligible, len(staying or eligible))
-        rf = self.node.replication.get(g, self.node.settings.replication_factor)
-        return replicas(g, staying if len(staying) >= rf else eligible, rf)
+        chosen = staying if len(staying) >= rf else eligible
+        if g in self.node.everywhere:
+            return replicas(g, chosen, len(chosen))
+        return replicas(g, chosen, rf)
 
     def preferred(self, g: int) -> int | None:
         """The voter that should lead ``g``: the first in placement order over the eligible
@@ -198,17 +205,26 @@ class Reshaper:
 
     # -- the passes --------------------------------------------------------------------------
 
-    def tick(self) -> None:
-        """One planner pass over the groups this node leads (module docstring)."""
+    def tick(self, ticks: int) -> None:
+        """Every tick (``ticks`` since start): tell the replicas removed since that their
+        removal committed; every :data:`PLAN_SECONDS`, a planner pass (module docstring)."""
         node, host = self.node, self.node.host
-        if host is None or node.membership is None or not node.membership.core_members():
+        if host is None:
+            return
+        for g in [g for g, untold in self.untold.items() if untold]:
+            if g in node.storages and host.core(g).role is Role.LEADER:
+                self._tell_removed(g, host.core(g))
+            else:
+                del self.untold[g]  # no longer this node's to tell
+        if ticks % max(1, round(PLAN_SECONDS / node.settings.heartbeat_interval)):
+            return
+        if node.membership is None or not node.membership.core_members():
             return
         eligible, live, leaving = self.eligible()
         led = [g for g in node.storages if host.core(g).role is Role.LEADER]
         changing = sum(1 for g in led if _changing(host.core(g)))
         for g in led:
             core = host.core(g)
-            self._tell_removed(g, core)
             step = next_step(core, self.wanted(g, eligible, leaving), live)
             if step is None:
                 continue
@@ -288,7 +304,7 @@ class Reshaper:
         node.untrack(g)
         self.removed.add(g)
         write_atomically(self._removed_file, orjson.dumps(sorted(self.removed)))
-        self.on_removed(g)
+        self.on_removed(g, frm)
         self.given_up += 1
         logger.info(
             "cluster: %s: removed from the group (told by %s): served remotely from now on, "

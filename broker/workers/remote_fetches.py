@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from broker.cluster.fetch import (
     NOT_REPLICA,
@@ -45,10 +45,11 @@ from broker.workers.remote_partition import Chunk, PartitionHost, Poll, RemotePa
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
-    from broker.commitlog import Streams
+    from broker.commitlog import Record, Streams
     from broker.commitlog.keys import PartitionKey
     from broker.router.partition import PartitionBase
     from broker.router.router import Router
+    from broker.workers.remote_partition import Ack
 
 log = logging.getLogger("broker.cluster")
 
@@ -86,6 +87,15 @@ class FetchHost(PartitionHost, Protocol):
     def make_partition(self, key: PartitionKey) -> PartitionBase: ...
 
     def remote_moved(self, part: RemotePartition) -> None: ...
+
+
+@runtime_checkable
+class Handover(Protocol):
+    """What :meth:`RemoteFetches.demote` takes over from the replica it replaces."""
+
+    held: list[tuple[list[Record], list[Ack | None], float]]
+    pending: list[Record]
+    acks: list[Ack | None]
 
 
 class RemoteFetches:
@@ -353,7 +363,7 @@ class RemoteFetches:
                 self._serve_remotely(g)
         return hosted
 
-    def _serve_remotely(self, g: int) -> None:
+    def _serve_remotely(self, g: int) -> RemotePartition:
         """Serve group ``g``'s partition from a :class:`RemotePartition` (its watchers kept)."""
         service, node = self.service, self.node
         key = service.groups[g]
@@ -367,16 +377,29 @@ class RemoteFetches:
             part.watchers = old.watchers
             router.partitions[key] = part
         self.add(part)
+        return part
 
-    def demote(self, g: int) -> None:
-        """This node was removed from group ``g`` (broker.cluster.reshape): its partition is
-        served remotely from now on, and its copy is moved aside (renamed, kept): a new,
-        empty storage takes its place for a later :meth:`promote`."""
+    def demote(self, g: int, leader: int) -> None:
+        """This node was removed from group ``g`` (broker.cluster.reshape), as ``leader``
+        said: its partition is served remotely from now on, the publishes its replica held
+        (waiting for a leader it no longer hears) are forwarded to ``leader``, and its copy is
+        moved aside (renamed, kept): a new, empty storage takes its place for a later
+        :meth:`promote`."""
         service = self.service
         key = service.groups.get(g)
         if key is None:
             return
-        self._serve_remotely(g)
+        old = service.router.partitions.get(key) if service.router is not None else None
+        part = self._serve_remotely(g)
+        part.leader_hint = leader
+        if isinstance(old, Handover):
+            part.held += old.held
+            old.held = []
+            if old.pending:
+                deadline = time.monotonic() + service.hold_seconds
+                part.held.append((old.pending, old.acks, deadline))
+                old.pending, old.acks = [], []
+            part.release(time.monotonic())
         aside = service.streams.set_aside(*key, f"removed-{int(time.time())}")
         service.storages[g] = GroupStorage.over(service.streams.log(*key))
         log.info("cluster: %s/%d: this node's copy moved to %s", *key, aside)

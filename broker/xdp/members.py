@@ -43,6 +43,10 @@ class MemberFilter(ABC):
         #: Why the kernel filter is not in use (None when it is).
         self.reason = reason
         self._members: set[str] = set()
+        #: Networks whose hosts may ask to join (``[cluster] join_from``): their datagrams
+        #: pass the user-space filter to the codec, which authenticates them and lets a
+        #: stranger through only with a join (broker.cluster.membership_service).
+        self.join_from: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
 
     @property
     def members(self) -> frozenset[str]:
