@@ -2,10 +2,13 @@
 workers' wait for worker 0.
 
 The member list (``DATA/cluster/members``: ``{"members": {name: [host, raft_port]}, "gossip":
-{name: [host, gossip_port]}, "joined": bool}``) is written once the cluster formed, so that a
-restart forms at once, with members down (Raft's groups then decide who leads). Its ``gossip``
-part (absent in lists written before gossip) is where a restarted node looks for members
-besides its seeds.
+{name: [host, gossip_port]}, "founders": [name], "joined": bool}``) is written once the
+cluster formed, so that a restart forms at once, with members down (Raft's groups then decide
+who leads), and again when a member joins later (so that a restart counts it in placement
+even while it is down). Its ``gossip`` part (absent in lists written before gossip) is where
+a restarted node looks for members besides its seeds; ``founders`` (absent before joins: the
+members) are the nodes the cluster formed with, whose placement was each group's first
+configuration.
 
 **Forming or joining.** A node that starts with no member list waits for its seeds as below;
 then, if a live member announces that it formed with another member list
@@ -56,11 +59,12 @@ POLL_SECONDS = 0.2
 
 
 class Formation(NamedTuple):
-    """What a node formed with: its members' Raft addresses by name (this node's included)
-    and whether it joined a cluster formed before it (the module docstring)."""
+    """What a node formed with: its members' Raft addresses by name (this node's included),
+    whether it joined a cluster formed before it, and the founders (the module docstring)."""
 
     members: Members
-    joined: bool = False
+    joined: bool
+    founders: list[str]
 
 
 class Known(NamedTuple):
@@ -69,6 +73,7 @@ class Known(NamedTuple):
     members: Members
     gossip: Members
     joined: bool
+    founders: list[str]
 
 
 def load_members(path: Path) -> Known | None:
@@ -81,16 +86,24 @@ def load_members(path: Path) -> Known | None:
     def addrs(table: dict[str, list[object]]) -> Members:
         return {name: (str(a[0]), int(str(a[1]))) for name, a in table.items()}
 
-    return Known(addrs(data["members"]), addrs(data.get("gossip", {})), bool(data.get("joined")))
+    members = addrs(data["members"])
+    founders = [str(n) for n in data.get("founders", members)]
+    return Known(members, addrs(data.get("gossip", {})), bool(data.get("joined")), founders)
 
 
 def save_members(
-    path: Path, members: Members, gossip: Members | None = None, joined: bool = False
+    path: Path,
+    members: Members,
+    gossip: Members | None = None,
+    joined: bool = False,
+    founders: list[str] | None = None,
 ) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     body: dict[str, object] = {"members": {n: list(a) for n, a in sorted(members.items())}}
     if gossip:
         body["gossip"] = {n: list(a) for n, a in sorted(gossip.items())}
+    if founders is not None and set(founders) != set(members):
+        body["founders"] = sorted(founders)
     if joined:
         body["joined"] = True
     write_atomically(path, orjson.dumps(body))
@@ -121,18 +134,21 @@ async def by_gossip(
                 ", ".join(f"{h}:{p}" for h, p in s.gossip.seeds) or "none",
             )
             members = await membership.formed(log_every)
-            joined = _joins(membership, members)
+            joined, founders = _joins(membership, members), sorted(members)
             save_members(shared, members, membership.gossip_addresses(), joined)
         else:
-            members, joined = known.members, known.joined
-        membership.announce(cluster=cluster_id(members))
-        formed = set(members)
+            members, joined, founders = known.members, known.joined, known.founders
+        membership.announce(cluster=cluster_id(founders))
+        formed = dict(members)
 
         def learned(name: str, addr: tuple[str, int]) -> None:
             transport.learn(name, addr)
-            if name not in formed:
-                formed.add(name)
-                on_new(name)
+            if formed.get(name) != addr:
+                new = name not in formed
+                formed[name] = addr
+                save_members(shared, formed, membership.gossip_addresses(), joined, founders)
+                if new:
+                    on_new(name)
 
         membership.on_member = learned
         transport.on_link_lost = membership.probe_soon
@@ -144,11 +160,11 @@ async def by_gossip(
             if waited >= log_every:
                 waited = 0.0
                 logger.info("cluster: worker %d waiting for worker 0's member list", index)
-        members = known[0]
+        members, joined, founders = known.members, known.joined, known.founders
     mine = {name: (host, port + index) for name, (host, port) in members.items()}
     for name, addr in mine.items():
         transport.learn(name, addr)
-    return Formation(mine, joined)
+    return Formation(mine, joined, founders)
 
 
 def _joins(membership: MembershipService, members: Members) -> bool:

@@ -190,7 +190,7 @@ class ClusterNode:
                 self.membership = MembershipService(self.name, gossip, self.settings.secret)
                 if self.gossip_filter is not None:
                     self.membership.guard(self.gossip_filter)
-            members, self.joined = await formation.by_gossip(
+            members, self.joined, founders = await formation.by_gossip(
                 self.settings,
                 self.state_dir,
                 self.transport,
@@ -212,7 +212,7 @@ class ClusterNode:
         else:
             members = known[0]
         self.names = node_ids(members)
-        self.founders = dict(self.names)
+        self.founders = node_ids(founders) if gossip is not None else dict(self.names)
         logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
         s = self.settings
         if s.worker[0] != 0 or self.joined:

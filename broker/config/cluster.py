@@ -294,7 +294,7 @@ def _networks(sec: Section, key: str) -> tuple[str, ...]:
         try:
             out.append(str(ipaddress.ip_network(entry, strict=False)))
         except ValueError as e:
-            raise sec.bad(f"{key}[{i}]", entry, str(e)) from None
+            raise sec.bad(f"{key}[{i}]", entry, f"a network such as 10.0.0.0/24 ({e})") from None
     return tuple(out)
 
 
