@@ -142,6 +142,9 @@ async def by_gossip(
         formed = dict(members)
 
         def learned(name: str, addr: tuple[str, int]) -> None:
+            meta = membership.metas.get(name)
+            if name not in formed and meta is not None and meta.workers != s.worker[1]:
+                return  # refused (another worker count, logged by the membership)
             transport.learn(name, addr)
             if formed.get(name) != addr:
                 new = name not in formed

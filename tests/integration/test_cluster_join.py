@@ -14,7 +14,7 @@ under a QoS 1 publisher whose longest wait for a PUBACK is reported:
 
 from __future__ import annotations
 
-import itertools
+import asyncio
 import subprocess
 import sys
 import threading
@@ -25,6 +25,8 @@ from typing import Any
 
 import pytest
 
+from bench.chaos import History, publisher
+from bench.reshape_lab import Founders, longest_gap
 from broker.cluster.placement import group_id_of, node_id_of, replicas
 from tests import netlab
 from tests.cluster_lab import HTTP_PORT, MQTT_PORT, Member, MqlogCluster
@@ -56,54 +58,60 @@ def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
 
 
 class Publisher:
-    """QoS 1 publishes, one at a time, on ``member``, to every partition in turn; a publish
-    whose outcome a change left unknown closes the connection (no PUBACK): connect again
-    and go on (QoS 1 may duplicate). Records each PUBACK's time."""
+    """QoS 1 publishers (bench/chaos.py's: one message in flight each; a publish whose
+    outcome a change left unknown closes the connection, and the publisher connects again
+    and resends it, QoS 1 may duplicate) on ``member``, each to its own topic, in a thread
+    of their own."""
 
-    def __init__(self, member: Member, name: str) -> None:
-        self.member = member
-        self.name = name
-        self.acked: list[bytes] = []
-        self.times: list[float] = []
-        self.stop = threading.Event()
-        self.thread = threading.Thread(target=self._run, daemon=True)
+    def __init__(self, member: Member, publishers: int = 4) -> None:
+        self.target: Any = Founders([member.node])  # what publisher() needs of a Target
+        self.publishers = publishers
+        self.hist = History()
+        self.loop = asyncio.new_event_loop()
+        self.stop = asyncio.Event()
+        self.thread = threading.Thread(target=self.loop.run_until_complete, args=(self._run(),))
+
+    async def _run(self) -> None:
+        await asyncio.gather(
+            *(
+                publisher(k, self.target, f"jn/d/{k}", self.hist, self.stop, 100.0, 5.0)
+                for k in range(self.publishers)
+            )
+        )
 
     def __enter__(self) -> Publisher:
         self.thread.start()
         return self
 
     def __exit__(self, *exc: object) -> None:
-        self.stop.set()
+        self.loop.call_soon_threadsafe(self.stop.set)
         self.thread.join(timeout=30)
+        self.loop.close()
 
-    def _run(self) -> None:
-        i = 0
-        pub: Client | None = None
-        while not self.stop.is_set():
-            try:
-                if pub is None:
-                    pub = Client(MQTT_PORT, self.name, host=self.member.addr)
-                    if pub.connect() != 0:
-                        pub = None
-                        continue
-                payload = b"%s-%06d" % (self.name.encode(), i)
-                pub.publish(f"jn/d/{i % 32}", payload, qos=1)
-                self.acked.append(payload)
-                self.times.append(time.monotonic())
-                i += 1
-                time.sleep(0.005)
-            except Exception:
-                if pub is not None:
-                    pub.drop()
-                pub = None
-                time.sleep(0.1)
-        if pub is not None:
-            pub.disconnect()
+    @property
+    def acked(self) -> list[bytes]:
+        return [p.uid.encode() for p in self.hist.publishes if p.acked]
 
     def longest_gap(self, since: float, until: float) -> float:
-        """The longest time without a PUBACK between ``since`` and ``until``."""
-        times = [since, *(t for t in self.times if since < t < until), until]
-        return max(b - a for a, b in itertools.pairwise(times))
+        """The longest time one publisher waited for a PUBACK between ``since`` and
+        ``until`` (printed with the wall-clock time it ended, to find it in the logs)."""
+        gap = longest_gap(self.hist, since, until)
+        wall = time.strftime("%H:%M:%S", time.gmtime(time.time() - (time.monotonic() - until)))
+        print(f"\nlongest PUBACK gap {gap:.3f} s in the window ending {wall}")
+        return gap
+
+
+def _settled(cluster: MqlogCluster, members: list[Member], timeout: float = 30.0) -> None:
+    """Until every partition is led by its preferred replica (the balancers are done)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        view = _leaders_view(cluster, members)
+        if len(view) >= PARTITIONS + 2 and all(
+            e["leader"] == e["preferred_leader"] for e in view.values()
+        ):
+            return
+        assert time.monotonic() < deadline, view
+        time.sleep(0.5)
 
 
 def _leaders_view(cluster: MqlogCluster, members: list[Member]) -> dict[str, dict[str, Any]]:
@@ -172,7 +180,8 @@ def _join_n4(cluster: MqlogCluster, pub: Publisher) -> float:
 
 def test_a_new_node_joins_receives_replicas_and_leaderships(cluster: MqlogCluster) -> None:
     n1 = cluster.member("n1")
-    with Publisher(n1, "steady") as pub:
+    _settled(cluster, cluster.members[:3])
+    with Publisher(n1) as pub:
         time.sleep(2)
         gap = _join_n4(cluster, pub)
         time.sleep(1)
@@ -197,7 +206,8 @@ def test_a_new_node_joins_receives_replicas_and_leaderships(cluster: MqlogCluste
 
 def test_leave_moves_the_leavers_replicas(cluster: MqlogCluster) -> None:
     n1, n2 = cluster.member("n1"), cluster.member("n2")
-    with Publisher(n1, "steady") as pub:
+    _settled(cluster, cluster.members[:3])
+    with Publisher(n1) as pub:
         _join_n4(cluster, pub)
         start = time.monotonic()
         out = subprocess.run(
