@@ -25,7 +25,8 @@ a filter would drop the answer). Such a member stays on it that long because the
 front of the codec (broker/xdp/) would otherwise drop the ALIVE with which it refutes a false
 death or comes back after a restart, and it could not rejoin unless it is a seed; past
 ``replace_after`` its replicas are re-created elsewhere (issue 21) and it is a stranger until
-it joins again through a seed. Observers (the XDP
+it joins again through a seed (or from a ``[cluster] join_from`` network, which the filter
+lets through to the MAC check: how a node added after formation joins). Observers (the XDP
 filter, ``broker/xdp/``) are called with the whole set at once and again on every change. The
 same set applies in user space here (the endpoint's ``accept``): an authenticated datagram
 from any other host is dropped and counted as ``dropped_stranger`` unless it is a state

@@ -189,6 +189,11 @@ def test_a_new_node_joins_receives_replicas_and_leaderships(cluster: MqlogCluste
     assert len(pub.acked) > 100
     logs = {m.node_id: m.log(2_000_000) for m in cluster.members}
     assert "joining the cluster of" in logs["n4"]
+    # Every member's gossip filter (user space here) allows the newcomer now, the ones it
+    # did not join through too: they learned it from gossip.
+    n4 = cluster.member("n4")
+    for m in cluster.members[:3]:
+        assert n4.addr in cluster.status(m)["xdp"]["members"], m.node_id
     assert "joined as a replica" in logs["n4"]
     # A replica placement no longer wants gave its copy up (moved aside, not deleted).
     assert any("removed from the group" in text for text in logs.values())
