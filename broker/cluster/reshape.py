@@ -40,9 +40,11 @@ stops hosting the group, serves the partition remotely again, and moves its copy
 (:attr:`Reshaper.on_removed`, ``RemoteFetches.demote``): the committed configuration without
 it has a majority holding every committed entry, so this copy is never the only one, and it
 is kept on disk (renamed), not deleted. The group is noted in ``DATA/cluster/removed`` so that
-a restart does not host it again by placement's guess. A removed node that is down when the
-notice is sent (or whose leader changed before sending it) keeps its stale replica, which
-stays quiet (PreVote and stickiness keep it from disrupting the group).
+a restart does not host it again by placement's guess. A removed node that was down when the
+notice was sent (or whose leader changed before sending it) hears no leader afterwards (its
+core stays quiet meanwhile: PreVote and stickiness keep it from disrupting the group), so it
+asks the voters it knows every planner pass (:data:`ASKED`), and the group's leader answers
+with the notice if its committed configuration lacks the asker.
 
 **Leaders** (:meth:`Reshaper.balance`): each node hands a group it leads to the group's
 preferred replica (the first voter in placement order over the eligible members) once it is
@@ -82,9 +84,11 @@ PLAN_SECONDS = 1.0
 #: Groups one leader moves at once (a learner catching up, or a change not yet committed).
 MAX_CHANGING = 2
 #: Transport kind (the node's own, below ``node.FIRST_APP_KIND``): a leader tells a removed
-#: replica its removal committed (group, 0), which answers (group, 1).
+#: replica its removal committed (group, :data:`TOLD`), which answers (group,
+#: :data:`HEARD`); a replica that hears no leader asks a voter (group, :data:`ASKED`).
 REMOVED = 4
 _REMOVED = struct.Struct("<IB")
+TOLD, HEARD, ASKED = 0, 1, 2
 
 
 class ReshapeHost(Protocol):
@@ -221,6 +225,9 @@ class Reshaper:
         if node.membership is None or not node.membership.core_members():
             return
         eligible, live, leaving = self.eligible()
+        for g in node.storages:
+            if host.core(g).leader is None and host.core(g).role is not Role.LEADER:
+                self._ask_if_removed(g, host.core(g))
         led = [g for g in node.storages if host.core(g).role is Role.LEADER]
         changing = sum(1 for g in led if _changing(host.core(g)))
         for g in led:
@@ -286,15 +293,32 @@ class Reshaper:
             if n in core.configuration.members:
                 untold.discard(n)  # added back since
             else:
-                self.node.send(n, REMOVED, _REMOVED.pack(g, 0))
+                self.node.send(n, REMOVED, _REMOVED.pack(g, TOLD))
+
+    def _ask_if_removed(self, g: int, core: RaftNode) -> None:
+        """A replica that knows no leader may have been removed without being told (it was
+        down then, or the leader changed before telling it): ask the voters it knows; the
+        one that leads ``g`` answers :data:`TOLD` if its committed configuration lacks it."""
+        for n in sorted(core.configuration.voters - {self.node.id}):
+            self.node.send(n, REMOVED, _REMOVED.pack(g, ASKED))
 
     def _on_removed(self, frm: int, body: memoryview) -> None:
-        g, answer = _REMOVED.unpack_from(body)
+        g, what = _REMOVED.unpack_from(body)
         node = self.node
-        if answer:
+        if what == HEARD:
             self.untold.get(g, set()).discard(frm)
             return
-        node.send(frm, REMOVED, _REMOVED.pack(g, 1))
+        if what == ASKED:
+            core = node.host.core(g) if node.host is not None and g in node.storages else None
+            if (
+                core is not None
+                and core.role is Role.LEADER
+                and core.membership.last_index <= core.commit  # committed, none in flight
+                and frm not in core.configuration.members
+            ):
+                node.send(frm, REMOVED, _REMOVED.pack(g, TOLD))
+            return
+        node.send(frm, REMOVED, _REMOVED.pack(g, HEARD))
         if node.host is None or g not in node.storages:
             return
         if node.host.core(g).role is Role.LEADER:
