@@ -2,7 +2,8 @@
 the members gossip counts, a node that joined counted at once, a leaving one left out while
 the others make up the replication factor, a gone one (dead past replace_after) left out; the
 preferred leader follows. And the member list a node persists (broker.cluster.formation):
-who founded the cluster and whether this node joined it later."""
+who founded the cluster and whether this node joined it later. And the notices that make a
+removed replica give its copy up."""
 
 from __future__ import annotations
 
@@ -14,7 +15,8 @@ from broker.cluster import formation
 from broker.cluster.gossip.members import Member
 from broker.cluster.gossip.messages import State
 from broker.cluster.placement import node_id_of, replicas
-from broker.cluster.reshape import Reshaper
+from broker.cluster.raft import Role
+from broker.cluster.reshape import _REMOVED, ASKED, HEARD, REMOVED, TOLD, Reshaper
 
 NAMES = ["n1", "n2", "n3", "n4"]
 IDS = {node_id_of(n): n for n in NAMES}
@@ -86,3 +88,76 @@ def test_members_file_keeps_the_founders_and_the_joined_flag(tmp_path: Path) -> 
     formation.save_members(path, four, joined=True)
     known = formation.load_members(path)
     assert known is not None and known.joined and known.founders == NAMES
+
+
+class _Host:
+    """The MultiRaft side the notices touch: each group's core, and remove_group."""
+
+    def __init__(self, cores: dict[int, Any]) -> None:
+        self.cores = cores
+        self.removed: list[int] = []
+
+    def core(self, g: int) -> Any:
+        return self.cores[g]
+
+    def remove_group(self, g: int) -> None:
+        self.removed.append(g)
+        del self.cores[g]
+
+
+def _core(role: Role, members: set[int], last_index: int = 5, commit: int = 5) -> Any:
+    return SimpleNamespace(
+        role=role,
+        leader=None,
+        commit=commit,
+        membership=SimpleNamespace(last_index=last_index),
+        configuration=SimpleNamespace(members=members, voters=members),
+    )
+
+
+def _notices(tmp_path: Path, cores: dict[int, Any]) -> tuple[Reshaper, Any, list[Any]]:
+    sent: list[Any] = []
+    node: Any = SimpleNamespace(
+        id=1,
+        host=_Host(cores),
+        storages=dict.fromkeys(cores),
+        names={1: "n1", 2: "n2", 3: "n3"},
+        state_dir=tmp_path,
+        handlers={},
+        send=lambda to, kind, body: sent.append((to, kind, _REMOVED.unpack(body))) or True,
+        untrack=lambda g: None,
+        label=lambda g: f"group {g}",
+    )
+    return Reshaper(node), node, sent
+
+
+def test_a_leader_answers_a_replica_its_committed_configuration_lacks(tmp_path: Path) -> None:
+    r, _, sent = _notices(
+        tmp_path,
+        {
+            7: _core(Role.LEADER, {1, 2}),  # 3 removed, committed
+            8: _core(Role.LEADER, {1, 2}, last_index=6),  # a change in flight
+            9: _core(Role.LEADER, {1, 2, 3}),  # 3 is a member
+        },
+    )
+    for g in (7, 8, 9):
+        r.node.handlers[REMOVED](3, memoryview(_REMOVED.pack(g, ASKED)))
+    assert sent == [(3, REMOVED, (7, TOLD))]
+
+
+def test_a_replica_told_it_was_removed_gives_the_group_up(tmp_path: Path) -> None:
+    r, node, sent = _notices(
+        tmp_path, {7: _core(Role.FOLLOWER, {1, 2, 3}), 8: _core(Role.LEADER, {1, 2, 3})}
+    )
+    given: list[tuple[int, int]] = []
+    r.on_removed = lambda g, leader: given.append((g, leader))
+    node.handlers[REMOVED](2, memoryview(_REMOVED.pack(7, TOLD)))
+    node.handlers[REMOVED](2, memoryview(_REMOVED.pack(8, TOLD)))  # a leader: stale notice
+    assert sent == [(2, REMOVED, (7, HEARD)), (2, REMOVED, (8, HEARD))]
+    assert node.host.removed == [7] and given == [(7, 2)] and 7 not in node.storages
+    # The leader stops telling once heard.
+    r.untold[7] = {3}
+    node.handlers[REMOVED](3, memoryview(_REMOVED.pack(7, HEARD)))
+    assert r.untold[7] == set()
+    # Noted: a restart does not host it again by placement's guess.
+    assert Reshaper(node).removed == {7}
