@@ -125,13 +125,8 @@ def open_filter(config: Config, members: Iterable[str] | None = None) -> MemberF
         chosen = UserSpaceFilter(reason)
     else:
         log.info("xdp: filter attached to %s (%s mode)", config.xdp.interface, config.xdp.mode)
-    chosen.join_from = tuple(ipaddress.ip_network(n) for n in config.cluster.join_from)
-    if chosen.join_from and chosen.where == "kernel":
-        log.warning(
-            "xdp: [cluster] join_from is applied in user space only: the kernel filter drops "
-            "a joining node until a member's allowlist has it (start it with xdp off)"
-        )
     try:
+        chosen.set_join_from(config.cluster.join_from)
         chosen.set_members(static_members(config.cluster) if members is None else members)
     except BaseException:
         chosen.close()

@@ -62,11 +62,13 @@ def test_user_space_verdicts_and_counters() -> None:
 
 def test_hosts_of_a_join_from_network_pass_to_the_mac_check() -> None:
     f = UserSpaceFilter("test")
-    f.join_from = (ipaddress.ip_network("10.0.1.0/24"),)
+    f.set_join_from(["10.0.1.0/24"])
     assert f.accept("10.0.1.7", MAGIC + b"body")  # may join: the codec authenticates it
     assert not f.accept("10.0.1.7", b"XXXXbody")
     assert not f.accept("10.0.2.7", MAGIC + b"body")  # a stranger still
     assert f.counters().get("gossip", "drop_stranger") == 1
+    f.set_join_from([])
+    assert not f.accept("10.0.1.7", MAGIC + b"body")
 
 
 def test_join_from_is_read_normalized_and_given_to_the_filter(tmp_path: Path) -> None:
