@@ -60,6 +60,9 @@ LEAVE_DRAIN_SECONDS = 10.0
 LEAVE_GOODBYE_SECONDS = 3.0
 #: ``mqlog cluster leave``: seconds to wait, by default, for the node's replicas to move.
 LEAVE_MOVE_SECONDS = 60.0
+#: ``mqlog cluster leave``: seconds its clients have to reconnect elsewhere and claim their
+#: sessions before its replicas move (the claimant waits 3 s for a release at most).
+LEAVE_CLAIM_SECONDS = 3.0
 
 #: Seconds between timer runs (keepalive, wills, session expiry, interval fsync).
 TICK_SECONDS = 0.5
@@ -454,14 +457,15 @@ class Server:
         return str(answer["message"])
 
     async def leave(self, timeout: float = LEAVE_MOVE_SECONDS) -> dict[str, Any]:
-        """``mqlog cluster leave``: drain this node and stop it. It announces that it is
-        leaving (gossip), hands its leaderships to the other replicas (each held there
-        against the balancers for five minutes), and waits up to ``timeout`` s while the
+        """``mqlog cluster leave``: drain this node and stop it. It hands its leaderships to
+        the other replicas (each held there against the balancers for five minutes), tells
+        its clients to use another server (MQTT 5 DISCONNECT 0x9C [MQTT-3.14.2-1]; 3.1.1:
+        closed) and waits until they claimed their sessions elsewhere (at most 3 s),
+        announces that it is leaving (gossip), and waits up to ``timeout`` s while the
         leaders move its replicas to the other members (``broker.cluster.reshape``; those
-        placement keeps here, with too few other members, stay); then its clients are told to
-        use another server (MQTT 5 DISCONNECT 0x9C [MQTT-3.14.2-1]; 3.1.1: closed), the
-        members hear its goodbye (left, not dead), and it stops as on SIGTERM. Started again,
-        it is placed again: its replicas come back. Raises ValueError where it cannot (a
+        placement keeps here, with too few other members, stay); then the members hear its
+        goodbye (left, not dead), and it stops as on SIGTERM. Started again, it is placed
+        again: its replicas come back. Raises ValueError where it cannot (a
         single node; several workers per node in this release)."""
         if self.cluster is None:
             raise ValueError("a single node: no [cluster] section")
@@ -472,17 +476,22 @@ class Server:
             )
         cluster = self.cluster
         node = cluster.node
-        if node.membership is not None:
-            node.membership.announce(leaving=True)
         log.info("cluster: leaving: handing this node's leaderships to the other replicas")
         asked = await cluster.leadership.drain(LEAVE_DRAIN_SECONDS)
-        log.info("cluster: leaving: waiting for the leaders to move this node's replicas")
-        kept = await cluster.leadership.vacate(timeout)
-        still = [g for g in node.storages if node.is_leader(g)]
+        # The clients go first, while this node still holds its replica of $sessions: the
+        # nodes they reconnect to claim their sessions, which this node releases as it
+        # applies the claims; only then are its replicas moved away.
+        clients = {link.client_id for link in self.links if link.client_id}
         for listener in self._listeners:
             listener.close()  # no new client: they go to the other nodes
         for link in list(self.links):
             link.close(ReasonCode.USE_ANOTHER_SERVER, "this node is leaving the cluster")
+        await self._claimed_elsewhere(clients, LEAVE_CLAIM_SECONDS)
+        if node.membership is not None:
+            node.membership.announce(leaving=True)
+        log.info("cluster: leaving: waiting for the leaders to move this node's replicas")
+        kept = await cluster.leadership.vacate(timeout)
+        still = [g for g in node.storages if node.is_leader(g)]
         if node.membership is not None:
             await node.membership.leave(LEAVE_GOODBYE_SECONDS)
         # The answer leaves first; then the same path as SIGTERM (broker.cli's serve).
@@ -500,6 +509,18 @@ class Server:
             "still_leading": [node.label(g) for g in still],
             "replicas_kept": [node.label(g) for g in kept],
         }
+
+    async def _claimed_elsewhere(self, clients: set[str], timeout: float) -> None:
+        """Until no session of ``clients`` is held by this node any more (claimed by the nodes
+        they reconnected to), or ``timeout`` s (a client that does not come back)."""
+        assert self.cluster is not None
+        sessions, me = self.cluster.sessions, self.cluster.node.id
+        deadline = asyncio.get_running_loop().time() + timeout
+        while sessions is not None and asyncio.get_running_loop().time() < deadline:
+            owners = sessions.owners
+            if not any((o := owners.get(c)) is not None and o.node == me for c in clients):
+                return
+            await asyncio.sleep(0.05)
 
     def _transfer_action(self, argument: list[Any]) -> dict[str, str]:
         """:meth:`transfer_leader` in the worker hosting the group (the runtime's action)."""
