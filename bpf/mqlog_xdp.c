@@ -35,6 +35,13 @@ struct counter {
 
 // Keys: IPv4 source addresses in network byte order, as they sit in the header.
 BPF_HASH(allowlist, u32, u8, ALLOWLIST_SIZE);
+// [cluster] join_from: IPv4 networks whose hosts' gossip passes (a node joining later: the
+// codec authenticates it, and the membership lets a stranger through only with a join).
+struct v4_prefix {
+    u32 prefixlen;
+    u32 addr;  // network byte order
+};
+BPF_LPM_TRIE(join_from, struct v4_prefix, u8, JOIN_FROM_SIZE);
 BPF_PERCPU_ARRAY(counters, struct counter, N_CLASSES * N_VERDICTS);
 
 static __always_inline int account(u32 cls, u32 verdict, u64 bytes)
@@ -51,6 +58,12 @@ static __always_inline int account(u32 cls, u32 verdict, u64 bytes)
 static __always_inline int is_member(u32 saddr)
 {
     return allowlist.lookup(&saddr) != NULL;
+}
+
+static __always_inline int may_join(u32 saddr)
+{
+    struct v4_prefix key = {32, saddr};
+    return join_from.lookup(&key) != NULL;
 }
 
 static __always_inline int is_mqtt_port(u16 port)
@@ -95,7 +108,7 @@ int xdp_filter(struct xdp_md *ctx)
             return account(CLASS_OTHER, VERDICT_PASS, bytes);
         if (udp->dest != htons(GOSSIP_PORT))
             return account(CLASS_OTHER, VERDICT_PASS, bytes);
-        if (!is_member(saddr))
+        if (!is_member(saddr) && !may_join(saddr))
             return account(CLASS_GOSSIP, VERDICT_DROP_STRANGER, bytes);
         unsigned char *magic = (unsigned char *)(udp + 1);
         if ((void *)(magic + 4) > data_end)

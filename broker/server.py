@@ -58,6 +58,11 @@ log = logging.getLogger("broker.server")
 #: ``mqlog cluster leave``: seconds to hand the leaderships over, then to say goodbye.
 LEAVE_DRAIN_SECONDS = 10.0
 LEAVE_GOODBYE_SECONDS = 3.0
+#: ``mqlog cluster leave``: seconds to wait, by default, for the node's replicas to move.
+LEAVE_MOVE_SECONDS = 60.0
+#: ``mqlog cluster leave``: seconds its clients have to reconnect elsewhere and claim their
+#: sessions before its replicas move (the claimant waits 3 s for a release at most).
+LEAVE_CLAIM_SECONDS = 3.0
 
 #: Seconds between timer runs (keepalive, wills, session expiry, interval fsync).
 TICK_SECONDS = 0.5
@@ -474,15 +479,17 @@ class Server:
             raise ValueError(answer["error"])
         return str(answer["message"])
 
-    async def leave(self) -> dict[str, Any]:
-        """``mqlog cluster leave``: drain this node for maintenance and stop it. Its
-        leaderships go to the other replicas (each held there against the balancers for
-        five minutes), its clients are told to use another server (MQTT 5 DISCONNECT 0x9C
-        [MQTT-3.14.2-1]; 3.1.1: closed), the members hear its goodbye (left, not dead),
-        then it stops as on SIGTERM. Its replicas stay in their groups (moving them
-        elsewhere is issue 21's reconfiguration): when it starts again it catches up and
-        the balancers hand its preferred leaderships back. Raises ValueError where it
-        cannot (a single node; several workers per node in this release)."""
+    async def leave(self, timeout: float = LEAVE_MOVE_SECONDS) -> dict[str, Any]:
+        """``mqlog cluster leave``: drain this node and stop it. It hands its leaderships to
+        the other replicas (each held there against the balancers for five minutes), tells
+        its clients to use another server (MQTT 5 DISCONNECT 0x9C [MQTT-3.14.2-1]; 3.1.1:
+        closed) and waits until they claimed their sessions elsewhere (at most 3 s),
+        announces that it is leaving (gossip), and waits up to ``timeout`` s while the
+        leaders move its replicas to the other members (``broker.cluster.reshape``; those
+        placement keeps here, with too few other members, stay); then the members hear its
+        goodbye (left, not dead), and it stops as on SIGTERM. Started again, it is placed
+        again: its replicas come back. Raises ValueError where it cannot (a
+        single node; several workers per node in this release)."""
         if self.cluster is None:
             raise ValueError("a single node: no [cluster] section")
         if self.runtime is not None:
@@ -491,26 +498,52 @@ class Server:
                 "several, stop the node (SIGTERM)"
             )
         cluster = self.cluster
+        node = cluster.node
         log.info("cluster: leaving: handing this node's leaderships to the other replicas")
         asked = await cluster.leadership.drain(LEAVE_DRAIN_SECONDS)
-        node = cluster.node
-        still = [g for g in node.storages if node.is_leader(g)]
+        # The clients go first, while this node still holds its replica of $sessions: the
+        # nodes they reconnect to claim their sessions, which this node releases as it
+        # applies the claims; only then are its replicas moved away.
+        clients = {link.client_id for link in self.links if link.client_id}
         for listener in self._listeners:
             listener.close()  # no new client: they go to the other nodes
         for link in list(self.links):
             link.close(ReasonCode.USE_ANOTHER_SERVER, "this node is leaving the cluster")
+        await self._claimed_elsewhere(clients, LEAVE_CLAIM_SECONDS)
+        if node.membership is not None:
+            node.membership.announce(leaving=True)
+        log.info("cluster: leaving: waiting for the leaders to move this node's replicas")
+        kept = await cluster.leadership.vacate(timeout)
+        still = [g for g in node.storages if node.is_leader(g)]
         if node.membership is not None:
             await node.membership.leave(LEAVE_GOODBYE_SECONDS)
         # The answer leaves first; then the same path as SIGTERM (broker.cli's serve).
         asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
+        moved = {node.label(g): node.names.get(to, str(to)) for g, to in asked.items()}
+        log.info(
+            "cluster: left: %d leaderships handed over, %d not; %d replicas still here",
+            len(moved),
+            len(still),
+            len(kept),
+        )
+        return {
+            "node": node.name,
+            "moved": moved,
+            "still_leading": [node.label(g) for g in still],
+            "replicas_kept": [node.label(g) for g in kept],
+        }
 
-        def label(g: int) -> str:
-            stream, partition = node.group_keys.get(g, ("group", g))
-            return f"{stream}/{partition}"
-
-        moved = {label(g): node.names.get(to, str(to)) for g, to in asked.items()}
-        log.info("cluster: left: %d leaderships handed over, %d not", len(moved), len(still))
-        return {"node": node.name, "moved": moved, "still_leading": [label(g) for g in still]}
+    async def _claimed_elsewhere(self, clients: set[str], timeout: float) -> None:
+        """Until no session of ``clients`` is held by this node any more (claimed by the nodes
+        they reconnected to), or ``timeout`` s (a client that does not come back)."""
+        assert self.cluster is not None
+        sessions, me = self.cluster.sessions, self.cluster.node.id
+        deadline = asyncio.get_running_loop().time() + timeout
+        while sessions is not None and asyncio.get_running_loop().time() < deadline:
+            owners = sessions.owners
+            if not any((o := owners.get(c)) is not None and o.node == me for c in clients):
+                return
+            await asyncio.sleep(0.05)
 
     def _transfer_action(self, argument: list[Any]) -> dict[str, str]:
         """:meth:`transfer_leader` in the worker hosting the group (the runtime's action)."""

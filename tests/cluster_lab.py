@@ -86,7 +86,10 @@ class MqlogCluster:
     Construction writes the secret and every node's config; :meth:`start` starts them all.
     ``workers`` is each node's ``[router] workers``; ``extra`` is TOML appended to every
     node's config (more sections, e.g. ``[[streams]]``); ``cluster_extra`` is TOML appended to
-    every node's ``[cluster]`` section (e.g. ``suspicion_mult = 3``)."""
+    every node's ``[cluster]`` section (e.g. ``suspicion_mult = 3``). ``founders``: how many
+    members (the first) form the cluster, each naming the others as seeds; the rest join it
+    later (started with :meth:`start` when the test wants), naming only the first as seed
+    (all of them form it when None)."""
 
     def __init__(
         self,
@@ -96,8 +99,10 @@ class MqlogCluster:
         workers: int = 1,
         extra: str = "",
         cluster_extra: str = "",
+        founders: int | None = None,
     ) -> None:
         self.lab = lab
+        self.founders = founders if founders is not None else len(lab.nodes)
         self.workdir = workdir
         self.workers = workers
         self.extra = extra
@@ -130,8 +135,11 @@ class MqlogCluster:
 
     def config(self, member: Member) -> str:
         """``member``'s TOML: its listeners on its own address, its data directory, fsync
-        always, and ``[cluster]`` with every other member as a seed."""
-        seeds = ", ".join(f'"{m.addr}:{GOSSIP_PORT}"' for m in self.members if m is not member)
+        always, and ``[cluster]`` with every other founder as a seed (a joiner: the first)."""
+        founders = self.members[: self.founders]
+        if member not in founders:
+            founders = founders[:1]
+        seeds = ", ".join(f'"{m.addr}:{GOSSIP_PORT}"' for m in founders if m is not member)
         return (
             f'[server]\nhost = "{member.addr}"\nport = {MQTT_PORT}\nsys_interval = 0\n'
             f"[router]\nworkers = {self.workers}\n"

@@ -5,7 +5,8 @@
 filter), a real ``GossipEndpoint`` on the gossip port with the filter's ``accept``, and TCP
 listeners on the metadata, Raft and MQTT ports that answer ``ok`` to each connection. It then
 reads one JSON command per line on stdin and answers one JSON line on stdout:
-``{"op": "allow" | "deny", "addr": A}``, ``{"op": "status"}``. Every answer holds the
+``{"op": "allow" | "deny", "addr": A}``, ``{"op": "join_from", "nets": [CIDR, ...]}``,
+``{"op": "status"}``. Every answer holds the
 filter's counters and the endpoint's (``received``: datagrams past the filter).
 """
 
@@ -57,6 +58,8 @@ async def main(mode: str, iface: str, gossip: int, raft: int, mqtt: int) -> None
             filt.allow(cmd["addr"])
         elif cmd["op"] == "deny":
             filt.deny(cmd["addr"])
+        elif cmd["op"] == "join_from":
+            filt.set_join_from(cmd["nets"])
         reply()
     endpoint.close()
     for server in servers:

@@ -35,7 +35,7 @@ def _get(broker: str, path: str, user: str | None = None) -> Any:
     return _call(urllib.request.Request(broker.rstrip("/") + path), broker, user)
 
 
-def _post(broker: str, path: str, body: Any, user: str | None = None) -> Any:
+def _post(broker: str, path: str, body: Any, user: str | None = None, timeout: float = 10.0) -> Any:
     """POST ``body`` as JSON to ``path``; the decoded answer (an error's message raised)."""
     request = urllib.request.Request(
         broker.rstrip("/") + path,
@@ -43,16 +43,18 @@ def _post(broker: str, path: str, body: Any, user: str | None = None) -> Any:
         headers={"Content-Type": "application/json"},
         method="POST",
     )
-    return _call(request, broker, user)
+    return _call(request, broker, user, timeout)
 
 
-def _call(request: urllib.request.Request, broker: str, user: str | None) -> Any:
+def _call(
+    request: urllib.request.Request, broker: str, user: str | None, timeout: float = 10.0
+) -> Any:
     url = request.full_url
     if user is not None:
         token = base64.b64encode(f"{user}:{os.environ.get(PASSWORD_ENV, '')}".encode()).decode()
         request.add_header("Authorization", f"Basic {token}")
     try:
-        with urllib.request.urlopen(request, timeout=10) as resp:
+        with urllib.request.urlopen(request, timeout=timeout) as resp:
             return orjson.loads(resp.read())
     except urllib.error.HTTPError as e:
         if e.code == 401:

@@ -33,6 +33,10 @@ from broker.cli.admin import (
     table,
 )
 
+#: Seconds the leave command's HTTP request waits beyond the node's own wait (its drain of
+#: leaderships and its goodbye come on top).
+LEAVE_MARGIN_SECONDS = 20.0
+
 
 def cmd_status(args: argparse.Namespace) -> int:
     view = _get(args.broker, "/api/v1/cluster", args.user)
@@ -135,12 +139,23 @@ def cmd_transfer_leader(args: argparse.Namespace) -> int:
 
 
 def cmd_leave(args: argparse.Namespace) -> int:
-    answer = _post(args.broker, "/api/v1/cluster/leave", {}, args.user)
+    answer = _post(
+        args.broker,
+        "/api/v1/cluster/leave",
+        {"timeout": args.timeout},
+        args.user,
+        timeout=args.timeout + LEAVE_MARGIN_SECONDS,
+    )
     for partition, node in sorted(answer.get("moved", {}).items()):
         print(f"{partition}: handed to {node}")
     still = answer.get("still_leading", [])
     for partition in still:
         print(f"{partition}: still led by {answer.get('node')} (no other replica took it)")
+    for partition in answer.get("replicas_kept", []):
+        print(
+            f"{partition}: replica still on {answer.get('node')} (not moved within "
+            f"{args.timeout:g} s, or too few other members to move it to)"
+        )
     print(f"node {answer.get('node')}: clients told to use another server; stopping")
     return 1 if still else 0
 
@@ -159,6 +174,12 @@ def add_parser(sub: Any) -> None:
     transfer.set_defaults(func=cmd_transfer_leader)
     leave = commands.add_parser(
         "leave", help="drain the node (leaderships, clients, goodbye) and stop it"
+    )
+    leave.add_argument(
+        "--timeout",
+        type=float,
+        default=60.0,
+        help="seconds to wait for the node's replicas to move elsewhere (60)",
     )
     leave.set_defaults(func=cmd_leave)
     for cmd in (status, transfer, leave):

@@ -2,9 +2,23 @@
 workers' wait for worker 0.
 
 The member list (``DATA/cluster/members``: ``{"members": {name: [host, raft_port]}, "gossip":
-{name: [host, gossip_port]}}``) is written once the cluster formed, so that a restart forms at
-once, with members down (Raft's groups then decide who leads). Its ``gossip`` part (absent in
-lists written before gossip) is where a restarted node looks for members besides its seeds.
+{name: [host, gossip_port]}, "founders": [name], "joined": bool}``) is written once the
+cluster formed, so that a restart forms at once, with members down (Raft's groups then decide
+who leads), and again when a member joins later (so that a restart counts it in placement
+even while it is down). Its ``gossip`` part (absent in lists written before gossip) is where
+a restarted node looks for members besides its seeds; ``founders`` (absent before joins: the
+members) are the nodes the cluster formed with, whose placement was each group's first
+configuration.
+
+**Forming or joining.** A node that starts with no member list waits for its seeds as below;
+then, if a live member announces that it formed with another member list
+(``NodeMeta.cluster``, :func:`~broker.cluster.nodemeta.cluster_id`), this node *joins* that
+cluster (issue 21): it hosts no group by placement's guess, only those whose leader adds it
+(``broker.cluster.reshape``), and says so in its list (``joined``), so that a restart does
+the same. The members that formed together announce the same id, so that one of them
+forming a moment after another does not take it for a join. Members heard of after
+formation are dialled as they are announced (:attr:`Formation` ``on_new``: the node adds them
+to its Raft transport and placement).
 
 With gossip (the broker's way, ``NodeSettings.gossip``):
 
@@ -24,12 +38,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 from pathlib import Path
+from typing import NamedTuple
 
 import orjson
 
 from broker.cluster.hardstate import write_atomically
 from broker.cluster.membership_service import MembershipService
+from broker.cluster.nodemeta import cluster_id
 from broker.cluster.nodesettings import NodeSettings
 from broker.cluster.peers import PeerTransport
 
@@ -41,8 +58,26 @@ Members = dict[str, tuple[str, int]]
 POLL_SECONDS = 0.2
 
 
-def load_members(path: Path) -> tuple[Members, Members] | None:
-    """The persisted (Raft addresses, gossip addresses) by name, or None before formation."""
+class Formation(NamedTuple):
+    """What a node formed with: its members' Raft addresses by name (this node's included),
+    whether it joined a cluster formed before it, and the founders (the module docstring)."""
+
+    members: Members
+    joined: bool
+    founders: list[str]
+
+
+class Known(NamedTuple):
+    """A persisted member list."""
+
+    members: Members
+    gossip: Members
+    joined: bool
+    founders: list[str]
+
+
+def load_members(path: Path) -> Known | None:
+    """The persisted member list, or None before formation."""
     try:
         data = orjson.loads(path.read_bytes())
     except FileNotFoundError:
@@ -51,14 +86,26 @@ def load_members(path: Path) -> tuple[Members, Members] | None:
     def addrs(table: dict[str, list[object]]) -> Members:
         return {name: (str(a[0]), int(str(a[1]))) for name, a in table.items()}
 
-    return addrs(data["members"]), addrs(data.get("gossip", {}))
+    members = addrs(data["members"])
+    founders = [str(n) for n in data.get("founders", members)]
+    return Known(members, addrs(data.get("gossip", {})), bool(data.get("joined")), founders)
 
 
-def save_members(path: Path, members: Members, gossip: Members | None = None) -> None:
+def save_members(
+    path: Path,
+    members: Members,
+    gossip: Members | None = None,
+    joined: bool = False,
+    founders: list[str] | None = None,
+) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     body: dict[str, object] = {"members": {n: list(a) for n, a in sorted(members.items())}}
     if gossip:
         body["gossip"] = {n: list(a) for n, a in sorted(gossip.items())}
+    if founders is not None and set(founders) != set(members):
+        body["founders"] = sorted(founders)
+    if joined:
+        body["joined"] = True
     write_atomically(path, orjson.dumps(body))
 
 
@@ -68,31 +115,43 @@ async def by_gossip(
     transport: PeerTransport,
     membership: MembershipService | None,
     log_every: float,
-) -> Members:
+    on_new: Callable[[str], None] = lambda name: None,
+) -> Formation:
     """The members (this worker's Raft address of each, this node's included) once formed;
     ``transport`` (started) dials each one. ``membership``: worker 0's, None for the others
-    (module docstring)."""
+    (module docstring); ``on_new``: called with each member heard of after formation, once
+    the transport dials it."""
     assert s.gossip is not None
     index = s.worker[0]
     shared = state_dir / "members"  # worker 0's, read by all
+    joined = False
     if membership is not None:
         known = load_members(shared)
-        await membership.start(known[1].values() if known else ())
+        await membership.start(known.gossip.values() if known else ())
         if known is None:
             logger.info(
                 "cluster: forming with gossip seeds %s",
                 ", ".join(f"{h}:{p}" for h, p in s.gossip.seeds) or "none",
             )
             members = await membership.formed(log_every)
-            save_members(shared, members, membership.gossip_addresses())
+            joined, founders = _joins(membership, members), sorted(members)
+            save_members(shared, members, membership.gossip_addresses(), joined)
         else:
-            members = known[0]
-        formed = set(members)
+            members, joined, founders = known.members, known.joined, known.founders
+        membership.announce(cluster=cluster_id(founders))
+        formed = dict(members)
 
         def learned(name: str, addr: tuple[str, int]) -> None:
-            # Members of the formed cluster moving; joiners are a later step's (issue 21).
-            if name in formed:
-                transport.learn(name, addr)
+            meta = membership.metas.get(name)
+            if name not in formed and meta is not None and meta.workers != s.worker[1]:
+                return  # refused (another worker count, logged by the membership)
+            transport.learn(name, addr)
+            if formed.get(name) != addr:
+                new = name not in formed
+                formed[name] = addr
+                save_members(shared, formed, membership.gossip_addresses(), joined, founders)
+                if new:
+                    on_new(name)
 
         membership.on_member = learned
         transport.on_link_lost = membership.probe_soon
@@ -104,8 +163,22 @@ async def by_gossip(
             if waited >= log_every:
                 waited = 0.0
                 logger.info("cluster: worker %d waiting for worker 0's member list", index)
-        members = known[0]
+        members, joined, founders = known.members, known.joined, known.founders
     mine = {name: (host, port + index) for name, (host, port) in members.items()}
     for name, addr in mine.items():
         transport.learn(name, addr)
-    return mine
+    return Formation(mine, joined, founders)
+
+
+def _joins(membership: MembershipService, members: Members) -> bool:
+    """Whether this node, which just formed with ``members``, joins a cluster that formed
+    before it: a live member announces another member list's id (the module docstring)."""
+    mine = cluster_id(members)
+    others = {n: c for n, c in membership.cluster_ids().items() if c != mine}
+    if others:
+        logger.info(
+            "cluster: joining the cluster of %s (formed before this node): replicas come as "
+            "their leaders add this node",
+            ", ".join(sorted(others)),
+        )
+    return bool(others)

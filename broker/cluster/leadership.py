@@ -71,27 +71,49 @@ class Leadership:
         cluster leave``), each held there against the balancers (:data:`HOLD`); transfers
         that fail are asked for again every ``every`` s, until none is led here or
         ``timeout`` passes. Returns group -> the node last asked to lead it."""
-        node = self.node
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         asked: dict[int, int] = {}
+        while self.hand_away(asked) and loop.time() < deadline:
+            await asyncio.sleep(every)
+        return asked
+
+    def hand_away(self, asked: dict[int, int]) -> bool:
+        """One pass of :meth:`drain`: start a transfer of each group led here (``asked``
+        records where to); whether any group was led here."""
+        node = self.node
+        led = [g for g in node.storages if node.is_leader(g)]
+        for g in led:
+            core = node.core(g)
+            others = [v for v in core.configuration.voters if v != node.id]
+            if not others or core.transferee is not None:
+                continue
+            progress = core.progress
+            to = max(others, key=lambda v: (progress[v].match, v == asked.get(g)))
+            try:
+                self._hand_over(g, to)
+            except ValueError as e:
+                log.warning("cluster: leave: transfer of group %d refused: %s", g, e)
+                continue
+            asked[g] = to
+        return bool(led)
+
+    async def vacate(self, timeout: float, every: float = 1.0) -> list[int]:
+        """Wait until the leaders moved this node's replicas elsewhere (``mqlog cluster
+        leave``: the node announced it is leaving, ``broker.cluster.reshape``), handing away
+        any leadership it gets back meanwhile, or ``timeout`` passes. Returns the groups it
+        still holds (those placement keeps here too: too few other members to move them)."""
+        node = self.node
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
         while True:
-            led = [g for g in node.storages if node.is_leader(g)]
-            if not led or loop.time() >= deadline:
-                return asked
-            for g in led:
-                core = node.core(g)
-                others = [v for v in core.configuration.voters if v != node.id]
-                if not others or core.transferee is not None:
-                    continue
-                progress = core.progress
-                to = max(others, key=lambda v: (progress[v].match, v == asked.get(g)))
-                try:
-                    self._hand_over(g, to)
-                except ValueError as e:
-                    log.warning("cluster: leave: transfer of group %d refused: %s", g, e)
-                    continue
-                asked[g] = to
+            eligible, _, leaving = node.reshape.eligible()
+            movable = [
+                g for g in node.storages if node.id not in node.reshape.wanted(g, eligible, leaving)
+            ]
+            if not movable or loop.time() >= deadline:
+                return list(node.storages)
+            self.hand_away({})
             await asyncio.sleep(every)
 
     def _on_transfer(self, frm: int, body: memoryview) -> None:

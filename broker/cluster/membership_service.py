@@ -25,7 +25,8 @@ a filter would drop the answer). Such a member stays on it that long because the
 front of the codec (broker/xdp/) would otherwise drop the ALIVE with which it refutes a false
 death or comes back after a restart, and it could not rejoin unless it is a seed; past
 ``replace_after`` its replicas are re-created elsewhere (issue 21) and it is a stranger until
-it joins again through a seed. Observers (the XDP
+it joins again through a seed (or from a ``[cluster] join_from`` network, which the filter
+lets through to the MAC check: how a node added after formation joins). Observers (the XDP
 filter, ``broker/xdp/``) are called with the whole set at once and again on every change. The
 same set applies in user space here (the endpoint's ``accept``): an authenticated datagram
 from any other host is dropped and counted as ``dropped_stranger`` unless it is a state
@@ -39,6 +40,7 @@ election (issue 21, item 6). Runs on the event loop of worker 0; not thread-safe
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import ipaddress
 import logging
 import socket
@@ -105,7 +107,8 @@ class MembershipService:
         self.name = name
         self.settings = settings
         self._secret = secret
-        self._meta = settings.meta.encode()
+        #: What this node announces of itself now (:meth:`announce` changes it).
+        self.meta = settings.meta
         self.endpoint: GossipEndpoint | None = None
         #: Decoded metadata of the members that announced a valid one.
         self.metas: dict[str, NodeMeta] = {}
@@ -138,7 +141,7 @@ class MembershipService:
             self._secret,
             s.swim,
             on_change=self._on_change,
-            meta=self._meta,
+            meta=self.meta.encode(),
             accept=self._accept,
             prefilter=self.prefilter,
         )
@@ -201,10 +204,29 @@ class MembershipService:
         """Every live member's Raft address (its gossip host, its announced ``raft_port``)."""
         out = {}
         for m in self.core_members():
-            meta = self.settings.meta if m.node == self.name else self.metas.get(m.node)
+            meta = self.meta if m.node == self.name else self.metas.get(m.node)
             if m.state in LIVE and meta is not None:
                 out[m.node] = (m.addr[0], meta.raft_port)
         return out
+
+    def announce(self, **changes: Any) -> None:
+        """Announce this node's metadata with ``changes`` (``NodeMeta`` fields: ``cluster``
+        once formed, ``leaving`` when draining) from now on."""
+        self.meta = dataclasses.replace(self.meta, **changes)
+        if self.endpoint is not None:
+            self.endpoint.announce(self.meta.encode())
+
+    def cluster_ids(self) -> dict[str, str]:
+        """Live member -> the id of the member list it formed with, for those that did."""
+        return {
+            m.node: meta.cluster
+            for m in self.core_members()
+            if m.state in LIVE and (meta := self.metas.get(m.node)) is not None and meta.cluster
+        }
+
+    def leaving(self) -> set[str]:
+        """The members that announce they are leaving (``mqlog cluster leave``)."""
+        return {n for n, meta in self.metas.items() if meta.leaving}
 
     def gossip_addresses(self) -> dict[str, Addr]:
         """Every member's gossip address (to persist: a restart joins through them too)."""
@@ -324,7 +346,7 @@ class MembershipService:
         gossip has them here, and what each announced."""
         out = []
         for m in sorted(self.core_members(), key=lambda m: m.node):
-            meta = self.settings.meta if m.node == self.name else self.metas.get(m.node)
+            meta = self.meta if m.node == self.name else self.metas.get(m.node)
             out.append(
                 {
                     "id": m.node,

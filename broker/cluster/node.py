@@ -134,6 +134,11 @@ class ClusterNode:
         #: Group -> loop time until which the balancer leaves it alone (:meth:`hold`).
         self.held: dict[int, float] = {}
         self.names: dict[int, str] = {}
+        #: The nodes the cluster formed with and whether this node joined later (formation).
+        self.founders: dict[int, str] = {}
+        self.joined = False
+        #: Groups with a replica on every node (``$retained``, ``$sessions``).
+        self.everywhere: set[int] = set()
         self.host: MultiRaft | None = None
         self.storages: dict[int, GroupStorage] = {}
         self._leaders: dict[int, tuple[int | None, int]] = {}
@@ -185,12 +190,13 @@ class ClusterNode:
                 self.membership = MembershipService(self.name, gossip, self.settings.secret)
                 if self.gossip_filter is not None:
                     self.membership.guard(self.gossip_filter)
-            members = await formation.by_gossip(
+            members, self.joined, founders = await formation.by_gossip(
                 self.settings,
                 self.state_dir,
                 self.transport,
                 self.membership,
                 FORMATION_LOG_SECONDS,
+                self.admit,
             )
         elif known is None:
             logger.info("cluster: forming with seeds %s", _addrs(self.settings.seeds))
@@ -206,10 +212,13 @@ class ClusterNode:
         else:
             members = known[0]
         self.names = node_ids(members)
+        self.founders = node_ids(founders) if gossip is not None else dict(self.names)
         logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
         s = self.settings
-        if s.worker[0] != 0:
-            return sorted(self.names)  # worker 0 of each node is the metadata group's member
+        if s.worker[0] != 0 or self.joined:
+            # Worker 0 of each node that formed the cluster is the metadata group's member
+            # (its member list is fixed: a node that joined later is not one).
+            return sorted(self.names)
         try:
             self.metadata = await MetadataGroup.open(
                 s.name, members, s.secret, self.state_dir, s.election_timeout, s.heartbeat_interval
@@ -226,6 +235,18 @@ class ClusterNode:
     def _all_seeds_known(self) -> bool:
         seen = self._seen_addrs()
         return all(a in seen for a in self.settings.seeds)
+
+    def admit(self, name: str) -> None:
+        """Gossip announced ``name`` after formation: frames go to it, placement counts it."""
+        i = node_id_of(name)
+        if self.names.setdefault(i, name) != name:
+            logger.error(
+                "cluster: node %s has the id of node %s: not admitted", name, self.names[i]
+            )
+            return
+        if self.host is not None:
+            self.host.add_node(i)
+        logger.info("cluster: node %s joined", name)
 
     def _on_peer(self, name: str, addr: tuple[str, int]) -> None:
         self.names.setdefault(node_id_of(name), name)
@@ -275,10 +296,11 @@ class ClusterNode:
         )
 
     def replicas_of(self, group: int) -> list[int]:
-        """The group's first configuration (placement): its replication factor
-        (:attr:`replication`, else ``[cluster]``'s), capped at the node count."""
+        """The group's first configuration (placement over the nodes the cluster formed
+        with): its replication factor (:attr:`replication`, else ``[cluster]``'s), capped at
+        the node count."""
         rf = self.replication.get(group, self.settings.replication_factor)
-        return replicas(group, self.names, rf)
+        return replicas(group, self.founders, rf)
 
     def core(self, group: int) -> RaftNode:
         assert self.host is not None
@@ -353,8 +375,8 @@ class ClusterNode:
         self.host.tick()
         self._ticks += 1
         if self._ticks % BALANCE_TICKS == 0:
-            self._balance()
-            self.reshape.tick()
+            self.reshape.balance()
+        self.reshape.tick(self._ticks)
         if self._ticks % self._retention_ticks == 0:
             self.enforce_retention()
         self._schedule()
@@ -389,43 +411,20 @@ class ClusterNode:
                     )
         return deleted
 
-    def _balance(self) -> None:
-        """Hand each group led here to its preferred replica (placement's first) once it is
-        connected and holds the whole log, so leaders spread evenly (Kafka's preferred leader
-        election); TimeoutNow (thesis s3.10), one per group; a failed one leaves it here."""
-        assert self.host is not None
-        for g in self.storages:
-            core = self.host.core(g)
-            if core.role is not Role.LEADER or core.transferee is not None:
-                continue
-            if self.held.get(g, 0.0) > self.loop.time():
-                continue
-            preferred = self.preferred(g)
-            if preferred is None or preferred == self.id:
-                continue
-            progress = core.progress.get(preferred)
-            name = self.names.get(preferred)
-            if (
-                progress is not None
-                and progress.match == core.terms.last_index
-                and name is not None
-                and self.transport.connected(name)
-            ):
-                try:
-                    self.host.transfer_leadership(g, preferred)
-                except (RuntimeError, ValueError) as e:
-                    logger.warning("cluster: transfer of group %d to %s refused: %s", g, name, e)
-
     def track(self, g: int, term: int) -> None:  # a group hosted since (reshape)
         self._leaders[g] = (None, term)
 
     def label(self, g: int) -> str:
         return "{}/{}".format(*self.group_keys.get(g, ("group", g)))
 
-    def preferred(self, group: int) -> int | None:
-        """The replica that should lead ``group``: the first voter in placement order."""
-        voters = self.core(group).configuration.voters
-        return next((n for n in self.replicas_of(group) if n in voters), None)
+    def untrack(self, g: int) -> None:  # a group no longer hosted (reshape)
+        self._leaders.pop(g, None)
+
+    def connected(self, node: int) -> bool:
+        return (name := self.names.get(node)) is not None and self.transport.connected(name)
+
+    def preferred(self, group: int) -> int | None:  # the replica that should lead it
+        return self.reshape.preferred(group)
 
     # -- the round ---------------------------------------------------------------------------
 
@@ -543,6 +542,7 @@ class ClusterNode:
                 "term": core.term,
                 "leader": self.names.get(leader) if leader is not None else None,
                 "replicas": sorted(self.names.get(n, str(n)) for n in core.configuration.members),
+                "learners": sorted(self.names.get(n, str(n)) for n in core.configuration.learners),
                 "preferred_leader": self.names.get(self.preferred(g) or -1),
                 "commit_index": storage.commit,
                 "last_index": last,

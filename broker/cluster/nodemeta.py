@@ -12,7 +12,13 @@ name gossip addresses (DESIGN, ``[cluster] seeds``) and no port is derived from 
   the same groups, ``broker.cluster.peerlink`` refuses a link between different counts): a
   member announcing another count is reported at once, before any Raft link is tried;
 - ``mqtt`` and ``http``: its client and HTTP API listeners as ``host:port`` (empty when off),
-  for ``mqlog cluster status`` and, in a later step, the MQTT 5 server reference of a drain.
+  for ``mqlog cluster status`` and, in a later step, the MQTT 5 server reference of a drain;
+- ``cluster``: the id of the member list the node formed with (:func:`cluster_id`, empty
+  until it formed; announced again once it has, ``Swim.announce``): a node that starts with
+  no member list and hears a member announce another list's id joins that cluster instead of
+  forming one (``broker.cluster.formation``);
+- ``leaving``: ``mqlog cluster leave`` runs on the node: the leaders move its replicas away
+  (``broker.cluster.reshape``).
 
 Encoded as a JSON object (orjson, short keys, about 80 bytes). Decoding is strict about the
 keys it knows (types and ranges: a member's bad meta is refused, not half-read) and ignores
@@ -21,12 +27,14 @@ keys it does not, so that a later release may add some without breaking a rollin
 
 from __future__ import annotations
 
+import hashlib
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
 import orjson
 
-__all__ = ["MAX_META", "MetaError", "NodeMeta"]
+__all__ = ["MAX_META", "MetaError", "NodeMeta", "cluster_id"]
 
 #: The most bytes an ALIVE update carries (the codec's u8 length).
 MAX_META = 255
@@ -42,6 +50,8 @@ class NodeMeta:
     workers: int
     mqtt: str = ""
     http: str = ""
+    cluster: str = ""
+    leaving: bool = False
 
     def __post_init__(self) -> None:
         if not 1 <= self.raft_port <= 65535:
@@ -55,6 +65,10 @@ class NodeMeta:
             out["mqtt"] = self.mqtt
         if self.http:
             out["http"] = self.http
+        if self.cluster:
+            out["c"] = self.cluster
+        if self.leaving:
+            out["leaving"] = True
         data = orjson.dumps(out)
         if len(data) > MAX_META:
             raise MetaError(f"meta of {len(data)} bytes (at most {MAX_META}): {data!r}")
@@ -71,8 +85,16 @@ class NodeMeta:
             raise MetaError(f"not a JSON object: {data[:40]!r}")
         raft, workers = obj.get("raft"), obj.get("workers")
         mqtt, http = obj.get("mqtt", ""), obj.get("http", "")
+        cluster, leaving = obj.get("c", ""), obj.get("leaving", False)
         if type(raft) is not int or type(workers) is not int:
             raise MetaError(f"raft and workers must be integers: {data[:80]!r}")
         if not isinstance(mqtt, str) or not isinstance(http, str):
             raise MetaError(f"mqtt and http must be strings: {data[:80]!r}")
-        return cls(raft, workers, mqtt, http)
+        if not isinstance(cluster, str) or type(leaving) is not bool:
+            raise MetaError(f"c must be a string, leaving a boolean: {data[:80]!r}")
+        return cls(raft, workers, mqtt, http, cluster, leaving)
+
+
+def cluster_id(names: Iterable[str]) -> str:
+    """A short id of a member list (the same on every member that formed with it)."""
+    return hashlib.sha256("\n".join(sorted(names)).encode()).hexdigest()[:12]

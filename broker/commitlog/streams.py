@@ -184,6 +184,20 @@ class Streams:
         with self._lock:
             return dict(self._logs)
 
+    def set_aside(self, stream: str, partition: int, suffix: str) -> Path:
+        """Close the partition's log and rename its directory to ``<dir>.<suffix>`` (kept,
+        not deleted); the next :meth:`log` opens a new, empty one. Returns the new name."""
+        key = (stream, partition)
+        with self._lock:
+            log = self._logs.pop(key, None)
+        if log is not None:
+            log.close()
+        old = self.partition_dir(stream, partition)
+        aside = old.with_name(f"{old.name}.{suffix}")
+        if old.exists():
+            old.rename(aside)
+        return aside
+
     def close(self) -> None:
         """Close every open log (idempotent). Stop a :class:`LogCleaner` first."""
         with self._lock:

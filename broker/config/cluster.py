@@ -87,6 +87,9 @@ class ClusterConfig:
     #: The minimum suspicion timeout is suspicion_mult * max(1, log10(n)) * probe_interval:
     #: 2 s at up to 10 nodes, so that a death is known everywhere within about 5 s.
     suspicion_mult: int = 2
+    #: Networks (CIDR, normalized) from which a node not yet a member may join through this
+    #: one: their datagrams pass the user-space gossip filter to the MAC check.
+    join_from: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -257,6 +260,7 @@ def parse_cluster(table: Any, source: str) -> ClusterConfig:
     replication_factor = sec.integer(
         "replication_factor", d.replication_factor, lo=1, hi=MAX_REPLICATION_FACTOR
     )
+    join_from = _networks(sec, "join_from")
     sec.finish()
     return ClusterConfig(
         node_id=node_id,
@@ -273,7 +277,25 @@ def parse_cluster(table: Any, source: str) -> ClusterConfig:
         probe_interval=probe_interval,
         probe_timeout=probe_timeout,
         suspicion_mult=suspicion_mult,
+        join_from=join_from,
     )
+
+
+def _networks(sec: Section, key: str) -> tuple[str, ...]:
+    """A list of networks ("10.0.0.0/24", or one address), normalized."""
+    entries: list[str] = sec.get(
+        key,
+        [],
+        lambda v: isinstance(v, list) and all(isinstance(x, str) for x in v),
+        'a list of networks, e.g. ["10.0.0.0/24"]',
+    )
+    out = []
+    for i, entry in enumerate(entries):
+        try:
+            out.append(str(ipaddress.ip_network(entry, strict=False)))
+        except ValueError as e:
+            raise sec.bad(f"{key}[{i}]", entry, f"a network such as 10.0.0.0/24 ({e})") from None
+    return tuple(out)
 
 
 def parse_xdp(table: Any, source: str) -> XdpConfig:

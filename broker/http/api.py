@@ -103,9 +103,9 @@ class AdminSource(PartitionSource, SessionsSource, Protocol):
         Raises ValueError (a single node, an unknown partition or node)."""
         ...
 
-    async def leave(self) -> dict[str, Any]:
-        """Drain this node and stop it (``mqlog cluster leave``); what was handed over.
-        Raises ValueError where it cannot."""
+    async def leave(self, timeout: float) -> dict[str, Any]:
+        """Drain this node (waiting up to ``timeout`` s for its replicas to move) and stop it
+        (``mqlog cluster leave``); what was handed over. Raises ValueError where it cannot."""
         ...
 
 
@@ -182,9 +182,13 @@ class HttpApi:
     async def leave(self, request: web.Request) -> web.Response:
         """``POST /api/v1/cluster/leave``: hand this node's leaderships over, tell its clients
         to use another server, say goodbye to the members, then stop (answered before it
-        stops): ``{"node", "moved": {partition: node}, "still_leading": [...]}``."""
+        stops): ``{"node", "moved": {partition: node}, "still_leading": [...],
+        "replicas_kept": [...]}``; the body may give ``{"timeout": seconds}`` to wait for the
+        replicas to move (60)."""
         try:
-            return _json(await self.server.leave())
+            body = await request.json() if request.can_read_body else {}
+            timeout = float(body.get("timeout", 60.0)) if isinstance(body, dict) else 60.0
+            return _json(await self.server.leave(timeout))
         except ValueError as e:
             return _error(409, str(e))
 

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from broker.cluster.fetch import (
     NOT_REPLICA,
@@ -45,10 +45,11 @@ from broker.workers.remote_partition import Chunk, PartitionHost, Poll, RemotePa
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
-    from broker.commitlog import Streams
+    from broker.commitlog import Record, Streams
     from broker.commitlog.keys import PartitionKey
     from broker.router.partition import PartitionBase
     from broker.router.router import Router
+    from broker.workers.remote_partition import Ack
 
 log = logging.getLogger("broker.cluster")
 
@@ -88,6 +89,15 @@ class FetchHost(PartitionHost, Protocol):
     def remote_moved(self, part: RemotePartition) -> None: ...
 
 
+@runtime_checkable
+class Handover(Protocol):
+    """What :meth:`RemoteFetches.demote` takes over from the replica it replaces."""
+
+    held: list[tuple[list[Record], list[Ack | None], float]]
+    pending: list[Record]
+    acks: list[Ack | None]
+
+
 class RemoteFetches:
     """Both ends of the fetch protocol for one worker: the asking side (its
     :class:`RemotePartition` objects' polls and history reads) and the answering side (the
@@ -108,6 +118,7 @@ class RemoteFetches:
         self.retry: set[RemotePartition] = set()
         #: A leader added this node to a group read remotely here (broker.cluster.reshape).
         service.node.reshape.on_join = self.promote
+        service.node.reshape.on_removed = self.demote
         self.refused = 0  # malformed or oversized requests
         self.bad_answers = 0  # answers that failed verification
         self.served = 0
@@ -334,26 +345,64 @@ class RemoteFetches:
         for g, key in service.groups.items():
             if key in (RETAINED, SESSIONS) or node.settings.worker[1] > 1:
                 node.replication[g] = count
-        # Placed here, or named by the group's own log (a replica re-created here earlier,
-        # broker.cluster.reshape: the log's configuration wins over placement).
+                node.everywhere.add(g)
+        # Named by the group's own log (a replica re-created here earlier,
+        # broker.cluster.reshape: the log's configuration wins over placement), or placed
+        # here when the cluster formed (not on a node that joined it later, nor for a group
+        # this node was removed from).
+        guess = not node.joined
+        removed = node.reshape.removed
         hosted = {
             g: s
             for g, s in service.storages.items()
-            if node.id in node.replicas_of(g) or node.id in s.membership(_NONE).current.members
+            if node.id in s.membership(_NONE).current.members
+            or (guess and g not in removed and node.id in node.replicas_of(g))
         }
-        router = service.router
-        for g, key in service.groups.items():
-            if g in hosted:
-                continue
-            config = service.streams.specs[key[0]].log
-            part = RemotePartition(key, config, g, service, node.replicas_of(g))
-            service.remote_parts[key] = part
-            old = router.partitions.get(key) if router is not None else None
-            if router is not None and old is not None:
-                part.watchers = old.watchers
-                router.partitions[key] = part
-            self.add(part)
+        for g in service.groups:
+            if g not in hosted:
+                self._serve_remotely(g)
         return hosted
+
+    def _serve_remotely(self, g: int) -> RemotePartition:
+        """Serve group ``g``'s partition from a :class:`RemotePartition` (its watchers kept)."""
+        service, node = self.service, self.node
+        key = service.groups[g]
+        config = service.streams.specs[key[0]].log
+        hint = [n for n in node.replicas_of(g) if n != node.id]
+        part = RemotePartition(key, config, g, service, hint)
+        service.remote_parts[key] = part
+        router = service.router
+        old = router.partitions.get(key) if router is not None else None
+        if router is not None and old is not None:
+            part.watchers = old.watchers
+            router.partitions[key] = part
+        self.add(part)
+        return part
+
+    def demote(self, g: int, leader: int) -> None:
+        """This node was removed from group ``g`` (broker.cluster.reshape), as ``leader``
+        said: its partition is served remotely from now on, the publishes its replica held
+        (waiting for a leader it no longer hears) are forwarded to ``leader``, and its copy is
+        moved aside (renamed, kept): a new, empty storage takes its place for a later
+        :meth:`promote`."""
+        service = self.service
+        key = service.groups.get(g)
+        if key is None:
+            return
+        old = service.router.partitions.get(key) if service.router is not None else None
+        part = self._serve_remotely(g)
+        part.leader_hint = leader
+        if isinstance(old, Handover):
+            part.held += old.held
+            old.held = []
+            if old.pending:
+                deadline = time.monotonic() + service.hold_seconds
+                part.held.append((old.pending, old.acks, deadline))
+                old.pending, old.acks = [], []
+            part.release(time.monotonic())
+        aside = service.streams.set_aside(*key, f"removed-{int(time.time())}")
+        service.storages[g] = GroupStorage.over(service.streams.log(*key))
+        log.info("cluster: %s/%d: this node's copy moved to %s", *key, aside)
 
     def promote(self, g: int) -> GroupStorage | None:
         """A leader added this node to group ``g`` (broker.cluster.reshape): its partition is

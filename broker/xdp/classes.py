@@ -16,6 +16,8 @@ CLASSES: tuple[str, ...] = ("gossip", "raft", "mqtt", "other", "fragment", "ipv6
 VERDICTS: tuple[str, ...] = ("pass", "drop_stranger", "drop_bad_magic")
 #: Room in the kernel's allowlist map (members' IPv4 addresses); more are refused loudly.
 ALLOWLIST_SIZE = 4096
+#: The most ``[cluster] join_from`` networks the kernel program holds.
+JOIN_FROM_SIZE = 64
 
 
 def slot(cls: str, verdict: str) -> int:

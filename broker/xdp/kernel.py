@@ -4,7 +4,8 @@
 clang: call it from a thread, not the event loop), attaches it to the interface through a
 bpf_link (broker.xdp.system_bcc says why not bcc's netlink attach) and returns the filter.
 The allowlist is the program's ``allowlist`` hash map (IPv4 source address in network byte
-order -> 1); the counters its per-CPU ``counters`` array, summed over CPUs when read.
+order -> 1), and ``[cluster] join_from`` its ``join_from`` LPM trie (IPv4 prefixes); the
+counters its per-CPU ``counters`` array, summed over CPUs when read.
 
 Lifetime: :meth:`close` closes the link (the program is detached at once) and frees the
 program and maps. A process that dies without closing it detaches it all the same, since
@@ -22,8 +23,8 @@ from pathlib import Path
 from typing import Any
 
 from broker.cluster.gossip.codec import MAGIC
-from broker.xdp.classes import ALLOWLIST_SIZE, CLASSES, VERDICTS, Counters
-from broker.xdp.members import MemberFilter
+from broker.xdp.classes import ALLOWLIST_SIZE, CLASSES, JOIN_FROM_SIZE, VERDICTS, Counters
+from broker.xdp.members import MemberFilter, Network
 from broker.xdp.system_bcc import import_bcc, xdp_link
 
 #: The program's source (the repository's bpf/, next to the broker package).
@@ -50,6 +51,7 @@ class Ports:
             *(f"-DMQTT_PORT_{i}={port}" for i, port in enumerate(mqtt)),
             *(f"-DMAGIC_{i}={byte}" for i, byte in enumerate(MAGIC)),
             f"-DALLOWLIST_SIZE={ALLOWLIST_SIZE}",
+            f"-DJOIN_FROM_SIZE={JOIN_FROM_SIZE}",
             f"-DN_CLASSES={len(CLASSES)}",
             f"-DN_VERDICTS={len(VERDICTS)}",
         ]
@@ -73,6 +75,7 @@ class KernelFilter(MemberFilter):
         self.interface = interface
         self.mode = mode
         self._allowlist = bpf.get_table("allowlist")
+        self._join_from = bpf.get_table("join_from")
         self._counters = bpf.get_table("counters")
 
     @classmethod
@@ -103,6 +106,19 @@ class KernelFilter(MemberFilter):
         if ":" not in addr:
             table = self._allowlist
             del table[table.Key(_key(addr))]
+
+    def _insert_network(self, net: Network) -> None:
+        if net.version != 4:
+            return  # the program passes all IPv6
+        if len(self.join_from) >= JOIN_FROM_SIZE:
+            raise ValueError(f"{net}: more than {JOIN_FROM_SIZE} join_from networks")
+        table = self._join_from
+        table[table.Key(net.prefixlen, _key(str(net.network_address)))] = table.Leaf(1)
+
+    def _remove_network(self, net: Network) -> None:
+        if net.version == 4:
+            table = self._join_from
+            del table[table.Key(net.prefixlen, _key(str(net.network_address)))]
 
     def accept(self, host: str, data: bytes) -> bool:
         return True  # the program already dropped what the socket must not see

@@ -32,6 +32,9 @@ def normalize(addr: str) -> str:
     return str(ip)
 
 
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
 class MemberFilter(ABC):
     """What the broker and the membership code see of either filter (kernel or user space):
     the allowlist, the gossip socket's predicate, the counters, a status block, close."""
@@ -43,6 +46,10 @@ class MemberFilter(ABC):
         #: Why the kernel filter is not in use (None when it is).
         self.reason = reason
         self._members: set[str] = set()
+        #: Networks whose hosts may ask to join (``[cluster] join_from``): their datagrams
+        #: pass the user-space filter to the codec, which authenticates them and lets a
+        #: stranger through only with a join (broker.cluster.membership_service).
+        self.join_from: tuple[Network, ...] = ()
 
     @property
     def members(self) -> frozenset[str]:
@@ -71,6 +78,24 @@ class MemberFilter(ABC):
             self.allow(addr)
         for addr in sorted(self._members - wanted):
             self.deny(addr)
+
+    def set_join_from(self, networks: Iterable[str]) -> None:
+        """Make :attr:`join_from` exactly ``networks`` (CIDR text; host bits ignored)."""
+        wanted = tuple(dict.fromkeys(ipaddress.ip_network(n, strict=False) for n in networks))
+        for net in wanted:
+            if net not in self.join_from:
+                self._insert_network(net)
+                self.join_from += (net,)
+        for net in self.join_from:
+            if net not in wanted:
+                self._remove_network(net)
+        self.join_from = wanted
+
+    def _insert_network(self, net: Network) -> None:  # noqa: B027 (the kernel filter's)
+        """Let gossip from ``net``'s hosts through (the user-space filter reads join_from)."""
+
+    def _remove_network(self, net: Network) -> None:  # noqa: B027 (the kernel filter's)
+        """Stop letting gossip from ``net``'s hosts through."""
 
     @abstractmethod
     def _insert(self, addr: str) -> None: ...

@@ -126,6 +126,7 @@ def open_filter(config: Config, members: Iterable[str] | None = None) -> MemberF
     else:
         log.info("xdp: filter attached to %s (%s mode)", config.xdp.interface, config.xdp.mode)
     try:
+        chosen.set_join_from(config.cluster.join_from)
         chosen.set_members(static_members(config.cluster) if members is None else members)
     except BaseException:
         chosen.close()

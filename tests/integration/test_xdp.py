@@ -106,7 +106,7 @@ class Agent:
         answer: dict[str, Any] = json.loads(line)
         return answer
 
-    def call(self, op: str, **args: str) -> dict[str, Any]:
+    def call(self, op: str, **args: Any) -> dict[str, Any]:
         assert self.popen.stdin is not None
         self.popen.stdin.write(json.dumps({"op": op, **args}).encode() + b"\n")
         self.popen.stdin.flush()
@@ -233,6 +233,30 @@ def test_removed_member_is_dropped_from_then_on(agent: Agent, lab: Lab) -> None:
         assert received(after) == received(allowed)
     finally:
         agent.call("allow", addr=lab.host_addr)
+
+
+def test_a_join_from_network_passes_its_gossip_not_its_raft(agent: Agent, lab: Lab) -> None:
+    """``[cluster] join_from``: a stranger of that network may send gossip (a node joining
+    later; the codec authenticates it), nothing else changes for it."""
+    n0, stranger = lab.nodes
+    agent.call("join_from", nets=[f"{stranger.addr}/24"])
+    try:
+        before = agent.call("status")
+        lab.exec(stranger, sys.executable, "-c", SENDER, n0.addr, str(GOSSIP), "6", MAGIC.hex())
+        after = wait_status(agent, lambda s: received(s) - received(before) >= 6)
+        assert received(after) - received(before) == 6
+        assert gossip(after, "pass") - gossip(before, "pass") == 6
+        assert gossip(after, "drop_stranger") == gossip(before, "drop_stranger")
+        if agent.mode == "kernel":
+            assert connect(lab, stranger, n0.addr, RAFT) == "TimeoutError"
+    finally:
+        agent.call("join_from", nets=[])
+    before = agent.call("status")
+    lab.exec(stranger, sys.executable, "-c", SENDER, n0.addr, str(GOSSIP), "3", MAGIC.hex())
+    after = wait_status(
+        agent, lambda s: gossip(s, "drop_stranger") - gossip(before, "drop_stranger") >= 3
+    )
+    assert gossip(after, "drop_stranger") - gossip(before, "drop_stranger") == 3
 
 
 NO_PRIVILEGE = """

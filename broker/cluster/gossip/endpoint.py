@@ -128,6 +128,10 @@ class GossipEndpoint(asyncio.DatagramProtocol):
         """Join through ``seeds`` (resolved IP addresses); none for the first member."""
         self._apply(self.core.join(seeds, self._now()))
 
+    def announce(self, meta: bytes) -> None:
+        """Announce ``meta`` of this member from now on (``Swim.announce``)."""
+        self._apply(self.core.announce(meta, self._now()))
+
     def probe_soon(self, node: str) -> None:
         """Probe ``node`` next (``Swim.probe_soon``: a hint, e.g. its TCP link closed)."""
         if self._transport is not None:

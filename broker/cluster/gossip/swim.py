@@ -197,6 +197,19 @@ class Swim:
             self._gossip()
         return self._take()
 
+    def announce(self, meta: bytes, now: int) -> list[Effect]:
+        """Say ``meta`` of ourselves from now on: ALIVE at a higher incarnation, which alone
+        overrides what the members hold of us (SWIM s4.2)."""
+        if len(meta) > 255:
+            raise ValueError(f"meta of {len(meta)} bytes (at most 255)")
+        self.now = now
+        me = self.members[self.id]
+        if me.meta != meta and not self.leaving:
+            me.meta = meta
+            me.incarnation += 1
+            self._queue(me.update())
+        return self._take()
+
     def probe_soon(self, node: str, now: int) -> list[Effect]:
         """Probe ``node`` next, at once if no probe is in flight: a hint from outside the
         protocol (the node's Raft link to it closed, as a killed process's kernel closes it).

@@ -16,7 +16,7 @@ from broker.cluster.gossip.members import Member
 from broker.cluster.gossip.messages import Changed, Gossip, Packet, Ping, State, Sync, Update
 from broker.cluster.gossip.options import SwimConfig
 from broker.cluster.membership_service import MembershipService
-from broker.cluster.nodemeta import MAX_META, MetaError, NodeMeta
+from broker.cluster.nodemeta import MAX_META, MetaError, NodeMeta, cluster_id
 from broker.cluster.nodesettings import GossipSettings
 
 ports = st.integers(1, 65535)
@@ -188,4 +188,48 @@ def test_two_services_see_each_other_and_the_allowlist_follows(
             b.close()
 
     random.seed(0)
+    asyncio.run(main())
+
+
+def test_the_cluster_id_and_the_leaving_flag_round_trip() -> None:
+    meta = NodeMeta(7950, 1, cluster=cluster_id(["n2", "n1"]), leaving=True)
+    assert NodeMeta.decode(meta.encode()) == meta
+    assert cluster_id(["n1", "n2"]) == meta.cluster != cluster_id(["n1", "n2", "n3"])
+    with pytest.raises(MetaError, match="leaving a boolean"):
+        NodeMeta.decode(b'{"raft": 7950, "workers": 1, "leaving": 1}')
+
+
+def test_a_member_announces_new_metadata_and_the_others_hear_it() -> None:
+    """``announce`` (a higher incarnation) replaces what the members hold of this one: the
+    id of the member list it formed with, then that it is leaving."""
+
+    async def main() -> None:
+        fast = SwimConfig(probe_interval=50, probe_timeout=20, gossip_interval=10, join_retry=50)
+        a = MembershipService(
+            "a", GossipSettings(("127.0.0.1", 0), [], fast, NodeMeta(7950, 1)), b"k" * 32
+        )
+        await a.start()
+        assert a.endpoint is not None
+        port = a.endpoint.core.addr[1]
+        b = MembershipService(
+            "b",
+            GossipSettings(("127.0.0.1", 0), [("127.0.0.1", port)], fast, NodeMeta(7960, 1)),
+            b"k" * 32,
+        )
+        await b.start()
+        try:
+            await asyncio.wait_for(b.formed(1.0), 10)
+            assert b.cluster_ids() == {} and b.leaving() == set()
+            a.announce(cluster="abc")
+            a.announce(leaving=True)
+            for _ in range(200):
+                if b.leaving() == {"a"}:
+                    break
+                await asyncio.sleep(0.01)
+            assert b.cluster_ids() == {"a": "abc"} and b.leaving() == {"a"}
+            assert b.raft_addresses()["a"] == ("127.0.0.1", 7950)  # the rest unchanged
+        finally:
+            a.close()
+            b.close()
+
     asyncio.run(main())

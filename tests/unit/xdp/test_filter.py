@@ -7,6 +7,7 @@ tests/integration/test_xdp.py."""
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import logging
 import random
 import socket
@@ -20,6 +21,7 @@ from broker.cluster.gossip.codec import MAGIC
 from broker.cluster.gossip.endpoint import open_endpoint
 from broker.cluster.gossip.options import SwimConfig
 from broker.config import load_config
+from broker.config.values import ConfigError
 from broker.metrics.xdp import xdp_metrics
 from broker.xdp import CLASSES, VERDICTS, open_filter, ports_of, static_members
 from broker.xdp.classes import Counters, slot
@@ -56,6 +58,27 @@ def test_user_space_verdicts_and_counters() -> None:
     status = f.status()
     assert status["enabled"] is False and status["reason"] == "test"
     assert status["packets"]["gossip"] == {"pass": 2, "drop_bad_magic": 1, "drop_stranger": 2}
+
+
+def test_hosts_of_a_join_from_network_pass_to_the_mac_check() -> None:
+    f = UserSpaceFilter("test")
+    f.set_join_from(["10.0.1.0/24"])
+    assert f.accept("10.0.1.7", MAGIC + b"body")  # may join: the codec authenticates it
+    assert not f.accept("10.0.1.7", b"XXXXbody")
+    assert not f.accept("10.0.2.7", MAGIC + b"body")  # a stranger still
+    assert f.counters().get("gossip", "drop_stranger") == 1
+    f.set_join_from([])
+    assert not f.accept("10.0.1.7", MAGIC + b"body")
+
+
+def test_join_from_is_read_normalized_and_given_to_the_filter(tmp_path: Path) -> None:
+    config = load_config(config_file(tmp_path, 'join_from = ["10.0.1.9/24", "10.0.2.1"]'))
+    assert config.cluster is not None
+    assert config.cluster.join_from == ("10.0.1.0/24", "10.0.2.1/32")
+    f = open_filter(config)
+    assert f.join_from == (ipaddress.ip_network("10.0.1.0/24"), ipaddress.ip_network("10.0.2.1"))
+    with pytest.raises(ConfigError, match=r"join_from\[0\] = '10.0.1/33' must be a network"):
+        load_config(config_file(tmp_path, 'join_from = ["10.0.1/33"]'))
 
 
 def test_set_members_is_the_whole_list_normalized() -> None:
