@@ -26,6 +26,16 @@ The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
 - Lifeguard (``SwimConfig.lifeguard``): the local health multiplier, dynamic suspicion
   timeouts with confirmations, nacks, and the buddy system (a ping to a member we suspect
   carries the suspicion, so it refutes at once: Lifeguard, "Buddy System").
+- Suspicions probed (ours, with Lifeguard; not in SWIM, Lifeguard or memberlist): a member
+  that learns of another's suspicion probes the suspect next, at once if no probe is in
+  flight. A dead member so gets its independent confirmations one period after the first
+  suspicion, instead of whenever each member's round-robin order reaches it; a live one gets
+  pings carrying the suspicion (the buddy system), so it refutes through several paths at
+  once. Hence the minimum suspicion timeout takes one confirmation at least when anyone else
+  can give it (``k`` >= 1; memberlist's ``suspicion_mult - 2`` is 0 for a multiplier of 2 or
+  less): a lone suspicion waits the maximum. And a member holding a member DEAD (or LEFT) that
+  hears it suspected tells the sender again, whose lone suspicion would otherwise wait out
+  that maximum when every copy of the death was lost. Measured in ``docs/gossip.md``.
 
 Invariants: only this member raises its own incarnation; a member's record changes only by
 ``members.overrides``; a DEAD or LEFT member is never probed; every packet built fits
@@ -42,7 +52,7 @@ from dataclasses import dataclass
 from broker.cluster.gossip.broadcasts import Broadcasts
 from broker.cluster.gossip.codec import base_size, update_size
 from broker.cluster.gossip.health import Awareness, Suspicion, retransmit_limit, suspicion_bounds
-from broker.cluster.gossip.members import Member, is_confirmation, overrides
+from broker.cluster.gossip.members import GONE, Member, is_confirmation, overrides
 from broker.cluster.gossip.messages import (
     Ack,
     Addr,
@@ -206,12 +216,17 @@ class Swim:
         drop, instead of whenever the round-robin order reaches it (up to 2n - 1 periods)."""
         self.now = now
         m = self.members.get(node)
-        if m is not None and node != self.id and m.state in LIVE and not self.leaving:
-            self._urgent = node
-            if self._probe is None:
-                self._next_probe = min(self._next_probe, now)
+        if m is not None and node != self.id and m.state in LIVE:
+            self._probe_next(node)
             self.stats["probe_hints"] += 1
         return self._take()
+
+    def _probe_next(self, node: str) -> None:
+        """Probe ``node`` next, at once if no probe is in flight."""
+        if not self.leaving:
+            self._urgent = node
+            if self._probe is None:
+                self._next_probe = min(self._next_probe, self.now)
 
     def receive(self, addr: Addr, packet: Packet, now: int) -> list[Effect]:
         """The updates first (so that an ack carries our refutation of a suspicion the ping
@@ -393,6 +408,10 @@ class Swim:
                 self._queue(update)
             return
         if not overrides(update, m):
+            if update.state is State.SUSPECT and m.state in GONE:
+                # Its sender missed the death or the goodbye (every copy lost): tell it again,
+                # or a lone suspicion of its own waits out its longest timeout.
+                self._queue(m.update())
             return
         previous = m.state
         moved = update.state is State.ALIVE and (update.addr, update.meta) != (m.addr, m.meta)
@@ -408,6 +427,10 @@ class Swim:
         self._suspicions.pop(update.node, None)
         if update.state is State.SUSPECT:
             self._suspect(m, update.origin)
+            if update.origin != self.id and self.config.lifeguard:
+                # Confirm or refute it at once (module doc, "Suspicions probed").
+                self._probe_next(m.node)
+                self.stats["suspicion_probes"] += 1
         self._queue(update)
         if previous is not update.state or moved:
             self._changed(m, previous)
@@ -429,11 +452,11 @@ class Swim:
         low, high = suspicion_bounds(
             cfg.suspicion_mult, cfg.suspicion_max_mult, n, cfg.probe_interval
         )
-        k = cfg.suspicion_mult - 2
+        # One confirmation at least before the minimum, when someone else can give it (n > 2;
+        # module doc); memberlist's k = suspicion_mult - 2 is 0 for a multiplier of 2 or less.
+        k = max(0, min(max(1, cfg.suspicion_mult - 2), n - 2))
         if not cfg.lifeguard:
             high, k = low, 0
-        elif n - 2 < k:
-            k = 0
         self._suspicions[m.node] = Suspicion(
             origin, m.incarnation, self.now, k, low, high, {origin}
         )
