@@ -258,6 +258,26 @@ def test_a_suspicion_heard_from_another_member_is_probed_at_once() -> None:
             assert swim._urgent is None
 
 
+def test_suspicion_probes_leave_every_other_period_to_the_round_robin_order() -> None:
+    """However many suspicions come, a probe of a suspect is never followed by another: the
+    order must still reach a member that died silently."""
+    swim = core(5)
+    kinds = []
+    for i in range(6):
+        n, origin = 1 + i % 2, 3 + i % 2
+        swim.receive(addr(n), Packet(f"n{n}", Gossip(), (alive(n, i + 1),)), swim.now)
+        heard = (Update(S, f"n{n}", i + 1, f"n{origin}"),)
+        swim.receive(addr(origin), Packet(f"n{origin}", Gossip(), heard), swim.now)
+        ping = run_until_probe(swim)
+        assert isinstance(ping.packet.message, Ping)
+        kinds.append(
+            "suspect" if swim._probed_suspect and ping.packet.message.target == f"n{n}" else "order"
+        )
+        ack = Packet(ping.packet.message.target, Ack(ping.packet.message.seq))
+        swim.receive(ping.addr, ack, swim.now)
+    assert kinds == ["suspect", "order"] * 3
+
+
 def test_a_member_held_dead_is_told_again_to_whoever_still_suspects_it() -> None:
     swim = core(5)
     swim.receive(addr(3), Packet("n3", Gossip(), (Update(D, "n1", 0, "n3"),)), 10)
