@@ -86,7 +86,7 @@ class ClusterConfig:
     probe_timeout: int = 500  # ms a direct probe waits for its ack before indirect probes
     #: The minimum suspicion timeout is suspicion_mult * max(1, log10(n)) * probe_interval:
     #: 1 s at up to 10 nodes, reached once another member confirms the suspicion (a lone one
-    #: waits 6x that), so that a silent death is known everywhere within 5 s (docs/gossip.md).
+    #: waits 2x that), so that a silent death is known everywhere within 5 s (docs/gossip.md).
     suspicion_mult: int = 1
 
 
