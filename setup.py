@@ -12,7 +12,10 @@ from setuptools import Extension, setup
 
 setup(
     ext_modules=cythonize(
-        [Extension("broker.net._devicelane", ["broker/net/_devicelane.pyx"])],
+        [
+            Extension("broker.net._devicelane", ["broker/net/_devicelane.pyx"]),
+            Extension("broker.commitlog._crc", ["broker/commitlog/_crc.pyx"], libraries=["z"]),
+        ],
         compiler_directives={"language_level": "3"},
     )
 )

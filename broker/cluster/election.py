@@ -2,6 +2,17 @@
 s9.6), votes persisted before they leave (Raft figure 2), leader stickiness (thesis s4.2.3),
 CheckQuorum (thesis s6.2). Only the voters of the latest configuration in the log campaign and
 count (thesis s4.1); a learner or a removed server never starts an election.
+
+A leader that cannot lead steps down and holds its candidacy (:meth:`Elections._step_down`):
+the case is a leader whose own uncommitted entry cannot be read back to send (damaged on its
+disk, ``LogReader.entries``). Nobody repairs an uncommitted entry (``broker.cluster.repair``
+rewrites committed ranges only), so as leader it could never send it, nor anything after it,
+and the group would stall. Stepping aside lets a replica that holds the entry intact, or lacks
+it, lead: the first keeps it (and the damaged copy, once committed, is repaired from it), the
+second overwrites it here (Raft s5.3; never at or below the commit index). It hands over at
+once (TimeoutNow to its most caught-up voter, thesis s3.10) and does not stand again for
+:meth:`Elections.hold_ticks` or until it hears a leader: its log, the longest, would win it the
+election back. Safety does not depend on any of it: it only withholds this node's candidacy.
 """
 
 from __future__ import annotations
@@ -18,6 +29,7 @@ from broker.cluster.messages import (
     PersistHardState,
     PreVote,
     Send,
+    TimeoutNow,
     Vote,
     VoteResp,
 )
@@ -53,6 +65,8 @@ class Elections:
     _leader_match: int
     _progress: dict[int, Progress]
     _out: list[Effect]
+    #: Ticks left before this node may stand for election again (``_step_down``).
+    _hold: int
 
     @property
     def quorum(self) -> int:
@@ -63,6 +77,33 @@ class Elections:
 
     def _send(self, m: Message) -> None:
         raise NotImplementedError
+
+    @property
+    def hold_ticks(self) -> int:
+        """How long a node that stepped down holds its candidacy: the longest randomized
+        election timeout, so that each follower's timer, started by the last heartbeat, fires
+        before this node may stand again."""
+        return 2 * self.config.election_ticks
+
+    def _step_down(self) -> None:
+        """As leader: hand leadership to the most caught-up other voter, become a follower and
+        hold its candidacy (module doc). Nothing happens off the leader or in a group where
+        this node is the only voter (nobody else could lead)."""
+        others = self._other_voters()
+        if self.role is Role.LEADER and others:
+            progress = self._progress
+            successor = max(others, key=lambda v: (progress[v].match, -v))
+            self._become_follower(self.term, None)
+            self._hold = self.hold_ticks
+            self._send(TimeoutNow(self.id, successor, self.term))
+
+    def _election_due(self) -> bool:
+        """On a follower's tick: its election timeout passed, it is a voter and it does not
+        hold its candidacy."""
+        if self._hold:
+            self._hold -= 1
+            return False
+        return self._election_elapsed >= self._timeout and self._is_voter()
 
     def _is_voter(self) -> bool:
         return self.id in self.membership.current.voters
@@ -93,6 +134,8 @@ class Elections:
             self._leader_match = 0
         self.role = Role.FOLLOWER
         self.leader = leader
+        if leader is not None:
+            self._hold = 0  # a leader is heard: the group has one again
         self.transferee = None
         self._election_elapsed = 0
         self._timeout = self._random_timeout()

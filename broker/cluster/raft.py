@@ -33,6 +33,8 @@ Invariants the core keeps (the simulator, ``broker.cluster.sim``, checks them fr
 
 Leadership transfer (thesis s3.10): ``transfer_leadership(peer)`` stops proposals, brings the
 peer up to date, then sends it TimeoutNow; abandoned after an election timeout.
+A leader that cannot read one of its own uncommitted entries back to send it (damaged on its
+disk) hands over the same way and holds its candidacy a while (``broker.cluster.election``).
 
 Membership (``broker.cluster.membership``): ``propose_change(kind, node)`` appends a CONFIG
 entry; every node uses the latest configuration in its log (thesis s4.1). Only voters campaign,
@@ -146,6 +148,9 @@ class RaftNode(Elections, Snapshots):
         #: As a follower: the commit index the leader last sent (None: nothing heard yet).
         self.leader_commit: int | None = None
         self._held: list[Message] = []
+        self._hold = 0
+        #: As leader, this step: one of our uncommitted entries could not be read to send.
+        self._unreadable = False
         #: Requests refused because obeying them would break safety (a bug somewhere).
         self.refused: list[str] = []
         self._out: list[Effect] = []
@@ -186,7 +191,7 @@ class RaftNode(Elections, Snapshots):
                 if self._heartbeat_elapsed >= self.config.heartbeat_ticks:
                     self._heartbeat_elapsed = 0
                     self._heartbeat()
-        elif self._election_elapsed >= self._timeout and self._is_voter():
+        elif self._election_due():
             self._start_pre_vote()
         return self._take()
 
@@ -383,8 +388,9 @@ class RaftNode(Elections, Snapshots):
     def _send_append(self, peer: int) -> bool:
         """Whole entries from ``next`` (an entry's first index, so ``prev`` is a batch
         boundary), up to ``max_batch`` entries and ``max_bytes`` payload bytes. False, and
-        nothing sent, when the log cannot hand out the entry at ``next`` now (a damaged batch
-        being repaired, ``LogReader.entries``): heartbeats go on, and each retries."""
+        nothing sent, when the log cannot hand out the entry at ``next`` now (a damaged batch,
+        ``LogReader.entries``): committed, it is being repaired, heartbeats go on and each
+        retries; uncommitted, this leader steps down when the step ends (``_step_down``)."""
         pr = self._progress[peer]
         if pr.next <= self.terms.start:
             self._send_snapshot(peer)  # what it needs next is no longer in our log
@@ -398,6 +404,7 @@ class RaftNode(Elections, Snapshots):
                 pr.next, self.terms.last_index, config.max_batch, config.max_bytes
             )
             if not entries:
+                self._unreadable |= pr.next > self.commit
                 return False
         else:
             entries, last = (), prev
@@ -582,6 +589,9 @@ class RaftNode(Elections, Snapshots):
             self._held.append(m)
 
     def _take(self) -> list[Effect]:
+        if self._unreadable:
+            self._unreadable = False
+            self._step_down()  # at the end of the step: not while iterating over followers
         self._log.written()
         out, self._out = self._out, []
         return out

@@ -10,7 +10,9 @@ Where damage is found (every place reports it once, ``broker.commitlog.integrity
 whose listener this is): a reader of the local log (live delivery, ``$replay``, the fetch API),
 the scrubber's pass over sealed segments, the recovery of a segment at start, and the leader
 reading entries to send to a follower (``GroupStorage.entries`` then hands out nothing from the
-damaged batch on: the follower gets heartbeats only until the repair, never the bad bytes).
+damaged batch on: the follower gets heartbeats only until the repair, never the bad bytes; a
+leader that meets an uncommitted damaged entry of its own steps down instead, as no one
+repairs an uncommitted range: ``broker.cluster.election``).
 
 The repair of a damaged range of group ``g`` (``repairer.Repairer.add``):
 

@@ -5,7 +5,8 @@ delays, drops, duplicates and reorders messages and partitions nodes (both ways 
 disk per node whose appends land in an unflushed tail that a crash loses (as it loses a hard
 state whose write had not completed), crashes that may leave a torn prefix of the first
 unflushed batch (which recovery cuts) and restarts that rebuild each core from what was
-durable, pauses, leadership transfers, clock-rate skew (each node's tick interval scaled by a
+durable, pauses, leadership transfers, damaged (unreadable) entries
+(``broker.cluster.simdamage``), clock-rate skew (each node's tick interval scaled by a
 factor in [0.9, 1.1]), retention that removes a durable committed prefix of whole entries from
 a random node's log (so that leaders send snapshots), a workload of proposals with unique
 values, each an entry of 1-5 records (indexes; index = log offset + 1), and membership changes
@@ -68,6 +69,7 @@ from broker.cluster.messages import (
 )
 from broker.cluster.raft import RaftConfig, RaftNode, Role, Variant
 from broker.cluster.simchecks import SafetyChecks
+from broker.cluster.simdamage import DamageEvents
 from broker.cluster.simstate import Disk, EntryLog, GroupRecord, Violation, chain
 from broker.cluster.terms import TermTable
 
@@ -84,7 +86,7 @@ INITIAL_VOTERS = 3
 MAX_PROPOSAL_RECORDS = 5
 
 
-class Sim(SafetyChecks):
+class Sim(SafetyChecks, DamageEvents):
     def __init__(
         self, seed: int, nodes: int = 3, groups: int = 8, variant: Variant = Variant.CORRECT
     ) -> None:
@@ -151,6 +153,7 @@ class Sim(SafetyChecks):
         self.at(PROPOSE_EVERY_MS, self._workload)
         self.at(self.rng.randrange(50, 300), self._change)
         self.at(self.rng.randrange(50, 300), self._retain)
+        self.at(self.rng.randrange(50, 300), self._damage)
         self.at(FAULT_MS, self._heal)
         while self._queue:
             when, _, action = heapq.heappop(self._queue)
@@ -249,6 +252,7 @@ class Sim(SafetyChecks):
                 self._persist(node, g, e.state)
             elif isinstance(e, Commit):
                 self._on_commit(node, g, e.index, record)
+                self._repair_committed(node, g, e.index)
             elif isinstance(e, ResetLog):
                 assert snapshot is not None, "ResetLog answers an InstallSnapshot"
                 self._reset_log(node, g, e, snapshot)

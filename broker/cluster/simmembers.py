@@ -116,7 +116,8 @@ class MembershipEvents:
         options = [(ChangeKind.ADD_LEARNER, x) for x in range(self.n) if x not in conf.members]
         options += [(ChangeKind.PROMOTE, x) for x in sorted(conf.learners)] * 2
         options += [(ChangeKind.REMOVE, x) for x in sorted(conf.learners)]
-        if len(conf.voters) > 2:
+        # Not down to two voters while a replica is damaged (``broker.cluster.simdamage``).
+        if len(conf.voters) > 2 + any(self.disks[x][g].damaged for x in range(self.n)):
             options += [(ChangeKind.REMOVE, x) for x in sorted(conf.voters)]
         if not options:
             return False

@@ -90,6 +90,8 @@ class Disk(EntryLog):
     cuts: list[int] = field(default_factory=list)
     start: int = 0
     start_config: Configuration | None = None
+    #: First indexes of the entries whose batch is damaged here (unreadable until rewritten).
+    damaged: set[int] = field(default_factory=set)
 
     def entries_between(
         self, first: int, last: int, max_entries: int, max_bytes: int
@@ -106,6 +108,8 @@ class Disk(EntryLog):
             e = self.entries[i]
             if self.ends[i] - e.count >= last or (out and size + len(e.payload) > max_bytes):
                 break
+            if self.ends[i] - e.count + 1 in self.damaged:
+                break  # never handed out: none when the read starts there
             out.append(e)
             size += len(e.payload)
             i += 1
@@ -116,6 +120,11 @@ class Disk(EntryLog):
             raise Violation(f"entry start of {index}, below the log start {self.start}")
         i = self.position(index)
         return self.ends[i] - self.entries[i].count + 1
+
+    def cut(self, keep: int) -> None:
+        """Keep the first ``keep`` entries; damage goes with the entries cut."""
+        EntryLog.cut(self, keep)
+        self.damaged = {first for first in self.damaged if first <= self.last_index}
 
     def truncate(self, from_index: int) -> None:
         """Drop every entry from ``from_index`` on, which must be an entry's first index."""
@@ -145,6 +154,7 @@ class Disk(EntryLog):
         follows."""
         self.entries, self.ends, self.chains = snapshot.entries, snapshot.ends, snapshot.chains
         self.durable = self.start = last_index
+        self.damaged = set()
         self.cuts.append(last_index)
 
     def recover(self) -> int:

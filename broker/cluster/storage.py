@@ -36,8 +36,11 @@ and the commit index is the log's high-water mark, which this storage pins
 * A torn last batch (a crash in the middle of a ``write()``) fails its CRC and the log's
   recovery cuts it: the log ends at the last whole entry.
 * A damaged batch (the disk, not a crash) is never handed out: :meth:`entries` stops before
-  it, and returns none when the read starts in it (the core sends nothing to that follower
-  but heartbeats until ``broker.cluster.repair`` rewrote it from another replica).
+  it, and returns none when the read starts in it: a committed one, the core sends nothing
+  to that follower but heartbeats until ``broker.cluster.repair`` rewrote it from another
+  replica; an uncommitted one, which nobody repairs, its leader steps down
+  (``broker.cluster.election``) and the next leader's log keeps or overwrites it. A
+  truncation may start at a damaged batch (``SegmentedLog.truncate``).
 * ``append`` writes to the page cache only, whatever the stream's fsync policy
   (``append_raw(defer_fsync=True)``); ``flush`` fsyncs the log, once for every entry appended
   since the last one, and :attr:`flushed_index` (what the core may be told in ``flushed()``)

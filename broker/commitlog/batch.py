@@ -84,7 +84,8 @@ from operator import add, getitem, itemgetter, lt, sub
 from pathlib import Path
 from typing import NamedTuple, TypeVar, cast
 
-from broker.commitlog.crc import crc32
+from broker.commitlog import crc
+from broker.commitlog.crc import batch_crc
 from broker.commitlog.errors import CorruptRecordBatch, InvalidRecord, UnsupportedFormat
 from broker.commitlog.record import Record
 
@@ -150,6 +151,7 @@ class BatchHeader(NamedTuple):
 
 
 assert BATCH_HEADER_SIZE == 48 and RECORD_FIXED_SIZE == 30  # layout documented above
+assert (BATCH_HEADER_SIZE, CRC_OFFSET) == (crc.HEADER_SIZE, crc.CRC_AT)  # batch_crc's layout
 
 
 @lru_cache(maxsize=128)
@@ -287,9 +289,7 @@ def encode_batch(
         max_ts,
         0,
     )
-    _CRC.pack_into(
-        buf, CRC_OFFSET, crc32(buf, BATCH_HEADER_SIZE, length, crc32(buf, 0, CRC_OFFSET))
-    )
+    _CRC.pack_into(buf, CRC_OFFSET, batch_crc(buf, 0, length))
     return buf
 
 
@@ -360,7 +360,7 @@ def validate_batch(
         raise CorruptRecordBatch(
             f"batch length {length} runs past the end of the data", where, path
         )
-    crc = crc32(buf, pos + BATCH_HEADER_SIZE, pos + length, crc32(buf, pos, pos + CRC_OFFSET))
+    crc = batch_crc(buf, pos, length)
     if crc != h.crc:
         raise CorruptRecordBatch(
             f"CRC mismatch (stored {h.crc:#010x}, computed {crc:#010x})", where, path

@@ -348,25 +348,39 @@ def _batch_position(segment: Segment, offset: int) -> int:
     """The file position of the batch of ``segment`` whose base offset is ``offset``; the
     segment's size when ``offset`` is past its last batch. Raises if ``offset`` is inside a
     batch. An index entry whose batch does not start at the offset it names (a damaged index)
-    is not believed: the segment is walked from its start."""
+    is not believed: the segment is walked from its start. The batch at ``offset`` itself may
+    be damaged (a Raft truncation cuts a damaged uncommitted entry): it starts where the
+    intact batch before it ends; a damaged batch before it raises."""
     named, start = segment.offset_index.lookup(offset)
     if start and _base_at(segment, start) != named:
         start = 0
-    for buf, rel, pos in segment.iter_batches(start):
-        base, _length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, rel)[:7]
-        if base >= offset:
-            return pos
-        if offset <= base + last_delta:
-            raise CommitLogError(
-                f"{segment.log_path}: offset {offset} is inside the batch at {base}..."
-                f"{base + last_delta}: a log is cut between batches"
-            )
+    # Where the next batch starts and the base offset it must have (what the walk has read).
+    at, expect = start, named if start else segment.base_offset
+    try:
+        for buf, rel, pos in segment.iter_batches(start):
+            base, length, _m, _a, _r, _e, last_delta = BATCH_HEADER.unpack_from(buf, rel)[:7]
+            if base >= offset:
+                return pos
+            if offset <= base + last_delta:
+                raise CommitLogError(
+                    f"{segment.log_path}: offset {offset} is inside the batch at {base}..."
+                    f"{base + last_delta}: a log is cut between batches"
+                )
+            at, expect = pos + length, base + last_delta + 1
+    except CorruptRecordBatch as exc:
+        if exc.position == at and expect == offset:
+            return at
+        raise
     return segment.size
 
 
 def _base_at(segment: Segment, position: int) -> int | None:
-    for buf, rel, _pos in segment.iter_batches(position):
-        return int(BATCH_HEADER.unpack_from(buf, rel)[0])
+    """The base offset of the batch at ``position``; None when it is damaged."""
+    try:
+        for buf, rel, _pos in segment.iter_batches(position):
+            return int(BATCH_HEADER.unpack_from(buf, rel)[0])
+    except CorruptRecordBatch:
+        return None
     return None
 
 
@@ -394,9 +408,19 @@ def _cut_segment(segment: Segment, position: int, next_offset: int, now_ms: int)
         offsets.write(fsync=True)
     except OSError as exc:
         raise LogIOError(segment.log_path, "truncate segment", exc) from exc
+    # Nothing is torn at a cut made here: a damaged batch the open meets below it is kept (for
+    # its repair), never cut with the intact batches after it. When it is the last one, its
+    # damaged header hides its offsets: they run to the cut's.
     cut, _ = Segment.open(
-        segment.directory, segment.base_offset, segment.config, now_ms, recover=False
+        segment.directory,
+        segment.base_offset,
+        segment.config,
+        now_ms,
+        recover=False,
+        keep_damaged_tail=True,
     )
+    if cut.damaged and cut.damaged[-1].end == position:
+        cut.next_offset = next_offset
     cut.rolling_base_ms = rolling_base_ms
     return cut
 

@@ -104,7 +104,7 @@ def test_required_keys_only_give_the_defaults(tmp_path: Path, secret: Path) -> N
     )
     assert (c.gossip_port, c.raft_port, c.replication_factor) == (7946, 7950, 3)
     assert (c.election_timeout, c.heartbeat_interval, c.replace_after) == (1000, 100, 300_000)
-    assert (c.probe_interval, c.probe_timeout, c.suspicion_mult) == (1000, 500, 2)
+    assert (c.probe_interval, c.probe_timeout, c.suspicion_mult) == (1000, 500, 1)
 
 
 def test_every_key_is_read(tmp_path: Path, secret: Path) -> None:

@@ -26,6 +26,19 @@ The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
 - Lifeguard (``SwimConfig.lifeguard``): the local health multiplier, dynamic suspicion
   timeouts with confirmations, nacks, and the buddy system (a ping to a member we suspect
   carries the suspicion, so it refutes at once: Lifeguard, "Buddy System").
+- Suspicions probed (ours, with Lifeguard; not in SWIM, Lifeguard or memberlist): a member
+  that learns of another's suspicion probes the suspect next (each member with probability
+  (k + 2) / (n - 2): all of them in a small group, a few in a large one), at once if no probe is in
+  flight, unless its last probe was already such a one (then the round-robin order has this
+  period: members slow to answer can keep suspicions coming, and the order must still reach
+  a silent death). A dead member so gets its independent confirmations one period after the first
+  suspicion, instead of whenever each member's round-robin order reaches it; a live one gets
+  pings carrying the suspicion (the buddy system), so it refutes through several paths at
+  once. Hence the minimum suspicion timeout takes one confirmation at least when anyone else
+  can give it (``k`` >= 1; memberlist's ``suspicion_mult - 2`` is 0 for a multiplier of 2 or
+  less): a lone suspicion waits the maximum. And a member holding a member DEAD (or LEFT) that
+  hears it suspected tells the sender again, whose lone suspicion would otherwise wait out
+  that maximum when every copy of the death was lost. Measured in ``docs/gossip.md``.
 
 Invariants: only this member raises its own incarnation; a member's record changes only by
 ``members.overrides``; a DEAD or LEFT member is never probed; every packet built fits
@@ -42,7 +55,7 @@ from dataclasses import dataclass
 from broker.cluster.gossip.broadcasts import Broadcasts
 from broker.cluster.gossip.codec import base_size, update_size
 from broker.cluster.gossip.health import Awareness, Suspicion, retransmit_limit, suspicion_bounds
-from broker.cluster.gossip.members import Member, is_confirmation, overrides
+from broker.cluster.gossip.members import GONE, Member, is_confirmation, overrides
 from broker.cluster.gossip.messages import (
     Ack,
     Addr,
@@ -127,6 +140,10 @@ class Swim:
         self._pos = 0
         #: A member to probe next, out of order (:meth:`probe_soon`).
         self._urgent: str | None = None
+        #: A member another suspects, to probe next unless the last probe was such a one
+        #: (module doc, "Suspicions probed").
+        self._suspected: str | None = None
+        self._probed_suspect = False
         self._seq = rng.randrange(SEQ_MASK)
         self._probe: _Probe | None = None
         self._relays: dict[int, _Relay] = {}
@@ -221,10 +238,14 @@ class Swim:
         m = self.members.get(node)
         if m is not None and node != self.id and m.state in LIVE and not self.leaving:
             self._urgent = node
-            if self._probe is None:
-                self._next_probe = min(self._next_probe, now)
+            self._probe_at_once()
             self.stats["probe_hints"] += 1
         return self._take()
+
+    def _probe_at_once(self) -> None:
+        """Start the next probe now if none is in flight."""
+        if self._probe is None:
+            self._next_probe = min(self._next_probe, self.now)
 
     def receive(self, addr: Addr, packet: Packet, now: int) -> list[Effect]:
         """The updates first (so that an ack carries our refutation of a suspicion the ping
@@ -299,9 +320,7 @@ class Swim:
         interval = self.health.scale(self.config.probe_interval)
         self._next_probe = self.now + interval
         self._retell_lone_suspicions()
-        urgent, self._urgent = self._urgent, None
-        m = self.members.get(urgent) if urgent is not None else None
-        target = m if m is not None and m.state in LIVE else self._next_target()
+        target = self._pick_target()
         if target is None:
             return
         seq = self._next_seq()
@@ -312,6 +331,21 @@ class Swim:
             buddy.append(Update(State.SUSPECT, target.node, target.incarnation, self.id))
         self._send(target.addr, Ping(seq, target.node), buddy)
         self.stats["probes"] += 1
+
+    def _pick_target(self) -> Member | None:
+        """A hinted member (:meth:`probe_soon`) first; else a member another suspects, unless
+        the last probe was one (however many suspicions come, every other period goes to the
+        round-robin order, which must reach a silent death); else the round-robin order."""
+        hinted, self._urgent = self._urgent, None
+        m = self.members.get(hinted) if hinted is not None else None
+        if m is not None and m.state in LIVE:
+            return m
+        suspect = None
+        if self._suspected is not None and not self._probed_suspect:
+            suspect = self.members.get(self._suspected)
+            self._suspected = None
+        self._probed_suspect = suspect is not None and suspect.state is State.SUSPECT
+        return suspect if self._probed_suspect else self._next_target()
 
     def _retell_lone_suspicions(self) -> None:
         """Queue again each suspicion of ours that no one has confirmed and that has left the
@@ -406,6 +440,10 @@ class Swim:
                 self._queue(update)
             return
         if not overrides(update, m):
+            if update.state is State.SUSPECT and m.state in GONE:
+                # Its sender missed the death or the goodbye (every copy lost): tell it again,
+                # or a lone suspicion of its own waits out its longest timeout.
+                self._queue(m.update())
             return
         previous = m.state
         moved = update.state is State.ALIVE and (update.addr, update.meta) != (m.addr, m.meta)
@@ -421,9 +459,24 @@ class Swim:
         self._suspicions.pop(update.node, None)
         if update.state is State.SUSPECT:
             self._suspect(m, update.origin)
+            if update.origin != self.id and self.config.lifeguard and self._probes_suspect():
+                # Confirm or refute it soon (module doc, "Suspicions probed").
+                self._suspected = m.node
+                if not self._probed_suspect:
+                    self._probe_at_once()
+                self.stats["suspicion_probes"] += 1
         self._queue(update)
         if previous is not update.state or moved:
             self._changed(m, previous)
+
+    def _probes_suspect(self) -> bool:
+        """Whether to probe a member another suspects: each of the n - 2 others does with
+        probability (k + 2) / (n - 2), so that k + 2 of them do on average (all of them in a
+        small group), enough for k confirmations with room for loss and no more pings."""
+        cfg = self.config
+        others = self.size - 2
+        wanted = max(1, cfg.suspicion_mult - 2) + 2
+        return not self.leaving and (others <= wanted or self._rng.random() * others < wanted)
 
     def _add(self, update: Update, addr: Addr) -> None:
         m = Member(
@@ -442,11 +495,11 @@ class Swim:
         low, high = suspicion_bounds(
             cfg.suspicion_mult, cfg.suspicion_max_mult, n, cfg.probe_interval
         )
-        k = cfg.suspicion_mult - 2
+        # One confirmation at least before the minimum, when someone else can give it (n > 2;
+        # module doc); memberlist's k = suspicion_mult - 2 is 0 for a multiplier of 2 or less.
+        k = max(0, min(max(1, cfg.suspicion_mult - 2), n - 2))
         if not cfg.lifeguard:
             high, k = low, 0
-        elif n - 2 < k:
-            k = 0
         self._suspicions[m.node] = Suspicion(
             origin, m.incarnation, self.now, k, low, high, {origin}
         )

@@ -228,6 +228,68 @@ def test_the_suspicion_timeout_shrinks_with_independent_confirmations() -> None:
     assert dead.state is D
 
 
+def test_a_lone_suspicion_waits_the_maximum_even_at_a_multiplier_of_two() -> None:
+    """memberlist's k = suspicion_mult - 2 is 0 at 2: the minimum at once. Here one
+    confirmation is needed whenever another member can give it (n > 2)."""
+    swim = core(5, suspicion_mult=2)  # n = 5: min 2 s, max 12 s, k = 1
+    swim.receive(addr(3), Packet("n3", Gossip(), (Update(S, "n1", 0, "n3"),)), 1000)
+    suspicion = swim._suspicions["n1"]
+    assert suspicion.deadline == 1000 + 12_000
+    swim.receive(addr(4), Packet("n4", Gossip(), (Update(S, "n1", 0, "n4"),)), 2100)
+    assert suspicion.deadline == 1000 + 2000
+    pair = core(2, suspicion_mult=2)  # n = 2: nobody else to confirm, the minimum at once
+    pair.receive(addr(1), Packet("n1", Gossip(), (Update(S, "n1", 0, "n0"),)), 1000)
+    assert pair._suspicions["n1"].deadline == 1000 + 2000
+
+
+def test_a_suspicion_heard_from_another_member_is_probed_at_once() -> None:
+    """The suspect is the next member probed (at once: no probe in flight), with the
+    suspicion on the ping (the buddy system); without Lifeguard the order is not changed."""
+    for lifeguard in (True, False):
+        swim = core(5, lifeguard=lifeguard)
+        swim.receive(addr(3), Packet("n3", Gossip(), (Update(S, "n2", 0, "n3"),)), 10)
+        assert swim.stats["suspicion_probes"] == lifeguard
+        if lifeguard:
+            assert swim.deadline == 10
+            [ping] = [s for s in sends(swim.tick(10)) if isinstance(s.packet.message, Ping)]
+            assert isinstance(ping.packet.message, Ping) and ping.packet.message.target == "n2"
+            assert Update(S, "n2", 0, "n0") in ping.packet.updates
+        else:
+            assert swim._urgent is None
+
+
+def test_suspicion_probes_leave_every_other_period_to_the_round_robin_order() -> None:
+    """However many suspicions come, a probe of a suspect is never followed by another: the
+    order must still reach a member that died silently."""
+    swim = core(5)
+    kinds = []
+    for i in range(6):
+        n, origin = 1 + i % 2, 3 + i % 2
+        swim.receive(addr(n), Packet(f"n{n}", Gossip(), (alive(n, i + 1),)), swim.now)
+        heard = (Update(S, f"n{n}", i + 1, f"n{origin}"),)
+        swim.receive(addr(origin), Packet(f"n{origin}", Gossip(), heard), swim.now)
+        ping = run_until_probe(swim)
+        assert isinstance(ping.packet.message, Ping)
+        kinds.append(
+            "suspect" if swim._probed_suspect and ping.packet.message.target == f"n{n}" else "order"
+        )
+        ack = Packet(ping.packet.message.target, Ack(ping.packet.message.seq))
+        swim.receive(ping.addr, ack, swim.now)
+    assert kinds == ["suspect", "order"] * 3
+
+
+def test_a_member_held_dead_is_told_again_to_whoever_still_suspects_it() -> None:
+    swim = core(5)
+    swim.receive(addr(3), Packet("n3", Gossip(), (Update(D, "n1", 0, "n3"),)), 10)
+    for _ in range(20):  # every copy of the death sent (its retransmit limit)
+        swim.tick(swim.deadline)
+    assert Update(D, "n1", 0, "n3") not in swim._broadcasts
+    swim.receive(addr(2), Packet("n2", Gossip(), (Update(S, "n1", 0, "n2"),)), swim.now)
+    assert swim.members["n1"].state is D
+    sent = [u for e in sends(swim.tick(swim.now + 500)) for u in e.packet.updates]
+    assert Update(D, "n1", 0, "n3") in sent
+
+
 def test_without_lifeguard_the_suspicion_timeout_is_fixed_at_the_minimum() -> None:
     swim = core(10, lifeguard=False)
     swim.receive(addr(3), Packet("n3", Gossip(), (Update(S, "n1", 0, "n3"),)), 1000)

@@ -196,7 +196,8 @@ def test_worker_i_listens_on_raft_port_plus_i_and_keeps_its_own_member_list(
     assert s.gossip is not None and s.gossip.seeds == [("10.0.0.2", 7960)]
     assert s.gossip.bind == ("10.0.0.1", 7946)
     assert s.gossip.meta == NodeMeta(7950, 2, "10.0.0.1:1883", "")
-    assert (s.gossip.swim.probe_interval, s.gossip.swim.suspicion_mult) == (1000, 2)
+    swim = s.gossip.swim
+    assert (swim.probe_interval, swim.suspicion_mult, swim.suspicion_max_mult) == (1000, 1, 2)
     assert s.worker == (1, 2)
 
     async def main() -> None:

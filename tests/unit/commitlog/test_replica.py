@@ -221,6 +221,47 @@ def test_truncate_refuses_inside_a_batch_and_below_the_floor(tmp_path: Path) -> 
         assert log.end_offset == 6
 
 
+def test_truncate_cuts_at_a_damaged_batch_and_keeps_one_below_the_cut(tmp_path: Path) -> None:
+    """A Raft truncation may start at a damaged uncommitted batch (a leader that could not read
+    it stepped down, and the next leader's log overwrites it): the cut is where the intact
+    batch before it ends. A cut above a damaged batch keeps it (for its repair) and the batches
+    between, or, when finding the cut would mean walking through it, raises and changes
+    nothing; it never drops more than it was asked to."""
+    rng = random.Random(3)
+    with open_log(tmp_path / "ref") as ref:
+        written = write_epochs(ref, rng, 40)
+    bases = [read_header(b).base_offset for b in written]
+    last = len(written) - 1
+    for at in (0, 1, 5, last):  # a segment's first batch, ones inside, the last
+        for cut in sorted({at, min(at + 1, last), last}):
+            path = tmp_path / f"d{at}-{cut}"
+            with open_log(path) as log:
+                for batch in written:
+                    log.append_raw(batch)
+                segment = max(s for s in log.segments if s <= bases[at])
+                file = path / f"{segment:020d}.log"
+                data = bytearray(file.read_bytes())
+                data[data.find(written[at]) + BATCH_HEADER.size + 2] ^= 0x40
+                with file.open("r+b") as f:  # in place, as a disk would
+                    f.write(data)
+                try:
+                    log.truncate(bases[cut], floor=0)
+                except CorruptRecordBatch:
+                    assert cut > at and log.end_offset == read_header(written[-1]).next_offset
+                    continue
+                assert log.end_offset == bases[cut]
+                if at:
+                    assert log.read_batches(bases[0], bases[at], 1 << 30, 1 << 40) == written[:at]
+                if cut > at + 1:  # the intact batches between the damage and the cut
+                    after = log.read_batches(bases[at + 1], bases[cut], 1 << 30, 1 << 40)
+                    assert after == written[at + 1 : cut]
+                log.append_raw(written[cut])  # appends go on from the cut
+                assert log.end_offset == read_header(written[cut]).next_offset
+            if cut == at:  # the damaged batch is gone: what reopens is the same
+                with open_log(path) as log:
+                    assert all_batches(log) == written[: cut + 1]
+
+
 # -- reset -----------------------------------------------------------------------------------
 
 

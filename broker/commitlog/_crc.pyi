@@ -1,0 +1,6 @@
+_Buffer = bytes | bytearray | memoryview
+
+IMPLEMENTATION: str
+
+def batch_crc(buf: _Buffer, pos: int, length: int) -> int: ...
+def batch_crc_ok(buf: _Buffer, pos: int, length: int) -> bool: ...
