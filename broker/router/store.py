@@ -43,6 +43,8 @@ class SessionStore:
     connection_lost: Callable[..., None]
     #: A group's positions done (broker.router.shared.SharedGroups.done_positions).
     done_positions: Callable[[SharedGroup], dict[PartitionKey, int]]
+    #: What a write of a group's positions calls (broker.router.shared.SharedGroups.stored_ack).
+    stored_ack: Callable[[str, SharedGroup], AckCallback | None]
 
     def __init__(self, state: RouterState, commit: GroupCommit) -> None:
         self.state = state
@@ -93,13 +95,17 @@ class SessionStore:
         """Each group's positions: ``cursors``, the next record to hand out (where one node
         continues after a restart: what was handed out is in its members' sessions), and
         ``done``, the first record not yet done (where a cluster's new home continues)."""
-        state = self.state
-        state.groups_dirty = False
-        for full, group in state.groups.items():
-            cursors = [[k[0], k[1], off] for k, off in group.consumer.cursors.items()]
-            done = [[k[0], k[1], off] for k, off in self.done_positions(group).items()]
-            payload = orjson.dumps({"cursors": cursors, "done": done})
-            self.commit.enqueue(Record(-1, state.now_ms(), full, payload), None, SESSIONS)
+        self.state.groups_dirty = False
+        for full, group in self.state.groups.items():
+            self.persist_group(full, group, self.stored_ack(full, group))
+
+    def persist_group(self, full: str, group: SharedGroup, ack: AckCallback | None) -> None:
+        """Write the positions of ``group`` (:meth:`persist_groups`); ``ack`` is called once
+        they are in the log."""
+        cursors = [[k[0], k[1], off] for k, off in group.consumer.cursors.items()]
+        done = [[k[0], k[1], off] for k, off in self.done_positions(group).items()]
+        payload = orjson.dumps({"cursors": cursors, "done": done})
+        self.commit.enqueue(Record(-1, self.state.now_ms(), full, payload), ack, SESSIONS)
 
     def close(self) -> None:
         """Persist every session and flush: called on shutdown."""

@@ -46,12 +46,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("broker.cluster")
 
-#: Transport kinds JOIN, LEAVE, DELIVER, DONE (``FIRST_APP_KIND`` .. + 5 are the forwards',
-#: leadership's and remote reads'), then :data:`REJOIN`.
+#: Transport kinds JOIN, LEAVE, DELIVER, DONE, JOINED (``FIRST_APP_KIND`` .. + 5 are the
+#: forwards', leadership's and remote reads'), then :data:`REJOIN`.
 FIRST_KIND = FIRST_APP_KIND + 6
 #: Home to a node whose members it let go while it had no link to it, once the link is back:
 #: join again (that node's own link to the home may never have closed).
-REJOIN = FIRST_KIND + 4
+REJOIN = FIRST_KIND + MeshGroupPeers.KINDS
 #: Seconds between two checks of the home (the ``$sessions`` leader) and of the links to it
 #: or to its members' nodes.
 CHECK_SECONDS = 0.25
@@ -78,6 +78,9 @@ class ClusterGroupPeers(MeshGroupPeers):
         self.node.handlers[REJOIN] = self._on_rejoin
         #: At the home: nodes whose members it let go for want of a link (:data:`REJOIN`).
         self.let_go: set[int] = set()
+        #: Frames to the home received while this node leads ``$sessions`` but is not the
+        #: home yet (:meth:`_ready`): handled once it is, in order.
+        self.early: list[tuple[Callable[[int, int, memoryview], None], int, bytes]] = []
 
     def _home_of(self, group: str) -> int:
         return self.home_node if self.home_node is not None else self.node.id
@@ -96,7 +99,10 @@ class ClusterGroupPeers(MeshGroupPeers):
             if to_home and self.home_node != self.node.id:
                 self.check()  # elected a moment ago?
                 if self.home_node != self.node.id:
-                    return  # its sender's view is older: it joins the home it learns of
+                    if self.sessions_group is not None and self.node.is_leader(self.sessions_group):
+                        self.early.append((handler, frm, bytes(body)))  # home in a moment
+                    # else its sender's view is older: it joins the home it learns of
+                    return
             handler(frm, 0, body)
 
         return handle
@@ -132,17 +138,24 @@ class ClusterGroupPeers(MeshGroupPeers):
         if router is None or g is None:
             return
         leader = self.node.leader(g)
+        me = leader == self.node.id
+        if not me:
+            self.early.clear()
+        if me and leader != self.home_node and not self._ready(g):
+            return  # the home it follows until then may still answer
         if leader is not None and leader != self.home_node:
             self.home_node = leader
             self.home_up = True
             self.let_go.clear()
-            me = leader == self.node.id
             log.info(
                 "cluster: shared groups: held by node %s from now on%s",
                 self.node.names.get(leader, leader),
                 " (here)" if me else "",
             )
             router.rehome_groups(self._persisted() if me else None)
+            early, self.early = self.early, []
+            for handler, frm, body in early:
+                handler(frm, 0, memoryview(body))
         elif self.home_node == self.node.id:
             self._members_lost()
         elif self.home_node is not None:
@@ -152,6 +165,15 @@ class ClusterGroupPeers(MeshGroupPeers):
                 log.info("cluster: shared groups: the link to node %s is back: joining again", name)
                 router.rejoin_groups(self.home_node)
             self.home_up = up
+
+    def _ready(self, g: int) -> bool:
+        """Whether this leader of ``$sessions`` (group ``g``) applied every group position
+        committed before its term: it holds them all (Raft s5.4.1), but learns which are
+        committed only once an entry of its own term is (s5.4.2); applied here with the
+        commit (broker.workers.replicated). A group it did not find would start at the end
+        of its partitions, after records published since its members' SUBACKs."""
+        core = self.node.core(g)
+        return core.terms.term_at(core.commit) == core.term
 
     def _persisted(self) -> dict[str, dict[str, Any]]:
         """Every group's state as committed in ``$sessions`` and applied here."""
