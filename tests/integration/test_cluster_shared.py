@@ -30,6 +30,7 @@ from typing import Any
 
 import pytest
 
+from bench.mqttclient import MqttClient
 from broker.cluster.placement import group_id_of, node_ids, replicas
 from tests import netlab
 from tests.cluster_lab import MQTT_PORT, Member, MqlogCluster
@@ -293,3 +294,87 @@ def test_the_home_killed_under_load_loses_no_acknowledged_record(cluster: MqlogC
     )
     assert new_home is not h
     assert not lost, f"lost: {sorted(lost)[:10]}"
+
+
+#: Seconds from a new group's SUBACK to the kill of its home: most often before the home's
+#: timer (broker.router.lifecycle.tick, every 0.5 s) persisted the group's positions.
+KILL_AFTER_SUBACK = 0.1
+
+
+async def _publish(host: str, topic: str, n: int, acked: list[tuple[float, bytes]]) -> None:
+    """``n`` QoS 1 publishes to ``topic`` through ``host``, one at a time, each resent (DUP) on
+    a new connection until PUBACKed [MQTT-4.4.0-1]; ``acked``: (when it was first sent, its
+    payload) of each acknowledged one."""
+    c = await MqttClient.connect(host, MQTT_PORT, "fresh-pub", timeout=5)
+    deadline = time.monotonic() + 60
+    try:
+        for i in range(n):
+            payload, dup, first = f"f{i}".encode(), False, time.monotonic()
+            while True:
+                assert time.monotonic() < deadline, f"{payload!r} never acknowledged"
+                try:
+                    if c is None or c.is_closed:
+                        c = await MqttClient.connect(host, MQTT_PORT, "fresh-pub", timeout=5)
+                    await asyncio.wait_for(c.publish(topic, payload, dup=dup), 5)
+                    acked.append((first, payload))
+                    break
+                except (OSError, ConnectionError, TimeoutError):
+                    if c is not None:
+                        c.close()
+                    c, dup = None, True
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.002)
+    finally:
+        if c is not None:
+            c.close()
+
+
+def test_the_home_killed_right_after_a_new_groups_suback_loses_nothing(
+    cluster: MqlogCluster,
+) -> None:
+    """A new group's first member subscribes on a node other than the home while a publisher
+    on the third node publishes QoS 1 records one after another; the home is killed (kill -9)
+    100 ms after the SUBACK. Every record acknowledged and first sent after the SUBACK reaches
+    the member: the group's starting positions were committed before the SUBACK, and the new
+    home starts the group there (before, the SUBACK left at once and the positions were
+    committed at the home's next tick: the new home found no group and started it at the
+    partitions' end as the member joined it again, and the records acknowledged in between
+    were lost to the group)."""
+    h = home(cluster)
+    a, b = [m for m in cluster.members if m is not h]
+    sub = member(a, "fresh")
+    collector = Collector([sub])
+    acked: list[tuple[float, bytes]] = []
+    subacked = killed = 0.0
+
+    async def run() -> None:
+        nonlocal subacked, killed
+        load = asyncio.create_task(_publish(b.addr, f"{STREAM}/fresh/x", 400, acked))
+        await asyncio.sleep(0.5)  # publishing
+        granted = await asyncio.to_thread(sub.subscribe, f"$share/fresh/{STREAM}/fresh/#", 1)
+        assert granted == [1]
+        subacked = time.monotonic()
+        await asyncio.sleep(KILL_AFTER_SUBACK)
+        await asyncio.to_thread(cluster.kill, h)
+        killed = time.monotonic()
+        await load
+
+    try:
+        asyncio.run(run())
+        due = {p for sent, p in acked if sent > subacked}
+        collector.wait(due, timeout=30)
+        new_home = home(cluster)
+    finally:
+        collector.stop()
+        sub.disconnect()
+        cluster.start(h)
+    payloads = [p for _, _, p in collector.got]
+    lost = due - set(payloads)
+    before_kill = sum(1 for sent, _ in acked if subacked < sent < killed)
+    print(
+        f"home {h.node_id} killed {killed - subacked:.2f} s after a new group's SUBACK: "
+        f"{len(due)} acknowledged records sent after the SUBACK ({before_kill} before the "
+        f"kill), lost {len(lost)}; new home {new_home.node_id}"
+    )
+    assert new_home is not h
+    assert not lost, f"lost {len(lost)}: {sorted(lost)[:10]}"
