@@ -172,6 +172,9 @@ class Router:
         self.rejoin_groups = shared.rejoin_groups
         self.rehome_groups = shared.rehome
         self.group_joined = shared.group_joined
+        self.freeze_groups = shared.freeze
+        self.groups_drained = shared.drained
+        self.store_groups = store.store_groups
         # Persistence.
         self.load = store.load
         self.close = store.close

@@ -56,6 +56,8 @@ class SharedGroups:
         #: Client id -> its SUBACKs held until the shared groups named joined it (in order:
         #: the link they are for, the packet, the groups still to answer).
         self.subacks: dict[str, list[tuple[Link, SubAck, set[str]]]] = {}
+        #: While set, no group held here hands out a record (:meth:`freeze`).
+        self.frozen = False
 
     def group(self, full: str) -> SharedGroup:
         """The shared group ``full`` held here, created at the end of its partitions."""
@@ -341,6 +343,7 @@ class SharedGroups:
                 self.partition(key).watchers.discard(GroupWatcher(full))
         self.groups.clear()
         self.state.groups_dirty = False
+        self.frozen = False
         for full, state in (held or {}).items():
             self.restore_group(full, state, True)
         for session in list(self.sessions.values()):
@@ -349,12 +352,30 @@ class SharedGroups:
         for group in list(self.groups.values()):
             self.pump_group(group)
 
+    def freeze(self, frozen: bool) -> None:
+        """Stop (or start again) handing out the records of the groups held here: a
+        cluster's home about to hand them over waits for what it handed out to be done
+        (:meth:`drained`), so that the next home, from the positions stored then, sends
+        nothing twice (broker.workers.cluster_groups)."""
+        self.frozen = frozen
+        if not frozen:
+            for group in list(self.groups.values()):
+                self.pump_group(group)
+
+    def drained(self) -> bool:
+        """Whether every record the groups held here handed out is done."""
+        return all(
+            self.done_positions(group) == group.consumer.cursors for group in self.groups.values()
+        )
+
     def pump_group(self, group: SharedGroup) -> None:
         """Spread the group's records over members that can take them, round robin.
 
         Each record goes to exactly one member, at the minimum of its QoS and that member's
         subscription QoS [MQTT-3.8.4-8], never as retained (s4.8.2).
         """
+        if self.frozen:
+            return
         while group.orphans:
             key, offset = group.orphans[0]
             rec = self.read_exact(key, offset)

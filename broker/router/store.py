@@ -23,7 +23,7 @@ from broker.commitlog.keys import PartitionKey
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import parse_shared
-from broker.router.commit import AckCallback, GroupCommit
+from broker.router.commit import OUTCOME_UNKNOWN, AckCallback, GroupCommit
 from broker.router.partition import GroupWatcher, SessionWatcher
 from broker.router.session import Consumer, Session, SharedGroup, Subscription
 from broker.router.state import RETAINED, SESSIONS, RouterState
@@ -98,6 +98,30 @@ class SessionStore:
         self.state.groups_dirty = False
         for full, group in self.state.groups.items():
             self.persist_group(full, group, self.stored_ack(full, group))
+
+    def store_groups(self, then: Callable[[bool], None]) -> None:
+        """Write every group's positions now; ``then(True)`` once all are in the log,
+        ``then(False)`` if one is not (broker.workers.cluster_groups' hand-over)."""
+        groups = list(self.state.groups.items())
+        outcomes: list[bool] = []
+        if not groups:
+            then(True)
+
+        def ack_of(full: str, group: SharedGroup) -> AckCallback:
+            stored = self.stored_ack(full, group)
+
+            def ack(offset: int | None) -> None:
+                if stored is not None:
+                    stored(offset)
+                outcomes.append(offset is not None and offset != OUTCOME_UNKNOWN)
+                if len(outcomes) == len(groups):
+                    then(all(outcomes))
+
+            return ack
+
+        self.state.groups_dirty = False
+        for full, group in groups:
+            self.persist_group(full, group, ack_of(full, group))
 
     def persist_group(self, full: str, group: SharedGroup, ack: AckCallback | None) -> None:
         """Write the positions of ``group`` (:meth:`persist_groups`); ``ack`` is called once

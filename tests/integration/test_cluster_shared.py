@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import itertools
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -33,7 +35,7 @@ import pytest
 from bench.mqttclient import MqttClient
 from broker.cluster.placement import group_id_of, node_ids, replicas
 from tests import netlab
-from tests.cluster_lab import MQTT_PORT, Member, MqlogCluster
+from tests.cluster_lab import HTTP_PORT, MQTT_PORT, Member, MqlogCluster
 from tests.integration.clients import Client
 from tests.integration.test_cluster_remote import _load
 from tests.netlab import Lab
@@ -378,3 +380,73 @@ def test_the_home_killed_right_after_a_new_groups_suback_loses_nothing(
     )
     assert new_home is not h
     assert not lost, f"lost {len(lost)}: {sorted(lost)[:10]}"
+
+
+def _transfer_sessions(cluster: MqlogCluster, via: Member, to: Member) -> str:
+    """``mqlog cluster transfer-leader $sessions/0 <to>``, asked of ``via``; its output."""
+    argv = ["cluster", "transfer-leader", "$sessions/0", to.node_id]
+    url = f"http://{via.addr}:{HTTP_PORT}"
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", *argv, "--broker", url],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.strip()
+
+
+def test_a_planned_hand_over_of_the_home_sends_nothing_twice(cluster: MqlogCluster) -> None:
+    """``$sessions``' leadership handed to another node (``mqlog cluster transfer-leader``)
+    under QoS 1 load to a group with members on every node, then handed back: the old home
+    stops handing out records, waits for those handed out to be acknowledged, commits its
+    positions, then hands over; the new home starts from them. Every record is delivered
+    exactly once (before, the old home handed over with its positions up to 0.5 s old, and
+    the new home sent again every record acknowledged since)."""
+    h = home(cluster)
+    a, b = [m for m in cluster.members if m is not h]
+    members = [member(m, "moved") for m in (a, b, h)]
+    collector = Collector(members)
+    topic = f"{STREAM}/moved/x"
+    said: list[str] = []
+    try:
+        for c in members:
+            assert c.subscribe(f"$share/moved/{STREAM}/moved/#", qos=1) == [1]
+        time.sleep(1.0)
+
+        async def run() -> list[str]:
+            half = asyncio.Event()
+            load = asyncio.create_task(_load(a.addr, topic, 600, half, []))
+            await half.wait()
+            said.append(await asyncio.to_thread(_transfer_sessions, cluster, b, a))
+            return await load
+
+        acked = {x.encode() for x in asyncio.run(run())}
+        collector.wait(acked, timeout=30)
+        moved_to = cluster.member(str(_leaders(cluster, b)[("$sessions", 0)]))
+        # And back, with records in flight again.
+        pub = member(b, "moved-pub")
+        later = [f"m{i}".encode() for i in range(300)]
+        for i, payload in enumerate(later):
+            pub.publish(topic, payload, qos=1, wait=i % 20 == 19)
+            if i == 150:
+                said.append(_transfer_sessions(cluster, a, h))
+        pub.disconnect()
+        collector.wait(set(later), timeout=30)
+        back = home(cluster)
+    finally:
+        collector.stop()
+        for c in members:
+            c.disconnect()
+    payloads = [p for _, _, p in collector.got]
+    every = acked | set(later)
+    lost = every - set(payloads)
+    duplicates = len(payloads) - len(set(payloads))
+    print(
+        f"$sessions handed {h.node_id} -> {moved_to.node_id} -> {back.node_id} under QoS 1 "
+        f"load ({'; '.join(said)}): {len(every)} acknowledged, lost {len(lost)}, "
+        f"{duplicates} duplicates"
+    )
+    assert moved_to is a and back is h
+    assert not lost, f"lost: {sorted(lost)[:10]}"
+    assert duplicates == 0
