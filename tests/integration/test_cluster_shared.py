@@ -442,10 +442,13 @@ def test_a_planned_hand_over_of_the_home_sends_nothing_twice(cluster: MqlogClust
     every = acked | set(later)
     lost = every - set(payloads)
     duplicates = len(payloads) - len(set(payloads))
+    # What a hand-over costs: the longest pause in the members' deliveries.
+    stamps = sorted(t for t, _, _ in collector.got)
+    gap = max((y - x for x, y in itertools.pairwise(stamps)), default=0.0)
     print(
         f"$sessions handed {h.node_id} -> {moved_to.node_id} -> {back.node_id} under QoS 1 "
         f"load ({'; '.join(said)}): {len(every)} acknowledged, lost {len(lost)}, "
-        f"{duplicates} duplicates"
+        f"{duplicates} duplicates; longest pause in the deliveries {gap:.2f} s"
     )
     assert moved_to is a and back is h
     assert not lost, f"lost: {sorted(lost)[:10]}"
