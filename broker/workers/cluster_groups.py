@@ -177,7 +177,8 @@ class ClusterGroupPeers(MeshGroupPeers):
             for handler, frm, body in early:
                 handler(frm, 0, memoryview(body))
         elif self.home_node == self.node.id:
-            if self.frozen and self.handing_over is None and self.node.core(g).transferee is None:
+            transferring = self.handing_over or self.node.core(g).transferee is not None
+            if self.frozen and me and not transferring:
                 self._thaw()  # the hand-over failed: this node leads still
             self._members_lost()
         elif self.home_node is not None:

@@ -178,3 +178,29 @@ def test_a_members_suback_waits_for_its_home_to_answer(h: Harness) -> None:
     assert link.of(SubAck) == []
     h.router.group_joined(GROUP, "member")
     assert [p.packet_id for p in link.of(SubAck)] == [1, 2]
+
+
+def test_a_frozen_group_hands_out_nothing_and_stores_its_drained_positions(h: Harness) -> None:
+    """Before a planned hand-over (broker.workers.cluster_groups) the home's groups stop
+    handing out records; once what was handed out is acknowledged the done positions are
+    the cursors, and those are stored: the next home starts after every acknowledged record."""
+    link, s = h.connect("m", 4)
+    h.subscribe(s, GROUP, 1)
+    _, pub = h.connect("pub", 4)
+    h.publish(pub, "t/x", b"0", 1, 1)
+    h.run()
+    (sent,) = link.take()
+    h.router.freeze_groups(True)
+    h.publish(pub, "t/x", b"1", 1, 2)
+    h.run()
+    assert link.take() == []  # frozen: not handed out
+    assert not h.router.groups_drained()  # "0" is not acknowledged
+    h.router.puback(s, sent.packet_id)
+    assert h.router.groups_drained()
+    stored: list[bool] = []
+    h.router.store_groups(stored.append)
+    h.run()
+    assert stored == [True]
+    assert _persisted(h)["done"] == [["default", 0, 1]]  # the next home starts at "1"
+    h.router.freeze_groups(False)
+    assert [p.payload for p in link.take()] == [b"1"]
