@@ -165,6 +165,11 @@ class MultiRaft:
         #: the driver hosts it (:meth:`join_group`, or :meth:`add_group` over a log that
         #: holds the group already) or leaves the message dropped.
         self.on_unknown_group: Callable[[int, int], None] | None = None
+        #: Group -> asked before its leadership is handed over here (the balancer, an
+        #: operator, a reconfiguration; thesis s3.10) with the node it goes to: True, go on;
+        #: False, its application first persists what the next leader needs and asks for the
+        #: hand-over again itself (broker.workers.cluster_groups).
+        self.before_transfer: dict[int, Callable[[int], bool]] = {}
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -320,6 +325,9 @@ class MultiRaft:
         self._route(group, effects)
 
     def transfer_leadership(self, group: int, peer: int) -> None:
+        ready = self.before_transfer.get(group)
+        if ready is not None and not ready(peer):
+            return
         effects = self._cores[group].transfer_leadership(peer)
         self._wake(group)
         self._route(group, effects)

@@ -97,3 +97,7 @@ class GroupPeers(Protocol):
 
     def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
         """Member to home: that delivery is complete (sent at QoS 0, or acknowledged)."""
+
+    def joined(self, worker: int, group: str, client_id: str) -> None:
+        """Home to member: ``client_id`` is a member of ``group``, whose positions are stored
+        (its SUBACK may leave)."""

@@ -115,7 +115,9 @@ class Router:
         delivery.connection_lost = lifecycle.connection_lost
         store.connection_lost = lifecycle.connection_lost
         store.done_positions = shared.done_positions
+        store.stored_ack = shared.stored_ack
         shared.restore_group = store.restore_group
+        shared.persist_group = store.persist_group
 
         # What the edges read (the same objects as the state's, never replaced).
         self.streams = streams
@@ -169,6 +171,10 @@ class Router:
         self.worker_left = shared.worker_left
         self.rejoin_groups = shared.rejoin_groups
         self.rehome_groups = shared.rehome
+        self.group_joined = shared.group_joined
+        self.freeze_groups = shared.freeze
+        self.groups_drained = shared.drained
+        self.store_groups = store.store_groups
         # Persistence.
         self.load = store.load
         self.close = store.close

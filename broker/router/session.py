@@ -164,6 +164,11 @@ class SharedGroup:
     orphans: deque[tuple[PartitionKey, int]] = field(default_factory=deque)
     #: Members whose session is on another worker (several workers), by client id.
     remote: dict[str, RemoteMember] = field(default_factory=dict)
+    #: Whether its starting positions are in ``$sessions``: a new group's first member gets
+    #: its SUBACK only then, so that a cluster's next home starts it no later (s4.8.2).
+    stored: bool = True
+    #: Members waiting for that: (their worker, None here; client id).
+    waiting: list[tuple[int | None, str]] = field(default_factory=list)
 
 
 @dataclass(slots=True)

@@ -23,8 +23,11 @@ from typing import Any
 from broker.auth.acl import Authorizer
 from broker.commitlog import Record
 from broker.commitlog.keys import PartitionKey
+from broker.mqtt.packets import SubAck
 from broker.mqtt.topics import parse_shared, topic_matches
+from broker.router.commit import OUTCOME_UNKNOWN, AckCallback
 from broker.router.delivery import Delivery
+from broker.router.link import Link
 from broker.router.partition import GroupWatcher, QueueWatcher
 from broker.router.session import Consumer, RemoteMember, Session, SharedGroup, Subscription
 from broker.router.state import RouterState
@@ -37,6 +40,9 @@ class SharedGroups:
     #: Set by the router: hold group ``full`` from its persisted state (from the positions
     #: done when the flag is set; broker.router.store.SessionStore.restore_group).
     restore_group: Callable[[str, dict[str, Any], bool], None]
+    #: Set by the router: write a group's positions to ``$sessions``, then call the ack
+    #: (broker.router.store.SessionStore.persist_group).
+    persist_group: Callable[[str, SharedGroup, AckCallback | None], None]
 
     def __init__(self, state: RouterState, delivery: Delivery) -> None:
         self.state = state
@@ -47,6 +53,11 @@ class SharedGroups:
         self.can_send = delivery.can_send
         self.read = delivery.read
         self.read_exact = delivery.read_exact
+        #: Client id -> its SUBACKs held until the shared groups named joined it (in order:
+        #: the link they are for, the packet, the groups still to answer).
+        self.subacks: dict[str, list[tuple[Link, SubAck, set[str]]]] = {}
+        #: While set, no group held here hands out a record (:meth:`freeze`).
+        self.frozen = False
 
     def group(self, full: str) -> SharedGroup:
         """The shared group ``full`` held here, created at the end of its partitions."""
@@ -56,21 +67,76 @@ class SharedGroups:
             assert name is not None
             consumer = Consumer(full, group=name)
             consumer.subscriptions[plain] = Subscription(plain, 2)
-            group = self.groups[full] = SharedGroup(name, plain, consumer)
+            group = self.groups[full] = SharedGroup(name, plain, consumer, stored=False)
             for key in self.state.keys_for_filter(plain):
                 consumer.cursors[key] = self.partition(key).end_offset
                 self.partition(key).watchers.add(GroupWatcher(full))
-            self.state.groups_dirty = True
+            self.persist_group(full, group, self.stored_ack(full, group))
         return group
+
+    def stored_ack(self, full: str, group: SharedGroup) -> AckCallback | None:
+        """What a write of the positions of ``group`` (held here) calls once it is in the
+        log: while the group is new, it is then stored and its waiting members joined it.
+        Its positions are where it starts, here or at a cluster's next home: a member may
+        be told it is subscribed only once they are (a record published after its SUBACK
+        is delivered: the subscription exists once its SUBACK left, s3.8.4, s4.8.2)."""
+        if group.stored:
+            return None
+
+        def ack(offset: int | None) -> None:
+            if self.groups.get(full) is not group or group.stored:
+                return  # dropped meanwhile (its home moved): its members join the next
+            if offset is None or offset == OUTCOME_UNKNOWN:
+                self.state.groups_dirty = True  # written again at the next tick
+                return
+            group.stored = True
+            waiting, group.waiting = group.waiting, []
+            for worker, client_id in waiting:
+                self._joined(worker, full, client_id)
+
+        return ack
+
+    def _joined(self, worker: int | None, full: str, client_id: str) -> None:
+        """Tell a member of group ``full`` (held here, stored) it joined it."""
+        peers = self.state.hooks.group_peers
+        if worker is None:
+            self.group_joined(full, client_id)
+        elif peers is not None:
+            peers.joined(worker, full, client_id)
+
+    def hold_suback(self, session: Session, packet: SubAck, groups: set[str]) -> None:
+        """Send ``packet`` to the session's client once each of ``groups`` joined it."""
+        assert session.link is not None
+        held = self.subacks.setdefault(session.client_id, [])
+        held.append((session.link, packet, groups))
+
+    def group_joined(self, full: str, client_id: str) -> None:
+        """Group ``full`` (held here or elsewhere) has ``client_id`` as a member, stored: the
+        SUBACKs held for it leave, in the order of their SUBSCRIBEs."""
+        held = self.subacks.get(client_id)
+        if held is None:
+            return
+        session = self.sessions.get(client_id)
+        link = session.link if session is not None else None
+        for _, _, groups in held:
+            groups.discard(full)
+        while held and (held[0][0] is not link or not held[0][2]):
+            was, packet, groups = held.pop(0)
+            if was is link:
+                link.send(packet)
+        if not held:
+            del self.subacks[client_id]
 
     def group_home(self, full: str) -> int | None:
         """The worker holding group ``full``; None when it is this one (always, alone)."""
         peers = self.state.hooks.group_peers
         return None if peers is None else peers.home(full)
 
-    def join_group(self, session: Session, full: str) -> None:
+    def join_group(self, session: Session, full: str) -> bool:
+        """The session joins group ``full``; False if it is not told yet that it did:
+        :meth:`group_joined` follows (the group's home answers, or stored it)."""
         if session.link is None:
-            return
+            return True
         home = self.group_home(full)
         if home is not None:
             peers = self.state.hooks.group_peers
@@ -87,14 +153,18 @@ class SharedGroups:
                 window,
                 self.state.usernames.get(session.client_id),
             )
-            return
+            return False
         group = self.group(full)
         if session.client_id not in group.members:
             group.members.append(session.client_id)
+        if not group.stored:
+            group.waiting.append((None, session.client_id))
+        return group.stored
 
     def leave_group(self, session: Session, full: str, *, orphan_inflight: bool = False) -> None:
         """Remove a member. Its unacknowledged deliveries go to other members when the
         session is ending (s4.8.2); a persistent session keeps them for its return."""
+        self.group_joined(full, session.client_id)  # a SUBACK held for it leaves
         orphans: list[tuple[PartitionKey, int]] = []
         if orphan_inflight or not session.persistent:
             for pid, (key, offset, _, _, _, taken_from, _) in session.inflight_entries():
@@ -149,6 +219,10 @@ class SharedGroups:
         )
         if client_id not in group.members:
             group.members.append(client_id)
+        if group.stored:
+            self._joined(worker, full, client_id)
+        else:
+            group.waiting.append((worker, client_id))
         self.pump_group(group)
 
     def remote_leave(
@@ -269,6 +343,7 @@ class SharedGroups:
                 self.partition(key).watchers.discard(GroupWatcher(full))
         self.groups.clear()
         self.state.groups_dirty = False
+        self.frozen = False
         for full, state in (held or {}).items():
             self.restore_group(full, state, True)
         for session in list(self.sessions.values()):
@@ -277,12 +352,30 @@ class SharedGroups:
         for group in list(self.groups.values()):
             self.pump_group(group)
 
+    def freeze(self, frozen: bool) -> None:
+        """Stop (or start again) handing out the records of the groups held here: a
+        cluster's home about to hand them over waits for what it handed out to be done
+        (:meth:`drained`), so that the next home, from the positions stored then, sends
+        nothing twice (broker.workers.cluster_groups)."""
+        self.frozen = frozen
+        if not frozen:
+            for group in list(self.groups.values()):
+                self.pump_group(group)
+
+    def drained(self) -> bool:
+        """Whether every record the groups held here handed out is done."""
+        return all(
+            self.done_positions(group) == group.consumer.cursors for group in self.groups.values()
+        )
+
     def pump_group(self, group: SharedGroup) -> None:
         """Spread the group's records over members that can take them, round robin.
 
         Each record goes to exactly one member, at the minimum of its QoS and that member's
         subscription QoS [MQTT-3.8.4-8], never as retained (s4.8.2).
         """
+        if self.frozen:
+            return
         while group.orphans:
             key, offset = group.orphans[0]
             rec = self.read_exact(key, offset)

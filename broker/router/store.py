@@ -23,7 +23,7 @@ from broker.commitlog.keys import PartitionKey
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import parse_shared
-from broker.router.commit import AckCallback, GroupCommit
+from broker.router.commit import OUTCOME_UNKNOWN, AckCallback, GroupCommit
 from broker.router.partition import GroupWatcher, SessionWatcher
 from broker.router.session import Consumer, Session, SharedGroup, Subscription
 from broker.router.state import RETAINED, SESSIONS, RouterState
@@ -43,6 +43,8 @@ class SessionStore:
     connection_lost: Callable[..., None]
     #: A group's positions done (broker.router.shared.SharedGroups.done_positions).
     done_positions: Callable[[SharedGroup], dict[PartitionKey, int]]
+    #: What a write of a group's positions calls (broker.router.shared.SharedGroups.stored_ack).
+    stored_ack: Callable[[str, SharedGroup], AckCallback | None]
 
     def __init__(self, state: RouterState, commit: GroupCommit) -> None:
         self.state = state
@@ -98,13 +100,41 @@ class SessionStore:
         """Each group's positions: ``cursors``, the next record to hand out (where one node
         continues after a restart: what was handed out is in its members' sessions), and
         ``done``, the first record not yet done (where a cluster's new home continues)."""
-        state = self.state
-        state.groups_dirty = False
-        for full, group in state.groups.items():
-            cursors = [[k[0], k[1], off] for k, off in group.consumer.cursors.items()]
-            done = [[k[0], k[1], off] for k, off in self.done_positions(group).items()]
-            payload = orjson.dumps({"cursors": cursors, "done": done})
-            self.commit.enqueue(Record(-1, state.now_ms(), full, payload), None, SESSIONS)
+        self.state.groups_dirty = False
+        for full, group in self.state.groups.items():
+            self.persist_group(full, group, self.stored_ack(full, group))
+
+    def store_groups(self, then: Callable[[bool], None]) -> None:
+        """Write every group's positions now; ``then(True)`` once all are in the log,
+        ``then(False)`` if one is not (broker.workers.cluster_groups' hand-over)."""
+        groups = list(self.state.groups.items())
+        outcomes: list[bool] = []
+        if not groups:
+            then(True)
+
+        def ack_of(full: str, group: SharedGroup) -> AckCallback:
+            stored = self.stored_ack(full, group)
+
+            def ack(offset: int | None) -> None:
+                if stored is not None:
+                    stored(offset)
+                outcomes.append(offset is not None and offset != OUTCOME_UNKNOWN)
+                if len(outcomes) == len(groups):
+                    then(all(outcomes))
+
+            return ack
+
+        self.state.groups_dirty = False
+        for full, group in groups:
+            self.persist_group(full, group, ack_of(full, group))
+
+    def persist_group(self, full: str, group: SharedGroup, ack: AckCallback | None) -> None:
+        """Write the positions of ``group`` (:meth:`persist_groups`); ``ack`` is called once
+        they are in the log."""
+        cursors = [[k[0], k[1], off] for k, off in group.consumer.cursors.items()]
+        done = [[k[0], k[1], off] for k, off in self.done_positions(group).items()]
+        payload = orjson.dumps({"cursors": cursors, "done": done})
+        self.commit.enqueue(Record(-1, self.state.now_ms(), full, payload), ack, SESSIONS)
 
     def close(self) -> None:
         """Persist every session and flush: called on shutdown."""

@@ -56,9 +56,10 @@ class Subscriptions:
         sub_id = ids[0] if ids else None
         codes: list[int] = []
         refusals: list[str] = []  # 5.0: the SUBACK's Reason String says why (s3.9.2.1.2)
+        joining: set[str] = set()  # shared groups that have not stored this member yet
         for req in packet.subscriptions:
             try:
-                code = self._subscribe_one(session, req, sub_id)
+                code = self._subscribe_one(session, req, sub_id, joining)
             except TopicFilterInvalid as e:
                 log.info("%s: SUBSCRIBE %r refused: %s", session.client_id, req.topic_filter, e)
                 code = e.reason_code if session.version == 5 else 0x80
@@ -71,11 +72,19 @@ class Subscriptions:
         props: dict[int, Any] = {}
         if refusals and session.version == 5 and session.request_problem_information:
             props[PropertyId.REASON_STRING] = "; ".join(refusals)  # [MQTT-3.1.2-29]
-        link.send(SubAck(packet.packet_id, codes, props))
+        suback = SubAck(packet.packet_id, codes, props)
+        if joining or self.shared.subacks.get(session.client_id):
+            self.shared.hold_suback(session, suback, joining)  # after those held before
+        else:
+            link.send(suback)
         self.store.persist(session)
         self.pump_session(session)
 
-    def _subscribe_one(self, session: Session, req: SubscriptionRequest, sub_id: int | None) -> int:
+    def _subscribe_one(
+        self, session: Session, req: SubscriptionRequest, sub_id: int | None, joining: set[str]
+    ) -> int:
+        """One subscription of a SUBSCRIBE: its SUBACK code. A shared group the session
+        joins and that is not stored yet goes into ``joining`` (its SUBACK waits for it)."""
         full = req.topic_filter
         if len(full.encode()) > self.state.config.max_topic_length:
             raise TopicFilterInvalid(f"longer than {self.state.config.max_topic_length} bytes")
@@ -106,7 +115,8 @@ class Subscriptions:
                 raise ProtocolError("no local on a shared subscription [MQTT-3.8.3-4]")
             sub.topic_filter = plain
             session.shared[full] = sub
-            self.shared.join_group(session, full)
+            if not self.shared.join_group(session, full):
+                joining.add(full)
             return req.qos  # no retained messages for shared subscriptions (s4.8.2)
         consumer = session.main
         existed = plain in consumer.subscriptions

@@ -13,10 +13,15 @@ remote reads; a DELIVER names only a partition and an offset).
 
 The home persists each group's ``done`` positions (broker.router.store: below them every
 record was sent at QoS 0 or acknowledged) in ``$sessions``, and every node applies them
-(:attr:`broker.workers.replicated_sessions.ClusterSessions.groups`). When the leadership
-moves (the home died, was cut off, or handed it over) the new leader holds the groups from
-those positions and the members on every node join it again, so a record in flight at the
-old home goes out again to some member: at least once, with duplicates, never lost. A node
+(:attr:`broker.workers.replicated_sessions.ClusterSessions.groups`); a new group's are
+committed before its first member's SUBACK leaves (broker.router.shared), so a record
+published after it is never before where a next home starts. When the leadership moves the
+new leader holds the groups from those positions, once an entry of its term committed (it
+applied every earlier one then), and the members on every node join it again. If the home
+died or was cut off, a record in flight there goes out again to some member: at least once,
+with duplicates, never lost. A planned hand-over (the balancer, an operator's transfer, a
+node leaving) waits first for what the home handed out to be done and commits the positions
+then (:meth:`ClusterGroupPeers._before_transfer`): nothing goes out twice. A node
 whose link to the home closes joins it again when the link is back; the home gives what the
 members of a node it lost the link to had outstanding to the other members, as a worker's
 death does on one node, and asks that node to join again once its link to it is back.
@@ -38,6 +43,7 @@ import orjson
 
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode
 from broker.cluster.placement import node_id_of
+from broker.cluster.raft import NotLeader
 from broker.router.state import SESSIONS
 from broker.workers.groups import MeshGroupPeers
 
@@ -46,15 +52,20 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("broker.cluster")
 
-#: Transport kinds JOIN, LEAVE, DELIVER, DONE (``FIRST_APP_KIND`` .. + 5 are the forwards',
-#: leadership's and remote reads'), then :data:`REJOIN`.
+#: Transport kinds JOIN, LEAVE, DELIVER, DONE, JOINED (``FIRST_APP_KIND`` .. + 5 are the
+#: forwards', leadership's and remote reads'), then :data:`REJOIN`.
 FIRST_KIND = FIRST_APP_KIND + 6
 #: Home to a node whose members it let go while it had no link to it, once the link is back:
 #: join again (that node's own link to the home may never have closed).
-REJOIN = FIRST_KIND + 4
+REJOIN = FIRST_KIND + MeshGroupPeers.KINDS
 #: Seconds between two checks of the home (the ``$sessions`` leader) and of the links to it
 #: or to its members' nodes.
 CHECK_SECONDS = 0.25
+#: Seconds a planned hand-over of the groups waits at most for what the home handed out to
+#: be done (a member that does not acknowledge gets it again from the next home).
+HANDOVER_SECONDS = 2.0
+#: Seconds between two looks at whether it is.
+DRAIN_SECONDS = 0.01
 
 
 class ClusterGroupPeers(MeshGroupPeers):
@@ -78,6 +89,15 @@ class ClusterGroupPeers(MeshGroupPeers):
         self.node.handlers[REJOIN] = self._on_rejoin
         #: At the home: nodes whose members it let go for want of a link (:data:`REJOIN`).
         self.let_go: set[int] = set()
+        #: Frames to the home received while this node leads ``$sessions`` but is not the
+        #: home yet (:meth:`_ready`): handled once it is, in order.
+        self.early: list[tuple[Callable[[int, int, memoryview], None], int, bytes]] = []
+        #: A planned hand-over in preparation: the node ``$sessions`` goes to, and until when
+        #: it waits for the records handed out (:meth:`_before_transfer`).
+        self.handing_over: tuple[int, float] | None = None
+        #: Prepared: the next transfer goes ahead. ``frozen``: the groups hand out nothing.
+        self.handover_ready = False
+        self.frozen = False
 
     def _home_of(self, group: str) -> int:
         return self.home_node if self.home_node is not None else self.node.id
@@ -96,7 +116,10 @@ class ClusterGroupPeers(MeshGroupPeers):
             if to_home and self.home_node != self.node.id:
                 self.check()  # elected a moment ago?
                 if self.home_node != self.node.id:
-                    return  # its sender's view is older: it joins the home it learns of
+                    if self.sessions_group is not None and self.node.is_leader(self.sessions_group):
+                        self.early.append((handler, frm, bytes(body)))  # home in a moment
+                    # else its sender's view is older: it joins the home it learns of
+                    return
             handler(frm, 0, body)
 
         return handle
@@ -118,6 +141,8 @@ class ClusterGroupPeers(MeshGroupPeers):
             self._link_lost(node_id_of(name))
 
         transport.on_link_lost = link_lost
+        if self.sessions_group is not None and self.node.host is not None:
+            self.node.host.before_transfer[self.sessions_group] = self._before_transfer
         self._tick()
 
     def _tick(self) -> None:
@@ -132,18 +157,29 @@ class ClusterGroupPeers(MeshGroupPeers):
         if router is None or g is None:
             return
         leader = self.node.leader(g)
+        me = leader == self.node.id
+        if not me:
+            self.early.clear()
+        if me and leader != self.home_node and not self._ready(g):
+            return  # the home it follows until then may still answer
         if leader is not None and leader != self.home_node:
             self.home_node = leader
             self.home_up = True
             self.let_go.clear()
-            me = leader == self.node.id
             log.info(
                 "cluster: shared groups: held by node %s from now on%s",
                 self.node.names.get(leader, leader),
                 " (here)" if me else "",
             )
+            self.frozen, self.handing_over = False, None  # the groups it froze are dropped
             router.rehome_groups(self._persisted() if me else None)
+            early, self.early = self.early, []
+            for handler, frm, body in early:
+                handler(frm, 0, memoryview(body))
         elif self.home_node == self.node.id:
+            transferring = self.handing_over or self.node.core(g).transferee is not None
+            if self.frozen and me and not transferring:
+                self._thaw()  # the hand-over failed: this node leads still
             self._members_lost()
         elif self.home_node is not None:
             name = self.node.names.get(self.home_node, "")
@@ -152,6 +188,15 @@ class ClusterGroupPeers(MeshGroupPeers):
                 log.info("cluster: shared groups: the link to node %s is back: joining again", name)
                 router.rejoin_groups(self.home_node)
             self.home_up = up
+
+    def _ready(self, g: int) -> bool:
+        """Whether this leader of ``$sessions`` (group ``g``) applied every group position
+        committed before its term: it holds them all (Raft s5.4.1), but learns which are
+        committed only once an entry of its own term is (s5.4.2); applied here with the
+        commit (broker.workers.replicated). A group it did not find would start at the end
+        of its partitions, after records published since its members' SUBACKs."""
+        core = self.node.core(g)
+        return core.terms.term_at(core.commit) == core.term
 
     def _persisted(self) -> dict[str, dict[str, Any]]:
         """Every group's state as committed in ``$sessions`` and applied here."""
@@ -199,3 +244,57 @@ class ClusterGroupPeers(MeshGroupPeers):
         if self.router is not None and frm == self.home_node:
             log.info("cluster: shared groups: node %s asks to join again", self.node.names[frm])
             self.router.rejoin_groups(frm)
+
+    # ------------------------------------------------------------ a planned hand-over
+
+    def _before_transfer(self, to: int) -> bool:
+        """``$sessions``' leadership is to go to node ``to`` (the balancer, an operator's
+        transfer, this node leaving): its groups first stop handing out records, wait for
+        those handed out to be done (at most :data:`HANDOVER_SECONDS`) and store their
+        positions, then this asks for the transfer again; the next home, starting from
+        them, sends nothing twice (an unplanned change sends again what was in flight)."""
+        router = self.router
+        if self.handover_ready:
+            self.handover_ready = False
+            return True
+        if router is None or self.home_node != self.node.id or not router.groups:
+            return True
+        if self.handing_over is None:
+            log.info(
+                "cluster: shared groups: handing them to node %s once what was sent is done",
+                self.node.names.get(to, to),
+            )
+            self.handing_over = (to, self.node.loop.time() + HANDOVER_SECONDS)
+            self.frozen = True
+            router.freeze_groups(True)
+            self._drain()
+        return False
+
+    def _drain(self) -> None:
+        router, handing_over = self.router, self.handing_over
+        if router is None or handing_over is None:
+            return
+        if not router.groups_drained() and self.node.loop.time() < handing_over[1]:
+            self.node.loop.call_later(DRAIN_SECONDS, self._drain)
+            return
+        router.store_groups(self._stored)
+
+    def _stored(self, stored: bool) -> None:
+        """The positions of the groups are in ``$sessions`` (or not): hand over."""
+        handing_over, self.handing_over = self.handing_over, None
+        g = self.sessions_group
+        if not stored or handing_over is None or g is None or not self.node.is_leader(g):
+            self._thaw()
+            return
+        self.handover_ready = True
+        try:
+            self.node.transfer_leadership(g, handing_over[0])
+        except (NotLeader, ValueError) as e:
+            log.warning("cluster: shared groups: the hand-over failed: %s", e)
+            self.handover_ready = False
+            self._thaw()
+
+    def _thaw(self) -> None:
+        self.frozen = False
+        if self.router is not None:
+            self.router.freeze_groups(False)

@@ -11,7 +11,9 @@ acknowledged, or gives it back when the member leaves before that. When a worker
 homes give what its members had outstanding to the other members.
 
 Frames (bodies in JSON, small and rare next to the records themselves): ``JOIN``, ``LEAVE``
-and ``DONE`` go to the home, ``DELIVER`` to the member's worker. Called only from the
+and ``DONE`` go to the home, ``DELIVER`` and ``JOINED`` to the member's worker. ``JOINED``
+answers a JOIN once the group's positions are stored (at once, but for a new group): the
+member's SUBACK waits for it (broker.router.shared). Called only from the
 worker's event loop.
 """
 
@@ -33,12 +35,17 @@ if TYPE_CHECKING:
 class MeshGroupPeers:
     """Implements :class:`broker.router.hooks.GroupPeers` for worker ``worker``."""
 
+    #: Frame kinds it uses from ``first_kind`` on.
+    KINDS = 5
+
     def __init__(self, worker: int, home_of: Callable[[str], int], first_kind: int) -> None:
         self.worker = worker
         self.home_of = home_of
         self.mesh: Mesh | None = None
         self.router: Router | None = None
-        self.JOIN, self.LEAVE, self.DELIVER, self.DONE = range(first_kind, first_kind + 4)
+        self.JOIN, self.LEAVE, self.DELIVER, self.DONE, self.JOINED = range(
+            first_kind, first_kind + self.KINDS
+        )
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
         return {
@@ -46,6 +53,7 @@ class MeshGroupPeers:
             self.LEAVE: self._on_leave,
             self.DELIVER: self._on_deliver,
             self.DONE: self._on_done,
+            self.JOINED: self._on_joined,
         }
 
     def home(self, group: str) -> int | None:
@@ -88,6 +96,9 @@ class MeshGroupPeers:
     ) -> None:
         self._send(worker, self.DELIVER, [group, client_id, key[0], key[1], offset, qos])
 
+    def joined(self, worker: int, group: str, client_id: str) -> None:
+        self._send(worker, self.JOINED, [group, client_id])
+
     # ------------------------------------------------------------ received
 
     def _on_join(self, peer: int, request: int, body: memoryview) -> None:
@@ -109,3 +120,8 @@ class MeshGroupPeers:
         group, client_id, stream, partition, offset, qos = orjson.loads(body)
         assert self.router is not None
         self.router.remote_deliver(group, client_id, (stream, partition), offset, qos)
+
+    def _on_joined(self, peer: int, request: int, body: memoryview) -> None:
+        group, client_id = orjson.loads(body)
+        assert self.router is not None
+        self.router.group_joined(group, client_id)

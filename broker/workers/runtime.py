@@ -55,12 +55,12 @@ VIEW = SESSIONS_NEXT_KIND + 1
 #: the address in the body.
 CONNECTIONS = SESSIONS_NEXT_KIND + 2
 LOGIN_FAILED = SESSIONS_NEXT_KIND + 3
-#: The four kinds of the shared groups' frames (broker.workers.groups) start here.
+#: The kinds of the shared groups' frames (broker.workers.groups) start here.
 GROUP_KINDS = SESSIONS_NEXT_KIND + 4
 #: Request: run one of a worker's admin actions (``name\0`` and its JSON argument), answered
 #: with its JSON result (an admin request that only the worker owning a partition can do,
 #: such as a cluster's leadership transfer).
-CALL = GROUP_KINDS + 4
+CALL = GROUP_KINDS + MeshGroupPeers.KINDS
 
 
 @dataclass(frozen=True, slots=True)

@@ -23,6 +23,8 @@ import asyncio
 import contextlib
 import itertools
 import queue
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -30,9 +32,10 @@ from typing import Any
 
 import pytest
 
+from bench.mqttclient import MqttClient
 from broker.cluster.placement import group_id_of, node_ids, replicas
 from tests import netlab
-from tests.cluster_lab import MQTT_PORT, Member, MqlogCluster
+from tests.cluster_lab import HTTP_PORT, MQTT_PORT, Member, MqlogCluster
 from tests.integration.clients import Client
 from tests.integration.test_cluster_remote import _load
 from tests.netlab import Lab
@@ -293,3 +296,162 @@ def test_the_home_killed_under_load_loses_no_acknowledged_record(cluster: MqlogC
     )
     assert new_home is not h
     assert not lost, f"lost: {sorted(lost)[:10]}"
+
+
+#: Seconds from a new group's SUBACK to the kill of its home: most often before the home's
+#: timer (broker.router.lifecycle.tick, every 0.5 s) persisted the group's positions.
+KILL_AFTER_SUBACK = 0.1
+
+
+async def _publish(host: str, topic: str, n: int, acked: list[tuple[float, bytes]]) -> None:
+    """``n`` QoS 1 publishes to ``topic`` through ``host``, one at a time, each resent (DUP) on
+    a new connection until PUBACKed [MQTT-4.4.0-1]; ``acked``: (when it was first sent, its
+    payload) of each acknowledged one."""
+    c = await MqttClient.connect(host, MQTT_PORT, "fresh-pub", timeout=5)
+    deadline = time.monotonic() + 60
+    try:
+        for i in range(n):
+            payload, dup, first = f"f{i}".encode(), False, time.monotonic()
+            while True:
+                assert time.monotonic() < deadline, f"{payload!r} never acknowledged"
+                try:
+                    if c is None or c.is_closed:
+                        c = await MqttClient.connect(host, MQTT_PORT, "fresh-pub", timeout=5)
+                    await asyncio.wait_for(c.publish(topic, payload, dup=dup), 5)
+                    acked.append((first, payload))
+                    break
+                except (OSError, ConnectionError, TimeoutError):
+                    if c is not None:
+                        c.close()
+                    c, dup = None, True
+                    await asyncio.sleep(0.05)
+            await asyncio.sleep(0.002)
+    finally:
+        if c is not None:
+            c.close()
+
+
+def test_the_home_killed_right_after_a_new_groups_suback_loses_nothing(
+    cluster: MqlogCluster,
+) -> None:
+    """A new group's first member subscribes on a node other than the home while a publisher
+    on the third node publishes QoS 1 records one after another; the home is killed (kill -9)
+    100 ms after the SUBACK. Every record acknowledged and first sent after the SUBACK reaches
+    the member: the group's starting positions were committed before the SUBACK, and the new
+    home starts the group there (before, the SUBACK left at once and the positions were
+    committed at the home's next tick: the new home found no group and started it at the
+    partitions' end as the member joined it again, and the records acknowledged in between
+    were lost to the group)."""
+    h = home(cluster)
+    a, b = [m for m in cluster.members if m is not h]
+    sub = member(a, "fresh")
+    collector = Collector([sub])
+    acked: list[tuple[float, bytes]] = []
+    asked = subacked = killed = 0.0
+
+    async def run() -> None:
+        nonlocal asked, subacked, killed
+        load = asyncio.create_task(_publish(b.addr, f"{STREAM}/fresh/x", 400, acked))
+        await asyncio.sleep(0.5)  # publishing
+        asked = time.monotonic()
+        granted = await asyncio.to_thread(sub.subscribe, f"$share/fresh/{STREAM}/fresh/#", 1)
+        assert granted == [1]
+        subacked = time.monotonic()
+        await asyncio.sleep(KILL_AFTER_SUBACK)
+        await asyncio.to_thread(cluster.kill, h)
+        killed = time.monotonic()
+        await load
+
+    try:
+        asyncio.run(run())
+        due = {p for sent, p in acked if sent > subacked}
+        collector.wait(due, timeout=30)
+        new_home = home(cluster)
+    finally:
+        collector.stop()
+        sub.disconnect()
+        cluster.start(h)
+    payloads = [p for _, _, p in collector.got]
+    lost = due - set(payloads)
+    before_kill = sum(1 for sent, _ in acked if subacked < sent < killed)
+    print(
+        f"home {h.node_id} killed {killed - subacked:.2f} s after a new group's SUBACK: "
+        f"{len(due)} acknowledged records sent after the SUBACK ({before_kill} before the "
+        f"kill), lost {len(lost)}; new home {new_home.node_id}; the SUBACK took "
+        f"{(subacked - asked) * 1000:.1f} ms (a JOIN, a commit of $sessions, a JOINED)"
+    )
+    assert new_home is not h
+    assert not lost, f"lost {len(lost)}: {sorted(lost)[:10]}"
+
+
+def _transfer_sessions(cluster: MqlogCluster, via: Member, to: Member) -> str:
+    """``mqlog cluster transfer-leader $sessions/0 <to>``, asked of ``via``; its output."""
+    argv = ["cluster", "transfer-leader", "$sessions/0", to.node_id]
+    url = f"http://{via.addr}:{HTTP_PORT}"
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", *argv, "--broker", url],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    return done.stdout.strip()
+
+
+def test_a_planned_hand_over_of_the_home_sends_nothing_twice(cluster: MqlogCluster) -> None:
+    """``$sessions``' leadership handed to another node (``mqlog cluster transfer-leader``)
+    under QoS 1 load to a group with members on every node, then handed back: the old home
+    stops handing out records, waits for those handed out to be acknowledged, commits its
+    positions, then hands over; the new home starts from them. Every record is delivered
+    exactly once (before, the old home handed over with its positions up to 0.5 s old, and
+    the new home sent again every record acknowledged since)."""
+    h = home(cluster)
+    a, b = [m for m in cluster.members if m is not h]
+    members = [member(m, "moved") for m in (a, b, h)]
+    collector = Collector(members)
+    topic = f"{STREAM}/moved/x"
+    said: list[str] = []
+    try:
+        for c in members:
+            assert c.subscribe(f"$share/moved/{STREAM}/moved/#", qos=1) == [1]
+        time.sleep(1.0)
+
+        async def run() -> list[str]:
+            half = asyncio.Event()
+            load = asyncio.create_task(_load(a.addr, topic, 600, half, []))
+            await half.wait()
+            said.append(await asyncio.to_thread(_transfer_sessions, cluster, b, a))
+            return await load
+
+        acked = {x.encode() for x in asyncio.run(run())}
+        collector.wait(acked, timeout=30)
+        moved_to = cluster.member(str(_leaders(cluster, b)[("$sessions", 0)]))
+        # And back, with records in flight again.
+        pub = member(b, "moved-pub")
+        later = [f"m{i}".encode() for i in range(300)]
+        for i, payload in enumerate(later):
+            pub.publish(topic, payload, qos=1, wait=i % 20 == 19)
+            if i == 150:
+                said.append(_transfer_sessions(cluster, a, h))
+        pub.disconnect()
+        collector.wait(set(later), timeout=30)
+        back = home(cluster)
+    finally:
+        collector.stop()
+        for c in members:
+            c.disconnect()
+    payloads = [p for _, _, p in collector.got]
+    every = acked | set(later)
+    lost = every - set(payloads)
+    duplicates = len(payloads) - len(set(payloads))
+    # What a hand-over costs: the longest pause in the members' deliveries.
+    stamps = sorted(t for t, _, _ in collector.got)
+    gap = max((y - x for x, y in itertools.pairwise(stamps)), default=0.0)
+    print(
+        f"$sessions handed {h.node_id} -> {moved_to.node_id} -> {back.node_id} under QoS 1 "
+        f"load ({'; '.join(said)}): {len(every)} acknowledged, lost {len(lost)}, "
+        f"{duplicates} duplicates; longest pause in the deliveries {gap:.2f} s"
+    )
+    assert moved_to is a and back is h
+    assert not lost, f"lost: {sorted(lost)[:10]}"
+    assert duplicates == 0

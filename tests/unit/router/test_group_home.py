@@ -10,7 +10,7 @@ from typing import Any
 import orjson
 
 from broker.commitlog.keys import PartitionKey
-from broker.mqtt.packets import Subscribe, Subscription
+from broker.mqtt.packets import SubAck, Subscribe, Subscription
 from broker.router.hooks import SingleWorker
 from broker.router.state import SESSIONS
 from tests.unit.router.conftest import Harness
@@ -76,6 +76,9 @@ class _Peers:
     def deliver(self, *args: object) -> None:
         pass
 
+    def joined(self, *args: object) -> None:
+        pass
+
     def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
         self.done.append(offset)
 
@@ -96,4 +99,108 @@ def test_a_record_not_yet_committed_here_waits_for_the_commit(h: Harness) -> Non
     assert h.hooks.group_peers.done == []  # type: ignore[attr-defined]
     h.publish(pub, "t/x", b"1", 1, 2)
     h.run()
+    assert [p.payload for p in link.take()] == [b"1"]
+
+
+def _stored(h: Harness) -> bool:
+    """Whether the group's positions are in ``$sessions``."""
+    log = h.streams.log(*SESSIONS)
+    return any(r.topic == GROUP for r in log.read(log.log_start_offset, 10_000))
+
+
+def test_a_new_groups_suback_follows_its_stored_positions(h: Harness) -> None:
+    """The positions a new group starts at are in the log before its first member's SUBACK
+    leaves: a cluster's next home starts the group there, not at the end of the partitions
+    it finds (a record published after the SUBACK would be lost to the group). Fails if the
+    SUBACK leaves at once (before this, with the positions written at the next tick)."""
+    link, s = h.connect("first", 4)
+    stored_at_suback: list[bool] = []
+    send = link.send
+
+    def send_noting(packet: Any) -> None:
+        if isinstance(packet, SubAck):
+            stored_at_suback.append(_stored(h))
+        send(packet)
+
+    link.send = send_noting  # type: ignore[method-assign]
+    h.router.subscribe(s, Subscribe(1, [Subscription(GROUP, 1)]))
+    assert link.of(SubAck) == []  # not stored yet
+    h.run()
+    assert stored_at_suback == [True]
+    # A second member of the stored group is answered at once.
+    link2, s2 = h.connect("second", 4)
+    h.router.subscribe(s2, Subscribe(1, [Subscription(GROUP, 1)]))
+    assert len(link2.of(SubAck)) == 1
+
+
+class _Home(SingleWorker):
+    """The home's side: every group is held here, a member joins from node 2."""
+
+    def __init__(self) -> None:
+        self.group_peers = _Joined()
+
+
+class _Joined(_Peers):
+    def __init__(self) -> None:
+        super().__init__()
+        self.joined_at: list[tuple[str, bool]] = []
+        self.stored: Any = None
+
+    def home(self, group: str) -> int | None:
+        return None
+
+    def joined(self, worker: int, group: str, client_id: str) -> None:
+        self.joined_at.append((client_id, self.stored()))
+
+
+def test_the_home_answers_a_join_of_a_new_group_once_it_is_stored(h: Harness) -> None:
+    h.hooks = _Home()
+    h.restart()
+    peers: _Joined = h.hooks.group_peers  # type: ignore[assignment]
+    peers.stored = lambda: _stored(h)
+    h.router.remote_join(2, GROUP, "far", 1, None, 4, 10, None)
+    assert peers.joined_at == []
+    h.run()
+    assert peers.joined_at == [("far", True)]
+    h.router.remote_join(2, GROUP, "far2", 1, None, 4, 10, None)
+    assert peers.joined_at[1:] == [("far2", True)]  # stored already: at once
+
+
+def test_a_members_suback_waits_for_its_home_to_answer(h: Harness) -> None:
+    """On a member's node the SUBACK of a shared subscription leaves once the group's home
+    says it joined (broker.workers.groups JOINED), after the SUBACKs held before it."""
+    h.hooks = _Elsewhere()
+    h.restart()
+    link, s = h.connect("member", 4)
+    h.router.subscribe(s, Subscribe(1, [Subscription(GROUP, 1)]))
+    h.router.subscribe(s, Subscribe(2, [Subscription("t/plain", 1)]))
+    h.run()
+    assert link.of(SubAck) == []
+    h.router.group_joined(GROUP, "member")
+    assert [p.packet_id for p in link.of(SubAck)] == [1, 2]
+
+
+def test_a_frozen_group_hands_out_nothing_and_stores_its_drained_positions(h: Harness) -> None:
+    """Before a planned hand-over (broker.workers.cluster_groups) the home's groups stop
+    handing out records; once what was handed out is acknowledged the done positions are
+    the cursors, and those are stored: the next home starts after every acknowledged record."""
+    link, s = h.connect("m", 4)
+    h.subscribe(s, GROUP, 1)
+    _, pub = h.connect("pub", 4)
+    h.publish(pub, "t/x", b"0", 1, 1)
+    h.run()
+    (sent,) = link.take()
+    h.router.freeze_groups(True)
+    h.publish(pub, "t/x", b"1", 1, 2)
+    h.run()
+    assert link.take() == []  # frozen: not handed out
+    assert not h.router.groups_drained()  # "0" is not acknowledged
+    h.router.puback(s, sent.packet_id)
+    assert h.router.groups_drained()
+    stored: list[bool] = []
+    h.router.store_groups(stored.append)
+    h.run()
+    assert stored == [True]
+    assert _persisted(h)["done"] == [["default", 0, 1]]  # the next home starts at "1"
+    h.router.freeze_groups(False)
     assert [p.payload for p in link.take()] == [b"1"]

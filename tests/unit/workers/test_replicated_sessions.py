@@ -60,6 +60,7 @@ class Node:
         # What its ClusterGroupPeers registers, and looks $sessions' group up in.
         self.handlers: dict[int, object] = {}
         self.group_keys: dict[int, object] = {}
+        self.host = None  # no Raft groups: nothing registers before their hand-overs
 
 
 SPECS = [StreamSpec("default", (), 1, LogConfig(fsync="never"))]
