@@ -265,12 +265,18 @@ def test_a_leader_sends_a_follower_only_heartbeats_while_its_next_entry_is_unrea
         TermTable.of_terms([1, 1, 1, 1]),
     )
     elect(core, log)
+    # Node 3 holds everything, the new term's NOOP (index 5) included: all is committed, so
+    # an unreadable entry is being repaired (an uncommitted one would make the leader step
+    # down: tests/unit/cluster/test_damaged_leader.py).
+    log.apply(core.flushed(5))
+    log.apply(core.receive(AppendResp(3, 1, 2, True, 5, 5, 0, None)))
+    assert core.commit == 5
     log.unreadable = frozenset({2})
     # Node 2 holds index 1 only: the leader probes it from 2, which it cannot read.
     sent = log.apply(core.receive(AppendResp(2, 1, 2, False, 4, 0, 2, None)))
     assert [m for m in sent if m.to == 2] == []
     beat = [m for m in log.apply(core.tick()) if m.to == 2]
-    assert beat == [AppendEntries(1, 2, 2, 0, 0, (), 0)]  # a heartbeat, no entry
+    assert beat == [AppendEntries(1, 2, 2, 0, 0, (), 5)]  # a heartbeat, no entry
     log.unreadable = frozenset()  # repaired
     sent = [m for m in log.apply(core.tick()) if m.to == 2]
     assert len(sent) == 1 and isinstance(sent[0], AppendEntries)

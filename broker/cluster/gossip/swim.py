@@ -27,18 +27,17 @@ The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
   timeouts with confirmations, nacks, and the buddy system (a ping to a member we suspect
   carries the suspicion, so it refutes at once: Lifeguard, "Buddy System").
 - Suspicions probed (ours, with Lifeguard; not in SWIM, Lifeguard or memberlist): a member
-  that learns of another's suspicion probes the suspect next (each member with probability
-  (k + 2) / (n - 2): all of them in a small group, a few in a large one), at once if no probe is in
-  flight, unless its last probe was already such a one (then the round-robin order has this
-  period: members slow to answer can keep suspicions coming, and the order must still reach
-  a silent death). A dead member so gets its independent confirmations one period after the first
-  suspicion, instead of whenever each member's round-robin order reaches it; a live one gets
-  pings carrying the suspicion (the buddy system), so it refutes through several paths at
-  once. Hence the minimum suspicion timeout takes one confirmation at least when anyone else
-  can give it (``k`` >= 1; memberlist's ``suspicion_mult - 2`` is 0 for a multiplier of 2 or
-  less): a lone suspicion waits the maximum. And a member holding a member DEAD (or LEFT) that
-  hears it suspected tells the sender again, whose lone suspicion would otherwise wait out
-  that maximum when every copy of the death was lost. Measured in ``docs/gossip.md``.
+  that learns of another's suspicion probes the suspect next (with probability
+  (k + 2) / (n - 2): all of them in a small group, a few in a large one), unless its last
+  probe was already such a one (members slow to answer can keep suspicions coming, and the
+  round-robin order must still reach a silent death). A dead member so gets its independent
+  confirmations one period after the first suspicion; a live one gets pings carrying the
+  suspicion (the buddy system) and refutes through several paths at once. Hence the minimum
+  suspicion timeout takes one confirmation whenever anyone else can give it (``k`` >= 1;
+  memberlist's ``suspicion_mult - 2`` is 0 for a multiplier of 2 or less): a lone suspicion
+  waits the maximum. A member holding a member DEAD (or LEFT) that hears it suspected tells
+  the sender again, whose lone suspicion would otherwise wait out that maximum when every
+  copy of the death was lost. Measured in ``docs/gossip.md``.
 
 Invariants: only this member raises its own incarnation; a member's record changes only by
 ``members.overrides``; a DEAD or LEFT member is never probed; every packet built fits
@@ -495,8 +494,7 @@ class Swim:
         low, high = suspicion_bounds(
             cfg.suspicion_mult, cfg.suspicion_max_mult, n, cfg.probe_interval
         )
-        # One confirmation at least before the minimum, when someone else can give it (n > 2;
-        # module doc); memberlist's k = suspicion_mult - 2 is 0 for a multiplier of 2 or less.
+        # One confirmation at least before the minimum, when someone else can give it (doc).
         k = max(0, min(max(1, cfg.suspicion_mult - 2), n - 2))
         if not cfg.lifeguard:
             high, k = low, 0
