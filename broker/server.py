@@ -486,7 +486,10 @@ class Server:
         closed) and waits until they claimed their sessions elsewhere (at most 3 s),
         announces that it is leaving (gossip), and waits up to ``timeout`` s while the
         leaders move its replicas to the other members (``broker.cluster.reshape``; those
-        placement keeps here, with too few other members, stay); then the members hear its
+        placement keeps here, with too few other members, stay, and are not waited for),
+        handing away any leadership the others' balancers gave back before they heard it
+        leaves (from the drain on it declines them, but may still win an election); then the
+        members hear its
         goodbye (left, not dead), and it stops as on SIGTERM. Started again, it is placed
         again: its replicas come back. Raises ValueError where it cannot (a
         single node; several workers per node in this release)."""
@@ -513,17 +516,21 @@ class Server:
         if node.membership is not None:
             node.membership.announce(leaving=True)
         log.info("cluster: leaving: waiting for the leaders to move this node's replicas")
-        kept = await cluster.leadership.vacate(timeout)
+        kept, unmoved = await cluster.leadership.vacate(timeout, asked)
         still = [g for g in node.storages if node.is_leader(g)]
         if node.membership is not None:
             await node.membership.leave(LEAVE_GOODBYE_SECONDS)
         # The answer leaves first; then the same path as SIGTERM (broker.cli's serve).
         asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
-        moved = {node.label(g): node.names.get(to, str(to)) for g, to in asked.items()}
+        moved = {
+            node.label(g): node.names.get(to, str(to)) for g, to in asked.items() if g not in still
+        }
         log.info(
-            "cluster: left: %d leaderships handed over, %d not; %d replicas still here",
+            "cluster: left: %d leaderships handed over, %d not; %d replicas not moved in "
+            "time, %d kept here (too few other members)",
             len(moved),
             len(still),
+            len(unmoved),
             len(kept),
         )
         return {
@@ -531,6 +538,7 @@ class Server:
             "moved": moved,
             "still_leading": [node.label(g) for g in still],
             "replicas_kept": [node.label(g) for g in kept],
+            "replicas_unmoved": [node.label(g) for g in unmoved],
         }
 
     async def _claimed_elsewhere(self, clients: set[str], timeout: float) -> None:

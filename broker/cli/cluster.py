@@ -153,8 +153,13 @@ def cmd_leave(args: argparse.Namespace) -> int:
         print(f"{partition}: still led by {answer.get('node')} (no other replica took it)")
     for partition in answer.get("replicas_kept", []):
         print(
+            f"{partition}: replica stays on {answer.get('node')} (too few other members to "
+            "move it to: not waited for)"
+        )
+    for partition in answer.get("replicas_unmoved", []):
+        print(
             f"{partition}: replica still on {answer.get('node')} (not moved within "
-            f"{args.timeout:g} s, or too few other members to move it to)"
+            f"{args.timeout:g} s)"
         )
     print(f"node {answer.get('node')}: clients told to use another server; stopping")
     return 1 if still else 0

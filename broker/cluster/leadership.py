@@ -66,14 +66,21 @@ class Leadership:
             raise ValueError(f"{label}: its leader {node.names[leader]} is unreachable")
         return f"{label}: asked its leader {node.names[leader]} to hand it to {name}"
 
-    async def drain(self, timeout: float, every: float = 1.0) -> dict[int, int]:
+    async def drain(
+        self, timeout: float, asked: dict[int, int] | None = None, every: float = 1.0
+    ) -> dict[int, int]:
         """Hand every group this node leads to its most caught-up other voter (``mqlog
         cluster leave``), each held there against the balancers (:data:`HOLD`); transfers
         that fail are asked for again every ``every`` s, until none is led here or
-        ``timeout`` passes. Returns group -> the node last asked to lead it."""
+        ``timeout`` passes. From then on this node declines the leaderships the others'
+        balancers would hand back to it (``MultiRaft.declines_leadership``: they do not
+        know yet that it leaves). Returns group -> the node last asked to lead it
+        (``asked``, updated)."""
+        if self.node.host is not None:
+            self.node.host.declines_leadership = True
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
-        asked: dict[int, int] = {}
+        asked = {} if asked is None else asked
         while self.hand_away(asked) and loop.time() < deadline:
             await asyncio.sleep(every)
         return asked
@@ -98,22 +105,25 @@ class Leadership:
             asked[g] = to
         return bool(led)
 
-    async def vacate(self, timeout: float, every: float = 1.0) -> list[int]:
+    async def vacate(
+        self, timeout: float, asked: dict[int, int], every: float = 1.0
+    ) -> tuple[list[int], list[int]]:
         """Wait until the leaders moved this node's replicas elsewhere (``mqlog cluster
-        leave``: the node announced it is leaving, ``broker.cluster.reshape``), handing away
-        any leadership it gets back meanwhile, or ``timeout`` passes. Returns the groups it
-        still holds (those placement keeps here too: too few other members to move them)."""
+        leave``: the node announced it is leaving, ``broker.cluster.reshape``) and it leads
+        nothing, handing away any leadership it holds meanwhile (``asked`` records where),
+        or ``timeout`` passes. Returns (the groups placement keeps here: too few other
+        members to move them to, known at once; those it could move that are still here)."""
         node = self.node
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout
         while True:
             eligible, _, leaving = node.reshape.eligible()
-            movable = [
-                g for g in node.storages if node.id not in node.reshape.wanted(g, eligible, leaving)
-            ]
-            if not movable or loop.time() >= deadline:
-                return list(node.storages)
-            self.hand_away({})
+            wanted = {g: node.reshape.wanted(g, eligible, leaving) for g in node.storages}
+            kept = [g for g in node.storages if node.id in wanted[g]]
+            movable = [g for g in node.storages if g not in kept]
+            led = self.hand_away(asked)
+            if (not movable and not led) or loop.time() >= deadline:
+                return kept, movable
             await asyncio.sleep(every)
 
     def _on_transfer(self, frm: int, body: memoryview) -> None:

@@ -65,6 +65,7 @@ from broker.cluster.messages import (
     PersistHardState,
     ResetLog,
     Send,
+    TimeoutNow,
     Truncate,
 )
 from broker.cluster.raft import LogReader, RaftConfig, RaftNode, Role
@@ -121,6 +122,9 @@ class HostStats:
     unknown_node: int = 0
     #: Groups joined as a new replica (:meth:`MultiRaft.join_group`).
     joined: int = 0
+    #: Leaderships another leader tried to hand over here while this node was leaving
+    #: (:attr:`MultiRaft.declines_leadership`).
+    declined: int = 0
 
 
 class MultiRaft:
@@ -170,6 +174,11 @@ class MultiRaft:
         #: False, its application first persists what the next leader needs and asks for the
         #: hand-over again itself (broker.workers.cluster_groups).
         self.before_transfer: dict[int, Callable[[int], bool]] = {}
+        #: Set while this node leaves the cluster (``mqlog cluster leave``): a leadership
+        #: handed over here (TimeoutNow: the other nodes' balancers, which do not know yet
+        #: that it leaves) is declined. Safe: TimeoutNow only hastens an election, and its
+        #: sender abandons the transfer after an election timeout (thesis s3.10).
+        self.declines_leadership = False
 
     # -- groups ------------------------------------------------------------------------------
 
@@ -297,6 +306,9 @@ class MultiRaft:
             core = self._cores.get(g) or self._joined(g, m)
             if core is None:
                 self.stats.unknown_group += 1
+                continue
+            if self.declines_leadership and isinstance(m, TimeoutNow):
+                self.stats.declined += 1
                 continue
             self._wake(g)
             self._route(g, self._step(core, m))

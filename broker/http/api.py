@@ -183,8 +183,9 @@ class HttpApi:
         """``POST /api/v1/cluster/leave``: hand this node's leaderships over, tell its clients
         to use another server, say goodbye to the members, then stop (answered before it
         stops): ``{"node", "moved": {partition: node}, "still_leading": [...],
-        "replicas_kept": [...]}``; the body may give ``{"timeout": seconds}`` to wait for the
-        replicas to move (60)."""
+        "replicas_kept": [...] (placement keeps them here: too few other members),
+        "replicas_unmoved": [...] (not moved in time)}``; the body may give
+        ``{"timeout": seconds}`` to wait for the replicas to move (60)."""
         try:
             body = await request.json() if request.can_read_body else {}
             timeout = float(body.get("timeout", 60.0)) if isinstance(body, dict) else 60.0

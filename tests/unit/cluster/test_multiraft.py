@@ -587,3 +587,23 @@ def test_under_faults_safety_holds_and_groups_settle_again(seed: int) -> None:
     net.run_until(lambda: net.all_led() and net.all_quiesced(), 400)
     net.check_logs()
     assert sum(map(len, net.committed)) > 10 * 5
+
+
+def test_a_leaving_node_declines_the_leaderships_handed_to_it() -> None:
+    """``mqlog cluster leave``: the others' balancers, which do not know yet that a node
+    leaves, may hand it a group (TimeoutNow); it declines, and the leader, its transfer
+    abandoned after an election timeout (thesis s3.10), goes on leading."""
+    net = Net(groups=4, seed=11)
+    net.elect()
+    net.host(0).declines_leadership = True
+    asked = [g for g in net.group_ids if net.leader(g).id != 0]  # type: ignore[union-attr]
+    assert asked
+    for g in asked:
+        net.host(net.leader(g).id).transfer_leadership(g, 0)  # type: ignore[union-attr]
+    net.run(3 * CONFIG.election_ticks)
+    assert all(net.leader(g).id != 0 for g in asked)  # type: ignore[union-attr]
+    assert net.host(0).stats.declined >= len(asked)  # one TimeoutNow or more per transfer
+    net.host(0).declines_leadership = False
+    for g in asked:
+        net.host(net.leader(g).id).transfer_leadership(g, 0)  # type: ignore[union-attr]
+    net.run_until(lambda: all(net.host(0).core(g).role is Role.LEADER for g in asked), 50)
