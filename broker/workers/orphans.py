@@ -13,12 +13,20 @@ exactly as on one node; a client that reconnects anywhere first claims the sessi
 node as from any other, and its new connection cancels the delayed will [MQTT-3.1.3-9].
 
 **Exactly one node acts.** The live member of the lowest name, as gossip has the members,
-proposes the claims (every node checks on each tick). The claims are fenced by their epoch
-like any other, and each is made only while the dead member holds the client id: two nodes
-that both believe they should act (their gossip views differ for a moment) propose claims of
-the same epoch, only the first applied wins and the other fails, so the will goes out from
-one node only. A dead node that comes back applies these claims before it serves: the
-sessions leave its router unpublished (replicated_sessions' ``resume``).
+proposes the claims (every node checks on each tick), and only while gossip has a majority
+of the members (itself included, those that left not counted) alive and unsuspected, and
+``$sessions`` has a leader as it knows it: a node cut off from the others sees them
+suspect, then dead, one after the other, and itself the lowest live name, and the claims
+it proposed would commit once the cut heals (Raft waits for a majority), taking the
+sessions of the live nodes' clients away from them. The members on the side of
+a majority see the cut-off node dead instead, and its sessions are theirs to adopt.
+
+The claims are fenced by their epoch like any other, and each is made only while the dead
+member holds the client id: two nodes that both believe they should act (their gossip views
+differ for a moment) propose claims of the same epoch, only the first applied wins and the
+other fails, so the will goes out from one node only. A dead node that comes back applies
+these claims before it serves: the sessions leave its router unpublished
+(replicated_sessions' ``resume``).
 
 With several workers per node, worker 0 (the one that gossips) tells the others what it sees
 (:meth:`Orphans.told`), and each worker adopts the client ids homed at it (``crc32 %
@@ -43,6 +51,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 from broker.cluster.gossip.messages import State
 from broker.cluster.placement import node_id_of
 from broker.net.context import STATE
+from broker.router.state import SESSIONS
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
@@ -111,7 +120,24 @@ class Orphans:
         members = [m for m in membership.core_members() if m.node != node.name]
         gone = {node_id_of(m.node): m.since / 1000 - behind for m in members if m.state in GONE}
         alive = {m.node for m in members if m.state in LIVE} | {node.name}
-        return gone, min(alive) == node.name
+        # Suspects count against: a cut-off node suspects every other member before it
+        # declares the first dead.
+        heard = 1 + sum(1 for m in members if m.state == State.ALIVE)
+        known = 1 + sum(1 for m in members if m.state != State.LEFT)
+        acting = min(alive) == node.name and 2 * heard > known and self._sessions_led()
+        return gone, acting
+
+    def _sessions_led(self) -> bool:
+        """Whether ``$sessions`` has a leader as this node knows it, if it holds a replica:
+        a cut-off follower forgets its leader after its election timeout (it stands for
+        election, Raft s5.2), a cut-off leader steps down after one (CheckQuorum), both
+        before gossip declares the others dead (its suspicion alone can outlast them all
+        only with fewer probes than members)."""
+        node = self.sessions.node
+        group = next((g for g, key in node.group_keys.items() if key == SESSIONS), None)
+        if group is None or group not in node.storages:
+            return True  # no replica here: gossip's majority alone
+        return node.leader(group) is not None
 
     def told(self, survey: Any) -> None:
         """Worker 0's survey (JSON: ``[[node id, since], ...], acting``)."""
