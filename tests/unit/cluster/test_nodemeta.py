@@ -155,6 +155,23 @@ def test_a_dead_member_stays_allowed_for_replace_after_then_goes() -> None:
     asyncio.run(main())
 
 
+async def _two_members(seed: str) -> tuple[MembershipService, MembershipService]:
+    """Members "a" (Raft port 7950) and "b" (7960) on real UDP on 127.0.0.1, fast timings; b
+    joins through a, named by ``seed``."""
+    fast = SwimConfig(probe_interval=50, probe_timeout=20, gossip_interval=10, join_retry=50)
+    a = MembershipService(
+        "a", GossipSettings(("127.0.0.1", 0), [], fast, NodeMeta(7950, 1)), b"k" * 32
+    )
+    await a.start()
+    assert a.endpoint is not None
+    port = a.endpoint.core.addr[1]
+    b = MembershipService(
+        "b", GossipSettings(("127.0.0.1", 0), [(seed, port)], fast, NodeMeta(7960, 1)), b"k" * 32
+    )
+    await b.start()
+    return a, b
+
+
 def test_two_services_see_each_other_and_the_allowlist_follows(
     unused_udp_port: int = 0,
 ) -> None:
@@ -162,19 +179,9 @@ def test_two_services_see_each_other_and_the_allowlist_follows(
     and the stats carry every counter (0 until counted)."""
 
     async def main() -> None:
-        fast = SwimConfig(probe_interval=50, probe_timeout=20, gossip_interval=10, join_retry=50)
-        a = MembershipService(
-            "a", GossipSettings(("127.0.0.1", 0), [], fast, NodeMeta(7950, 1)), b"k" * 32
-        )
-        await a.start()
+        a, b = await _two_members(seed="localhost")
         assert a.endpoint is not None
         port = a.endpoint.core.addr[1]
-        b = MembershipService(
-            "b",
-            GossipSettings(("127.0.0.1", 0), [("localhost", port)], fast, NodeMeta(7960, 1)),
-            b"k" * 32,
-        )
-        await b.start()
         try:
             assert b.seeds == [("127.0.0.1", port)]
             raft = await asyncio.wait_for(b.formed(1.0), 10)
@@ -204,19 +211,7 @@ def test_a_member_announces_new_metadata_and_the_others_hear_it() -> None:
     id of the member list it formed with, then that it is leaving."""
 
     async def main() -> None:
-        fast = SwimConfig(probe_interval=50, probe_timeout=20, gossip_interval=10, join_retry=50)
-        a = MembershipService(
-            "a", GossipSettings(("127.0.0.1", 0), [], fast, NodeMeta(7950, 1)), b"k" * 32
-        )
-        await a.start()
-        assert a.endpoint is not None
-        port = a.endpoint.core.addr[1]
-        b = MembershipService(
-            "b",
-            GossipSettings(("127.0.0.1", 0), [("127.0.0.1", port)], fast, NodeMeta(7960, 1)),
-            b"k" * 32,
-        )
-        await b.start()
+        a, b = await _two_members(seed="127.0.0.1")
         try:
             await asyncio.wait_for(b.formed(1.0), 10)
             assert b.cluster_ids() == {} and b.leaving() == set()
