@@ -9,11 +9,11 @@ from typing import Any
 
 import orjson
 
-from broker.commitlog.keys import PartitionKey
 from broker.mqtt.packets import SubAck, Subscribe, Subscription
 from broker.router.hooks import SingleWorker
 from broker.router.state import SESSIONS
 from tests.unit.router.conftest import Harness
+from tests.unit.router.test_runs import _Peers
 
 GROUP = "$share/g/t/+"
 
@@ -60,29 +60,6 @@ class _Elsewhere(SingleWorker):
         self.group_peers = _Peers()
 
 
-class _Peers:
-    def __init__(self) -> None:
-        self.done: list[int] = []
-
-    def home(self, group: str) -> int | None:
-        return 1
-
-    def join(self, *args: object) -> None:
-        pass
-
-    def leave(self, *args: object) -> None:
-        pass
-
-    def deliver(self, *args: object) -> None:
-        pass
-
-    def joined(self, *args: object) -> None:
-        pass
-
-    def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
-        self.done.append(offset)
-
-
 def test_a_record_not_yet_committed_here_waits_for_the_commit(h: Harness) -> None:
     """The home read it committed; this replica learns the commit a round later: the record
     is not counted done (lost) but sent once it is readable here."""
@@ -96,7 +73,7 @@ def test_a_record_not_yet_committed_here_waits_for_the_commit(h: Harness) -> Non
     h.run()
     h.router.remote_deliver(GROUP, "member", ("default", 0), 1, 1)  # not here yet
     assert link.take() == []
-    assert h.hooks.group_peers.done == []  # type: ignore[attr-defined]
+    assert h.hooks.group_peers.done_offsets == []  # type: ignore[attr-defined]
     h.publish(pub, "t/x", b"1", 1, 2)
     h.run()
     assert [p.payload for p in link.take()] == [b"1"]

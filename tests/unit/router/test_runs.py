@@ -241,6 +241,9 @@ class _Peers:
     def deliver(self, *args: object) -> None:
         pass
 
+    def joined(self, *args: object) -> None:
+        pass
+
     def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
         self.done_offsets.append(offset)
 
