@@ -153,8 +153,9 @@ class ClusterSessions:
         #: The sessions of dead members, adopted here while this node leads ``$sessions``.
         self.orphans = Orphans(self)
         self._claims: dict[tuple[str, int], asyncio.Future[int | None]] = {}
-        #: Client ids this node is claiming now (a CONNECT's or an orphan's claim).
-        self._claiming: set[str] = set()
+        #: Client ids this node is claiming now (a CONNECT's or an orphan's claim), each with
+        #: what its claim sets once it is over (the next claim of the client id waits for it).
+        self._claiming: dict[str, asyncio.Future[None]] = {}
         #: Client id -> the epoch of this node's ownership whose end it wrote.
         self._ending: dict[str, int] = {}
         self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
@@ -406,11 +407,17 @@ class ClusterSessions:
         ``adopt(answer)`` returns (``answer``: :data:`HERE`, :data:`NEW`, or :data:`STATE`
         + the state to adopt; see broker.net.admission). With ``only_from``, only while
         that node holds it (broker.workers.orphans). Raises :class:`ClaimError`."""
-        self._claiming.add(client_id)
+        # One claim of a client id at a time on this node: two at once (an orphan's and its
+        # client's CONNECT) would propose the same epoch, indistinguishable when applied.
+        while (ahead := self._claiming.get(client_id)) is not None:
+            await asyncio.wait((ahead,))  # never cancels the claim ahead
+        over: asyncio.Future[None] = self.node.loop.create_future()
+        self._claiming[client_id] = over
         try:
             return await self._claim(client_id, adopt, only_from)
         finally:
-            self._claiming.discard(client_id)
+            del self._claiming[client_id]
+            over.set_result(None)
 
     async def _claim(self, client_id: str, adopt: Callable[[bytes], T], only_from: int | None) -> T:
         me = self.node.id

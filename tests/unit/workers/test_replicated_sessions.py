@@ -212,6 +212,31 @@ def test_a_dead_previous_owner_is_not_waited_for(tmp_path: Path) -> None:
     asyncio.run(run())
 
 
+def test_an_orphans_claim_and_its_clients_connect_on_one_node_both_finish(
+    tmp_path: Path,
+) -> None:
+    """b adopts dead a's session (broker.workers.orphans) while the client reconnects to b:
+    both claims are made on b at once. Before they were taken one at a time, both proposed
+    epoch 5 and the first one's waiter was lost: that CONNECT waited for the claim timeout."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (Member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        for m in (a, b):
+            m.sessions.apply([claim_record("a", 4, "dev")])
+        b.node.transport.down.add("a")
+        orphan = loop.create_task(b.sessions.claim("dev", lambda x: x, only_from=a.node.id))
+        connect = loop.create_task(b.sessions.claim("dev", lambda x: x))
+        await Log([a, b]).settle()
+        assert orphan.done() and connect.done()
+        assert await orphan == NEW
+        assert await connect == HERE  # the orphan's claim made b the owner
+        assert b.sessions.owners == {"dev": Owner(b.node.id, 5)}
+        assert not b.sessions._claiming
+
+    asyncio.run(run())
+
+
 def test_stale_claims_and_releases_change_nothing(tmp_path: Path) -> None:
     async def run() -> None:
         loop = asyncio.get_running_loop()
