@@ -86,6 +86,8 @@ JOURNAL = "metadata.journal"
 DUMP = "metadata.dump"
 #: The fsynced copy of the applied state (module docstring, Durability).
 LOCAL_COPY = "meta"
+#: The group's members as this replica last saw them (module docstring, Members).
+MEMBERS = "metadata.members"
 #: pysyncobj's minimum time between two connection attempts to a peer (its default, 5 s,
 #: would hold a node that started before its peers that long).
 CONNECT_RETRY_SECONDS = 0.5
@@ -210,8 +212,15 @@ class MetadataGroup:
         self.loop = asyncio.get_running_loop()
         self.name = name
         self.address = _text(metadata_address(members[name]))
-        #: pysyncobj node id (``host:port``) -> member name.
-        self.names = {_text(metadata_address(a)): n for n, a in members.items()}
+        #: pysyncobj node id (``host:port``) -> member name (:meth:`learn` adds to it).
+        self.names: dict[str, str] = {}
+        self.learn(members)
+        #: The group's members as pysyncobj has them (ids, this node's included): its
+        #: configuration, written to :data:`MEMBERS` by the group's thread when it changes.
+        self.config: frozenset[str] = frozenset()
+        self._members_file: Path | None = None
+        #: The membership change proposed and not yet answered (one at a time), if any.
+        self.changing: tuple[str, str] | None = None
         #: Seconds between two proposals of a command pysyncobj could not place.
         self.retry_seconds = heartbeat_interval
         #: pysyncobj's group (built by :meth:`open`, off the loop).
@@ -237,22 +246,38 @@ class MetadataGroup:
         state_dir: Path,
         election_timeout: float,
         heartbeat_interval: float,
+        peers: Iterable[str] | None = None,
     ) -> MetadataGroup:
         """Join the group: ``members`` is every member's Raft address by name, this node
-        (``name``) included. Binds the metadata address (:class:`MetadataError` if it
-        cannot) and replays its local copy, off the loop, then starts the group's thread."""
+        (``name``) included; ``peers`` (default: all of them) those the group starts with
+        unless this replica saved its members (module docstring, Members). Binds the
+        metadata address (:class:`MetadataError` if it cannot) and replays its local copy,
+        off the loop, then starts the group's thread."""
         group = cls(name, members, heartbeat_interval)
         state_dir.mkdir(parents=True, exist_ok=True)
         group.replica.copy = state_dir / LOCAL_COPY
+        group._members_file = state_dir / MEMBERS
         await asyncio.to_thread(group.replica.load_copy)
+        saved = await asyncio.to_thread(_load_members, group._members_file)
+        start = saved if saved is not None else group._ids(members if peers is None else peers)
         group.sync = await asyncio.to_thread(
-            group._build, secret, state_dir, election_timeout, heartbeat_interval
+            group._build, secret, state_dir, election_timeout, heartbeat_interval, start
         )
+        await asyncio.to_thread(group._note_config)
         group._thread.start()
         return group
 
+    def _ids(self, names: Iterable[str]) -> list[str]:
+        ids = {n: i for i, n in self.names.items()}
+        return [ids[n] for n in names if n in ids]
+
     def _build(
-        self, secret: bytes, state_dir: Path, election_timeout: float, heartbeat_interval: float
+        self,
+        secret: bytes,
+        state_dir: Path,
+        election_timeout: float,
+        heartbeat_interval: float,
+        start: Iterable[str],
     ) -> SyncObj:
         longest = 2 * election_timeout
         conf = SyncObjConf(
@@ -272,8 +297,9 @@ class MetadataGroup:
             maxBindRetries=1,  # a port in use is an error at start, not a retry forever
             onReady=self._on_ready,
             autoTick=False,  # ticked by self._thread (module docstring)
+            dynamicMembershipChange=True,  # members join and leave (module docstring)
         )
-        others = [a for a in self.names if a != self.address]
+        others = sorted({a for a in start if a != self.address})
         try:
             sync = SyncObj(self.address, others, conf, consumers=[self.replica])
         except SyncObjException:
@@ -293,6 +319,7 @@ class MetadataGroup:
         while not self._stop.is_set():
             try:
                 self.sync.doTick(TICK_SECONDS)
+                self._note_config()
             except Exception:
                 logger.exception("cluster: metadata: a tick of the group failed")
                 time.sleep(TICK_SECONDS)
@@ -303,6 +330,21 @@ class MetadataGroup:
         if journal is not None and hasattr(journal, "onOneSecondTimer"):
             journal.onOneSecondTimer()
         self.sync.destroy()
+
+    def _note_config(self) -> None:
+        """The group's thread: keep :attr:`config` and :data:`MEMBERS` as pysyncobj has the
+        members (it applies a change when the entry is appended: Raft thesis s4.1)."""
+        config = frozenset({self.address, *(n.id for n in self.sync.otherNodes)})
+        if config == self.config:
+            return
+        before, self.config = self.config, config
+        if before:
+            logger.info("cluster: metadata: members now %s", ", ".join(sorted(self.member_names())))
+        if self._members_file is not None:
+            try:
+                write_atomically(self._members_file, orjson.dumps(sorted(config)))
+            except OSError as e:  # the next change writes it again; a restart replays the log
+                logger.error("cluster: metadata: cannot write %s: %s", self._members_file, e)
 
     def _on_ready(self) -> None:
         """pysyncobj's thread: this replica caught up with a leader's commit index.
@@ -342,7 +384,7 @@ class MetadataGroup:
         disagreement found within ``wait`` seconds; past that, returns with a warning and
         the check goes on."""
         self.local = local
-        task = self._spawn(self._agree(local))
+        task = self.spawn(self._agree(local))
         try:
             await asyncio.wait_for(asyncio.shield(task), wait)
         except TimeoutError:
@@ -360,7 +402,7 @@ class MetadataGroup:
         with self.replica.lock:
             absent = state.absent(local)
         for definition in absent:
-            self._spawn(self._apply(self.replica.define, definition.as_data(), self.name))
+            self.spawn(self._apply(self.replica.define, definition.as_data(), self.name))
         while True:
             self.changed.clear()
             with self.replica.lock:
@@ -372,7 +414,7 @@ class MetadataGroup:
                 break  # final (definitions never change): no need to hear a leader first
             await self.changed.wait()
         logger.info("cluster: metadata: the %d stream definitions agreed", len(local.definitions))
-        self._spawn(self._warn_unknown(local))
+        self.spawn(self._warn_unknown(local))
 
     async def _warn_unknown(self, local: LocalStreams) -> None:
         """Once caught up with a leader: a warning per stream the cluster defines and
@@ -399,13 +441,50 @@ class MetadataGroup:
                 if g not in self.replica.state.placement
             }
         if new:
-            self._spawn(self._apply(self.replica.place, new))
+            self.spawn(self._apply(self.replica.place, new))
 
-    def _spawn(self, coro: Any) -> asyncio.Task[Any]:
+    def spawn(self, coro: Any) -> asyncio.Task[Any]:
         task = self.loop.create_task(coro)
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
         return task
+
+    # -- members -----------------------------------------------------------------------------
+
+    def learn(self, members: Mapping[str, tuple[str, int]]) -> None:
+        """Name the members of ``members`` (Raft addresses by name) in views and changes."""
+        for n, a in members.items():
+            self.names[_text(metadata_address(a))] = n
+
+    def member_names(self) -> list[str]:
+        """The group's members by name (an id no member list names yet, as it is)."""
+        return sorted(self.names.get(i, i) for i in self.config)
+
+    def leads(self) -> bool:
+        return bool(self.sync._isLeader())
+
+    def change(self, kind: str, name: str) -> None:
+        """On the leader: propose ``kind`` (``"add"`` or ``"remove"``) of member ``name`` (a
+        name :meth:`learn` knows); :attr:`changing` until pysyncobj answers (it commits the
+        change, or refuses it: another is still uncommitted, or the leader changed)."""
+        node = self._ids([name])[0]
+        self.changing = (kind, name)
+
+        def answer(result: Any, error: int) -> None:
+            with contextlib.suppress(RuntimeError):
+                self.loop.call_soon_threadsafe(self._changed, kind, name, error)
+
+        propose = self.sync.addNodeToCluster if kind == "add" else self.sync.removeNodeFromCluster
+        propose(node, callback=answer)
+
+    def _changed(self, kind: str, name: str, error: int) -> None:
+        self.changing = None
+        if error == FAIL_REASON.SUCCESS:
+            logger.info("cluster: metadata: %s %s committed", _VERBS[kind], name)
+        else:  # proposed again by the next pass if still wanted
+            logger.info(
+                "cluster: metadata: %s %s not done (pysyncobj: %s)", _VERBS[kind], name, error
+            )
 
     # -- views and shutdown --------------------------------------------------------------------
 
@@ -431,6 +510,7 @@ class MetadataGroup:
                 "applied": sync.raftLastApplied,
                 "streams": len(state.streams),
                 "placed": len(state.placement),
+                "members": self.member_names(),
                 "definitions": {
                     n: {**d.as_data(), "defined_by": by} for n, (d, by) in state.streams.items()
                 },
@@ -447,6 +527,20 @@ class MetadataGroup:
         self._stop.set()
         if self._thread.is_alive():
             await asyncio.to_thread(self._thread.join)
+
+
+_VERBS = {"add": "adding member", "remove": "removing member"}
+
+
+def _load_members(path: Path) -> list[str] | None:
+    """The members a replica saved (:data:`MEMBERS`), or None if it never did."""
+    try:
+        return [str(i) for i in orjson.loads(path.read_bytes())]
+    except FileNotFoundError:
+        return None
+    except (OSError, orjson.JSONDecodeError, ValueError) as e:
+        logger.error("cluster: metadata: %s unreadable, not used: %s", path, e)
+        return None
 
 
 def _settle(done: asyncio.Future[Any], value: Any) -> None:

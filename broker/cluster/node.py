@@ -31,7 +31,8 @@ Formation (``broker.cluster.formation``): worker 0 joins the gossip membership t
 ``[cluster] seeds``; formed once every seed is a live member (Raft addresses from gossip,
 the list kept in ``DATA/cluster/members``); gossip never starts an election. Groups are placed
 (``broker.cluster.placement``) and re-placed when members are gone (``broker.cluster.reshape``);
-then the metadata group (``broker.cluster.metadata_group``) agrees on the stream definitions.
+then the metadata group (``broker.cluster.metadata_group``; worker 0 of every node, one that
+joined later too: ``broker.cluster.metadata_members``) agrees on the stream definitions.
 
 Several workers per node (``router.workers``): each worker process runs a ``ClusterNode`` of
 its own, hosting the groups of the partitions it owns, on ``raft_port + index``, dialling
@@ -64,6 +65,7 @@ from broker.cluster.membership_service import GossipFilter, MembershipService
 from broker.cluster.messages import HardState
 from broker.cluster.metadata import LocalStreams
 from broker.cluster.metadata_group import MetadataError, MetadataGroup
+from broker.cluster.metadata_members import open_metadata
 from broker.cluster.multiraft import MultiRaft
 from broker.cluster.nodesettings import NodeSettings
 from broker.cluster.options import RaftConfig
@@ -95,10 +97,6 @@ RETENTION_SECONDS = 30.0
 
 #: Seconds between "still waiting for members" log lines while the cluster forms.
 FORMATION_LOG_SECONDS = 5.0
-
-#: Seconds a starting node waits for the metadata group to confirm its stream definitions
-#: before it serves with them unconfirmed (a node cut off from the majority).
-METADATA_WAIT_SECONDS = 10.0
 
 
 @dataclass(slots=True)
@@ -214,19 +212,12 @@ class ClusterNode:
         self.names = node_ids(members)
         self.founders = node_ids(founders) if gossip is not None else dict(self.names)
         logger.info("cluster: %d nodes: %s", len(self.names), ", ".join(sorted(members)))
-        s = self.settings
-        if s.worker[0] != 0 or self.joined:
-            # Worker 0 of each node that formed the cluster is the metadata group's member
-            # (its member list is fixed: a node that joined later is not one).
-            return sorted(self.names)
-        try:
-            self.metadata = await MetadataGroup.open(
-                s.name, members, s.secret, self.state_dir, s.election_timeout, s.heartbeat_interval
-            )
-            await self.metadata.agree(self.local_streams, METADATA_WAIT_SECONDS)
-        except MetadataError:  # its port taken, or a stream defined otherwise: not started
-            await self.close()
-            raise
+        if self.settings.worker[0] == 0:  # worker 0 of each node: a metadata group member
+            try:
+                self.metadata = await open_metadata(self, members)
+            except MetadataError:  # its port taken, or a stream defined otherwise: not started
+                await self.close()
+                raise
         return sorted(self.names)
 
     def _seen_addrs(self) -> set[tuple[str, int]]:
