@@ -91,7 +91,7 @@ def cmd_status(args: argparse.Namespace) -> int:
         print(
             f"\nmetadata: leader {meta['leader'] or 'none'}, term {meta['term']}, "
             f"{meta['streams']} streams, {meta['placed']} partitions placed, "
-            f"applied {meta['applied']}"
+            f"applied {meta['applied']}, members {', '.join(meta.get('members', ()))}"
         )
         for conflict in meta["conflicts"]:
             print(f"CONFLICT: {conflict}")

@@ -8,8 +8,16 @@ data path, and a lost or stale change of it can never lose data.
 * **Address.** It listens on the node's cluster address (``[cluster] bind``) at
   ``raft_port - 1`` (:data:`~broker.config.cluster.METADATA_PORT_OFFSET`): a node learns its
   peers' metadata addresses from their Raft addresses (seeds, the member list), with no key or
-  handshake of its own. Its peers are the members the cluster formed with (static, as the data
-  groups' first configuration is).
+  handshake of its own.
+* **Members.** The group starts with the members the cluster formed with (as the data groups'
+  first configuration does); a node that joins later is added, and one that leaves or is
+  replaced removed, one change at a time, by the group's leader
+  (``broker.cluster.metadata_members``, ``dynamicMembershipChange``). pysyncobj starts a
+  replica with the peers it is given and replays only the *committed* change entries of its
+  journal over them; so each replica writes the members as it has them (a change counts
+  from its append, Raft thesis s4.1) to ``DATA/cluster/metadata.members`` (:data:`MEMBERS`)
+  whenever they change, and starts from that list: a restart knows the members it knew,
+  the ones added after formation included, before it hears a leader.
 * **Authentication.** pysyncobj's ``password`` is set to a key derived from the cluster secret
   (HMAC-SHA256 of it over :data:`PASSWORD_CONTEXT`: the secret itself, which the node
   transport's handshake uses, never serves as this key): its connections are encrypted and

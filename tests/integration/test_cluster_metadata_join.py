@@ -1,0 +1,128 @@
+"""The metadata group's members follow the cluster's (issue 21, broker/cluster/metadata_members.py),
+on real nodes in network namespaces:
+
+1. three nodes form the cluster; a fourth, named in nobody's seeds, joins later: it becomes a
+   member of the metadata group on every node's view (``GET /api/v1/cluster``'s
+   ``metadata.members``, ``mqlog cluster status``) and holds the committed definitions;
+2. restarted with a conflicting definition of a stream, the joined node refuses to start
+   (exit status 2) with the line naming the stream and the key, as a founder does; with the
+   agreed config back it serves and is still a member;
+3. ``mqlog cluster leave`` on a founder: once it stopped, it is a member nowhere;
+4. the joined node killed for good: once dead for ``replace_after``, it is removed too.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests import netlab
+from tests.cluster_lab import HTTP_PORT, ClusterLabError, Member, MqlogCluster
+from tests.netlab import Lab
+
+pytestmark = pytest.mark.skipif(
+    netlab.unavailable_reason() is not None,
+    reason=f"network lab unavailable: {netlab.unavailable_reason()}",
+)
+
+EXTRA = '[[streams]]\nname = "jn"\ntopic_filter = "jn/#"\npartitions = 2\n'
+#: Seconds the metadata members have to follow a change of the cluster's.
+FOLLOW_TIMEOUT = 60.0
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
+    with Lab(4) as lab:
+        c = MqlogCluster(
+            lab,
+            tmp_path,
+            extra=EXTRA,
+            founders=3,
+            cluster_extra='join_from = ["10.77.0.0/16"]\nreplace_after = "10s"\n',
+        )
+        founders = c.members[:3]
+        c.start(*founders)
+        c.wait_all_alive(founders)
+        yield c
+
+
+def _metadata(cluster: MqlogCluster, m: Member) -> dict[str, Any]:
+    """``m``'s view of the metadata group ({} if it is no member)."""
+    view: dict[str, Any] = cluster.status(m)["metadata"] or {}
+    return view
+
+
+def _members_are(cluster: MqlogCluster, on: list[Member], names: list[str]) -> dict[str, Any]:
+    """Until every node of ``on`` has ``names`` as the metadata group's members and knows a
+    leader; the last node's view."""
+    deadline = time.monotonic() + FOLLOW_TIMEOUT
+    while True:
+        try:
+            views = {m.node_id: _metadata(cluster, m) for m in on}
+        except OSError:
+            views = {}
+        if views and all(v.get("members") == names and v["leader"] for v in views.values()):
+            return views[on[-1].node_id]
+        assert time.monotonic() < deadline, views
+        time.sleep(0.25)
+
+
+def _cli(cluster: MqlogCluster, m: Member, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "broker.cli", "cluster", *args],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        timeout=150,
+    )
+
+
+def test_the_metadata_members_follow_joins_leaves_and_replacements(
+    cluster: MqlogCluster,
+) -> None:
+    n1, n2, n3, n4 = (cluster.member(n) for n in ("n1", "n2", "n3", "n4"))
+    everyone = ["n1", "n2", "n3", "n4"]
+
+    # 1. n4 joins: a member everywhere, holding the definitions committed before it came.
+    cluster.start(n4)
+    view = _members_are(cluster, [n1, n2, n3, n4], everyone)
+    assert view["definitions"] == _metadata(cluster, n1)["definitions"]
+    assert view["definitions"]["jn"]["defined_by"] in {"n1", "n2", "n3"}
+    assert view["conflicts"] == []
+    out = _cli(cluster, n4, "status", "--broker", f"http://{n4.addr}:{HTTP_PORT}")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "members n1, n2, n3, n4" in out.stdout, out.stdout
+    assert "joining the cluster of" in n4.log(2_000_000)
+
+    # 2. n4 restarted with another definition of jn: refused, naming the stream and the key.
+    definer = view["definitions"]["jn"]["defined_by"]
+    assert cluster.stop(n4) == {"n4": 0}
+    agreed = n4.config_path.read_text()
+    n4.config_path.write_text(agreed.replace("partitions = 2", "partitions = 3"))
+    with pytest.raises(ClusterLabError, match="exited with 2 before serving"):
+        cluster.start(n4)
+    assert (
+        f"{n4.config_path}: streams[jn].partitions = 3 on node n4, but the cluster's "
+        f"definition of stream 'jn' (committed first, from node {definer}'s config) has "
+        "partitions = 2"
+    ) in n4.log(20_000)
+    n4.config_path.write_text(agreed)
+    cluster.start(n4)
+    _members_are(cluster, [n1, n2, n3, n4], everyone)
+
+    # 3. n2 leaves: once it stopped, it is a member nowhere.
+    out = _cli(cluster, n2, "leave", "--broker", f"http://{n2.addr}:{HTTP_PORT}", "--timeout", "90")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert n2.proc is not None and n2.proc.popen.wait(timeout=30) == 0
+    _members_are(cluster, [n1, n3, n4], ["n1", "n3", "n4"])
+    assert any("removing member n2" in m.log(2_000_000) for m in (n1, n3, n4))
+
+    # 4. n4 killed for good: removed once dead for replace_after (10 s).
+    cluster.kill(n4)
+    _members_are(cluster, [n1, n3], ["n1", "n3"])
