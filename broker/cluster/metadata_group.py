@@ -17,7 +17,10 @@ data path, and a lost or stale change of it can never lose data.
   journal over them; so each replica writes the members as it has them (a change counts
   from its append, Raft thesis s4.1) to ``DATA/cluster/metadata.members`` (:data:`MEMBERS`)
   whenever they change, and starts from that list: a restart knows the members it knew,
-  the ones added after formation included, before it hears a leader.
+  the ones added after formation included, before it hears a leader. A node that joins
+  does not campaign before it caught up with a leader once (pysyncobj has neither learners
+  nor PreVote: a joiner campaigning while nobody knows it yet would come with a term that
+  deposes the leader as soon as it is added; Raft thesis s4.2.1 and s4.2.3).
 * **Authentication.** pysyncobj's ``password`` is set to a key derived from the cluster secret
   (HMAC-SHA256 of it over :data:`PASSWORD_CONTEXT`: the secret itself, which the node
   transport's handshake uses, never serves as this key): its connections are encrypted and
@@ -102,6 +105,8 @@ CONNECT_RETRY_SECONDS = 0.5
 #: The longest one tick of the group's thread waits for its sockets (the granularity of its
 #: timers: a socket event ends the wait at once).
 TICK_SECONDS = 0.05
+#: A quiet replica's election timeout (:meth:`MetadataGroup.open`): never, in practice.
+QUIET_SECONDS = 86400.0
 #: The metadata group's heartbeats are at most this frequent (module docstring); always
 #: under a quarter of the election timeout (pysyncobj wants it under a third).
 MIN_HEARTBEAT_SECONDS = 0.1
@@ -229,6 +234,10 @@ class MetadataGroup:
         self._members_file: Path | None = None
         #: The membership change proposed and not yet answered (one at a time), if any.
         self.changing: tuple[str, str] | None = None
+        #: No campaign before catching up with a leader (:meth:`open`'s ``quiet``).
+        self.quiet = False
+        self._conf: Any = None
+        self._timeouts = (0.0, 0.0)
         #: Seconds between two proposals of a command pysyncobj could not place.
         self.retry_seconds = heartbeat_interval
         #: pysyncobj's group (built by :meth:`open`, off the loop).
@@ -255,12 +264,15 @@ class MetadataGroup:
         election_timeout: float,
         heartbeat_interval: float,
         peers: Iterable[str] | None = None,
+        quiet: bool = False,
     ) -> MetadataGroup:
         """Join the group: ``members`` is every member's Raft address by name, this node
         (``name``) included; ``peers`` (default: all of them) those the group starts with
         unless this replica saved its members (module docstring, Members). Binds the
         metadata address (:class:`MetadataError` if it cannot) and replays its local copy,
-        off the loop, then starts the group's thread."""
+        off the loop, then starts the group's thread. ``quiet``: a node that joins the group
+        never campaigns before it caught up with a leader (module docstring, Members) unless
+        its local copy shows it did once."""
         group = cls(name, members, heartbeat_interval)
         state_dir.mkdir(parents=True, exist_ok=True)
         group.replica.copy = state_dir / LOCAL_COPY
@@ -268,6 +280,7 @@ class MetadataGroup:
         await asyncio.to_thread(group.replica.load_copy)
         saved = await asyncio.to_thread(_load_members, group._members_file)
         start = saved if saved is not None else group._ids(members if peers is None else peers)
+        group.quiet = quiet and not group.replica.state.streams
         group.sync = await asyncio.to_thread(
             group._build, secret, state_dir, election_timeout, heartbeat_interval, start
         )
@@ -288,7 +301,8 @@ class MetadataGroup:
         start: Iterable[str],
     ) -> SyncObj:
         longest = 2 * election_timeout
-        conf = SyncObjConf(
+        self._timeouts = (election_timeout, longest)
+        conf = self._conf = SyncObjConf(
             password=password(secret),
             bindAddress=self.address,
             journalFile=str(state_dir / JOURNAL),
@@ -316,11 +330,23 @@ class MetadataGroup:
                 f"(cluster.bind, port cluster.raft_port + {METADATA_PORT_OFFSET}): is the port "
                 "in use?"
             ) from None
+        if self.quiet:
+            self._hush(sync)
         # One tick here, before the group's thread starts: the dump is loaded and the
         # journal replayed up to the commit index it recorded, so that agree() starts from
         # this node's local copy (and proposes nothing it already holds).
         sync.doTick(0.0)
         return sync
+
+    def _hush(self, sync: SyncObj) -> None:
+        """No campaign before :meth:`_on_ready` (:meth:`open`'s ``quiet``). pysyncobj draws
+        each election deadline from its conf's two timeouts when it sets one (its
+        constructor checks them against other settings: changed after it); the deadline
+        its constructor drew is moved too (no public name: found by its mangled name)."""
+        self._conf.raftMinTimeout, self._conf.raftMaxTimeout = QUIET_SECONDS, 2 * QUIET_SECONDS
+        deadline = "_SyncObj__raftElectionDeadline"
+        if hasattr(sync, deadline):
+            setattr(sync, deadline, time.monotonic() + QUIET_SECONDS)
 
     def _run(self) -> None:
         """The group's thread: tick until :meth:`close`, then destroy the group here."""
@@ -358,6 +384,9 @@ class MetadataGroup:
         """pysyncobj's thread: this replica caught up with a leader's commit index.
         (pysyncobj sets its own ``isReady()`` only after this callback returns: a loop
         woken here could still read False, and then wait for nothing.)"""
+        if self.quiet:  # caught up: campaigns like the others from the next heartbeat on
+            self._conf.raftMinTimeout, self._conf.raftMaxTimeout = self._timeouts
+            self.quiet = False
         self.ready = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
             self.loop.call_soon_threadsafe(self._caught_up.set)

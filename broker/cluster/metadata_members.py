@@ -21,9 +21,9 @@ A node that joins starts its replica of the group with every member it knows as 
 know the leader that will add it), and learns the group's real members from the group's own
 log once added (pysyncobj applies each change entry on append). Until it is added its
 proposals wait: the first start's check of its stream definitions completes once the leader
-added it (within a pass of gossip announcing it). pysyncobj has no PreVote, so a joiner that
-campaigned before it was added may cost the group one election when it is (thesis s4.2.3):
-only the metadata (desired state) waits for it, never a publish.
+added it (within a pass of gossip announcing it). It does not campaign before it caught up
+with a leader once (``MetadataGroup.open``'s ``quiet``), so its arrival costs the group no
+election.
 
 Gossip decides who should be a member; the group's log alone decides who is one: a stale view
 of the members can delay a change or propose one pysyncobj refuses, and a change committed
@@ -160,6 +160,7 @@ async def open_metadata(host: MembersHost, members: Mapping[str, tuple[str, int]
         s.election_timeout,
         s.heartbeat_interval,
         [s.name, *peers],
+        quiet=host.joined,
     )
     group.spawn(MetadataMembers(host, group).run())
     try:

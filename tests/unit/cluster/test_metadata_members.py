@@ -9,7 +9,8 @@ every member it knows as its peers, a founder with the founders; the added node 
 in every replica's view and holds the definitions committed before it came; a restart of it
 with another definition fails naming the key; the members a replica saw (the joiner
 included) are its members after a restart, before any leader is heard; after a removal the
-removed node is a member nowhere.
+removed node is a member nowhere; a joiner does not campaign before it caught up (its term
+stays 0), and does once it did.
 """
 
 from __future__ import annotations
@@ -81,9 +82,9 @@ def test_a_node_added_later_holds_the_definitions_and_is_removed_again(tmp_path:
     members = {f"n{i}": ("127.0.0.1", cluster_port()) for i in range(1, 5)}
     founders = {n: a for n, a in members.items() if n != "n4"}
 
-    async def open_group(name: str, peers: list[str]) -> MetadataGroup:
+    async def open_group(name: str, peers: list[str], joined: bool = False) -> MetadataGroup:
         return await MetadataGroup.open(
-            name, members, SECRET, tmp_path / name, 0.3, 0.05, [name, *peers]
+            name, members, SECRET, tmp_path / name, 0.3, 0.05, [name, *peers], joined
         )
 
     async def main() -> None:
@@ -98,13 +99,18 @@ def test_a_node_added_later_holds_the_definitions_and_is_removed_again(tmp_path:
             )
             assert all(g.member_names() == ["n1", "n2", "n3"] for g in groups.values())
             # n4 joins: it starts with every member as its peers, and its check of the
-            # definitions waits until the leader added it.
-            n4 = await open_group("n4", first_peers("n4", founders, members, joined=True))
+            # definitions waits until the leader added it. Meanwhile it never campaigns
+            # (five times the longest election timeout here): its term would depose the leader.
+            n4 = await open_group("n4", first_peers("n4", founders, members, joined=True), True)
             agreed = asyncio.ensure_future(n4.agree(_local(DEVICES, source="n4.toml"), WAIT))
+            await asyncio.sleep(3.0)
+            assert n4.status()["term"] == 0 and n4.quiet
             await _until(lambda: any(g.leads() for g in groups.values()))
             leader = next(g for g in groups.values() if g.leads())
             leader.change("add", "n4")
             await asyncio.wait_for(agreed, WAIT)
+            await _until(lambda: n4.ready)
+            assert not n4.quiet  # caught up: it campaigns like the others from now on
             everyone = [*groups.values(), n4]
             await _until(
                 lambda: all(g.member_names() == ["n1", "n2", "n3", "n4"] for g in everyone)
@@ -113,7 +119,7 @@ def test_a_node_added_later_holds_the_definitions_and_is_removed_again(tmp_path:
             assert n4.status()["members"] == ["n1", "n2", "n3", "n4"]
             await n4.close()
             # Restarted with another definition: refused from its own copy, naming the key.
-            n4 = await open_group("n4", [])
+            n4 = await open_group("n4", [], True)
             eight = StreamDefinition("devices", ("devices/#",), 8, 3)
             with pytest.raises(MetadataConflict, match=r"devices\]\.partitions = 8 on node n4"):
                 await n4.agree(_local(eight, source="n4.toml"), WAIT)
