@@ -51,7 +51,7 @@ data path, and a lost or stale change of it can never lose data.
 * **Threads.** pysyncobj runs on a thread of its own, which ticks it (``doTick``; its
   ``autoTick`` is off, so that the group is built off the loop: the password's key
   derivation, PBKDF2 with 100,000 rounds, would otherwise hold the loop for ~0.1 s).
-  Commands are applied on that thread, under :attr:`_Replica.lock`, and their results and
+  Commands are applied on that thread, under :attr:`Replica.lock`, and their results and
   every state change come back to the event loop through ``call_soon_threadsafe``. Every
   method here is called from the loop's thread; :meth:`MetadataGroup.close` stops the thread
   (which then destroys the group: sockets closed, journal unmapped) and waits for it, off
@@ -81,11 +81,12 @@ from pathlib import Path
 from typing import Any
 
 import orjson
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf, SyncObjConsumer, replicated
+from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
 from pysyncobj.syncobj import SyncObjException
 
 from broker.cluster.hardstate import write_atomically
-from broker.cluster.metadata import Conflict, LocalStreams, MetadataState
+from broker.cluster.metadata import Conflict, LocalStreams
+from broker.cluster.metadata_replica import Replica
 from broker.config.cluster import METADATA_PORT_OFFSET
 from broker.config.values import ConfigError
 
@@ -144,78 +145,6 @@ def _text(address: tuple[str, int]) -> str:
     return f"{address[0]}:{address[1]}"
 
 
-class _Replica(SyncObjConsumer):  # type: ignore[misc]
-    """The replicated commands. The ``@replicated`` methods run on pysyncobj's thread when a
-    command is applied (called from elsewhere they propose it instead: pass ``callback``)."""
-
-    def __init__(self, changed: Callable[[], None], copy: Path | None = None) -> None:
-        # Set before SyncObjConsumer.__init__ (which counts them as properties): never dumped.
-        self.lock = threading.Lock()
-        self.state = MetadataState()
-        self._changed = changed
-        #: Where each applied change is made durable (None: nowhere, in tests of the commands).
-        self.copy = copy
-        self._saved: dict[str, Any] | None = None
-        super().__init__()
-
-    def load_copy(self) -> bool:
-        """Start from the fsynced copy, if there is one (before pysyncobj replays)."""
-        if self.copy is None:
-            return False
-        try:
-            data = orjson.loads(self.copy.read_bytes())
-        except FileNotFoundError:
-            return False
-        except (OSError, orjson.JSONDecodeError, ValueError) as e:
-            # Written whole by rename: damage here is the disk's; the group has the state.
-            logger.error("cluster: metadata: %s unreadable, not used: %s", self.copy, e)
-            return False
-        with self.lock:
-            self.state.load(data)
-            self._saved = self.state.to_data()
-        return True
-
-    def _save(self) -> None:
-        """Make the state as applied durable (held under :attr:`lock`; a no-op if unchanged)."""
-        if self.copy is None:
-            return
-        data = self.state.to_data()
-        if data == self._saved:
-            return
-        try:
-            write_atomically(self.copy, orjson.dumps(data, option=orjson.OPT_NON_STR_KEYS))
-        except OSError as e:  # the journal still has it; the next change tries again
-            logger.error("cluster: metadata: cannot write %s: %s", self.copy, e)
-            return
-        self._saved = data
-
-    @replicated  # type: ignore[untyped-decorator]
-    def define(self, data: dict[str, Any], node: str) -> tuple[dict[str, Any], str]:
-        with self.lock:
-            result = self.state.define(data, node)
-            self._save()
-        self._changed()
-        return result
-
-    @replicated  # type: ignore[untyped-decorator]
-    def place(self, groups: dict[int, list[str]]) -> int:
-        with self.lock:
-            new = self.state.place(groups)
-            self._save()
-        self._changed()
-        return new
-
-    def _serialize(self) -> dict[str, Any]:
-        with self.lock:
-            return self.state.to_data()
-
-    def _deserialize(self, data: dict[str, Any]) -> None:
-        with self.lock:
-            self.state.load(data)
-            self._save()
-        self._changed()
-
-
 class MetadataGroup:
     """This node's replica of the metadata group (module docstring); :meth:`open` it."""
 
@@ -250,7 +179,7 @@ class MetadataGroup:
         self.ready = False
         self._caught_up = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.replica = _Replica(self._notify)
+        self.replica = Replica(self._notify)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metadata-{name}", daemon=True)
 

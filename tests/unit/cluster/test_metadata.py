@@ -26,10 +26,10 @@ from broker.cluster.metadata_group import (
     MetadataConflict,
     MetadataError,
     MetadataGroup,
-    _Replica,
     metadata_address,
     password,
 )
+from broker.cluster.metadata_replica import Replica
 from broker.config import ConfigError, check_ports, parse_config
 
 DEVICES = StreamDefinition("devices", ("devices/#",), 4, 3)
@@ -121,14 +121,14 @@ def test_the_dump_is_plain_data_and_loads_back() -> None:
 
 def test_the_replica_applies_commands_and_goes_through_its_dump() -> None:
     changes: list[None] = []
-    replica = _Replica(lambda: changes.append(None))
+    replica = Replica(lambda: changes.append(None))
     # _doApply=True is how pysyncobj calls a @replicated method for a committed entry.
     assert replica.define(DEVICES.as_data(), "n1", _doApply=True) == (DEVICES.as_data(), "n1")
     assert replica.place({7: ["n1"]}, _doApply=True) == 1
     assert len(changes) == 2  # the loop is told after each
     dumped = replica._serialize()
     assert set(dumped) == {"streams", "placement"}  # the lock and callback are not dumped
-    other = _Replica(lambda: changes.append(None))
+    other = Replica(lambda: changes.append(None))
     other._deserialize(dumped)
     assert other.state.streams == replica.state.streams
     assert other.state.placement == {7: ("n1",)}
