@@ -479,6 +479,16 @@ class Server:
             raise ValueError(answer["error"])
         return str(answer["message"])
 
+    async def set_replication(self, stream: str, factor: int) -> dict[str, Any]:
+        """``mqlog cluster set-replication``: commit ``stream``'s new replication factor in the
+        metadata group (its committed definition); the partitions' leaders then move replicas
+        to match (broker.cluster.metadata_members). Raises ValueError where it cannot."""
+        if self.cluster is None:
+            raise ValueError("a single node: no [cluster] section")
+        if self.runtime is not None or self.cluster.node.metadata is None:
+            raise ValueError("several workers per node hold every partition on every node")
+        return await self.cluster.node.metadata.set_replication(stream, factor, 10.0)
+
     async def leave(self, timeout: float = LEAVE_MOVE_SECONDS) -> dict[str, Any]:
         """``mqlog cluster leave``: drain this node and stop it. It hands its leaderships to
         the other replicas (each held there against the balancers for five minutes), tells

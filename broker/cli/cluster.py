@@ -6,7 +6,7 @@ suspect, dead or left, incarnation, Raft and MQTT addresses they announced), the
 (name, address, connected or not) and, per
 partition, its leader, term, commit index, this node's role and the followers' lag (known on
 the leader: ask the leader's node for exact lags), then the metadata group's leader and
-what it holds (stream definitions, placed partitions), any stream this node's config
+what it holds (stream definitions, placed partitions, its members), any stream this node's config
 defines otherwise than the cluster, and the XDP filter (attached, or why user space filters
 gossip instead; its allowlist; packets and bytes by class and verdict).
 ``transfer-leader STREAM/PARTITION NODE`` asks for the partition's leadership to move to
@@ -15,6 +15,10 @@ leader, and the command waits until the partition's leader is NODE (or ``--timeo
 passes, exit status 1). The balancer then leaves that partition where the operator put it
 for five minutes (as Kafka's leader imbalance check waits 300 s) before it hands it back
 to its preferred replica.
+``set-replication STREAM N`` commits the stream's new replication factor in the metadata
+group (``POST .../cluster/streams/<stream>/replication``; the one key of a definition that
+changes, ``broker.cluster.metadata`` says why); each partition's leader then adds or removes
+replicas, one at a time, to match.
 """
 
 from __future__ import annotations
@@ -138,6 +142,19 @@ def cmd_transfer_leader(args: argparse.Namespace) -> int:
     return 1
 
 
+def cmd_set_replication(args: argparse.Namespace) -> int:
+    path = f"/api/v1/cluster/streams/{urllib.parse.quote(args.stream, safe='')}/replication"
+    answer = _post(args.broker, path, {"replication_factor": args.factor}, args.user)
+    definition = answer["definition"]
+    print(
+        f"stream {definition['name']}: replication_factor = {definition['replication_factor']} "
+        "(committed); its partitions' leaders move replicas to match (mqlog cluster status); "
+        "set it in every node's [[streams]] entry too: a node restarted with another value "
+        "refuses to start"
+    )
+    return 0
+
+
 def cmd_leave(args: argparse.Namespace) -> int:
     answer = _post(
         args.broker,
@@ -167,7 +184,7 @@ def cmd_leave(args: argparse.Namespace) -> int:
 
 def add_parser(sub: Any) -> None:
     cluster = sub.add_parser(
-        "cluster", help="a cluster node's view: status, transfer-leader, leave"
+        "cluster", help="a cluster node's view: status, transfer-leader, leave, set-replication"
     )
     commands = cluster.add_subparsers(dest="cluster_command", required=True)
     status = commands.add_parser("status", help="members, and each partition's leader and lag")
@@ -187,7 +204,13 @@ def add_parser(sub: Any) -> None:
         help="seconds to wait for the node's replicas to move elsewhere (60)",
     )
     leave.set_defaults(func=cmd_leave)
-    for cmd in (status, transfer, leave):
+    replication = commands.add_parser(
+        "set-replication", help="change a stream's replication factor, cluster-wide"
+    )
+    replication.add_argument("stream", help="the stream's name")
+    replication.add_argument("factor", type=int, help="its new replication factor")
+    replication.set_defaults(func=cmd_set_replication)
+    for cmd in (status, transfer, leave, replication):
         cmd.add_argument(
             "--broker", default=DEFAULT_BROKER, help=f"a node's HTTP API (default {DEFAULT_BROKER})"
         )

@@ -18,15 +18,42 @@ Invariants:
    replica by itself. So a stale metadata copy, or a metadata change lost with its journal,
    can never lose data: at worst a group is placed as it already is, or a definition is
    proposed again.
-2. **First committed wins, and never changes.** :meth:`MetadataState.define` records a
-   stream only if it is absent; the same definition again is a no-op, another one is refused
-   and answered with the committed definition. Definitions are never altered nor removed in
-   this release, so any prefix of the committed commands (a node's local copy, replayed from
-   its journal before it hears a leader) already holds the final definition of every stream
-   it names: a conflict seen there is a real one.
+2. **First committed wins; only the replication factor changes after.**
+   :meth:`MetadataState.define` records a stream only if it is absent; the same definition
+   again is a no-op, another one is refused and answered with the committed definition.
+   :meth:`MetadataState.set_replication` (``mqlog cluster set-replication``) is the one
+   command that alters a definition, and only its ``replication_factor``
+   (:data:`MUTABLE_KEYS`); definitions are never removed. So any prefix of the committed
+   commands (a node's local copy, replayed from its journal before it hears a leader)
+   already holds the final ``topic_filter``, ``partitions`` and ``compacted`` of every
+   stream it names: a conflict there is a real one at once; one in ``replication_factor``
+   is final only once the node caught up with a leader (the factor may have changed while
+   it was down).
 3. Applying a command is deterministic and depends only on the state and the command (the
    proposing node's name travels in the command), so every replica applies the same log to the
    same state.
+
+Why only the replication factor: it says how many copies of a partition exist, which the
+data groups change one replica at a time with no effect on what a reader sees
+(``broker.cluster.reshape``'s learner, catch-up, promote, remove), as Kafka's partition
+reassignment does. The others say what the stream *is*: ``partitions`` decides which
+partition a topic's messages go to (``crc32(topic) % partitions``), so a new count sends a
+topic's next messages to another partition than its earlier ones, and a subscriber reading
+the stream in order (per partition) could see them before the earlier ones: the per-topic
+order MQTT promises [MQTT-4.6.0-5] would break across the change (Kafka allows adding
+partitions and warns that keyed order breaks; here it would break every session's replay);
+``topic_filter`` decides which messages the stream takes, so changing it re-files no
+history; ``compacted`` is not a key of a user stream in this release.
+
+Why a command (``mqlog cluster set-replication STREAM N``) rather than a config rolled out:
+a Kafka operator changes a topic's replicas with one cluster-wide admin operation
+(``kafka-reassign-partitions``), and an EMQX operator changes cluster config at runtime from
+one node (``emqx ctl conf``, the dashboard), neither restarting brokers; a rolled-out config
+would also pass through a state where nodes disagree, each restarted one proposing its
+value, with no rule for which is meant. The nodes' ``[[streams]]`` entries then say the old
+factor: a node restarted with it refuses to start as for any conflict, its line naming the
+command and the node it ran on, until its config says the new one (the cluster's state wins
+over a node's file, as in Kafka).
 
 Why a node whose config disagrees refuses to start (rather than serve the committed
 definition and warn): a stream's partition count decides which partition a topic's messages
@@ -44,7 +71,7 @@ out one node at a time passes through that state).
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
@@ -53,6 +80,8 @@ if TYPE_CHECKING:
 #: The keys of a definition, named as in a ``[[streams]]`` entry (``compacted`` has no key of
 #: its own there: only the internal streams are compacted in this release).
 DEFINITION_KEYS = ("topic_filter", "partitions", "replication_factor", "compacted")
+#: The keys a committed definition may change (invariant 2), by ``mqlog cluster`` commands.
+MUTABLE_KEYS = ("replication_factor",)
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,12 +166,24 @@ class Conflict:
     node: str  # this node
     source: str  # this node's config file
     defined_by: str  # the node whose definition was committed
+    changed_by: str | None = None  # the node whose command last changed this key, if any
+
+    @property
+    def final(self) -> bool:
+        """Final in a node's local copy (invariant 2): a key that never changes."""
+        return self.key not in MUTABLE_KEYS
 
     def __str__(self) -> str:
+        since = (
+            f", set by mqlog cluster set-replication on node {self.changed_by} since"
+            if self.changed_by is not None
+            else ""
+        )
         return (
             f"{self.source}: streams[{self.stream}].{self.key} = {self.ours!r} on node "
             f"{self.node}, but the cluster's definition of stream {self.stream!r} (committed "
-            f"first, from node {self.defined_by}'s config) has {self.key} = {self.theirs!r}"
+            f"first, from node {self.defined_by}'s config{since}) has "
+            f"{self.key} = {self.theirs!r}"
         )
 
 
@@ -150,11 +191,13 @@ class MetadataState:
     """The replicated state (module docstring). Mutated only by applying committed
     commands, on the metadata group's thread; the caller serializes readers with it."""
 
-    __slots__ = ("placement", "streams")
+    __slots__ = ("changed", "placement", "streams")
 
     def __init__(self) -> None:
         #: Stream name -> (its committed definition, the node whose config defined it).
         self.streams: dict[str, tuple[StreamDefinition, str]] = {}
+        #: Stream name -> the node whose command last changed its replication factor.
+        self.changed: dict[str, str] = {}
         #: Raft group id -> the node names that should hold it (placement order).
         self.placement: dict[int, tuple[str, ...]] = {}
 
@@ -167,6 +210,21 @@ class MetadataState:
         definition = StreamDefinition.from_data(data)
         committed, by = self.streams.setdefault(definition.name, (definition, node))
         return committed.as_data(), by
+
+    def set_replication(
+        self, stream: str, factor: int, node: str
+    ) -> tuple[dict[str, Any], str] | None:
+        """Set ``stream``'s replication factor, as ``node`` asked (invariant 2); the
+        committed definition after and the node that defined it, or None if the stream is
+        not defined or ``factor`` is below 1 (checked by the proposer too)."""
+        committed = self.streams.get(stream)
+        if committed is None or factor < 1:
+            return None
+        definition, by = committed
+        if definition.replication_factor != factor:
+            self.streams[stream] = (replace(definition, replication_factor=factor), by)
+            self.changed[stream] = node
+        return self.streams[stream][0].as_data(), by
 
     def place(self, groups: Mapping[int, Iterable[str]]) -> int:
         """Record each group's desired replicas unless it already has some; returns how many
@@ -190,7 +248,8 @@ class MetadataState:
                 continue
             theirs, by = committed
             for key, a, b in ours.differences(theirs):
-                found.append(Conflict(ours.name, key, a, b, node, local.source, by))
+                changed = self.changed.get(ours.name) if key in MUTABLE_KEYS else None
+                found.append(Conflict(ours.name, key, a, b, node, local.source, by, changed))
         return found
 
     def absent(self, local: LocalStreams) -> list[StreamDefinition]:
@@ -209,6 +268,7 @@ class MetadataState:
         return {
             "streams": {n: [d.as_data(), by] for n, (d, by) in self.streams.items()},
             "placement": {g: list(nodes) for g, nodes in self.placement.items()},
+            "changed": dict(self.changed),
         }
 
     def load(self, data: Mapping[str, Any]) -> None:
@@ -217,3 +277,4 @@ class MetadataState:
             n: (StreamDefinition.from_data(d), str(by)) for n, (d, by) in data["streams"].items()
         }
         self.placement = {int(g): tuple(nodes) for g, nodes in data["placement"].items()}
+        self.changed = {str(n): str(by) for n, by in data.get("changed", {}).items()}

@@ -60,11 +60,13 @@ data path, and a lost or stale change of it can never lose data.
 Start-up (:meth:`MetadataGroup.agree`): a node proposes each stream of its config the
 metadata lacks, and checks every one of them against the committed definitions (first
 committed wins; a disagreement is :class:`MetadataConflict`, and the node refuses to start:
-the reasons are in ``broker.cluster.metadata``). Since definitions never change, a conflict
-found in the node's local copy (its journal replayed) is final, even before a leader is
-known. If no majority answers within the wait given, the node serves with its own
-definitions (a warning says so); the check goes on, and a conflict found later is logged
-as an error and shown by ``status()``.
+the reasons are in ``broker.cluster.metadata``). Since only a replication factor changes, a
+conflict in any other key found in the node's local copy (its journal replayed) is final,
+even before a leader is known; one in a replication factor is once the node caught up with
+a leader (a node that was down when it changed, restarted with the old value, serves with
+the cluster's and logs an error). If no majority answers within the wait given, the node
+serves with its own definitions (a warning says so); the check goes on, and a conflict
+found later is logged as an error and shown by ``status()``.
 """
 
 from __future__ import annotations
@@ -125,8 +127,9 @@ class MetadataConflict(MetadataError):
         self.conflicts = conflicts
         self.detail = "; ".join(map(str, conflicts))
         super().__init__(
-            f"{self.detail}: this node refuses to start (a stream's definition cannot change "
-            "in this release); make its config match the cluster's definition"
+            f"{self.detail}: this node refuses to start (of a stream's definition only its "
+            "replication_factor changes, by mqlog cluster set-replication); make its config "
+            "match the cluster's definition"
         )
 
 
@@ -319,6 +322,7 @@ class MetadataGroup:
         self.ready = True
         with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
             self.loop.call_soon_threadsafe(self._caught_up.set)
+            self.loop.call_soon_threadsafe(self.changed.set)
 
     def _notify(self) -> None:
         """pysyncobj's thread: tell the loop something changed."""
@@ -374,20 +378,25 @@ class MetadataGroup:
             with self.replica.lock:
                 conflicts = state.conflicts(local, self.name)
                 missing = state.absent(local)
-            if conflicts:
+            if any(c.final or self.ready for c in conflicts):
                 raise MetadataConflict(conflicts)
-            if not missing:
-                break  # final (definitions never change): no need to hear a leader first
-            await self.changed.wait()
+            if not missing and not conflicts:
+                break  # final but for a replication factor changed since: checked below
+            await self.changed.wait()  # also set once caught up with a leader
         logger.info("cluster: metadata: the %d stream definitions agreed", len(local.definitions))
         self.spawn(self._warn_unknown(local))
 
     async def _warn_unknown(self, local: LocalStreams) -> None:
-        """Once caught up with a leader: a warning per stream the cluster defines and
-        ``local`` does not."""
+        """Once caught up with a leader: an error per replication factor the cluster changed
+        while this node was down that its config still has otherwise (it serves, with the
+        cluster's: ``broker.cluster.metadata_members``), a warning per stream the cluster
+        defines and ``local`` does not."""
         await self._caught_up.wait()
         with self.replica.lock:
             unknown = self.replica.state.unknown_to(local)
+            conflicts = self.replica.state.conflicts(local, self.name)
+        for conflict in conflicts:
+            logger.error("cluster: metadata: %s: make this node's config match", conflict)
         for stream, by in unknown:
             logger.warning(
                 "cluster: metadata: stream %r is defined in the cluster (from node %s's config) "
@@ -396,6 +405,25 @@ class MetadataGroup:
                 by,
                 local.source,
             )
+
+    async def set_replication(self, stream: str, factor: int, wait: float) -> dict[str, Any]:
+        """Commit ``stream``'s new replication factor (``mqlog cluster set-replication``);
+        its committed definition. ValueError: the stream is not defined, or no majority
+        answered within ``wait`` s (it may still commit)."""
+        if factor < 1:
+            raise ValueError(f"replication factor {factor}: at least 1")
+        try:
+            result = await asyncio.wait_for(
+                self._apply(self.replica.set_replication, stream, factor, self.name), wait
+            )
+        except TimeoutError:
+            raise ValueError(
+                f"no majority of the metadata group answered within {wait:g} s"
+            ) from None
+        if result is None:
+            raise ValueError(f"stream {stream!r} is not defined in the cluster")
+        definition: dict[str, Any] = result[0]
+        return definition
 
     def place(self, groups: Mapping[int, Iterable[int]], names: Mapping[int, str]) -> None:
         """Record the desired placement (replica node ids, placement order) of each group of

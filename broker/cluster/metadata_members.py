@@ -28,6 +28,13 @@ election.
 Gossip decides who should be a member; the group's log alone decides who is one: a stale view
 of the members can delay a change or propose one pysyncobj refuses, and a change committed
 is never undone by a node that did not hear of it.
+
+The same pass carries a stream's replication factor changed in the metadata (``mqlog cluster
+set-replication``, ``broker.cluster.metadata`` invariant 2) to the node
+(:meth:`MetadataMembers.follow_replication`): each group of the stream gets the new factor
+in ``ClusterNode.replication``, and ``broker.cluster.reshape``'s planner on each group's
+leader adds a learner, promotes it once caught up, or removes a voter, one change at a time
+per group, until the group has that many voters (capped at the members).
 """
 
 from __future__ import annotations
@@ -66,6 +73,9 @@ class MembersHost(Protocol):
     joined: bool
     state_dir: Path
     local_streams: LocalStreams
+    group_keys: dict[int, tuple[str, int]]  # group -> (stream, partition)
+    replication: dict[int, int]  # group -> its replication factor, as reshape places it
+    everywhere: set[int]  # groups on every node: no replication factor of their own
 
 
 def first_peers(
@@ -109,9 +119,12 @@ class MetadataMembers:
             self.step()
 
     def step(self) -> None:
-        """One pass: name the members the node knows; on the leader, one change if due."""
+        """One pass: name the members the node knows, place with the committed replication
+        factors; on the leader, one change of the members if due."""
         addresses = {**self.host.transport.members, self.host.name: self.host.settings.bind}
         self.group.learn(addresses)
+        if self.group.ready:
+            self.follow_replication()
         membership = self.host.membership
         gossip = self.host.settings.gossip
         if membership is None or gossip is None:
@@ -139,6 +152,32 @@ class MetadataMembers:
         if change is not None:
             logger.info("cluster: metadata: %s member %s (gossip: %s)", *change, _why(change, left))
             self.group.change(*change)
+
+    def follow_replication(self) -> None:
+        """Each hosted group's replication factor as the metadata has its stream's (once
+        caught up with a leader: a stale local copy would undo a change): the leaders'
+        reshape passes then add or remove replicas to match (module docstring)."""
+        host = self.host
+        with self.group.replica.lock:
+            factors = {
+                name: d.replication_factor
+                for name, (d, _) in self.group.replica.state.streams.items()
+            }
+        moved: dict[str, tuple[int | None, int]] = {}
+        for g, (stream, _) in host.group_keys.items():
+            factor = factors.get(stream)
+            if g in host.everywhere or factor is None or host.replication.get(g) == factor:
+                continue
+            moved.setdefault(stream, (host.replication.get(g), factor))
+            host.replication[g] = factor
+        for stream, (before, after) in moved.items():
+            logger.info(
+                "cluster: stream %s: replication factor %s -> %d (the cluster's): its "
+                "partitions' leaders move replicas to match",
+                stream,
+                before,
+                after,
+            )
 
 
 def _why(change: tuple[str, str], left: set[str]) -> str:

@@ -73,6 +73,16 @@ class Replica(SyncObjConsumer):  # type: ignore[misc]
         return result
 
     @replicated  # type: ignore[untyped-decorator]
+    def set_replication(
+        self, stream: str, factor: int, node: str
+    ) -> tuple[dict[str, Any], str] | None:
+        with self.lock:
+            result = self.state.set_replication(stream, factor, node)
+            self._save()
+        self._changed()
+        return result
+
+    @replicated  # type: ignore[untyped-decorator]
     def place(self, groups: dict[int, list[str]]) -> int:
         with self.lock:
             new = self.state.place(groups)

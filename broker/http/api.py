@@ -103,6 +103,11 @@ class AdminSource(PartitionSource, SessionsSource, Protocol):
         Raises ValueError (a single node, an unknown partition or node)."""
         ...
 
+    async def set_replication(self, stream: str, factor: int) -> dict[str, Any]:
+        """Commit ``stream``'s new replication factor cluster-wide; its committed definition.
+        Raises ValueError (a single node, an unknown stream, no majority)."""
+        ...
+
     async def leave(self, timeout: float) -> dict[str, Any]:
         """Drain this node (waiting up to ``timeout`` s for its replicas to move) and stop it
         (``mqlog cluster leave``); what was handed over. Raises ValueError where it cannot."""
@@ -131,6 +136,7 @@ class HttpApi:
                     self.transfer_leader,
                 ),
                 web.post(f"{API}/cluster/leave", self.leave),
+                web.post(f"{API}/cluster/streams/{{stream}}/replication", self.set_replication),
                 *FetchApi(server).routes(),
             ]
         )
@@ -178,6 +184,23 @@ class HttpApi:
         except ValueError as e:
             return _error(409, str(e))
         return _json({"message": message})
+
+    async def set_replication(self, request: web.Request) -> web.Response:
+        """``POST .../cluster/streams/<stream>/replication`` ``{"replication_factor": N}``:
+        commit the stream's new replication factor (answered once committed, with the
+        definition); the replicas move after (``GET /api/v1/cluster`` shows them)."""
+        try:
+            body = await request.json()
+            factor = body["replication_factor"]
+            if not isinstance(factor, int) or isinstance(factor, bool):
+                raise TypeError(factor)
+        except (ValueError, KeyError, TypeError):
+            return _error(400, 'expected a JSON body {"replication_factor": <integer>}')
+        try:
+            definition = await self.server.set_replication(request.match_info["stream"], factor)
+        except ValueError as e:
+            return _error(409, str(e))
+        return _json({"definition": definition})
 
     async def leave(self, request: web.Request) -> web.Response:
         """``POST /api/v1/cluster/leave``: hand this node's leaderships over, tell its clients

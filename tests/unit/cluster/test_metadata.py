@@ -96,6 +96,39 @@ def test_absent_and_unknown_streams() -> None:
     assert state.conflicts(local, "n1") == []
 
 
+def test_only_the_replication_factor_changes_and_the_conflict_names_the_command() -> None:
+    state = MetadataState()
+    state.define(DEVICES.as_data(), "n1")
+    five = StreamDefinition("devices", ("devices/#",), 4, 5)
+    assert state.set_replication("devices", 5, "n2") == (five.as_data(), "n1")
+    assert state.streams == {"devices": (five, "n1")} and state.changed == {"devices": "n2"}
+    # The same factor again: a no-op (the command is idempotent); an unknown stream or a
+    # factor below 1: refused, nothing changed.
+    assert state.set_replication("devices", 5, "n3") == (five.as_data(), "n1")
+    assert state.changed == {"devices": "n2"}
+    assert state.set_replication("nope", 2, "n2") is None
+    assert state.set_replication("devices", 0, "n2") is None
+    assert state.streams["devices"][0].replication_factor == 5
+    # A node still configured with 3: a conflict that is final only once caught up, naming
+    # the command and where it ran; one in partitions is final at once.
+    (conflict,) = state.conflicts(_local(DEVICES), "n3")
+    assert (conflict.key, conflict.ours, conflict.theirs, conflict.final) == (
+        "replication_factor",
+        3,
+        5,
+        False,
+    )
+    assert "set by mqlog cluster set-replication on node n2 since) has replication_factor = 5" in (
+        str(conflict)
+    )
+    (other,) = state.conflicts(_local(StreamDefinition("devices", ("devices/#",), 8, 5)), "n3")
+    assert other.key == "partitions" and other.final
+    # Through the dump, who changed it too.
+    again = MetadataState()
+    again.load(pickle.loads(pickle.dumps(state.to_data())))
+    assert (again.streams, again.changed) == (state.streams, state.changed)
+
+
 def test_placement_is_recorded_once_per_group() -> None:
     state = MetadataState()
     assert state.place({7: ["n1", "n2", "n3"], 9: ["n2", "n3", "n1"]}) == 2
@@ -127,7 +160,7 @@ def test_the_replica_applies_commands_and_goes_through_its_dump() -> None:
     assert replica.place({7: ["n1"]}, _doApply=True) == 1
     assert len(changes) == 2  # the loop is told after each
     dumped = replica._serialize()
-    assert set(dumped) == {"streams", "placement"}  # the lock and callback are not dumped
+    assert set(dumped) == {"streams", "placement", "changed"}  # no lock, no callback
     other = Replica(lambda: changes.append(None))
     other._deserialize(dumped)
     assert other.state.streams == replica.state.streams
@@ -213,6 +246,69 @@ def test_a_single_member_group_agrees_and_its_state_survives_a_restart(tmp_path:
                 await group.agree(_local(eight), 10.0)
         finally:
             await group.close()
+
+    asyncio.run(main())
+
+
+def test_a_replication_factor_changes_through_the_group(tmp_path: Path) -> None:
+    """``set_replication`` commits; a restart configured with the old factor is refused once
+    caught up (a one-member group catches up with itself), with the new one it agrees."""
+    members = {"n1": ("127.0.0.1", cluster_port())}
+    secret = b"a-test-secret-of-enough-bytes"
+
+    async def main() -> None:
+        group = await MetadataGroup.open("n1", members, secret, tmp_path, 0.3, 0.05)
+        try:
+            await asyncio.wait_for(group.agree(_local(DEVICES), 10.0), 10.0)
+            definition = await group.set_replication("devices", 2, 10.0)
+            assert definition["replication_factor"] == 2
+            with pytest.raises(ValueError, match="stream 'nope' is not defined"):
+                await group.set_replication("nope", 2, 10.0)
+            with pytest.raises(ValueError, match="at least 1"):
+                await group.set_replication("devices", 0, 10.0)
+        finally:
+            await group.close()
+        group = await MetadataGroup.open("n1", members, secret, tmp_path, 0.3, 0.05)
+        try:
+            with pytest.raises(MetadataConflict, match=r"replication_factor = 3 on node n1"):
+                await group.agree(_local(DEVICES), 10.0)
+        finally:
+            await group.close()
+        two = StreamDefinition("devices", ("devices/#",), 4, 2)
+        group = await MetadataGroup.open("n1", members, secret, tmp_path, 0.3, 0.05)
+        try:
+            await asyncio.wait_for(group.agree(_local(two), 10.0), 10.0)
+        finally:
+            await group.close()
+
+    asyncio.run(main())
+
+
+def test_a_node_down_while_the_factor_changed_agrees_with_the_new_one(tmp_path: Path) -> None:
+    """n3 is down while the factor changes: its copy says 3, its config (updated) says 2.
+    That conflict is not final before n3 caught up with a leader, and then there is none
+    (refused at once from the stale copy without the rule)."""
+    members = {f"n{i}": ("127.0.0.1", cluster_port()) for i in (1, 2, 3)}
+    secret = b"a-test-secret-of-enough-bytes"
+    two = StreamDefinition("devices", ("devices/#",), 4, 2)
+
+    async def open_group(name: str) -> MetadataGroup:
+        return await MetadataGroup.open(name, members, secret, tmp_path / name, 0.3, 0.05)
+
+    async def main() -> None:
+        groups = [await open_group(n) for n in members]
+        try:
+            await asyncio.gather(*(g.agree(_local(DEVICES), 20.0) for g in groups))
+            await groups[2].close()
+            await asyncio.wait_for(groups[0].set_replication("devices", 2, 20.0), 20.0)
+            groups[2] = await open_group("n3")
+            with groups[2].replica.lock:
+                assert groups[2].replica.state.streams["devices"][0].replication_factor == 3
+            await asyncio.wait_for(groups[2].agree(_local(two), 20.0), 20.0)
+            assert groups[2].status()["definitions"]["devices"]["replication_factor"] == 2
+        finally:
+            for g in groups:
+                await g.close()
 
     asyncio.run(main())
 
