@@ -9,6 +9,13 @@ on real nodes in network namespaces:
    agreed config back it serves and is still a member;
 3. ``mqlog cluster leave`` on a founder: once it stopped, it is a member nowhere;
 4. the joined node killed for good: once dead for ``replace_after``, it is removed too.
+
+And a stream's replication factor changed with ``mqlog cluster set-replication`` (the one key
+of a definition that changes, broker/cluster/metadata.py): lowered from 3 to 2, every
+partition of the stream ends with placement's two voters (a removed replica gives its copy
+up); a node restarted with its config still saying 3 refuses to start naming the key and the
+command; with 2 it serves; raised to 3 again, every partition has three voters; every
+message acknowledged before is read back.
 """
 
 from __future__ import annotations
@@ -22,8 +29,10 @@ from typing import Any
 
 import pytest
 
+from broker.cluster.placement import group_id_of, node_id_of, replicas
 from tests import netlab
-from tests.cluster_lab import HTTP_PORT, ClusterLabError, Member, MqlogCluster
+from tests.cluster_lab import HTTP_PORT, MQTT_PORT, ClusterLabError, Member, MqlogCluster
+from tests.integration.clients import Client
 from tests.netlab import Lab
 
 pytestmark = pytest.mark.skipif(
@@ -126,3 +135,71 @@ def test_the_metadata_members_follow_joins_leaves_and_replacements(
     # 4. n4 killed for good: removed once dead for replace_after (10 s).
     cluster.kill(n4)
     _members_are(cluster, [n1, n3], ["n1", "n3"])
+
+
+def _voters(cluster: MqlogCluster, on: list[Member], rf: int) -> None:
+    """Until every partition of jn has placement's ``rf`` voters over ``on`` (no learner)."""
+    names = [m.node_id for m in on]
+    by_id = {node_id_of(n): n for n in names}
+    deadline = time.monotonic() + FOLLOW_TIMEOUT
+    while True:
+        led = {}
+        for m in on:
+            for p in cluster.status(m)["partitions"]:
+                if p.get("role") == "leader" and p["stream"] == "jn":
+                    led[p["partition"]] = p
+        want = {p: {by_id[i] for i in replicas(group_id_of(("jn", p)), by_id, rf)} for p in (0, 1)}
+        if all(
+            p in led and not led[p]["learners"] and set(led[p]["replicas"]) == want[p]
+            for p in (0, 1)
+        ):
+            return
+        assert time.monotonic() < deadline, led
+        time.sleep(0.25)
+
+
+def test_a_streams_replication_factor_changes(cluster: MqlogCluster) -> None:
+    n1, n2, n3 = (cluster.member(n) for n in ("n1", "n2", "n3"))
+    trio = [n1, n2, n3]
+    _members_are(cluster, trio, ["n1", "n2", "n3"])
+    _voters(cluster, trio, 3)
+    writer = Client(MQTT_PORT, "writer", host=n1.addr)
+    assert writer.connect() == 0
+    sent = [f"m{i}".encode() for i in range(40)]
+    for i, payload in enumerate(sent):
+        writer.publish(f"jn/t{i % 8}", payload, qos=1)
+    writer.disconnect()
+
+    out = _cli(cluster, n1, "set-replication", "jn", "2", "--broker", f"http://{n1.addr}:8080")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert "stream jn: replication_factor = 2 (committed)" in out.stdout, out.stdout
+    _voters(cluster, trio, 2)
+    assert any("removed from the group" in m.log(2_000_000) for m in trio)
+    assert all(_metadata(cluster, m)["definitions"]["jn"]["replication_factor"] == 2 for m in trio)
+
+    # n3's config still says 3 (the cluster's default): refused, naming the key and command.
+    assert cluster.stop(n3) == {"n3": 0}
+    with pytest.raises(ClusterLabError, match="exited with 2 before serving"):
+        cluster.start(n3)
+    assert (
+        f"{n3.config_path}: streams[jn].replication_factor = 3 on node n3, but the cluster's "
+        "definition of stream 'jn' (committed first, from node "
+    ) in n3.log(20_000)
+    assert "set by mqlog cluster set-replication on node n1 since) has replication_factor = 2" in (
+        n3.log(20_000)
+    )
+    text = n3.config_path.read_text()
+    n3.config_path.write_text(
+        text.replace("partitions = 2\n", "partitions = 2\nreplication_factor = 2\n")
+    )
+    cluster.start(n3)
+
+    out = _cli(cluster, n2, "set-replication", "jn", "3", "--broker", f"http://{n2.addr}:8080")
+    assert out.returncode == 0, out.stdout + out.stderr
+    _voters(cluster, trio, 3)
+    reader = Client(MQTT_PORT, "reader", host=n3.addr)
+    assert reader.connect() == 0
+    assert reader.subscribe("$replay/earliest/jn/#", qos=1) == [1]
+    got = {m.payload for m in reader.expect(len(sent), timeout=30)}
+    reader.disconnect()
+    assert got == set(sent)
