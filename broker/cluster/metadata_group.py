@@ -89,7 +89,7 @@ from pysyncobj.syncobj import SyncObjException
 from broker.cluster.hardstate import write_atomically
 from broker.cluster.metadata import Conflict, LocalStreams
 from broker.cluster.metadata_replica import Replica
-from broker.config.cluster import METADATA_PORT_OFFSET
+from broker.config.cluster import MAX_REPLICATION_FACTOR, METADATA_PORT_OFFSET
 from broker.config.values import ConfigError
 
 logger = logging.getLogger("broker.cluster")
@@ -410,8 +410,10 @@ class MetadataGroup:
         """Commit ``stream``'s new replication factor (``mqlog cluster set-replication``);
         its committed definition. ValueError: the stream is not defined, or no majority
         answered within ``wait`` s (it may still commit)."""
-        if factor < 1:
-            raise ValueError(f"replication factor {factor}: at least 1")
+        if not 1 <= factor <= MAX_REPLICATION_FACTOR:  # as a [[streams]] entry allows
+            raise ValueError(
+                f"replication factor {factor}: at least 1 and at most {MAX_REPLICATION_FACTOR}"
+            )
         try:
             result = await asyncio.wait_for(
                 self._apply(self.replica.set_replication, stream, factor, self.name), wait

@@ -264,8 +264,9 @@ def test_a_replication_factor_changes_through_the_group(tmp_path: Path) -> None:
             assert definition["replication_factor"] == 2
             with pytest.raises(ValueError, match="stream 'nope' is not defined"):
                 await group.set_replication("nope", 2, 10.0)
-            with pytest.raises(ValueError, match="at least 1"):
-                await group.set_replication("devices", 0, 10.0)
+            for factor in (0, 8):
+                with pytest.raises(ValueError, match="at least 1 and at most 7"):
+                    await group.set_replication("devices", factor, 10.0)
         finally:
             await group.close()
         group = await MetadataGroup.open("n1", members, secret, tmp_path, 0.3, 0.05)
