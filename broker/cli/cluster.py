@@ -144,7 +144,8 @@ def cmd_transfer_leader(args: argparse.Namespace) -> int:
 
 def cmd_set_replication(args: argparse.Namespace) -> int:
     path = f"/api/v1/cluster/streams/{urllib.parse.quote(args.stream, safe='')}/replication"
-    answer = _post(args.broker, path, {"replication_factor": args.factor}, args.user)
+    # The node waits up to 10 s for the metadata group's majority: a little longer here.
+    answer = _post(args.broker, path, {"replication_factor": args.factor}, args.user, 15.0)
     definition = answer["definition"]
     print(
         f"stream {definition['name']}: replication_factor = {definition['replication_factor']} "

@@ -170,6 +170,8 @@ def test_a_streams_replication_factor_changes(cluster: MqlogCluster) -> None:
         writer.publish(f"jn/t{i % 8}", payload, qos=1)
     writer.disconnect()
 
+    out = _cli(cluster, n1, "set-replication", "nope", "2", "--broker", f"http://{n1.addr}:8080")
+    assert out.returncode != 0 and "stream 'nope' is not defined" in out.stdout + out.stderr
     out = _cli(cluster, n1, "set-replication", "jn", "2", "--broker", f"http://{n1.addr}:8080")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "stream jn: replication_factor = 2 (committed)" in out.stdout, out.stdout
