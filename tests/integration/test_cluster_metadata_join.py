@@ -99,8 +99,10 @@ def test_the_metadata_members_follow_joins_leaves_and_replacements(
     everyone = ["n1", "n2", "n3", "n4"]
 
     # 1. n4 joins: a member everywhere, holding the definitions committed before it came.
+    start = time.monotonic()
     cluster.start(n4)
     view = _members_are(cluster, [n1, n2, n3, n4], everyone)
+    print(f"\njoin: a metadata member everywhere {time.monotonic() - start:.1f} s after its start")
     assert view["definitions"] == _metadata(cluster, n1)["definitions"]
     assert view["definitions"]["jn"]["defined_by"] in {"n1", "n2", "n3"}
     assert view["conflicts"] == []
@@ -129,12 +131,18 @@ def test_the_metadata_members_follow_joins_leaves_and_replacements(
     out = _cli(cluster, n2, "leave", "--broker", f"http://{n2.addr}:{HTTP_PORT}", "--timeout", "90")
     assert out.returncode == 0, out.stdout + out.stderr
     assert n2.proc is not None and n2.proc.popen.wait(timeout=30) == 0
+    start = time.monotonic()
     _members_are(cluster, [n1, n3, n4], ["n1", "n3", "n4"])
+    print(f"leave: removed everywhere {time.monotonic() - start:.1f} s after the leaver exited")
     assert any("removing member n2" in m.log(2_000_000) for m in (n1, n3, n4))
 
     # 4. n4 killed for good: removed once dead for replace_after (10 s).
+    start = time.monotonic()
     cluster.kill(n4)
     _members_are(cluster, [n1, n3], ["n1", "n3"])
+    print(
+        f"kill -9: removed everywhere {time.monotonic() - start:.1f} s after (replace_after 10 s)"
+    )
 
 
 def _voters(cluster: MqlogCluster, on: list[Member], rf: int) -> None:
@@ -175,7 +183,9 @@ def test_a_streams_replication_factor_changes(cluster: MqlogCluster) -> None:
     out = _cli(cluster, n1, "set-replication", "jn", "2", "--broker", f"http://{n1.addr}:8080")
     assert out.returncode == 0, out.stdout + out.stderr
     assert "stream jn: replication_factor = 2 (committed)" in out.stdout, out.stdout
+    start = time.monotonic()
     _voters(cluster, trio, 2)
+    print(f"\nreplication factor 3 -> 2: {time.monotonic() - start:.1f} s to two voters each")
     assert any("removed from the group" in m.log(2_000_000) for m in trio)
     assert all(_metadata(cluster, m)["definitions"]["jn"]["replication_factor"] == 2 for m in trio)
 
@@ -198,7 +208,9 @@ def test_a_streams_replication_factor_changes(cluster: MqlogCluster) -> None:
 
     out = _cli(cluster, n2, "set-replication", "jn", "3", "--broker", f"http://{n2.addr}:8080")
     assert out.returncode == 0, out.stdout + out.stderr
+    start = time.monotonic()
     _voters(cluster, trio, 3)
+    print(f"replication factor 2 -> 3: {time.monotonic() - start:.1f} s to three voters each")
     reader = Client(MQTT_PORT, "reader", host=n3.addr)
     assert reader.connect() == 0
     assert reader.subscribe("$replay/earliest/jn/#", qos=1) == [1]
