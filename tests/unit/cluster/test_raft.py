@@ -126,11 +126,12 @@ def elect(core: RaftNode, log: Log) -> list[Message]:
 
 
 #: The driver, its fsync jobs, its repairs, the transport, the metadata group (pysyncobj's
-#: thread and sockets), the gossip membership's driver and formation (the UDP endpoint,
-#: name resolution, waiting for worker 0's list) and the operators' leadership moves (a
-#: leave's drain waits on the loop): the only modules of broker/cluster with an event loop
-#: and sockets. Everything else is sans-IO (core, host, storage, simulator, the
-#: repair protocol, the metadata's state machine, the nodes' gossip metadata).
+#: thread and sockets) and the pass that keeps its members (a task on the loop), the gossip
+#: membership's driver and formation (the UDP endpoint, name resolution, waiting for worker
+#: 0's list) and the operators' leadership moves (a leave's drain waits on the loop): the
+#: only modules of broker/cluster with an event loop and sockets. Everything else is sans-IO
+#: (core, host, storage, simulator, the repair protocol, the metadata's state machine, the
+#: nodes' gossip metadata).
 IO_MODULES = {
     "node.py",
     "membership_service.py",
@@ -140,6 +141,7 @@ IO_MODULES = {
     "logsync.py",
     "repairer.py",
     "metadata_group.py",
+    "metadata_members.py",
     "leadership.py",
 }
 
