@@ -508,7 +508,8 @@ class MetadataGroup:
                 "placed": len(state.placement),
                 "members": self.member_names(),
                 "definitions": {
-                    n: {**d.as_data(), "defined_by": by} for n, (d, by) in state.streams.items()
+                    n: {**d.as_data(), "defined_by": by, "replication_set_by": state.changed.get(n)}
+                    for n, (d, by) in state.streams.items()
                 },
                 "conflicts": [str(c) for c in conflicts],
             }

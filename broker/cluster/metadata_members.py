@@ -25,6 +25,14 @@ added it (within a pass of gossip announcing it). It does not campaign before it
 with a leader once (``MetadataGroup.open``'s ``quiet``), so its arrival costs the group no
 election.
 
+A node of an earlier release runs the group without dynamic membership: it ignores the change
+entries, so its members would differ from the others'. Upgrade every node before a node
+joins (a rolling restart; each keeps its members, :data:`~broker.cluster.metadata_group.MEMBERS`).
+A peer a joiner starts with that is no member yet (another joiner, which the leader adds next)
+makes the joiner's majorities one node larger until then: such a majority holds at least
+ceil(n/2) of the n members even if that peer is in it, and so intersects every majority of
+the members (ceil(n/2) + floor(n/2) + 1 > n), which is what Raft's safety rests on.
+
 Gossip decides who should be a member; the group's log alone decides who is one: a stale view
 of the members can delay a change or propose one pysyncobj refuses, and a change committed
 is never undone by a node that did not hear of it.
