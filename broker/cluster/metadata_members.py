@@ -124,7 +124,10 @@ class MetadataMembers:
     async def run(self) -> None:
         while True:
             await asyncio.sleep(PASS_SECONDS)
-            self.step()
+            try:
+                self.step()
+            except Exception:  # a bug: logged, and the next pass tries again
+                logger.exception("cluster: metadata: a members pass failed")
 
     def step(self) -> None:
         """One pass: name the members the node knows, place with the committed replication
