@@ -2,7 +2,8 @@
 the leaving node hands every leadership it holds to another replica, its MQTT 5 clients are
 told 0x9C (use another server), the others see it left (not dead), it stops with exit status
 0, a QoS 1 publisher on another node loses nothing meanwhile, and the will of a client it
-held goes out once, from a survivor."""
+held goes out once, from a survivor. With one worker per node and with two (every worker's
+leaderships and clients, broker.workers.leaving)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ PARTITIONS = 6
 EXTRA = f'[[streams]]\nname = "lv"\ntopic_filter = "lv/#"\npartitions = {PARTITIONS}\n'
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
+@pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
+    """Three nodes of one worker, or of two (each worker leads groups of its own, holds
+    clients of its own: every one of them drains)."""
     with Lab(3) as lab:
-        c = MqlogCluster(lab, tmp_path, extra=EXTRA)
+        c = MqlogCluster(lab, tmp_path, extra=EXTRA, workers=request.param)
         c.start()
         c.wait_all_alive()
         yield c
