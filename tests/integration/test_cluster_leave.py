@@ -74,6 +74,11 @@ def test_leave_hands_leaderships_over_tells_clients_and_stops(cluster: MqlogClus
         will_properties=will_props,
     )
     assert told.connect() == 0
+    # More MQTT 5 clients on n1: the listeners' SO_REUSEPORT spreads them over its workers,
+    # and every worker tells its own ones.
+    others = [Client(MQTT_PORT, f"other-{k}", mqtt.MQTTv5, host=n1.addr) for k in range(8)]
+    for other in others:
+        assert other.connect() == 0
     acked: list[bytes] = []
     stop = threading.Event()
 
@@ -115,6 +120,7 @@ def test_leave_hands_leaderships_over_tells_clients_and_stops(cluster: MqlogClus
         assert out.returncode == 0, out.stdout + out.stderr
         assert "handed to n" in out.stdout and "stopping" in out.stdout
         assert told.disconnects.get(timeout=10) == 0x9C  # use another server
+        assert [other.disconnects.get(timeout=10) for other in others] == [0x9C] * len(others)
         assert n1.proc is not None
         assert n1.proc.popen.wait(timeout=30) == 0
         # Left, not dead, and leading nothing; the others lead everything.
