@@ -256,10 +256,10 @@ class Reshaper:
                 del self.untold[g]  # no longer this node's to tell
         if ticks % max(1, round(PLAN_SECONDS / node.settings.heartbeat_interval)):
             return
-        if self.tell is not None:
-            self.tell()
         if not self.surveyed():
             return
+        if self.tell is not None:
+            self.tell()  # what this pass plans over, to the other workers
         eligible, live, leaving = self.eligible()
         for g in node.storages:
             if host.core(g).leader is None and host.core(g).role is not Role.LEADER:
