@@ -93,7 +93,7 @@ def test_worker_1_learns_a_newcomer_and_plans_over_worker_0s_survey(tmp_path: Pa
 
 
 def test_worker_0_tells_on_each_planner_pass(tmp_path: Path) -> None:
-    members = [Member(n, ("10.0.0.9", 7946), State.ALIVE, 0, 0, n, b"") for n in NAMES]
+    members: list[Member] = []  # gossip has heard of no member yet
     membership = SimpleNamespace(
         core_members=lambda: members, leaving=set, meta=SimpleNamespace(leaving=False)
     )
@@ -104,6 +104,10 @@ def test_worker_0_tells_on_each_planner_pass(tmp_path: Path) -> None:
     told: list[dict[str, Any]] = []
     zero.reshape.tell = lambda: told.append(view_of(zero))
     for tick in range(1, 31):  # three seconds of 100 ms ticks: one pass a second
+        zero.reshape.tick(tick)
+    assert told == []  # it plans nothing yet, and tells nothing the others would plan over
+    members += [Member(n, ("10.0.0.9", 7946), State.ALIVE, 0, 0, n, b"") for n in NAMES]
+    for tick in range(31, 61):
         zero.reshape.tick(tick)
     assert len(told) == 3
     assert set(told[-1]["members"]) == {"n2", "n3", "n4"}
