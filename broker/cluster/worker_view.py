@@ -6,8 +6,8 @@ and follows groups of its own (``broker.cluster.node``) and plans their shape
 (``broker.cluster.reshape``). So on each planner pass worker 0 tells the others (over the
 workers' mesh: the worker runtime's ``tell_all``) a :func:`view_of` its gossip: the members'
 Raft addresses (worker 0's ports) and the placement survey (who counts, who is live, who is
-leaving). A worker ``i`` then :func:`hear` s it: it dials each member not known before at its
-``raft_port + i`` (the peer worker that hosts the same groups), admits it to its groups'
+leaving). Worker ``i`` takes it in (:func:`hear`): it dials each member not known before at
+its ``raft_port + i`` (the peer worker that hosts the same groups), admits it to its groups'
 host, and keeps the survey for its own planner passes. This is how a node joining after
 formation reaches the workers ``i`` > 0 of the others, which read the member list only at
 start (``broker.cluster.formation``).
