@@ -21,7 +21,9 @@ unavailability after it, and the comparison of the final voters' copies of every
 partition (divergent: must be 0).
 
 Run (root): ``python -m bench.reshape_lab`` (about two minutes). Prints a table and one JSON
-line (``--json FILE`` appends it).
+line (``--json FILE`` appends it). ``--workers 2``: two workers per node (each worker moves
+the groups of the partitions it owns; every partition is then placed on every node, so a
+change is awaited until every member of the moment holds every partition).
 """
 
 from __future__ import annotations
@@ -77,14 +79,14 @@ def leaders_view(cluster: MqlogCluster) -> dict[str, dict[str, Any]]:
     return out
 
 
-def placed(view: dict[str, dict[str, Any]], names: list[str], partitions: int) -> bool:
-    """Every partition of the stream has placement's three voters over ``names``."""
+def placed(view: dict[str, dict[str, Any]], names: list[str], partitions: int, rf: int = 3) -> bool:
+    """Every partition of the stream has placement's ``rf`` voters over ``names``."""
     ids = {node_id_of(n): n for n in names}
     for p in range(partitions):
         entry = view.get(f"{STREAM}/{p}")
         if entry is None or entry.get("learners"):
             return False
-        want = {ids[i] for i in replicas(group_id_of((STREAM, p)), ids, 3)}
+        want = {ids[i] for i in replicas(group_id_of((STREAM, p)), ids, rf)}
         if set(entry["replicas"]) != want:
             return False
     return True
@@ -93,12 +95,14 @@ def placed(view: dict[str, dict[str, Any]], names: list[str], partitions: int) -
 async def until_placed(
     cluster: MqlogCluster, names: list[str], partitions: int, timeout: float, leader: str = ""
 ) -> float:
-    """Seconds until :func:`placed` holds (and ``leader`` leads a partition, if named)."""
+    """Seconds until :func:`placed` holds (and ``leader`` leads a partition, if named); with
+    several workers per node every partition is placed on every node."""
+    everywhere = cluster.workers > 1
     t0 = time.monotonic()
     while True:
         view = await asyncio.to_thread(leaders_view, cluster)
         leads = not leader or any(e["leader"] == leader for e in view.values())
-        if leads and placed(view, names, partitions):
+        if leads and placed(view, names, partitions, len(names) if everywhere else 3):
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"not placed over {names} within {timeout} s: {view}")
@@ -256,6 +260,7 @@ async def scenario(cluster: MqlogCluster, args: argparse.Namespace) -> dict[str,
         divergent += len(compare_replicas(copies).get("divergent_replicas") or [])
     return {
         "bench": "reshape_lab",
+        "workers": cluster.workers,
         "acked": report.acked,
         "lost": report.lost,
         "unexpected": report.unexpected,
@@ -278,6 +283,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--ack-timeout", type=float, default=5.0, help="s before a resend")
     ap.add_argument("--rest", type=float, default=5.0, help="s of load between changes")
     ap.add_argument("--replace-after", default="5s")
+    ap.add_argument("--workers", type=int, default=1, help="[router] workers of each node")
     ap.add_argument("--workdir", type=Path)
     ap.add_argument("--json", type=Path, help="append the JSON line to this file")
     args = ap.parse_args(argv)
@@ -292,6 +298,7 @@ def main(argv: list[str] | None = None) -> int:
             workdir,
             extra=stream,
             founders=5,
+            workers=args.workers,
             cluster_extra=(
                 f'replace_after = "{args.replace_after}"\n'
                 f'join_from = ["{lab.nodes[0].addr.rsplit(".", 1)[0]}.0/24"]\n'

@@ -18,7 +18,6 @@ import fcntl
 import gc
 import logging
 import os
-import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -27,6 +26,7 @@ from typing import Any
 import orjson
 
 from broker.auth import AuthFileError, AuthService
+from broker.cluster.worker_view import hear, view_of
 from broker.commitlog import LogCleaner, SegmentedLog, Streams
 from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
@@ -48,6 +48,7 @@ from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
 from broker.workers.cluster_status import merge_views
+from broker.workers.leaving import Leaving
 from broker.workers.mesh import PeerDown, owner_of
 from broker.workers.replicated import CLUSTER_SPECS, ClusterService
 from broker.workers.runtime import WorkerRuntime, WorkerSpec
@@ -55,14 +56,8 @@ from broker.xdp import MemberFilter, open_filter
 
 log = logging.getLogger("broker.server")
 
-#: ``mqlog cluster leave``: seconds to hand the leaderships over, then to say goodbye.
-LEAVE_DRAIN_SECONDS = 10.0
-LEAVE_GOODBYE_SECONDS = 3.0
 #: ``mqlog cluster leave``: seconds to wait, by default, for the node's replicas to move.
 LEAVE_MOVE_SECONDS = 60.0
-#: ``mqlog cluster leave``: seconds its clients have to reconnect elsewhere and claim their
-#: sessions before its replicas move (the claimant waits 3 s for a release at most).
-LEAVE_CLAIM_SECONDS = 3.0
 
 #: Seconds between timer runs (keepalive, wills, session expiry, interval fsync).
 TICK_SECONDS = 0.5
@@ -171,6 +166,7 @@ class Server:
             self.cluster.attach(self.router)
             if self.runtime is not None:
                 self._join_cluster_sessions(self.runtime, self.cluster)
+                self._join_cluster_view(self.runtime, self.cluster)
         self.metrics.registry.register(BrokerCollector(self))
         if self.cluster is not None:
             cluster_metrics = ClusterMetrics(self, self.metrics.registry)
@@ -211,6 +207,8 @@ class Server:
         #: its allowlist with ``set_members`` and gives the gossip socket its ``accept``.
         self.xdp: MemberFilter | None = None
         self.stopped = asyncio.Event()
+        #: ``mqlog cluster leave`` (broker.workers.leaving): this worker's part of it.
+        self.leaving = Leaving(self)
 
     def _partition_factory(self) -> Callable[[PartitionKey], PartitionBase] | None:
         """The router's partitions: a replicated one for a partition this worker hosts the
@@ -270,6 +268,16 @@ class Server:
             sessions.follow(key, old_end, part)
 
         runtime.partitions.on_moved = follow
+
+    @staticmethod
+    def _join_cluster_view(runtime: WorkerRuntime, cluster: ClusterService) -> None:
+        """Several workers on a cluster node: worker 0 tells the others what its gossip sees,
+        so that each plans its groups' shape over the members (broker.cluster.worker_view)."""
+        node = cluster.node
+        if runtime.index == 0:
+            node.reshape.tell = lambda: runtime.tell_all("members", view_of(node))
+        else:
+            runtime.actions["members"] = lambda view: hear(node, view)
 
     @property
     def session_claims(self) -> SessionClaims | None:
@@ -490,78 +498,15 @@ class Server:
         return await self.cluster.node.metadata.set_replication(stream, factor, 10.0)
 
     async def leave(self, timeout: float = LEAVE_MOVE_SECONDS) -> dict[str, Any]:
-        """``mqlog cluster leave``: drain this node and stop it. It hands its leaderships to
-        the other replicas (each held there against the balancers for five minutes), tells
-        its clients to use another server (MQTT 5 DISCONNECT 0x9C [MQTT-3.14.2-1]; 3.1.1:
-        closed) and waits until they claimed their sessions elsewhere (at most 3 s),
-        announces that it is leaving (gossip), and waits up to ``timeout`` s while the
-        leaders move its replicas to the other members (``broker.cluster.reshape``; those
-        placement keeps here, with too few other members, stay, and are not waited for),
-        handing away any leadership the others' balancers gave back before they heard it
-        leaves (from the drain on it declines them, but may still win an election); then the
-        members hear its
-        goodbye (left, not dead), and it stops as on SIGTERM. Started again, it is placed
-        again: its replicas come back. Raises ValueError where it cannot (a
-        single node; several workers per node in this release)."""
-        if self.cluster is None:
-            raise ValueError("a single node: no [cluster] section")
-        if self.runtime is not None:
-            raise ValueError(
-                "leave drains one worker per node (router.workers = 1) in this release: with "
-                "several, stop the node (SIGTERM)"
-            )
-        cluster = self.cluster
-        node = cluster.node
-        log.info("cluster: leaving: handing this node's leaderships to the other replicas")
-        asked = await cluster.leadership.drain(LEAVE_DRAIN_SECONDS)
-        # The clients go first, while this node still holds its replica of $sessions: the
-        # nodes they reconnect to claim their sessions, which this node releases as it
-        # applies the claims; only then are its replicas moved away.
-        clients = {link.client_id for link in self.links if link.client_id}
-        for listener in self._listeners:
-            listener.close()  # no new client: they go to the other nodes
-        for link in list(self.links):
-            link.close(ReasonCode.USE_ANOTHER_SERVER, "this node is leaving the cluster")
-        await self._claimed_elsewhere(clients, LEAVE_CLAIM_SECONDS)
-        if node.membership is not None:
-            node.membership.announce(leaving=True)
-        log.info("cluster: leaving: waiting for the leaders to move this node's replicas")
-        kept, unmoved = await cluster.leadership.vacate(timeout, asked)
-        still = [g for g in node.storages if node.is_leader(g)]
-        if node.membership is not None:
-            await node.membership.leave(LEAVE_GOODBYE_SECONDS)
-        # The answer leaves first; then the same path as SIGTERM (broker.cli's serve).
-        asyncio.get_running_loop().call_later(0.5, os.kill, os.getpid(), signal.SIGTERM)
-        moved = {
-            node.label(g): node.names.get(to, str(to)) for g, to in asked.items() if g not in still
-        }
-        log.info(
-            "cluster: left: %d leaderships handed over, %d not; %d replicas not moved in "
-            "time, %d kept here (too few other members)",
-            len(moved),
-            len(still),
-            len(unmoved),
-            len(kept),
-        )
-        return {
-            "node": node.name,
-            "moved": moved,
-            "still_leading": [node.label(g) for g in still],
-            "replicas_kept": [node.label(g) for g in kept],
-            "replicas_unmoved": [node.label(g) for g in unmoved],
-        }
+        """``mqlog cluster leave``: drain this node, waiting up to ``timeout`` s for its
+        replicas to move, and stop it (broker.workers.leaving). Raises ValueError on a
+        single node."""
+        return await self.leaving.leave(timeout)
 
-    async def _claimed_elsewhere(self, clients: set[str], timeout: float) -> None:
-        """Until no session of ``clients`` is held by this node any more (claimed by the nodes
-        they reconnected to), or ``timeout`` s (a client that does not come back)."""
-        assert self.cluster is not None
-        sessions, me = self.cluster.sessions, self.cluster.node.id
-        deadline = asyncio.get_running_loop().time() + timeout
-        while sessions is not None and asyncio.get_running_loop().time() < deadline:
-            owners = sessions.owners
-            if not any((o := owners.get(c)) is not None and o.node == me for c in clients):
-                return
-            await asyncio.sleep(0.05)
+    def stop_accepting(self) -> None:
+        """Close the MQTT listeners (a leaving node: its clients go to the other nodes)."""
+        for listener in self._listeners:
+            listener.close()
 
     def _transfer_action(self, argument: list[Any]) -> dict[str, str]:
         """:meth:`transfer_leader` in the worker hosting the group (the runtime's action)."""

@@ -27,7 +27,8 @@ With gossip (the broker's way, ``NodeSettings.gossip``):
   (:meth:`MembershipService.formed`); the Raft transport then dials each member at the Raft
   address its metadata gave, and later at any new one gossip announces;
 - worker ``i`` > 0 waits until worker 0 wrote the member list, then dials each member's
-  ``raft_port + i``: one gossip member per node, one list for all its workers.
+  ``raft_port + i``: one gossip member per node, one list for all its workers; members heard
+  of later come from what worker 0 tells it (``broker.cluster.worker_view``).
 
 Without (``NodeSettings.gossip`` None, the node's unit tests): ``seeds`` are the other
 members' Raft addresses and the cluster forms once every seed authenticated through the

@@ -40,8 +40,8 @@ each member's Raft port ``+ index``: worker ``i`` of every node hosts the same g
 owner of a partition is a function of the worker count alone,
 ``broker.workers.mesh.owner_of``), so its peers are the workers ``i`` of the other nodes, and
 the transport refuses a peer with another count (``broker.cluster.peerlink``). Only worker 0
-gossips; the others read its member list (without gossip, in unit tests, each keeps its own,
-``members.worker<i>``).
+gossips; the others read its member list, then what it tells them (``worker_view``; without
+gossip, in unit tests, each keeps its own list, ``members.worker<i>``).
 
 Called only from the owning event loop's thread.
 """

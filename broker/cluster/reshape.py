@@ -51,8 +51,15 @@ preferred replica (the first voter in placement order over the eligible members)
 connected and holds the whole log, so leaders spread evenly after joins and leaves (Kafka's
 preferred leader election).
 
-Works with one worker per node (the gossip membership is worker 0's). Called from the node's
-event loop.
+**Several workers per node.** Each worker's ``ClusterNode`` leads and follows the groups of
+the partitions it owns, so each runs a reshaper of its own over them; gossip runs in worker 0
+alone (``broker.cluster.membership_service``). Worker 0 tells the other workers what its
+gossip sees on every planner pass (:attr:`Reshaper.tell`, ``broker.cluster.worker_view``:
+the members' Raft addresses and the :class:`Survey`), and a worker ``i`` > 0 plans over what
+it was told last (:attr:`Reshaper.told`), dialling a newcomer at its ``raft_port + i``. Told
+views older than :data:`STALE_SECONDS` (worker 0 down) plan nothing: a view that old could
+be missing a death or a return, and waiting costs only a delay. Called from the node's event
+loop.
 """
 
 from __future__ import annotations
@@ -61,7 +68,7 @@ import logging
 import struct
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, NamedTuple, Protocol
 
 import orjson
 
@@ -89,6 +96,17 @@ MAX_CHANGING = 2
 REMOVED = 4
 _REMOVED = struct.Struct("<IB")
 TOLD, HEARD, ASKED = 0, 1, 2
+#: Seconds a view worker 0 told is planned over (it tells one every :data:`PLAN_SECONDS`).
+STALE_SECONDS = 5 * PLAN_SECONDS
+
+
+class Survey(NamedTuple):
+    """What gossip says as placement needs it (:meth:`Reshaper.eligible`): the members
+    placement counts (in no order), those live now (this node included), those leaving."""
+
+    eligible: list[int]
+    live: set[int]
+    leaving: set[int]
 
 
 class ReshapeHost(Protocol):
@@ -135,15 +153,22 @@ class Reshaper:
         #: Groups removed from this node (never hosted again by placement's guess).
         self.removed: set[int] = _load(self._removed_file)
         node.handlers[REMOVED] = self._on_removed
+        #: Worker 0 of several: tells the other workers what its gossip sees (set by the
+        #: worker, ``broker.cluster.worker_view``; the module docstring).
+        self.tell: Callable[[], None] | None = None
+        #: A worker ``i`` > 0: the survey worker 0 told last, and the loop time it came.
+        self.told: tuple[Survey, float] | None = None
 
     # -- who is where ------------------------------------------------------------------------
 
-    def eligible(self) -> tuple[list[int], set[int], set[int]]:
-        """(the members placement counts, in no order; those live now, this node included;
-        those leaving), as this node's gossip sees them (the module docstring)."""
+    def eligible(self) -> Survey:
+        """What this node's gossip says (the module docstring): worker 0's own view, or on
+        another worker what worker 0 told last."""
         node, membership = self.node, self.node.membership
+        if membership is None and self.told is not None:
+            return self.told[0]
         if membership is None or node.settings.gossip is None:
-            return list(node.names), set(node.names), set()
+            return Survey(list(node.names), set(node.names), set())
         now_ms = node.loop.time() * 1000
         limit_ms = node.settings.gossip.replace_after * 1000
         members = membership.core_members()
@@ -156,7 +181,16 @@ class Reshaper:
         leaving = {node_id_of(n) for n in membership.leaving()}
         if membership.meta.leaving:
             leaving.add(node.id)
-        return [n for n in node.names if n not in gone], live, leaving
+        return Survey([n for n in node.names if n not in gone], live, leaving)
+
+    def surveyed(self) -> bool:
+        """Whether this node knows what gossip says: its members (worker 0), or a view
+        worker 0 told less than :data:`STALE_SECONDS` ago (another worker)."""
+        membership = self.node.membership
+        if membership is not None:
+            return bool(membership.core_members())
+        told = self.told
+        return told is not None and self.node.loop.time() - told[1] < STALE_SECONDS
 
     def wanted(self, g: int, eligible: list[int], leaving: set[int]) -> list[int]:
         """The replicas placement wants for group ``g`` (its voters, in placement order):
@@ -222,8 +256,10 @@ class Reshaper:
                 del self.untold[g]  # no longer this node's to tell
         if ticks % max(1, round(PLAN_SECONDS / node.settings.heartbeat_interval)):
             return
-        if node.membership is None or not node.membership.core_members():
+        if not self.surveyed():
             return
+        if self.tell is not None:
+            self.tell()  # what this pass plans over, to the other workers
         eligible, live, leaving = self.eligible()
         for g in node.storages:
             if host.core(g).leader is None and host.core(g).role is not Role.LEADER:

@@ -14,7 +14,8 @@ trusts more of a file than the owner announced:
   it, so a header damaged into a base offset past the mark is damage, not a write;
 * segments appear (roll) and disappear (retention, compaction's swap) under it: the directory
   is listed again when an offset is not in the segments known, and a descriptor that was open
-  keeps reading the file it opened (a deleted segment stays readable until closed);
+  keeps reading the file it opened (a deleted segment stays readable until closed), unless
+  another file took its name (a replicated partition's copy set aside and made anew);
 * positions are found through an in-memory sparse index the reader builds as it scans
   (the owner's ``.index`` files are rewritten only on flush and may lag).
 
@@ -81,6 +82,17 @@ class _SegmentView:
         self.positions = [0]
         self.scan: SegmentScan | None = None
         self.gap_checked = False
+
+    def current(self) -> bool:
+        """Whether the file open here is still the one at its path: a replicated partition
+        whose copy was set aside (its directory renamed, a new one made in its place,
+        ``Streams.set_aside``) has new files of the same names, which this one never sees."""
+        try:
+            at_path = os.stat(self.path)
+        except FileNotFoundError:
+            return False
+        mine = os.fstat(self.fd)
+        return (at_path.st_ino, at_path.st_dev) == (mine.st_ino, mine.st_dev)
 
     def read_into(
         self,
@@ -336,9 +348,11 @@ class LogReader:
                 if i == len(self._segments) - 1:
                     # The owner rolled: the next segment is new to us (and retention may have
                     # dropped older ones, so find our place again by base offset).
-                    base = self._bases[i]
+                    base, view = self._bases[i], self._segments[i]
                     self._refresh()
                     i = bisect_right(self._bases, base) - 1
+                    if 0 <= i < len(self._segments) and self._segments[i] is not view and not out:
+                        continue  # another file took that name (a copy made anew): read it
                     if i == len(self._segments) - 1:
                         break
                 if check_gaps:
@@ -392,6 +406,9 @@ class LogReader:
         views: list[_SegmentView] = []
         for base in bases:
             view = known.pop(base, None)
+            if view is not None and not view.current():
+                view.close()  # the directory was swapped under it (a replica set aside)
+                view = None
             if view is None:
                 try:
                     view = _SegmentView(self.directory / f"{base:020d}{LOG_SUFFIX}", base)

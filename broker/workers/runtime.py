@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import struct
@@ -110,8 +111,10 @@ class WorkerRuntime:
         self._finished: set[int] = set()
         #: Admin views by name: each returns this worker's part as bytes (set by the server).
         self.views: dict[str, Callable[[], bytes]] = {}
-        #: Admin actions by name: each takes a JSON value and returns one (set by the server).
+        #: Admin actions by name: each takes a JSON value and returns one, or an awaitable of
+        #: one (set by the server).
         self.actions: dict[str, Callable[[Any], Any]] = {}
+        self._calls: set[asyncio.Future[Any]] = set()  # awaited actions running for peers
         #: Connected clients per peer, as each last said.
         self.peer_connections: dict[int, int] = {}
         self._connections: int | None = None  # to announce at the end of this iteration
@@ -236,13 +239,30 @@ class WorkerRuntime:
         name, _, argument = bytes(body).partition(b"\0")
         action = self.actions.get(name.decode())
         result = action(orjson.loads(argument)) if action is not None else None
-        self.mesh.reply(peer, request, orjson.dumps(result))
+        if not inspect.isawaitable(result):
+            self.mesh.reply(peer, request, orjson.dumps(result))
+            return
+        # An action that takes a while (a leave's steps): answered when it is done.
+        task = asyncio.ensure_future(result)
+        self._calls.add(task)
+        task.add_done_callback(self._calls.discard)
+        task.add_done_callback(lambda done: self._answer_call(peer, request, done))
+
+    def _answer_call(self, peer: int, request: int, done: asyncio.Future[Any]) -> None:
+        if done.cancelled():
+            return
+        if (error := done.exception()) is not None:
+            log.error("worker %d: action for worker %d failed: %r", self.index, peer, error)
+            self.mesh.reply(peer, request, b"null")
+            return
+        self.mesh.reply(peer, request, orjson.dumps(done.result()))
 
     async def call(self, worker: int, name: str, argument: Any) -> Any:
         """Action ``name`` of ``worker`` (this one included) with ``argument``: its result
         (raises :class:`PeerDown` if that worker is down)."""
         if worker == self.index:
-            return self.actions[name](argument)
+            result = self.actions[name](argument)
+            return await result if inspect.isawaitable(result) else result
         body = await self.mesh.call(worker, CALL, name.encode() + b"\0" + orjson.dumps(argument))
         return orjson.loads(body)
 

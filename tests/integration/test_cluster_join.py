@@ -10,6 +10,13 @@ under a QoS 1 publisher whose longest wait for a PUBACK is reported:
 - in that four-node cluster, ``mqlog cluster leave`` on a node moves its replicas: every
   partition ends with three voters, none of them the leaver, which exits; nothing
   acknowledged is lost.
+
+Both with one worker per node and with two. With two, each worker leads and follows the
+groups of the partitions it owns, on a Raft port of its own, and learns of the newcomer and
+of the leaver from worker 0's gossip (broker.cluster.worker_view); every partition is placed
+on every node then (remote partitions are one worker's only), so the newcomer receives every
+partition's replica and the leaver gives every one of its copies up, those of worker 1's
+partitions included.
 """
 
 from __future__ import annotations
@@ -28,6 +35,7 @@ import pytest
 from bench.chaos import History, publisher
 from bench.reshape_lab import Founders, longest_gap
 from broker.cluster.placement import group_id_of, node_id_of, replicas
+from broker.workers.mesh import owner_of
 from tests import netlab
 from tests.cluster_lab import HTTP_PORT, MQTT_PORT, Member, MqlogCluster
 from tests.integration.clients import Client
@@ -45,11 +53,16 @@ NAMES = ("n1", "n2", "n3", "n4")
 RESHAPE_TIMEOUT = 120.0
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
+@pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
     with Lab(4) as lab:
         c = MqlogCluster(
-            lab, tmp_path, extra=EXTRA, founders=3, cluster_extra='join_from = ["10.77.0.0/16"]\n'
+            lab,
+            tmp_path,
+            extra=EXTRA,
+            founders=3,
+            cluster_extra='join_from = ["10.77.0.0/16"]\n',
+            workers=request.param,
         )
         founders = c.members[:3]
         c.start(*founders)
@@ -134,15 +147,16 @@ def _wanted(key: str, names: list[str], rf: int) -> set[str]:
     return {by_id[i] for i in replicas(group_id_of((stream, int(p))), by_id, rf)}
 
 
-def _placed(view: dict[str, dict[str, Any]], names: list[str]) -> bool:
+def _placed(view: dict[str, dict[str, Any]], names: list[str], workers: int) -> bool:
     """Every partition of jn has placement's three voters over ``names`` (no learner), and
-    ``$retained`` and ``$sessions`` one on each of ``names``."""
+    ``$retained`` and ``$sessions`` one on each of ``names``; with several workers, every
+    partition one on each."""
     keys = [f"jn/{p}" for p in range(PARTITIONS)] + ["$retained/0", "$sessions/0"]
     for key in keys:
         entry = view.get(key)
         if entry is None or entry.get("learners"):
             return False
-        rf = 3 if key.startswith("jn/") else len(names)
+        rf = 3 if key.startswith("jn/") and workers == 1 else len(names)
         if set(entry["replicas"]) != _wanted(key, names, rf):
             return False
     return True
@@ -171,7 +185,9 @@ def _join_n4(cluster: MqlogCluster, pub: Publisher) -> float:
     deadline = start + RESHAPE_TIMEOUT
     while True:
         view = _leaders_view(cluster, everyone)
-        if _placed(view, list(NAMES)) and any(e["leader"] == "n4" for e in view.values()):
+        if _placed(view, list(NAMES), cluster.workers) and any(
+            e["leader"] == "n4" for e in view.values()
+        ):
             break
         assert time.monotonic() < deadline, view
         time.sleep(0.5)
@@ -195,6 +211,12 @@ def test_a_new_node_joins_receives_replicas_and_leaderships(cluster: MqlogCluste
     for m in cluster.members[:3]:
         assert n4.addr in cluster.status(m)["xdp"]["members"], m.node_id
     assert "joined as a replica" in logs["n4"]
+    if cluster.workers > 1:
+        # Every partition has a replica on every node then: nothing to give up (the leave
+        # below gives copies up in both workers).
+        _read_all(cluster.member("n4"), pub.acked)
+        assert gap < 5.0
+        return
     # A replica placement no longer wants gave its copy up (moved aside, not deleted).
     assert any("removed from the group" in text for text in logs.values())
     assert any(Path(m.data_dir).glob("jn/*.removed-*") for m in cluster.members)
@@ -240,7 +262,7 @@ def test_leave_moves_the_leavers_replicas(cluster: MqlogCluster) -> None:
         deadline = time.monotonic() + 30
         while True:
             view = _leaders_view(cluster, stay)
-            if _placed(view, ["n1", "n3", "n4"]):
+            if _placed(view, ["n1", "n3", "n4"], cluster.workers):
                 break
             assert time.monotonic() < deadline, view
             time.sleep(0.5)
@@ -249,5 +271,11 @@ def test_leave_moves_the_leavers_replicas(cluster: MqlogCluster) -> None:
     print(f"\nleave: {left:.1f} s, longest PUBACK gap {gap:.3f} s over {len(pub.acked)} acked")
     for key, entry in view.items():
         assert "n2" not in entry["replicas"], key
+    if cluster.workers > 1:
+        # The leaver held every partition: each worker gave its copies up (moved aside), those
+        # of worker 1's partitions included.
+        aside = {int(d.name.split(".")[0]) for d in Path(n2.data_dir).glob("jn/*.removed-*")}
+        assert aside == set(range(PARTITIONS)), aside
+        assert any(owner_of(("jn", p), 2) == 1 for p in aside)
     _read_all(cluster.member("n3"), pub.acked)
     assert gap < 5.0

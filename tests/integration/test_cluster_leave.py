@@ -2,7 +2,8 @@
 the leaving node hands every leadership it holds to another replica, its MQTT 5 clients are
 told 0x9C (use another server), the others see it left (not dead), it stops with exit status
 0, a QoS 1 publisher on another node loses nothing meanwhile, and the will of a client it
-held goes out once, from a survivor."""
+held goes out once, from a survivor. With one worker per node and with two (every worker's
+leaderships and clients, broker.workers.leaving)."""
 
 from __future__ import annotations
 
@@ -32,10 +33,12 @@ PARTITIONS = 6
 EXTRA = f'[[streams]]\nname = "lv"\ntopic_filter = "lv/#"\npartitions = {PARTITIONS}\n'
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
+@pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
+    """Three nodes of one worker, or of two (each worker leads groups of its own, holds
+    clients of its own: every one of them drains)."""
     with Lab(3) as lab:
-        c = MqlogCluster(lab, tmp_path, extra=EXTRA)
+        c = MqlogCluster(lab, tmp_path, extra=EXTRA, workers=request.param)
         c.start()
         c.wait_all_alive()
         yield c
@@ -71,6 +74,11 @@ def test_leave_hands_leaderships_over_tells_clients_and_stops(cluster: MqlogClus
         will_properties=will_props,
     )
     assert told.connect() == 0
+    # More MQTT 5 clients on n1: the listeners' SO_REUSEPORT spreads them over its workers,
+    # and every worker tells its own ones.
+    others = [Client(MQTT_PORT, f"other-{k}", mqtt.MQTTv5, host=n1.addr) for k in range(8)]
+    for other in others:
+        assert other.connect() == 0
     acked: list[bytes] = []
     stop = threading.Event()
 
@@ -112,6 +120,7 @@ def test_leave_hands_leaderships_over_tells_clients_and_stops(cluster: MqlogClus
         assert out.returncode == 0, out.stdout + out.stderr
         assert "handed to n" in out.stdout and "stopping" in out.stdout
         assert told.disconnects.get(timeout=10) == 0x9C  # use another server
+        assert [other.disconnects.get(timeout=10) for other in others] == [0x9C] * len(others)
         assert n1.proc is not None
         assert n1.proc.popen.wait(timeout=30) == 0
         # Left, not dead, and leading nothing; the others lead everything.

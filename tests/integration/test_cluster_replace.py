@@ -3,7 +3,13 @@ broker.cluster.reshape), on four real nodes in network namespaces with replicati
 one node is killed for good; once it has been dead for ``replace_after`` every group it was a
 voter of removes it and adds the node that held no copy, which catches up and is promoted;
 nothing acknowledged before or after is lost, and every node still serves every partition.
-Started again, the dead node is placed again: its replicas move back, and it reads all."""
+Started again, the dead node is placed again: its replicas move back, and it reads all.
+
+Also with two workers per node: each worker removes the dead member from the groups it leads
+once worker 0's gossip tells it the member is gone (broker.cluster.worker_view). Every
+partition is placed on every node then (remote partitions are one worker's only), so there is
+no node without a copy to re-create one on: the groups go on with the three live voters, and
+the dead member's replicas are re-created on it when it comes back (in both workers)."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ from typing import Any
 
 import pytest
 
+from broker.workers.mesh import owner_of
 from tests import netlab
 from tests.cluster_lab import MQTT_PORT, MqlogCluster
 from tests.integration.clients import Client
@@ -29,10 +36,16 @@ PARTITIONS = 4
 EXTRA = f'[[streams]]\nname = "rp"\ntopic_filter = "rp/#"\npartitions = {PARTITIONS}\n'
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
+@pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
+def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
     with Lab(4) as lab:
-        c = MqlogCluster(lab, tmp_path, extra=EXTRA, cluster_extra='replace_after = "2s"\n')
+        c = MqlogCluster(
+            lab,
+            tmp_path,
+            extra=EXTRA,
+            cluster_extra='replace_after = "2s"\n',
+            workers=request.param,
+        )
         c.start()
         c.wait_all_alive()
         yield c
@@ -77,12 +90,13 @@ def test_a_dead_members_replicas_are_re_created_on_a_live_node(cluster: MqlogClu
                     leaders_view[k] = p
         logs = "".join(m.log(400_000) for m in survivors)
         # n1 removed, a learner added on another node and promoted (the status lists
-        # members, learners included: the promotion is read from the leaders' log lines).
+        # members, learners included: the promotion is read from the leaders' log lines);
+        # with two workers, n1 removed (every node holds every partition already).
         done = all(
             k in leaders_view
             and "n1" not in leaders_view[k]["replicas"]
             and len(leaders_view[k]["replicas"]) == 3
-            and f"{k}: promoting" in logs
+            and (f"{k}: promoting" in logs or cluster.workers > 1)
             for k in held
         )
         if done:
@@ -90,7 +104,13 @@ def test_a_dead_members_replicas_are_re_created_on_a_live_node(cluster: MqlogClu
         assert time.monotonic() < deadline, {k: leaders_view.get(k) for k in held}
         time.sleep(0.5)
     # The replacement went through the groups' own logs: a learner joined, was promoted.
-    assert "joined as a replica" in logs and "removing n1" in logs
+    assert "removing n1" in logs
+    if cluster.workers == 1:
+        assert "joined as a replica" in logs
+    else:
+        # Both workers' groups: every partition of rp, worker 1's too.
+        assert len(held) == PARTITIONS
+        assert {owner_of(("rp", int(k.split("/")[1])), 2) for k in held} == {0, 1}
     # Every survivor publishes and reads everything, the old messages too.
     after = [b"a%03d" % i for i in range(30)]
     pub = Client(MQTT_PORT, "after", host=survivors[1].addr)

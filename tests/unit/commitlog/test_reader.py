@@ -208,3 +208,24 @@ def test_a_reader_made_before_the_first_record_knows_where_the_log_starts(tmp_pa
         assert reader.log_start_offset == 0
         assert reader.read(0) == log.read(0)
         reader.close()
+
+
+def test_a_log_set_aside_and_made_anew_is_read_from_its_new_files(tmp_path: Path) -> None:
+    """A replica removed from its Raft group sets its copy aside (the directory renamed,
+    ``Streams.set_aside``) and, added again, writes a new log of the same segment names in
+    its place. Another worker's reader that held the old files reads the new ones past the
+    old copy's end, not the old file's end forever."""
+    directory = tmp_path / "p"
+    with SegmentedLog.open(directory, SMALL) as log:
+        log.append(records(5))
+        old_end = log.end_offset
+        reader = LogReader(directory, SMALL, old_end)
+        assert [r.offset for r in reader.read(0)] == [0, 1, 2, 3, 4]
+    directory.rename(tmp_path / "p.removed-1")
+    new = records(12)
+    with SegmentedLog.open(directory, SMALL) as log:
+        log.append(new)  # the group's log again, longer now (the same first segment's name)
+        reader.advance(log.end_offset)
+        got = reader.read(old_end)
+    assert [r.payload for r in got] == [r.payload for r in new[old_end:]]
+    reader.close()

@@ -1,0 +1,60 @@
+"""What worker 0's gossip sees, told to the node's other workers (several workers per node,
+issue 21).
+
+Gossip runs in worker 0 alone (``broker.cluster.membership_service``), yet every worker leads
+and follows groups of its own (``broker.cluster.node``) and plans their shape
+(``broker.cluster.reshape``). So on each planner pass worker 0 tells the others (over the
+workers' mesh: the worker runtime's ``tell_all``) a :func:`view_of` its gossip: the members'
+Raft addresses (worker 0's ports) and the placement survey (who counts, who is live, who is
+leaving). Worker ``i`` takes it in (:func:`hear`): it dials each member not known before at
+its ``raft_port + i`` (the peer worker that hosts the same groups), admits it to its groups'
+host, and keeps the survey for its own planner passes. This is how a node joining after
+formation reaches the workers ``i`` > 0 of the others, which read the member list only at
+start (``broker.cluster.formation``).
+
+The view is JSON: ``{"members": {name: [host, raft_port]}, "eligible": [id], "live": [id],
+"leaving": [id]}``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from broker.cluster.placement import node_id_of
+from broker.cluster.reshape import Survey
+
+if TYPE_CHECKING:
+    from broker.cluster.node import ClusterNode
+
+
+def view_of(node: ClusterNode) -> dict[str, Any]:
+    """Worker 0's view (the module docstring)."""
+    survey = node.reshape.eligible()
+    return {
+        "members": {name: list(addr) for name, addr in node.transport.members.items()},
+        "eligible": survey.eligible,
+        "live": sorted(survey.live),
+        "leaving": sorted(survey.leaving),
+    }
+
+
+def hear(node: ClusterNode, view: Any) -> None:
+    """Worker ``i`` > 0 takes worker 0's view (the module docstring)."""
+    index = node.settings.worker[0]
+    for name, (host, port) in view["members"].items():
+        if name == node.name:
+            continue
+        addr = (str(host), int(port) + index)
+        if node.transport.members.get(name) != addr:
+            node.transport.learn(name, addr)
+        new = node.names.get(node_id_of(name)) is None or (
+            node.host is not None and node_id_of(name) not in node.host.peers
+        )
+        if new:
+            node.admit(name)
+    survey = Survey(
+        [int(n) for n in view["eligible"]],
+        {int(n) for n in view["live"]},
+        {int(n) for n in view["leaving"]},
+    )
+    node.reshape.told = (survey, node.loop.time())
