@@ -31,6 +31,7 @@ import orjson
 
 from broker.commitlog import LogConfig, Record, SegmentedLog, Streams
 from broker.commitlog.keys import PartitionKey
+from broker.mqtt.packets import Will
 from broker.workers.groups import MeshGroupPeers
 from broker.workers.mesh import Mesh, PeerDown, owner_of
 from broker.workers.partitions import PartitionService
@@ -152,6 +153,10 @@ class WorkerRuntime:
 
     def session_ended(self, client_id: str) -> None:
         self.sessions.ended(client_id)
+
+    def will_now(self, client_id: str, will: Will) -> bool:
+        cluster = self.sessions.cluster
+        return cluster is None or cluster.will_now(client_id, will)
 
     def connections_changed(self, count: int) -> None:
         """This worker's connected clients changed: tell the peers, once per iteration."""
