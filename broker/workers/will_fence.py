@@ -112,7 +112,7 @@ class WillFence:
         written before the cluster) or a CONNECT elsewhere took the connection over."""
         s = self.sessions
         owner = s.owners.get(client_id)
-        if owner is None:
+        if owner is None or s.router is None:
             return True
         if owner.node != s.node.id:
             if client_id in self.taken:
