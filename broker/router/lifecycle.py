@@ -249,7 +249,13 @@ class Lifecycle:
         will = session.will
         session.will = None
         session.will_due = None
-        if will is not None and self.state.hooks.will_now(session.client_id, will):
+        if will is None:
+            return
+        # Its state is written again without it (the timer persists a dirty session): one
+        # that still held it would have the will published again after a restart here, or
+        # by the next node to hold the session in a cluster.
+        session.dirty = True
+        if self.state.hooks.will_now(session.client_id, will):
             self.send_will(session.client_id, will)
 
     def send_will(self, client_id: str, will: Will, ack: AckCallback | None = None) -> bool:

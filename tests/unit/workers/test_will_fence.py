@@ -15,9 +15,7 @@ import orjson
 
 from broker.commitlog import Record
 from broker.mqtt.packets import Will
-from broker.mqtt.properties import PropertyId
 from broker.net.context import STATE
-from broker.router.session import Session
 from broker.router.state import SESSIONS
 from broker.workers.replicated_sessions import CLAIM_PREFIX, Owner
 from tests.unit.router.conftest import Harness
@@ -195,6 +193,36 @@ def test_a_will_fenced_by_a_node_that_died_before_publishing_is_published_by_the
     asyncio.run(run())
 
 
+def test_a_will_out_leaves_the_state_of_the_session(tmp_path: Path) -> None:
+    """b adopts dead a's session and publishes its will: the state it writes holds the will
+    no more, so whoever holds the session next (a claimant that gets no release from b)
+    does not publish it again."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b, c = (cluster_member(tmp_path, n, ["a", "b", "c"], loop) for n in ("a", "b", "c"))
+        log = Log([a, b, c])
+        await owned_by(a, log, "dev")
+        a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.tick(0)
+        log.commit()
+        log = Log([b, c])  # a died
+        await adopt_orphan(b, log, "dev", a)
+        b.harness.tick(1)
+        await log.settle()
+        b.harness.tick(1)
+        await log.settle()
+        assert wills(b) == [WILL.payload]
+        assert orjson.loads(c.sessions.states["dev"])["will"] is None
+        await adopt_orphan(c, log, "dev", b)  # b died too
+        for _ in range(3):
+            c.harness.tick(1)
+            await log.settle()
+        assert wills(c) == []
+
+    asyncio.run(run())
+
+
 def test_a_connection_taken_over_by_a_connect_elsewhere_publishes_its_will_where_it_was(
     tmp_path: Path,
 ) -> None:
@@ -231,25 +259,6 @@ def test_a_clean_sessions_claim_ends_after_its_will_is_out(tmp_path: Path) -> No
         assert not a.sessions.owners and not b.sessions.owners
 
     asyncio.run(run())
-
-
-def test_an_adopted_wills_delay_counts_from_when_the_connection_was_lost(
-    tmp_path: Path,
-) -> None:
-    """The dead node wrote down that the connection dropped 4 s before its death: a will
-    delay of 10 s has 6 s left at the adoption (it had 10 before)."""
-    h = Harness(tmp_path)
-    now = h.clock.now
-    session = Session("dev", persistent=True, expiry_interval=300)
-    session.will = Will("wills/dev", b"gone", 1, properties={PropertyId.WILL_DELAY_INTERVAL: 10})
-    session.disconnected_at = now - 4
-    session.will_due = 6.0  # as written then: will_left 10 at monotonic -4
-    state = orjson.dumps(session.to_state(-4.0))
-    h.router.adopt("dev", state, now)
-    h.tick(5.5)
-    assert h.log_payloads("wills/dev") == []
-    h.tick(1)
-    assert h.log_payloads("wills/dev") == [b"gone"]
 
 
 def test_one_node_publishes_a_will_at_once(tmp_path: Path) -> None:
