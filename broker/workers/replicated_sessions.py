@@ -343,6 +343,10 @@ class ClusterSessions:
         """The router's will of ``client_id`` is due (broker.workers.will_fence)."""
         return self.fence.will_now(client_id, will)
 
+    def after_will(self, client_id: str, then: Callable[[], None]) -> None:
+        """``then()`` once this worker's will of ``client_id`` is out (will_fence)."""
+        self.fence.after_will(client_id, then)
+
     def session_ended(self, client_id: str) -> None:
         """The router ended ``client_id``'s session (clean start, expiry, a clean session's
         disconnection): unless its client is connecting here again, the ownership ends too,

@@ -152,7 +152,17 @@ class WorkerRuntime:
         return home_of(name, self.count) == self.index
 
     def session_ended(self, client_id: str) -> None:
-        self.sessions.ended(client_id)
+        cluster = self.sessions.cluster
+        if cluster is None:
+            self.sessions.ended(client_id)
+            return
+
+        def ended() -> None:
+            if self.router is None or client_id not in self.router.sessions:  # (not back)
+                self.sessions.ended(client_id)
+
+        # Its home ends the claim once the will is out (broker.workers.will_fence).
+        cluster.after_will(client_id, ended)
 
     def will_now(self, client_id: str, will: Will) -> bool:
         cluster = self.sessions.cluster

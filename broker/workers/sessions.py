@@ -75,6 +75,8 @@ class NodeClaims(Protocol):
 
     def will_now(self, client_id: str, will: Will) -> bool: ...
 
+    def after_will(self, client_id: str, then: Callable[[], None]) -> None: ...
+
 
 class SessionDirectory:
     """This worker's part of the session registry (see the module docstring).

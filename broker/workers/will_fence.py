@@ -45,6 +45,7 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import orjson
@@ -95,6 +96,8 @@ class WillFence:
         self.mine: dict[str, str] = {}
         #: Client ids whose session a CONNECT on another node took from this node.
         self.taken: set[str] = set()
+        #: Client id -> what waits for this worker's will of it to be out (or lost).
+        self._after: dict[str, list[Callable[[], None]]] = {}
         self._out: dict[str, str] = {}
         self._ids = (f"{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
         self.published = 0
@@ -103,6 +106,23 @@ class WillFence:
     def busy(self, client_id: str) -> bool:
         """Whether this worker fences or publishes a will of ``client_id`` (its end waits)."""
         return client_id in self.mine
+
+    def after_will(self, client_id: str, then: Callable[[], None]) -> None:
+        """``then()`` once this worker's will of ``client_id`` is out or lost (at once if
+        none is going out): with several workers, the end of a session held by a worker
+        other than its home, so that its tombstone follows the will record."""
+        if client_id in self.mine:
+            self._after.setdefault(client_id, []).append(then)
+        else:
+            then()
+
+    def _done(self, client_id: str, wid: str) -> None:
+        """This worker's will ``wid`` of ``client_id`` is out, or lost."""
+        if self.mine.get(client_id) != wid:
+            return
+        del self.mine[client_id]
+        for then in self._after.pop(client_id, ()):
+            then()
 
     # -- a will is due here (the router) ----------------------------------------------------
 
@@ -149,8 +169,8 @@ class WillFence:
             # holds the session at that epoch, as far as it applied.
             if self.mine.get(client_id) == wid and s.owners.get(client_id) == (s.node.id, epoch):
                 s.node.loop.call_later(RETRY, router.append_forwarded, SESSIONS, [row], committed)
-            elif self.mine.get(client_id) == wid:
-                del self.mine[client_id]
+            else:
+                self._done(client_id, wid)
 
         router.append_forwarded(SESSIONS, [row], committed)
 
@@ -164,8 +184,7 @@ class WillFence:
             if pending is not None and pending.id == wid:
                 del self.pending[client_id]
             self._out[client_id] = wid
-            if self.mine.get(client_id) == wid:
-                del self.mine[client_id]
+            self._done(client_id, wid)
             return False  # an assertion of the owner besides
         if "will" not in body:
             return False
@@ -174,7 +193,7 @@ class WillFence:
         current = s.owners.get(client_id)
         if current != (node, epoch):
             if self.mine.get(client_id) == wid:
-                del self.mine[client_id]
+                self._done(client_id, wid)
                 self.dropped += 1
                 log.info("cluster: %s: will not published: the session moved on", client_id)
             return True
