@@ -24,11 +24,16 @@ its own epoch, and the holder itself does so on restart. A duplicate is possible
 The end of a session whose will is being fenced here waits for the out record, so no
 tombstone removes a pending will.
 
-**Compaction.** The out record is an assertion, so the last ownership record names the
-owner. A will record kept last (no out yet) names the owner and the will still pending, as
-the history says; a node reading such a copy in which the claim was compacted away does not
-take the will record as the owner (stale records lose) and learns the owner from the out
-record that follows.
+**Compaction** (replicated_sessions' "Ownership records and compaction"). The out record is
+an assertion, so the last ownership record names the owner. A will record kept last (no out
+yet) names the owner and the will still pending, as the history says. A will record that lost
+is answered like a stale claim: by the owner's assertion, or, if the session ended (its
+tombstone came first: an adopter ended a clean session before the cut-off node's record was
+committed), by the release its proposer wrote as it applied the claim that superseded it,
+which the owner it names ends again, so that compaction removes the key. As for other
+records, a compaction of the range between a record and that answer (one commit) can keep
+the record alone: a node reading that copy learns the owner from the answer that follows (a
+will record is never taken as the owner by itself: it would let the stale one win).
 
 **A connection taken over by a CONNECT on another node** publishes its will (no delay) on
 the node that held it, unfenced: the claimant's new connection replaces the will, so nobody
@@ -244,9 +249,9 @@ class WillFence:
 
     def _write_out(self, client_id: str, fenced: Fenced) -> None:
         s = self.sessions
+        body = {"node": s.node.name, "epoch": fenced.epoch, "asserted": True, "will_out": fenced.id}
         router = s.router
         assert router is not None
-        body = {"node": s.node.name, "epoch": fenced.epoch, "asserted": True, "will_out": fenced.id}
         row = (router.state.now_ms(), OWNERSHIP + client_id, orjson.dumps(body), 0, False, "", b"")
         router.append_forwarded(SESSIONS, [row], _ignore)
 

@@ -134,6 +134,39 @@ def test_a_cut_off_owners_will_loses_to_the_adopters_which_goes_out_once(tmp_pat
     asyncio.run(run())
 
 
+def test_a_stale_will_committed_after_the_adopter_ended_the_session_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """As above with a clean session (3.1.1): b publishes its will and ends it (tombstones)
+    before a's will record, of the old epoch, is committed: a publishes nothing, and the
+    records after it (a's release, b's end again) leave nothing of the client id."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = CutLog([a, b])
+        await owned_by(a, log, "dev")
+        link, session = a.harness.connect("dev", 4, will=WILL)  # its state written at once
+        log.commit()
+        log.cut.add(a)
+        await adopt_orphan(b, log, "dev", a)
+        for _ in range(3):
+            b.harness.tick(1)
+            await log.settle()
+        assert wills(b) == [WILL.payload]
+        assert "dev" not in b.sessions.owners  # ended: a clean session's expiry is 0
+        a.harness.drop(session, link)
+        await turns()
+        log.heal()
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert ownership(log, "dev")[-1] == {}
+        assert not [r for r in compacted(log.committed) if "dev" in r.topic]
+        assert not a.sessions.owners and not b.sessions.owners
+
+    asyncio.run(run())
+
+
 def test_the_owners_will_goes_out_once_even_if_its_record_is_applied_twice(
     tmp_path: Path,
 ) -> None:
