@@ -159,23 +159,31 @@ class WillFence:
 
     def _propose(self, client_id: str, epoch: int, state: list[Any]) -> None:
         s = self.sessions
-        router = s.router
-        assert router is not None
         wid = next(self._ids)
         self.mine[client_id] = wid
         body = {"node": s.node.name, "epoch": epoch, "will": state, "id": wid, "w": s.worker[0]}
+
+        def again() -> bool:  # while this node holds the session at that epoch, as applied
+            if self.mine.get(client_id) == wid and s.owners.get(client_id) == (s.node.id, epoch):
+                return True
+            self._done(client_id, wid)
+            return False
+
+        self._append(client_id, body, again)
+
+    def _append(self, client_id: str, body: dict[str, Any], again: Callable[[], bool]) -> None:
+        """Append an ownership record of ``client_id`` to ``$sessions``; if it is not
+        committed (no leader), or not known to be (its leader lost office with it in flight:
+        a copy applied twice is recognised by its id), again after :data:`RETRY` while
+        ``again()``."""
+        s = self.sessions
+        router = s.router
+        assert router is not None
         row = (router.state.now_ms(), OWNERSHIP + client_id, orjson.dumps(body), 0, False, "", b"")
 
         def committed(offset: int | None) -> None:
-            if offset is not None and offset != OUTCOME_UNKNOWN:
-                return
-            # Not committed, or not known to be (its leader lost office with it in flight:
-            # a copy applied twice is recognised by its id). Again while this node still
-            # holds the session at that epoch, as far as it applied.
-            if self.mine.get(client_id) == wid and s.owners.get(client_id) == (s.node.id, epoch):
+            if (offset is None or offset == OUTCOME_UNKNOWN) and again():
                 s.node.loop.call_later(RETRY, router.append_forwarded, SESSIONS, [row], committed)
-            else:
-                self._done(client_id, wid)
 
         router.append_forwarded(SESSIONS, [row], committed)
 
@@ -250,10 +258,8 @@ class WillFence:
     def _write_out(self, client_id: str, fenced: Fenced) -> None:
         s = self.sessions
         body = {"node": s.node.name, "epoch": fenced.epoch, "asserted": True, "will_out": fenced.id}
-        router = s.router
-        assert router is not None
-        row = (router.state.now_ms(), OWNERSHIP + client_id, orjson.dumps(body), 0, False, "", b"")
-        router.append_forwarded(SESSIONS, [row], _ignore)
+        # Again while the will is pending: whoever holds the session next would publish it.
+        self._append(client_id, body, lambda: self.pending.get(client_id) == fenced)
 
     # -- a claim that found a will pending ------------------------------------------------
 
@@ -279,8 +285,3 @@ class WillFence:
         for client_id, fenced in list(self.pending.items()):
             if s.owners.get(client_id) == (s.node.id, fenced.epoch):
                 self._publish(client_id, fenced)
-
-
-def _ignore(offset: int | None) -> None:
-    if offset is None or offset == OUTCOME_UNKNOWN:
-        log.warning("cluster: a will's out record was not committed (no leader for $sessions)")

@@ -12,11 +12,13 @@ from pathlib import Path
 from typing import Any
 
 import orjson
+import pytest
 
 from broker.commitlog import Record
 from broker.mqtt.packets import Will
 from broker.net.context import STATE
 from broker.router.state import SESSIONS
+from broker.workers import will_fence
 from broker.workers.replicated_sessions import CLAIM_PREFIX, Owner
 from tests.unit.router.conftest import Harness
 from tests.unit.workers.test_replicated_sessions import (
@@ -192,6 +194,44 @@ def test_the_owners_will_goes_out_once_even_if_its_record_is_applied_twice(
         assert wills(a) == [WILL.payload]
         out = ownership(log, "dev")[-1]
         assert out["asserted"] and out["will_out"] == orjson.loads(record.payload)["id"]
+
+    asyncio.run(run())
+
+
+def test_a_will_record_not_committed_is_proposed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``$sessions`` leader for a while: the will record is refused, then proposed again
+    (the will is not lost), and its out record likewise."""
+    monkeypatch.setattr(will_fence, "RETRY", 0.01)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = cluster_member(tmp_path, "a", ["a", "b"], loop)
+        log = Log([a])
+        await owned_by(a, log, "dev")
+        router = a.harness.router
+        append = router.append_forwarded
+        refused: list[bytes] = []
+
+        def no_leader_for_each_first(key: Any, rows: list[tuple[Any, ...]], ack: Any) -> None:
+            payload = rows[0][2]
+            if payload not in refused:
+                refused.append(payload)
+                ack(None)  # refused: no leader for too long
+                return
+            append(key, rows, ack)
+
+        router.append_forwarded = no_leader_for_each_first  # type: ignore[method-assign]
+        link, session = a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.drop(session, link)
+        for _ in range(5):
+            await asyncio.sleep(0.02)
+            await log.settle()
+        assert wills(a) == [WILL.payload]
+        kinds = [next(iter(set(r) & {"will", "will_out"}), "claim") for r in ownership(log, "dev")]
+        assert kinds == ["claim", "will", "will_out"]
+        assert ["will_out" in orjson.loads(p) for p in refused] == [False, True]  # each once
 
     asyncio.run(run())
 
