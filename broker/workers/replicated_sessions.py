@@ -62,8 +62,11 @@ tombstone:
   client id (its claim compacted away, or a tombstone committed out of turn), it makes that
   node the owner again;
 * a record that lost (a claim of a stale epoch, a release of an earlier epoch, another node's
-  tombstone committed after this node's claim) is answered by the owner with an *assertion*
-  ``(owner, epoch)``, so the last word is the owner's again.
+  tombstone committed after this node's claim, a will record of a stale epoch) is answered by
+  the owner with an *assertion* ``(owner, epoch)``, so the last word is the owner's again;
+* a will record that won is followed by its *out* record, an assertion, once the will is
+  published (broker.workers.will_fence); until then it is the last word, and says that the
+  will is pending, as the history does.
 
 Between a record that lost and the assertion (one commit) a compaction of that very range
 could still keep the stale record; a node reading that copy learns the owner from the
