@@ -40,7 +40,12 @@ the node that held it, unfenced: the claimant's new connection replaces the will
 else has it. An orphan's claim (``"orphan"`` in the claim) is not such: the adopter runs the
 will from the state it adopted, and the node it was taken from drops its own.
 
-One node (no cluster) has none of this: its router publishes a due will at once.
+**Cost.** A will waits for one ``$sessions`` commit, applied on the node that proposed it:
+on a node that does not lead ``$sessions``, up to a heartbeat interval after the commit (the
+leader sends the commit index with its next append or heartbeat). Measured on three nodes
+(heartbeat 100 ms): a will reaches a subscriber on another node in a median 202 ms after its
+client's connection dropped, 102 ms before the fence. One node (no cluster) has none of
+this: its router publishes a due will at once.
 
 Called only from the worker's event loop.
 """
