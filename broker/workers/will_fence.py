@@ -246,6 +246,11 @@ class WillFence:
         if router is None or fenced.worker != s.worker[0]:
             return
         self.mine[client_id] = fenced.id
+        session = router.sessions.get(client_id)
+        if session is not None and session.will and will_state(session.will) == fenced.will:
+            # Loaded at a restart from a state written before the will record: the same will.
+            session.will = session.will_due = None
+            session.dirty = True
 
         def published(offset: int | None) -> None:
             if offset is None or offset == OUTCOME_UNKNOWN:  # again: at least once

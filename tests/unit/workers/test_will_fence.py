@@ -17,6 +17,7 @@ import pytest
 from broker.commitlog import Record
 from broker.mqtt.packets import Will
 from broker.net.context import STATE
+from broker.router.session import Session, will_state
 from broker.router.state import SESSIONS
 from broker.workers import will_fence
 from broker.workers.replicated_sessions import CLAIM_PREFIX, Owner
@@ -262,6 +263,44 @@ def test_a_will_fenced_by_a_node_that_died_before_publishing_is_published_by_the
         assert wills(b) == [WILL.payload]
         assert b.harness.router.sessions["dev"].will is None
         assert not b.sessions.fence.pending
+
+    asyncio.run(run())
+
+
+def held_with_will(now: float) -> dict[str, Any]:
+    """The state of an offline session whose will is due, as a restarted node loads it."""
+    session = Session("dev", persistent=True, expiry_interval=300)
+    session.will = WILL
+    session.disconnected_at = now
+    session.will_due = 0.0
+    return session.to_state()
+
+
+def test_a_will_fenced_before_a_restart_goes_out_once_the_node_serves(tmp_path: Path) -> None:
+    """a's will record is applied while a catches up after a restart (its earlier process
+    proposed it and died): a publishes it once it serves, once."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = cluster_member(tmp_path, "a", ["a", "b"], loop)
+        log = Log([a])
+        await owned_by(a, log, "dev")
+        a.sessions.serving = False
+        # The state it wrote while its client was connected, then its will record.
+        state = Record(0, 0, "dev", orjson.dumps(held_with_will(a.harness.clock.now)))
+        earlier = {"node": "a", "epoch": 1, "will": will_state(WILL), "id": "earlier-0", "w": 0}
+        record = Record(0, 0, CLAIM_PREFIX + "dev", orjson.dumps(earlier))
+        a.sessions.apply([state, record])
+        log.committed += [state, record]
+        assert wills(a) == []
+        a.sessions.resume()  # it holds the session, as loaded from that state
+        await log.settle()  # the will is out before the router's timer runs
+        for _ in range(3):
+            a.harness.tick(1)  # the will the loaded state held is the one fenced: gone
+            await log.settle()
+        assert wills(a) == [WILL.payload]
+        assert ownership(log, "dev")[-1]["will_out"] == "earlier-0"
+        assert "dev" in a.harness.router.sessions
 
     asyncio.run(run())
 
