@@ -14,6 +14,7 @@ from __future__ import annotations
 from typing import Protocol
 
 from broker.commitlog.keys import PartitionKey
+from broker.mqtt.packets import Will
 
 
 class WorkerHooks(Protocol):
@@ -32,6 +33,11 @@ class WorkerHooks(Protocol):
 
     def session_ended(self, client_id: str) -> None:
         """A session held here ended: its home forgets where it was."""
+
+    def will_now(self, client_id: str, will: Will) -> bool:
+        """The will of ``client_id`` is due: whether the router publishes it now (False: a
+        cluster publishes it once ``$sessions`` confirms the owner, or not at all)."""
+        ...
 
     def connections_changed(self, count: int) -> None:
         """This worker's connected clients are now ``count``."""
@@ -52,6 +58,9 @@ class SingleWorker:
 
     def session_ended(self, client_id: str) -> None:
         pass
+
+    def will_now(self, client_id: str, will: Will) -> bool:
+        return True
 
     def connections_changed(self, count: int) -> None:
         pass

@@ -20,10 +20,10 @@ from typing import Any
 from broker.auth.acl import Authorizer
 from broker.commitlog import Record
 from broker.mqtt.errors import ProtocolError
-from broker.mqtt.packets import ConnAck, Connect, Disconnect
+from broker.mqtt.packets import ConnAck, Connect, Disconnect, Will
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ReasonCode
-from broker.router.commit import GroupCommit
+from broker.router.commit import AckCallback, GroupCommit
 from broker.router.delivery import Delivery
 from broker.router.ingest import Ingest
 from broker.router.link import Link
@@ -244,24 +244,37 @@ class Lifecycle:
             self.store.persist(session)
 
     def publish_will(self, session: Session) -> None:
+        """The will of ``session`` is due: it goes out now, or, in a cluster, once the
+        session's owner is confirmed in ``$sessions`` (broker.workers.will_fence)."""
         will = session.will
         session.will = None
         session.will_due = None
         if will is None:
             return
-        if not self.ingest.may_publish(session.client_id, will.topic):
-            log.info("%s: will to %r dropped: not authorized", session.client_id, will.topic)
-            return
+        # Its state is written again without it (the timer persists a dirty session): one
+        # that still held it would have the will published again after a restart here, or
+        # by the next node to hold the session in a cluster.
+        session.dirty = True
+        if self.state.hooks.will_now(session.client_id, will):
+            self.send_will(session.client_id, will)
+
+    def send_will(self, client_id: str, will: Will, ack: AckCallback | None = None) -> bool:
+        """Publish ``will`` of ``client_id``; ``ack`` once it is in the log. False if it is
+        dropped, not authorized."""
+        if not self.ingest.may_publish(client_id, will.topic):
+            log.info("%s: will to %r dropped: not authorized", client_id, will.topic)
+            return False
         props = {k: v for k, v in will.properties.items() if k != PropertyId.WILL_DELAY_INTERVAL}
         self.ingest.store_publish(
-            session.client_id,
+            client_id,
             will.topic,
             will.payload,
             will.qos,
             retain=will.retain,
             properties=props,
-            ack=None,
+            ack=ack,
         )
+        return True
 
     def end_session(self, session: Session) -> None:
         """The session ends: its will goes out now if still pending, its state is deleted."""

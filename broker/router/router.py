@@ -146,6 +146,7 @@ class Router:
         self.disconnect = lifecycle.disconnect
         self.connection_lost = lifecycle.connection_lost
         self.tick = lifecycle.tick
+        self.send_will = lifecycle.send_will
         # Publishing.
         self.publish = ingest.publish
         self.publish_run = ingest.publish_run

@@ -273,15 +273,7 @@ class Session:
         """
         will = self.will
         return {
-            "will": None
-            if will is None
-            else [
-                will.topic,
-                base64.b64encode(will.payload).decode(),
-                will.qos,
-                will.retain,
-                base64.b64encode(encode_properties(will.properties)).decode(),
-            ],
+            "will": None if will is None else will_state(will),
             "will_left": None if self.will_due is None else max(0.0, self.will_due - monotonic_now),
             "v": 1,
             "version": self.version,
@@ -346,15 +338,22 @@ class Session:
         s.next_packet_id = state.get("next_packet_id", 1)
         will = state.get("will")
         if will is not None:
-            topic, payload, qos, retain, props = will
-            s.will = Will(
-                topic,
-                base64.b64decode(payload),
-                qos,
-                retain,
-                decode_properties(base64.b64decode(props)),
-            )
+            s.will = will_of(will)
         return s
+
+
+def will_state(will: Will) -> list[Any]:
+    """A will's persisted form (JSON: a session's state, a cluster's will record)."""
+    props = base64.b64encode(encode_properties(will.properties)).decode()
+    return [will.topic, base64.b64encode(will.payload).decode(), will.qos, will.retain, props]
+
+
+def will_of(state: list[Any]) -> Will:
+    """The will :func:`will_state` wrote."""
+    topic, payload, qos, retain, props = state
+    return Will(
+        topic, base64.b64decode(payload), qos, retain, decode_properties(base64.b64decode(props))
+    )
 
 
 def _sub_state(s: Subscription) -> dict[str, Any]:

@@ -208,11 +208,14 @@ class SessionStore:
         if session.will is not None:
             # A will still pending at shutdown keeps its remaining delay; one of a client
             # that was connected when the broker died is due as for an abnormal close,
-            # deferred to this start as s3.1.2.5 allows. tick() publishes it.
+            # deferred to this start as s3.1.2.5 allows. tick() publishes it. A cluster's
+            # adopter of a dead node's session counts the delay from when that node lost
+            # the connection, if it wrote that down (its clock), not from its death.
             left = state.get("will_left")
-            if left is None:
+            if left is None or lost_at is not None:
                 delay = session.will.properties.get(PropertyId.WILL_DELAY_INTERVAL, 0)
-                left = max(0.0, min(delay, session.expiry_interval) - (now - lost))
+                since = max(0.0, now - session.disconnected_at)  # (clocks differ)
+                left = max(0.0, min(delay, session.expiry_interval) - since)
             session.will_due = self.state.monotonic() + left
         self.sessions[client_id] = session
         for consumer in session.consumers.values():

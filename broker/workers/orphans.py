@@ -33,9 +33,11 @@ With several workers per node, worker 0 (the one that gossips) tells the others 
 workers``), where its session directory records them (broker.workers.sessions).
 
 A node declared dead that is in fact alive but cut off keeps its connections until it applies
-the claim (then closes them, 5.0: DISCONNECT 0x8E): meanwhile both sides may publish the
-will of a client connected there. The suspicion timeout of gossip bounds how often that can
-happen, not whether.
+the claim (then closes them, 5.0: DISCONNECT 0x8E). A will that falls due there meanwhile (its
+client's connection drops) is not published at once: its will record names the epoch the
+adopter's claim superseded, so it loses where it is applied, and the adopter alone publishes
+that will (broker.workers.will_fence). The adoption counts the will delay from when the dead
+node lost the connection if its state says so, else from the death gossip declared.
 
 Called only from the worker's event loop.
 """

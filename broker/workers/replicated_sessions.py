@@ -41,8 +41,10 @@ acts for the client ids homed at it (``crc32 % workers``, broker.workers.session
 claims (the home's session directory claims for the node before it decides which worker holds
 the session), releases (the worker holding the session gives it up), assertions and ends.
 
-The sessions of a node gossip declares dead are claimed by one survivor, which runs their
-wills and expiry (broker.workers.orphans). A QoS 2 PUBLISH to
+The sessions of a node gossip declares dead are claimed by one survivor (an *orphan* claim),
+which runs their wills and expiry (broker.workers.orphans); a will goes out only from the node
+whose *will record*, on the ownership key, is applied while its epoch is the owner's
+(broker.workers.will_fence). A QoS 2 PUBLISH to
 a subscriber leaves only once its state (packet id, cursor) is committed here
 (broker.router.delivery holds the link until then), so a kill -9 of this node cannot send it
 again under a new packet id.
@@ -60,8 +62,11 @@ tombstone:
   client id (its claim compacted away, or a tombstone committed out of turn), it makes that
   node the owner again;
 * a record that lost (a claim of a stale epoch, a release of an earlier epoch, another node's
-  tombstone committed after this node's claim) is answered by the owner with an *assertion*
-  ``(owner, epoch)``, so the last word is the owner's again.
+  tombstone committed after this node's claim, a will record of a stale epoch) is answered by
+  the owner with an *assertion* ``(owner, epoch)``, so the last word is the owner's again;
+* a will record that won is followed by its *out* record, an assertion, once the will is
+  published (broker.workers.will_fence); until then it is the last word, and says that the
+  will is pending, as the history does.
 
 Between a record that lost and the assertion (one commit) a compaction of that very range
 could still keep the stale record; a node reading that copy learns the owner from the
@@ -81,6 +86,7 @@ import orjson
 
 from broker.cluster.placement import node_id_of
 from broker.commitlog import Record, SegmentedLog
+from broker.mqtt.packets import Will
 from broker.net.context import HERE, NEW, STATE
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.hooks import SingleWorker
@@ -89,6 +95,7 @@ from broker.router.store import OWNERSHIP
 from broker.workers.cluster_groups import ClusterGroupPeers
 from broker.workers.orphans import Orphans
 from broker.workers.sessions import SessionDirectory, home_of
+from broker.workers.will_fence import WillFence
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
@@ -152,6 +159,8 @@ class ClusterSessions:
         self.takeovers = 0
         #: The sessions of dead members, adopted here while this node leads ``$sessions``.
         self.orphans = Orphans(self)
+        #: Wills published once across the nodes.
+        self.fence = WillFence(self)
         self._claims: dict[tuple[str, int], asyncio.Future[int | None]] = {}
         #: Client ids this node is claiming now (a CONNECT's or an orphan's claim), each with
         #: what its claim sets once it is over (the next claim of the client id waits for it).
@@ -235,6 +244,7 @@ class ClusterSessions:
                 if registry is not None:
                     registry[client_id] = self.worker[0]
         self.serving = True
+        self.fence.resume()
         if self.worker[1] == 1:
             # With several workers a group is held per node by the mesh's home worker
             # (broker.workers.groups); across the nodes only with one worker per node.
@@ -266,6 +276,7 @@ class ClusterSessions:
         if not payload:  # the session ended: nobody holds it
             self.owners.pop(client_id, None)
             self.released.pop(client_id, None)
+            self.fence.ended(client_id)
             ended = self._ending.pop(client_id, None)
             if current is None or current.node != me:
                 return
@@ -276,6 +287,10 @@ class ClusterSessions:
             return
         body = orjson.loads(payload)
         node, epoch = node_id_of(body["node"]), body["epoch"]
+        if self.fence.applied(client_id, node, epoch, body):
+            if current is not None and current.node == me and current != (node, epoch):
+                self._assert(client_id, current.epoch)  # a stale will: not left the last word
+            return
         if "released_by" in body or "asserted" in body:
             if current is None or current.epoch <= epoch:
                 # The record names the owner its claim of this epoch made: that is the
@@ -301,6 +316,7 @@ class ClusterSessions:
         self.released.pop(client_id, None)
         self._ending.pop(client_id, None)
         previous = current.node if current is not None else None
+        self.fence.claimed(client_id, previous, "orphan" in body)
         if node == me:
             self._resolve(client_id, epoch, previous)
         else:
@@ -326,6 +342,14 @@ class ClusterSessions:
         row = (router.state.now_ms(), CLAIM_PREFIX + client_id, body, 0, False, "", b"")
         router.append_forwarded(SESSIONS, [row], _ignore)
 
+    def will_now(self, client_id: str, will: Will) -> bool:
+        """The router's will of ``client_id`` is due (broker.workers.will_fence)."""
+        return self.fence.will_now(client_id, will)
+
+    def after_will(self, client_id: str, then: Callable[[], None]) -> None:
+        """``then()`` once this worker's will of ``client_id`` is out (will_fence)."""
+        self.fence.after_will(client_id, then)
+
     def session_ended(self, client_id: str) -> None:
         """The router ended ``client_id``'s session (clean start, expiry, a clean session's
         disconnection): unless its client is connecting here again, the ownership ends too,
@@ -337,8 +361,8 @@ class ClusterSessions:
 
     def _end(self, client_id: str, epoch: int) -> None:
         router = self.router
-        if router is None or self._holds(client_id):
-            return  # connected again (a clean start), or being claimed here
+        if router is None or self._holds(client_id) or self.fence.busy(client_id):
+            return  # connected again (a clean start), being claimed here, or its will going out
         if self.owners.get(client_id) != (self.node.id, epoch):
             return  # claimed by another node meanwhile
         self._ending[client_id] = epoch
@@ -428,7 +452,7 @@ class ClusterSessions:
             if current is not None and current.node == me:
                 return adopt(HERE)
             epoch = (current.epoch if current is not None else 0) + 1
-            previous = await self._propose(client_id, epoch)
+            previous = await self._propose(client_id, epoch, orphan=only_from is not None)
             if previous == _LOST:
                 continue
             if previous is not None and previous != me:
@@ -438,18 +462,21 @@ class ClusterSessions:
             if self.holds(client_id):
                 return adopt(HERE)
             state = self.states.get(client_id)
+            if self.released.get(client_id) != epoch:
+                state = self.fence.claimed_here(client_id, epoch, state)
             return adopt(STATE + state if state else NEW)
         raise ClaimError(f"{client_id}: {CLAIM_ATTEMPTS} claims lost to connections elsewhere")
 
-    async def _propose(self, client_id: str, epoch: int) -> int | None:
-        """Propose the claim and wait until it is applied here: the previous owner, None,
-        or :data:`_LOST`."""
+    async def _propose(self, client_id: str, epoch: int, orphan: bool) -> int | None:
+        """Propose the claim (``orphan``: of a dead node's session) and wait until it is
+        applied here: the previous owner, None, or :data:`_LOST`."""
         router = self.router
         assert router is not None
         waiter: asyncio.Future[int | None] = self.node.loop.create_future()
         self._claims[(client_id, epoch)] = waiter
 
-        payload = orjson.dumps({"node": self.node.name, "epoch": epoch})
+        body = {"node": self.node.name, "epoch": epoch, **({"orphan": True} if orphan else {})}
+        payload = orjson.dumps(body)
         row = (router.state.now_ms(), CLAIM_PREFIX + client_id, payload, 0, False, "", b"")
 
         def committed(offset: int | None) -> None:
@@ -517,6 +544,9 @@ class ClusterHooks(SingleWorker):
 
     def session_ended(self, client_id: str) -> None:
         self.sessions.session_ended(client_id)
+
+    def will_now(self, client_id: str, will: Will) -> bool:
+        return self.sessions.will_now(client_id, will)
 
     def is_home(self, name: str) -> bool:
         if name.startswith(CLAIM_PREFIX):

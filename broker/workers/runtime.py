@@ -32,6 +32,7 @@ import orjson
 
 from broker.commitlog import LogConfig, Record, SegmentedLog, Streams
 from broker.commitlog.keys import PartitionKey
+from broker.mqtt.packets import Will
 from broker.workers.groups import MeshGroupPeers
 from broker.workers.mesh import Mesh, PeerDown, owner_of
 from broker.workers.partitions import PartitionService
@@ -154,7 +155,21 @@ class WorkerRuntime:
         return home_of(name, self.count) == self.index
 
     def session_ended(self, client_id: str) -> None:
-        self.sessions.ended(client_id)
+        cluster = self.sessions.cluster
+        if cluster is None:
+            self.sessions.ended(client_id)
+            return
+
+        def ended() -> None:
+            if self.router is None or client_id not in self.router.sessions:  # (not back)
+                self.sessions.ended(client_id)
+
+        # Its home ends the claim once the will is out (broker.workers.will_fence).
+        cluster.after_will(client_id, ended)
+
+    def will_now(self, client_id: str, will: Will) -> bool:
+        cluster = self.sessions.cluster
+        return cluster is None or cluster.will_now(client_id, will)
 
     def connections_changed(self, count: int) -> None:
         """This worker's connected clients changed: tell the peers, once per iteration."""

@@ -36,6 +36,7 @@ import zlib
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
 
+from broker.mqtt.packets import Will
 from broker.net.context import HERE, NEW, STATE
 from broker.workers.mesh import Mesh, PeerDown
 from broker.workers.partitions import NEXT_KIND
@@ -71,6 +72,10 @@ class NodeClaims(Protocol):
     def claim(self, client_id: str, adopt: Callable[[bytes], bytes]) -> Awaitable[bytes]: ...
 
     def session_ended(self, client_id: str) -> None: ...
+
+    def will_now(self, client_id: str, will: Will) -> bool: ...
+
+    def after_will(self, client_id: str, then: Callable[[], None]) -> None: ...
 
 
 class SessionDirectory:

@@ -6,6 +6,7 @@ import orjson
 
 from broker.mqtt.packets import Will
 from broker.mqtt.properties import PropertyId, decode_properties
+from broker.router.session import Session
 from tests.unit.router.conftest import Harness
 
 
@@ -174,3 +175,31 @@ def test_an_adopted_session_counts_its_will_delay_and_expiry_from_the_loss(h: Ha
     assert "b" in h.router.sessions
     h.tick(3)
     assert "b" not in h.router.sessions  # expired 8 s after the loss
+
+
+def test_an_adopted_wills_delay_counts_from_when_the_connection_was_lost(h: Harness) -> None:
+    """The dead node wrote down that the connection dropped 4 s before its death: a will
+    delay of 10 s has 6 s left at the adoption (it had 10 before)."""
+    now = h.clock.now
+    session = Session("dev", persistent=True, expiry_interval=300)
+    session.will = delayed_will(10, b"gone")
+    session.disconnected_at = now - 4
+    session.will_due = 6.0  # as written then: will_left 10 at monotonic -4
+    state = orjson.dumps(session.to_state(-4.0))
+    h.router.adopt("dev", state, now)
+    h.tick(5.5)
+    assert h.log_payloads("will/x") == []
+    h.tick(1)
+    assert h.log_payloads("will/x") == [b"gone"]
+
+
+def test_a_delayed_will_published_is_not_published_again_after_a_crash(h: Harness) -> None:
+    """The timer that publishes a delayed will writes the session's state without it."""
+    link, s = h.connect("a", 5, expiry=60, will=delayed_will(2, b"once"))
+    h.drop(s, link)
+    h.tick(2.5)
+    assert h.log_payloads("will/x") == [b"once"]
+    h.streams.close()  # a crash: no router.close()
+    h.open()
+    h.tick(5)
+    assert h.log_payloads("will/x") == [b"once"]

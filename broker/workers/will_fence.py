@@ -1,0 +1,297 @@
+"""Wills in a cluster: published by exactly one node, fenced by the owner's epoch.
+
+A client id's session is held by the node its claim in ``$sessions`` names, at an epoch
+(broker.workers.replicated_sessions). Gossip can declare a node dead while it is alive but
+cut off: a survivor then adopts its sessions (broker.workers.orphans) and publishes their
+wills, while the cut-off node, until it applies that claim, still holds the connections and
+would publish a will too when one drops. So in a cluster a due will (broker.router.lifecycle)
+is not published at once: the node holding the session first commits a *will record* on the
+client id's ownership key (NUL + the client id: an MQTT string never contains U+0000
+[MQTT-1.5.4-2]) naming itself, the epoch it holds, the will and an id. Applied on every node
+in log order, the record wins only if its ``(node, epoch)`` is the owner's at that point
+(a stale epoch loses, like a stale claim; so does one applied after the session ended): the
+winner's worker that proposed it publishes the will, as an ordinary publish to its
+partition log, and once that is committed writes an *out* record (an assertion of the owner
+naming the will's id). Exactly one node publishes a given will, whatever gossip believes.
+
+**At least once across a crash.** MQTT publishes a will once [MQTT-3.1.2-8]; a node that
+dies between its will record and the commit of the publish may or may not have published.
+Losing the will is the worse fault (it is how the others learn of the client's end), so a
+won will record not followed by its out record is *pending* on every node, with the will in
+it: the node that claims the session next without the previous owner's release (the adopter
+of a dead node, or a CONNECT whose old node did not answer) fences and publishes it again at
+its own epoch, and the holder itself does so on restart. A duplicate is possible only then.
+The end of a session whose will is being fenced here waits for the out record, so no
+tombstone removes a pending will.
+
+**Compaction** (replicated_sessions' "Ownership records and compaction"). The out record is
+an assertion, so the last ownership record names the owner. A will record kept last (no out
+yet) names the owner and the will still pending, as the history says. A will record that lost
+is answered like a stale claim: by the owner's assertion, or, if the session ended (its
+tombstone came first: an adopter ended a clean session before the cut-off node's record was
+committed), by the release its proposer wrote as it applied the claim that superseded it,
+which the owner it names ends again, so that compaction removes the key. As for other
+records, a compaction of the range between a record and that answer (one commit) can keep
+the record alone: a node reading that copy learns the owner from the answer that follows (a
+will record is never taken as the owner by itself: it would let the stale one win).
+
+**A connection taken over by a CONNECT on another node** publishes its will (no delay) on
+the node that held it, unfenced: the claimant's new connection replaces the will, so nobody
+else has it. An orphan's claim (``"orphan"`` in the claim) is not such: the adopter runs the
+will from the state it adopted, and the node it was taken from drops its own.
+
+**Cost.** A will waits for one ``$sessions`` commit, applied on the node that proposed it:
+on a node that does not lead ``$sessions``, up to a heartbeat interval after the commit (the
+leader sends the commit index with its next append or heartbeat). Measured on three nodes
+(heartbeat 100 ms): a will reaches a subscriber on another node in a median 202 ms after its
+client's connection dropped, 102 ms before the fence. One node (no cluster) has none of
+this: its router publishes a due will at once.
+
+Called only from the worker's event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import uuid
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
+
+import orjson
+
+from broker.mqtt.packets import Will
+from broker.router.commit import OUTCOME_UNKNOWN
+from broker.router.session import will_of, will_state
+from broker.router.state import SESSIONS
+from broker.router.store import OWNERSHIP
+
+if TYPE_CHECKING:
+    from broker.cluster.node import ClusterNode
+    from broker.router.router import Router
+
+log = logging.getLogger("broker.cluster")
+
+#: Seconds between proposals of a will record not committed (no ``$sessions`` leader).
+RETRY = 1.0
+
+
+class Fenced(NamedTuple):
+    """A will record that won: the owner's epoch, the will's id, the will (its state)."""
+
+    epoch: int
+    id: str
+    will: list[Any]
+    worker: int
+
+
+class Holder(Protocol):
+    """What this needs of broker.workers.replicated_sessions' ``ClusterSessions``."""
+
+    node: ClusterNode
+    worker: tuple[int, int]  # this worker's index, the node's worker count
+    router: Router | None
+    serving: bool
+    owners: dict[str, Any]  # client id -> its Owner (node id, epoch)
+
+
+class WillFence:
+    """This worker's part in publishing wills once across the cluster (module docstring)."""
+
+    def __init__(self, sessions: Holder) -> None:
+        self.sessions = sessions
+        #: Client id -> its will fenced in ``$sessions`` and not out yet (every node).
+        self.pending: dict[str, Fenced] = {}
+        #: Client id -> the id of the will this worker proposed and that is not out yet.
+        self.mine: dict[str, str] = {}
+        #: Client ids whose session a CONNECT on another node took from this node.
+        self.taken: set[str] = set()
+        #: Client id -> what waits for this worker's will of it to be out (or lost).
+        self._after: dict[str, list[Callable[[], None]]] = {}
+        self._out: dict[str, str] = {}
+        self._ids = (f"{uuid.uuid4().hex[:8]}-{n}" for n in itertools.count())
+        self.published = 0
+        self.dropped = 0
+
+    def busy(self, client_id: str) -> bool:
+        """Whether this worker fences or publishes a will of ``client_id`` (its end waits)."""
+        return client_id in self.mine
+
+    def after_will(self, client_id: str, then: Callable[[], None]) -> None:
+        """``then()`` once this worker's will of ``client_id`` is out or lost (at once if
+        none is going out): with several workers, the end of a session held by a worker
+        other than its home, so that its tombstone follows the will record."""
+        if client_id in self.mine:
+            self._after.setdefault(client_id, []).append(then)
+        else:
+            then()
+
+    def _done(self, client_id: str, wid: str) -> None:
+        """This worker's will ``wid`` of ``client_id`` is out, or lost."""
+        if self.mine.get(client_id) != wid:
+            return
+        del self.mine[client_id]
+        for then in self._after.pop(client_id, ()):
+            then()
+
+    # -- a will is due here (the router) ----------------------------------------------------
+
+    def will_now(self, client_id: str, will: Will) -> bool:
+        """The router's will of ``client_id`` is due: False, it is fenced first (or dropped:
+        another node holds the session); True only where the log names no owner (a session
+        written before the cluster) or a CONNECT elsewhere took the connection over."""
+        s = self.sessions
+        owner = s.owners.get(client_id)
+        if owner is None or s.router is None:
+            return True
+        if owner.node != s.node.id:
+            if client_id in self.taken:
+                return True
+            self.dropped += 1
+            log.info(
+                "cluster: %s: will not published here: node %s holds the session (epoch %d)",
+                client_id,
+                s.node.names.get(owner.node, owner.node),
+                owner.epoch,
+            )
+            return False
+        state = will_state(will)
+        pending = self.pending.get(client_id)
+        if pending is not None and pending.will == state:
+            return False  # already fenced (the state adopted still had it)
+        self._propose(client_id, owner.epoch, state)
+        return False
+
+    def _propose(self, client_id: str, epoch: int, state: list[Any]) -> None:
+        s = self.sessions
+        wid = next(self._ids)
+        self.mine[client_id] = wid
+        body = {"node": s.node.name, "epoch": epoch, "will": state, "id": wid, "w": s.worker[0]}
+
+        def again() -> bool:  # while this node holds the session at that epoch, as applied
+            if self.mine.get(client_id) == wid and s.owners.get(client_id) == (s.node.id, epoch):
+                return True
+            self._done(client_id, wid)
+            return False
+
+        self._append(client_id, body, again)
+
+    def _append(self, client_id: str, body: dict[str, Any], again: Callable[[], bool]) -> None:
+        """Append an ownership record of ``client_id`` to ``$sessions``; if it is not
+        committed (no leader), or not known to be (its leader lost office with it in flight:
+        a copy applied twice is recognised by its id), again after :data:`RETRY` while
+        ``again()``."""
+        s = self.sessions
+        router = s.router
+        assert router is not None
+        row = (router.state.now_ms(), OWNERSHIP + client_id, orjson.dumps(body), 0, False, "", b"")
+
+        def committed(offset: int | None) -> None:
+            if (offset is None or offset == OUTCOME_UNKNOWN) and again():
+                s.node.loop.call_later(RETRY, router.append_forwarded, SESSIONS, [row], committed)
+
+        router.append_forwarded(SESSIONS, [row], committed)
+
+    # -- applying will records (every node) -------------------------------------------------
+
+    def applied(self, client_id: str, node: int, epoch: int, body: dict[str, Any]) -> bool:
+        """A will or out record applied: whether it is a will record (then done here)."""
+        wid = body.get("will_out")
+        if wid is not None:
+            pending = self.pending.get(client_id)
+            if pending is not None and pending.id == wid:
+                del self.pending[client_id]
+            self._out[client_id] = wid
+            self._done(client_id, wid)
+            return False  # an assertion of the owner besides
+        if "will" not in body:
+            return False
+        s = self.sessions
+        wid = body["id"]
+        current = s.owners.get(client_id)
+        if current != (node, epoch):
+            if self.mine.get(client_id) == wid:
+                self._done(client_id, wid)
+                self.dropped += 1
+                log.info("cluster: %s: will not published: the session moved on", client_id)
+            return True
+        if wid == self._out.get(client_id) or (
+            client_id in self.pending and self.pending[client_id].id == wid
+        ):
+            return True  # proposed again after an unknown outcome: the same will
+        fenced = Fenced(epoch, wid, body["will"], body.get("w", 0))
+        self.pending[client_id] = fenced
+        if node == s.node.id and s.serving:
+            self._publish(client_id, fenced)
+        return True
+
+    def claimed(self, client_id: str, previous: int | None, orphan: bool) -> None:
+        """A claim of ``client_id`` won: by a CONNECT that takes it from this node, or not."""
+        if previous == self.sessions.node.id and not orphan:
+            self.taken.add(client_id)
+        else:
+            self.taken.discard(client_id)
+
+    def ended(self, client_id: str) -> None:
+        """The ownership of ``client_id`` ended (a tombstone): nothing of it is pending."""
+        self.pending.pop(client_id, None)
+        self._out.pop(client_id, None)
+        self.taken.discard(client_id)
+
+    def _publish(self, client_id: str, fenced: Fenced) -> None:
+        """The fenced will goes out from the worker that proposed it (after a restart: the
+        worker of that index), then its out record."""
+        s = self.sessions
+        router = s.router
+        if router is None or fenced.worker != s.worker[0]:
+            return
+        self.mine[client_id] = fenced.id
+        session = router.sessions.get(client_id)
+        if session is not None and session.will and will_state(session.will) == fenced.will:
+            # Loaded at a restart from a state written before the will record: the same will.
+            session.will = session.will_due = None
+            session.dirty = True
+
+        def published(offset: int | None) -> None:
+            if offset is None or offset == OUTCOME_UNKNOWN:  # again: at least once
+                s.node.loop.call_later(RETRY, send)
+            else:
+                self._write_out(client_id, fenced)
+
+        def send() -> None:
+            if not router.send_will(client_id, will_of(fenced.will), published):
+                self._write_out(client_id, fenced)  # not authorized: dropped, done
+
+        self.published += 1
+        send()
+
+    def _write_out(self, client_id: str, fenced: Fenced) -> None:
+        s = self.sessions
+        body = {"node": s.node.name, "epoch": fenced.epoch, "asserted": True, "will_out": fenced.id}
+        # Again while the will is pending: whoever holds the session next would publish it.
+        self._append(client_id, body, lambda: self.pending.get(client_id) == fenced)
+
+    # -- a claim that found a will pending ------------------------------------------------
+
+    def claimed_here(self, client_id: str, epoch: int, state: bytes | None) -> bytes | None:
+        """This node's claim won without the previous owner's release: a will that owner
+        fenced and did not see out is published again from here (module docstring), and
+        leaves the state adopted (which may still hold it). Returns that state."""
+        pending = self.pending.get(client_id)
+        if pending is None or pending.epoch >= epoch:
+            return state
+        del self.pending[client_id]
+        self._propose(client_id, epoch, pending.will)
+        if state:
+            body = orjson.loads(state)
+            if body.get("will") == pending.will:
+                body["will"] = body["will_left"] = None
+                state = orjson.dumps(body)
+        return state
+
+    def resume(self) -> None:
+        """The node serves again: the wills it fenced before a restart and did not see out."""
+        s = self.sessions
+        for client_id, fenced in list(self.pending.items()):
+            if s.owners.get(client_id) == (s.node.id, fenced.epoch):
+                self._publish(client_id, fenced)

@@ -1,0 +1,381 @@
+"""Wills published once across a cluster's nodes (broker.workers.will_fence).
+
+Real routers on real logs with their :class:`ClusterSessions` (the members of
+tests/unit/workers/test_replicated_sessions.py); the Raft group of ``$sessions`` is the test's
+log order, and a node cut off from it applies nothing and commits nothing until the heal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+from typing import Any
+
+import orjson
+import pytest
+
+from broker.commitlog import Record
+from broker.mqtt.packets import Will
+from broker.net.context import STATE
+from broker.router.session import Session, will_state
+from broker.router.state import SESSIONS
+from broker.workers import will_fence
+from broker.workers.replicated_sessions import CLAIM_PREFIX, Owner
+from tests.unit.router.conftest import Harness
+from tests.unit.workers.test_replicated_sessions import (
+    Log,
+    Member,
+    cluster_member,
+    compacted,
+    turns,
+)
+
+WILL = Will("wills/dev", b"gone", 1)
+
+
+class CutLog(Log):
+    """:class:`Log` with members cut off: they apply nothing and what they propose is not
+    committed; healed, they apply what was committed meanwhile, then their proposals are
+    committed after it."""
+
+    def __init__(self, members: list[Member]) -> None:
+        super().__init__(members)
+        self.cut: set[Member] = set()
+        self.missed: dict[Member, list[Record]] = {}
+
+    def commit(self, *order: Member) -> list[Record]:
+        batch: list[Record] = []
+        for m in order or tuple(self.members):
+            if m not in self.cut:
+                batch += m.appended()
+        for m in self.members:
+            if m in self.cut:
+                self.missed.setdefault(m, []).extend(batch)
+            else:
+                m.sessions.apply(batch)
+        self.committed += batch
+        return batch
+
+    def heal(self) -> None:
+        for m in self.cut:
+            m.sessions.apply(self.missed.pop(m, []))
+        self.cut.clear()
+
+
+def wills(m: Member) -> list[bytes]:
+    """The wills published into ``m``'s own partition log."""
+    m.harness.run()
+    return m.harness.log_payloads(WILL.topic)
+
+
+def ownership(log: Log, client_id: str) -> list[dict[str, Any]]:
+    """The ownership records of ``client_id`` committed, in order ({} for a tombstone)."""
+    key = CLAIM_PREFIX + client_id
+    return [orjson.loads(r.payload) if r.payload else {} for r in log.committed if r.topic == key]
+
+
+async def owned_by(m: Member, log: Log, client_id: str) -> None:
+    claim = asyncio.get_running_loop().create_task(m.sessions.claim(client_id, lambda x: x))
+    await log.settle()
+    await claim
+
+
+async def adopt_orphan(m: Member, log: Log, client_id: str, dead: Member) -> None:
+    """``m`` adopts the session of ``dead`` as broker.workers.orphans does."""
+    died = m.harness.clock.now
+
+    def take(answer: bytes) -> None:
+        if answer[:1] == STATE:
+            m.harness.router.adopt(client_id, answer[1:], died)
+
+    m.node.transport.down.add(dead.node.name)
+    claim = asyncio.get_running_loop().create_task(
+        m.sessions.claim(client_id, take, only_from=dead.node.id)
+    )
+    await log.settle()
+    await claim
+
+
+def test_a_cut_off_owners_will_loses_to_the_adopters_which_goes_out_once(tmp_path: Path) -> None:
+    """a holds dev's connection and is cut off; b, on the majority's side, adopts the
+    session and publishes its will; dev's connection on a drops during the cut. Before the
+    fence a published the will as well (twice in all)."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = CutLog([a, b])
+        await owned_by(a, log, "dev")
+        link, session = a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.tick(0)  # its state written
+        log.commit()
+        log.cut.add(a)
+        await adopt_orphan(b, log, "dev", a)
+        assert b.sessions.owners["dev"] == Owner(b.node.id, 2)
+        b.harness.tick(1)  # the adopted will is due at once (no delay)
+        await log.settle()
+        assert wills(b) == [WILL.payload]
+        a.harness.drop(session, link)  # on the cut-off node, its connection drops
+        await turns()
+        assert wills(a) == []  # fenced: not published before its record is applied
+        log.heal()
+        await log.settle()
+        a.harness.tick(1)
+        b.harness.tick(1)
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        records = ownership(log, "dev")
+        stale = [r for r in records if "will" in r and r["node"] == "a"]
+        assert stale and stale[0]["epoch"] == 1  # a's will record, committed after the heal
+        assert a.sessions.fence.dropped == 1
+        assert a.sessions.owners["dev"] == b.sessions.owners["dev"] == Owner(b.node.id, 2)
+        # What compaction leaves names b as the owner, with no will pending.
+        last = [r for r in compacted(log.committed) if r.topic == CLAIM_PREFIX + "dev"]
+        assert orjson.loads(last[0].payload)["node"] == "b"
+        assert "will" not in orjson.loads(last[0].payload)
+
+    asyncio.run(run())
+
+
+def test_a_stale_will_committed_after_the_adopter_ended_the_session_leaves_nothing(
+    tmp_path: Path,
+) -> None:
+    """As above with a clean session (3.1.1): b publishes its will and ends it (tombstones)
+    before a's will record, of the old epoch, is committed: a publishes nothing, and the
+    records after it (a's release, b's end again) leave nothing of the client id."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = CutLog([a, b])
+        await owned_by(a, log, "dev")
+        link, session = a.harness.connect("dev", 4, will=WILL)  # its state written at once
+        log.commit()
+        log.cut.add(a)
+        await adopt_orphan(b, log, "dev", a)
+        for _ in range(3):
+            b.harness.tick(1)
+            await log.settle()
+        assert wills(b) == [WILL.payload]
+        assert "dev" not in b.sessions.owners  # ended: a clean session's expiry is 0
+        a.harness.drop(session, link)
+        await turns()
+        log.heal()
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert ownership(log, "dev")[-1] == {}
+        assert not [r for r in compacted(log.committed) if "dev" in r.topic]
+        assert not a.sessions.owners and not b.sessions.owners
+
+    asyncio.run(run())
+
+
+def test_the_owners_will_goes_out_once_even_if_its_record_is_applied_twice(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await owned_by(a, log, "dev")
+        link, session = a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.tick(0)  # its state written
+        log.commit()
+        a.harness.drop(session, link)
+        assert wills(a) == []
+        (record,) = [r for r in log.commit() if r.topic[:1] == "\0" and b'"will"' in r.payload]
+        assert "dev" in b.sessions.fence.pending  # every node knows it is going out
+        await log.settle()
+        assert wills(a) == [WILL.payload] and wills(b) == []
+        assert not b.sessions.fence.pending  # its out record followed
+        # Proposed again (its leader lost office with it in flight): the same will.
+        for m in (a, b):
+            m.sessions.apply([record])
+        await log.settle()
+        assert wills(a) == [WILL.payload]
+        out = ownership(log, "dev")[-1]
+        assert out["asserted"] and out["will_out"] == orjson.loads(record.payload)["id"]
+
+    asyncio.run(run())
+
+
+def test_a_will_record_not_committed_is_proposed_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``$sessions`` leader for a while: the will record is refused, then proposed again
+    (the will is not lost), and its out record likewise."""
+    monkeypatch.setattr(will_fence, "RETRY", 0.01)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = cluster_member(tmp_path, "a", ["a", "b"], loop)
+        log = Log([a])
+        await owned_by(a, log, "dev")
+        router = a.harness.router
+        append = router.append_forwarded
+        refused: list[bytes] = []
+
+        def no_leader_for_each_first(key: Any, rows: list[tuple[Any, ...]], ack: Any) -> None:
+            payload = rows[0][2]
+            if payload not in refused:
+                refused.append(payload)
+                ack(None)  # refused: no leader for too long
+                return
+            append(key, rows, ack)
+
+        router.append_forwarded = no_leader_for_each_first  # type: ignore[method-assign]
+        link, session = a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.drop(session, link)
+        for _ in range(5):
+            await asyncio.sleep(0.02)
+            await log.settle()
+        assert wills(a) == [WILL.payload]
+        kinds = [next(iter(set(r) & {"will", "will_out"}), "claim") for r in ownership(log, "dev")]
+        assert kinds == ["claim", "will", "will_out"]
+        assert ["will_out" in orjson.loads(p) for p in refused] == [False, True]  # each once
+
+    asyncio.run(run())
+
+
+def test_a_will_fenced_by_a_node_that_died_before_publishing_is_published_by_the_adopter(
+    tmp_path: Path,
+) -> None:
+    """a's will record committed, then a died before publishing it: b, adopting the session,
+    publishes it (at least once), and only once although the state it adopted was written
+    before the will was due."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await owned_by(a, log, "dev")
+        a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.tick(0)  # its state written
+        log.commit()  # dev's state, with its will, as written at CONNECT
+        a.sessions.will_now("dev", WILL)  # the will is due on a: its record only
+        Log([b]).commit(a)  # committed; a dies before applying it
+        assert b.sessions.fence.pending["dev"].epoch == 1
+        await adopt_orphan(b, Log([b]), "dev", a)
+        await Log([b]).settle()
+        for _ in range(3):
+            b.harness.tick(1)
+            await Log([b]).settle()
+        assert wills(b) == [WILL.payload]
+        assert b.harness.router.sessions["dev"].will is None
+        assert not b.sessions.fence.pending
+
+    asyncio.run(run())
+
+
+def held_with_will(now: float) -> dict[str, Any]:
+    """The state of an offline session whose will is due, as a restarted node loads it."""
+    session = Session("dev", persistent=True, expiry_interval=300)
+    session.will = WILL
+    session.disconnected_at = now
+    session.will_due = 0.0
+    return session.to_state()
+
+
+def test_a_will_fenced_before_a_restart_goes_out_once_the_node_serves(tmp_path: Path) -> None:
+    """a's will record is applied while a catches up after a restart (its earlier process
+    proposed it and died): a publishes it once it serves, once."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = cluster_member(tmp_path, "a", ["a", "b"], loop)
+        log = Log([a])
+        await owned_by(a, log, "dev")
+        a.sessions.serving = False
+        # The state it wrote while its client was connected, then its will record.
+        state = Record(0, 0, "dev", orjson.dumps(held_with_will(a.harness.clock.now)))
+        earlier = {"node": "a", "epoch": 1, "will": will_state(WILL), "id": "earlier-0", "w": 0}
+        record = Record(0, 0, CLAIM_PREFIX + "dev", orjson.dumps(earlier))
+        a.sessions.apply([state, record])
+        log.committed += [state, record]
+        assert wills(a) == []
+        a.sessions.resume()  # it holds the session, as loaded from that state
+        await log.settle()  # the will is out before the router's timer runs
+        for _ in range(3):
+            a.harness.tick(1)  # the will the loaded state held is the one fenced: gone
+            await log.settle()
+        assert wills(a) == [WILL.payload]
+        assert ownership(log, "dev")[-1]["will_out"] == "earlier-0"
+        assert "dev" in a.harness.router.sessions
+
+    asyncio.run(run())
+
+
+def test_a_will_out_leaves_the_state_of_the_session(tmp_path: Path) -> None:
+    """b adopts dead a's session and publishes its will: the state it writes holds the will
+    no more, so whoever holds the session next (a claimant that gets no release from b)
+    does not publish it again."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b, c = (cluster_member(tmp_path, n, ["a", "b", "c"], loop) for n in ("a", "b", "c"))
+        log = Log([a, b, c])
+        await owned_by(a, log, "dev")
+        a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.tick(0)
+        log.commit()
+        log = Log([b, c])  # a died
+        await adopt_orphan(b, log, "dev", a)
+        b.harness.tick(1)
+        await log.settle()
+        b.harness.tick(1)
+        await log.settle()
+        assert wills(b) == [WILL.payload]
+        assert orjson.loads(c.sessions.states["dev"])["will"] is None
+        await adopt_orphan(c, log, "dev", b)  # b died too
+        for _ in range(3):
+            c.harness.tick(1)
+            await log.settle()
+        assert wills(c) == []
+
+    asyncio.run(run())
+
+
+def test_a_connection_taken_over_by_a_connect_elsewhere_publishes_its_will_where_it_was(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await owned_by(a, log, "dev")
+        a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.tick(0)  # its state written
+        log.commit()
+        await owned_by(b, log, "dev")  # dev connects on b: a closes its connection
+        await log.settle()
+        assert wills(a) == [WILL.payload] and wills(b) == []
+
+    asyncio.run(run())
+
+
+def test_a_clean_sessions_claim_ends_after_its_will_is_out(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await owned_by(a, log, "dev")
+        link, session = a.harness.connect("dev", 4, will=WILL)  # 3.1.1, clean session
+        log.commit()
+        a.harness.drop(session, link)
+        await turns()
+        await log.settle()
+        assert wills(a) == [WILL.payload]
+        kinds = [next(iter(set(r) & {"will", "will_out"}), "end") for r in ownership(log, "dev")]
+        assert kinds[1:] == ["will", "will_out", "end"]
+        assert not [r for r in compacted(log.committed) if "dev" in r.topic]
+        assert not a.sessions.owners and not b.sessions.owners
+
+    asyncio.run(run())
+
+
+def test_one_node_publishes_a_will_at_once(tmp_path: Path) -> None:
+    h = Harness(tmp_path)
+    link, session = h.connect("dev", will=WILL)
+    h.drop(session, link)
+    assert h.log_payloads(WILL.topic) == [WILL.payload]
+    assert not [r for r in h.streams.log(*SESSIONS).read(0, 100) if r.topic[:1] == "\0"]
