@@ -47,6 +47,7 @@ from broker.net.websocket import WebSocketListener
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
+from broker.workers.cluster_groups import share_across_workers
 from broker.workers.cluster_status import merge_views
 from broker.workers.mesh import PeerDown, owner_of
 from broker.workers.replicated import CLUSTER_SPECS, ClusterService
@@ -233,6 +234,7 @@ class Server:
 
         cluster.on_committed = partitions.announce
         partitions.lost_outcome = OUTCOME_UNKNOWN  # the owner may have proposed them
+        partitions.peer_reads_committed = False  # a group's home may be another node
         return make
 
     def _join_runtime(self, runtime: WorkerRuntime) -> None:
@@ -254,10 +256,13 @@ class Server:
     def _join_cluster_sessions(runtime: WorkerRuntime, cluster: ClusterService) -> None:
         """Several workers on a cluster node: a claim at a client id's home worker is the
         node's claim first (broker.workers.replicated_sessions), every worker follows
-        ``$sessions`` as its owner announces new commits, and learns from worker 0 which
-        members are dead (broker.workers.orphans)."""
+        ``$sessions`` as its owner announces new commits, learns from worker 0 which
+        members are dead (broker.workers.orphans), and reaches the shared groups' home
+        across the nodes through the worker hosting ``$sessions``
+        (broker.workers.cluster_groups)."""
         sessions = cluster.sessions
         sessions.directory = runtime.sessions
+        share_across_workers(runtime, sessions.group_peers)
         runtime.sessions.cluster = sessions
         runtime.actions["orphans"] = sessions.orphans.told  # what worker 0's gossip sees
         if runtime.index == 0:
