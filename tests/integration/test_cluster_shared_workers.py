@@ -66,6 +66,14 @@ def worker_pid(cluster: MqlogCluster, m: Member, c: Client) -> int:
     return int(found.group(1))
 
 
+def sessions_worker_pid(m: Member) -> int:
+    """The pid of the worker of ``m`` hosting ``$sessions`` (the one linked to the other
+    nodes for the groups), as its latest start logged it."""
+    found = re.findall(r"worker \d+ \(pid (\d+)\): serving .*owns .*\$sessions/0", m.log(10**7))
+    assert found, f"{m.node_id}: no worker says it owns $sessions"
+    return int(found[-1])
+
+
 class Spread:
     """Members of one group on every given node, on each of its workers: ``members`` (in the
     order connected) and, for each, (node id, worker pid)."""
@@ -128,19 +136,27 @@ def test_each_record_goes_to_one_member_across_nodes_and_workers(cluster: MqlogC
     assert len(per_worker) == NODES * WORKERS, per_worker  # every worker's members got some
 
 
-def test_a_killed_worker_gives_its_members_records_to_the_others(cluster: MqlogCluster) -> None:
+@pytest.mark.parametrize("relay", [False, True], ids=["other-worker", "sessions-worker"])
+def test_a_killed_worker_gives_its_members_records_to_the_others(
+    cluster: MqlogCluster, relay: bool
+) -> None:
     """On a node other than the home, a member that never acknowledges (``taker``) and, on
     the other worker of the same node and on the home, members that do; the taker's worker
-    is killed (kill -9) with records unacknowledged there: they reach the other members."""
+    is killed (kill -9) with records unacknowledged there: they reach the other members.
+    The worker killed is the one hosting ``$sessions`` (the node's links to the home close
+    with it) or the other one (its node's ``$sessions`` worker reports it to the home)."""
     h = home(cluster)
     a = next(m for m in cluster.members if m is not h)
     takers = Spread(cluster, [a], "taker", manual_ack=True)
     keepers = Spread(cluster, [a, h], "keeper")
-    victim = takers.where[0][1]
+    relay_pid = sessions_worker_pid(a)
+    k = next(i for i, (_, pid) in enumerate(takers.where) if (pid == relay_pid) == relay)
+    victim = takers.where[k][1]
     # Keep one taker, on the victim's worker, and the keepers on the other workers.
-    for c in takers.members[1:]:
-        c.disconnect()
-    taker = takers.members[0]
+    for i, c in enumerate(takers.members):
+        if i != k:
+            c.disconnect()
+    taker = takers.members[k]
     survivors = [c for i, c in enumerate(keepers.members) if keepers.where[i][1] != victim]
     for i, c in enumerate(keepers.members):
         if keepers.where[i][1] == victim:
@@ -170,7 +186,8 @@ def test_a_killed_worker_gives_its_members_records_to_the_others(cluster: MqlogC
                 c.disconnect()
     kept = collector.payloads(set(range(1, len(survivors) + 1)))
     print(
-        f"worker {victim} of {a.node_id} killed holding {len(held)} unacknowledged records; "
+        f"worker {victim} of {a.node_id} ({'$sessions' if relay else 'other'}) killed "
+        f"holding {len(held)} unacknowledged records; "
         f"the {len(survivors)} other members got {len(kept & held)} of them"
     )
     assert held <= kept, f"lost with the worker: {sorted(held - kept)[:10]}"
