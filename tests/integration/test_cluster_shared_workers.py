@@ -33,7 +33,14 @@ from tests import netlab
 from tests.cluster_lab import MQTT_PORT, Member, MqlogCluster
 from tests.integration.clients import Client
 from tests.integration.test_cluster_remote import _load
-from tests.integration.test_cluster_shared import EXTRA, STREAM, Collector, home
+from tests.integration.test_cluster_shared import (
+    EXTRA,
+    STREAM,
+    Collector,
+    _leaders,
+    _transfer_sessions,
+    home,
+)
 from tests.netlab import Lab
 
 pytestmark = pytest.mark.skipif(
@@ -236,3 +243,55 @@ def test_the_home_killed_under_load_loses_nothing(cluster: MqlogCluster) -> None
     )
     assert new_home is not h
     assert not lost, f"lost: {sorted(lost)[:10]}"
+
+
+def test_a_planned_hand_over_sends_nothing_twice(cluster: MqlogCluster) -> None:
+    """``$sessions``' leadership handed to another node (``mqlog cluster transfer-leader``)
+    under QoS 1 load to a group with members on every node and worker, then back: every
+    record is delivered exactly once (the old home waits for what it handed out, to members
+    on any worker, to be acknowledged and commits its positions before it hands over)."""
+    h = home(cluster)
+    a, b = [m for m in cluster.members if m is not h]
+    spread = Spread(cluster, [a, b, h], "moved")
+    collector = Collector(spread.members)
+    topic = f"{STREAM}/movedw/x"
+    try:
+        for c in spread.members:
+            assert c.subscribe(f"$share/movedw/{STREAM}/movedw/#", qos=1) == [1]
+        time.sleep(1.0)
+
+        async def run() -> list[str]:
+            half = asyncio.Event()
+            load = asyncio.create_task(_load(a.addr, topic, 600, half, []))
+            await half.wait()
+            await asyncio.to_thread(_transfer_sessions, cluster, b, a)
+            return await load
+
+        acked = {x.encode() for x in asyncio.run(run())}
+        collector.wait(acked, timeout=30)
+        moved_to = cluster.member(str(_leaders(cluster, b)[("$sessions", 0)]))
+        pub = Client(MQTT_PORT, "movedw-pub", host=b.addr)
+        assert pub.connect() == 0
+        later = [f"m{i}".encode() for i in range(300)]
+        for i, payload in enumerate(later):
+            pub.publish(topic, payload, qos=1, wait=i % 20 == 19)
+            if i == 150:
+                _transfer_sessions(cluster, a, h)
+        pub.disconnect()
+        collector.wait(set(later), timeout=30)
+        back = home(cluster)
+    finally:
+        collector.stop()
+        spread.disconnect()
+    payloads = [p for _, _, p in collector.got]
+    every = acked | set(later)
+    lost = every - set(payloads)
+    duplicates = len(payloads) - len(set(payloads))
+    print(
+        f"$sessions handed {h.node_id} -> {moved_to.node_id} -> {back.node_id} under QoS 1 "
+        f"load, {len(spread.members)} members on {NODES} nodes x {WORKERS} workers: "
+        f"{len(every)} acknowledged, lost {len(lost)}, {duplicates} duplicates"
+    )
+    assert moved_to is a and back is h
+    assert not lost, f"lost: {sorted(lost)[:10]}"
+    assert duplicates == 0
