@@ -78,6 +78,8 @@ class ClusterGroupPeers(ClusterGroupFrames):
     def __init__(self, node: ClusterNode, states: Mapping[str, bytes]) -> None:
         super().__init__(node)
         self.states = states
+        #: The ``$sessions`` term of :attr:`home_node`'s office as the home.
+        self.home_term: int | None = None
         self.home_up = True
         self.node.handlers[REJOIN] = self._on_rejoin
         #: At the home: nodes whose members it let go for want of a link (:data:`REJOIN`).
@@ -122,18 +124,24 @@ class ClusterGroupPeers(ClusterGroupFrames):
         if router is None or g is None:
             return
         leader = self.node.leader(g)
+        term = self.node.core(g).term
         me = leader == self.node.id
         if not me:
             self.early.clear()
-        if me and leader != self.home_node and not self._ready(g):
+        # A home is a leader in a term: the same node leading again in a later term (its
+        # worker restarted faster than an election, or it won back the office) holds the
+        # groups anew, from their committed positions, and every member joins it again.
+        moved = leader is not None and (leader, term) != (self.home_node, self.home_term)
+        if me and moved and not self._ready(g):
             return  # the home it follows until then may still answer
-        if leader is not None and leader != self.home_node:
-            self.home_node = leader
+        if leader is not None and moved:
+            self.home_node, self.home_term = leader, term
             self.home_up = True
             self.let_go.clear()
             log.info(
-                "cluster: shared groups: held by node %s from now on%s",
+                "cluster: shared groups: held by node %s from now on (term %d)%s",
                 self.node.names.get(leader, leader),
+                term,
                 " (here)" if me else "",
             )
             self.frozen, self.handing_over = False, None  # the groups it froze are dropped

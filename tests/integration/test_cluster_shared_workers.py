@@ -201,13 +201,26 @@ def test_a_killed_worker_gives_its_members_records_to_the_others(
     cluster.wait_all_alive()
 
 
-def test_the_home_killed_under_load_loses_nothing(cluster: MqlogCluster) -> None:
+@pytest.mark.parametrize("whole", [True, False], ids=["node", "sessions-worker"])
+def test_the_home_killed_under_load_loses_nothing(cluster: MqlogCluster, whole: bool) -> None:
+    """The home killed (kill -9) under QoS 1 load: the whole node, or only its worker
+    hosting ``$sessions`` (the supervisor restarts it; the members on the node's other
+    worker stay connected and, once it is back, join the home again through it)."""
     h = home(cluster)
     a, b = [m for m in cluster.members if m is not h]
     spread = Spread(cluster, [a, b, h], "fail")
+    victim = sessions_worker_pid(h)
+    gone = {
+        i
+        for i, (node, pid) in enumerate(spread.where)
+        if node == h.node_id and (whole or pid == victim)
+    }
     on_home = {i for i, (node, _) in enumerate(spread.where) if node == h.node_id}
+    kept_on_home = on_home - gone
+    elsewhere = set(range(len(spread.members))) - on_home
     collector = Collector(spread.members)
     topic = f"{STREAM}/failw/x"
+    later: list[bytes] = []
     try:
         for c in spread.members:
             assert c.subscribe(f"$share/failw/{STREAM}/failw/#", qos=1) == [1]
@@ -217,32 +230,59 @@ def test_the_home_killed_under_load_loses_nothing(cluster: MqlogCluster) -> None
             half = asyncio.Event()
             load = asyncio.create_task(_load(a.addr, topic, 400, half, []))
             await half.wait()
-            await asyncio.to_thread(cluster.kill, h)
+            if whole:
+                await asyncio.to_thread(cluster.kill, h)
+            else:
+                os.kill(victim, signal.SIGKILL)
             return await load
 
         acked = {x.encode() for x in asyncio.run(run())}
         assert len(acked) == 400
         collector.wait(acked, timeout=30)
-        new_home = home(cluster)
+        new_home = cluster.member(str(_leaders(cluster, a)[("$sessions", 0)]))
+        if not whole:  # and later records reach the members on the home's other worker
+            home(cluster)
+            pub = Client(MQTT_PORT, "failw-pub", host=b.addr)
+            assert pub.connect() == 0
+            later = [f"after{i}".encode() for i in range(60)]
+            for i, payload in enumerate(later):
+                pub.publish(topic, payload, qos=1, wait=i == len(later) - 1)
+            pub.disconnect()
+            collector.wait(set(later))
     finally:
         collector.stop()
         for i, c in enumerate(spread.members):
-            if i in on_home:
+            if i in gone:
                 c.drop()
             else:
                 with contextlib.suppress(Exception):
                     c.disconnect()
-        cluster.start(h)
+        if whole:
+            cluster.start(h)
     payloads = [p for _, _, p in collector.got]
-    lost = acked - set(payloads)
+    lost = (acked | set(later)) - set(payloads)
     duplicates = len(payloads) - len(set(payloads))
+    back = collector.payloads(kept_on_home) & set(later)
+    away = collector.payloads(elsewhere) & set(later)
     print(
-        f"home {h.node_id} killed: {len(acked)} acknowledged, {len(set(payloads))} distinct "
-        f"delivered to {len(spread.members)} members on {NODES} nodes x {WORKERS} workers, "
+        f"home {h.node_id} killed ({'node' if whole else 'its $sessions worker'}): "
+        f"{len(acked)} acknowledged, {len(set(payloads) & acked)} delivered to "
+        f"{len(spread.members)} members on {NODES} nodes x {WORKERS} workers, "
         f"{duplicates} duplicates, lost {len(lost)}; new home {new_home.node_id}"
+        + (
+            ""
+            if whole
+            else f"; later: {len(back)} of {len(later)} to the home's other worker, "
+            f"{len(away)} to the other nodes"
+        )
     )
-    assert new_home is not h
     assert not lost, f"lost: {sorted(lost)[:10]}"
+    if whole:
+        assert new_home is not h
+    else:  # the restarted worker may win the next election: a new home all the same
+        assert back, "the members on the home's other worker got nothing after the restart"
+        assert away, "the members on the other nodes got nothing after the restart"
+        assert sorted(p for p in payloads if p in set(later)) == sorted(later)  # each once
 
 
 def test_a_planned_hand_over_sends_nothing_twice(cluster: MqlogCluster) -> None:
