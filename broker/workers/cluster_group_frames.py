@@ -35,7 +35,9 @@ from typing import TYPE_CHECKING, Any
 import orjson
 
 from broker.cluster.node import FIRST_APP_KIND, ClusterNode
+from broker.cluster.placement import group_id_of
 from broker.commitlog.keys import PartitionKey
+from broker.router.state import SESSIONS
 from broker.workers.groups import MeshGroupPeers
 
 if TYPE_CHECKING:
@@ -49,6 +51,8 @@ FIRST_KIND = FIRST_APP_KIND + 6
 REJOIN = FIRST_KIND + MeshGroupPeers.KINDS
 #: A node to the home: its worker named in the body died (its members leave their groups).
 LEFT = REJOIN + 1
+#: ``$sessions``' Raft group: its leader's worker hosting it is the home.
+SESSIONS_GROUP = group_id_of(SESSIONS)
 #: Bits of a member's address that name the worker (``[router] workers`` is at most 256).
 WORKER_BITS = 8
 
@@ -185,12 +189,16 @@ class ClusterGroupFrames:
         a worker of this node, else dropped (its sender's view is older: it joins the
         home it learns of)."""
         if self.router is None:
+            # Not serving yet: a restarted worker may be elected before it serves (its
+            # term is new, so the others joined it as the new home).
+            if self.node.is_leader(SESSIONS_GROUP):
+                self.early.append((kind, node, worker, args))
             return
         if self.home_node != self.node.id:
             self.check()  # elected a moment ago?
         if self.home_node == self.node.id:
             self._at_home(kind, member_address(node, worker), args)
-        elif self.sessions_group is not None and self.node.is_leader(self.sessions_group):
+        elif self.node.is_leader(SESSIONS_GROUP):
             self.early.append((kind, node, worker, args))  # home in a moment
         elif node == self.node.id and self.home_node is not None:
             self._send(self.home_node, kind, [*args, worker])
