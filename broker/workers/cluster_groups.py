@@ -5,11 +5,11 @@ This is the several-worker protocol of broker.workers.groups (JOIN, LEAVE, DONE 
 group's home, DELIVER to the member's worker) over the node transport, with one home for
 every group: the worker hosting ``$sessions`` on the node leading it (with several workers
 per node, the other workers of every node reach it through their node's ``$sessions``
-worker: broker.workers.cluster_group_frames). Why that node: every node knows it from Raft, there is
-at most one per term, and it holds every committed ``$sessions`` record (Raft s5.4.1, Leader
-Completeness), so the positions its predecessor committed are there when it takes over; a
-home chosen by hashing over the live members would need its own agreement on who is alive
-and could take over before it applied them. Its cost: one node spreads every group's
+worker: broker.workers.cluster_group_frames). Why that node: every node knows it from Raft,
+there is at most one per term, and it holds every committed ``$sessions`` record (Raft
+s5.4.1, Leader Completeness), so the positions its predecessor committed are there when it
+takes over; a home chosen by hashing over the live members would need its own agreement on
+who is alive and could take over before it applied them. Its cost: one node spreads every group's
 records (the records themselves are read by each member's node from its own replica, or its
 remote reads; a DELIVER names only a partition and an offset).
 
@@ -17,8 +17,9 @@ The home persists each group's ``done`` positions (broker.router.store: below th
 record was sent at QoS 0 or acknowledged) in ``$sessions``, and every node applies them
 (:attr:`broker.workers.replicated_sessions.ClusterSessions.groups`); a new group's are
 committed before its first member's SUBACK leaves (broker.router.shared), so a record
-published after it is never before where a next home starts. When the leadership moves the
-new leader holds the groups from those positions, once an entry of its term committed (it
+published after it is never before where a next home starts. When the leadership moves (a
+new term: the same node elected again is a new home too), the leader holds the groups from
+those positions, once an entry of its term committed (it
 applied every earlier one then), and the members on every node join it again. If the home
 died or was cut off, a record in flight there goes out again to some member: at least once,
 with duplicates, never lost. A planned hand-over (the balancer, an operator's transfer, a
@@ -26,8 +27,8 @@ node leaving) waits first for what the home handed out to be done and commits th
 then (:meth:`ClusterGroupPeers._before_transfer`): nothing goes out twice. A node
 whose link to the home closes joins it again when the link is back; the home gives what the
 members of a node it lost the link to had outstanding to the other members, as a worker's
-death does on one node (and for a worker of a node that dies, as its node reports it),
-and asks that node to join again once its link to it is back.
+death does on one node (and so for a worker of a node that dies, as its node reports), and
+asks that node to join again once its link to it is back.
 
 Each node checks every :data:`CHECK_SECONDS` whether the leader changed (and on a JOIN,
 LEAVE or DONE it receives: it may learn its own election just before its members do), and
