@@ -80,8 +80,6 @@ class ClusterGroupFrames:
         self.router: Router | None = None
         #: The node holding every group (None: not known yet).
         self.home_node: int | None = None
-        #: ``$sessions``' Raft group (set once the node serves).
-        self.sessions_group: int | None = None
         #: This worker's index on its node; with several workers, the mesh's group frames
         #: to the others (:meth:`join_workers`).
         self.index = 0

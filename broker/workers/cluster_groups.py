@@ -79,6 +79,8 @@ class ClusterGroupPeers(ClusterGroupFrames):
     def __init__(self, node: ClusterNode, states: Mapping[str, bytes]) -> None:
         super().__init__(node)
         self.states = states
+        #: ``$sessions``' Raft group, if this worker hosts it (set by :meth:`start`).
+        self.sessions_group: int | None = None
         #: The ``$sessions`` term of :attr:`home_node`'s office as the home.
         self.home_term: int | None = None
         self.home_up = True
