@@ -10,9 +10,13 @@ through that node's worker hosting ``$sessions``, over the mesh).
   across them, and to members of every worker of every node (before, a group was kept per
   node by the mesh's home worker: each record went to one member on EACH node).
 - A worker serving a member that holds records unacknowledged killed (kill -9; the
-  supervisor restarts it): those records go to the other members.
-- The home node killed (kill -9) under QoS 1 load: every acknowledged publish reaches a
-  surviving member (duplicates allowed and counted).
+  supervisor restarts it), on a node other than the home (its ``$sessions`` worker or the
+  other) or on the home's node (the worker that is not the home): those records go to the
+  other members.
+- The home killed, the whole node or its worker hosting ``$sessions``, under QoS 1 load:
+  every acknowledged publish reaches a member (duplicates allowed and counted), and the
+  members on every node and worker join the new home.
+- ``$sessions`` handed over and back under QoS 1 load: every record exactly once.
 
 Needs root, ``ip``, ``nft`` and ``ss``; skipped with the reason otherwise.
 """
@@ -143,19 +147,26 @@ def test_each_record_goes_to_one_member_across_nodes_and_workers(cluster: MqlogC
     assert len(per_worker) == NODES * WORKERS, per_worker  # every worker's members got some
 
 
-@pytest.mark.parametrize("relay", [False, True], ids=["other-worker", "sessions-worker"])
+@pytest.mark.parametrize(
+    ("at_home", "relay"),
+    [(False, False), (False, True), (True, False)],
+    ids=["other-worker", "sessions-worker", "home-other-worker"],
+)
 def test_a_killed_worker_gives_its_members_records_to_the_others(
-    cluster: MqlogCluster, relay: bool
+    cluster: MqlogCluster, at_home: bool, relay: bool
 ) -> None:
-    """On a node other than the home, a member that never acknowledges (``taker``) and, on
-    the other worker of the same node and on the home, members that do; the taker's worker
-    is killed (kill -9) with records unacknowledged there: they reach the other members.
-    The worker killed is the one hosting ``$sessions`` (the node's links to the home close
-    with it) or the other one (its node's ``$sessions`` worker reports it to the home)."""
+    """On a node, a member that never acknowledges (``taker``) and, on the other worker of
+    the same node and on another node, members that do; the taker's worker is killed
+    (kill -9) with records unacknowledged there: they reach the other members. The worker
+    killed is, on a node other than the home, the one hosting ``$sessions`` (the node's
+    links to the home close with it) or the other one (its node's ``$sessions`` worker
+    reports it to the home), or, on the home's node, the one that is not the home (the
+    home learns it from the mesh)."""
     h = home(cluster)
-    a = next(m for m in cluster.members if m is not h)
+    other = next(m for m in cluster.members if m is not h)
+    a, b = (h, other) if at_home else (other, h)
     takers = Spread(cluster, [a], "taker", manual_ack=True)
-    keepers = Spread(cluster, [a, h], "keeper")
+    keepers = Spread(cluster, [a, b], "keeper")
     relay_pid = sessions_worker_pid(a)
     k = next(i for i, (_, pid) in enumerate(takers.where) if (pid == relay_pid) == relay)
     victim = takers.where[k][1]
@@ -168,7 +179,7 @@ def test_a_killed_worker_gives_its_members_records_to_the_others(
     for i, c in enumerate(keepers.members):
         if keepers.where[i][1] == victim:
             c.disconnect()
-    pub = Client(MQTT_PORT, "taker-pub", host=h.addr)
+    pub = Client(MQTT_PORT, "taker-pub", host=b.addr)
     assert pub.connect() == 0
     collector = Collector([taker, *survivors])
     try:
@@ -193,7 +204,8 @@ def test_a_killed_worker_gives_its_members_records_to_the_others(
                 c.disconnect()
     kept = collector.payloads(set(range(1, len(survivors) + 1)))
     print(
-        f"worker {victim} of {a.node_id} ({'$sessions' if relay else 'other'}) killed "
+        f"worker {victim} of {a.node_id} ({'$sessions' if relay else 'other'}"
+        f"{', the home' if at_home else ''}) killed "
         f"holding {len(held)} unacknowledged records; "
         f"the {len(survivors)} other members got {len(kept & held)} of them"
     )
