@@ -233,8 +233,8 @@ class Server:
             return runtime.make_partition(key)  # type: ignore[no-any-return]
 
         cluster.on_committed = partitions.announce
-        partitions.lost_outcome = OUTCOME_UNKNOWN  # the owner may have proposed them
         partitions.peer_reads_committed = False  # a group's home may be another node
+        partitions.lost_outcome = OUTCOME_UNKNOWN  # the owner may have proposed them
         return make
 
     def _join_runtime(self, runtime: WorkerRuntime) -> None:
