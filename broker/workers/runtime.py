@@ -31,13 +31,13 @@ import orjson
 
 from broker.commitlog import LogConfig, Record, SegmentedLog, Streams
 from broker.commitlog.keys import PartitionKey
-from broker.router.hooks import GroupPeers
 from broker.workers.groups import MeshGroupPeers
 from broker.workers.mesh import Mesh, PeerDown, owner_of
 from broker.workers.partitions import PartitionService
 from broker.workers.sessions import SESSIONS_NEXT_KIND, SessionDirectory, home_of
 
 if TYPE_CHECKING:
+    from broker.router.hooks import GroupPeers
     from broker.router.router import Router
 
 log = logging.getLogger("broker.workers")
