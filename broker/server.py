@@ -47,6 +47,7 @@ from broker.net.websocket import WebSocketListener
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
+from broker.workers.cluster_groups import share_across_workers
 from broker.workers.cluster_status import merge_views
 from broker.workers.leaving import Leaving
 from broker.workers.mesh import PeerDown, owner_of
@@ -230,6 +231,7 @@ class Server:
             return runtime.make_partition(key)  # type: ignore[no-any-return]
 
         cluster.on_committed = partitions.announce
+        partitions.peer_reads_committed = False  # a group's home may be another node
         partitions.lost_outcome = OUTCOME_UNKNOWN  # the owner may have proposed them
         return make
 
@@ -252,10 +254,13 @@ class Server:
     def _join_cluster_sessions(runtime: WorkerRuntime, cluster: ClusterService) -> None:
         """Several workers on a cluster node: a claim at a client id's home worker is the
         node's claim first (broker.workers.replicated_sessions), every worker follows
-        ``$sessions`` as its owner announces new commits, and learns from worker 0 which
-        members are dead (broker.workers.orphans)."""
+        ``$sessions`` as its owner announces new commits, learns from worker 0 which
+        members are dead (broker.workers.orphans), and reaches the shared groups' home
+        across the nodes through the worker hosting ``$sessions``
+        (broker.workers.cluster_groups)."""
         sessions = cluster.sessions
         sessions.directory = runtime.sessions
+        share_across_workers(runtime, sessions.group_peers)
         runtime.sessions.cluster = sessions
         runtime.actions["orphans"] = sessions.orphans.told  # what worker 0's gossip sees
         if runtime.index == 0:

@@ -7,7 +7,7 @@ minimum of its QoS and that member's subscription QoS [MQTT-3.8.4-8], never as r
 With several workers a group is held by one worker, its *home* (the ``group_peers`` of
 :class:`~broker.router.hooks.WorkerHooks`): members whose sessions are elsewhere join it
 through the mesh (``remote_*`` here are the home's and the member's side of those calls).
-In a cluster of one worker per node the home is a node, the ``$sessions`` leader
+In a cluster the home is the worker hosting ``$sessions`` on the node leading it
 (broker.workers.cluster_groups), and :meth:`SharedGroups.rehome` follows it when it moves.
 With one worker every group is held here.
 
@@ -288,7 +288,8 @@ class SharedGroups:
             if not self.can_send(session, qos):
                 return
             # The group's home read it, so it is committed, even if the owner's mark has
-            # not reached this worker yet; a cluster's replica here learns it a round later.
+            # not reached this worker yet; a cluster's replica here learns it a round later
+            # (and there the partition waits for that: the home may be another node).
             part = self.partition(key)
             part.committed_through(offset)
             if offset >= part.end_offset:

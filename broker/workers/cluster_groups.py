@@ -2,12 +2,14 @@
 one member, wherever its client is connected [MQTT-4.8.2].
 
 This is the several-worker protocol of broker.workers.groups (JOIN, LEAVE, DONE to the
-group's home, DELIVER to the member's node) over the node transport, with one home for every
-group: the node leading ``$sessions``. Why that node: every node knows it from Raft, there is
-at most one per term, and it holds every committed ``$sessions`` record (Raft s5.4.1, Leader
-Completeness), so the positions its predecessor committed are there when it takes over; a
-home chosen by hashing over the live members would need its own agreement on who is alive
-and could take over before it applied them. Its cost: one node spreads every group's
+group's home, DELIVER to the member's worker) over the node transport, with one home for
+every group: the worker hosting ``$sessions`` on the node leading it (with several workers
+per node, the other workers of every node reach it through their node's ``$sessions``
+worker: broker.workers.cluster_group_frames). Why that node: every node knows it from Raft,
+there is at most one per term, and it holds every committed ``$sessions`` record (Raft
+s5.4.1, Leader Completeness), so the positions its predecessor committed are there when it
+takes over; a home chosen by hashing over the live members would need its own agreement on
+who is alive and could take over before it applied them. Its cost: one node spreads every group's
 records (the records themselves are read by each member's node from its own replica, or its
 remote reads; a DELIVER names only a partition and an offset).
 
@@ -15,8 +17,9 @@ The home persists each group's ``done`` positions (broker.router.store: below th
 record was sent at QoS 0 or acknowledged) in ``$sessions``, and every node applies them
 (:attr:`broker.workers.replicated_sessions.ClusterSessions.groups`); a new group's are
 committed before its first member's SUBACK leaves (broker.router.shared), so a record
-published after it is never before where a next home starts. When the leadership moves the
-new leader holds the groups from those positions, once an entry of its term committed (it
+published after it is never before where a next home starts. When the leadership moves (a
+new term: the same node elected again is a new home too), the leader holds the groups from
+those positions, once an entry of its term committed (it
 applied every earlier one then), and the members on every node join it again. If the home
 died or was cut off, a record in flight there goes out again to some member: at least once,
 with duplicates, never lost. A planned hand-over (the balancer, an operator's transfer, a
@@ -24,40 +27,37 @@ node leaving) waits first for what the home handed out to be done and commits th
 then (:meth:`ClusterGroupPeers._before_transfer`): nothing goes out twice. A node
 whose link to the home closes joins it again when the link is back; the home gives what the
 members of a node it lost the link to had outstanding to the other members, as a worker's
-death does on one node, and asks that node to join again once its link to it is back.
+death does on one node (and so for a worker of a node that dies, as its node reports), and
+asks that node to join again once its link to it is back.
 
 Each node checks every :data:`CHECK_SECONDS` whether the leader changed (and on a JOIN,
 LEAVE or DONE it receives: it may learn its own election just before its members do), and
 whether its links are up; a link that closes is acted on at once (frames may have been lost
-on it even if it is open again by the next check). Called
-only from the worker's event loop; one worker per node.
+on it even if it is open again by the next check); whenever it joins a home again, the
+node's other workers are told to as well. Called only from the worker's event loop.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 import orjson
 
-from broker.cluster.node import FIRST_APP_KIND, ClusterNode
+from broker.cluster.node import ClusterNode
 from broker.cluster.placement import node_id_of
 from broker.cluster.raft import NotLeader
 from broker.router.state import SESSIONS
-from broker.workers.groups import MeshGroupPeers
+from broker.workers.cluster_group_frames import REJOIN, ClusterGroupFrames, node_of
+from broker.workers.mesh import owner_of
 
 if TYPE_CHECKING:
     from broker.router.router import Router
+    from broker.workers.runtime import WorkerRuntime
 
 log = logging.getLogger("broker.cluster")
 
-#: Transport kinds JOIN, LEAVE, DELIVER, DONE, JOINED (``FIRST_APP_KIND`` .. + 5 are the
-#: forwards', leadership's and remote reads'), then :data:`REJOIN`.
-FIRST_KIND = FIRST_APP_KIND + 6
-#: Home to a node whose members it let go while it had no link to it, once the link is back:
-#: join again (that node's own link to the home may never have closed).
-REJOIN = FIRST_KIND + MeshGroupPeers.KINDS
 #: Seconds between two checks of the home (the ``$sessions`` leader) and of the links to it
 #: or to its members' nodes.
 CHECK_SECONDS = 0.25
@@ -66,63 +66,33 @@ CHECK_SECONDS = 0.25
 HANDOVER_SECONDS = 2.0
 #: Seconds between two looks at whether it is.
 DRAIN_SECONDS = 0.01
+#: The admin action of a worker that tells it to join the groups' home again.
+REJOIN_ACTION = "rejoin_groups"
 
 
-class ClusterGroupPeers(MeshGroupPeers):
-    """:class:`~broker.router.hooks.GroupPeers` of a cluster node: a "worker" is a node id.
-    ``states``: every group's latest positions record as applied here (never replaced).
-    See the module docstring; :meth:`start` once the node serves."""
+class ClusterGroupPeers(ClusterGroupFrames):
+    """:class:`~broker.router.hooks.GroupPeers` of a cluster node's worker hosting
+    ``$sessions`` (broker.workers.cluster_group_frames). ``states``: every group's latest
+    positions record as applied here (never replaced). See the module docstring;
+    :meth:`start` once the node serves."""
 
     def __init__(self, node: ClusterNode, states: Mapping[str, bytes]) -> None:
-        self.node = node
+        super().__init__(node)
         self.states = states
-        #: The node holding every group: the ``$sessions`` leader as last known here (this
-        #: node until :meth:`start`; nobody is connected before).
-        self.home_node: int | None = None
-        #: ``$sessions``' Raft group (set by :meth:`start`).
+        #: ``$sessions``' Raft group, if this worker hosts it (set by :meth:`start`).
         self.sessions_group: int | None = None
+        #: The ``$sessions`` term of :attr:`home_node`'s office as the home.
+        self.home_term: int | None = None
         self.home_up = True
-        super().__init__(self.node.id, self._home_of, FIRST_KIND)
-        guarded = {self.JOIN, self.LEAVE, self.DONE}
-        for kind, handler in self.handlers().items():
-            self.node.handlers[kind] = self._handler(handler, kind in guarded)
         self.node.handlers[REJOIN] = self._on_rejoin
         #: At the home: nodes whose members it let go for want of a link (:data:`REJOIN`).
         self.let_go: set[int] = set()
-        #: Frames to the home received while this node leads ``$sessions`` but is not the
-        #: home yet (:meth:`_ready`): handled once it is, in order.
-        self.early: list[tuple[Callable[[int, int, memoryview], None], int, bytes]] = []
         #: A planned hand-over in preparation: the node ``$sessions`` goes to, and until when
         #: it waits for the records handed out (:meth:`_before_transfer`).
         self.handing_over: tuple[int, float] | None = None
         #: Prepared: the next transfer goes ahead. ``frozen``: the groups hand out nothing.
         self.handover_ready = False
         self.frozen = False
-
-    def _home_of(self, group: str) -> int:
-        return self.home_node if self.home_node is not None else self.node.id
-
-    def _send(self, worker: int, kind: int, body: list[Any]) -> None:
-        # A lost frame is recovered by the checks: a member joins again when the link to
-        # the home is back, a home gives back what a lost node's members had outstanding.
-        self.node.send(worker, kind, orjson.dumps(body))
-
-    def _handler(
-        self, handler: Callable[[int, int, memoryview], None], to_home: bool
-    ) -> Callable[[int, memoryview], None]:
-        def handle(frm: int, body: memoryview) -> None:
-            if self.router is None:
-                return
-            if to_home and self.home_node != self.node.id:
-                self.check()  # elected a moment ago?
-                if self.home_node != self.node.id:
-                    if self.sessions_group is not None and self.node.is_leader(self.sessions_group):
-                        self.early.append((handler, frm, bytes(body)))  # home in a moment
-                    # else its sender's view is older: it joins the home it learns of
-                    return
-            handler(frm, 0, body)
-
-        return handle
 
     # ------------------------------------------------------------ the checks
 
@@ -157,25 +127,30 @@ class ClusterGroupPeers(MeshGroupPeers):
         if router is None or g is None:
             return
         leader = self.node.leader(g)
+        term = self.node.core(g).term
         me = leader == self.node.id
         if not me:
             self.early.clear()
-        if me and leader != self.home_node and not self._ready(g):
+        # A home is a leader in a term: the same node leading again in a later term (its
+        # worker restarted faster than an election, or it won back the office) holds the
+        # groups anew, from their committed positions, and every member joins it again.
+        moved = leader is not None and (leader, term) != (self.home_node, self.home_term)
+        if me and moved and not self._ready(g):
             return  # the home it follows until then may still answer
-        if leader is not None and leader != self.home_node:
-            self.home_node = leader
+        if leader is not None and moved:
+            self.home_node, self.home_term = leader, term
             self.home_up = True
             self.let_go.clear()
             log.info(
-                "cluster: shared groups: held by node %s from now on%s",
+                "cluster: shared groups: held by node %s from now on (term %d)%s",
                 self.node.names.get(leader, leader),
+                term,
                 " (here)" if me else "",
             )
             self.frozen, self.handing_over = False, None  # the groups it froze are dropped
             router.rehome_groups(self._persisted() if me else None)
-            early, self.early = self.early, []
-            for handler, frm, body in early:
-                handler(frm, 0, memoryview(body))
+            self.rejoin_workers()  # the node's other workers' members join it too
+            self.handle_early()
         elif self.home_node == self.node.id:
             transferring = self.handing_over or self.node.core(g).transferee is not None
             if self.frozen and me and not transferring:
@@ -187,6 +162,7 @@ class ClusterGroupPeers(MeshGroupPeers):
             if up and not self.home_up:
                 log.info("cluster: shared groups: the link to node %s is back: joining again", name)
                 router.rejoin_groups(self.home_node)
+                self.rejoin_workers()
             self.home_up = up
 
     def _ready(self, g: int) -> bool:
@@ -212,14 +188,13 @@ class ClusterGroupPeers(MeshGroupPeers):
     def _members_lost(self) -> None:
         """At the home: members on a node it has no link to leave their groups; those let
         go are asked to join again once the link is back (:data:`REJOIN`)."""
-        router = self.router
-        assert router is not None
         connected = self.node.transport.connected
         names = self.node.names
         for node in [n for n in self.let_go if connected(names.get(n, ""))]:
             self.let_go.discard(node)
             self.node.send(node, REJOIN, b"")
-        nodes = {m.worker for group in router.groups.values() for m in group.remote.values()}
+        nodes = {node_of(member) for member in self._members()}
+        nodes.discard(self.node.id)  # the other workers here: the mesh reports a death (LEFT)
         for node in nodes:
             if not connected(names.get(node, "")):
                 self._let_go(node)
@@ -228,22 +203,29 @@ class ClusterGroupPeers(MeshGroupPeers):
         """At the home: ``node``'s members leave their groups (the link to it is or was
         down), and what they had outstanding goes to the others."""
         router = self.router
-        if router is None or not any(
-            m.worker == node for group in router.groups.values() for m in group.remote.values()
-        ):
+        members = {member for member in self._members() if node_of(member) == node}
+        if router is None or node == self.node.id or not members:
             return
         log.warning(
             "cluster: shared groups: the link to node %s was lost: its members leave, what "
             "they had outstanding goes to the others",
             self.node.names.get(node, node),
         )
-        router.worker_left(node)
+        for member in members:
+            router.worker_left(member)
         self.let_go.add(node)
+
+    def _members(self) -> set[int]:
+        """The addresses of the members of the groups held here on other workers."""
+        router = self.router
+        groups = router.groups.values() if router is not None else ()
+        return {m.worker for group in groups for m in group.remote.values()}
 
     def _on_rejoin(self, frm: int, body: memoryview) -> None:
         if self.router is not None and frm == self.home_node:
             log.info("cluster: shared groups: node %s asks to join again", self.node.names[frm])
             self.router.rejoin_groups(frm)
+            self.rejoin_workers()
 
     # ------------------------------------------------------------ a planned hand-over
 
@@ -298,3 +280,35 @@ class ClusterGroupPeers(MeshGroupPeers):
         self.frozen = False
         if self.router is not None:
             self.router.freeze_groups(False)
+
+
+def share_across_workers(runtime: WorkerRuntime, peers: ClusterGroupPeers) -> None:
+    """Several workers on a cluster node: the shared groups are the cluster's. The worker
+    hosting ``$sessions`` (``peers`` is its own) reaches the home for the node and relays
+    the other workers' frames (broker.workers.cluster_group_frames); the others see it as
+    every group's home, and join again when it says so. No worker loads a group at start:
+    the home holds them from their committed positions."""
+    sessions_worker = owner_of(SESSIONS, runtime.count)
+    runtime.groups_here = False
+    mesh = runtime.mesh
+    if runtime.index == sessions_worker:
+        runtime.shared_groups = peers
+        peers.join_workers(
+            runtime.index, runtime.groups, lambda: runtime.tell_all(REJOIN_ACTION, None)
+        )
+        peer_down = mesh.on_peer_down
+
+        def worker_down(worker: int) -> None:
+            if peer_down is not None:
+                peer_down(worker)
+            peers.worker_down(worker)
+
+        mesh.on_peer_down = worker_down
+        return
+    runtime.groups.home_of = lambda group: sessions_worker
+
+    def rejoin(argument: object) -> None:
+        if runtime.router is not None:
+            runtime.router.rejoin_groups(sessions_worker)
+
+    runtime.actions[REJOIN_ACTION] = rejoin

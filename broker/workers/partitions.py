@@ -118,7 +118,7 @@ class RemotePartition(PartitionBase):
     owner announced (:meth:`PartitionBase.keep_tail`) and otherwise go to the owner's files
     up to its announced mark."""
 
-    __slots__ = ("forward", "owner")
+    __slots__ = ("forward", "owner", "peer_reads_committed")
     appends_here = False
 
     log: LogReader
@@ -129,15 +129,19 @@ class RemotePartition(PartitionBase):
         reader: LogReader,
         owner: int,
         forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None],
+        peer_reads_committed: bool = True,
     ) -> None:
         super().__init__(key, reader)
         self.owner = owner
         self.forward = forward
+        self.peer_reads_committed = peer_reads_committed
 
     def committed_through(self, offset: int) -> None:
         """``offset`` is committed (a peer read it): readable here even before the owner's
-        announcement of it arrives (it comes on another channel)."""
-        self.log.advance(offset + 1)
+        announcement of it arrives (it comes on another channel). Not in a cluster, where
+        the peer may be another node's worker: this node's replica may not have it yet."""
+        if self.peer_reads_committed:
+            self.log.advance(offset + 1)
 
     def commit(self) -> tuple[int, int]:
         """Forward the gathered batch to the owner; acknowledgements follow its reply."""
@@ -202,6 +206,10 @@ class PartitionService:
         #: answer: None (not stored, the single node's answer), or, in a cluster, where the
         #: owner may have proposed them already, OUTCOME_UNKNOWN (set by the server).
         self.lost_outcome: int | None = None
+        #: Whether a record a peer read is in the owner's files (one node), or only in a
+        #: replica somewhere (a cluster: a shared group's home on another node; set by the
+        #: server): :meth:`RemotePartition.committed_through`.
+        self.peer_reads_committed = True
         self.forwarded = 0  # records sent to their owner
         self.received = 0  # records appended for a peer
         #: Batches gathered this iteration, by owner: sent in one FORWARD at its end.
@@ -228,7 +236,9 @@ class PartitionService:
         start, end = self.marks.get(key, (0, 0))
         reader = LogReader(self.directory_of(key), self.config_of(key), end)
         reader.advance(end, start)
-        part = self.remote[key] = RemotePartition(key, reader, owner, self._forward)
+        part = self.remote[key] = RemotePartition(
+            key, reader, owner, self._forward, self.peer_reads_committed
+        )
         return part
 
     async def sync_marks(self) -> None:

@@ -170,7 +170,8 @@ class ClusterSessions:
         self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
         #: Shared group (full filter) -> its latest positions record's payload.
         self.groups: dict[str, bytes] = {}
-        #: Shared groups across the nodes: held by the ``$sessions`` leader.
+        #: Shared groups across the nodes: held by the ``$sessions`` leader (used by the
+        #: worker hosting ``$sessions``).
         self.group_peers = ClusterGroupPeers(node, self.groups)
         #: ``$sessions`` offsets below this are applied (None: not read yet, a worker that
         #: does not own ``$sessions`` reads it once the owner announced its mark).
@@ -245,9 +246,9 @@ class ClusterSessions:
                     registry[client_id] = self.worker[0]
         self.serving = True
         self.fence.resume()
-        if self.worker[1] == 1:
-            # With several workers a group is held per node by the mesh's home worker
-            # (broker.workers.groups); across the nodes only with one worker per node.
+        if SESSIONS in self.node.group_keys.values():
+            # The worker hosting $sessions speaks for its node's shared groups (with
+            # several workers, for the others too: broker.workers.cluster_group_frames).
             self.group_peers.start(router)
 
     # -- applying commits (every node) ----------------------------------------------------

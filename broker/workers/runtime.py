@@ -39,6 +39,7 @@ from broker.workers.partitions import PartitionService
 from broker.workers.sessions import SESSIONS_NEXT_KIND, SessionDirectory, home_of
 
 if TYPE_CHECKING:
+    from broker.router.hooks import GroupPeers
     from broker.router.router import Router
 
 log = logging.getLogger("broker.workers")
@@ -124,6 +125,12 @@ class WorkerRuntime:
         self.partitions.mesh = self.mesh
         self.sessions.mesh = self.mesh
         self.groups.mesh = self.mesh
+        #: How the router reaches the groups held elsewhere: over the mesh (the groups'
+        #: frames), or a cluster's (broker.workers.cluster_groups.share_across_workers).
+        self.shared_groups: GroupPeers = self.groups
+        #: Whether each group is held by one of this broker's workers (loaded at start by
+        #: its home); False in a cluster, where one worker holds it for every node.
+        self.groups_here = True
         self.router: Router | None = None
 
     def attach(self, router: Router) -> None:
@@ -148,10 +155,12 @@ class WorkerRuntime:
     # ------------------------------------------------------------ WorkerHooks
 
     @property
-    def group_peers(self) -> MeshGroupPeers:
-        return self.groups
+    def group_peers(self) -> GroupPeers:
+        return self.shared_groups
 
     def is_home(self, name: str) -> bool:
+        if not self.groups_here and name.startswith("$share/"):
+            return False
         return home_of(name, self.count) == self.index
 
     def session_ended(self, client_id: str) -> None:
