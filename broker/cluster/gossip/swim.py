@@ -42,7 +42,8 @@ The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
   memberlist's ``suspicion_mult - 2`` is 0 for a multiplier of 2 or less): a lone suspicion
   waits the maximum. A member holding a member DEAD (or LEFT) that hears it suspected tells
   the sender again, whose lone suspicion would otherwise wait out that maximum when every
-  copy of the death was lost. Measured in ``docs/gossip.md``.
+  copy of the death was lost. A member that hears an older suspicion or death of itself
+  queues its ALIVE again, for the same reason. Measured in ``docs/gossip.md``.
 
 Invariants: only this member raises its own incarnation; a member's record changes only by
 ``members.overrides``; a DEAD or LEFT member is never probed; every packet built fits
@@ -502,6 +503,10 @@ class Swim:
             # run at the same incarnation, before it was suspected): the members must learn
             # this run's, which only a higher incarnation overrides.
         elif update.incarnation < me.incarnation:
+            # Its sender missed our refutation (every copy lost) and holds the suspicion until
+            # its timeout: tell our incarnation again (the ack to a buddy ping carries it).
+            if me.update() not in self._broadcasts:
+                self._queue(me.update())
             return
         else:
             self.health.apply(1)

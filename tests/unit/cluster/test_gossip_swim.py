@@ -146,6 +146,22 @@ def test_old_suspicions_of_oneself_are_ignored() -> None:
     assert swim.incarnation == 1
 
 
+def test_a_stale_suspicion_of_oneself_is_answered_with_the_current_incarnation() -> None:
+    """n1 missed every copy of our refutation and still suspects us at incarnation 0: its
+    buddy ping's ack must carry our ALIVE at 1 again, or n1 declares us dead at its timeout."""
+    swim = core(3)
+    swim.receive(addr(2), Packet("n2", Gossip(), (Update(S, "n0", 0, "n2"),)), 5)
+    refutation = Update(A, "n0", 1, "n0", addr(0))
+    now = 5
+    while refutation in swim._broadcasts:  # its retransmit limit, spent
+        now += 200
+        swim.tick(now)
+    out = swim.receive(addr(1), Packet("n1", Ping(9, "n0"), (Update(S, "n0", 0, "n1"),)), now)
+    [ack] = sends(out)
+    assert ack.packet.message == Ack(9) and refutation in ack.packet.updates
+    assert swim.incarnation == 1  # told again, not raised
+
+
 def test_the_no_refute_variant_does_not_refute() -> None:
     swim = core(2, variant=Variant.NO_REFUTE)
     swim.receive(addr(1), Packet("n1", Gossip(), (Update(S, "n0", 0, "n1"),)), 5)
