@@ -84,6 +84,7 @@ class Result:
     #: The highest local health score among the members when the victim was killed.
     health_at_kill: int = 0
     sent: int = 0
+    ran: int = 0  # ms simulated
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -133,6 +134,7 @@ class Sim:
         while self._queue and self._queue[0][0] <= self._end:
             self.now, _, action = heapq.heappop(self._queue)
             action()
+        self.result.ran = self._end
         self._finish()
         return self.result
 
@@ -264,11 +266,7 @@ def summarize(results: Sequence[Result]) -> dict[str, float | int | None]:
         if len(converged) == len(results)
         else None,
         "datagrams_per_member_s": round(
-            sum(r.sent for r in results)
-            / sum(
-                r.scenario.members * ((r.scenario.kill_at or 0) + r.scenario.watch) / 1000
-                for r in results
-            ),
+            sum(r.sent for r in results) / sum(r.scenario.members * r.ran / 1000 for r in results),
             1,
         ),
     }

@@ -157,7 +157,7 @@ class Swim:
         """When ``tick`` is next due (ms)."""
         times = [self._next_gossip]
         if not self.leaving and self._probe is None:
-            times.append(self._next_probe)
+            times.append(self._next_probe)  # a probe in flight holds the next one back
         if self._probe is not None:
             p = self._probe
             times.append(p.deadline if p.indirect else p.timeout_at)
