@@ -44,20 +44,36 @@ def _counters(cluster: MqlogCluster) -> dict[str, int]:
     return total
 
 
+def _health(cluster: MqlogCluster) -> dict[str, int]:
+    """Each running node's Lifeguard health score (0 = healthy; probes every score + 1 s)."""
+    scores: dict[str, int] = {}
+    for m in cluster.members:
+        try:
+            scores[m.node_id] = int(cluster.status(m)["gossip"].get("health", 0))
+        except OSError:
+            continue
+    return scores
+
+
 def detection(cluster: MqlogCluster, kills: int, isolate: bool = False) -> dict[str, Any]:
     """kill -9 (or, with ``isolate``, a full partition: no connection closes, so no probe is
-    brought forward, plain SWIM) of one node per round, timed on every other."""
+    brought forward, plain SWIM) of one node per round, timed on every other. Each round
+    prints the health scores the members had when it began (a rejoined victim's is high)."""
     times: list[float] = []
     per_kill: list[float] = []
+    worst_health: list[int] = []
     what = "isolation" if isolate else "kill"
     for k in range(kills):
         victim = cluster.members[1 + k % (len(cluster.members) - 1)]
+        health = _health(cluster)
+        worst_health.append(max(health.values(), default=0))
         seen = cluster.kill_and_time_death(victim, isolate=isolate)
         times += seen.values()
         per_kill.append(max(seen.values()))
         print(
             f"{what} {k + 1}: {victim.node_id} dead everywhere after {max(seen.values()):.2f} s "
-            f"({', '.join(f'{n} {t:.2f}' for n, t in sorted(seen.items()))})",
+            f"({', '.join(f'{n} {t:.2f}' for n, t in sorted(seen.items()))}); health before "
+            f"{' '.join(f'{n}={h}' for n, h in sorted(health.items()))}",
             flush=True,
         )
         if isolate:
@@ -72,6 +88,7 @@ def detection(cluster: MqlogCluster, kills: int, isolate: bool = False) -> dict[
         "p99_s": round(_percentile(times, 0.99), 2),
         "max_s": round(max(times), 2),
         "worst_kill_s": [round(t, 2) for t in per_kill],
+        "worst_health_before": worst_health,
     }
 
 

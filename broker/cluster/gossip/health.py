@@ -2,12 +2,14 @@
 timeouts ("Local Health Aware Suspicion"), and the sizes that grow with the group
 (memberlist's util.go): all pure arithmetic.
 
-The local health score ``score`` is in [0, max - 1] and every probe timeout and interval is
-multiplied by ``score + 1``. It rises when this member may be the slow one: a probe whose
-intermediaries sent fewer nacks than expected (+ the missing ones; + 1 when no intermediary
-was asked), and each time it must refute a suspicion of itself (+ 1); it falls by 1 on each
-successful direct probe. A slow member thus probes less often and waits longer, instead of
-suspecting healthy members whose acks it was too slow to read.
+The local health score ``score`` is in [0, max - 1]; the probe timeout and how long a probe
+may run before its target is suspected are multiplied by ``score + 1``. It rises when this
+member may be the slow one: a probe whose intermediaries sent fewer nacks than expected (+ the
+missing ones; + 1 when no intermediary was asked), and each time it must refute a suspicion of
+itself (+ 1); it falls by 1 on each successful probe, direct or relayed (memberlist's
+awareness.go and probeNode). A slow member thus waits longer for acks and its failing probes
+come less often, instead of suspecting healthy members whose acks it was too slow to read;
+its answered probes keep the base period, so the score falls as fast as they succeed.
 
 A suspicion of a member starts at ``max_ms`` and shrinks towards ``min_ms`` as independent
 suspicions of the same member (by other origins) arrive:

@@ -19,7 +19,8 @@ class Variant(enum.Enum):
 class SwimConfig:
     """Durations are milliseconds of the driver's clock."""
 
-    #: The protocol period T' (SWIM s3.1): one probe per period, scaled by the local health.
+    #: The protocol period T' (SWIM s3.1): one probe per period; a probe may run over it, up to
+    #: the period scaled by the local health (its target is suspected then).
     probe_interval: int = 1000
     #: How long the direct ping waits for its ack before ping-req (scaled by the local health).
     probe_timeout: int = 500
@@ -32,7 +33,7 @@ class SwimConfig:
     #: The maximum (where Lifeguard's "Local Health Aware Suspicion" starts) is this times the
     #: minimum.
     suspicion_max_mult: int = 6
-    #: The local health score stays in [0, awareness_max - 1]; timeouts scale by score + 1.
+    #: The local health score stays in [0, awareness_max - 1]; probe timeouts scale by score + 1.
     awareness_max: int = 8
     #: Every gossip_interval, pending updates go to gossip_nodes random members as well as on
     #: the probes' own messages (memberlist's gossip; SWIM alone only piggybacks).

@@ -8,7 +8,10 @@ packet late by a uniform [0, ``slow_ms``] while their timers fire on time (a mem
 receive path is starved of CPU: Lifeguard's case, where a slow prober reads acks too late and
 suspects healthy members, and reads their refutations too late to withdraw); at ``kill_at`` one
 random healthy member stops (kill -9: no goodbye); ``blip`` cuts one member off both ways for
-a while (it must be suspected, then refute). The run ends ``watch`` ms after the kill.
+a while (it must be suspected, then refute); with ``rejoin_gap`` the kill waits until every
+member holds every other alive again after the blip, and that gap more (the rounds of
+``bench/gossip_lab.py``: the previous round's victim is back, with the health score its cut
+gave it, when the next is cut off). The run ends ``watch`` ms after the kill.
 
 Measured (``Result``): for each surviving member, the time from the kill until it declares the
 victim DEAD (``detect``); every DEAD declaration of a member that was alive (``false_deaths``,
@@ -18,8 +21,8 @@ passed as objects (the codec's cost and limits are tested on their own; ``Swim``
 packets within ``max_datagram``).
 
 Run: ``python -m broker.cluster.gossip.sim [--members 50 100 200] [--seeds 5] [--loss 0.01]
-[--slow 0.1] [--slow-ms 1500] [--suspicion-mult 4]``: prints a table, with and without
-Lifeguard, and one JSON line.
+[--slow 0.1] [--slow-ms 1500] [--suspicion-mult 4] [--suspicion-max-mult 6] [--cut-first
+0]``: prints a table, with and without Lifeguard, and one JSON line.
 """
 
 from __future__ import annotations
@@ -42,6 +45,13 @@ from broker.cluster.gossip.swim import Swim
 __all__ = ["Result", "Scenario", "Sim", "main", "summarize"]
 
 JOIN_SPACING_MS = 20
+#: ``--cut-first``: how long the member is cut off, long enough to be declared dead and to
+#: declare every other member dead (its health score at the maximum).
+CUT_MS = 8000
+#: With ``rejoin_gap``: how often the simulator checks that every member is back, and how long
+#: it waits for that before it gives up on the kill.
+REJOIN_POLL_MS = 50
+REJOIN_LIMIT_MS = 120_000
 
 
 @dataclass(frozen=True, slots=True)
@@ -55,6 +65,9 @@ class Scenario:
     watch: int = 60_000
     #: (member index, start ms, duration ms): that member's packets are all lost meanwhile.
     blip: tuple[int, int, int] | None = None
+    #: With ``blip``: kill this many ms after every member holds every other alive again
+    #: once the blip is over, instead of at ``kill_at``.
+    rejoin_gap: int | None = None
     config: SwimConfig = field(default_factory=SwimConfig)
 
 
@@ -68,7 +81,10 @@ class Result:
     false_deaths_slow: int = 0
     false_suspicions: int = 0
     converged: int | None = None
+    #: The highest local health score among the members when the victim was killed.
+    health_at_kill: int = 0
     sent: int = 0
+    ran: int = 0  # ms simulated
     stats: dict[str, int] = field(default_factory=dict)
 
 
@@ -94,6 +110,7 @@ class Sim:
         healthy = [i for i in candidates[s.slow :] if s.blip is None or i != s.blip[0]]
         self.victim = healthy[0] if s.kill_at is not None and healthy else None
         self.killed_at: int | None = None
+        self._end = 0
         self.result = Result(seed, s)
         self._known = [0] * s.members  # how many others each member holds alive
 
@@ -107,12 +124,17 @@ class Sim:
         s = self.scenario
         for i in range(s.members):
             self._at(i * JOIN_SPACING_MS, functools.partial(self._start, i))
-        if self.victim is not None and s.kill_at is not None:
+        self._end = (s.kill_at or 0) + s.watch
+        if self.victim is not None and s.blip is not None and s.rejoin_gap is not None:
+            healed = s.blip[1] + s.blip[2]
+            self._at(healed, self._await_rejoin)
+            self._end = healed + REJOIN_LIMIT_MS
+        elif self.victim is not None and s.kill_at is not None:
             self._at(s.kill_at, self._kill)
-        end = (s.kill_at or 0) + s.watch
-        while self._queue and self._queue[0][0] <= end:
+        while self._queue and self._queue[0][0] <= self._end:
             self.now, _, action = heapq.heappop(self._queue)
             action()
+        self.result.ran = self._end
         self._finish()
         return self.result
 
@@ -129,6 +151,18 @@ class Sim:
         assert self.victim is not None
         self.alive[self.victim] = False
         self.killed_at = self.now
+        self._end = self.now + self.scenario.watch
+        self.result.health_at_kill = max(c.health.score for c in self.cores if c is not None)
+
+    def _await_rejoin(self) -> None:
+        """Kill ``rejoin_gap`` ms after every member holds every other alive (polled)."""
+        back = all(
+            m.state is State.ALIVE for core in self.cores if core for m in core.members.values()
+        )
+        if back:
+            self._at(self.now + (self.scenario.rejoin_gap or 0), self._kill)
+        else:
+            self._at(self.now + REJOIN_POLL_MS, self._await_rejoin)
 
     def _apply(self, i: int, effects: list[Effect]) -> None:
         for effect in effects:
@@ -180,6 +214,8 @@ class Sim:
                 r.converged = self.now
         if j is None or not self.alive[i]:
             return
+        if self.scenario.rejoin_gap is not None and self.killed_at is None:
+            return  # the cut's own suspicions and deaths: what it is there for
         if change.state is State.DEAD:
             if j == self.victim and self.killed_at is not None:
                 r.detect.append(self.now - self.killed_at)
@@ -225,15 +261,12 @@ def summarize(results: Sequence[Result]) -> dict[str, float | int | None]:
         "false_deaths_healthy": sum(r.false_deaths_healthy for r in results),
         "false_deaths_slow": sum(r.false_deaths_slow for r in results),
         "false_suspicions": sum(r.false_suspicions for r in results),
+        "health_at_kill_median": statistics.median(r.health_at_kill for r in results),
         "converged_max_s": round(max(converged) / 1000, 2)
         if len(converged) == len(results)
         else None,
         "datagrams_per_member_s": round(
-            sum(r.sent for r in results)
-            / sum(
-                r.scenario.members * ((r.scenario.kill_at or 0) + r.scenario.watch) / 1000
-                for r in results
-            ),
+            sum(r.sent for r in results) / sum(r.scenario.members * r.ran / 1000 for r in results),
             1,
         ),
     }
@@ -249,7 +282,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--slow-ms", type=int, default=1500)
     parser.add_argument("--watch", type=int, default=60_000)
     parser.add_argument("--suspicion-mult", type=int, default=SwimConfig().suspicion_mult)
+    parser.add_argument("--suspicion-max-mult", type=int, default=SwimConfig().suspicion_max_mult)
+    parser.add_argument(
+        "--cut-first",
+        type=int,
+        default=None,
+        metavar="GAP",
+        help=f"cut one member off for {CUT_MS} ms at the kill time, then kill another GAP ms "
+        "after every member holds every other alive again",
+    )
     args = parser.parse_args(argv)
+    cut = None if args.cut_first is None else (1, Scenario().kill_at or 0, CUT_MS)
     header = (
         f"{'members':>7} {'lifeguard':>9} {'detect med':>10} {'p99':>6} {'max':>6} "
         f"{'undet':>5} {'false dead (healthy/slow)':>25} {'false susp':>10} {'conv':>5} "
@@ -257,7 +300,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     print(
         f"loss {args.loss:.0%}, slow {args.slow:.0%} (up to {args.slow_ms} ms late), "
-        f"suspicion_mult {args.suspicion_mult}, "
+        f"suspicion_mult {args.suspicion_mult} (max {args.suspicion_max_mult}x), "
+        f"cut first (gap) {args.cut_first}, "
         f"seeds {args.start}..{args.start + args.seeds - 1}"
     )
     print(header)
@@ -270,8 +314,13 @@ def main(argv: list[str] | None = None) -> int:
                 slow=round(args.slow * members),
                 slow_ms=args.slow_ms,
                 watch=args.watch,
+                blip=cut,
+                rejoin_gap=args.cut_first,
                 config=replace(
-                    SwimConfig(), lifeguard=lifeguard, suspicion_mult=args.suspicion_mult
+                    SwimConfig(),
+                    lifeguard=lifeguard,
+                    suspicion_mult=args.suspicion_mult,
+                    suspicion_max_mult=args.suspicion_max_mult,
                 ),
             )
             began = time.process_time()
@@ -285,6 +334,8 @@ def main(argv: list[str] | None = None) -> int:
                 "slow": scenario.slow,
                 "slow_ms": args.slow_ms,
                 "suspicion_mult": args.suspicion_mult,
+                "suspicion_max_mult": args.suspicion_max_mult,
+                "cut_first": args.cut_first,
                 "cpu_s": round(time.process_time() - began, 1),
             }
             rows.append(row)

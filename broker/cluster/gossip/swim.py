@@ -9,16 +9,21 @@ loss is fine) and ``Changed`` (a member's state changed: log it, re-place). Read
 ``members`` (node id -> ``Member``), ``incarnation``, ``health`` and the ``stats`` counters.
 
 The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
-- Every protocol period (``probe_interval``, scaled by the local health) the member pings the
-  next member of a randomized round-robin order (SWIM s4.3: a shuffled list, walked, shuffled
-  again at the end; a newcomer is inserted at a random position), so that each member is probed
-  within 2n - 1 periods in the worst case.
-- No ack within ``probe_timeout`` (scaled): ping-req through ``indirect_checks`` random live
-  members (SWIM s3.1), which relay the target's ack or send a nack (Lifeguard, "Local Health
-  Aware Probe").
-- No ack by the period's end: the target becomes SUSPECT (SWIM s4.2) and the suspicion is
-  gossiped; a suspected member that hears of it refutes by raising its incarnation and
-  gossiping ALIVE. An unrefuted suspicion becomes DEAD at its timeout (``health``).
+- Every protocol period (``probe_interval``) the member pings the next member of a randomized
+  round-robin order (SWIM s4.3: a shuffled list, walked, shuffled again at the end; a newcomer
+  is inserted at a random position), so that each member is probed within 2n - 1 periods in
+  the worst case.
+- No ack within ``probe_timeout`` (scaled by the local health): ping-req through
+  ``indirect_checks`` random live members (SWIM s3.1), which relay the target's ack or send a
+  nack (Lifeguard, "Local Health Aware Probe").
+- No ack by the probe's end (one period scaled by the local health; the next probe waits for
+  it, as memberlist's probe ticker waits for a probe that runs over): the target becomes
+  SUSPECT (SWIM s4.2) and the suspicion is gossiped; a suspected member that hears of it
+  refutes by raising its incarnation and gossiping ALIVE. An unrefuted suspicion becomes DEAD
+  at its timeout (``health``). A probe acked in time ends there and the next starts one
+  period after it began, whatever the score: the score falls by one per successful probe, so
+  a member back from a cut (every probe failed, score at its maximum) recovers in as many
+  periods, not in the 35 that spacing every probe by the scaled period took at 8x.
 - Updates ride on every packet within ``max_datagram`` (SWIM s4.1) and on gossip packets every
   ``gossip_interval`` to ``gossip_nodes`` members, each sent ``retransmit_limit`` times
   (``broadcasts``); a full state exchange (``Sync``) joins a member and, every
@@ -37,7 +42,8 @@ The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
   memberlist's ``suspicion_mult - 2`` is 0 for a multiplier of 2 or less): a lone suspicion
   waits the maximum. A member holding a member DEAD (or LEFT) that hears it suspected tells
   the sender again, whose lone suspicion would otherwise wait out that maximum when every
-  copy of the death was lost. Measured in ``docs/gossip.md``.
+  copy of the death was lost. A member that hears an older suspicion or death of itself
+  queues its ALIVE again, for the same reason. Measured in ``docs/gossip.md``.
 
 Invariants: only this member raises its own incarnation; a member's record changes only by
 ``members.overrides``; a DEAD or LEFT member is never probed; every packet built fits
@@ -49,7 +55,6 @@ from __future__ import annotations
 import random
 from collections import Counter
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from broker.cluster.gossip.broadcasts import Broadcasts
 from broker.cluster.gossip.codec import base_size, update_size
@@ -72,36 +77,11 @@ from broker.cluster.gossip.messages import (
     Update,
 )
 from broker.cluster.gossip.options import SwimConfig, Variant
+from broker.cluster.gossip.probes import NACK_SHARE, SEQ_MASK, Probe, Relay
 
 __all__ = ["Swim"]
 
 LIVE = (State.ALIVE, State.SUSPECT)
-SEQ_MASK = 0xFFFF_FFFF
-#: An intermediary nacks when the target has not acked within this share of probe_timeout, so
-#: that the nack reaches the prober before its period ends (Lifeguard, "Local Health Aware Probe").
-NACK_SHARE = 0.8
-
-
-@dataclass(slots=True)
-class _Probe:
-    seq: int
-    target: str
-    addr: Addr
-    timeout_at: int  # direct ping's end: ping-req then
-    deadline: int  # the period's end: suspect then
-    indirect: bool = False
-    expected_nacks: int = 0
-    nacks: int = 0
-
-
-@dataclass(slots=True)
-class _Relay:
-    """A ping sent for ``prober``'s ping-req ``seq``."""
-
-    prober: Addr
-    seq: int
-    nack_at: int | None
-    expires: int
 
 
 class Swim:
@@ -144,8 +124,8 @@ class Swim:
         self._suspected: str | None = None
         self._probed_suspect = False
         self._seq = rng.randrange(SEQ_MASK)
-        self._probe: _Probe | None = None
-        self._relays: dict[int, _Relay] = {}
+        self._probe: Probe | None = None
+        self._relays: dict[int, Relay] = {}
         # Members started together spread their probes over the period.
         self._next_probe = now + rng.randrange(config.probe_interval)
         self._next_gossip = now + rng.randrange(config.gossip_interval)
@@ -176,8 +156,8 @@ class Swim:
     def deadline(self) -> int:
         """When ``tick`` is next due (ms)."""
         times = [self._next_gossip]
-        if not self.leaving:
-            times.append(self._next_probe)
+        if not self.leaving and self._probe is None:
+            times.append(self._next_probe)  # a probe in flight holds the next one back
         if self._probe is not None:
             p = self._probe
             times.append(p.deadline if p.indirect else p.timeout_at)
@@ -316,15 +296,17 @@ class Swim:
         return None
 
     def _start_probe(self) -> None:
+        """One probe per period; a probe may run over it (up to the period scaled by the local
+        health, ``Probe.deadline``), and the next waits for its end (module doc)."""
+        self._next_probe = self.now + self.config.probe_interval
         interval = self.health.scale(self.config.probe_interval)
-        self._next_probe = self.now + interval
         self._retell_lone_suspicions()
         target = self._pick_target()
         if target is None:
             return
         seq = self._next_seq()
         timeout = self.health.scale(self.config.probe_timeout)
-        self._probe = _Probe(seq, target.node, target.addr, self.now + timeout, self.now + interval)
+        self._probe = Probe(seq, target.node, target.addr, self.now + timeout, self.now + interval)
         buddy: list[Update] = []
         if self.config.lifeguard and target.state is State.SUSPECT:
             buddy.append(Update(State.SUSPECT, target.node, target.incarnation, self.id))
@@ -359,7 +341,7 @@ class Swim:
                 if update not in self._broadcasts:
                     self._queue(update)
 
-    def _ping_req(self, probe: _Probe) -> None:
+    def _ping_req(self, probe: Probe) -> None:
         probe.indirect = True
         peers = [
             m
@@ -372,7 +354,7 @@ class Swim:
         probe.expected_nacks = len(chosen) if self.config.lifeguard else 0
         self.stats["indirect_probes"] += 1
 
-    def _probe_failed(self, probe: _Probe) -> None:
+    def _probe_failed(self, probe: Probe) -> None:
         """Lifeguard, "Local Health Aware Probe": each nack that should have come and did not
         says that we may be the slow one; with no one to ask, the failed probe itself counts
         once."""
@@ -394,8 +376,8 @@ class Swim:
             case Ack(seq):
                 probe = self._probe
                 if probe is not None and seq == probe.seq:
-                    if not probe.indirect:
-                        self.health.apply(-1)
+                    # Direct or relayed: a probe answered (memberlist's probeNode).
+                    self.health.apply(-1)
                     self._probe = None
                     self.stats["acks"] += 1
                 elif (relay := self._relays.pop(seq, None)) is not None:
@@ -408,7 +390,7 @@ class Swim:
                 ours = self._next_seq()
                 cfg = self.config
                 nack_at = self.now + int(cfg.probe_timeout * NACK_SHARE) if cfg.lifeguard else None
-                self._relays[ours] = _Relay(addr, seq, nack_at, self.now + cfg.probe_interval)
+                self._relays[ours] = Relay(addr, seq, nack_at, self.now + cfg.probe_interval)
                 self._send(target_addr, Ping(ours, target))
             case Sync(reply):
                 if reply:
@@ -521,6 +503,10 @@ class Swim:
             # run at the same incarnation, before it was suspected): the members must learn
             # this run's, which only a higher incarnation overrides.
         elif update.incarnation < me.incarnation:
+            # Its sender missed our refutation (every copy lost) and holds the suspicion until
+            # its timeout: tell our incarnation again (the ack to a buddy ping carries it).
+            if me.update() not in self._broadcasts:
+                self._queue(me.update())
             return
         else:
             self.health.apply(1)

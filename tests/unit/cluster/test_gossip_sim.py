@@ -65,6 +65,23 @@ def test_lifeguard_keeps_slow_members_from_killing_healthy_ones() -> None:
     assert false_deaths(lifeguard=True) == 0
 
 
+def test_a_member_back_from_a_cut_is_healthy_again_before_the_next_death() -> None:
+    """The rounds of bench/gossip_lab.py at the node's settings: one member cut off for 8 s
+    (its probes all fail with no nack: its health score rises to the maximum), back, and 2 s
+    after every member holds every other alive, another dies. Its answered probes keep the
+    base period, so its score is back at 0 by then; it was 5 when every probe was spaced by
+    the scaled period (35 s from 7 to 0), and it then probed 6x less often (measured in
+    docs/gossip.md)."""
+    config = replace(SwimConfig(), suspicion_mult=1, suspicion_max_mult=2)
+    scenario = Scenario(members=5, blip=(1, 20_000, 8000), rejoin_gap=2000, watch=10_000,
+                        config=config)  # fmt: skip
+    for seed in range(4):
+        sim = Sim(seed, scenario)
+        result = sim.run()
+        assert sim.killed_at is not None and result.health_at_kill == 0
+        assert len(result.detect) == 4 and result.false_deaths_healthy == 0
+
+
 def test_a_seed_replays_exactly_and_the_summary_pools_seeds() -> None:
     scenario = Scenario(members=12, loss=0.05, watch=15_000)
     first, again = Sim(5, scenario).run(), Sim(5, scenario).run()

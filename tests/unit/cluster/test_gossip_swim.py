@@ -4,6 +4,7 @@ Health Aware Probe"), the buddy system and the retransmit limit (SWIM s4.1)."""
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 
@@ -145,6 +146,22 @@ def test_old_suspicions_of_oneself_are_ignored() -> None:
     assert swim.incarnation == 1
 
 
+def test_a_stale_suspicion_of_oneself_is_answered_with_the_current_incarnation() -> None:
+    """n1 missed every copy of our refutation and still suspects us at incarnation 0: its
+    buddy ping's ack must carry our ALIVE at 1 again, or n1 declares us dead at its timeout."""
+    swim = core(3)
+    swim.receive(addr(2), Packet("n2", Gossip(), (Update(S, "n0", 0, "n2"),)), 5)
+    refutation = Update(A, "n0", 1, "n0", addr(0))
+    now = 5
+    while refutation in swim._broadcasts:  # its retransmit limit, spent
+        now += 200
+        swim.tick(now)
+    out = swim.receive(addr(1), Packet("n1", Ping(9, "n0"), (Update(S, "n0", 0, "n1"),)), now)
+    [ack] = sends(out)
+    assert ack.packet.message == Ack(9) and refutation in ack.packet.updates
+    assert swim.incarnation == 1  # told again, not raised
+
+
 def test_the_no_refute_variant_does_not_refute() -> None:
     swim = core(2, variant=Variant.NO_REFUTE)
     swim.receive(addr(1), Packet("n1", Gossip(), (Update(S, "n0", 0, "n1"),)), 5)
@@ -168,8 +185,66 @@ def test_a_failed_probe_asks_k_members_then_suspects_and_the_health_score_rises(
     [changed] = changes(out)
     assert (changed.node, changed.state) == (target.target, S)
     assert swim.health.score == 2  # two nacks missing out of three
-    # The next protocol period is three times as long (score + 1), and so is its timeout.
-    assert swim.deadline >= started + 1000 + 3 * 500 or swim._next_probe == started + 1000 + 3000
+    # The next probe starts at once (the failed one used its whole period); its timeout and
+    # its end are three times as long (score + 1).
+    assert any(isinstance(s.packet.message, Ping) for s in sends(out))
+    probe = swim._probe
+    assert probe is not None
+    assert (probe.timeout_at, probe.deadline) == (started + 1000 + 3 * 500, started + 1000 + 3000)
+
+
+def answer_probes(swim: Swim, until: int) -> list[tuple[int, int]]:
+    """Ack every ping of ``swim`` 5 ms after it is sent, until ``until`` ms: (when each ping
+    was sent, the score once it was acked)."""
+    pings: list[tuple[int, int]] = []
+    while swim.deadline <= until:
+        for send in sends(swim.tick(swim.deadline)):
+            if isinstance(send.packet.message, Ping):
+                ack = Packet(send.packet.message.target, Ack(send.packet.message.seq))
+                swim.receive(send.addr, ack, swim.now + 5)
+                pings.append((swim.now - 5, swim.health.score))
+    return pings
+
+
+def test_answered_probes_keep_the_base_period_so_the_score_falls_one_a_period() -> None:
+    """memberlist's probe ticker runs at the base interval and only a probe that runs over
+    stretches it: a member back from a cut, its score at the maximum (7), is healthy again
+    after 7 answered probes, 7 s, not after 8 + 7 + ... + 2 = 35 s of stretched periods."""
+    swim = core(5)
+    swim.health.apply(7)
+    pings = answer_probes(swim, until=9000)
+    sent = [t for t, _ in pings]
+    assert all(b - a == 1000 for a, b in itertools.pairwise(sent))
+    assert [score for _, score in pings[:8]] == [6, 5, 4, 3, 2, 1, 0, 0]
+
+
+def test_an_unanswered_probe_runs_its_scaled_period_and_the_next_waits_for_it() -> None:
+    """At score 3 a probe may run 4 periods before its target is suspected; no other probe
+    starts meanwhile, and the core is never due in the past (a driver would spin)."""
+    swim = core(5)
+    swim.health.apply(3)
+    first = run_until_probe(swim).packet.message
+    assert isinstance(first, Ping)
+    started = swim.now
+    pings: list[Ping] = []
+    while swim.now < started + 4000:
+        assert swim.deadline > swim.now
+        out = swim.tick(swim.deadline)
+        pings += [s.packet.message for s in sends(out) if isinstance(s.packet.message, Ping)]
+    assert swim.now == started + 4000
+    assert [c.state for c in changes(out) if c.node == first.target] == [S]
+    assert len(pings) == 1  # the next probe, as the first ended
+
+
+def test_a_relayed_ack_lowers_the_score_as_a_direct_one_does() -> None:
+    swim = core(5)
+    swim.health.apply(2)
+    ping = run_until_probe(swim)
+    assert isinstance(ping.packet.message, Ping)
+    out = swim.tick(swim.now + 3 * 500)  # the direct ping's (scaled) timeout: ping-req
+    [req, *_] = [s for s in sends(out) if isinstance(s.packet.message, PingReq)]
+    swim.receive(req.addr, Packet("nX", Ack(ping.packet.message.seq)), swim.now + 20)
+    assert swim.health.score == 1 and swim._probe is None
 
 
 def test_an_ack_in_time_lowers_the_score_and_nothing_is_suspected() -> None:
