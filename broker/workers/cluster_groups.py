@@ -127,7 +127,8 @@ class ClusterGroupPeers(ClusterGroupFrames):
         if router is None or g is None:
             return
         leader = self.node.leader(g)
-        term = self.node.core(g).term
+        # A node that holds no replica of $sessions (one that joined later) knows no leader.
+        term = self.node.core(g).term if leader is not None else None
         me = leader == self.node.id
         if not me:
             self.early.clear()
