@@ -47,7 +47,7 @@ class Clock:
 class Node:
     name: str
     members: dict[str, State]
-    leader: bool = True
+    leads: bool = True
     hosts_sessions: bool = True
     #: Follower node id -> its CheckQuorum flag (heard from this election timeout).
     active: dict[int, bool] = field(default_factory=dict)
@@ -66,8 +66,12 @@ class Node:
     def _core_members(self) -> list[Member]:
         return [Member(n, ("10.0.0.1", 7946), s, 0, 0, n) for n, s in self.members.items()]
 
+    def leader(self, group: int) -> int:
+        """The ``$sessions`` leader as this node knows it: itself, else n3."""
+        return node_id_of(self.name) if self.leads else N3
+
     def is_leader(self, group: int) -> bool:
-        return group == GROUP and self.leader
+        return self.leader(group) == node_id_of(self.name)
 
     def core(self, group: int) -> Any:
         progress = {n: SimpleNamespace(active=a) for n, a in self.active.items()}
@@ -106,13 +110,13 @@ def test_a_healed_node_that_does_not_lead_sessions_adopts_nothing() -> None:
     """The bug: n1, back from a cut, still holds n2 dead and sees n3 alive; under the old rule
     it had "a majority alive" with itself the lowest live name and took n2's clients. It is not
     the ``$sessions`` leader (n2 or n3 is), so it adopts none of n2's sessions."""
-    node = Node("n1", {"n1": State.ALIVE, "n2": State.DEAD, "n3": State.ALIVE}, leader=False)
+    node = Node("n1", {"n1": State.ALIVE, "n2": State.DEAD, "n3": State.ALIVE}, leads=False)
     o = orphans(node, {"watcher": Owner(N2, 3)})
     quiet(node, 10, o)
+    assert node.loop.tasks == [] and o.claiming == set()
     gone = o.gone()
     assert gone is not None and set(gone) == {N2}
     assert o.adoptable(gone) == {}
-    assert node.loop.tasks == [] and o.claiming == set()
 
 
 def test_the_leader_adopts_a_silent_gone_members_sessions() -> None:
@@ -147,9 +151,9 @@ def test_a_leader_that_steps_down_stops_adopting() -> None:
     quiet(node, 2 * HEARD_TIMEOUTS + 1, o)
     gone = o.gone()
     assert gone is not None and set(o.adoptable(gone) or {}) == {N1}
-    node.leader = False
+    node.leads = False
     assert o.adoptable(gone) == {}
-    node.leader = True  # elected again: it waits again
+    node.leads = True  # elected again: it waits again
     assert o.adoptable(gone) == {}
 
 
