@@ -13,8 +13,8 @@ exactly as on one node; a client that reconnects anywhere first claims the sessi
 node as from any other, and its new connection cancels the delayed will [MQTT-3.1.3-9].
 
 **Exactly one node acts: the leader of ``$sessions``.** It proposes the claims (every node
-checks on each tick), for the members gossip has dead or left, less those whose ``$sessions``
-replica it heard from lately. Why the leader: there is at most one per term (Raft s5.2), it
+checks on each tick), for the members gossip has dead or left, less those its Raft host
+heard from lately. Why the leader: there is at most one per term (Raft s5.2), it
 is always on the side of a majority (a leader cut off from one steps down within an election
 timeout, CheckQuorum, thesis s6.2, long before gossip declares anyone dead; a cut-off
 follower cannot win an election, and once healed it cannot disrupt the leader it rejoins,
@@ -28,12 +28,13 @@ as the majority's leader accepts them.
 
 The leader's own gossip view can lag as well (the member cut off, healed, its first new
 clients connecting before the leader hears that it refuted its death; or a stale death a
-healed member's full state exchange spread). Hence the second condition: a member whose
-``$sessions`` replica answered the leader's heartbeats within :data:`HEARD_TIMEOUTS`
-election timeouts is alive and reachable whatever gossip says (Raft's CheckQuorum flag,
-sampled each tick), and its sessions are left to it. ``$sessions`` has a replica on every
-node (broker.workers.remote_fetches). A leader newly elected waits as long before it adopts,
-so that it has heard from every live replica first.
+healed member's full state exchange spread). Hence the second condition: the leader adopts
+the sessions of a gone member only once its Raft host has heard nothing from that node for
+an election timeout (``MultiRaft.silent``: every node sends each peer a frame every
+heartbeat interval, its groups quiesced or not). A member it hears from is alive and
+reachable whatever gossip says, and its sessions are left to it. (The CheckQuorum flags of
+``$sessions``' followers would not do: a quiesced group is not ticked, and its flags stay
+as they were when it went quiet.)
 
 The claims are fenced by their epoch like any other, and each is made only while the dead
 member holds the client id: two nodes that both believe they should act (a leader deposed
@@ -82,10 +83,6 @@ GONE = (State.DEAD, State.LEFT)
 Gone = dict[int, float]
 #: Claims of a dead node's sessions in flight at once (each is one ``$sessions`` proposal).
 IN_FLIGHT = 256
-#: Election timeouts since the leader last saw a member's replica answer before it adopts
-#: that member's sessions (module docstring): the CheckQuorum flag it samples says "answered
-#: within the last election timeout", so one timeout of silence is not yet proof; two are.
-HEARD_TIMEOUTS = 2
 
 
 class Holders(Protocol):
@@ -122,10 +119,6 @@ class Orphans:
         #: The gone members whose sessions the last sweep found none left of (None: sweep
         #: on the next tick), so that a member dead for long costs no pass over every owner.
         self._swept: frozenset[int] | None = None
-        #: As leader of ``$sessions``: since when (loop seconds), and when each member's
-        #: replica was last seen to answer.
-        self._led_since: float | None = None
-        self._heard: dict[int, float] = {}
         #: What the other workers last told (several workers: :meth:`told`) and what this one
         #: last told them, by kind ("gone": worker 0's gossip; "adopt": the ``$sessions``
         #: host's choice).
@@ -150,27 +143,17 @@ class Orphans:
 
     def adoptable(self, gone: Gone) -> Gone | None:
         """Of ``gone``, the members whose sessions this node adopts: none unless it leads
-        ``$sessions``, and not those whose replica it heard from lately (module docstring).
-        None: this worker does not host ``$sessions`` (the one that does tells)."""
+        ``$sessions``, and only those its Raft host has not heard from for an election
+        timeout (module docstring). None: this worker does not host ``$sessions`` (the one
+        that does tells)."""
         node = self.sessions.node
         group = next((g for g, key in node.group_keys.items() if key == SESSIONS), None)
         if group is None or group not in node.storages:
             return None
-        if not node.is_leader(group):
-            self._led_since = None
-            self._heard.clear()
+        host = node.host
+        if host is None or not node.is_leader(group):
             return {}
-        now = node.loop.time()
-        if self._led_since is None:
-            self._led_since = now
-        for peer, progress in node.core(group).progress.items():
-            if progress.active:
-                self._heard[peer] = now
-        quiet = now - HEARD_TIMEOUTS * node.settings.election_timeout
-        if self._led_since > quiet:
-            return {}  # newly elected: not yet heard from every live replica
-        heard = self._heard
-        return {n: since for n, since in gone.items() if n not in heard or heard[n] < quiet}
+        return {n: since for n, since in gone.items() if host.silent(n)}
 
     def told(self, message: Any) -> None:
         """Another worker's ``[kind, [[node id, since], ...]]`` (JSON; :attr:`_told`)."""
