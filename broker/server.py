@@ -255,16 +255,15 @@ class Server:
         """Several workers on a cluster node: a claim at a client id's home worker is the
         node's claim first (broker.workers.replicated_sessions), every worker follows
         ``$sessions`` as its owner announces new commits, learns from worker 0 which
-        members are dead (broker.workers.orphans), and reaches the shared groups' home
-        across the nodes through the worker hosting ``$sessions``
-        (broker.workers.cluster_groups)."""
+        members are dead and from the worker hosting ``$sessions`` whose sessions the node
+        adopts (broker.workers.orphans), and reaches the shared groups' home across the
+        nodes through the worker hosting ``$sessions`` (broker.workers.cluster_groups)."""
         sessions = cluster.sessions
         sessions.directory = runtime.sessions
         share_across_workers(runtime, sessions.group_peers)
         runtime.sessions.cluster = sessions
-        runtime.actions["orphans"] = sessions.orphans.told  # what worker 0's gossip sees
-        if runtime.index == 0:
-            sessions.orphans.tell = lambda survey: runtime.tell_all("orphans", survey)
+        runtime.actions["orphans"] = sessions.orphans.told
+        sessions.orphans.tell = lambda message: runtime.tell_all("orphans", message)
         moved = runtime.partitions.on_moved
 
         def follow(key: PartitionKey, old_end: int, part: Any) -> None:

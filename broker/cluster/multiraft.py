@@ -250,6 +250,11 @@ class MultiRaft:
     def quiesced(self, group: int) -> bool:
         return group in self._quiesced
 
+    def silent(self, node: int) -> bool:
+        """Whether nothing came from ``node`` for an election timeout (every node sends each
+        peer a frame every heartbeat interval, quiesced or not), or it is no peer."""
+        return node not in self._heard or node in self._silent
+
     @property
     def ticking(self) -> int:
         """How many groups a tick steps."""

@@ -12,23 +12,39 @@ by the session expiry) and end the session once its expiry interval ran (s3.1.2.
 exactly as on one node; a client that reconnects anywhere first claims the session from this
 node as from any other, and its new connection cancels the delayed will [MQTT-3.1.3-9].
 
-**Exactly one node acts.** The live member of the lowest name, as gossip has the members,
-proposes the claims (every node checks on each tick), and only while gossip has a majority
-of the members (itself included, those that left not counted) alive and unsuspected, and
-``$sessions`` has a leader as it knows it: a node cut off from the others sees them
-suspect, then dead, one after the other, and itself the lowest live name, and the claims
-it proposed would commit once the cut heals (Raft waits for a majority), taking the
-sessions of the live nodes' clients away from them. The members on the side of
-a majority see the cut-off node dead instead, and its sessions are theirs to adopt.
+**Exactly one node acts: the leader of ``$sessions``.** It proposes the claims (every node
+checks on each tick), for the members gossip has dead or left, less those its Raft host
+heard from lately. Why the leader: there is at most one per term (Raft s5.2), it
+is always on the side of a majority (a leader cut off from one steps down within an election
+timeout, CheckQuorum, thesis s6.2, long before gossip declares anyone dead; a cut-off
+follower cannot win an election, and once healed it cannot disrupt the leader it rejoins,
+PreVote), and its claims are the ones that commit. A rule on gossip alone (formerly: the
+live member of the lowest name, while gossip had a majority alive) trusts each node's view of
+the others, and a view can lag: a node cut off past its death declaration, healed, still
+held one member of the majority dead 12 s later while it saw the others alive again, so it
+had "a majority" with itself the lowest live name, and it adopted the sessions of a live
+node's connected clients (which that node then closed, DISCONNECT 0x8E); its claims commit,
+as the majority's leader accepts them.
+
+The leader's own gossip view can lag as well (the member cut off, healed, its first new
+clients connecting before the leader hears that it refuted its death; or a stale death a
+healed member's full state exchange spread). Hence the second condition: the leader adopts
+the sessions of a gone member only once its Raft host has heard nothing from that node for
+an election timeout (``MultiRaft.silent``: every node sends each peer a frame every
+heartbeat interval, its groups quiesced or not). A member it hears from is alive and
+reachable whatever gossip says, and its sessions are left to it. (The CheckQuorum flags of
+``$sessions``' followers would not do: a quiesced group is not ticked, and its flags stay
+as they were when it went quiet.)
 
 The claims are fenced by their epoch like any other, and each is made only while the dead
-member holds the client id: two nodes that both believe they should act (their gossip views
-differ for a moment) propose claims of the same epoch, only the first applied wins and the
-other fails, so the will goes out from one node only. A dead node that comes back applies
-these claims before it serves: the sessions leave its router unpublished
-(replicated_sessions' ``resume``).
+member holds the client id: two nodes that both believe they should act (a leader deposed
+that does not know it yet, and its successor) propose claims of the same epoch, only the
+first applied wins and the other fails, so the will goes out from one node only. A dead node
+that comes back applies these claims before it serves: the sessions leave its router
+unpublished (replicated_sessions' ``resume``).
 
-With several workers per node, worker 0 (the one that gossips) tells the others what it sees
+With several workers per node, worker 0 (the one that gossips) tells the others which members
+are gone, the worker hosting ``$sessions`` tells them which of those this node adopts
 (:meth:`Orphans.told`), and each worker adopts the client ids homed at it (``crc32 %
 workers``), where its session directory records them (broker.workers.sessions).
 
@@ -63,10 +79,8 @@ log = logging.getLogger("broker.cluster")
 
 #: The gossip states of a member whose sessions are adopted.
 GONE = (State.DEAD, State.LEFT)
-LIVE = (State.ALIVE, State.SUSPECT)
-#: What gossip says: the members gone (node id -> wall seconds since when) and whether this
-#: node is the one that adopts their sessions.
-Survey = tuple[dict[int, float], bool]
+#: Gone members (node id -> loop seconds since when): gossip's, or those this node adopts.
+Gone = dict[int, float]
 #: Claims of a dead node's sessions in flight at once (each is one ``$sessions`` proposal).
 IN_FLIGHT = 256
 
@@ -102,66 +116,79 @@ class Orphans:
         self.claiming: set[str] = set()
         self._tasks: set[asyncio.Task[None]] = set()
         self.adopted = 0
-        #: The dead members whose sessions the last sweep found none left of (None: sweep
+        #: The gone members whose sessions the last sweep found none left of (None: sweep
         #: on the next tick), so that a member dead for long costs no pass over every owner.
         self._swept: frozenset[int] | None = None
-        #: What worker 0 last said (several workers: :meth:`told`).
-        self._told: Survey = ({}, False)
-        #: Worker 0 with several workers: tells the other workers each survey (set by the
-        #: server).
+        #: What the other workers last told (several workers: :meth:`told`) and what this one
+        #: last told them, by kind ("gone": worker 0's gossip; "adopt": the ``$sessions``
+        #: host's choice).
+        self._told: dict[str, Gone] = {"gone": {}, "adopt": {}}
+        self._said: dict[str, Gone] = {}
+        #: Tells the node's other workers a kind and its members (set by the server with
+        #: several workers).
         self.tell: Callable[[Any], None] | None = None
 
-    def survey(self) -> Survey:
-        """What gossip says now (module docstring): on worker 0, from its membership;
-        on another worker, what worker 0 last told it."""
+    def gone(self) -> Gone | None:
+        """The members gossip has dead or left, and since when (None: no gossip here)."""
         node = self.sessions.node
         membership = node.membership
         if membership is None:
-            return self._told
+            return None
         behind = node.loop.time() - time.time()  # loop seconds minus wall seconds
-        members = [m for m in membership.core_members() if m.node != node.name]
-        gone = {node_id_of(m.node): m.since / 1000 - behind for m in members if m.state in GONE}
-        alive = {m.node for m in members if m.state in LIVE} | {node.name}
-        # Suspects count against: a cut-off node suspects every other member before it
-        # declares the first dead.
-        heard = 1 + sum(1 for m in members if m.state == State.ALIVE)
-        known = 1 + sum(1 for m in members if m.state != State.LEFT)
-        acting = min(alive) == node.name and 2 * heard > known and self._sessions_led()
-        return gone, acting
+        return {
+            node_id_of(m.node): m.since / 1000 - behind
+            for m in membership.core_members()
+            if m.node != node.name and m.state in GONE
+        }
 
-    def _sessions_led(self) -> bool:
-        """Whether ``$sessions`` has a leader as this node knows it, if it holds a replica:
-        a cut-off follower forgets its leader after its election timeout (it stands for
-        election, Raft s5.2), a cut-off leader steps down after one (CheckQuorum), both
-        before gossip declares the others dead (its suspicion alone can outlast them all
-        only with fewer probes than members)."""
+    def adoptable(self, gone: Gone) -> Gone | None:
+        """Of ``gone``, the members whose sessions this node adopts: none unless it leads
+        ``$sessions``, and only those its Raft host has not heard from for an election
+        timeout (module docstring). None: this worker does not host ``$sessions`` (the one
+        that does tells)."""
         node = self.sessions.node
         group = next((g for g, key in node.group_keys.items() if key == SESSIONS), None)
         if group is None or group not in node.storages:
-            return True  # no replica here: gossip's majority alone
-        return node.leader(group) is not None
+            return None
+        host = node.host
+        if host is None or not node.is_leader(group):
+            return {}
+        return {n: since for n, since in gone.items() if host.silent(n)}
 
-    def told(self, survey: Any) -> None:
-        """Worker 0's survey (JSON: ``[[node id, since], ...], acting``)."""
-        gone, acting = survey
-        self._told = ({int(n): float(t) for n, t in gone}, bool(acting))
+    def told(self, message: Any) -> None:
+        """Another worker's ``[kind, [[node id, since], ...]]`` (JSON; :attr:`_told`)."""
+        kind, members = message
+        self._told[str(kind)] = {int(n): float(t) for n, t in members}
+
+    def _say(self, kind: str, members: Gone) -> None:
+        """Tell the other workers ``members`` of ``kind`` if it changed, and again while it is
+        not empty (a restarted worker learns it within a tick)."""
+        if self.tell is not None and (members or self._said.get(kind) != members):
+            self._said[kind] = members
+            self.tell([kind, list(members.items())])
 
     def tick(self) -> None:
-        """If this node adopts: claim the sessions dead members hold (homed here)."""
+        """If this node adopts: claim the sessions gone members hold (homed here)."""
         sessions = self.sessions
         node = sessions.node
-        gone, acting = self.survey()
-        if self.tell is not None and (gone or self._told != (gone, acting)):
-            self._told = (gone, acting)  # told again while a member is gone: a restarted
-            self.tell([list(gone.items()), acting])  # worker learns it within a tick
-        if not acting or not sessions.serving or sessions.router is None:
-            self._swept = None  # one that acts later sweeps again
+        gone = self.gone()
+        if gone is None:
+            gone = self._told["gone"]
+        else:
+            self._say("gone", gone)
+        adopt = self.adoptable(gone)
+        if adopt is None:
+            adopt = self._told["adopt"]
+        else:
+            self._say("adopt", adopt)
+        if not adopt or not sessions.serving or sessions.router is None:
+            self._swept = None  # one that adopts later sweeps again
             return
-        if not gone or self._swept == frozenset(gone):
+        if self._swept == frozenset(adopt):
             return
         found = False
         for client_id, owner in list(sessions.owners.items()):
-            died = gone.get(owner.node)
+            died = adopt.get(owner.node)
             if died is None or not sessions.home(client_id):
                 continue
             found = True
@@ -173,8 +200,8 @@ class Orphans:
             task = node.loop.create_task(self._adopt(client_id, owner.node, died))
             self._tasks.add(task)
             task.add_done_callback(self._tasks.discard)
-        # A dead member that comes back is alive again (not in ``gone``): the set changes.
-        self._swept = None if found else frozenset(gone)
+        # A gone member that comes back is alive again (not in ``adopt``): the set changes.
+        self._swept = None if found else frozenset(adopt)
 
     async def _adopt(self, client_id: str, dead: int, died: float) -> None:
         sessions = self.sessions

@@ -42,9 +42,13 @@ class SwimConfig:
     #: Dead members still receive gossip this long (so a falsely declared one learns and
     #: refutes); memberlist's GossipToTheDeadTime.
     gossip_to_dead: int = 30_000
-    #: Anti-entropy: every sync_interval, a full state exchange with one random member (a dead,
-    #: not left, one every other time: that is how a healed partition merges back); 0 = off.
+    #: Anti-entropy: every sync_interval, a full state exchange with one random live member
+    #: (memberlist's push-pull); 0 = off.
     sync_interval: int = 30_000
+    #: Reconnect: every reconnect_interval, while a member is held dead (not left), a full
+    #: state exchange with one of them: how a healed partition merges back (``statesync``;
+    #: serf's reconnect, every 30 s there); 0 = off.
+    reconnect_interval: int = 2000
     #: A node whose seeds did not answer asks them again this often.
     join_retry: int = 2000
     #: Largest datagram the core builds, in bytes (an Ethernet MTU less IP/UDP headers, with

@@ -26,8 +26,9 @@ The protocol (SWIM s3-s4, as hashicorp/memberlist runs it):
   periods, not in the 35 that spacing every probe by the scaled period took at 8x.
 - Updates ride on every packet within ``max_datagram`` (SWIM s4.1) and on gossip packets every
   ``gossip_interval`` to ``gossip_nodes`` members, each sent ``retransmit_limit`` times
-  (``broadcasts``); a full state exchange (``Sync``) joins a member and, every
-  ``sync_interval``, repairs what gossip missed (memberlist's push-pull).
+  (``broadcasts``); a full state exchange (``Sync``) joins a member and repairs what gossip
+  missed: with a live member every ``sync_interval`` (memberlist's push-pull), with a dead
+  one every ``reconnect_interval``, which merges a healed partition (``statesync``).
 - Lifeguard (``SwimConfig.lifeguard``): the local health multiplier, dynamic suspicion
   timeouts with confirmations, nacks, and the buddy system (a ping to a member we suspect
   carries the suspicion, so it refutes at once: Lifeguard, "Buddy System").
@@ -78,13 +79,14 @@ from broker.cluster.gossip.messages import (
 )
 from broker.cluster.gossip.options import SwimConfig, Variant
 from broker.cluster.gossip.probes import NACK_SHARE, SEQ_MASK, Probe, Relay
+from broker.cluster.gossip.statesync import StateSync
 
 __all__ = ["Swim"]
 
 LIVE = (State.ALIVE, State.SUSPECT)
 
 
-class Swim:
+class Swim(StateSync):
     def __init__(
         self,
         node_id: str,
@@ -129,8 +131,7 @@ class Swim:
         # Members started together spread their probes over the period.
         self._next_probe = now + rng.randrange(config.probe_interval)
         self._next_gossip = now + rng.randrange(config.gossip_interval)
-        self._next_sync = now + config.sync_interval if config.sync_interval else None
-        self._syncs = 0
+        self._start_syncs(now)
         self._seeds: list[Addr] = []
         self._next_join: int | None = None
         self._out: list[Effect] = []
@@ -164,8 +165,7 @@ class Swim:
         times += (s.deadline for s in self._suspicions.values())
         for relay in self._relays.values():
             times.append(relay.expires if relay.nack_at is None else relay.nack_at)
-        if self._next_sync is not None:
-            times.append(self._next_sync)
+        times += self._sync_deadlines()
         if self._next_join is not None:
             times.append(self._next_join)
         return min(times)
@@ -230,8 +230,11 @@ class Swim:
         """The updates first (so that an ack carries our refutation of a suspicion the ping
         brought: the buddy system), then the message."""
         self.now = now
-        for update in packet.updates:
-            self._apply(update)
+        if isinstance(packet.message, Sync):
+            self._merge(packet.updates)
+        else:
+            for update in packet.updates:
+                self._apply(update)
         self._handle(addr, packet.message)
         return self._take()
 
@@ -261,9 +264,7 @@ class Swim:
         if now >= self._next_gossip:
             self._next_gossip = now + self.config.gossip_interval
             self._gossip()
-        if self._next_sync is not None and now >= self._next_sync:
-            self._next_sync = now + self.config.sync_interval
-            self._anti_entropy()
+        self._sync_tick(now)
         if self._next_join is not None and now >= self._next_join:
             if any(m.state in LIVE for m in self.members.values() if m.node != self.id):
                 # Joined. A Sync reply of several datagrams may have lost one: a second full
@@ -551,35 +552,6 @@ class Swim:
         for m in self._rng.sample(targets, min(self.config.gossip_nodes, len(targets))):
             self._send(m.addr, Gossip())
         self.stats["gossip_rounds"] += 1
-
-    def _anti_entropy(self) -> None:
-        """A full exchange with a random live member, or every other time a dead (not left)
-        one: a member wrongly declared dead, or behind a healed partition, hears itself dead,
-        refutes, and the two sides merge (the repair memberlist leaves to serf's reconnect)."""
-        self._syncs += 1
-        wanted = State.DEAD if self._syncs % 2 == 0 else State.ALIVE
-        peers = [m for m in self.members.values() if m.node != self.id and m.state is wanted]
-        if not peers and wanted is State.DEAD:
-            peers = [
-                m for m in self.members.values() if m.node != self.id and m.state is State.ALIVE
-            ]
-        if peers:
-            self._send_state(self._rng.choice(peers).addr, reply=True)
-
-    def _send_state(self, addr: Addr, reply: bool) -> None:
-        """Our whole table, ourselves first, in as many Sync packets as it takes (only the first
-        asks for a reply)."""
-        ours = [self.members[self.id].update()]
-        ours += (m.update() for n, m in self.members.items() if n != self.id)
-        while ours:
-            message = Sync(reply)
-            budget = self.config.max_datagram - base_size(self.id, message)
-            chunk: list[Update] = []
-            while ours and (size := update_size(ours[0])) <= budget and len(chunk) < 255:
-                budget -= size
-                chunk.append(ours.pop(0))
-            self._out.append(Send(addr, Packet(self.id, message, tuple(chunk))))
-            reply = False
 
     def _take(self) -> list[Effect]:
         out, self._out = self._out, []

@@ -523,6 +523,8 @@ def test_a_dead_follower_node_lets_the_others_quiesce_and_wakes_them_on_return()
     beats = net.beats
     net.run(100)
     assert [h.stats.group_ticks for h in net.live()] == ticks and net.beats == beats
+    # Node liveness goes on under quiescence (broker.workers.orphans reads it).
+    assert net.host(0).silent(2) and not net.host(0).silent(1) and not net.host(1).silent(0)
     # A proposal still commits (2 of 3) and its group quiesces again without node 2.
     lead = net.leader_among(5, (0, 1))
     assert lead is not None
@@ -534,6 +536,7 @@ def test_a_dead_follower_node_lets_the_others_quiesce_and_wakes_them_on_return()
     net.start(2)
     net.run_until(lambda: net.all_led() and net.all_quiesced(), 3 * CONFIG.election_ticks)
     assert sum(h.stats.woken_by_return for h in net.live()) == 20
+    assert not any(net.host(i).silent(j) for i in range(3) for j in range(3) if i != j)
     assert net.host(2).core(5).commit == index
     assert net.logs[2][5].items[-1].payload == b"while down"
     net.check_logs()
