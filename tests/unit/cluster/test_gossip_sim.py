@@ -51,15 +51,16 @@ def test_without_refutation_the_same_member_is_declared_dead() -> None:
 
 def test_lifeguard_keeps_slow_members_from_killing_healthy_ones() -> None:
     """The Lifeguard paper's case, small: 3 of 20 members read packets up to 8 s late (their
-    timers on time). Without Lifeguard they declare healthy members dead (1, 0 and 17 pairs
-    on seeds 0-2); with it, none."""
+    timers on time). Without Lifeguard they declare healthy members dead (one pair each on
+    seeds 3, 4 and 6 of 0-6, since a DEAD in a full table is merged as a suspicion:
+    broker.cluster.gossip.statesync); with it, none."""
 
     def false_deaths(lifeguard: bool) -> int:
         config = replace(SwimConfig(), lifeguard=lifeguard)
         scenario = Scenario(
             members=20, loss=0.01, slow=3, slow_ms=8000, watch=20_000, config=config
         )
-        return sum(Sim(seed, scenario).run().false_deaths_healthy for seed in range(3))
+        return sum(Sim(seed, scenario).run().false_deaths_healthy for seed in range(7))
 
     assert false_deaths(lifeguard=False) > 0
     assert false_deaths(lifeguard=True) == 0
@@ -67,13 +68,14 @@ def test_lifeguard_keeps_slow_members_from_killing_healthy_ones() -> None:
 
 def test_a_member_back_from_a_cut_is_healthy_again_before_the_next_death() -> None:
     """The rounds of bench/gossip_lab.py at the node's settings: one member cut off for 8 s
-    (its probes all fail with no nack: its health score rises to the maximum), back, and 2 s
-    after every member holds every other alive, another dies. Its answered probes keep the
-    base period, so its score is back at 0 by then; it was 5 when every probe was spaced by
-    the scaled period (35 s from 7 to 0), and it then probed 6x less often (measured in
+    (its probes all fail with no nack: its health score rises to the maximum), back, and 5 s
+    after every member holds every other alive (the reconnect exchange makes that about
+    0.5 s after the heal), another dies. Its answered probes keep the base period, so its
+    score falls by one a second and is back at 0 by then; spaced by the scaled period it
+    took 35 s from 7 to 0, and the member probed up to 6x less often meanwhile (measured in
     docs/gossip.md)."""
     config = replace(SwimConfig(), suspicion_mult=1, suspicion_max_mult=2)
-    scenario = Scenario(members=5, blip=(1, 20_000, 8000), rejoin_gap=2000, watch=10_000,
+    scenario = Scenario(members=5, blip=(1, 20_000, 8000), rejoin_gap=5000, watch=10_000,
                         config=config)  # fmt: skip
     for seed in range(4):
         sim = Sim(seed, scenario)
