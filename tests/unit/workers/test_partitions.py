@@ -15,6 +15,7 @@ import pytest
 import uvloop
 
 from broker.commitlog import LogConfig, Record, SegmentedLog
+from broker.commitlog.batch import decode_batch
 from broker.commitlog.keys import PartitionKey
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import PartitionBase, SessionWatcher
@@ -226,7 +227,7 @@ def test_an_unknown_outcome_reaches_every_publisher_of_a_forward(tmp_path: Path)
     async def main() -> None:
         owner, reader = Worker(tmp_path, 0), Worker(tmp_path, 1)
         answers: list[Callable[[int | None], None]] = []
-        owner.service.enqueue = lambda key, rows, ack: answers.append(ack)
+        owner.service.enqueue_batch = lambda key, batch, count, ack: answers.append(ack)
         await connected(owner, reader)
         owner.partition(KEY)
         remote = reader.partition(KEY)
@@ -281,7 +282,9 @@ def test_an_iteration_sends_one_forward_per_owner_and_one_announcement(tmp_path:
         forwards = _counting(owner.mesh, FORWARD)
         appended = _counting(reader.mesh, APPENDED)
         gathered: list[tuple[PartitionKey, int, Callable[[int | None], None]]] = []
-        owner.service.enqueue = lambda key, rows, ack: gathered.append((key, len(rows), ack))
+        owner.service.enqueue_batch = lambda key, batch, count, ack: gathered.append(
+            (key, count, ack)
+        )
         await connected(owner, reader)
         remotes = [reader.partition(key) for key in keys]
         got: dict[PartitionKey, list[int | None]] = {key: [] for key in keys}
@@ -292,8 +295,13 @@ def test_an_iteration_sends_one_forward_per_owner_and_one_announcement(tmp_path:
             remote.commit()
         await until(lambda: len(gathered) == 3)
         assert len(forwards) == 1
-        assert [(stream, p, len(rows)) for stream, p, rows in forwards[0]] == [
-            (*key, n + 1) for n, key in enumerate(keys)
+        # Each batch as the log's bytes, encoded once (base offset 0: the owner places it).
+        assert [(stream, p, decode_batch(batch)) for stream, p, batch in forwards[0]] == [
+            (
+                *key,
+                [r._replace(offset=i) for i, r in enumerate(records(random.Random(n), n + 1, 10))],
+            )
+            for n, key in enumerate(keys)
         ]
         for n, (key, size, ack) in enumerate(gathered):
             assert (key, size) == (keys[n], n + 1)
@@ -313,5 +321,67 @@ def test_an_iteration_sends_one_forward_per_owner_and_one_announcement(tmp_path:
         reader.service.close()
         for part in owned:
             part.log.close()
+
+    run(main)
+
+
+@pytest.mark.parametrize("watched", [True, False])
+def test_forwarded_batches_are_appended_as_their_bytes(tmp_path: Path, watched: bool) -> None:
+    """A forward carries each partition's records as one batch; the owner appends its bytes
+    among its own records, in the order gathered, each publisher acknowledged with its
+    record's offset; the owner's tail (when someone reads the partition there) and the
+    forwarder's, fed by the announcement of the batches written, hold the log's records."""
+    rng = random.Random(8)
+
+    async def main() -> None:
+        owner, other = Worker(tmp_path, 0), Worker(tmp_path, 1)
+        owned = owner.partition(KEY)
+        assert isinstance(owned, OwnedPartition)
+        if watched:
+            owned.watchers.add(WATCHER)
+        commits: list[tuple[int, int]] = []
+
+        def enqueue_batch(
+            key: PartitionKey, batch: bytes, count: int, ack: Callable[[int | None], None]
+        ) -> None:
+            # The router's group commit: gathered among the owner's records, then committed.
+            assert key == KEY and isinstance(batch, bytes)
+            for rec in records(rng, rng.randrange(0, 3), 12):
+                owned.add(rec, None)
+            owned.add_batch(batch, count, ack)
+            for rec in records(rng, rng.randrange(0, 3), 12):
+                owned.add(rec, None)
+            commits.append(owned.commit())
+
+        owner.service.enqueue_batch = enqueue_batch
+        await connected(owner, other)
+        remote = other.partition(KEY)
+        remote.watchers.add(WATCHER)
+        acked: list[tuple[Record, int | None]] = []
+        sent = 0
+        for round_ in range(20):
+            batch = records(rng, rng.randrange(1, 6), rng.randrange(1, 40))
+            for rec in batch:
+                remote.add(rec, lambda offset, rec=rec: acked.append((rec, offset)))
+            remote.commit()
+            sent += len(batch)
+            await until(lambda n=sent: len(acked) == n)
+            await until(lambda n=round_ + 1: remote.end_offset == commits[n - 1][1])
+        log = owned.log
+        for rec, offset in acked:
+            assert offset is not None
+            assert log.read(offset, 1)[0][1:] == rec[1:]
+        assert remote.tail  # the announcements carried the batches written
+        check_reads(remote, log)
+        if watched:
+            assert owned.tail and owned.tail[-1].offset == log.end_offset - 1
+            check_reads(owned, log)
+        else:
+            assert not owned.tail  # nobody reads it here: no record rebuilt
+        assert owner.service.received == len(acked)
+        await owner.mesh.close()
+        await other.mesh.close()
+        other.service.close()
+        log.close()
 
     run(main)
