@@ -385,3 +385,34 @@ def test_forwarded_batches_are_appended_as_their_bytes(tmp_path: Path, watched: 
         log.close()
 
     run(main)
+
+
+def test_internal_streams_and_a_cluster_forward_rows(tmp_path: Path) -> None:
+    """Where the owner handles each record (an internal stream such as ``$sessions``) or
+    proposes records (a cluster's replicated partition, ``forward_batches`` off), a forward
+    carries rows, as the owner's ``enqueue`` takes them."""
+    internal = next(("$sessions", p) for p in range(8) if owner_of(("$sessions", p), 2) == 0)
+
+    async def main() -> None:
+        owner, other = Worker(tmp_path, 0), Worker(tmp_path, 1)
+        forwards = _counting(owner.mesh, FORWARD)
+        rows: list[tuple[PartitionKey, list[Any]]] = []
+        owner.service.enqueue = lambda key, got, ack: (rows.append((key, got)), ack(7))
+        await connected(owner, other)
+        sent = records(random.Random(3), 2, 10)
+        for key, batches in ((internal, True), (KEY, False)):
+            other.service.forward_batches = batches
+            remote = other.partition(key)
+            acked: list[int | None] = []
+            for rec in sent:
+                remote.add(rec, acked.append)
+            remote.commit()
+            await until(lambda acked=acked: len(acked) == 2)
+            assert acked == [7, 8]
+        assert rows == [(internal, [r[1:] for r in sent]), (KEY, [r[1:] for r in sent])]
+        assert all(isinstance(body[0][2], list) for body in forwards)
+        await owner.mesh.close()
+        await other.mesh.close()
+        other.service.close()
+
+    run(main)
