@@ -272,7 +272,9 @@ class SegmentedLog(ReplicaOps):
             )
             return base
 
-    def append_parts(self, parts: Sequence[Sequence[Record] | bytes]) -> tuple[int, list[bytes]]:
+    def append_parts(
+        self, parts: Sequence[Sequence[Record] | bytes]
+    ) -> tuple[int, list[bytes | bytearray]]:
         """Append ``parts`` in order, each a batch: a run of records (encoded here, as
         ``append``), or the bytes of a checked batch of consecutive records encoded elsewhere
         (another worker's forward, broker.workers.partitions), given its place here (base
@@ -282,8 +284,9 @@ class SegmentedLog(ReplicaOps):
         with self._lock:
             self._check_open()
             first = base = self._segments[-1].next_offset
-            written: list[bytes] = []
+            written: list[bytes | bytearray] = []
             for part in parts:
+                batch: bytes | bytearray
                 if isinstance(part, bytes):
                     batch, count = rebased(part, base), BATCH_HEADER.unpack_from(part)[7]
                 else:

@@ -65,12 +65,14 @@ def _small_columns(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q{5 * n}I{2 * n}B")
 
 
-def encode(base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0) -> bytes:
+def encode(
+    base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0
+) -> bytes | bytearray:
     """``records`` as one batch from ``base_offset`` (consecutive offsets): the small-batch
-    encoder up to SMALL_BATCH records, else the general one."""
+    encoder up to SMALL_BATCH records, else the general one (a bytearray, not copied)."""
     if len(records) <= SMALL_BATCH:
         return encode_small(base_offset, records, leader_epoch=leader_epoch)
-    return bytes(encode_batch(base_offset, records, leader_epoch=leader_epoch))
+    return encode_batch(base_offset, records, leader_epoch=leader_epoch)
 
 
 def encode_small(base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0) -> bytes:
@@ -96,10 +98,10 @@ def rebased(batch: bytes, base_offset: int) -> bytes:
     return bytes(buf)
 
 
-def decode_records(batch: bytes, pos: int = 0) -> list[Record]:
+def decode_records(batch: bytes | bytearray, pos: int = 0) -> list[Record]:
     """The records of the (checked) batch at ``batch[pos:]``: :func:`decode_batch`'s, in one
-    C call when compiled."""
-    if _smallbatch is not None:
+    C call when compiled (from bytes)."""
+    if _smallbatch is not None and type(batch) is bytes:
         records: list[Record] | None = _smallbatch.decode_records(batch, pos)
         if records is not None:
             return records

@@ -442,7 +442,7 @@ class Partition(PartitionBase):
         self.forwarded: list[tuple[int, bytes, int, Callable[[int | None], None] | None]] = []
         #: The batches the last commit with forwarded batches wrote (for its announcement,
         #: broker.workers.partitions).
-        self.written: list[bytes] = []
+        self.written: list[bytes | bytearray] = []
 
     def next_offset(self) -> int:
         return self.end + len(self.pending)
@@ -522,11 +522,11 @@ class Partition(PartitionBase):
         if self.watchers:
             stored: list[Record] = []
             offset = first
-            for part, batch in zip(parts, written, strict=True):
+            for part, wrote in zip(parts, written, strict=True):
                 # This worker's records as they are (numbered as gathered), unless the log
                 # moved other than through this object.
                 mine = not isinstance(part, bytes) and part[0][0] == offset
-                stored += part if mine else decode_records(batch)  # type: ignore[arg-type]
+                stored += part if mine else decode_records(wrote)  # type: ignore[arg-type]
                 offset = stored[-1][0] + 1
             self.keep_tail(first, stored)
         else:

@@ -104,7 +104,7 @@ class OwnedPartition(Partition):
         self,
         key: PartitionKey,
         log: SegmentedLog,
-        announce: Callable[[OwnedPartition, list[Record] | list[bytes]], None],
+        announce: Callable[[OwnedPartition, list[Record] | list[bytes | bytearray]], None],
     ) -> None:
         super().__init__(key, log)
         self.announce = announce
@@ -269,7 +269,7 @@ class PartitionService:
 
     # ------------------------------------------------------------ owner side
 
-    def announce(self, part: Partition, records: list[Record] | list[bytes]) -> None:
+    def announce(self, part: Partition, records: list[Record] | list[bytes | bytearray]) -> None:
         """Tell every peer, at the end of this iteration, ``part``'s new marks and, when few
         and ending at the mark, the ``records`` of the commit (:data:`ANNOUNCED_RECORDS`),
         or the batches it wrote (bytes, :meth:`OwnedPartition.commit`)."""
@@ -369,7 +369,9 @@ class PartitionService:
                 log.warning("%s/%d: %s; %d records not stored", *part.key, e, len(records))
                 _settle(acks, None)
 
-    def _framed(self, key: PartitionKey, records: list[Record]) -> bytes | list[tuple[Any, ...]]:
+    def _framed(
+        self, key: PartitionKey, records: list[Record]
+    ) -> bytes | bytearray | list[tuple[Any, ...]]:
         """What a FORWARD carries of ``records`` for ``key`` (module doc): their batch, or
         their rows where the owner handles each record."""
         if self.forward_batches and not key[0].startswith("$"):
@@ -467,12 +469,14 @@ def _settle(acks: list[Ack | None], first: int | None) -> None:
             ack(None if first is None else first + i)
 
 
-def _announced(records: list[Record] | list[bytes]) -> list[tuple[Any, ...]] | bytes | None:
+def _announced(
+    records: list[Record] | list[bytes | bytearray],
+) -> list[tuple[Any, ...]] | bytes | None:
     """What an announcement carries of a commit's ``records`` (module doc): their rows, or
     the batches written (bytes), or None when they are too many or too big."""
     if not records or len(records) > ANNOUNCED_RECORDS:
         return None
-    if isinstance(records[0], bytes):
+    if not isinstance(records[0], tuple):  # the batches written (a Record is a tuple)
         joined = b"".join(records)
         counts = sum([BATCH_HEADER.unpack_from(b)[7] for b in records])
         return joined if len(joined) <= ANNOUNCED_BYTES and counts <= ANNOUNCED_RECORDS else None

@@ -78,10 +78,12 @@ def test_encoded_decoded_and_rebased_as_in_python(
 @given(records=st.lists(_records, min_size=SMALL_BATCH + 1, max_size=40))
 def test_a_large_batch_decodes_as_in_python(records: list[Record]) -> None:
     """The decoder takes any consecutive batch (a forward of many records)."""
-    batch = encode(3, records)
-    assert batch == bytes(encode_batch(3, records))
+    written = encode(3, records)  # the general encoder's bytearray, not copied
+    assert isinstance(written, bytearray) and written == encode_batch(3, records)
+    batch = bytes(written)
     assert compiled.decode_records(batch) == decode_batch(batch)
     assert decode_records(b"xx" + batch, 2) == decode_batch(batch)
+    assert decode_records(written) == decode_batch(batch)  # a bytearray: the Python form
 
 
 def test_what_the_compiled_forms_leave_to_python() -> None:

@@ -346,10 +346,11 @@ def test_forwarded_batches_are_appended_as_their_bytes(tmp_path: Path, watched: 
         ) -> None:
             # The router's group commit: gathered among the owner's records, then committed.
             assert key == KEY and isinstance(batch, bytes)
-            for rec in records(rng, rng.randrange(0, 3), 12):
+            # Runs of up to 12 records: small batches and general ones (over SMALL_BATCH).
+            for rec in records(rng, rng.randrange(0, 13), 12):
                 owned.add(rec, None)
             owned.add_batch(batch, count, ack)
-            for rec in records(rng, rng.randrange(0, 3), 12):
+            for rec in records(rng, rng.randrange(0, 13), 12):
                 owned.add(rec, None)
             commits.append(owned.commit())
 
@@ -360,7 +361,7 @@ def test_forwarded_batches_are_appended_as_their_bytes(tmp_path: Path, watched: 
         acked: list[tuple[Record, int | None]] = []
         sent = 0
         for round_ in range(20):
-            batch = records(rng, rng.randrange(1, 6), rng.randrange(1, 40))
+            batch = records(rng, rng.randrange(1, 13), rng.randrange(1, 40))
             for rec in batch:
                 remote.add(rec, lambda offset, rec=rec: acked.append((rec, offset)))
             remote.commit()
