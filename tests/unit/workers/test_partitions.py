@@ -15,8 +15,9 @@ import pytest
 import uvloop
 
 from broker.commitlog import LogConfig, Record, SegmentedLog
-from broker.commitlog.batch import decode_batch
+from broker.commitlog.batch import decode_batch, encode_control
 from broker.commitlog.keys import PartitionKey
+from broker.commitlog.small_batch import encode
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import PartitionBase, SessionWatcher
 from broker.workers.mesh import Mesh, owner_of
@@ -28,6 +29,7 @@ from broker.workers.partitions import (
     OwnedPartition,
     PartitionService,
     RemotePartition,
+    _checked,
 )
 
 CONFIG = LogConfig(fsync="never")
@@ -417,3 +419,20 @@ def test_internal_streams_and_a_cluster_forward_rows(tmp_path: Path) -> None:
         other.service.close()
 
     run(main)
+
+
+def test_a_damaged_forward_is_refused() -> None:
+    """A forwarded batch is appended only when it is one whole batch of consecutive records
+    with its CRC intact; else its publishers are refused (the owner's ``_checked``)."""
+    batch = encode(0, records(random.Random(4), 3, 10))
+    assert _checked(batch) == 3
+    flipped = bytearray(batch)
+    flipped[-1] ^= 1
+    for bad in (
+        bytes(flipped),
+        batch[:-1],
+        batch + batch,
+        batch[:40],
+        encode_control(0, 1, 1, b"", 5),
+    ):
+        assert _checked(bad) is None
