@@ -14,15 +14,16 @@ $(PY):
 
 # Runtime install: the project and its dependencies.
 # setup.py and the .pyx: the compiled modules (broker/net/_devicelane.pyx, the device path;
-# broker/commitlog/_crc.pyx, the batch CRC) are rebuilt.
-$(STAMP)-run: pyproject.toml setup.py broker/net/_devicelane.pyx broker/commitlog/_crc.pyx scripts/install-system-deps.sh | $(PY)
+# broker/commitlog/_crc.pyx, the batch CRC; broker/commitlog/_smallbatch.pyx, the small batch)
+# are rebuilt.
+$(STAMP)-run: pyproject.toml setup.py broker/net/_devicelane.pyx broker/commitlog/_crc.pyx broker/commitlog/_smallbatch.pyx scripts/install-system-deps.sh | $(PY)
 	@echo "Installing mqlog and its dependencies into $(VENV) (about 10 s; once, until pyproject.toml changes) ..."
 	bash scripts/install-system-deps.sh runtime
 	$(PY) -m pip install --quiet -e .
 	touch $@
 
 # Test install: runtime + test-only packages + the Debian packages the tests drive.
-$(STAMP)-test: pyproject.toml setup.py broker/net/_devicelane.pyx broker/commitlog/_crc.pyx scripts/install-system-deps.sh | $(PY)
+$(STAMP)-test: pyproject.toml setup.py broker/net/_devicelane.pyx broker/commitlog/_crc.pyx broker/commitlog/_smallbatch.pyx scripts/install-system-deps.sh | $(PY)
 	bash scripts/install-system-deps.sh
 	$(PY) -m pip install --quiet -e '.[test]'
 	touch $@

@@ -1,4 +1,5 @@
-"""The compiled device path (broker/net/_devicelane.pyx, issue 23): built by
+"""The compiled device path (broker/net/_devicelane.pyx, issue 23), the batch checksum
+(broker/commitlog/_crc.pyx) and the small batch (broker/commitlog/_smallbatch.pyx): built by
 ``pip install -e .`` with Cython (a build requirement in pyproject.toml). The rest of the
 project is configured in pyproject.toml. The generated C and the built module are not
 committed (.gitignore). It needs a C compiler and the Python headers
@@ -15,6 +16,11 @@ setup(
         [
             Extension("broker.net._devicelane", ["broker/net/_devicelane.pyx"]),
             Extension("broker.commitlog._crc", ["broker/commitlog/_crc.pyx"], libraries=["z"]),
+            Extension(
+                "broker.commitlog._smallbatch",
+                ["broker/commitlog/_smallbatch.pyx"],
+                libraries=["z"],
+            ),
         ],
         compiler_directives={"language_level": "3"},
     )

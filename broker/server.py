@@ -233,6 +233,7 @@ class Server:
         cluster.on_committed = partitions.announce
         partitions.peer_reads_committed = False  # a group's home may be another node
         partitions.lost_outcome = OUTCOME_UNKNOWN  # the owner may have proposed them
+        partitions.forward_batches = False  # a replicated partition proposes records
         return make
 
     def _join_runtime(self, runtime: WorkerRuntime) -> None:

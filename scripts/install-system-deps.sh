@@ -9,7 +9,8 @@ ldconfig -p 2>/dev/null | grep -q 'libdeflate\.so\.0' || need+=(libdeflate0)
 # The compiled device path (broker/net/_devicelane.pyx, built by pip install -e .): a C
 # compiler and the headers of the Python that builds it (Debian's python3 needs its -dev).
 command -v cc >/dev/null 2>&1 || need+=(gcc)
-# The compiled batch CRC (broker/commitlog/_crc.pyx) falls back to zlib's crc32: its header.
+# The compiled batch CRC (broker/commitlog/_crc.pyx) falls back to zlib's crc32, and the compiled
+# small batch (broker/commitlog/_smallbatch.pyx) checksums with it: its header.
 [ -e /usr/include/zlib.h ] || need+=(zlib1g-dev)
 py=${PYTHON:-python3}
 inc=$("$py" -c 'import sysconfig; print(sysconfig.get_paths()["include"])' 2>/dev/null || true)

@@ -53,7 +53,7 @@ from collections.abc import Callable, Sequence, Sized
 from pathlib import Path
 from typing import TypeVar
 
-from broker.commitlog.batch import BATCH_HEADER, Decoder, decode_into, encode_batch
+from broker.commitlog.batch import BATCH_HEADER, Decoder, decode_into
 from broker.commitlog.cleaned import swap_in, write_segment
 from broker.commitlog.columns import ColumnRead, decode_columns_into
 from broker.commitlog.config import MAX_SEGMENT_OFFSETS, LogConfig
@@ -79,7 +79,7 @@ from broker.commitlog.segment import (
     CLEANED_SUFFIX,
     Segment,
 )
-from broker.commitlog.small_batch import SMALL_BATCH, encode_small
+from broker.commitlog.small_batch import encode, rebased
 
 logger = logging.getLogger("broker.commitlog")
 
@@ -267,12 +267,34 @@ class SegmentedLog(ReplicaOps):
             base = active.next_offset
             if not records:
                 return base
-            if len(records) <= SMALL_BATCH:
-                batch: bytes | bytearray = encode_small(base, records, leader_epoch=leader_epoch)
-            else:
-                batch = encode_batch(base, records, leader_epoch=leader_epoch)
-            self._write_locked(batch, base + len(records))
+            self._write_locked(
+                encode(base, records, leader_epoch=leader_epoch), base + len(records)
+            )
             return base
+
+    def append_parts(
+        self, parts: Sequence[Sequence[Record] | bytes]
+    ) -> tuple[int, list[bytes | bytearray]]:
+        """Append ``parts`` in order, each a batch: a run of records (encoded here, as
+        ``append``), or the bytes of a checked batch of consecutive records encoded elsewhere
+        (another worker's forward, broker.workers.partitions), given its place here (base
+        offset and CRC rewritten, nothing decoded). Returns the first offset and the batches
+        written. One write per batch: on an error the batches before it stay (their
+        publishers get no acknowledgement: a QoS 1 resend is a duplicate, allowed)."""
+        with self._lock:
+            self._check_open()
+            first = base = self._segments[-1].next_offset
+            written: list[bytes | bytearray] = []
+            for part in parts:
+                batch: bytes | bytearray
+                if isinstance(part, bytes):
+                    batch, count = rebased(part, base), BATCH_HEADER.unpack_from(part)[7]
+                else:
+                    batch, count = encode(base, part), len(part)
+                self._write_locked(batch, base + count)
+                written.append(batch)
+                base += count
+            return first, written
 
     def _write_locked(self, batch: bytes | bytearray, next_offset: int, sync: bool = True) -> None:
         """Write one encoded batch that ends before ``next_offset`` to the active segment,

@@ -1,10 +1,15 @@
 """The small-batch encoder: :func:`encode_small` writes the bytes of
-:func:`~broker.commitlog.batch.encode_batch` for 1 .. :data:`SMALL_BATCH` records, in fewer steps.
+:func:`~broker.commitlog.batch.encode_batch` for 1 .. :data:`SMALL_BATCH` records, in fewer steps;
+and what a batch encoded by another worker needs (a forward, broker.workers.partitions):
+:func:`rebased` to the offset it is appended at, :func:`decode_records` back into records.
 
 A fleet appends one to three records per partition and event-loop iteration, where the
 general encoder's per-call setup was most of the append. The two encoders are held to the
 same bytes by ``tests/unit/commitlog/test_batch.py``; the format itself is described in
-:mod:`broker.commitlog.batch`.
+:mod:`broker.commitlog.batch`. Compiled (:mod:`broker.commitlog._smallbatch`, when built), the
+encoder, the rebase and the decoder are one C call each; the pure-Python forms here are the
+reference, and serve where it is not built (``tests/unit/commitlog/test_smallbatch.py``
+holds them to the same bytes and records).
 """
 
 from __future__ import annotations
@@ -14,11 +19,29 @@ import zlib
 from collections.abc import Sequence
 from functools import lru_cache
 from itertools import count
+from types import ModuleType
 
-from broker.commitlog.batch import BATCH_HEADER_SIZE, MAGIC, encode_batch
+from broker.commitlog.batch import (
+    BATCH_HEADER,
+    BATCH_HEADER_SIZE,
+    CRC_OFFSET,
+    MAGIC,
+    decode_batch,
+    encode_batch,
+)
+from broker.commitlog.crc import batch_crc
 from broker.commitlog.record import Record
 
+_smallbatch: ModuleType | None
+try:
+    from broker.commitlog import _smallbatch
+except ImportError:  # not built: the pure-Python forms serve
+    _smallbatch = None
+#: ``"compiled"`` or ``"python"``: what encodes small batches, rebases and decodes them.
+IMPLEMENTATION = "python" if _smallbatch is None else "compiled"
+
 _CRC = struct.Struct("<I")
+_I64 = struct.Struct("<q")
 _EMPTY = b""
 
 #: Batches of up to this many records take :func:`encode_small` (a fleet's appends: each
@@ -42,7 +65,52 @@ def _small_columns(n: int) -> struct.Struct:
     return struct.Struct(f"<{n}q{5 * n}I{2 * n}B")
 
 
+def encode(
+    base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0
+) -> bytes | bytearray:
+    """``records`` as one batch from ``base_offset`` (consecutive offsets): the small-batch
+    encoder up to SMALL_BATCH records, else the general one (a bytearray, not copied)."""
+    if len(records) <= SMALL_BATCH:
+        return encode_small(base_offset, records, leader_epoch=leader_epoch)
+    return encode_batch(base_offset, records, leader_epoch=leader_epoch)
+
+
 def encode_small(base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0) -> bytes:
+    """:func:`encode_small_python`, compiled when built (module doc)."""
+    if _smallbatch is not None:
+        batch: bytes | None = _smallbatch.encode_small(base_offset, records, leader_epoch)
+        if batch is not None:
+            return batch
+    return encode_small_python(base_offset, records, leader_epoch=leader_epoch)
+
+
+def rebased(batch: bytes, base_offset: int) -> bytes:
+    """``batch`` (one whole batch) with its base offset ``base_offset`` and its CRC computed
+    again for it: a batch another worker encoded, appended at this log's end."""
+    if _smallbatch is not None:
+        out: bytes = _smallbatch.rebased(batch, base_offset)
+        return out
+    buf = bytearray(batch)
+    if len(buf) < BATCH_HEADER_SIZE or BATCH_HEADER.unpack_from(buf)[1] != len(buf):
+        raise ValueError("not one whole batch")
+    _I64.pack_into(buf, 0, base_offset)
+    _CRC.pack_into(buf, CRC_OFFSET, batch_crc(buf, 0, len(buf)))
+    return bytes(buf)
+
+
+def decode_records(batch: bytes | bytearray, pos: int = 0) -> list[Record]:
+    """The records of the (checked) batch at ``batch[pos:]``: :func:`decode_batch`'s, in one
+    C call when compiled (from bytes)."""
+    if _smallbatch is not None and type(batch) is bytes:
+        records: list[Record] | None = _smallbatch.decode_records(batch, pos)
+        if records is not None:
+            return records
+    return decode_batch(batch, pos)
+
+
+def encode_small_python(
+    base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0
+) -> bytes:
     """:func:`encode_batch` (consecutive offsets) of 1 .. SMALL_BATCH records: the same
     bytes in fewer steps (a dict for the string table, one struct call for every fixed
     column, the CRC of the header and the body as two pieces instead of patched in place).

@@ -82,6 +82,19 @@ class GroupCommit:
         self._dirty[key] = part
         self.flush_soon()
 
+    def append_forwarded_batch(
+        self, key: PartitionKey, batch: bytes, count: int, ack: AckCallback
+    ) -> None:
+        """A checked batch of ``count`` records another worker encoded for partition ``key``,
+        which this worker owns (:meth:`PartitionBase.add_batch`): appended in this
+        iteration's group commit as it is; ``ack`` gets its first record's offset (None if
+        the append failed)."""
+        part = self.state.partition(key)
+        part.add_batch(batch, count, ack)
+        self.state.records_appended += count
+        self._dirty[key] = part
+        self.flush_soon()
+
     def flush_soon(self) -> None:
         """Run the group commit at the end of this event-loop iteration (once)."""
         if not self._scheduled:

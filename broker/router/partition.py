@@ -21,6 +21,7 @@ from broker.commitlog import Record, SegmentedLog
 from broker.commitlog.columns import ColumnRead
 from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
+from broker.commitlog.small_batch import decode_records
 
 #: Records kept in memory per partition for caught-up subscribers (one iteration of a busy
 #: fan-in appends tens of thousands: a smaller tail sends its subscriber to the log) ...
@@ -316,6 +317,13 @@ class PartitionBase:
         self.acks.append(ack)
         self.acks += [None] * (len(rows) - 1)
 
+    def add_batch(self, batch: bytes, count: int, ack: Callable[[int | None], None] | None) -> None:
+        """Gather ``batch``, the checked bytes of ``count`` consecutive records another
+        worker encoded (broker.workers.partitions), after what is gathered; ``ack`` gets its
+        first record's offset. Here: as its records (a partition that appends the bytes as
+        they are, :class:`Partition`, overrides this)."""
+        self.add_rows([r[1:] for r in decode_records(batch)], ack)
+
     def _offsets(self) -> Iterator[int]:
         """The offsets of the records gathered next, one per record (see next_offset)."""
         base = self.next_offset()
@@ -414,17 +422,27 @@ class Partition(PartitionBase):
     Records are numbered as they are gathered: this router is the log's only writer, so the
     next offset is the log's end plus what is pending. The gathered records then go to the
     tail as they are, instead of being rebuilt with their offsets after the append (that
-    rebuild was 7% of a fan-in's broker time).
+    rebuild was 7% of a fan-in's broker time). Batches another worker forwarded are
+    gathered as their bytes (:meth:`add_batch`) and appended as they are: the owner builds
+    no object per forwarded record, unless a reader here wants them in the tail.
     """
 
-    __slots__ = ("end",)
+    __slots__ = ("end", "forwarded", "written")
 
     log: SegmentedLog
 
     def __init__(self, key: PartitionKey, log: SegmentedLog) -> None:
         super().__init__(key, log)
-        #: The log's end offset as of the last commit (only :meth:`commit` moves it).
+        #: The log's end offset as of the last commit, plus the records of the forwarded
+        #: batches gathered since (only :meth:`commit` and :meth:`add_batch` move it): the
+        #: records in ``pending`` are numbered from it (the compiled device path too).
         self.end = log.end_offset
+        #: Forwarded batches gathered: (records of ``pending`` before it, bytes, record
+        #: count, acknowledgement).
+        self.forwarded: list[tuple[int, bytes, int, Callable[[int | None], None] | None]] = []
+        #: The batches the last commit with forwarded batches wrote (for its announcement,
+        #: broker.workers.partitions).
+        self.written: list[bytes | bytearray] = []
 
     def next_offset(self) -> int:
         return self.end + len(self.pending)
@@ -437,21 +455,25 @@ class Partition(PartitionBase):
         pending.append(record)
         self.acks.append(ack)
 
+    def add_batch(self, batch: bytes, count: int, ack: Callable[[int | None], None] | None) -> None:
+        self.forwarded.append((len(self.pending), batch, count, ack))
+        self.end += count  # the records gathered after it are numbered after it
+
     def commit(self) -> tuple[int, int]:
         """Append the gathered batch as one write; returns ``(first offset, end offset)``.
 
         On a storage error the batch is dropped (the log rolled itself back) and every ack
         is called with ``None``; the error propagates to the router, which logs it.
         """
+        if self.forwarded:
+            return self._commit_forwarded()
         records, acks = self.pending, self.acks
         self.pending, self.acks = [], []
         try:
             first = self.log.append(records)
         except Exception:
             self.end = self.log.end_offset  # rolled back: the numbers given are free again
-            for ack in acks:
-                if ack is not None:
-                    ack(None)
+            _fail(acks)
             raise
         end = self.end = self.log.end_offset
         stored = records
@@ -464,6 +486,57 @@ class Partition(PartitionBase):
         for i, ack in enumerate(acks):
             if ack is not None:
                 ack(first + i)
+        return first, end
+
+    def _commit_forwarded(self) -> tuple[int, int]:
+        """:meth:`commit` with forwarded batches among the gathered: in the order gathered,
+        each run of this worker's records one batch, each forwarded batch as it came
+        (:meth:`~broker.commitlog.log.SegmentedLog.append_parts`); one acknowledgement per
+        forwarded batch. The forwarded records join the tail only when a reader here is
+        watching (decoded in one C call per batch, compiled); else the tail starts after the
+        commit and a later reader reads the log."""
+        records, acks, forwarded = self.pending, self.acks, self.forwarded
+        self.pending, self.acks, self.forwarded = [], [], []
+        parts: list[Sequence[Record] | bytes] = []
+        runs: list[tuple[list[Callable[[int | None], None] | None], int]] = []
+        start = 0
+        for before, batch, size, ack in forwarded:
+            if before > start:
+                parts.append(records[start:before])
+                runs.append((acks[start:before], before - start))
+            parts.append(batch)
+            runs.append(([ack], size))
+            start = before
+        if start < len(records):
+            parts.append(records[start:])
+            runs.append((acks[start:], len(records) - start))
+        try:
+            first, written = self.log.append_parts(parts)
+        except Exception:
+            self.end = self.log.end_offset
+            for run_acks, _ in runs:
+                _fail(run_acks)
+            raise
+        end = self.end = self.log.end_offset
+        self.written = written
+        if self.watchers:
+            stored: list[Record] = []
+            offset = first
+            for part, wrote in zip(parts, written, strict=True):
+                # This worker's records as they are (numbered as gathered), unless the log
+                # moved other than through this object.
+                mine = not isinstance(part, bytes) and part[0][0] == offset
+                stored += part if mine else decode_records(wrote)  # type: ignore[arg-type]
+                offset = stored[-1][0] + 1
+            self.keep_tail(first, stored)
+        else:
+            self.tail, self.tail_base, self.tail_bytes = [], end, 0
+        offset = first
+        for run_acks, size in runs:
+            for i, ack in enumerate(run_acks):
+                if ack is not None:
+                    ack(offset + i)
+            offset += size
         return first, end
 
     def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
@@ -482,3 +555,10 @@ class Partition(PartitionBase):
         if self.tail and offset >= self.tail_base:
             return self.tail_columns(offset)
         return super().read_columns(offset)
+
+
+def _fail(acks: list[Callable[[int | None], None] | None]) -> None:
+    """Not stored: every acknowledgement gets None."""
+    for ack in acks:
+        if ack is not None:
+            ack(None)

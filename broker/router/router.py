@@ -137,6 +137,7 @@ class Router:
         self.flush = commit.flush
         self.flush_soon = commit.flush_soon
         self.append_forwarded = commit.append_forwarded
+        self.append_forwarded_batch = commit.append_forwarded_batch
         #: Committed ``$retained`` records to the retained index (a replicated ``$retained``
         #: applies what each commit brings, on every node).
         self.apply_retained = store.apply_retained

@@ -15,19 +15,26 @@ the number of partitions and records it carries (gathered until the mesh's flush
 :meth:`~broker.workers.mesh.Mesh.before_flush`): a fleet's iteration gathers a record or two
 for each of several partitions, and a frame per partition and commit made the second worker
 cost per message what the first spent per iteration. ``FORWARD`` is a request to one owner
-whose body is, :mod:`marshal`-ed, one ``(stream, partition, rows)`` per partition it owns that
-this iteration gathered records for, the rows without their offset (timestamp, topic, payload,
-qos, retain, client id, properties); answered with the first offset given to each batch, in
-order (``<q`` each; -1: the append failed). Marshal, not the log's batch encoding: the owner
-encodes the batch it appends anyway, both ends are forks of one interpreter, the channel is a
-local stream socket (no checksum needed), and a forward of 1-2 records (a fleet's) took 27 +
-30 us to encode and decode as a batch, 2 + 3 us as rows. ``APPENDED`` is a notification, to
+whose body is, :mod:`marshal`-ed, one ``(stream, partition, batch)`` per partition it owns that
+this iteration gathered records for; answered with the first offset given to each batch, in
+order (``<q`` each; -1: the append failed). ``batch`` is the records in the log's batch
+format (broker.commitlog.batch, base offset 0), encoded once here: the owner checks its CRC
+and appends the bytes as they are, given their offsets (``SegmentedLog.append_parts``),
+without an object per record (issue 23: the rows forwarded before cost the second worker
+40,198 instructions per message over one worker on the fleet, bench/instr_bench.py); the
+compiled small-batch codec (broker.commitlog._smallbatch) makes that cheaper than marshalled
+rows were, which took 2 + 3 us to send and rebuild against 27 + 30 us for a batch in Python.
+Rows (tuples without their offset: timestamp, topic, payload, qos, retain, client id,
+properties) are forwarded instead for the internal streams (``$sessions``, ``$retained``:
+their owner handles each record), in a cluster (a replicated partition proposes records,
+broker.workers.replicated), and where the codec is not built. ``APPENDED`` is a notification, to
 every peer, of the commits of the iteration: one ``(stream, partition, earliest offset,
-high-water mark, rows)`` each, so each worker knows every partition's mark; ``rows`` are the
-commit's records (they end at the mark) when at most :data:`ANNOUNCED_RECORDS` and
-:data:`ANNOUNCED_BYTES` of payload, else None: a worker with a subscriber to that partition
-feeds it from memory instead of reading each small batch back from the owner's file (a
-fleet's commits are one to three records).
+high-water mark, records)`` each, so each worker knows every partition's mark; ``records``
+are the commit's (they end at the mark) when at most :data:`ANNOUNCED_RECORDS` and
+:data:`ANNOUNCED_BYTES` of payload, else None: as rows, or, for a commit that appended
+forwarded batches, as the batches it wrote (bytes); a worker with a subscriber to that
+partition feeds it from memory instead of reading each small batch back from the owner's
+file (a fleet's commits are one to three records).
 ``MARKS`` asks a peer for the marks of all it owns (a worker asks each peer
 once when it starts, before it serves: a subscription made then starts from the true end,
 not from 0).
@@ -45,9 +52,12 @@ from functools import partial
 from itertools import count
 from typing import Any
 
-from broker.commitlog import LogConfig, Record, SegmentedLog
+from broker.commitlog import LogConfig, Record, SegmentedLog, small_batch
+from broker.commitlog.batch import BATCH_HEADER, CONTROL_FLAG, MAGIC
+from broker.commitlog.crc import batch_crc_ok
 from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
+from broker.commitlog.small_batch import decode_records, encode
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
 from broker.workers.mesh import FIRST_USER_KIND, Mesh, PeerDown
@@ -94,13 +104,14 @@ class OwnedPartition(Partition):
         self,
         key: PartitionKey,
         log: SegmentedLog,
-        announce: Callable[[OwnedPartition, list[Record]], None],
+        announce: Callable[[OwnedPartition, list[Record] | list[bytes | bytearray]], None],
     ) -> None:
         super().__init__(key, log)
         self.announce = announce
 
     def commit(self) -> tuple[int, int]:
         records = self.pending
+        forwarded = bool(self.forwarded)
         try:
             first, end = super().commit()
         except Exception:
@@ -108,7 +119,10 @@ class OwnedPartition(Partition):
             # batch) is worth telling.
             self.announce(self, [])
             raise
-        self.announce(self, records if end - first == len(records) else [])
+        if forwarded:  # its records are in the batches it wrote
+            self.announce(self, self.written)
+        else:
+            self.announce(self, records if end - first == len(records) else [])
         return first, end
 
 
@@ -194,6 +208,13 @@ class PartitionService:
         self.config_of = config_of
         self.mesh: Mesh | None = None
         self.enqueue: Callable[[PartitionKey, list[tuple[Any, ...]], Ack], None] | None = None
+        #: ``enqueue_batch(key, batch, count, ack)``: a forwarded batch's bytes, likewise.
+        self.enqueue_batch: Callable[[PartitionKey, bytes, int, Ack], None] | None = None
+        #: Forward batches as the log's bytes, where the small-batch codec is compiled (in
+        #: Python a batch costs more than rows: the fleet on two workers took 143,370
+        #: instructions per message so, 121,562 with rows, 102,707 compiled); else as rows,
+        #: and in a cluster (set by the server).
+        self.forward_batches = small_batch.IMPLEMENTATION == "compiled"
         self.wake: Callable[[Any], None] | None = None
         self.on_moved: Callable[[PartitionKey, int, RemotePartition], None] | None = None
         #: The partitions this worker owns (opened at start, so MARKS can answer for all):
@@ -216,7 +237,8 @@ class PartitionService:
         self._forwards: dict[int, list[tuple[RemotePartition, list[Record], list[Ack | None]]]]
         self._forwards = {}
         #: Commits of this iteration, sent to every peer in one APPENDED at its end.
-        self._appended: list[tuple[str, int, int, int, list[tuple[Any, ...]] | None]] = []
+        self._appended: list[tuple[str, int, int, int, list[tuple[Any, ...]] | bytes | None]]
+        self._appended = []
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
         return {FORWARD: self._on_forward, APPENDED: self._on_appended, MARKS: self._on_marks}
@@ -260,21 +282,18 @@ class PartitionService:
 
     # ------------------------------------------------------------ owner side
 
-    def announce(self, part: Partition, records: list[Record]) -> None:
+    def announce(self, part: Partition, records: list[Record] | list[bytes | bytearray]) -> None:
         """Tell every peer, at the end of this iteration, ``part``'s new marks and, when few
-        and ending at the mark, the ``records`` of the commit (:data:`ANNOUNCED_RECORDS`)."""
+        and ending at the mark, the ``records`` of the commit (:data:`ANNOUNCED_RECORDS`),
+        or the batches it wrote (bytes, :meth:`OwnedPartition.commit`)."""
         if self.mesh is None or not self.mesh.peers:
             return
-        rows: list[tuple[Any, ...]] | None = None
-        if 0 < len(records) <= ANNOUNCED_RECORDS:
-            rows = [r[1:] for r in records]
-            if sum([len(r[2]) for r in rows]) > ANNOUNCED_BYTES:
-                rows = None
         if not self._appended:
             self.mesh.before_flush(self._send_appended)
         stream, partition = part.key
         # end_offset: a replicated partition's is its commit index, not its log's end.
-        self._appended.append((stream, partition, part.log.log_start_offset, part.end_offset, rows))
+        start = part.log.log_start_offset
+        self._appended.append((stream, partition, start, part.end_offset, _announced(records)))
 
     def _send_appended(self) -> None:
         appended, self._appended = self._appended, []
@@ -287,7 +306,7 @@ class PartitionService:
 
     def _on_forward(self, peer: int, request: int, body: memoryview) -> None:
         mesh = self.mesh
-        assert mesh is not None and self.enqueue is not None
+        assert mesh is not None
         batches = marshal.loads(body)
         answer = _Answer(mesh, peer, request, len(batches))
         for i, (stream, partition, rows) in enumerate(batches):
@@ -301,8 +320,21 @@ class PartitionService:
                 )
                 answer.settle(i, None)
                 continue
-            self.received += len(rows)
-            self.enqueue(key, rows, partial(answer.settle, i))
+            if type(rows) is not bytes:
+                assert self.enqueue is not None
+                self.received += len(rows)
+                self.enqueue(key, rows, partial(answer.settle, i))
+                continue
+            assert self.enqueue_batch is not None
+            count = _checked(rows)
+            if count is None:
+                log.error(
+                    "worker %d: peer %d forwarded a damaged batch to %s/%d", self.worker, peer, *key
+                )
+                answer.settle(i, None)
+                continue
+            self.received += count
+            self.enqueue_batch(key, rows, count, partial(answer.settle, i))
 
     # ------------------------------------------------------------ elsewhere
 
@@ -340,8 +372,9 @@ class PartitionService:
                 _answered(acks, first)
 
         assert self.mesh is not None
-        rows = [(*part.key, [r[1:] for r in records]) for part, records, _ in batches]
-        body = marshal.dumps(rows)
+        body = marshal.dumps(
+            [(*part.key, self._framed(part.key, records)) for part, records, _ in batches]
+        )
         try:
             self.mesh.request(owner, FORWARD, body, done)
         except PeerDown as e:
@@ -349,12 +382,25 @@ class PartitionService:
                 log.warning("%s/%d: %s; %d records not stored", *part.key, e, len(records))
                 _settle(acks, None)
 
+    def _framed(
+        self, key: PartitionKey, records: list[Record]
+    ) -> bytes | bytearray | list[tuple[Any, ...]]:
+        """What a FORWARD carries of ``records`` for ``key`` (module doc): their batch, or
+        their rows where the owner handles each record."""
+        if self.forward_batches and not key[0].startswith("$"):
+            return encode(0, records)
+        return [r[1:] for r in records]
+
     def _on_appended(self, peer: int, request: int, body: memoryview) -> None:
         for stream, partition, start, end, rows in marshal.loads(body):
             key = (stream, partition)
             part = self.remote.get(key)
             if part is not None and (part.tail or part.watchers):
-                if rows is not None and part.watchers:
+                if type(rows) is bytes and part.watchers:
+                    # The batches the commit wrote, which end at the mark: their records.
+                    records = _batch_records(rows)
+                    part.keep_tail(records[0][0], records)
+                elif rows is not None and part.watchers:
                     # The records of the commit, which ends at the mark: the tail of a
                     # partition someone here reads (the others would only hold memory).
                     new = tuple.__new__
@@ -434,3 +480,46 @@ def _settle(acks: list[Ack | None], first: int | None) -> None:
     for i, ack in enumerate(acks):
         if ack is not None:
             ack(None if first is None else first + i)
+
+
+def _announced(
+    records: list[Record] | list[bytes | bytearray],
+) -> list[tuple[Any, ...]] | bytes | None:
+    """What an announcement carries of a commit's ``records`` (module doc): their rows, or
+    the batches written (bytes), or None when they are too many or too big."""
+    if not records or len(records) > ANNOUNCED_RECORDS:
+        return None
+    if not isinstance(records[0], tuple):  # the batches written (a Record is a tuple)
+        joined = b"".join(records)
+        counts = sum([BATCH_HEADER.unpack_from(b)[7] for b in records])
+        return joined if len(joined) <= ANNOUNCED_BYTES and counts <= ANNOUNCED_RECORDS else None
+    rows = [r[1:] for r in records]
+    return rows if sum([len(r[2]) for r in rows]) <= ANNOUNCED_BYTES else None
+
+
+def _checked(batch: bytes) -> int | None:
+    """The record count of ``batch``, a forwarded batch of consecutive records; None when it
+    is not one whole, undamaged such batch (the CRC check is compiled, ~0.1 us)."""
+    if len(batch) < BATCH_HEADER.size:
+        return None
+    (_, length, magic, attributes, _, _, last_delta, n, _, _, _) = BATCH_HEADER.unpack_from(batch)
+    if (
+        length != len(batch)
+        or magic != MAGIC
+        or attributes & CONTROL_FLAG
+        or n < 1
+        or last_delta != n - 1
+        or not batch_crc_ok(batch, 0, length)
+    ):
+        return None
+    return int(n)
+
+
+def _batch_records(batches: bytes) -> list[Record]:
+    """The records of consecutive batches (an announcement's, written by the owner)."""
+    records: list[Record] = []
+    pos = 0
+    while pos < len(batches):
+        records += decode_records(batches, pos)
+        pos += BATCH_HEADER.unpack_from(batches, pos)[1]
+    return records

@@ -139,8 +139,10 @@ class ReplicatedPartition(Partition):
     def next_offset(self) -> int:
         return -1  # numbered when proposed (the leader may change before)
 
-    # Gathered as they are (numbered when proposed), not renumbered as Partition.add does.
+    # Gathered as they are (numbered when proposed), not renumbered as Partition.add does;
+    # a forwarded batch as its records (a proposal is of records).
     add = PartitionBase.add
+    add_batch = PartitionBase.add_batch
 
     def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
         """Committed records from ``offset``: from the tail when it holds ``offset`` (it may

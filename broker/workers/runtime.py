@@ -144,6 +144,7 @@ class WorkerRuntime:
         sessions.restore = router.restore_sessions
         sessions.held_ids = lambda: list(router.sessions)
         self.partitions.enqueue = router.append_forwarded
+        self.partitions.enqueue_batch = router.append_forwarded_batch
         self.partitions.wake = router.wake
 
         def moved(key: PartitionKey, old_end: int, part: Any) -> None:

@@ -24,8 +24,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from broker.auth import AuthService
-from broker.commitlog import Streams
+from broker.commitlog import Record, Streams
 from broker.commitlog.config import LogConfig, StreamSpec
+from broker.commitlog.small_batch import encode
 from broker.config import Config, RouterConfig
 from broker.metrics.collector import Metrics
 from broker.mqtt.topics import topic_matches
@@ -33,7 +34,7 @@ from broker.net import devicepath
 from broker.net.keepalive import KeepaliveWheel
 from broker.net.transport import MQTTProtocol
 from broker.router.commit import OUTCOME_UNKNOWN
-from broker.router.partition import Partition, PartitionBase
+from broker.router.partition import Partition, PartitionBase, SessionWatcher
 from broker.router.router import Router
 from broker.server import TICK_SECONDS
 from tests.integration.rawclient import varint
@@ -99,6 +100,8 @@ class Server:
         self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, 1000.0)
         self.session_claims = None
         self.flush_due: list[MQTTProtocol] = []
+        #: What the forwarded batches' acknowledgements got (their first offsets).
+        self.forward_answers: list[int | None] = []
 
     def want_flush(self, link: MQTTProtocol) -> None:
         self.flush_due.append(link)
@@ -219,8 +222,17 @@ def serve(
     reads: list[bytes],
     ends: list[int],
     partition: type[PartitionBase] = Partition,
+    forwards: dict[int, int] | None = None,
 ) -> tuple[list[bytes], bool, list[tuple[Any, ...]]]:
+    """The client's bytes, whether it was closed, and the records in the log, after
+    ``reads``; ``forwards``: before read ``i``, a batch of that many records arrives from
+    another worker for TOPICS[0]'s partition (broker.workers.partitions), appended as its
+    bytes (``Router.append_forwarded_batch``); a reader watches that partition, and the
+    records it keeps in memory for it (its tail) must be the log's, offsets included."""
     server = Server(data)
+    if forwards is not None:
+        watched = server.router.partition(server.streams.partition_for(TOPICS[0]))
+        watched.watchers.add(SessionWatcher("reader", "main"))
     if partition is not Partition:
         for topic in TOPICS:
             key = server.streams.partition_for(topic)
@@ -231,6 +243,8 @@ def serve(
     proto.data_received(connect(version))
     server.end_iteration()
     for i, read in enumerate(reads):
+        if forwards and i in forwards:
+            forward(server, i, forwards[i])
         proto.data_received(read)
         if i in ends:
             server.end_iteration()
@@ -238,8 +252,22 @@ def serve(
             break
     server.end_iteration()
     records = server.records()
+    if forwards is not None:
+        tail = watched.tail
+        assert tail == watched.log.read(watched.tail_base, max_records=len(tail) or 1)[: len(tail)]
     server.streams.close()
     return transport.written, transport.closed, records
+
+
+def forward(server: Server, seq: int, count: int) -> None:
+    """A batch of ``count`` records another worker encoded for TOPICS[0]'s partition."""
+    key = server.streams.partition_for(TOPICS[0])
+    records = [
+        Record(-1, 1_699_999_999_000 + k, TOPICS[0], b"fwd%d.%d" % (seq, k), 1, False, "other")
+        for k in range(count)
+    ]
+    answers = server.forward_answers
+    server.router.append_forwarded_batch(key, encode(0, records), count, answers.append)
 
 
 @settings(
@@ -259,6 +287,32 @@ def test_device_path_is_invisible(
         assert fast[0] == full[0], f"{name}: different bytes written to the client"
         assert fast[1] == full[1], f"{name}: closed on one path and not the other"
         assert fast[2] == full[2], f"{name}: different records in the log"
+
+
+@settings(
+    max_examples=100,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
+)
+@given(sessions(), st.data())
+def test_forwarded_batches_among_device_publishes(
+    tmp_path_factory: Any, session: tuple[int, list[bytes], list[int]], data: st.DataObject
+) -> None:
+    """Batches another worker forwards, appended as their bytes among the records the device
+    path gathers in the same partition and iteration: each path writes the same bytes to
+    the client and leaves the same records in the log, the forwarded ones where they
+    arrived (the device path numbers its records after them)."""
+    version, reads, ends = session
+    forwards = data.draw(st.dictionaries(st.integers(0, len(reads) - 1), st.integers(1, 3)))
+    base = tmp_path_factory.mktemp("forwarded")
+    full = serve(FullPathOnly, base / "full", version, reads, ends, forwards=forwards)
+    for name, cls in DEVICE_PATHS.items():
+        fast = serve(cls, base / name, version, reads, ends, forwards=forwards)
+        assert fast == full, name
+    sent = [b"fwd%d.%d" % (i, k) for i in sorted(forwards) for k in range(forwards[i])]
+    stored = [r[3] for r in full[2] if r[3].startswith(b"fwd")]
+    assert stored == sent[: len(stored)]  # in the order they came (a closed client: fewer)
+    assert full[1] or stored == sent
 
 
 @pytest.mark.parametrize("path", DEVICE_PATHS)

@@ -1,0 +1,9 @@
+from collections.abc import Sequence
+
+from broker.commitlog.record import Record
+
+def encode_small(
+    base_offset: int, records: Sequence[Record], leader_epoch: int = 0
+) -> bytes | None: ...
+def rebased(batch: bytes, base_offset: int) -> bytes: ...
+def decode_records(buf: bytes, pos: int = 0) -> list[Record] | None: ...
