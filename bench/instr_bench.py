@@ -22,7 +22,7 @@ fleet       1,000 devices, each publishing QoS 1 to its own ``devices/<nnnnn>/te
             one PUBLISH per write (one packet per read: the device path), 20 devices' writes
             per loop iteration; one QoS 1 subscriber on ``devices/+/telemetry``; N messages
             after one each (not counted) has set every device's plain topic
-fleet2      fleet on two workers (``workers = 0`` on two cores): two worker servers of
+fleet2      fleet on two workers (the shipped default on two cores): two worker servers of
             one broker (each a ``Server`` with its worker spec, a mesh between them) in the
             one process, each on its own port; device ``i`` connects to worker ``i % 2``
             (as SO_REUSEPORT spreads them), the subscriber to worker 0; so about half of

@@ -110,9 +110,7 @@ class AuthConfig:
 
 @dataclass(frozen=True, slots=True)
 class RouterConfig:
-    # 0 = one worker per core; one by default: a second costs more CPU per message than it
-    # saves on a fleet (README, "How it works").
-    workers: int = 1
+    workers: int = 0  # 0 = one worker per core
     max_connections: int = 100_000
     max_packet_size: int = 1024 * 1024  # bytes, checked from the fixed header
     # QoS 1/2 deliveries in flight per client (5.0: the least of this and its Receive Maximum).
