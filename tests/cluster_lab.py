@@ -167,6 +167,15 @@ class MqlogCluster:
             "PYTHONUNBUFFERED": "1",
         }
 
+    @classmethod
+    def started(cls, lab: Lab, workdir: Path, **kw: Any) -> MqlogCluster:
+        """A cluster of every node of ``lab`` (``kw`` as the constructor's), started, each
+        member seeing every other alive."""
+        c = cls(lab, workdir, **kw)
+        c.start()
+        c.wait_all_alive()
+        return c
+
     def start(self, *members: Member, timeout: float = READY_TIMEOUT) -> None:
         """Start ``members`` (every member when none is named) and wait until each accepts
         TCP on its MQTT port. A member must not be running already."""

@@ -40,10 +40,7 @@ SHORT = 4
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
     """Three nodes of one worker, or of two (the client ids below are homed at both)."""
     with Lab(3) as lab:
-        c = MqlogCluster(lab, tmp_path, workers=request.param)
-        c.start()
-        c.wait_all_alive()
-        yield c
+        yield MqlogCluster.started(lab, tmp_path, workers=request.param)
 
 
 def _raw(m: Member, client_id: str, version: int, **kw: object) -> RawClient:

@@ -43,10 +43,7 @@ WATCH = 20.0
 @pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
     with Lab(3) as lab:
-        c = MqlogCluster(lab, tmp_path, workers=request.param)
-        c.start()
-        c.wait_all_alive()
-        yield c
+        yield MqlogCluster.started(lab, tmp_path, workers=request.param)
 
 
 def _holds_dead(cluster: MqlogCluster, viewer: Member, dead: list[str], timeout: float) -> None:

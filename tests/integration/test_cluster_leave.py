@@ -38,10 +38,7 @@ def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogClu
     """Three nodes of one worker, or of two (each worker leads groups of its own, holds
     clients of its own: every one of them drains)."""
     with Lab(3) as lab:
-        c = MqlogCluster(lab, tmp_path, extra=EXTRA, workers=request.param)
-        c.start()
-        c.wait_all_alive()
-        yield c
+        yield MqlogCluster.started(lab, tmp_path, extra=EXTRA, workers=request.param)
 
 
 def _leaders(cluster: MqlogCluster, node: str) -> dict[str, str]:

@@ -39,16 +39,13 @@ EXTRA = f'[[streams]]\nname = "rp"\ntopic_filter = "rp/#"\npartitions = {PARTITI
 @pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
     with Lab(4) as lab:
-        c = MqlogCluster(
+        yield MqlogCluster.started(
             lab,
             tmp_path,
             extra=EXTRA,
             cluster_extra='replace_after = "2s"\n',
             workers=request.param,
         )
-        c.start()
-        c.wait_all_alive()
-        yield c
 
 
 def _groups(view: dict[str, Any]) -> dict[str, dict[str, Any]]:

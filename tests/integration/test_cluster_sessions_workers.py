@@ -34,10 +34,7 @@ CLIENT_IDS = ["roam-a", "roam-b", "roam-c", "roam-d"]
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
     with Lab(2) as lab:
-        c = MqlogCluster(lab, tmp_path, workers=WORKERS)
-        c.start()
-        c.wait_all_alive()
-        yield c
+        yield MqlogCluster.started(lab, tmp_path, workers=WORKERS)
 
 
 def _durable(m: Member, client_id: str) -> Client:

@@ -61,10 +61,9 @@ MAX_TRIES = 16
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MqlogCluster]:
     with Lab(NODES) as lab:
-        c = MqlogCluster(lab, tmp_path_factory.mktemp("sharedw"), workers=WORKERS, extra=EXTRA)
-        c.start()
-        c.wait_all_alive()
-        yield c
+        yield MqlogCluster.started(
+            lab, tmp_path_factory.mktemp("sharedw"), workers=WORKERS, extra=EXTRA
+        )
 
 
 def worker_pid(cluster: MqlogCluster, m: Member, c: Client) -> int:

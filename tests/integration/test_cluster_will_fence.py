@@ -40,10 +40,7 @@ AFTER_HEAL = 12.0
 @pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
     with Lab(3) as lab:
-        c = MqlogCluster(lab, tmp_path, workers=request.param)
-        c.start()
-        c.wait_all_alive()
-        yield c
+        yield MqlogCluster.started(lab, tmp_path, workers=request.param)
 
 
 def _dead_on(cluster: MqlogCluster, node_id: str, timeout: float = 30.0) -> None:
