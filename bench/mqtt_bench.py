@@ -21,6 +21,9 @@ fanin0/1       50 publishers, one subscriber on ``devices/+/telemetry``; QoS 0 a
 fanout0/1      1 publisher, 50 subscribers of its topic (figure: deliveries/s)
 fleet          5,000 devices, each one QoS 1 PUBLISH per second (one packet per write), one
                QoS 1 subscriber on the wildcard: broker CPU %, RSS, p50/p99 latency
+fleet-         the fleet while a competing load shares the machine: one process pinned to
+contended      one core (``CONTEND_CPU``) spinning for the whole measurement, for every
+               broker in turn (issue 23: a test suite on the machine stretched the tail)
 storm          5,000 CONNECTs (2 processes, 200 in progress each): connects/s, broker RSS
                growth per idle connection
 latency        one publisher paced at 5,000 msg/s QoS 1, one QoS 1 subscriber: p50/p99
@@ -37,6 +40,8 @@ replay         N stored messages (1,000,000; --quick 100,000) to one subscriber:
   3.1.1 only, anonymous-auth plugin only; a tenth of the counted scenarios' messages (its
   rates would make the full counts take many minutes); replay is not measured (its offline
   queue stopped after 4-5% of the stored messages).
+* mqlog1 (optional: ``--brokers mqlog,mosquitto,mqlog1``): mqlog with ``--workers 1``
+  beside the shipped one worker per core, in the same run.
 * floor (optional: ``--brokers mqlog,mosquitto,floor``): :mod:`bench.floor_server`, not a
   broker but the least a Python + uvloop server does per message (frame, one log write per
   iteration, PUBACK, deliver to the one subscriber), in the scenarios it can serve.
@@ -80,7 +85,17 @@ REPO = Path(__file__).resolve().parent.parent
 RESULTS = REPO / "bench" / "results"
 MOSQUITTO = "/usr/sbin/mosquitto"
 CLK_TCK = os.sysconf("SC_CLK_TCK")
-ALL = ["storm", "fanin0", "fanin1", "fanout0", "fanout1", "fleet", "latency", "replay"]
+ALL = [
+    "storm",
+    "fanin0",
+    "fanin1",
+    "fanout0",
+    "fanout1",
+    "fleet",
+    "fleet-contended",
+    "latency",
+    "replay",
+]
 MP = mp.get_context("fork")
 
 
@@ -146,12 +161,18 @@ class Mqlog(Broker):
     name = "mqlog"
 
     def __init__(
-        self, tmp: Path, profile: Path | None = None, src: Path = REPO, name: str = "mqlog"
+        self,
+        tmp: Path,
+        profile: Path | None = None,
+        src: Path = REPO,
+        name: str = "mqlog",
+        workers: int | None = None,
     ) -> None:
         super().__init__(tmp)
         self.profile = profile
         self.src = src
         self.name = name
+        self.workers = workers
 
     def start(self) -> None:
         data = self.tmp / f"{self.name}-data"
@@ -171,6 +192,8 @@ class Mqlog(Broker):
             "--data-dir",
             str(data),
         ]
+        if self.workers is not None:
+            cmd += ["--workers", str(self.workers)]
         if self.profile is not None:
             spy = shutil.which("py-spy", path=str(Path(sys.executable).parent)) or "py-spy"
             # --subprocesses: with several workers the supervisor itself does little.
@@ -333,7 +356,7 @@ class Floor(Broker):
     everything (``scenarios``)."""
 
     name = "floor"
-    scenarios = frozenset({"storm", "fanin0", "fanin1", "fleet", "latency"})
+    scenarios = frozenset({"storm", "fanin0", "fanin1", "fleet", "fleet-contended", "latency"})
 
     def start(self) -> None:
         self.proc = subprocess.Popen(
@@ -352,7 +375,7 @@ class Floor(Broker):
 
 
 #: Brokers shown after mqlog and Mosquitto when run (figure, mqlog/broker ratio, losses).
-EXTRA_BROKERS = ("nats", "amqtt", "floor")
+EXTRA_BROKERS = ("nats", "amqtt", "floor", "mqlog1")
 
 
 @dataclass
@@ -584,6 +607,47 @@ def fanout(broker: Broker, qos: int, quick: bool, tag: str) -> Figure:
     return Figure(rate, "deliveries/s", True, m["received"] / m["broker_cpu"], m, losses(m, n_subs))
 
 
+#: The core the contended fleet's competing load is pinned to.
+CONTEND_CPU = 0
+
+
+def _spin(cpu: int) -> None:
+    """A competing CPU load: pinned to ``cpu``, it spins until it is killed."""
+    os.sched_setaffinity(0, {cpu})
+    while True:
+        pass
+
+
+@contextlib.contextmanager
+def contention(cpu: int = CONTEND_CPU) -> Any:
+    """A busy process pinned to ``cpu`` while the block runs; yields a callable giving the
+    share of that core it got so far (%), to show the load was there."""
+    spinner = MP.Process(target=_spin, args=(cpu,), daemon=True)
+    spinner.start()
+    assert spinner.pid is not None
+    stat = Path(f"/proc/{spinner.pid}/stat")
+    t0 = time.monotonic()
+
+    def share() -> float:
+        fields = stat.read_text().rsplit(")", 1)[1].split()
+        cpu_s = (int(fields[11]) + int(fields[12])) / CLK_TCK
+        return 100 * cpu_s / (time.monotonic() - t0)
+
+    try:
+        yield share
+    finally:
+        spinner.kill()
+        spinner.join()
+
+
+def fleet_contended(broker: Broker, quick: bool, tag: str) -> Figure:
+    """The fleet with a spinning process pinned to one core throughout."""
+    with contention() as share:
+        fig = fleet(broker, quick, tag)
+        fig.m["spin_pct"] = share()
+    return fig
+
+
 def fleet(broker: Broker, quick: bool, tag: str) -> Figure:
     devices = 5000
     warmup, duration = (2.0, 5.0) if quick else (3.0, 10.0)
@@ -739,6 +803,9 @@ ROWS: dict[str, tuple[str, str]] = {
     "fleet_p50": ("fleet: p50 latency", "ms"),
     "fleet_p99": ("fleet: p99 latency", "ms"),
     "fleet_rss": ("fleet: broker RSS", "MiB"),
+    "fleet-contended": ("fleet, one core busy (spinner): broker CPU", "% CPU"),
+    "fleet-contended_p50": ("fleet, one core busy: p50 latency", "ms"),
+    "fleet-contended_p99": ("fleet, one core busy: p99 latency", "ms"),
     "storm": ("connection storm 5,000 CONNECTs", "connects/s"),
     "storm_mem": ("storm: broker memory per idle connection", "bytes"),
     "latency": ("latency 5,000 msg/s QoS 1: p50", "ms"),
@@ -767,9 +834,14 @@ def expand(scenario: str, broker: str, figs: list[Figure], run: int) -> dict[str
             "per_cpu": f.per_cpu,
         }
     }
+    if scenario in ("fleet", "fleet-contended"):
+        for q in ("p50", "p99"):
+            rows[f"{scenario}_{q}"] = {
+                **base,
+                "value": m.get(f"{q}_ms", float("nan")),
+                "per_cpu": None,
+            }
     if scenario == "fleet":
-        rows["fleet_p50"] = {**base, "value": m.get("p50_ms", float("nan")), "per_cpu": None}
-        rows["fleet_p99"] = {**base, "value": m.get("p99_ms", float("nan")), "per_cpu": None}
         rows["fleet_rss"] = {**base, "value": m["rss_kb"] / 1024, "per_cpu": None}
     if scenario == "storm":
         # Only a fresh broker's growth is its memory per connection: in later runs it reuses
@@ -910,6 +982,9 @@ LOWER_BETTER = {
     "fleet_p50",
     "fleet_p99",
     "fleet_rss",
+    "fleet-contended",
+    "fleet-contended_p50",
+    "fleet-contended_p99",
     "storm_mem",
     "latency",
     "latency_p99",
@@ -927,6 +1002,7 @@ def run_scenario(name: str, broker: Broker, quick: bool, run: int) -> list[Figur
         return [fanout(broker, int(name[-1]), quick, tag)]
     fn: dict[str, Callable[[Broker, bool, str], Figure]] = {
         "fleet": fleet,
+        "fleet-contended": fleet_contended,
         "storm": storm,
         "latency": latency,
     }
@@ -935,6 +1011,17 @@ def run_scenario(name: str, broker: Broker, quick: bool, run: int) -> list[Figur
     if name == "replay":
         return replay(broker, quick, tag, run)
     raise ValueError(name)
+
+
+def tail_note(m: dict[str, Any]) -> str:
+    """The latency percentiles (and the competing load's share of its core) of a run that
+    measured them, for its progress line."""
+    note = ""
+    if "p99_ms" in m:
+        note += f" p50 {m['p50_ms']:.2f} ms p99 {m['p99_ms']:.2f} ms"
+    if "spin_pct" in m:
+        note += f" spinner {m['spin_pct']:.0f}% of cpu {CONTEND_CPU}"
+    return note
 
 
 def load_avg() -> str:
@@ -953,7 +1040,8 @@ def main(argv: list[str] | None = None) -> int:
         default="mqlog,mosquitto",
         help="comma-separated: mqlog, mosquitto, nats (optional: NATS 2.9, MQTT on JetStream), "
         "amqtt (optional, 3.1.1 only), "
-        "floor (optional: bench/floor_server.py, not a broker)",
+        "floor (optional: bench/floor_server.py, not a broker), "
+        "mqlog1 (optional: mqlog with one worker process)",
     )
     ap.add_argument("--profile", help="run mqlog under py-spy, raw samples to this file")
     ap.add_argument(
@@ -989,6 +1077,8 @@ def main(argv: list[str] | None = None) -> int:
         brokers.append(Amqtt(tmp))
     if "floor" in names:
         brokers.append(Floor(tmp))
+    if "mqlog1" in names:
+        brokers.append(Mqlog(tmp, name="mqlog1", workers=1))
     if args.baseline:
         brokers.append(Mqlog(tmp, src=Path(args.baseline).resolve(), name="mqlog-base"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
@@ -1021,7 +1111,7 @@ def main(argv: list[str] | None = None) -> int:
                         f"{head.unit:13s} lost {head.lost} dup/reorder "
                         f"{head.m['dup_reorder']} cpu {head.m['broker_cpu']:.2f}s gen "
                         f"{head.m['gen_cpu']:.2f}s ({time.monotonic() - t:.1f}s, load "
-                        f"{load_avg()})",
+                        f"{load_avg()}){tail_note(head.m)}",
                         flush=True,
                     )
                     with jsonl.open("ab") as f:
