@@ -28,6 +28,7 @@ import orjson
 from broker.auth import AuthFileError, AuthService
 from broker.cluster.worker_view import hear, view_of
 from broker.commitlog import LogCleaner, SegmentedLog, Streams
+from broker.commitlog.interval_sync import IntervalSyncer
 from broker.commitlog.keys import PartitionKey
 from broker.commitlog.reader import LogReader
 from broker.commitlog.scrub import LogScrubber
@@ -178,6 +179,11 @@ class Server:
         self._flush_pending: list[MQTTProtocol] = []
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
+        #: fsync = "interval": the logs' periodic fdatasyncs, on a thread of their own, so
+        #: that a slow disk never stops this loop (broker.commitlog.interval_sync).
+        self._syncer = IntervalSyncer(
+            self.loop.call_soon_threadsafe, self.metrics.fsync_seconds.observe
+        )
         # Replicated partitions' retention runs in their Raft groups (broker.cluster.node).
         self._cleaner = LogCleaner(
             self.streams, skip=self.cluster.keys if self.cluster is not None else ()
@@ -392,11 +398,7 @@ class Server:
                 self.router.tick()
                 if self.cluster is not None:
                     self.cluster.tick()
-                observe = self.metrics.fsync_seconds.observe
-                for plog in self.streams.open_logs().values():  # the ones this worker writes
-                    started = time.perf_counter()
-                    if plog.flush_if_due():
-                        observe(time.perf_counter() - started)
+                self._syncer.tick(self.streams.open_logs().values())  # the ones it writes
             except Exception:
                 log.exception("bug in the broker timers")
 
@@ -432,6 +434,7 @@ class Server:
             await self.websocket.stop()
         await asyncio.sleep(0)  # let connection_lost callbacks run
         self._cleaner.stop()
+        self._syncer.close()
         if self._scrubber is not None:
             self._scrubber.stop()
         self.router.close()

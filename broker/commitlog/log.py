@@ -16,7 +16,8 @@ Invariants:
   (since the open, for a segment reopened with data): record timestamps play no part, so a
   restart alone never rolls;
 * fsync policy ``always``: append returns after fdatasync; ``interval``: the owner calls
-  :meth:`flush_if_due`, and close fsyncs; ``never``: only an explicit :meth:`flush`;
+  :meth:`flush_if_due` (or fdatasyncs :meth:`interval_sync`'s descriptor on another
+  thread), and close fsyncs; ``never``: only an explicit :meth:`flush`;
 * after a crash the log holds a prefix of what was appended. A roll under ``always`` (and for
   compacted logs) fsyncs the rolled segment, its indexes and the directory before the append
   goes on. Under ``interval`` a roll blocks on nothing: it starts the rolled segment's
@@ -67,6 +68,7 @@ from broker.commitlog.errors import (
     OffsetOutOfRange,
 )
 from broker.commitlog.integrity import quarantined, report_error, report_gap
+from broker.commitlog.interval_sync import IntervalSync
 from broker.commitlog.policy import (
     build_offset_map,
     cleaned_batches,
@@ -104,10 +106,12 @@ def _bounded(decode: Decoder[_Out], end: int) -> Decoder[_Out]:
     return bounded
 
 
-class SegmentedLog(ReplicaOps):
+class SegmentedLog(ReplicaOps, IntervalSync):
     """One partition's log; see the module docstring. Create with :meth:`open`. The
     operations a replicated log adds (raw appends, suffix truncation, the high-water mark,
-    the epoch scan) are :class:`~broker.commitlog.replica.ReplicaOps`'."""
+    the epoch scan) are :class:`~broker.commitlog.replica.ReplicaOps`'; the ``interval``
+    policy's syncs (:meth:`flush_if_due`, :meth:`interval_sync`) are
+    :class:`~broker.commitlog.interval_sync.IntervalSync`'s."""
 
     def __init__(
         self,
@@ -436,21 +440,6 @@ class SegmentedLog(ReplicaOps):
         except OSError as exc:
             raise LogIOError(self.directory, "fsync log directory", exc) from exc
         self._rolled.clear()
-
-    def flush_if_due(self, now_ms: int | None = None) -> bool:
-        """fsync=interval: flush if appends are unsynced and ``fsync_interval_ms`` passed since
-        the last flush. Returns whether it flushed; always False for the other policies."""
-        if self.config.fsync != "interval":
-            return False
-        with self._lock:
-            self._check_open()
-            now = self._now_ms() if now_ms is None else now_ms
-            if now - self._last_flush_ms < self.config.fsync_interval_ms or not (
-                self._segments[-1].dirty or self._rolled
-            ):
-                return False
-            self._flush_locked(now)
-            return True
 
     # -------------------------------------------------------------- cleaner thread
     def enforce_retention(self, now_ms: int | None = None, *, below: int | None = None) -> int:

@@ -51,11 +51,7 @@ from broker.commitlog.config import LogConfig
 from broker.commitlog.disk import SYNC_FILE_RANGE_WRITE as _SYNC_FILE_RANGE_WRITE
 from broker.commitlog.disk import fsync_data as _fsync_data
 from broker.commitlog.disk import sync_file_range as _sync_file_range
-from broker.commitlog.errors import (
-    CorruptIndex,
-    CorruptRecordBatch,
-    LogIOError,
-)
+from broker.commitlog.errors import CorruptIndex, CorruptRecordBatch, LogIOError
 from broker.commitlog.index import OffsetIndex, TimeIndex
 from broker.commitlog.integrity import DECODE_ERRORS, DamagedRange, SegmentScan, crc_ok
 from broker.commitlog.record import Record
@@ -538,8 +534,13 @@ class Segment:
                 _fsync_data(self._fd)
             except OSError as exc:
                 raise LogIOError(self.log_path, "fsync segment", exc) from exc
+            self.synced(self.size)
+
+    def synced(self, size: int) -> None:
+        """An fdatasync (of :meth:`dup_fd`'s too) made ``size`` bytes durable: clean if all."""
+        if size == self.size:
             self._dirty = False
-            self._writeback_from = self.size
+            self._writeback_from = size
 
     def sync_indexes(self) -> None:
         """fsync the ``.index`` and ``.timeindex`` files as they are now (written earlier by
