@@ -135,6 +135,20 @@ class Broker:
             fields = f.read().rsplit(")", 1)[1].split()
         return (int(fields[11]) + int(fields[12])) / CLK_TCK
 
+    def pids(self) -> list[int]:
+        return [self.pid]
+
+    def runq_wait(self) -> float:
+        """Seconds the broker's threads spent runnable but waiting for a core so far (the
+        scheduler's ``run_delay``, /proc/PID/task/TID/schedstat): what a competing load
+        costs its latency."""
+        ns = 0
+        for pid in self.pids():
+            for stat in Path(f"/proc/{pid}/task").glob("*/schedstat"):
+                with contextlib.suppress(OSError):  # a thread that ended meanwhile
+                    ns += int(stat.read_text().split()[1])
+        return ns / 1e9
+
     def rss_kb(self) -> int:
         with open(f"/proc/{self.pid}/status") as f:
             for line in f:
@@ -375,7 +389,7 @@ class Floor(Broker):
 
 
 #: Brokers shown after mqlog and Mosquitto when run (figure, mqlog/broker ratio, losses).
-EXTRA_BROKERS = ("nats", "amqtt", "floor", "mqlog1")
+EXTRA_BROKERS = ("nats", "amqtt", "floor", "mqlog1", "mqlog-base")
 
 
 @dataclass
@@ -445,10 +459,11 @@ def run_load(
         ctl.go.set()
         if window is not None:
             time.sleep(window[0])
-            cpu0, t0 = broker.cpu(), time.monotonic()
+            cpu0, t0, wait0 = broker.cpu(), time.monotonic(), broker.runq_wait()
             time.sleep(window[1])
             cpu_win = broker.cpu() - cpu0
             wall_win = time.monotonic() - t0
+            wait_win = broker.runq_wait() - wait0
         results = [_get(ctl.result_q, 600, "the generators") for _ in [*pubs, *storms]]
         pub_res = [r for r in results if r["role"] == "pub"]
         storm_res = [r for r in results if r["role"] == "storm"]
@@ -499,6 +514,7 @@ def run_load(
         out["broker_cpu"] = cpu_win
         out["wall"] = wall_win
         out["cpu_pct"] = 100 * cpu_win / wall_win
+        out["runq_ms_per_s"] = 1000 * wait_win / wall_win
     if storm_res:
         n = sum(r["connected"] for r in storm_res)
         out["connected"] = n
@@ -1019,6 +1035,8 @@ def tail_note(m: dict[str, Any]) -> str:
     note = ""
     if "p99_ms" in m:
         note += f" p50 {m['p50_ms']:.2f} ms p99 {m['p99_ms']:.2f} ms"
+    if "runq_ms_per_s" in m:
+        note += f" runq {m['runq_ms_per_s']:.0f} ms/s"
     if "spin_pct" in m:
         note += f" spinner {m['spin_pct']:.0f}% of cpu {CONTEND_CPU}"
     return note
