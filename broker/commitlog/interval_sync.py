@@ -59,15 +59,16 @@ class IntervalSync:
         def _flush_locked(self, now_ms: int | None = None) -> None: ...
 
     def _sync_due(self, now: int) -> bool:
-        return (
-            self.config.fsync == "interval"
-            and now - self._last_flush_ms >= self.config.fsync_interval_ms
-            and bool(self._segments[-1].dirty or self._rolled)
+        """Under the lock: the interval passed and appends are unsynced."""
+        return now - self._last_flush_ms >= self.config.fsync_interval_ms and bool(
+            self._segments[-1].dirty or self._rolled
         )
 
     def flush_if_due(self, now_ms: int | None = None) -> bool:
         """fsync=interval: flush if appends are unsynced and ``fsync_interval_ms`` passed since
         the last flush. Returns whether it flushed; always False for the other policies."""
+        if self.config.fsync != "interval":
+            return False
         with self._lock:
             self._check_open()
             now = self._now_ms() if now_ms is None else now_ms
@@ -82,6 +83,8 @@ class IntervalSync:
         durable what was appended before this call, and ``synced`` to call on this thread
         after it succeeded. The interval restarts now. None otherwise: not due, or a roll
         left unsynced data elsewhere (:meth:`flush_if_due` syncs it on this thread)."""
+        if self.config.fsync != "interval":
+            return None
         with self._lock:
             self._check_open()
             now = self._now_ms() if now_ms is None else now_ms

@@ -54,6 +54,8 @@ def test_only_the_interval_policy_syncs_so(tmp_path: Path, policy: str) -> None:
     clock.advance(5000)
     assert log.interval_sync() is None
     log.close()
+    # As before: the other policies answer without looking at the log, even a closed one.
+    assert log.interval_sync() is None and log.flush_if_due() is False
 
 
 def test_after_a_roll_the_owner_flushes_as_before(tmp_path: Path) -> None:
