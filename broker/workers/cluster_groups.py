@@ -235,7 +235,7 @@ class ClusterGroupPeers(ClusterGroupFrames):
         """The addresses of the members of the groups held here on other workers."""
         router = self.router
         groups = router.groups.values() if router is not None else ()
-        return {m.worker for group in groups for m in group.remote.values()}
+        return {m.worker for group in groups for ms in group.remote.values() for m in ms}
 
     def _on_rejoin(self, frm: int, body: memoryview) -> None:
         if self.router is not None and frm == self.home_node:

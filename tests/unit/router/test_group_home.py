@@ -71,7 +71,7 @@ def test_a_record_not_yet_committed_here_waits_for_the_commit(h: Harness) -> Non
     _, pub = h.connect("pub", 4)
     h.publish(pub, "t/x", b"0", 1, 1)
     h.run()
-    h.router.remote_deliver(GROUP, "member", ("default", 0), 1, 1)  # not here yet
+    h.router.remote_deliver(GROUP, "member", 1, ("default", 0), 1, 1)  # not here yet
     assert link.take() == []
     assert h.hooks.group_peers.done_offsets == []  # type: ignore[attr-defined]
     h.publish(pub, "t/x", b"1", 1, 2)
@@ -135,11 +135,11 @@ def test_the_home_answers_a_join_of_a_new_group_once_it_is_stored(h: Harness) ->
     h.restart()
     peers: _Joined = h.hooks.group_peers  # type: ignore[assignment]
     peers.stored = lambda: _stored(h)
-    h.router.remote_join(2, GROUP, "far", 1, None, 4, 10, None)
+    h.router.remote_join(2, GROUP, "far", 1, 1, None, 4, 10, None)
     assert peers.joined_at == []
     h.run()
     assert peers.joined_at == [("far", True)]
-    h.router.remote_join(2, GROUP, "far2", 1, None, 4, 10, None)
+    h.router.remote_join(2, GROUP, "far2", 1, 1, None, 4, 10, None)
     assert peers.joined_at[1:] == [("far2", True)]  # stored already: at once
 
 
