@@ -344,17 +344,31 @@ class SharedGroups:
             # (and there the partition waits for that: the home may be another node).
             part = self.partition(key)
             part.committed_through(offset)
-            if offset >= part.end_offset:
+            readable, rec = self._record(key, offset)
+            if offset >= part.end_offset or not readable:
                 part.watchers.add(QueueWatcher(session.client_id))
                 return
             queue.popleft()
-            rec = self.read_exact(key, offset)
             sub = session.shared.get(full)
             if rec is not None and sub is not None:
                 ids = [sub.identifier] if sub.identifier and session.version == 5 else []
                 self.deliver(session, rec, key, qos, ids, full, group=full)
             if qos == 0 or rec is None or session.link is None:
                 self.group_done(session, full, key, offset)
+
+    def _record(self, key: PartitionKey, offset: int) -> tuple[bool, Record | None]:
+        """Whether the record at ``offset`` can be read here now, and the record (None:
+        gone: deleted by retention, compacted away, damaged). A partition this node reads
+        remotely may not have fetched it yet: the read starts the fetch, whose answer wakes
+        the partition's watchers (broker.workers.remote_partition); taken for gone, it
+        would be counted done and lost to the group."""
+        part = self.partition(key)
+        if offset >= part.end_offset:
+            return False, None
+        start = part.log.log_start_offset
+        if part.fetched_remotely and offset >= start and not part.read(offset, 1):
+            return False, None
+        return True, self.read_exact(key, offset)
 
     def group_done(self, session: Session, full: str, key: PartitionKey, offset: int) -> None:
         """A delivery of group ``full`` is complete; its home, if elsewhere, is told."""
@@ -431,7 +445,9 @@ class SharedGroups:
             return
         while group.orphans:
             key, offset = group.orphans[0]
-            rec = self.read_exact(key, offset)
+            readable, rec = self._record(key, offset)
+            if not readable:
+                return  # woken when it is (the group watches its partitions)
             if rec is None:
                 group.orphans.popleft()  # deleted by retention: nothing left to redeliver
                 continue

@@ -244,6 +244,7 @@ class RemotePartition(PartitionBase):
         "skipped",
     )
     appends_here = False
+    fetched_remotely = True
 
     log: RemoteLog  # type: ignore[assignment]
 
