@@ -94,6 +94,6 @@ def test_a_key_crosses_in_the_shared_groups_frames(keys: list[PartitionKey]) -> 
     cursors = {key: i for i, key in enumerate(keys)}
     got: dict[str, list[Any]] = {"leave": [], "done": [], "deliver": []}
     for name, args in router.calls:
-        key = {"leave": args[4][0][0], "done": args[2], "deliver": args[3]}[name]
+        key = args[4][0][0] if name == "leave" else args[2] if name == "done" else args[3]
         got[name].append(cursors[key])
     assert got == {name: list(range(len(keys))) for name in got}
