@@ -14,11 +14,14 @@ per node pair).
   poll by which a non-replica node learns each commit one message after it happened, as a
   follower learns it from the next AppendEntries.
 * ``FETCHED`` (answer): ``request id (u64), group (u32), error (u8), 3 pad, leader (i64, -1
-  unknown), log start (i64), high-water mark (i64)``, then the batches, byte for byte as the
-  replica stores them (``SegmentedLog.read_batches``: control batches included, every one
-  CRC-checked on the way out, never a damaged one). The leader lets the asker forward its
-  publishes to the right node without hosting the group; the marks let it answer
-  ``earliest`` / ``latest`` and wake its subscribers.
+  unknown), term (i64, -1 unknown), log start (i64), high-water mark (i64)``, then the
+  batches, byte for byte as the replica stores them (``SegmentedLog.read_batches``: control
+  batches included, every one CRC-checked on the way out, never a damaged one). The leader
+  lets the asker forward its publishes to the right node without hosting the group, and the
+  term it leads in tells a new office of the same leader from the old (a node reading
+  ``$sessions`` remotely follows the shared groups' home by both,
+  broker.workers.cluster_groups); the marks let it answer ``earliest`` / ``latest`` and
+  wake its subscribers.
 
 Bounds. A request of another size, an offset below 0, ``max bytes`` above
 :data:`MAX_FETCH_BYTES` or a wait above :data:`MAX_WAIT_MS` is refused (:class:`FetchError`,
@@ -46,7 +49,7 @@ MAX_FETCH_BYTES = 4 << 20
 MAX_WAIT_MS = 5000
 
 REQUEST = struct.Struct("<QIqII")
-ANSWER = struct.Struct("<QIB3xqqq")
+ANSWER = struct.Struct("<QIB3xqqqq")
 
 #: Error codes of an answer.
 OK = 0
@@ -80,6 +83,8 @@ class FetchAnswer(NamedTuple):
     error: int
     #: The group's leader as the replica knows it (a node id), or None.
     leader: int | None
+    #: The term the replica knows that leader in (None with no leader).
+    term: int | None
     log_start: int
     high_watermark: int
     #: The batches, as stored (:func:`verified_records` decodes them).
@@ -112,9 +117,17 @@ def encode_answer(
     log_start: int,
     high_watermark: int,
     batches: list[bytes] | tuple[bytes, ...] = (),
+    term: int | None = None,
 ) -> bytes:
+    known = leader is not None and term is not None
     head = ANSWER.pack(
-        request, group, error, -1 if leader is None else leader, log_start, high_watermark
+        request,
+        group,
+        error,
+        -1 if leader is None else leader,
+        term if known else -1,
+        log_start,
+        high_watermark,
     )
     return head + b"".join(batches) if batches else head
 
@@ -123,7 +136,7 @@ def decode_answer(body: bytes | memoryview) -> FetchAnswer:
     """The answer in ``body`` (its batches unverified); raises :class:`FetchError`."""
     if len(body) < ANSWER.size:
         raise FetchError(f"fetch answer of {len(body)} bytes")
-    request, group, error, leader, start, hwm = ANSWER.unpack_from(body)
+    request, group, error, leader, term, start, hwm = ANSWER.unpack_from(body)
     if error not in ERRORS:
         raise FetchError(f"fetch answer with error code {error}")
     if not 0 <= start <= hwm:
@@ -131,7 +144,11 @@ def decode_answer(body: bytes | memoryview) -> FetchAnswer:
     view = memoryview(body)[ANSWER.size :]
     if error != OK and len(view):
         raise FetchError("a refused fetch carries batches")
-    return FetchAnswer(request, group, error, None if leader < 0 else leader, start, hwm, view)
+    if leader < 0:
+        leader = term = None
+    elif term < 0:
+        term = None
+    return FetchAnswer(request, group, error, leader, term, start, hwm, view)
 
 
 def verified_records(answer: FetchAnswer, offset: int) -> tuple[list[Record], int]:

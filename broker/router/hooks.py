@@ -84,25 +84,41 @@ class GroupPeers(Protocol):
         home: int,
         group: str,
         client_id: str,
+        token: int,
         qos: int,
         identifier: int | None,
         version: int,
         window: int,
         username: str | None,
     ) -> None:
-        """A session here is a member; ``window``: records it may have outstanding;
-        ``username``: the user it logged in as (its ACL rules)."""
+        """A session here is a member, by the membership ``token`` names (the session's
+        ``group_token``: the same session joining again is the same membership);
+        ``window``: records it may have outstanding; ``username``: the user it logged in as
+        (its ACL rules)."""
 
     def leave(
-        self, home: int, group: str, client_id: str, orphans: list[tuple[PartitionKey, int]]
+        self,
+        home: int,
+        group: str,
+        client_id: str,
+        token: int,
+        orphans: list[tuple[PartitionKey, int]],
     ) -> None:
-        """It is a member no more (or could not take a record); ``orphans`` (partition,
-        offset) go back to the group for another member."""
+        """Its membership ``token`` names is no more (or could not take a record);
+        ``orphans`` (partition, offset) go back to the group for another member."""
 
     def deliver(
-        self, worker: int, group: str, client_id: str, key: PartitionKey, offset: int, qos: int
+        self,
+        worker: int,
+        group: str,
+        client_id: str,
+        token: int,
+        key: PartitionKey,
+        offset: int,
+        qos: int,
     ) -> None:
-        """Home to member: deliver this record of the group to ``client_id`` at ``qos``."""
+        """Home to member: deliver this record of the group to ``client_id`` at ``qos``
+        (sent to its membership ``token`` names)."""
 
     def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
         """Member to home: that delivery is complete (sent at QoS 0, or acknowledged)."""

@@ -245,6 +245,9 @@ class PartitionBase:
 
     #: This worker appends to it.
     appends_here = True
+    #: Its records are fetched from another node (a cluster's partition this node holds no
+    #: replica of): a read finding none may find them a round trip later.
+    fetched_remotely = False
 
     def __init__(self, key: PartitionKey, log: SegmentedLog | LogReader) -> None:
         self.key = key

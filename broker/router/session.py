@@ -162,8 +162,12 @@ class SharedGroup:
     next_member: int = 0
     #: Deliveries taken back from members that left before acknowledging them.
     orphans: deque[tuple[PartitionKey, int]] = field(default_factory=deque)
-    #: Members whose session is on another worker (several workers), by client id.
-    remote: dict[str, RemoteMember] = field(default_factory=dict)
+    #: Members whose session is on another worker (several workers), by client id: its
+    #: memberships (:attr:`RemoteMember.token`), the latest joined last, the one records go
+    #: to. A session moved to another worker (or node) may join from there before its leave
+    #: from the one it left arrives: each of the two ends with its own leave
+    #: (broker.router.shared).
+    remote: dict[str, list[RemoteMember]] = field(default_factory=dict)
     #: Whether its starting positions are in ``$sessions``: a new group's first member gets
     #: its SUBACK only then, so that a cluster's next home starts it no later (s4.8.2).
     stored: bool = True
@@ -173,10 +177,12 @@ class SharedGroup:
 
 @dataclass(slots=True)
 class RemoteMember:
-    """A member of a shared group held here whose session lives on another worker."""
+    """A member of a shared group held here whose session lives on another worker: one
+    membership, named by its worker and its token (:attr:`Session.group_token`)."""
 
     client_id: str
     worker: int
+    token: int
     qos: int
     identifier: int | None
     version: int
@@ -234,6 +240,11 @@ class Session:
     stored: bool = False
     #: A consumer stopped at the send quota: the next PUBACK pumps (Delivery.pump_acked).
     waiting: bool = False
+    #: Names its memberships of shared groups held on other workers, with its worker: set
+    #: at its first join here (0: none yet), never persisted, so the same session object
+    #: joining again is the same membership and a session moved here a new one
+    #: (broker.router.shared).
+    group_token: int = 0
 
     @property
     def main(self) -> Consumer:

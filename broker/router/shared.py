@@ -16,6 +16,8 @@ Called only from the owning event loop's thread.
 
 from __future__ import annotations
 
+import itertools
+import time
 from collections import deque
 from collections.abc import Callable
 from typing import Any
@@ -58,6 +60,10 @@ class SharedGroups:
         self.subacks: dict[str, list[tuple[Link, SubAck, set[str]]]] = {}
         #: While set, no group held here hands out a record (:meth:`freeze`).
         self.frozen = False
+        #: The sessions' :attr:`~broker.router.session.Session.group_token`: counted from the
+        #: time this process started, so a worker restarted never reuses one that a home
+        #: may still hold a membership of (until it learns of the restart).
+        self.tokens = itertools.count(time.time_ns())
 
     def group(self, full: str) -> SharedGroup:
         """The shared group ``full`` held here, created at the end of its partitions."""
@@ -147,6 +153,7 @@ class SharedGroups:
                 home,
                 full,
                 session.client_id,
+                self.token_of(session),
                 sub.qos,
                 sub.identifier,
                 session.version,
@@ -180,12 +187,12 @@ class SharedGroups:
         if home is not None:
             peers = self.state.hooks.group_peers
             assert peers is not None
-            peers.leave(home, full, session.client_id, orphans)
+            peers.leave(home, full, session.client_id, session.group_token, orphans)
             return
         group = self.groups.get(full)
         if group is None:
             return
-        if session.client_id in group.members:
+        if session.client_id in group.members and session.client_id not in group.remote:
             group.members.remove(session.client_id)
         group.orphans.extend(orphans)
         if group.orphans and group.members:
@@ -193,30 +200,45 @@ class SharedGroups:
 
     # ------------------------------------------------ groups across workers
 
+    def token_of(self, session: Session) -> int:
+        """The token naming ``session``'s memberships of groups held elsewhere."""
+        if not session.group_token:
+            session.group_token = next(self.tokens)
+        return session.group_token
+
     def remote_join(
         self,
         worker: int,
         full: str,
         client_id: str,
+        token: int,
         qos: int,
         identifier: int | None,
         version: int,
         window: int,
         username: str | None,
     ) -> None:
-        """A session on ``worker`` is a member of group ``full``, held here; ``username``
-        selects its ACL rules, applied here as for a member of this worker."""
+        """A session on ``worker`` is a member of group ``full``, held here, by the
+        membership ``token`` names there; ``username`` selects its ACL rules, applied here
+        as for a member of this worker."""
         group = self.group(full)
         acl = self.state.acl
         authz = Authorizer(acl.rules_for(username, client_id)) if acl is not None else None
-        previous = group.remote.get(client_id)
-        if previous is not None:
-            # Joined again (a new connection, a node whose link to this one came back): what
-            # it had may never be reported done, so it goes out again, to any member.
-            group.orphans.extend(sorted(previous.outstanding))
-        group.remote[client_id] = RemoteMember(
-            client_id, worker, qos, identifier, version, window, authz
-        )
+        memberships = group.remote.setdefault(client_id, [])
+        member = _find(memberships, worker, token)
+        if member is None:
+            member = RemoteMember(client_id, worker, token, qos, identifier, version, window)
+        else:
+            # The same membership joining again: the members of a node join a new home when
+            # they learn of it, and the node relays a join it got a moment earlier (a
+            # hand-over), or a connection took the session over on its worker. What it has
+            # outstanding is its session's still, done there; given to another member it
+            # would go out twice.
+            memberships.remove(member)
+            member.qos, member.identifier, member.version = qos, identifier, version
+            member.window = window
+        member.authz = authz
+        memberships.append(member)  # the latest joined: the one records go to
         if client_id not in group.members:
             group.members.append(client_id)
         if group.stored:
@@ -226,25 +248,51 @@ class SharedGroups:
         self.pump_group(group)
 
     def remote_leave(
-        self, full: str, client_id: str, orphans: list[tuple[PartitionKey, int]]
+        self,
+        worker: int,
+        full: str,
+        client_id: str,
+        token: int,
+        orphans: list[tuple[PartitionKey, int]],
     ) -> None:
-        """A member elsewhere left (or gave records back): ``orphans`` go to the others."""
+        """The membership of ``client_id`` that ``token`` names on ``worker`` ended (or gave
+        records back): ``orphans`` go to the others. Only that one: the session may be a
+        member from another worker already (moved there, its join arrived first)."""
         group = self.groups.get(full)
         if group is None:
             return
-        member = group.remote.pop(client_id, None)
-        if member is not None and client_id in group.members:
-            group.members.remove(client_id)
+        member = _find(group.remote.get(client_id, []), worker, token)
+        if member is not None:
+            self._end(group, member)
         group.orphans.extend(orphans)
         if group.orphans and group.members:
             self.pump_group(group)
 
+    def _end(self, group: SharedGroup, member: RemoteMember) -> None:
+        """``member``'s membership of ``group`` ends (what it had outstanding is the
+        caller's); the client id stays a member while another membership holds it, or its
+        session here."""
+        client_id = member.client_id
+        memberships = group.remote[client_id]
+        memberships.remove(member)
+        if memberships:
+            return
+        del group.remote[client_id]
+        session = self.sessions.get(client_id)
+        full = group.consumer.name
+        here = session is not None and session.link is not None and full in session.shared
+        if not here and client_id in group.members:
+            group.members.remove(client_id)
+
     def remote_done(self, full: str, client_id: str, key: PartitionKey, offset: int) -> None:
-        """A member elsewhere completed a delivery: room for the next one."""
+        """A member elsewhere completed a delivery: room for the next one. Done by its
+        client, whichever of its memberships it was sent to (a persistent session's
+        deliveries move with it)."""
         group = self.groups.get(full)
-        member = group.remote.get(client_id) if group is not None else None
-        if group is not None and member is not None:
-            member.outstanding.discard((key, offset))
+        memberships = group.remote.get(client_id) if group is not None else None
+        if group is not None and memberships:
+            for member in memberships:
+                member.outstanding.discard((key, offset))
             self.state.groups_dirty = True  # its done position may move (done_positions)
             self.pump_group(group)
 
@@ -253,9 +301,12 @@ class SharedGroups:
         outstanding goes to the other members (at least once: a persistent session restored
         elsewhere may deliver it again)."""
         for group in list(self.groups.values()):
-            gone = [m for m in group.remote.values() if m.worker == worker]
+            gone = [m for ms in group.remote.values() for m in ms if m.worker == worker]
             for member in gone:
-                self.remote_leave(group.consumer.name, member.client_id, sorted(member.outstanding))
+                self._end(group, member)
+                group.orphans.extend(sorted(member.outstanding))
+            if gone and group.orphans and group.members:
+                self.pump_group(group)
 
     def rejoin_groups(self, worker: int) -> None:
         """``worker`` (re)started: the members here of the groups it holds join again."""
@@ -265,15 +316,16 @@ class SharedGroups:
                     self.join_group(session, full)
 
     def remote_deliver(
-        self, full: str, client_id: str, key: PartitionKey, offset: int, qos: int
+        self, full: str, client_id: str, token: int, key: PartitionKey, offset: int, qos: int
     ) -> None:
-        """The worker holding group ``full`` sent this record for ``client_id`` here."""
+        """The worker holding group ``full`` sent this record for ``client_id`` here, to its
+        membership ``token`` names; one that ended here gives it back, and ends there."""
         session = self.sessions.get(client_id)
         if session is None or session.link is None or full not in session.shared:
             home = self.group_home(full)
             peers = self.state.hooks.group_peers
             if home is not None and peers is not None:
-                peers.leave(home, full, client_id, [(key, offset)])
+                peers.leave(home, full, client_id, token, [(key, offset)])
             return
         if session.group_queue is None:
             session.group_queue = deque()
@@ -292,17 +344,31 @@ class SharedGroups:
             # (and there the partition waits for that: the home may be another node).
             part = self.partition(key)
             part.committed_through(offset)
-            if offset >= part.end_offset:
+            readable, rec = self._record(key, offset)
+            if offset >= part.end_offset or not readable:
                 part.watchers.add(QueueWatcher(session.client_id))
                 return
             queue.popleft()
-            rec = self.read_exact(key, offset)
             sub = session.shared.get(full)
             if rec is not None and sub is not None:
                 ids = [sub.identifier] if sub.identifier and session.version == 5 else []
                 self.deliver(session, rec, key, qos, ids, full, group=full)
             if qos == 0 or rec is None or session.link is None:
                 self.group_done(session, full, key, offset)
+
+    def _record(self, key: PartitionKey, offset: int) -> tuple[bool, Record | None]:
+        """Whether the record at ``offset`` can be read here now, and the record (None:
+        gone: deleted by retention, compacted away, damaged). A partition this node reads
+        remotely may not have fetched it yet: the read starts the fetch, whose answer wakes
+        the partition's watchers (broker.workers.remote_partition); taken for gone, it
+        would be counted done and lost to the group."""
+        part = self.partition(key)
+        if offset >= part.end_offset:
+            return False, None
+        start = part.log.log_start_offset
+        if part.fetched_remotely and offset >= start and not part.read(offset, 1):
+            return False, None
+        return True, self.read_exact(key, offset)
 
     def group_done(self, session: Session, full: str, key: PartitionKey, offset: int) -> None:
         """A delivery of group ``full`` is complete; its home, if elsewhere, is told."""
@@ -319,7 +385,7 @@ class SharedGroups:
         cluster's, broker.workers.cluster_groups) delivers every other record at least once
         [MQTT-4.8.2]: those in flight again, to whichever member."""
         done = dict(group.consumer.cursors)
-        held = [off for m in group.remote.values() for off in m.outstanding]
+        held = [off for ms in group.remote.values() for m in ms for off in m.outstanding]
         held.extend(group.orphans)
         for client_id in group.members:
             session = self.sessions.get(client_id)
@@ -379,7 +445,9 @@ class SharedGroups:
             return
         while group.orphans:
             key, offset = group.orphans[0]
-            rec = self.read_exact(key, offset)
+            readable, rec = self._record(key, offset)
+            if not readable:
+                return  # woken when it is (the group watches its partitions)
             if rec is None:
                 group.orphans.popleft()  # deleted by retention: nothing left to redeliver
                 continue
@@ -431,7 +499,8 @@ class SharedGroups:
         position for the next one, as a consumer group does."""
         if self.state.acl is None or not group.members:
             return True
-        if any(m.authz is None or m.authz.can_read(topic) for m in group.remote.values()):
+        remote = (m for ms in group.remote.values() for m in ms)
+        if any(m.authz is None or m.authz.can_read(topic) for m in remote):
             return True
         sessions = (self.sessions.get(cid) for cid in group.members)
         return any(s is not None and self._may_read(s, topic) for s in sessions)
@@ -450,7 +519,7 @@ class SharedGroups:
             peers = self.state.hooks.group_peers
             assert peers is not None
             member.outstanding.add((key, rec.offset))
-            peers.deliver(member.worker, full, member.client_id, key, rec.offset, qos)
+            peers.deliver(member.worker, full, member.client_id, member.token, key, rec.offset, qos)
         else:
             self.deliver(member, rec, key, qos, ids, full, group=full)
 
@@ -464,8 +533,9 @@ class SharedGroups:
         n = len(group.members)
         for i in range(n):
             idx = (group.next_member + i) % n
-            remote = group.remote.get(group.members[idx])
-            if remote is not None:
+            memberships = group.remote.get(group.members[idx])
+            if memberships:
+                remote = memberships[-1]
                 if remote.authz is not None and not remote.authz.can_read(topic):
                     continue
                 if len(remote.outstanding) < remote.window:
@@ -483,3 +553,8 @@ class SharedGroups:
                 ids = [sub.identifier] if sub is not None and sub.identifier else []
                 return session, qos, ids if session.version == 5 else []
         return None
+
+
+def _find(memberships: list[RemoteMember], worker: int, token: int) -> RemoteMember | None:
+    """The membership of ``worker`` that ``token`` names, if held."""
+    return next((m for m in memberships if m.worker == worker and m.token == token), None)

@@ -131,33 +131,46 @@ class ClusterGroupFrames:
         home: int,
         group: str,
         client_id: str,
+        token: int,
         qos: int,
         identifier: int | None,
         version: int,
         window: int,
         username: str | None,
     ) -> None:
-        body = [group, client_id, qos, identifier, version, window, username, self.index]
+        body = [group, client_id, token, qos, identifier, version, window, username, self.index]
         self._send(home, self.JOIN, body)
 
     def leave(
-        self, home: int, group: str, client_id: str, orphans: list[tuple[PartitionKey, int]]
+        self,
+        home: int,
+        group: str,
+        client_id: str,
+        token: int,
+        orphans: list[tuple[PartitionKey, int]],
     ) -> None:
         back = [[k[0], k[1], off] for k, off in orphans]
-        self._send(home, self.LEAVE, [group, client_id, back, self.index])
+        self._send(home, self.LEAVE, [group, client_id, token, back, self.index])
 
     def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
         self._send(home, self.DONE, [group, client_id, key[0], key[1], offset, self.index])
 
     def deliver(
-        self, member: int, group: str, client_id: str, key: PartitionKey, offset: int, qos: int
+        self,
+        member: int,
+        group: str,
+        client_id: str,
+        token: int,
+        key: PartitionKey,
+        offset: int,
+        qos: int,
     ) -> None:
         node, worker = node_of(member), worker_of(member)
         if node != self.node.id:
-            body = [group, client_id, key[0], key[1], offset, qos, worker]
+            body = [group, client_id, token, key[0], key[1], offset, qos, worker]
             self._send(node, self.DELIVER, body)
         elif self.local is not None:  # another worker of the home's node
-            self.local.deliver(worker, group, client_id, key, offset, qos)
+            self.local.deliver(worker, group, client_id, token, key, offset, qos)
 
     def joined(self, member: int, group: str, client_id: str) -> None:
         node, worker = node_of(member), worker_of(member)
@@ -213,8 +226,9 @@ class ClusterGroupFrames:
         if kind == self.JOIN:
             router.remote_join(member, *args)
         elif kind == self.LEAVE:
-            group, client_id, orphans = args
-            router.remote_leave(group, client_id, [((s, p), off) for s, p, off in orphans])
+            group, client_id, token, orphans = args
+            back = [((s, p), off) for s, p, off in orphans]
+            router.remote_leave(member, group, client_id, token, back)
         elif kind == self.DONE:
             group, client_id, stream, partition, offset = args
             router.remote_done(group, client_id, (stream, partition), offset)
@@ -228,11 +242,12 @@ class ClusterGroupFrames:
                 return
             *args, worker = orjson.loads(body)
             if kind == self.DELIVER:
-                group, client_id, stream, partition, offset, qos = args
+                group, client_id, token, stream, partition, offset, qos = args
+                key = (stream, partition)
                 if worker == self.index:
-                    router.remote_deliver(group, client_id, (stream, partition), offset, qos)
+                    router.remote_deliver(group, client_id, token, key, offset, qos)
                 elif self.local is not None:
-                    self.local.deliver(worker, group, client_id, (stream, partition), offset, qos)
+                    self.local.deliver(worker, group, client_id, token, key, offset, qos)
             elif worker == self.index:
                 router.group_joined(*args)
             elif self.local is not None:

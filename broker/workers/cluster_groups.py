@@ -51,6 +51,7 @@ from broker.cluster.raft import NotLeader
 from broker.router.state import SESSIONS
 from broker.workers.cluster_group_frames import REJOIN, ClusterGroupFrames, node_of
 from broker.workers.mesh import owner_of
+from broker.workers.remote_partition import RemotePartition
 
 if TYPE_CHECKING:
     from broker.router.router import Router
@@ -126,9 +127,7 @@ class ClusterGroupPeers(ClusterGroupFrames):
         router, g = self.router, self.sessions_group
         if router is None or g is None:
             return
-        leader = self.node.leader(g)
-        # A node that holds no replica of $sessions (one that joined later) knows no leader.
-        term = self.node.core(g).term if leader is not None else None
+        leader, term = self._sessions_leader(g, router)
         me = leader == self.node.id
         if not me:
             self.early.clear()
@@ -165,6 +164,22 @@ class ClusterGroupPeers(ClusterGroupFrames):
                 router.rejoin_groups(self.home_node)
                 self.rejoin_workers()
             self.home_up = up
+
+    def _sessions_leader(self, g: int, router: Router) -> tuple[int | None, int | None]:
+        """``$sessions``' (group ``g``) leader and its term as this node knows them (None,
+        None: no leader known). A node holding no replica of it (one that joined the cluster
+        and is not added to it yet, broker.cluster.reshape) reads it remotely: each answer
+        of a replica names the leader and its term (broker.cluster.fetch), and its members
+        follow that home as anyone's do."""
+        if g in self.node.storages:
+            leader = self.node.leader(g)
+            return leader, self.node.core(g).term if leader is not None else None
+        part = router.partitions.get(SESSIONS)
+        if not isinstance(part, RemotePartition) or part.leader_hint is None:
+            return None, None
+        return (
+            (part.leader_hint, part.leader_term) if part.leader_term is not None else (None, None)
+        )
 
     def _ready(self, g: int) -> bool:
         """Whether this leader of ``$sessions`` (group ``g``) applied every group position
@@ -220,7 +235,7 @@ class ClusterGroupPeers(ClusterGroupFrames):
         """The addresses of the members of the groups held here on other workers."""
         router = self.router
         groups = router.groups.values() if router is not None else ()
-        return {m.worker for group in groups for m in group.remote.values()}
+        return {m.worker for group in groups for ms in group.remote.values() for m in ms}
 
     def _on_rejoin(self, frm: int, body: memoryview) -> None:
         if self.router is not None and frm == self.home_node:

@@ -13,8 +13,12 @@ homes give what its members had outstanding to the other members.
 Frames (bodies in JSON, small and rare next to the records themselves): ``JOIN``, ``LEAVE``
 and ``DONE`` go to the home, ``DELIVER`` and ``JOINED`` to the member's worker. ``JOINED``
 answers a JOIN once the group's positions are stored (at once, but for a new group): the
-member's SUBACK waits for it (broker.router.shared). Called only from the
-worker's event loop.
+member's SUBACK waits for it (broker.router.shared). A JOIN, a LEAVE and a DELIVER name the
+membership they are about by its worker and the session's token there
+(``Session.group_token``): frames from two workers may arrive in either order, so a session
+that moved is matched by membership, never by client id alone: the old worker's late LEAVE
+ends the old membership only, and the same membership joining twice is joined once.
+Called only from the worker's event loop.
 """
 
 from __future__ import annotations
@@ -73,18 +77,26 @@ class MeshGroupPeers:
         home: int,
         group: str,
         client_id: str,
+        token: int,
         qos: int,
         identifier: int | None,
         version: int,
         window: int,
         username: str | None,
     ) -> None:
-        self._send(home, self.JOIN, [group, client_id, qos, identifier, version, window, username])
+        body = [group, client_id, token, qos, identifier, version, window, username]
+        self._send(home, self.JOIN, body)
 
     def leave(
-        self, home: int, group: str, client_id: str, orphans: list[tuple[PartitionKey, int]]
+        self,
+        home: int,
+        group: str,
+        client_id: str,
+        token: int,
+        orphans: list[tuple[PartitionKey, int]],
     ) -> None:
-        self._send(home, self.LEAVE, [group, client_id, [[k[0], k[1], off] for k, off in orphans]])
+        back = [[k[0], k[1], off] for k, off in orphans]
+        self._send(home, self.LEAVE, [group, client_id, token, back])
 
     def done(self, home: int, group: str, client_id: str, key: PartitionKey, offset: int) -> None:
         self._send(home, self.DONE, [group, client_id, key[0], key[1], offset])
@@ -92,9 +104,17 @@ class MeshGroupPeers:
     # ------------------------------------------------------------ to the member's worker
 
     def deliver(
-        self, worker: int, group: str, client_id: str, key: PartitionKey, offset: int, qos: int
+        self,
+        worker: int,
+        group: str,
+        client_id: str,
+        token: int,
+        key: PartitionKey,
+        offset: int,
+        qos: int,
     ) -> None:
-        self._send(worker, self.DELIVER, [group, client_id, key[0], key[1], offset, qos])
+        body = [group, client_id, token, key[0], key[1], offset, qos]
+        self._send(worker, self.DELIVER, body)
 
     def joined(self, worker: int, group: str, client_id: str) -> None:
         self._send(worker, self.JOINED, [group, client_id])
@@ -102,14 +122,14 @@ class MeshGroupPeers:
     # ------------------------------------------------------------ received
 
     def _on_join(self, peer: int, request: int, body: memoryview) -> None:
-        group, client_id, qos, identifier, version, window, username = orjson.loads(body)
         assert self.router is not None
-        self.router.remote_join(peer, group, client_id, qos, identifier, version, window, username)
+        self.router.remote_join(peer, *orjson.loads(body))
 
     def _on_leave(self, peer: int, request: int, body: memoryview) -> None:
-        group, client_id, orphans = orjson.loads(body)
+        group, client_id, token, orphans = orjson.loads(body)
         assert self.router is not None
-        self.router.remote_leave(group, client_id, [((s, p), off) for s, p, off in orphans])
+        back = [((s, p), off) for s, p, off in orphans]
+        self.router.remote_leave(peer, group, client_id, token, back)
 
     def _on_done(self, peer: int, request: int, body: memoryview) -> None:
         group, client_id, stream, partition, offset = orjson.loads(body)
@@ -117,9 +137,9 @@ class MeshGroupPeers:
         self.router.remote_done(group, client_id, (stream, partition), offset)
 
     def _on_deliver(self, peer: int, request: int, body: memoryview) -> None:
-        group, client_id, stream, partition, offset, qos = orjson.loads(body)
+        group, client_id, token, stream, partition, offset, qos = orjson.loads(body)
         assert self.router is not None
-        self.router.remote_deliver(group, client_id, (stream, partition), offset, qos)
+        self.router.remote_deliver(group, client_id, token, (stream, partition), offset, qos)
 
     def _on_joined(self, peer: int, request: int, body: memoryview) -> None:
         group, client_id = orjson.loads(body)

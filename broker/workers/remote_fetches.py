@@ -179,7 +179,7 @@ class RemoteFetches:
         if answer.error != OK:
             part.skip(frm)
             if answer.error == OUT_OF_RANGE:
-                part.marks(answer.leader, answer.log_start, answer.high_watermark)
+                part.marks(answer.leader, answer.log_start, answer.high_watermark, answer.term)
             self._again(part, poll)
             return
         try:
@@ -192,7 +192,7 @@ class RemoteFetches:
             part.skip(frm)
             self._again(part, poll)
             return
-        moved = part.marks(answer.leader, answer.log_start, answer.high_watermark)
+        moved = part.marks(answer.leader, answer.log_start, answer.high_watermark, answer.term)
         if end > poll.offset:
             size = sum([len(r[3]) for r in records])
             part.chunks.add(Chunk(poll.offset, end, records, size))
@@ -303,6 +303,7 @@ class RemoteFetches:
         plog = storage.log
         start, hwm = plog.log_start_offset, plog.high_watermark
         leader = self.node.leader(g)
+        term = self.node.core(g).term
         error, batches = OK, []
         if not start <= req.offset <= hwm:
             error = OUT_OF_RANGE
@@ -314,9 +315,8 @@ class RemoteFetches:
             except (CorruptRecordBatch, CommitLogError, OSError):
                 error = UNAVAILABLE  # a damaged range awaiting repair: another replica
         self.served += 1
-        self.node.send(
-            frm, FETCHED, encode_answer(req.request, g, error, leader, start, hwm, batches)
-        )
+        answer = encode_answer(req.request, g, error, leader, start, hwm, batches, term)
+        self.node.send(frm, FETCHED, answer)
 
     def stats(self) -> dict[str, int]:
         return {

@@ -237,12 +237,14 @@ class RemotePartition(PartitionBase):
         "history",
         "known",
         "leader_hint",
+        "leader_term",
         "live",
         "replicas",
         "service",
         "skipped",
     )
     appends_here = False
+    fetched_remotely = True
 
     log: RemoteLog  # type: ignore[assignment]
 
@@ -259,6 +261,9 @@ class RemotePartition(PartitionBase):
         self.chunks = Chunks()
         self.replicas = replicas
         self.leader_hint: int | None = None
+        #: The latest term a replica named a leader in (:attr:`leader_hint` leads in it, if
+        #: known): a replica behind that names an earlier leader is not believed.
+        self.leader_term: int | None = None
         #: A replica answered once (the marks are the cluster's, not 0).
         self.known = False
         self.live: Poll | None = None
@@ -333,12 +338,16 @@ class RemotePartition(PartitionBase):
         elif self.history.get(poll.offset) is poll:
             del self.history[poll.offset]
 
-    def marks(self, leader: int | None, start: int, hwm: int) -> bool:
-        """A replica stated these; returns True when the high-water mark moved."""
+    def marks(self, leader: int | None, start: int, hwm: int, term: int | None = None) -> bool:
+        """A replica stated these (``term``: the one ``leader`` leads in); returns True
+        when the high-water mark moved."""
         self.known = True
-        if leader is not None:
+        stale = term is not None and self.leader_term is not None and term < self.leader_term
+        if leader is not None and not stale:
             if leader in self.skipped:
                 self.skipped.remove(leader)
+            if term is not None:
+                self.leader_term = term
             if leader != self.leader_hint:
                 self.leader_hint = leader
                 self.service.remote_leader(self)

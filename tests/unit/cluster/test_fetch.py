@@ -56,23 +56,26 @@ def test_malformed_or_oversized_requests_are_refused(body: bytes) -> None:
 
 def test_answer_round_trips_with_its_batches() -> None:
     batches = [batch(10, 3), batch(13, 2)]
-    body = encode_answer(9, 4, OK, 77, 5, 15, batches)
+    body = encode_answer(9, 4, OK, 77, 5, 15, batches, term=6)
     answer = decode_answer(body)
-    assert answer[:6] == (9, 4, OK, 77, 5, 15)
+    assert answer[:7] == (9, 4, OK, 77, 6, 5, 15)
     records, end = verified_records(answer, 11)
     assert [r.offset for r in records] == [11, 12, 13, 14] and end == 15
     assert records[0] == rec(11)
     no_leader = decode_answer(encode_answer(9, 4, NOT_REPLICA, None, 0, 0))
     assert no_leader.leader is None and no_leader.error == NOT_REPLICA
+    assert no_leader.term is None
+    # A term is stated with a leader only: the one it leads in (cluster_groups follows both).
+    assert decode_answer(encode_answer(9, 4, OK, None, 0, 0, term=6)).term is None
 
 
 @pytest.mark.parametrize(
     "body",
     [
         b"\0" * (ANSWER.size - 1),
-        ANSWER.pack(1, 2, 99, -1, 0, 0),  # unknown error code
-        ANSWER.pack(1, 2, OK, -1, 10, 5),  # log start past the mark
-        ANSWER.pack(1, 2, NOT_REPLICA, -1, 0, 0) + b"junk",  # a refusal with batches
+        ANSWER.pack(1, 2, 99, -1, -1, 0, 0),  # unknown error code
+        ANSWER.pack(1, 2, OK, -1, -1, 10, 5),  # log start past the mark
+        ANSWER.pack(1, 2, NOT_REPLICA, -1, -1, 0, 0) + b"junk",  # a refusal with batches
     ],
 )
 def test_malformed_answers_are_refused(body: bytes) -> None:

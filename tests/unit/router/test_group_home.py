@@ -9,8 +9,10 @@ from typing import Any
 
 import orjson
 
+from broker.commitlog import Record
 from broker.mqtt.packets import SubAck, Subscribe, Subscription
 from broker.router.hooks import SingleWorker
+from broker.router.partition import READ_BATCH, Partition
 from broker.router.state import SESSIONS
 from tests.unit.router.conftest import Harness
 from tests.unit.router.test_runs import _Peers
@@ -71,12 +73,47 @@ def test_a_record_not_yet_committed_here_waits_for_the_commit(h: Harness) -> Non
     _, pub = h.connect("pub", 4)
     h.publish(pub, "t/x", b"0", 1, 1)
     h.run()
-    h.router.remote_deliver(GROUP, "member", ("default", 0), 1, 1)  # not here yet
+    h.router.remote_deliver(GROUP, "member", 1, ("default", 0), 1, 1)  # not here yet
     assert link.take() == []
     assert h.hooks.group_peers.done_offsets == []  # type: ignore[attr-defined]
     h.publish(pub, "t/x", b"1", 1, 2)
     h.run()
     assert [p.payload for p in link.take()] == [b"1"]
+
+
+class _NotFetchedYet(Partition):
+    """A partition this node reads remotely (broker.workers.remote_partition): nothing is
+    readable until ``fetched`` (the fetch a read starts is answered)."""
+
+    __slots__ = ()
+    fetched_remotely = True
+    fetched = False
+
+    def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
+        return super().read(offset, max_records) if _NotFetchedYet.fetched else []
+
+
+def test_a_record_not_fetched_here_yet_waits_for_the_fetch(h: Harness) -> None:
+    """A member's node holding no replica of the partition reads the record the home sent
+    remotely: until the fetch is answered it is not readable, and it waits for it (before,
+    it was taken for one retention deleted, reported done, and lost to the group)."""
+    h.hooks = _Elsewhere()
+    h.restart()
+    link, s = h.connect("member", 4)
+    h.router.subscribe(s, Subscribe(1, [Subscription(GROUP, 1)]))
+    h.run()
+    _, pub = h.connect("pub", 4)
+    h.publish(pub, "t/x", b"0", 1, 1)
+    h.run()
+    part = h.router.partitions[("default", 0)]
+    part.__class__ = _NotFetchedYet
+    _NotFetchedYet.fetched = False
+    h.router.remote_deliver(GROUP, "member", 1, ("default", 0), 0, 1)
+    assert link.take() == []
+    assert h.hooks.group_peers.done_offsets == []  # type: ignore[attr-defined]
+    _NotFetchedYet.fetched = True  # the answer arrived: the partition's readers are woken
+    h.router.wake(part)
+    assert [p.payload for p in link.take()] == [b"0"]
 
 
 def _stored(h: Harness) -> bool:
@@ -135,11 +172,11 @@ def test_the_home_answers_a_join_of_a_new_group_once_it_is_stored(h: Harness) ->
     h.restart()
     peers: _Joined = h.hooks.group_peers  # type: ignore[assignment]
     peers.stored = lambda: _stored(h)
-    h.router.remote_join(2, GROUP, "far", 1, None, 4, 10, None)
+    h.router.remote_join(2, GROUP, "far", 1, 1, None, 4, 10, None)
     assert peers.joined_at == []
     h.run()
     assert peers.joined_at == [("far", True)]
-    h.router.remote_join(2, GROUP, "far2", 1, None, 4, 10, None)
+    h.router.remote_join(2, GROUP, "far2", 1, 1, None, 4, 10, None)
     assert peers.joined_at[1:] == [("far2", True)]  # stored already: at once
 
 

@@ -263,7 +263,7 @@ def test_puback_run_of_group_deliveries_tells_the_groups_home(h: Harness) -> Non
     h.router.pump_session(s)
     link.take()
     for offset in (1, 3, 4):
-        h.router.remote_deliver("$share/g/t/+", "sub", ("default", 0), offset, 1)
+        h.router.remote_deliver("$share/g/t/+", "sub", 1, ("default", 0), offset, 1)
     grouped = [p.packet_id for p in link.take()]
     assert len(grouped) == 3
     h.router.puback_run(s, [*grouped, *[pid for pid in s.inflight if pid not in grouped]])

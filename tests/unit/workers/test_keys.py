@@ -86,14 +86,14 @@ def test_a_key_crosses_in_the_shared_groups_frames(keys: list[PartitionKey]) -> 
     receiver.router = router  # type: ignore[assignment]
     group = "$share/g/d/#"
     for key in keys:
-        sender.leave(1, group, "c", [(key, 5)])
+        sender.leave(1, group, "c", 9, [(key, 5)])
         sender.done(1, group, "c", key, 6)
-        sender.deliver(1, group, "c", key, 7, 1)
+        sender.deliver(1, group, "c", 9, key, 7, 1)
     for _, kind, body in mesh.sent:
         receiver.handlers()[kind](0, 0, memoryview(body))
     cursors = {key: i for i, key in enumerate(keys)}
     got: dict[str, list[Any]] = {"leave": [], "done": [], "deliver": []}
     for name, args in router.calls:
-        key = args[2][0][0] if name == "leave" else args[2]
+        key = args[4][0][0] if name == "leave" else args[2] if name == "done" else args[3]
         got[name].append(cursors[key])
     assert got == {name: list(range(len(keys))) for name in got}

@@ -32,6 +32,7 @@ from broker.workers.remote_partition import Chunk, Chunks, RemotePartition
 
 GROUP = 42
 LEADER = 7
+TERM = 3
 
 
 class Node:
@@ -52,6 +53,9 @@ class Node:
 
     def leader(self, group: int) -> int | None:
         return LEADER
+
+    def core(self, group: int) -> Any:
+        return SimpleNamespace(term=TERM)
 
 
 class Service:
@@ -99,7 +103,7 @@ def answers(service: Any) -> list[Any]:
 def test_a_replica_answers_committed_batches_only(replica: Any) -> None:
     ask(replica, 1)
     [a] = answers(replica)
-    assert (a.error, a.leader, a.log_start, a.high_watermark) == (OK, LEADER, 0, 6)
+    assert (a.error, a.leader, a.term, a.log_start, a.high_watermark) == (OK, LEADER, TERM, 0, 6)
     records, end = verified_records(a, 1)
     assert [r.offset for r in records] == [1, 2, 3, 4, 5] and end == 6  # not 6..9
     ask(replica, 7)  # past the mark: not readable, whatever the log holds
@@ -173,14 +177,32 @@ def test_an_outsider_polls_the_leader_and_serves_what_it_fetched() -> None:
     batches = [bytes(encode_batch(0, [rec(0), rec(1)])), bytes(encode_batch(2, [rec(2)]))]
     service.node.sent.clear()
     service.remote._on_fetched(
-        LEADER, memoryview(encode_answer(request, GROUP, OK, 8, 0, 3, batches))
+        LEADER, memoryview(encode_answer(request, GROUP, OK, 8, 0, 3, batches, term=2))
     )
     assert part.end_offset == 3 and part.leader() == 8 and service.moved == [part]
+    assert part.leader_term == 2
     assert [r.offset for r in part.read(1)] == [1, 2]
     # The next live poll went out at once, to the new leader, from the new mark, held there.
     [(to, kind, body)] = service.node.sent
     sent = REQUEST.unpack(body)
     assert (to, sent[2], sent[4]) == (8, 3, 1000)
+
+
+def test_an_outsider_believes_no_leader_of_an_earlier_term() -> None:
+    """Each answer names the leader and its term (a node without a ``$sessions`` replica
+    follows the shared groups' home by both, broker.workers.cluster_groups); a replica
+    behind, still naming the leader of an earlier term, does not move it back."""
+    _, part = outsider()
+    part.marks(8, 0, 0, term=4)
+    assert (part.leader(), part.leader_term) == (8, 4)
+    part.marks(LEADER, 0, 0, term=3)  # a follower that has not heard of term 4 yet
+    assert (part.leader(), part.leader_term) == (8, 4)
+    part.marks(LEADER, 0, 0, term=5)
+    assert (part.leader(), part.leader_term) == (LEADER, 5)
+    part.skip(LEADER)  # a failed fetch: no leader known, the term seen stays
+    assert (part.leader(), part.leader_term) == (None, 5)
+    part.marks(8, 0, 0, term=4)
+    assert part.leader() is None
 
 
 def test_an_outsider_drops_and_counts_a_corrupt_answer() -> None:
