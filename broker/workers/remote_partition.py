@@ -238,6 +238,7 @@ class RemotePartition(PartitionBase):
         "known",
         "leader_hint",
         "live",
+        "owner",
         "replicas",
         "service",
         "skipped",
@@ -253,8 +254,13 @@ class RemotePartition(PartitionBase):
         group: int,
         service: PartitionHost,
         replicas: list[int],
+        owner: int | None = None,
     ) -> None:
         self.group = group
+        #: The worker of this node that owns the partition when it is not this one (several
+        #: workers per node, broker.workers.remote_relay): publishes are forwarded to it and
+        #: fetches sent through it. None: this worker owns it.
+        self.owner = owner
         self.service = service
         self.chunks = Chunks()
         self.replicas = replicas

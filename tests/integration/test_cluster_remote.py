@@ -12,6 +12,12 @@ holds no replica of it and serves its clients through forwards and remote reads
   message published through such a node reaches new subscribers on every node.
 - kill -9 of a partition's leader during QoS 1 load through a node outside its group: every
   acknowledged publish is read back (from that node, remotely), in order.
+- ``mqlog cluster set-replication`` lowers the stream's factor to 2: every group drops to two
+  voters, and every node still publishes to and reads every partition.
+
+Each with one worker per node and with two (``[router] workers = 2``): then a partition's
+other worker on a node outside its group reads it through the owner
+(broker.workers.remote_relay), and its publishes go through the owner too.
 
 Needs root, ``ip`` and ``nft``; skipped with the reason otherwise.
 """
@@ -77,10 +83,12 @@ def topic_in(p: int, prefix: str) -> str:
     raise AssertionError("no topic found")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MqlogCluster]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-worker", "2-workers"])
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[MqlogCluster]:
     with Lab(NODES) as lab:
-        c = MqlogCluster(lab, tmp_path_factory.mktemp("remote"), extra=EXTRA)
+        c = MqlogCluster(lab, tmp_path_factory.mktemp("remote"), extra=EXTRA, workers=request.param)
         c.start()
         yield c
 
@@ -160,6 +168,8 @@ def test_every_node_publishes_and_every_node_receives_in_order(cluster: MqlogClu
     views = [status(cluster, m) for m in cluster.members]
     assert sum(v["remote_reads"]["fetches_served"] for v in views) > 0
     assert all(v["remote_reads"]["fetch_answers_dropped"] == 0 for v in views)
+    if cluster.workers > 1:  # each node's other worker read through the owner
+        assert all(v["remote_reads"]["fetches_relayed"] > 0 for v in views)
     served = 0.0
     for m in cluster.members:
         with urllib.request.urlopen(f"http://{m.addr}:{HTTP_PORT}/metrics", timeout=5) as r:
@@ -446,3 +456,67 @@ def test_transfer_leader_through_a_node_outside_the_group(cluster: MqlogCluster)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{STREAM}/{p}: leader {target}" in done.stdout
     assert cli("n9").returncode != 0  # not a node of this cluster: refused at once
+
+
+def test_set_replication_moves_replicas_and_every_node_still_serves(
+    cluster: MqlogCluster,
+) -> None:
+    """``mqlog cluster set-replication rf 2`` (last in this module: the nodes' files still say
+    3, so none may restart after it)."""
+    n1 = cluster.member("n1")
+    argv = ["cluster", "set-replication", STREAM, "2", "--broker", f"http://{n1.addr}:{HTTP_PORT}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"stream {STREAM}: replication_factor = 2 (committed)" in done.stdout
+    started = time.monotonic()
+    names = node_ids(f"n{i + 1}" for i in range(NODES))
+    want = {
+        p: sorted(names[n] for n in replicas(group_id_of((STREAM, p)), names, 2))
+        for p in range(PARTITIONS)
+    }
+    deadline = started + 90
+    while True:
+        led = {}
+        for m in cluster.members:
+            for e in status(cluster, m)["partitions"]:
+                if e["stream"] == STREAM and e["role"] == "leader":
+                    led[e["partition"]] = e
+        if all(p in led and led[p]["replicas"] == want[p] for p in range(PARTITIONS)):
+            break
+        assert time.monotonic() < deadline, {p: led.get(p) for p in range(PARTITIONS)}
+        time.sleep(0.5)
+    print(f"\nreplication factor 3 -> 2: {time.monotonic() - started:.1f} s to two voters each")
+    # Every node publishes to every partition and reads everything, in order, from the two
+    # replicas or from outside the group.
+    subs = [client(m, "rf2-sub") for m in cluster.members]
+    pubs = [client(m, "rf2-pub") for m in cluster.members]
+    try:
+        for s in subs:
+            assert s.subscribe("rf/rf2/#", qos=1) == [1]
+        topics = [topic_in(p, "rf2") for p in range(PARTITIONS)]
+        sent: dict[str, list[bytes]] = {t: [] for t in topics}
+        for i in range(10):
+            for k, pub in enumerate(pubs):
+                for topic in topics:
+                    payload = f"{k}:{i}".encode()
+                    pub.publish(topic, payload, qos=1, wait=False)
+                    sent[topic].append(payload)
+        total = sum(len(v) for v in sent.values())
+        for s in subs:
+            by_topic: dict[str, list[bytes]] = {t: [] for t in topics}
+            for msg in s.expect(total, timeout=30):
+                by_topic[msg.topic].append(msg.payload)
+            for topic in topics:
+                assert sorted(by_topic[topic]) == sorted(sent[topic])
+                for k in range(len(pubs)):
+                    mine = [x for x in by_topic[topic] if x.startswith(b"%d:" % k)]
+                    assert mine == [x for x in sent[topic] if x.startswith(b"%d:" % k)]
+    finally:
+        for c in subs + pubs:
+            c.disconnect()
