@@ -274,6 +274,12 @@ class PartitionBase:
     def committed_through(self, offset: int) -> None:
         """Another worker saw ``offset`` committed (here: every offset below the end is)."""
 
+    def fetching(self, offset: int) -> bool:
+        """Whether the committed record at ``offset`` is on its way here, not readable yet
+        (a partition read from another node: its watchers are woken when it arrives); a
+        log read here never waits."""
+        return False
+
     def next_offset(self) -> int:
         """The offset the next record gathered here will get: -1 where the owner assigns
         it (another worker's partition; a forwarded batch carries no offsets)."""

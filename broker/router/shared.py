@@ -292,7 +292,7 @@ class SharedGroups:
             # (and there the partition waits for that: the home may be another node).
             part = self.partition(key)
             part.committed_through(offset)
-            if offset >= part.end_offset:
+            if offset >= part.end_offset or part.fetching(offset):
                 part.watchers.add(QueueWatcher(session.client_id))
                 return
             queue.popleft()

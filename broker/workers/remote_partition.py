@@ -367,5 +367,16 @@ class RemotePartition(PartitionBase):
     def read(self, offset: int, max_records: int = READ_BATCH) -> list[Record]:
         return self.log.records(offset, max_records)
 
+    def fetching(self, offset: int) -> bool:
+        """Whether the committed record at ``offset`` is not fetched yet (a fetch is started):
+        a shared group's delivery waits for it rather than taking it as gone."""
+        plog = self.log
+        if not plog.log_start_offset <= offset < plog.end_offset:
+            return False
+        if self.chunks.find(offset) is not None:
+            return False
+        self.service.remote.history(self, offset)
+        return True
+
     def read_columns(self, offset: int) -> Columns:
         return Columns.from_records(self.read(offset))

@@ -90,7 +90,27 @@ def cluster(
     with Lab(NODES) as lab:
         c = MqlogCluster(lab, tmp_path_factory.mktemp("remote"), extra=EXTRA, workers=request.param)
         c.start()
+        settled(c)
         yield c
+
+
+def settled(cluster: MqlogCluster, timeout: float = 30.0) -> None:
+    """Until every partition is led by its preferred replica: the balancers' transfers are
+    done (a transfer gives a publish in flight an unknown outcome, and its client a closed
+    connection, which these tests' publishers do not resend through)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        led = {}
+        for m in cluster.members:
+            for e in status(cluster, m)["partitions"]:
+                if e["role"] == "leader":
+                    led[(e["stream"], e["partition"])] = e
+        if len(led) >= PARTITIONS + 2 and all(
+            e["leader"] == e["preferred_leader"] for e in led.values()
+        ):
+            return
+        assert time.monotonic() < deadline, led
+        time.sleep(0.5)
 
 
 def status(cluster: MqlogCluster, m: Member) -> dict[str, Any]:
