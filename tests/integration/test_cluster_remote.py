@@ -483,6 +483,10 @@ def test_set_replication_moves_replicas_and_every_node_still_serves(
 ) -> None:
     """``mqlog cluster set-replication rf 2`` (last in this module: the nodes' files still say
     3, so none may restart after it)."""
+    for m in cluster.members:  # the leader killed above, back
+        if not m.running():
+            cluster.start(m)
+    settled(cluster)
     n1 = cluster.member("n1")
     argv = ["cluster", "set-replication", STREAM, "2", "--broker", f"http://{n1.addr}:{HTTP_PORT}"]
     done = subprocess.run(
