@@ -343,6 +343,8 @@ class RemotePartition(PartitionBase):
         """A replica stated these; returns True when the high-water mark moved."""
         self.known = True
         if leader is not None:
+            if leader not in self.replicas:  # a replica placed since (broker.cluster.reshape)
+                self.replicas.append(leader)
             if leader in self.skipped:
                 self.skipped.remove(leader)
             if leader != self.leader_hint:
