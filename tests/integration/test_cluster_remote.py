@@ -128,6 +128,18 @@ def status(cluster: MqlogCluster, m: Member) -> dict[str, Any]:
             time.sleep(0.1)
 
 
+def leader_seen_by(cluster: MqlogCluster, m: Member, p: int, timeout: float = 20.0) -> str:
+    """Partition ``p``'s leader as ``m`` knows it (an outsider learns it from its fetches' answers:
+    not known for a moment after a fetch timed out on a busy machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for e in status(cluster, m)["partitions"]:
+            if (e["stream"], e["partition"]) == (STREAM, p) and e["leader"]:
+                return str(e["leader"])
+        assert time.monotonic() < deadline, f"{m.node_id} knows no leader of {STREAM}/{p}"
+        time.sleep(0.2)
+
+
 def client(m: Member, name: str, **kw: object) -> Client:
     c = Client(MQTT_PORT, f"{name}-{m.node_id}", host=m.addr, **kw)  # type: ignore[arg-type]
     assert c.connect() == 0
@@ -249,9 +261,7 @@ def test_an_outsider_delivers_about_as_soon_as_a_follower(cluster: MqlogCluster)
     p = 2
     topic = topic_in(p, "latency")
     far = cluster.member(outsider(p))
-    view = status(cluster, far)
-    [entry] = [e for e in view["partitions"] if (e["stream"], e["partition"]) == (STREAM, p)]
-    leader = cluster.member(entry["leader"])
+    leader = cluster.member(leader_seen_by(cluster, far, p))
     follower = cluster.member(next(n for n in placement()[p] if n != leader.node_id))
     arrived: dict[str, dict[bytes, float]] = {"outsider": {}, "follower": {}}
 
@@ -371,7 +381,7 @@ async def _load(
     acknowledged payloads in order (``times``: when each was acknowledged)."""
     acked: list[str] = []
     c: MqttClient | None = None
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120  # the machine is shared: the gap is what is asserted
     try:
         for i in range(n):
             uid, dup = f"k{i}", False
@@ -404,12 +414,8 @@ def test_kill_of_the_leader_under_load_through_an_outsider_loses_nothing(
     p = 1
     far = cluster.member(outsider(p))
     topic = topic_in(p, "kill")
-    leader_name = None
-    for entry in status(cluster, far)["partitions"]:
-        if (entry["stream"], entry["partition"]) == (STREAM, p):
-            leader_name = entry["leader"]
-    assert leader_name is not None and leader_name != far.node_id
-    leader = cluster.member(leader_name)
+    leader = cluster.member(leader_seen_by(cluster, far, p))
+    assert leader is not far
 
     times: list[float] = []
 
@@ -422,7 +428,7 @@ def test_kill_of_the_leader_under_load_through_an_outsider_loses_nothing(
 
     started = time.monotonic()
     acked = asyncio.run(run())
-    assert len(acked) == 400 and time.monotonic() - started < 60
+    assert len(acked) == 400 and time.monotonic() - started < 120
     # Publishes through the outsider are acknowledged again soon after the kill (an election
     # and the outsider's poll learning the new leader; issue 20's target is <= 5 s).
     gap = max(b - a for a, b in itertools.pairwise(times))
