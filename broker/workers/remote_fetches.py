@@ -395,6 +395,8 @@ class RemoteFetches:
         part = RemotePartition(key, config, g, service, replicas, owner)
         router = service.router
         old = router.partitions.get(key) if router is not None else None
+        # Another worker's is put in the router's place at once: the router's factory makes
+        # only this worker's own (ClusterService.make_partition, from remote_parts).
         if router is not None and (old is not None or owner is not None):
             if old is not None:
                 part.watchers = old.watchers
