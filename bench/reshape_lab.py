@@ -22,8 +22,8 @@ partition (divergent: must be 0).
 
 Run (root): ``python -m bench.reshape_lab`` (about two minutes). Prints a table and one JSON
 line (``--json FILE`` appends it). ``--workers 2``: two workers per node (each worker moves
-the groups of the partitions it owns; every partition is then placed on every node, so a
-change is awaited until every member of the moment holds every partition).
+the groups of the partitions it owns; a node outside a group reads it through the owning
+worker, broker.workers.remote_relay).
 """
 
 from __future__ import annotations
@@ -95,14 +95,12 @@ def placed(view: dict[str, dict[str, Any]], names: list[str], partitions: int, r
 async def until_placed(
     cluster: MqlogCluster, names: list[str], partitions: int, timeout: float, leader: str = ""
 ) -> float:
-    """Seconds until :func:`placed` holds (and ``leader`` leads a partition, if named); with
-    several workers per node every partition is placed on every node."""
-    everywhere = cluster.workers > 1
+    """Seconds until :func:`placed` holds (and ``leader`` leads a partition, if named)."""
     t0 = time.monotonic()
     while True:
         view = await asyncio.to_thread(leaders_view, cluster)
         leads = not leader or any(e["leader"] == leader for e in view.values())
-        if leads and placed(view, names, partitions, len(names) if everywhere else 3):
+        if leads and placed(view, names, partitions):
             return time.monotonic() - t0
         if time.monotonic() - t0 > timeout:
             raise TimeoutError(f"not placed over {names} within {timeout} s: {view}")

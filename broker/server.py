@@ -52,6 +52,7 @@ from broker.workers.cluster_groups import share_across_workers
 from broker.workers.cluster_status import merge_views
 from broker.workers.leaving import Leaving
 from broker.workers.mesh import PeerDown, owner_of
+from broker.workers.remote_relay import RemoteRelay
 from broker.workers.replicated import CLUSTER_SPECS, ClusterService
 from broker.workers.runtime import WorkerRuntime, WorkerSpec
 from broker.xdp import MemberFilter, open_filter
@@ -169,6 +170,8 @@ class Server:
             if self.runtime is not None:
                 self._join_cluster_sessions(self.runtime, self.cluster)
                 self._join_cluster_view(self.runtime, self.cluster)
+                # The other workers' partitions that this node reads remotely.
+                self.relay = RemoteRelay(self.runtime, self.cluster)
         self.metrics.registry.register(BrokerCollector(self))
         if self.cluster is not None:
             cluster_metrics = ClusterMetrics(self, self.metrics.registry)
@@ -501,8 +504,8 @@ class Server:
         to match (broker.cluster.metadata_members). Raises ValueError where it cannot."""
         if self.cluster is None:
             raise ValueError("a single node: no [cluster] section")
-        if self.runtime is not None or self.cluster.node.metadata is None:
-            raise ValueError("several workers per node hold every partition on every node")
+        if self.cluster.node.metadata is None:  # worker 0's (the HTTP API's) alone
+            raise ValueError("the metadata group is not open on this worker")
         return await self.cluster.node.metadata.set_replication(stream, factor, 10.0)
 
     async def leave(self, timeout: float = LEAVE_MOVE_SECONDS) -> dict[str, Any]:

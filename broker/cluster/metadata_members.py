@@ -69,6 +69,14 @@ PASS_SECONDS = 1.0
 METADATA_WAIT_SECONDS = 10.0
 
 
+class FactorsHost(Protocol):
+    """What :func:`follow_factors` needs of a node (``broker.cluster.node.ClusterNode``)."""
+
+    group_keys: dict[int, tuple[str, int]]  # group -> (stream, partition)
+    replication: dict[int, int]  # group -> its replication factor, as reshape places it
+    everywhere: set[int]  # groups on every node: no replication factor of their own
+
+
 class MembersHost(Protocol):
     """What this module needs of its node (``broker.cluster.node.ClusterNode``, worker 0)."""
 
@@ -168,27 +176,34 @@ class MetadataMembers:
         """Each hosted group's replication factor as the metadata has its stream's (once
         caught up with a leader: a stale local copy would undo a change): the leaders'
         reshape passes then add or remove replicas to match (module docstring)."""
-        host = self.host
-        with self.group.replica.lock:
-            factors = {
-                name: d.replication_factor
-                for name, (d, _) in self.group.replica.state.streams.items()
-            }
-        moved: dict[str, tuple[int | None, int]] = {}
-        for g, (stream, _) in host.group_keys.items():
-            factor = factors.get(stream)
-            if g in host.everywhere or factor is None or host.replication.get(g) == factor:
-                continue
-            moved.setdefault(stream, (host.replication.get(g), factor))
-            host.replication[g] = factor
-        for stream, (before, after) in moved.items():
-            logger.info(
-                "cluster: stream %s: replication factor %s -> %d (the cluster's): its "
-                "partitions' leaders move replicas to match",
-                stream,
-                before,
-                after,
-            )
+        follow_factors(self.host, committed_factors(self.group))
+
+
+def committed_factors(group: MetadataGroup) -> dict[str, int]:
+    """Each stream's replication factor as the metadata group's replica has it."""
+    with group.replica.lock:
+        return {name: d.replication_factor for name, (d, _) in group.replica.state.streams.items()}
+
+
+def follow_factors(host: FactorsHost, factors: Mapping[str, int]) -> None:
+    """Each hosted group's replication factor as ``factors`` has its stream's (worker 0's
+    :meth:`MetadataMembers.follow_replication`, or on another worker what worker 0 told,
+    ``broker.cluster.worker_view``)."""
+    moved: dict[str, tuple[int | None, int]] = {}
+    for g, (stream, _) in host.group_keys.items():
+        factor = factors.get(stream)
+        if g in host.everywhere or factor is None or host.replication.get(g) == factor:
+            continue
+        moved.setdefault(stream, (host.replication.get(g), factor))
+        host.replication[g] = factor
+    for stream, (before, after) in moved.items():
+        logger.info(
+            "cluster: stream %s: replication factor %s -> %d (the cluster's): its "
+            "partitions' leaders move replicas to match",
+            stream,
+            before,
+            after,
+        )
 
 
 def _why(change: tuple[str, str], left: set[str]) -> str:

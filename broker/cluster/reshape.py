@@ -39,8 +39,9 @@ leader tells it (:data:`REMOVED`, again every tick until it answers); the node t
 stops hosting the group, serves the partition remotely again, and moves its copy aside
 (:attr:`Reshaper.on_removed`, ``RemoteFetches.demote``): the committed configuration without
 it has a majority holding every committed entry, so this copy is never the only one, and it
-is kept on disk (renamed), not deleted. The group is noted in ``DATA/cluster/removed`` so that
-a restart does not host it again by placement's guess. A removed node that was down when the
+is kept on disk (renamed), not deleted. The group is noted in ``DATA/cluster/removed``
+(``removed.worker<i>`` for worker ``i`` > 0: each worker's groups are its own) so that a
+restart does not host it again by placement's guess. A removed node that was down when the
 notice was sent (or whose leader changed before sending it) hears no leader afterwards (its
 core stays quiet meanwhile: PreVote and stickiness keep it from disrupting the group), so it
 asks the voters it knows every planner pass (:data:`ASKED`), and the group's leader answers
@@ -149,7 +150,10 @@ class Reshaper:
         self.given_up = 0
         #: Group -> the nodes this leader removed from it that were not yet told so.
         self.untold: dict[int, set[int]] = {}
-        self._removed_file = node.state_dir / "removed"
+        index = node.settings.worker[0]
+        self._removed_file = node.state_dir / (
+            "removed" if index == 0 else f"removed.worker{index}"
+        )
         #: Groups removed from this node (never hosted again by placement's guess).
         self.removed: set[int] = _load(self._removed_file)
         node.handlers[REMOVED] = self._on_removed

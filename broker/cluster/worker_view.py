@@ -12,14 +12,20 @@ host, and keeps the survey for its own planner passes. This is how a node joinin
 formation reaches the workers ``i`` > 0 of the others, which read the member list only at
 start (``broker.cluster.formation``).
 
+It also carries the streams' replication factors as the metadata group committed them
+(``mqlog cluster set-replication``): the metadata group is worker 0's, and each worker's
+leaders move their groups' replicas to match (``broker.cluster.metadata_members``).
+
 The view is JSON: ``{"members": {name: [host, raft_port]}, "eligible": [id], "live": [id],
-"leaving": [id]}``.
+"leaving": [id], "replication": {stream: factor}}`` (no factors before worker 0 caught up
+with the metadata group's leader).
 """
 
 from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from broker.cluster.metadata_members import committed_factors, follow_factors
 from broker.cluster.placement import node_id_of
 from broker.cluster.reshape import Survey
 
@@ -35,6 +41,9 @@ def view_of(node: ClusterNode) -> dict[str, Any]:
         "eligible": survey.eligible,
         "live": sorted(survey.live),
         "leaving": sorted(survey.leaving),
+        "replication": committed_factors(metadata)
+        if (metadata := node.metadata) is not None and metadata.ready
+        else {},
     }
 
 
@@ -58,3 +67,4 @@ def hear(node: ClusterNode, view: Any) -> None:
         {int(n) for n in view["leaving"]},
     )
     node.reshape.told = (survey, node.loop.time())
+    follow_factors(node, view.get("replication", {}))

@@ -143,6 +143,7 @@ REMOTE_READS = {
     "fetches_served": "Fetches of nodes outside a partition's group answered here",
     "fetches_refused": "Malformed or oversized fetch requests refused",
     "fetch_answers_dropped": "Fetch answers that failed verification (CRC, bounds), dropped",
+    "fetches_relayed": "Fetches sent on for another worker of this node (several workers)",
 }
 
 

@@ -234,7 +234,7 @@ class PartitionService:
         self.forwarded = 0  # records sent to their owner
         self.received = 0  # records appended for a peer
         #: Batches gathered this iteration, by owner: sent in one FORWARD at its end.
-        self._forwards: dict[int, list[tuple[RemotePartition, list[Record], list[Ack | None]]]]
+        self._forwards: dict[int, list[tuple[PartitionBase, list[Record], list[Ack | None]]]]
         self._forwards = {}
         #: Commits of this iteration, sent to every peer in one APPENDED at its end.
         self._appended: list[tuple[str, int, int, int, list[tuple[Any, ...]] | bytes | None]]
@@ -341,13 +341,19 @@ class PartitionService:
     def _forward(
         self, part: RemotePartition, records: list[Record], acks: list[Ack | None]
     ) -> None:
-        """Gather the batch for its owner's FORWARD, sent at the end of this iteration."""
+        self.forward_to(part.owner, part, records, acks)
+
+    def forward_to(
+        self, owner: int, part: PartitionBase, records: list[Record], acks: list[Ack | None]
+    ) -> None:
+        """Gather the batch for ``owner``'s FORWARD, sent at the end of this iteration (also
+        a cluster's partition that another worker reads remotely, broker.workers.remote_relay)."""
         self.forwarded += len(records)
-        batches = self._forwards.get(part.owner)
+        batches = self._forwards.get(owner)
         if batches is None:
-            batches = self._forwards[part.owner] = []
+            batches = self._forwards[owner] = []
             assert self.mesh is not None
-            self.mesh.before_flush(partial(self._send_forward, part.owner))
+            self.mesh.before_flush(partial(self._send_forward, owner))
         batches.append((part, records, acks))
 
     def _send_forward(self, owner: int) -> None:

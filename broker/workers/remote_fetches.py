@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
 
 from broker.cluster.fetch import (
@@ -88,6 +89,8 @@ class FetchHost(PartitionHost, Protocol):
 
     def remote_moved(self, part: RemotePartition) -> None: ...
 
+    def hosting_changed(self, key: PartitionKey) -> None: ...
+
 
 @runtime_checkable
 class Handover(Protocol):
@@ -119,11 +122,16 @@ class RemoteFetches:
         #: A leader added this node to a group read remotely here (broker.cluster.reshape).
         service.node.reshape.on_join = self.promote
         service.node.reshape.on_removed = self.demote
+        #: Sends a fetch of a partition another worker of this node owns through that worker
+        #: (``relay(owner, node, request)``; False when it cannot leave): with several workers
+        #: per node only the owner has links to the group's hosts (broker.workers.remote_relay).
+        self.relay: Callable[[int, int, bytes], bool] = lambda owner, to, body: False
         self.refused = 0  # malformed or oversized requests
         self.bad_answers = 0  # answers that failed verification
         self.served = 0
+        self.relayed = 0  # fetches sent on for another worker (broker.workers.remote_relay)
         self.node.handlers[FETCH] = self._on_fetch
-        self.node.handlers[FETCHED] = self._on_fetched
+        self.node.handlers[FETCHED] = self.on_fetched
 
     # -- the asking side ------------------------------------------------------------------
 
@@ -157,14 +165,17 @@ class RemoteFetches:
         request = self._next
         self._next += 1
         body = encode_request(FetchRequest(request, part.group, offset, max_bytes, wait_ms))
-        if not self.node.send(to, FETCH, body):
+        owner = part.owner
+        if not (self.node.send(to, FETCH, body) if owner is None else self.relay(owner, to, body)):
             part.skip(to)
             return None
         poll = Poll(request, offset, live, time.monotonic(), to)
         self.polls[request] = (part, poll)
         return poll
 
-    def _on_fetched(self, frm: int, body: memoryview) -> None:
+    def on_fetched(self, frm: int, body: memoryview) -> None:
+        """A replica's answer (``FETCHED``), from node ``frm``, directly or relayed by the
+        worker owning the partition."""
         try:
             answer = decode_answer(body)
         except FetchError as e:
@@ -325,6 +336,7 @@ class RemoteFetches:
             "fetch_answers_dropped": self.bad_answers,
             "fetches_held": self.parked_count,
             "fetches_waiting": len(self.polls),
+            "fetches_relayed": self.relayed,
         }
 
     # -- placement and views --------------------------------------------------------------
@@ -339,11 +351,11 @@ class RemoteFetches:
         commit of them (its retained index, its knowledge of the sessions and their owners,
         which a takeover needs at once), so each needs all of them anyway, and a replica
         everywhere is the cheapest way to have them; they are small and compacted. With
-        several workers per node every group is placed on every node (a partition's other
-        workers read its files, broker.workers.partitions, and a remote one has none)."""
+        several workers per node the node's other workers read a partition that is remote
+        here through this worker (broker.workers.remote_relay)."""
         service, node = self.service, self.node
         for g, key in service.groups.items():
-            if key in (RETAINED, SESSIONS) or node.settings.worker[1] > 1:
+            if key in (RETAINED, SESSIONS):
                 node.replication[g] = count
                 node.everywhere.add(g)
         # Named by the group's own log (a replica re-created here earlier,
@@ -367,16 +379,39 @@ class RemoteFetches:
         """Serve group ``g``'s partition from a :class:`RemotePartition` (its watchers kept)."""
         service, node = self.service, self.node
         key = service.groups[g]
-        config = service.streams.specs[key[0]].log
-        hint = [n for n in node.replicas_of(g) if n != node.id]
-        part = RemotePartition(key, config, g, service, hint)
+        part = self.serve(g, key, [n for n in node.replicas_of(g) if n != node.id])
         service.remote_parts[key] = part
+        service.hosting_changed(key)
+        return part
+
+    def serve(
+        self, g: int, key: PartitionKey, replicas: list[int], owner: int | None = None
+    ) -> RemotePartition:
+        """A :class:`RemotePartition` of group ``g`` (``owner``: the worker of this node that
+        owns it, if not this one), in the router's place of the partition it had (its
+        watchers kept), polling ``replicas``."""
+        service = self.service
+        config = service.streams.specs[key[0]].log
+        part = RemotePartition(key, config, g, service, replicas, owner)
         router = service.router
         old = router.partitions.get(key) if router is not None else None
-        if router is not None and old is not None:
-            part.watchers = old.watchers
+        # Another worker's is put in the router's place at once: the router's factory makes
+        # only this worker's own (ClusterService.make_partition, from remote_parts).
+        if router is not None and (old is not None or owner is not None):
+            if old is not None:
+                part.watchers = old.watchers
             router.partitions[key] = part
         self.add(part)
+        return part
+
+    def drop(self, g: int) -> RemotePartition | None:
+        """Stop reading group ``g`` remotely (its node hosts it now): the partition, whose
+        polls end with it, or None."""
+        part = self.parts.pop(g, None)
+        if part is not None:
+            self.retry.discard(part)
+            for request in [r for r, (p, _) in self.polls.items() if p is part]:
+                del self.polls[request]  # its answers are dropped: no poll goes again
         return part
 
     def demote(self, g: int, leader: int) -> None:
@@ -414,13 +449,14 @@ class RemoteFetches:
         if key is None or storage is None:
             return None
         part = service.remote_parts.pop(key, None)
-        self.parts.pop(g, None)
+        self.drop(g)
         router = service.router
         if router is not None:
             new = service.make_partition(key)
             if part is not None:
                 new.watchers = part.watchers
             router.partitions[key] = new
+        service.hosting_changed(key)
         return storage
 
     async def caught_up(self, timeout: float) -> list[int]:
@@ -440,6 +476,8 @@ class RemoteFetches:
         names = self.node.names
         out = []
         for g, part in sorted(self.parts.items(), key=lambda kv: kv[1].key):
+            if part.owner is not None:
+                continue  # in its owner's view (the node's is every worker's, merged)
             hint = part.leader_hint
             out.append(
                 {

@@ -239,6 +239,7 @@ class RemotePartition(PartitionBase):
         "leader_hint",
         "leader_term",
         "live",
+        "owner",
         "replicas",
         "service",
         "skipped",
@@ -255,8 +256,13 @@ class RemotePartition(PartitionBase):
         group: int,
         service: PartitionHost,
         replicas: list[int],
+        owner: int | None = None,
     ) -> None:
         self.group = group
+        #: The worker of this node that owns the partition when it is not this one (several
+        #: workers per node, broker.workers.remote_relay): publishes are forwarded to it and
+        #: fetches sent through it. None: this worker owns it.
+        self.owner = owner
         self.service = service
         self.chunks = Chunks()
         self.replicas = replicas
@@ -344,6 +350,8 @@ class RemotePartition(PartitionBase):
         self.known = True
         stale = term is not None and self.leader_term is not None and term < self.leader_term
         if leader is not None and not stale:
+            if leader not in self.replicas:  # a replica placed since (broker.cluster.reshape)
+                self.replicas.append(leader)
             if leader in self.skipped:
                 self.skipped.remove(leader)
             if term is not None:

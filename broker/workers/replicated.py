@@ -46,7 +46,8 @@ partition another worker owns (``broker.workers.partitions``: publishes forwarde
 owner, reads from its files up to the high-water mark it announces, which here is the
 group's commit index: :attr:`ClusterService.on_committed` announces it after every commit,
 on leaders and followers alike). So ``$retained`` lives in one worker per node, the one that
-owns it on a single node.
+owns it on a single node. On a node outside a partition's group, its other workers read it
+through the owner (``broker.workers.remote_relay``).
 
 Called only from the worker's event loop.
 """
@@ -58,7 +59,7 @@ import logging
 import struct
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import TYPE_CHECKING, Any, NamedTuple
 
@@ -280,6 +281,8 @@ class ClusterService:
         every = group_ids((spec.name, p) for spec in specs for p in range(spec.partitions))
         #: The groups this worker hosts: those of the partitions it owns (module docstring).
         self.groups = {g: key for g, key in every.items() if owns(key)}
+        #: Every replicated partition's group, this worker's or not.
+        self.every = every
         rf = {spec.name: config.replication_factor(spec) for spec in specs}
         self.node.replication = {g: rf[key[0]] for g, key in self.groups.items()}
         #: Each group's storage, opened now, before the router loads anything: it pins the
@@ -318,6 +321,12 @@ class ClusterService:
         #: Partitions of this worker whose group this node does not host (remote reads).
         self.remote_parts: dict[PartitionKey, RemotePartition] = {}
         self.remote = RemoteFetches(self)
+        #: Several workers per node (broker.workers.remote_relay sets them): a partition of
+        #: this worker's became remote here or hosted; publishes of another worker's remote
+        #: partition to that worker; awaited once placed, before catching up.
+        self.hosting_changed: Callable[[PartitionKey], None] = lambda key: None
+        self.relay_forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None]
+        self.placed: Callable[[], Awaitable[None]] | None = None
 
     def attach(self, router: Router) -> None:
         self.router = router
@@ -337,15 +346,9 @@ class ClusterService:
         """Form the cluster, then host every group (see :attr:`storages`)."""
         members = await self.node.start()
         index, count = self.node.settings.worker
-        small = sorted({rf for rf in self.node.replication.values() if rf < len(members)})
-        if small and count > 1:
-            log.warning(
-                "cluster: replication_factor %s is below the node count (%d): with several "
-                "workers per node every node holds every partition in this release",
-                ", ".join(map(str, small)),
-                len(members),
-            )
         self.node.host_groups(self.remote.place(len(members)))
+        if self.placed is not None:
+            await self.placed()
         behind = await self.node.caught_up(CATCH_UP_SECONDS)
         behind += await self.remote.caught_up(CATCH_UP_SECONDS)
         if behind:
@@ -513,6 +516,9 @@ class ClusterService:
     ) -> bool:
         """Send ``records`` to the leader of ``part``'s group; False when no other node is
         known to lead it or the message cannot leave (the caller holds them)."""
+        if isinstance(part, RemotePartition) and part.owner is not None:
+            self.relay_forward(part, records, acks)  # acknowledged by the owner's answer
+            return True
         leader = part.leader()
         if leader is None or leader == self.node.id:
             return False

@@ -13,10 +13,9 @@ under a QoS 1 publisher whose longest wait for a PUBACK is reported:
 
 Both with one worker per node and with two. With two, each worker leads and follows the
 groups of the partitions it owns, on a Raft port of its own, and learns of the newcomer and
-of the leaver from worker 0's gossip (broker.cluster.worker_view); every partition is placed
-on every node then (remote partitions are one worker's only), so the newcomer receives every
-partition's replica and the leaver gives every one of its copies up, those of worker 1's
-partitions included.
+of the leaver from worker 0's gossip (broker.cluster.worker_view); the replication factor
+applies as with one (a node outside a group reads it through the owning worker,
+broker.workers.remote_relay), so copies are given up in both workers' groups.
 """
 
 from __future__ import annotations
@@ -147,19 +146,23 @@ def _wanted(key: str, names: list[str], rf: int) -> set[str]:
     return {by_id[i] for i in replicas(group_id_of((stream, int(p))), by_id, rf)}
 
 
-def _placed(view: dict[str, dict[str, Any]], names: list[str], workers: int) -> bool:
+def _placed(view: dict[str, dict[str, Any]], names: list[str]) -> bool:
     """Every partition of jn has placement's three voters over ``names`` (no learner), and
-    ``$retained`` and ``$sessions`` one on each of ``names``; with several workers, every
-    partition one on each."""
+    ``$retained`` and ``$sessions`` one on each of ``names``."""
     keys = [f"jn/{p}" for p in range(PARTITIONS)] + ["$retained/0", "$sessions/0"]
     for key in keys:
         entry = view.get(key)
         if entry is None or entry.get("learners"):
             return False
-        rf = 3 if key.startswith("jn/") and workers == 1 else len(names)
+        rf = 3 if key.startswith("jn/") else len(names)
         if set(entry["replicas"]) != _wanted(key, names, rf):
             return False
     return True
+
+
+def _aside(member: Member) -> list[Path]:
+    """The copies of jn's partitions ``member`` gave up (moved aside)."""
+    return list(Path(member.data_dir).glob("jn/*.removed-*"))
 
 
 def _read_all(member: Member, acked: list[bytes]) -> None:
@@ -185,9 +188,7 @@ def _join_n4(cluster: MqlogCluster, pub: Publisher) -> float:
     deadline = start + RESHAPE_TIMEOUT
     while True:
         view = _leaders_view(cluster, everyone)
-        if _placed(view, list(NAMES), cluster.workers) and any(
-            e["leader"] == "n4" for e in view.values()
-        ):
+        if _placed(view, list(NAMES)) and any(e["leader"] == "n4" for e in view.values()):
             break
         assert time.monotonic() < deadline, view
         time.sleep(0.5)
@@ -211,15 +212,12 @@ def test_a_new_node_joins_receives_replicas_and_leaderships(cluster: MqlogCluste
     for m in cluster.members[:3]:
         assert n4.addr in cluster.status(m)["xdp"]["members"], m.node_id
     assert "joined as a replica" in logs["n4"]
-    if cluster.workers > 1:
-        # Every partition has a replica on every node then: nothing to give up (the leave
-        # below gives copies up in both workers).
-        _read_all(cluster.member("n4"), pub.acked)
-        assert gap < 5.0
-        return
-    # A replica placement no longer wants gave its copy up (moved aside, not deleted).
+    # A replica placement no longer wants gave its copy up (moved aside, not deleted), in
+    # both workers' groups with two.
     assert any("removed from the group" in text for text in logs.values())
-    assert any(Path(m.data_dir).glob("jn/*.removed-*") for m in cluster.members)
+    aside = {int(d.name.split(".")[0]) for m in cluster.members for d in _aside(m)}
+    assert aside
+    assert {owner_of(("jn", p), cluster.workers) for p in aside} == set(range(cluster.workers))
     # A removed node serves those partitions remotely now.
     for m in cluster.members[:3]:
         view = cluster.status(m)
@@ -262,7 +260,7 @@ def test_leave_moves_the_leavers_replicas(cluster: MqlogCluster) -> None:
         deadline = time.monotonic() + 30
         while True:
             view = _leaders_view(cluster, stay)
-            if _placed(view, ["n1", "n3", "n4"], cluster.workers):
+            if _placed(view, ["n1", "n3", "n4"]):
                 break
             assert time.monotonic() < deadline, view
             time.sleep(0.5)
@@ -271,11 +269,10 @@ def test_leave_moves_the_leavers_replicas(cluster: MqlogCluster) -> None:
     print(f"\nleave: {left:.1f} s, longest PUBACK gap {gap:.3f} s over {len(pub.acked)} acked")
     for key, entry in view.items():
         assert "n2" not in entry["replicas"], key
-    if cluster.workers > 1:
-        # The leaver held every partition: each worker gave its copies up (moved aside), those
-        # of worker 1's partitions included.
-        aside = {int(d.name.split(".")[0]) for d in Path(n2.data_dir).glob("jn/*.removed-*")}
-        assert aside == set(range(PARTITIONS)), aside
-        assert any(owner_of(("jn", p), 2) == 1 for p in aside)
+    # The leaver gave up every copy it held (moved aside), in each of its workers' groups.
+    held = {p for p in range(PARTITIONS) if "n2" in _wanted(f"jn/{p}", list(NAMES), 3)}
+    aside = {int(d.name.split(".")[0]) for d in _aside(n2)}
+    assert held <= aside, (held, aside)
+    assert {owner_of(("jn", p), cluster.workers) for p in held} == set(range(cluster.workers))
     _read_all(cluster.member("n3"), pub.acked)
     assert gap < 5.0

@@ -12,6 +12,12 @@ holds no replica of it and serves its clients through forwards and remote reads
   message published through such a node reaches new subscribers on every node.
 - kill -9 of a partition's leader during QoS 1 load through a node outside its group: every
   acknowledged publish is read back (from that node, remotely), in order.
+- ``mqlog cluster set-replication`` lowers the stream's factor to 2: every group drops to two
+  voters, and every node still publishes to and reads every partition.
+
+Each with one worker per node and with two (``[router] workers = 2``): then a partition's
+other worker on a node outside its group reads it through the owner
+(broker.workers.remote_relay), and its publishes go through the owner too.
 
 Needs root, ``ip`` and ``nft``; skipped with the reason otherwise.
 """
@@ -77,12 +83,37 @@ def topic_in(p: int, prefix: str) -> str:
     raise AssertionError("no topic found")
 
 
-@pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[MqlogCluster]:
+@pytest.fixture(scope="module", params=[1, 2], ids=["1-worker", "2-workers"])
+def cluster(
+    tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest
+) -> Iterator[MqlogCluster]:
     with Lab(NODES) as lab:
-        c = MqlogCluster(lab, tmp_path_factory.mktemp("remote"), extra=EXTRA)
+        c = MqlogCluster(lab, tmp_path_factory.mktemp("remote"), extra=EXTRA, workers=request.param)
         c.start()
+        settled(c)
         yield c
+
+
+def settled(
+    cluster: MqlogCluster, timeout: float = 30.0, skip: frozenset[tuple[str, int]] = frozenset()
+) -> None:
+    """Until every partition but ``skip`` is led by its preferred replica: the balancers'
+    transfers are done (a transfer gives a publish in flight an unknown outcome, and its
+    client a closed connection, which these tests' publishers do not resend through)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        led = {}
+        for m in cluster.members:
+            for e in status(cluster, m)["partitions"]:
+                if e["role"] == "leader":
+                    led[(e["stream"], e["partition"])] = e
+        if len(led) >= PARTITIONS + 2 and all(
+            e["leader"] == e["preferred_leader"] for k, e in led.items() if k not in skip
+        ):
+            return
+        off = {k: (e["leader"], e["preferred_leader"]) for k, e in led.items() if k not in skip}
+        assert time.monotonic() < deadline, {k: v for k, v in off.items() if v[0] != v[1]}
+        time.sleep(0.5)
 
 
 def status(cluster: MqlogCluster, m: Member) -> dict[str, Any]:
@@ -95,6 +126,18 @@ def status(cluster: MqlogCluster, m: Member) -> dict[str, Any]:
             if time.monotonic() > deadline:
                 raise
             time.sleep(0.1)
+
+
+def leader_seen_by(cluster: MqlogCluster, m: Member, p: int, timeout: float = 20.0) -> str:
+    """Partition ``p``'s leader as ``m`` knows it (an outsider learns it from its fetches' answers:
+    not known for a moment after a fetch timed out on a busy machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        for e in status(cluster, m)["partitions"]:
+            if (e["stream"], e["partition"]) == (STREAM, p) and e["leader"]:
+                return str(e["leader"])
+        assert time.monotonic() < deadline, f"{m.node_id} knows no leader of {STREAM}/{p}"
+        time.sleep(0.2)
 
 
 def client(m: Member, name: str, **kw: object) -> Client:
@@ -160,6 +203,8 @@ def test_every_node_publishes_and_every_node_receives_in_order(cluster: MqlogClu
     views = [status(cluster, m) for m in cluster.members]
     assert sum(v["remote_reads"]["fetches_served"] for v in views) > 0
     assert all(v["remote_reads"]["fetch_answers_dropped"] == 0 for v in views)
+    if cluster.workers > 1:  # each node's other worker read through the owner
+        assert all(v["remote_reads"]["fetches_relayed"] > 0 for v in views)
     served = 0.0
     for m in cluster.members:
         with urllib.request.urlopen(f"http://{m.addr}:{HTTP_PORT}/metrics", timeout=5) as r:
@@ -216,9 +261,7 @@ def test_an_outsider_delivers_about_as_soon_as_a_follower(cluster: MqlogCluster)
     p = 2
     topic = topic_in(p, "latency")
     far = cluster.member(outsider(p))
-    view = status(cluster, far)
-    [entry] = [e for e in view["partitions"] if (e["stream"], e["partition"]) == (STREAM, p)]
-    leader = cluster.member(entry["leader"])
+    leader = cluster.member(leader_seen_by(cluster, far, p))
     follower = cluster.member(next(n for n in placement()[p] if n != leader.node_id))
     arrived: dict[str, dict[bytes, float]] = {"outsider": {}, "follower": {}}
 
@@ -338,7 +381,7 @@ async def _load(
     acknowledged payloads in order (``times``: when each was acknowledged)."""
     acked: list[str] = []
     c: MqttClient | None = None
-    deadline = time.monotonic() + 60
+    deadline = time.monotonic() + 120  # the machine is shared: the gap is what is asserted
     try:
         for i in range(n):
             uid, dup = f"k{i}", False
@@ -371,12 +414,8 @@ def test_kill_of_the_leader_under_load_through_an_outsider_loses_nothing(
     p = 1
     far = cluster.member(outsider(p))
     topic = topic_in(p, "kill")
-    leader_name = None
-    for entry in status(cluster, far)["partitions"]:
-        if (entry["stream"], entry["partition"]) == (STREAM, p):
-            leader_name = entry["leader"]
-    assert leader_name is not None and leader_name != far.node_id
-    leader = cluster.member(leader_name)
+    leader = cluster.member(leader_seen_by(cluster, far, p))
+    assert leader is not far
 
     times: list[float] = []
 
@@ -389,7 +428,7 @@ def test_kill_of_the_leader_under_load_through_an_outsider_loses_nothing(
 
     started = time.monotonic()
     acked = asyncio.run(run())
-    assert len(acked) == 400 and time.monotonic() - started < 60
+    assert len(acked) == 400 and time.monotonic() - started < 120
     # Publishes through the outsider are acknowledged again soon after the kill (an election
     # and the outsider's poll learning the new leader; issue 20's target is <= 5 s).
     gap = max(b - a for a, b in itertools.pairwise(times))
@@ -446,3 +485,75 @@ def test_transfer_leader_through_a_node_outside_the_group(cluster: MqlogCluster)
     assert done.returncode == 0, done.stdout + done.stderr
     assert f"{STREAM}/{p}: leader {target}" in done.stdout
     assert cli("n9").returncode != 0  # not a node of this cluster: refused at once
+
+
+def test_set_replication_moves_replicas_and_every_node_still_serves(
+    cluster: MqlogCluster,
+) -> None:
+    """``mqlog cluster set-replication rf 2`` (last in this module: the nodes' files still say
+    3, so none may restart after it). Partition 0 is left out: its leader is the one an
+    operator chose above, which the balancers leave alone for minutes."""
+    for m in cluster.members:  # the leader killed above, back
+        if not m.running():
+            cluster.start(m)
+    cluster.wait_all_alive()
+    held = frozenset({(STREAM, 0)})
+    settled(cluster, 60.0, held)
+    n1 = cluster.member("n1")
+    argv = ["cluster", "set-replication", STREAM, "2", "--broker", f"http://{n1.addr}:{HTTP_PORT}"]
+    done = subprocess.run(
+        [sys.executable, "-m", "broker.cli", *argv],
+        capture_output=True,
+        text=True,
+        env=cluster.env(),
+        timeout=60,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"stream {STREAM}: replication_factor = 2 (committed)" in done.stdout
+    started = time.monotonic()
+    names = node_ids(f"n{i + 1}" for i in range(NODES))
+    want = {
+        p: sorted(names[n] for n in replicas(group_id_of((STREAM, p)), names, 2))
+        for p in range(PARTITIONS)
+    }
+    deadline = started + 90
+    while True:
+        led = {}
+        for m in cluster.members:
+            for e in status(cluster, m)["partitions"]:
+                if e["stream"] == STREAM and e["role"] == "leader":
+                    led[e["partition"]] = e
+        if all(p in led and led[p]["replicas"] == want[p] for p in range(PARTITIONS)):
+            break
+        assert time.monotonic() < deadline, {p: led.get(p) for p in range(PARTITIONS)}
+        time.sleep(0.5)
+    print(f"\nreplication factor 3 -> 2: {time.monotonic() - started:.1f} s to two voters each")
+    settled(cluster, 60.0, held)
+    # Every node publishes to every partition and reads everything, in order, from the two
+    # replicas or from outside the group.
+    subs = [client(m, "rf2-sub") for m in cluster.members]
+    pubs = [client(m, "rf2-pub") for m in cluster.members]
+    try:
+        for s in subs:
+            assert s.subscribe("rf/rf2/#", qos=1) == [1]
+        topics = [topic_in(p, "rf2") for p in range(1, PARTITIONS)]
+        sent: dict[str, list[bytes]] = {t: [] for t in topics}
+        for i in range(10):
+            for k, pub in enumerate(pubs):
+                for topic in topics:
+                    payload = f"{k}:{i}".encode()
+                    pub.publish(topic, payload, qos=1, wait=False)
+                    sent[topic].append(payload)
+        total = sum(len(v) for v in sent.values())
+        for s in subs:
+            by_topic: dict[str, list[bytes]] = {t: [] for t in topics}
+            for msg in s.expect(total, timeout=30):
+                by_topic[msg.topic].append(msg.payload)
+            for topic in topics:
+                assert sorted(by_topic[topic]) == sorted(sent[topic])
+                for k in range(len(pubs)):
+                    mine = [x for x in by_topic[topic] if x.startswith(b"%d:" % k)]
+                    assert mine == [x for x in sent[topic] if x.startswith(b"%d:" % k)]
+    finally:
+        for c in subs + pubs:
+            c.disconnect()

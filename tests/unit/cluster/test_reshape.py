@@ -11,9 +11,12 @@ from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
 
+import orjson
+
 from broker.cluster import formation
 from broker.cluster.gossip.members import Member
 from broker.cluster.gossip.messages import State
+from broker.cluster.hardstate import write_atomically
 from broker.cluster.placement import node_id_of, replicas
 from broker.cluster.raft import Role
 from broker.cluster.reshape import _REMOVED, ASKED, HEARD, REMOVED, TOLD, Reshaper
@@ -32,7 +35,9 @@ def _reshaper(tmp_path: Path, states: dict[str, State], leaving: set[str]) -> Re
     node: Any = SimpleNamespace(
         id=node_id_of("n1"),
         loop=SimpleNamespace(time=lambda: 1000.0),  # 1000 s: past replace_after (300 s)
-        settings=SimpleNamespace(replication_factor=3, gossip=SimpleNamespace(replace_after=300.0)),
+        settings=SimpleNamespace(
+            replication_factor=3, gossip=SimpleNamespace(replace_after=300.0), worker=(0, 1)
+        ),
         membership=membership,
         names=dict(IDS),
         replication={},
@@ -122,6 +127,7 @@ def _notices(tmp_path: Path, cores: dict[int, Any]) -> tuple[Reshaper, Any, list
         host=_Host(cores),
         storages=dict.fromkeys(cores),
         names={1: "n1", 2: "n2", 3: "n3"},
+        settings=SimpleNamespace(worker=(0, 1)),
         state_dir=tmp_path,
         handlers={},
         send=lambda to, kind, body: sent.append((to, kind, _REMOVED.unpack(body))) or True,
@@ -161,3 +167,19 @@ def test_a_replica_told_it_was_removed_gives_the_group_up(tmp_path: Path) -> Non
     assert r.untold[7] == set()
     # Noted: a restart does not host it again by placement's guess.
     assert Reshaper(node).removed == {7}
+
+
+def _worker(tmp_path: Path, index: int) -> Reshaper:
+    node = SimpleNamespace(settings=SimpleNamespace(worker=(index, 2)), state_dir=tmp_path)
+    node.handlers = {}
+    return Reshaper(node)  # type: ignore[arg-type]
+
+
+def test_each_worker_notes_the_groups_removed_from_it_in_a_file_of_its_own(tmp_path: Path) -> None:
+    """Each worker's groups are its own: worker 1 noting its removals must not drop worker
+    0's (a restart would host such a group again by placement's guess)."""
+    zero, one = _worker(tmp_path, 0), _worker(tmp_path, 1)
+    for reshaper, g in ((zero, 5), (one, 6)):
+        reshaper.removed.add(g)
+        write_atomically(reshaper._removed_file, orjson.dumps(sorted(reshaper.removed)))
+    assert [_worker(tmp_path, i).removed for i in (0, 1)] == [{5}, {6}]

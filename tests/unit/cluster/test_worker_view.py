@@ -5,6 +5,7 @@ leaves) until the view is older than STALE_SECONDS."""
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -39,6 +40,8 @@ def _node(tmp_path: Path, index: int, names: list[str], membership: Any = None) 
         names={node_id_of(n): n for n in names},
         replication={},
         everywhere=set(),
+        metadata=None,
+        group_keys={},
         state_dir=tmp_path / f"w{index}",
         handlers={},
         host=SimpleNamespace(peers=[node_id_of(n) for n in names if n != "n1"]),
@@ -111,3 +114,25 @@ def test_worker_0_tells_on_each_planner_pass(tmp_path: Path) -> None:
         zero.reshape.tick(tick)
     assert len(told) == 3
     assert set(told[-1]["members"]) == {"n2", "n3", "n4"}
+
+
+def test_worker_1_follows_the_replication_factors_worker_0_tells(tmp_path: Path) -> None:
+    """``mqlog cluster set-replication`` commits in the metadata group, worker 0's alone: the
+    others learn the factors from its view, for the groups of theirs (not those on every
+    node, and not before worker 0 caught up with the metadata group)."""
+    zero = _node(tmp_path, 0, NAMES)
+    one = _node(tmp_path, 1, NAMES)
+    one.group_keys = {11: ("rf", 1), 13: ("rf", 3), 20: ("$sessions", 0), 30: ("other", 0)}
+    one.replication = {11: 3, 13: 3, 20: 4, 30: 3}
+    one.everywhere = {20}
+    definition = SimpleNamespace(replication_factor=2)
+    replica = SimpleNamespace(
+        lock=threading.Lock(),
+        state=SimpleNamespace(streams={"rf": (definition, None), "$sessions": (definition, None)}),
+    )
+    zero.metadata = SimpleNamespace(ready=False, replica=replica)
+    hear(one, orjson.loads(orjson.dumps(view_of(zero))))
+    assert one.replication == {11: 3, 13: 3, 20: 4, 30: 3}  # not caught up: nothing told
+    zero.metadata.ready = True
+    hear(one, orjson.loads(orjson.dumps(view_of(zero))))
+    assert one.replication == {11: 2, 13: 2, 20: 4, 30: 3}

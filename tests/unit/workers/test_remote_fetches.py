@@ -176,7 +176,7 @@ def test_an_outsider_polls_the_leader_and_serves_what_it_fetched() -> None:
     request = int.from_bytes(body[:8], "little")
     batches = [bytes(encode_batch(0, [rec(0), rec(1)])), bytes(encode_batch(2, [rec(2)]))]
     service.node.sent.clear()
-    service.remote._on_fetched(
+    service.remote.on_fetched(
         LEADER, memoryview(encode_answer(request, GROUP, OK, 8, 0, 3, batches, term=2))
     )
     assert part.end_offset == 3 and part.leader() == 8 and service.moved == [part]
@@ -211,12 +211,12 @@ def test_an_outsider_drops_and_counts_a_corrupt_answer() -> None:
     request = int.from_bytes(service.node.sent[0][2][:8], "little")
     bad = bytearray(encode_batch(0, [rec(0)]))
     bad[-1] ^= 1
-    service.remote._on_fetched(
+    service.remote.on_fetched(
         LEADER, memoryview(encode_answer(request, GROUP, OK, None, 0, 1, [bytes(bad)]))
     )
     assert service.remote.bad_answers == 1
     assert part.end_offset == 0 and part.chunks.count == 0
-    service.remote._on_fetched(LEADER, memoryview(b"short"))  # must not raise
+    service.remote.on_fetched(LEADER, memoryview(b"short"))  # must not raise
     assert service.remote.bad_answers == 2
 
 
@@ -259,7 +259,7 @@ def test_a_failed_history_read_wakes_the_readers_at_the_next_tick() -> None:
     assert part.read(50) == []
     [(_to, _, body)] = service.node.sent
     request = int.from_bytes(body[:8], "little")
-    service.remote._on_fetched(
+    service.remote.on_fetched(
         LEADER, memoryview(encode_answer(request, GROUP, REFUSED, None, 0, 0))
     )
     assert service.moved == []  # not at once: a failing replica is not asked in a loop
