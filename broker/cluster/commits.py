@@ -118,7 +118,7 @@ class Commits:
         self.leader_commit = m.commit
         known = self._leader_match
         if self.config.variant is Variant.COMMIT_NOTICE_UNCHECKED:
-            known = self.terms.last_index  # the bug: its own last index, matched or not
+            known = m.commit  # the bug: the leader's word, whatever this log holds
         self._learn_commit(m.commit, known)
 
     def _learn_commit(self, leader_commit: int, known: int) -> None:
