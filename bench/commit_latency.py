@@ -50,6 +50,8 @@ from tests.netlab import Lab
 #: Seconds a will client's session has to be committed before its connection drops (the
 #: session timer persists within 1 s, tests/integration/test_cluster_will_fence.py).
 SESSION_SETTLE = 2.0
+#: Seconds the nodes have to serve and see each other alive.
+START_TIMEOUT = 120.0
 
 
 def settle(cluster: MqlogCluster, timeout: float = 60.0) -> dict[str, str]:
@@ -161,8 +163,10 @@ def _summary(ms: list[float]) -> dict[str, float]:
 
 def run(tree: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
     with tempfile.TemporaryDirectory(prefix="mqlog-commit-latency-") as tmp, Lab(3) as lab:
-        cluster = MqlogCluster.started(lab, Path(tmp), root=root)
+        cluster = MqlogCluster(lab, Path(tmp), root=root)
         try:
+            cluster.start(timeout=START_TIMEOUT)  # this shared machine may be very busy
+            cluster.wait_all_alive(timeout=START_TIMEOUT)
             leaders = settle(cluster)
             by_id = {m.node_id: m for m in cluster.members}
             sessions = by_id[leaders["$sessions/0"]]
