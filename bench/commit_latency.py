@@ -14,7 +14,9 @@ timings, every topic in the ``default`` stream's one partition):
 - **publish-to-delivery**: a publisher on the partition's leader sends ``--messages`` QoS 1
   publishes, each carrying its send time, spaced by a random 20-80 ms (so they fall at every
   phase of the heartbeat); a subscriber on the leader and one on a follower timestamp each
-  delivery.
+  delivery; ``follower_later_ms`` is, per message, how much later the follower's subscriber
+  had it than the leader's (what the follower waits to learn the commit, free of the load
+  this machine puts on both).
 
 ``--trees`` names the source trees to compare, each run by the same code here, interleaved
 over ``--rounds`` (round 1: each tree in turn, then round 2...), so a slow spell of this
@@ -193,6 +195,11 @@ def run(tree: str, root: Path, args: argparse.Namespace) -> dict[str, Any]:
         "will_ms": _summary(wills),
         "delivery_leader_ms": _summary(deliveries["leader"]),
         "delivery_follower_ms": _summary(deliveries["follower"]),
+        # Per message: what the follower's subscriber waits more than the leader's (the load
+        # of this machine moves both alike).
+        "follower_later_ms": _summary(
+            [f - ld for f, ld in zip(deliveries["follower"], deliveries["leader"], strict=True)]
+        ),
         # Since each node started (the trees before commit notices have none).
         "frames_sent": sum(h.get("frames_sent", 0) for h in hosts),
         "beats_sent": sum(h.get("beats_sent", 0) for h in hosts),
@@ -214,7 +221,10 @@ def main(argv: list[str] | None = None) -> int:
             row = run(name, Path(path).resolve(), args)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    print(f"{'tree':<10} {'will p50':>9} {'leader p50':>11} {'follower p50':>13}  (ms, medians)")
+    print(
+        f"{'tree':<10} {'will p50':>9} {'leader p50':>11} {'follower p50':>13} "
+        f"{'follower later p50':>19}  (ms, medians of the runs)"
+    )
     for name, _ in trees:
         mine = [r for r in rows if r["tree"] == name]
 
@@ -223,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
 
         print(
             f"{name:<10} {med('will_ms'):>9.1f} {med('delivery_leader_ms'):>11.1f} "
-            f"{med('delivery_follower_ms'):>13.1f}"
+            f"{med('delivery_follower_ms'):>13.1f} {med('follower_later_ms'):>19.1f}"
         )
     return 0
 
