@@ -80,8 +80,10 @@ class Frame:
     notices: list[Notice] = field(default_factory=list)
     #: While the frame is built: group -> where its last AppendEntries is (True: in
     #: ``beats``, False: in ``messages``; and the position), and where its notice is.
-    _appends: dict[int, tuple[bool, int]] = field(default_factory=dict, compare=False, repr=False)
-    _notices: dict[int, int] = field(default_factory=dict, compare=False, repr=False)
+    _appends: dict[int, tuple[bool, int]] = field(
+        default_factory=dict, init=False, compare=False, repr=False
+    )
+    _notices: dict[int, int] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def put(self, group: int, m: Message, quiesce: bool = False) -> None:
         """Add ``m`` (of ``group``, from ``frm`` to ``to``): as a beat, an ack, a notice
