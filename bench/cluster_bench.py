@@ -22,8 +22,10 @@ the load average at each run's start.
 Where the time goes, per run (in its JSON line): the CPU seconds of each node's processes over
 the measured window and the CPU per acknowledged message (``cpu_s``, ``cpu_us_per_msg``), the
 PUBACK p50 of the publishers connected to each node (``puback_p50_ms_by_node``: the cost of
-forwarding to the leader); with ``--syscalls``, each node's fdatasync, write, writev calls per
-second (``perf stat``); with ``--profile DIR``, py-spy's stacks of every node.
+forwarding to the leader), the Raft frames, heartbeats and commit notices the cluster's nodes
+sent per second (``raft_per_s``, broker.cluster.commits); with ``--syscalls``, each node's
+fdatasync, write, writev calls per second (``perf stat``); with ``--profile DIR``, py-spy's
+stacks of every node.
 
 bench/targets.py's ``MqlogClusterTarget`` (the chaos runs' adapter) is the same deployment
 with a ``chaos`` stream; this bench keeps :class:`MqlogClusterBenchTarget`, whose processes
@@ -325,6 +327,7 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     _expect(out, "ready", args.procs)
     go.set()
     time.sleep(args.warmup)
+    hosts0 = _host_counters(target)
     cpu0 = {name: _cpu_seconds(proc.pid) for name, proc in target.procs.items()}
     spies = _profile(target, args) if args.profile else []
     counters = _count_syscalls(target, args.duration - 1) if args.syscalls else {}
@@ -332,6 +335,7 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
     cpu = {
         name: round(_cpu_seconds(proc.pid) - cpu0[name], 2) for name, proc in target.procs.items()
     }
+    hosts = _host_counters(target)
     pubs = _expect(out, "pub", args.procs, timeout=args.duration + 60)
     for spy in spies:
         spy.wait(30)
@@ -365,9 +369,23 @@ def measure(target: Target, args: argparse.Namespace) -> dict[str, Any]:
             name: _read_counts(perf, args.duration - 1) for name, perf in counters.items()
         },
         "cpu_us_per_msg": round(sum(cpu.values()) * 1e6 / acked, 1) if acked else None,
+        "raft_per_s": {k: round((hosts[k] - hosts0.get(k, 0)) / args.duration) for k in hosts},
         "publishers": args.publishers,
         "window": args.window,
     }
+
+
+def _host_counters(target: Target) -> dict[str, int]:
+    """A cluster's Raft frames, heartbeats and commit notices sent so far, every node's
+    added up (``host`` in ``GET /api/v1/cluster``; none before a tree had it)."""
+    if not isinstance(target, MqlogClusterBenchTarget):
+        return {}
+    totals: dict[str, int] = {}
+    for node in target.lab.nodes:
+        host = target.status(node).get("host", {})
+        for k in ("frames_sent", "beats_sent", "notices_sent"):
+            totals[k] = totals.get(k, 0) + host.get(k, 0)
+    return totals
 
 
 def _cpu_seconds(pgid: int) -> float:

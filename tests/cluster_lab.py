@@ -89,7 +89,8 @@ class MqlogCluster:
     every node's ``[cluster]`` section (e.g. ``suspicion_mult = 3``). ``founders``: how many
     members (the first) form the cluster, each naming the others as seeds; the rest join it
     later (started with :meth:`start` when the test wants), naming only the first as seed
-    (all of them form it when None)."""
+    (all of them form it when None). ``root``: the source tree the nodes run (this checkout;
+    a benchmark may compare another, e.g. the code before a change)."""
 
     def __init__(
         self,
@@ -100,8 +101,10 @@ class MqlogCluster:
         extra: str = "",
         cluster_extra: str = "",
         founders: int | None = None,
+        root: Path = ROOT,
     ) -> None:
         self.lab = lab
+        self.root = root
         self.founders = founders if founders is not None else len(lab.nodes)
         self.workdir = workdir
         self.workers = workers
@@ -159,11 +162,11 @@ class MqlogCluster:
     # ------------------------------------------------------------------ processes
 
     def env(self) -> dict[str, str]:
-        """The tests' environment with this checkout first on PYTHONPATH."""
+        """The tests' environment with :attr:`root` first on PYTHONPATH."""
         path = os.environ.get("PYTHONPATH", "")
         return {
             **os.environ,
-            "PYTHONPATH": f"{ROOT}:{path}" if path else str(ROOT),
+            "PYTHONPATH": f"{self.root}:{path}" if path else str(self.root),
             "PYTHONUNBUFFERED": "1",
         }
 
@@ -184,7 +187,9 @@ class MqlogCluster:
             if m.proc is not None and m.proc.alive():
                 raise ClusterLabError(f"{m.node_id} is already running (pid {m.proc.pid})")
             argv = [str(self.mqlog), "serve", "-c", str(m.config_path)]
-            m.proc = self.lab.spawn(m.node, argv, log_path=m.log_path, env=self.env(), cwd=ROOT)
+            m.proc = self.lab.spawn(
+                m.node, argv, log_path=m.log_path, env=self.env(), cwd=self.root
+            )
         deadline = time.monotonic() + timeout
         for m in chosen:
             self._wait_ready(m, deadline)

@@ -12,7 +12,7 @@ per node pair).
   marks only. With nothing committed at or past ``offset`` the replica holds the request up
   to ``wait`` ms and answers at the first commit (Kafka's ``fetch.max.wait.ms``): the long
   poll by which a non-replica node learns each commit one message after it happened, as a
-  follower learns it from the next AppendEntries.
+  follower learns it from the leader's next AppendEntries or commit notice.
 * ``FETCHED`` (answer): ``request id (u64), group (u32), error (u8), 3 pad, leader (i64, -1
   unknown), term (i64, -1 unknown), log start (i64), high-water mark (i64)``, then the
   batches, byte for byte as the replica stores them (``SegmentedLog.read_batches``: control

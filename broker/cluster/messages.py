@@ -172,6 +172,19 @@ class InstallSnapshot:
     configuration: Configuration
 
 
+@dataclass(frozen=True, slots=True)
+class CommitNotice:
+    """The leader's commit index, told at once when it moves (``broker.cluster.commits``):
+    no entries, no anchor, no answer. The follower commits ``min(commit, the highest index
+    it knows equals this leader's log)`` (Raft s5.3, "min(leaderCommit, index of last new
+    entry)"), so a notice can never make it commit what it lacks or holds differently."""
+
+    frm: int
+    to: int
+    term: int
+    commit: int
+
+
 Message = (
     PreVote
     | PreVoteResp
@@ -181,6 +194,7 @@ Message = (
     | AppendResp
     | TimeoutNow
     | InstallSnapshot
+    | CommitNotice
 )
 
 

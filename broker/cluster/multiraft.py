@@ -49,7 +49,15 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from broker.cluster.frames import Ack, Beat, Frame, ack_message, beat_message
+from broker.cluster.frames import (
+    Ack,
+    Beat,
+    Frame,
+    Notice,
+    ack_message,
+    beat_message,
+    notice_message,
+)
 from broker.cluster.membership import ChangeKind, Configuration, Membership
 from broker.cluster.messages import (
     AppendEntries,
@@ -112,6 +120,8 @@ class HostStats:
     group_ticks: int = 0
     frames_sent: int = 0
     beats_sent: int = 0
+    #: Commit notices that left (``broker.cluster.commits``; at most one per group a frame).
+    notices_sent: int = 0
     #: Groups woken because their leader's node fell silent.
     woken_by_silence: int = 0
     #: Groups led here woken because a follower's node was heard again after silence.
@@ -317,6 +327,8 @@ class MultiRaft:
                 continue
             self._wake(g)
             self._route(g, self._step(core, m))
+        for n in frame.notices:  # after the messages: a notice follows its group's appends
+            self._on_notice(frm, n)
 
     def propose(self, group: int, payload: bytes, count: int = 1) -> int:
         """Append ``payload`` (a batch of ``count`` records, ``RaftNode.propose``) to ``group``
@@ -370,6 +382,7 @@ class MultiRaft:
         for f in ready.frames:
             self._sent_at[f.to] = self.now
             self.stats.beats_sent += len(f.beats)
+            self.stats.notices_sent += len(f.notices)
         self.stats.frames_sent += len(ready.frames)
         return ready
 
@@ -423,6 +436,16 @@ class MultiRaft:
             self._wake(g)
         if effects:
             self._route(g, effects)
+
+    def _on_notice(self, frm: int, n: Notice) -> None:
+        """A commit notice: the group's leader is busy (it just committed), so a quiesced
+        group wakes, as on any message but a quiescing beat."""
+        core = self._cores.get(n.group)
+        if core is None:
+            self.stats.unknown_group += 1
+            return
+        self._wake(n.group)
+        self._route(n.group, self._step(core, notice_message(frm, self.id, n)))
 
     def _stop_ticking(self, group: int) -> None:
         del self._ticking[group]

@@ -558,6 +558,7 @@ class ClusterNode:
             "repaired": self.repair.view(),
             "transport": _counters(self.transport.stats),
             "raft": _counters(self.stats),
+            "host": _counters(host.stats) if host is not None else {},
             "metadata": self.metadata.status() if self.metadata is not None else None,
             "members": self.membership.view() if self.membership is not None else [],
             "gossip": self.membership.stats() if self.membership is not None else {},

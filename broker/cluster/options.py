@@ -24,6 +24,9 @@ class Variant(enum.Enum):
     CONCURRENT_CHANGES = "concurrent-changes"
     #: The leader counts learners towards commit and CheckQuorum.
     LEARNERS_COUNT = "learners-count"
+    #: A follower takes a commit notice's index as its commit, not bounded by what it knows
+    #: equals the leader's log (Raft s5.3: "min(leaderCommit, index of last new entry)").
+    COMMIT_NOTICE_UNCHECKED = "commit-notice-unchecked"
 
 
 @dataclass(frozen=True, slots=True)

@@ -59,6 +59,9 @@ class Progress:
     round_end: int = 0
     round_ticks: int = 0
     caught_up: bool = False
+    #: The highest commit index sent to the follower (in an AppendEntries, a heartbeat or a
+    #: notice): it needs a ``CommitNotice`` only to learn more (``broker.cluster.commits``).
+    commit_sent: int = 0
 
     def can_send(self, max_inflight: int) -> bool:
         if self.state is ProgressState.REPLICATE:

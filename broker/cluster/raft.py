@@ -48,6 +48,10 @@ driver's log now starts there (an entry's first index); a follower that needs wh
 InstallSnapshot, whose ``last_index`` is an entry's last index (the contract is in
 ``broker.cluster.messages``).
 
+Commits (``broker.cluster.commits``): the leader counts durable replicas and, at the end of a
+step that moved its commit index or a follower's match, tells each follower that can use it
+with a ``CommitNotice`` unless an AppendEntries of the step carried it already.
+
 Idle groups: ``idle`` says when a leader has nothing left to do; quiescing such groups (no
 ticks, no heartbeats) is the host's business (``broker.cluster.multiraft``), not the core's.
 ``Variant`` switches on known-bad behaviours so that tests can show the simulator catches them;
@@ -59,6 +63,7 @@ from __future__ import annotations
 import random
 from collections.abc import Collection, Iterable
 
+from broker.cluster.commits import Commits
 from broker.cluster.election import Elections, Role
 from broker.cluster.logview import LogReader, LogView
 from broker.cluster.membership import (
@@ -72,7 +77,7 @@ from broker.cluster.messages import (
     AppendEntries,
     AppendLog,
     AppendResp,
-    Commit,
+    CommitNotice,
     Effect,
     Entry,
     EntryKind,
@@ -101,7 +106,7 @@ class NotLeader(Exception):
         self.leader = leader
 
 
-class RaftNode(Elections, Snapshots):
+class RaftNode(Elections, Snapshots, Commits):
     """One member of one group. Not thread-safe: one caller at a time."""
 
     def __init__(
@@ -151,6 +156,7 @@ class RaftNode(Elections, Snapshots):
         self._hold = 0
         #: As leader, this step: one of our uncommitted entries could not be read to send.
         self._unreadable = False
+        self._commit_news = False
         #: Requests refused because obeying them would break safety (a bug somewhere).
         self.refused: list[str] = []
         self._out: list[Effect] = []
@@ -303,7 +309,7 @@ class RaftNode(Elections, Snapshots):
             if isinstance(m, PreVote) or (isinstance(m, PreVoteResp) and m.granted):
                 pass  # a pre-vote moves no term (thesis s9.6)
             else:
-                leads = isinstance(m, AppendEntries | InstallSnapshot)
+                leads = isinstance(m, AppendEntries | InstallSnapshot | CommitNotice)
                 self._become_follower(m.term, m.frm if leads else None)
         elif m.term < self.term:
             # Tell a stale leader or pre-candidate our term; everything else stale is dropped.
@@ -314,6 +320,8 @@ class RaftNode(Elections, Snapshots):
             return self._take()
         if isinstance(m, AppendEntries):
             self._on_append(m)
+        elif isinstance(m, CommitNotice):
+            self._on_commit_notice(m)
         elif isinstance(m, AppendResp):
             self._on_append_resp(m)
         elif isinstance(m, PreVote):
@@ -409,6 +417,7 @@ class RaftNode(Elections, Snapshots):
         else:
             entries, last = (), prev
         pr.sent(last)
+        pr.commit_sent = self.commit
         self._send(AppendEntries(self.id, peer, self.term, prev, prev_term, entries, self.commit))
         return True
 
@@ -444,6 +453,7 @@ class RaftNode(Elections, Snapshots):
                 prev_term = self.terms.term_at(anchor)
                 assert prev_term is not None, "match is at most last_index"
                 beat = AppendEntries(self.id, peer, self.term, anchor, prev_term, (), self.commit)
+                pr.commit_sent = self.commit
                 self._send(beat)
             pr.acked = False
 
@@ -488,9 +498,7 @@ class RaftNode(Elections, Snapshots):
                 return
             self._append_local(new)
         self._leader_match = max(self._leader_match, end)
-        if min(m.commit, self._leader_match) > self.commit:
-            self.commit = min(m.commit, self._leader_match)
-            self._out.append(Commit(self.commit))
+        self._learn_commit(m.commit, self._leader_match)
         self._send(self._ack(m.frm))
 
     def _truncate(self, index: int) -> bool:
@@ -551,35 +559,6 @@ class RaftNode(Elections, Snapshots):
         pr.match = min(pr.match, pr.next - 1)
         self._send_append(m.frm)
 
-    def _maybe_commit(self) -> None:
-        """Commit the highest entry of this term that a majority of the current voters holds
-        durably; learners do not count, nor does a leader that removed itself."""
-        conf = self.membership.current
-        voters = conf.voters
-        variant = self.config.variant
-        if variant is Variant.CORRECT:
-            held = [pr.flushed for peer, pr in self._progress.items() if peer in voters]
-            if self.id in voters:
-                held.append(self.durable_index)
-        else:
-            counted = self._progress.keys() if variant is Variant.LEARNERS_COUNT else voters
-            unflushed = variant is Variant.COMMIT_UNFLUSHED
-            ours = self.terms.last_index if unflushed else self.durable_index
-            held = [ours] if self.id in voters else []
-            held += [
-                pr.match if unflushed else pr.flushed
-                for peer, pr in self._progress.items()
-                if peer in counted
-            ]
-        held.sort(reverse=True)
-        index = held[len(voters) // 2]
-        # Raft s5.4.2: count replicas only for an entry of the current term.
-        if index > self.commit and self.terms.term_at(index) == self.term:
-            self.commit = index
-            self._out.append(Commit(index))
-            if self.id not in voters and index >= self.membership.last_index:
-                self._become_follower(self.term, None)  # thesis s4.2.2: removed, steps down
-
     # -- output ------------------------------------------------------------------------------
 
     def _send(self, m: Message) -> None:
@@ -592,6 +571,8 @@ class RaftNode(Elections, Snapshots):
         if self._unreadable:
             self._unreadable = False
             self._step_down()  # at the end of the step: not while iterating over followers
+        if self._commit_news:
+            self._tell_commits()
         self._log.written()
         out, self._out = self._out, []
         return out

@@ -6,11 +6,13 @@ and group ids are ``0 <= id < 2**32``), ``u64`` terms and indexes (the core's ar
 ``< 2**63``: a set top bit is refused both ways), ``u8`` booleans (0 or 1, nothing else).
 Layout, in order (sizes in bytes)::
 
-    frame      version u8 (=1) | frm u32 | to u32 | beats u32 | acks u32 | messages u32     21
-               then the beats, the acks, the messages; nothing after them
+    frame      version u8 (=2) | frm u32 | to u32 | beats u32 | acks u32 | notices u32
+               | messages u32                                                           25
+               then the beats, the acks, the notices, the messages; nothing after them
     beat       group u32 | term u64 | commit u64 | prev_index u64 | prev_term u64
                | quiesce u8                                                             37
     ack        group u32 | term u64 | match u64 | flushed u64                              28
+    notice     group u32 | term u64 | commit u64                                           20
     message    group u32 | type u8 | body
       1 PreVote        frm u32 | to u32 | term u64 | last_index u64 | last_term u64        32
       2 PreVoteResp    frm u32 | to u32 | term u64 | granted u8                            17
@@ -34,6 +36,8 @@ canonical: ``decode_frame`` accepts exactly what ``encode_frame`` can produce (a
 so the receiver refuses a frame the sender could not have built. Every count is checked against
 the bytes that remain before anything is allocated for it, so a short or hostile input costs at
 most its own size. Errors either way are ``WireError``, naming what is wrong and where.
+Version 2 added the notices (``broker.cluster.commits``); a node refuses a frame of another
+version, so every node of a cluster runs the same one.
 
 An entry's payload is copied once on decode (``bytes`` of a slice of the input's view); a
 decoded frame holds no reference to the input buffer, which the caller may reuse at once.
@@ -46,7 +50,7 @@ from collections.abc import Callable
 from itertools import repeat, starmap
 from typing import Any, TypeVar
 
-from broker.cluster.frames import Ack, Beat, Frame
+from broker.cluster.frames import Ack, Beat, Frame, Notice
 from broker.cluster.membership import Configuration
 from broker.cluster.messages import (
     AppendEntries,
@@ -62,15 +66,16 @@ from broker.cluster.messages import (
     VoteResp,
 )
 
-VERSION = 1
+VERSION = 2
 #: ``hint_term`` None on the wire (a term is < 2**63, so this is no term).
 NO_TERM = 2**64 - 1
 ID_LIMIT = 2**32
 TERM_LIMIT = 2**63
 
-_FRAME = struct.Struct(">BIIIII")
+_FRAME = struct.Struct(">BIIIIII")
 _BEAT = struct.Struct(">IQQQQ?")
 _ACK = struct.Struct(">IQQQ")
+_NOTICE = struct.Struct(">IQQ")
 _MSG = struct.Struct(">IB")
 _PREVOTE = struct.Struct(">IIQQQ")
 _GRANT = struct.Struct(">IIQB")  # PreVoteResp and VoteResp
@@ -84,6 +89,7 @@ _SNAPSHOT = struct.Struct(">IIQQQI")
 #: Offsets of the u64 fields inside a beat and an ack (their top bit must be clear).
 _BEAT_U64 = (4, 12, 20, 28)
 _ACK_U64 = (4, 12, 20)
+_NOTICE_U64 = (4, 12)
 _BEAT_QUIESCE = 36
 #: A byte string holding only 0 and 1 translates to nothing with this deletion set.
 _BOOLS = b"\x00\x01"
@@ -107,10 +113,11 @@ def encode_frame(frame: Frame) -> bytes:
         parts = [
             _FRAME.pack(
                 VERSION, frame.frm, frame.to, len(frame.beats), len(frame.acks),
-                len(frame.messages),
+                len(frame.notices), len(frame.messages),
             ),
             b"".join(starmap(_BEAT.pack, frame.beats)),
             b"".join(starmap(_ACK.pack, frame.acks)),
+            b"".join(starmap(_NOTICE.pack, frame.notices)),
         ]  # fmt: skip
         for group, m in frame.messages:
             encoder = _ENCODERS.get(type(m))
@@ -120,7 +127,11 @@ def encode_frame(frame: Frame) -> bytes:
             encoder[1](m, parts)
     except (struct.error, TypeError, KeyError) as e:
         raise _explain(frame) from e
-    if _top_bit_set(parts[1], _BEAT.size, _BEAT_U64) or _top_bit_set(parts[2], _ACK.size, _ACK_U64):
+    if (
+        _top_bit_set(parts[1], _BEAT.size, _BEAT_U64)
+        or _top_bit_set(parts[2], _ACK.size, _ACK_U64)
+        or _top_bit_set(parts[3], _NOTICE.size, _NOTICE_U64)
+    ):
         raise _explain(frame)
     return b"".join(parts)
 
@@ -233,6 +244,8 @@ def _explain(frame: Frame) -> WireError:
             raise WireError(f"beat {i}: quiesce {b.quiesce!r} is not a bool")
     for i, a in enumerate(frame.acks):
         check(f"ack {i}", {"group": a.group}, a._asdict() | {"group": 0})
+    for i, notice in enumerate(frame.notices):
+        check(f"notice {i}", {"group": notice.group}, notice._asdict() | {"group": 0})
     for i, (group, m) in enumerate(frame.messages):
         where = f"message {i} ({type(m).__name__}, group {group!r})"
         check(where, {"group": group}, {})
@@ -282,7 +295,7 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     end = len(view)
     if end < _FRAME.size:
         raise WireError(f"frame of {end} bytes: shorter than its {_FRAME.size}-byte header")
-    version, frm, to, n_beats, n_acks, n_messages = _FRAME.unpack_from(view)
+    version, frm, to, n_beats, n_acks, n_notices, n_messages = _FRAME.unpack_from(view)
     if version != VERSION:
         raise WireError(f"frame version {version}, expected {VERSION}")
     o = _FRAME.size
@@ -293,6 +306,8 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
     o += n_beats * _BEAT.size
     acks = _records(view, o, n_acks, "ack", _ACK, Ack, _ACK_U64)
     o += n_acks * _ACK.size
+    notices = _records(view, o, n_notices, "notice", _NOTICE, Notice, _NOTICE_U64)
+    o += n_notices * _NOTICE.size
     if n_messages * _MIN_MESSAGE > end - o:
         raise WireError(f"{n_messages} messages cannot fit in the {end - o} bytes left at {o}")
     messages: list[tuple[int, Message]] = []
@@ -310,10 +325,10 @@ def decode_frame(data: bytes | bytearray | memoryview) -> Frame:
         messages.append((group, m))
     if o != end:
         raise WireError(f"{end - o} bytes after the frame's last message")
-    return Frame(frm, to, beats, acks, messages)
+    return Frame(frm, to, beats, acks, messages, notices)
 
 
-_T = TypeVar("_T", Beat, Ack)
+_T = TypeVar("_T", Beat, Ack, Notice)
 
 
 def _records(

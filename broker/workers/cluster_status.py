@@ -39,7 +39,7 @@ def merge_views(views: list[dict[str, Any]]) -> dict[str, Any]:
             )
         nodes.append(n)
     merged["nodes"] = nodes
-    for section in ("transport", "raft", "remote_reads"):
+    for section in ("transport", "raft", "remote_reads", "host"):
         totals: dict[str, int] = {}
         for view in views:
             for name, value in view.get(section, {}).items():

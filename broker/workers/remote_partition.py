@@ -14,21 +14,21 @@ node (issue 20, item 5). On a node outside the group the router's partition is a
   a replica with the fetch protocol (``broker.cluster.fetch``): whole batches, CRC-checked
   here, never past the high-water mark the replica states.
 
-Design: one long poll per partition (Kafka's follower and consumer fetch,
-``fetch.max.wait``), not a push of each commit. The node keeps one ``FETCH`` outstanding per
-remote partition, at its known high-water mark, preferably to the leader (it learns a commit
-first: a follower learns it a heartbeat later), which holds it until the next commit (at
-most a second, ``broker.workers.remote_fetches.LIVE_WAIT_MS``) and answers with the marks,
-the leader and, when the partition has readers here, the new batches. So a commit reaches
-this node's subscribers one message after it happened, as it reaches a follower with the
-next AppendEntries, and the replica keeps no state per reader beyond one held request: no
-registration to expire, nothing to redo after a node restarts, and a dead replica costs one
-``ANSWER_TIMEOUT`` (2.5 s) before the poll goes to the next. A push (the leader sending each
-commit to the nodes that asked) would save the request per commit but needs a subscription
-the leader must keep, hand over at every leadership change and expire when the asker dies;
-the long poll gets the same latency with none of that. The answer's leader is what forwards
-are sent to (this node hosts no core of the group to know it). Without readers the poll asks
-for the marks only (``max bytes = 0``): publishers alone cost no data traffic back.
+Design: one long poll per partition (Kafka's follower and consumer fetch, ``fetch.max.wait``),
+not a push of each commit. The node keeps one ``FETCH`` outstanding per remote partition, at its
+known high-water mark, preferably to the leader (it learns a commit first: a follower learns it
+a message later, ``broker.cluster.commits``), which holds it until the next commit (at most a
+second, ``broker.workers.remote_fetches.LIVE_WAIT_MS``) and answers with the marks, the leader
+and, when the partition has readers here, the new batches. So a commit reaches this node's
+subscribers one message after it happened, as it reaches a follower with the leader's next
+AppendEntries or commit notice, and the replica keeps no state per reader beyond one held
+request: no registration to expire, nothing to redo after a node restarts, and a dead replica
+costs one ``ANSWER_TIMEOUT`` (2.5 s) before the poll goes to the next. A push (the leader
+sending each commit to the nodes that asked) would save the request per commit but needs a
+subscription the leader must keep, hand over at every leadership change and expire when the
+asker dies; the long poll gets the same latency with none of that. The answer's leader is what
+forwards are sent to (this node hosts no core of the group to know it). Without readers the poll
+asks for the marks only (``max bytes = 0``): publishers alone cost no data traffic back.
 
 Records fetched are kept in memory (:class:`Chunks`, bounded by :data:`CACHE_RECORDS` and
 :data:`CACHE_BYTES`), not on disk: the point of a replication factor below the node count is

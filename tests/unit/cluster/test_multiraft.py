@@ -16,8 +16,8 @@ from collections.abc import Callable
 
 import pytest
 
-from broker.cluster.frames import Ack, Beat, Frame, ack_message, beat_message
-from broker.cluster.messages import AppendEntries, AppendResp, Entry, HardState
+from broker.cluster.frames import Ack, Beat, Frame, Notice, ack_message, beat_message
+from broker.cluster.messages import AppendEntries, AppendResp, CommitNotice, Entry, HardState
 from broker.cluster.multiraft import MultiRaft, Ready
 from broker.cluster.raft import NotLeader, RaftConfig, RaftNode, Role
 from broker.cluster.terms import TermTable
@@ -114,6 +114,7 @@ class Net:
         self.blocked: set[tuple[int, int]] = set()
         #: Beats put on the wire, group messages of any kind, frames.
         self.beats = 0
+        self.notices = 0
         self.carried = 0
         self.frames = 0
         #: (group, term) -> the node that led it: at most one leader per term.
@@ -156,9 +157,11 @@ class Net:
 
     # -- running -----------------------------------------------------------------------------
 
-    def step(self) -> None:
+    def step(self, tick: bool = True) -> None:
+        """One step; without ``tick``, frames and fsyncs only: no host's clock moves, so no
+        heartbeat leaves and no election starts."""
         self.now += 1
-        for host in self.live():
+        for host in (h for h in self.live() if tick):
             host.tick()
         while self._wire and self._wire[0][0] <= self.now:
             _, _, frame = heapq.heappop(self._wire)
@@ -184,7 +187,13 @@ class Net:
         dests = [f.to for f in ready.frames]
         assert len(dests) == len(set(dests)), f"n{host.id}: several frames to one node"
         for frame in ready.frames:
+            # A notice goes alone only for a group whose append the frame does not carry.
+            appends = {b.group for b in frame.beats}
+            appends |= {g for g, m in frame.messages if isinstance(m, AppendEntries)}
+            notices = [n.group for n in frame.notices]
+            assert len(notices) == len(set(notices)) and not appends & set(notices)
             self.frames += 1
+            self.notices += len(frame.notices)
             self.beats += len(frame.beats)
             self.carried += len(frame)
             if self.rng.random() < self.drop:
@@ -232,12 +241,12 @@ class Net:
         host.hard_states_persisted(ready.hard_states.items())
         host.flushed(ready.flushes.items())
 
-    def run_until(self, done: Callable[[], bool], limit: int) -> int:
+    def run_until(self, done: Callable[[], bool], limit: int, tick: bool = True) -> int:
         """Step until ``done()``; the steps it took. Fails past ``limit`` steps."""
         start = self.now
         while not done():
             assert self.now - start < limit, f"not done after {limit} ticks"
-            self.step()
+            self.step(tick)
         return self.now - start
 
     def run(self, ticks: int) -> None:
@@ -317,6 +326,52 @@ def test_beats_and_acks_rebuild_the_messages_the_cores_sent() -> None:
     # Anything else travels whole beside its group.
     assert frame.messages == [(4, refusal), (4, append)]
     assert len(frame) == 4
+
+
+def test_a_frame_carries_one_notice_per_group_and_none_beside_its_append() -> None:
+    append = AppendEntries(1, 2, 7, 12, 6, (Entry(7, b"x"),), 11)
+    frame = Frame(1, 2)
+    frame.put(4, CommitNotice(1, 2, 7, 11))
+    frame.put(5, CommitNotice(1, 2, 7, 20))
+    frame.put(4, CommitNotice(1, 2, 7, 12))  # the later one of the group wins
+    assert frame.notices == [Notice(4, 7, 12), Notice(5, 7, 20)]
+    # An append of group 4 put afterwards carries its notice (raised to the notice's commit).
+    frame.put(4, append)
+    assert frame.notices == [Notice(5, 7, 20)]
+    assert frame.messages == [(4, AppendEntries(1, 2, 7, 12, 6, (Entry(7, b"x"),), 12))]
+    # A notice of a group whose heartbeat is in the frame goes into it.
+    frame.put(6, AppendEntries(1, 2, 7, 3, 7, (), 2))
+    frame.put(6, CommitNotice(1, 2, 7, 3))
+    assert frame.beats == [Beat(6, 7, 3, 3, 7, False)] and len(frame.notices) == 1
+    # A notice lower than what the append carries changes nothing; one of another term
+    # (the sender leads a newer one) goes on its own.
+    frame.put(4, CommitNotice(1, 2, 7, 5))
+    frame.put(4, CommitNotice(1, 2, 8, 13))
+    assert frame.messages[0][1].commit == 12  # type: ignore[union-attr]
+    assert frame.notices == [Notice(5, 7, 20), Notice(4, 8, 13)]
+    assert len(frame) == 4
+
+
+def test_a_follower_applies_a_commit_without_waiting_for_a_heartbeat() -> None:
+    net = Net(groups=4)
+    settle(net)
+    for g in net.group_ids:
+        lead = net.leader(g)
+        assert lead is not None
+        net.host(lead.id).propose(g, f"g{g}".encode())
+    ticks, notices = [h.stats.group_ticks for h in net.live()], net.notices
+    # Frames and fsyncs only: no clock moves, so no heartbeat can carry the commit index.
+    net.run_until(
+        lambda: all(
+            h.core(g).commit == h.core(g).terms.last_index
+            for h in net.live()
+            for g in net.group_ids
+        ),
+        8,
+        tick=False,
+    )
+    assert [h.stats.group_ticks for h in net.live()] == ticks
+    assert net.notices - notices == 4 * 2  # each group's two followers, told once
 
 
 def test_every_node_pair_gets_one_frame_per_step_carrying_every_group() -> None:

@@ -14,6 +14,7 @@ from broker.cluster.messages import (
     AppendLog,
     AppendResp,
     Commit,
+    CommitNotice,
     Effect,
     Entry,
     EntryKind,
@@ -420,6 +421,66 @@ def test_a_follower_commits_only_what_it_knows_matches() -> None:
     # The leader says commit 4 but only vouches for the prefix up to 2 in this message.
     core.receive(AppendEntries(2, 1, 2, 2, 1, (), 4))
     assert core.commit == 2
+
+
+# -- commit notices (broker.cluster.commits) --------------------------------------------------
+
+
+def test_a_moved_commit_is_told_at_once_to_each_follower_that_can_use_it() -> None:
+    core, log = make()
+    elect(core, log)  # term 1, the noop at 1
+    log.apply(core.propose(b"p"))  # 2
+    # Node 2 holds the noop, durably: it gets entry 2, whose append carries commit 0.
+    sent = log.apply(core.receive(AppendResp(2, 1, 1, True, 1, 1, 0, None)))
+    assert [(type(m), m.to, m.commit) for m in sent] == [(AppendEntries, 2, 0)]  # type: ignore[union-attr]
+    # The leader's flush commits the noop: node 2 is told now, not at the next heartbeat;
+    # node 3 acknowledged nothing, so it could not commit anything: no notice.
+    sent = log.apply(core.flushed(2))
+    assert core.commit == 1 and sent == [CommitNotice(1, 2, 1, 1)]
+    sent = log.apply(core.receive(AppendResp(2, 1, 1, True, 2, 2, 0, None)))
+    assert core.commit == 2 and sent == [CommitNotice(1, 2, 1, 2)]
+    # Said once: an acknowledgement that moves nothing sends nothing.
+    assert log.apply(core.receive(AppendResp(2, 1, 1, True, 2, 2, 0, None))) == []
+
+
+def test_no_notice_goes_with_an_append_that_carries_the_commit() -> None:
+    core, log = make()
+    elect(core, log)
+    log.apply(core.flushed(1))
+    log.apply(core.receive(AppendResp(2, 1, 1, True, 1, 0, 0, None)))  # node 2 matched 1
+    log.apply(core.propose(b"p"))  # 2, sent to node 2 with commit 0
+    # Node 2's flush of 1 commits it; the same step sends node 2 nothing new, so a notice.
+    sent = log.apply(core.receive(AppendResp(2, 1, 1, True, 1, 1, 0, None)))
+    assert sent == [CommitNotice(1, 2, 1, 1)]
+    # A proposal's append to node 2 carries the commit: no notice beside it.
+    sent = log.apply(core.propose(b"q"))
+    assert [(type(m), m.commit) for m in sent] == [(AppendEntries, 1)]  # type: ignore[union-attr]
+
+
+def test_a_notice_commits_only_what_the_follower_knows_matches_and_gets_no_answer() -> None:
+    core, log = make((1, 1, 1, 1), HardState(2, None))
+    core.receive(AppendEntries(2, 1, 2, 2, 1, (), 0))  # node 2, leader of term 2, vouches to 2
+    assert core.commit == 0
+    # Raft s5.3: min(leader's commit, what matches), not the follower's last index (4).
+    effects = core.receive(CommitNotice(2, 1, 2, 4))
+    assert commits(effects) == [2] and sends(effects) == [] and core.leader_commit == 4
+    # An append of term 2 replaces 3..4 with entry 3: a notice may now commit it.
+    log.apply(core.receive(AppendEntries(2, 1, 2, 2, 1, (Entry(2, b"x"),), 2)))
+    assert commits(core.receive(CommitNotice(2, 1, 2, 4))) == [3]
+    # An older term's notice is dropped; a newer term's makes the node a follower of its
+    # sender that knows nothing matches yet, so it commits nothing.
+    assert core.receive(CommitNotice(3, 1, 1, 9)) == []
+    effects = core.receive(CommitNotice(3, 1, 5, 9))
+    assert (core.term, core.leader, commits(effects)) == (5, 3, [])
+
+
+def test_a_notice_from_the_leader_holds_off_an_election() -> None:
+    core, _ = make((1,), HardState(1, None))
+    core.receive(AppendEntries(2, 1, 1, 1, 1, (), 1))
+    for _ in range(3 * CONFIG.election_ticks):
+        core.tick()
+        core.receive(CommitNotice(2, 1, 1, 1))
+    assert core.role is Role.FOLLOWER and core.term == 1
 
 
 # -- leadership transfer ---------------------------------------------------------------------

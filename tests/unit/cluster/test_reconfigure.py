@@ -26,8 +26,8 @@ class MovingNet(Net):
         self.first = first
         super().__init__(groups=groups, nodes=nodes, seed=seed)
 
-    def step(self) -> None:
-        super().step()
+    def step(self, tick: bool = True) -> None:
+        super().step(tick)
         # At most one leader per term, over the hosts of each group.
         for host in self.live():
             for g in host.groups:

@@ -1,13 +1,17 @@
 """The simulator passes the correct core and catches each known-bad variant within a bound.
 
 Bounds: each variant must fail within ``CATCH_WITHIN`` seeds from seed 0 (3 nodes, 8 groups).
-Measured with membership changes, retention, clock skew, entries of 1-5 records and torn
-writes in the workload, the first failing seed and how many of seeds 0-19 fail:
-commit-unflushed 0 (20 of 20), learners-count 0 (19), no-prev-term-check 0 (9),
-truncate-below-commit 0 (18), vote-before-persist 1 (4: it needs a crash inside the few
-milliseconds between a vote leaving and its hard state landing). The membership variant
-concurrent-changes runs on 5 nodes (3 voters and 2 spare nodes: with 3 nodes two quick changes
-cannot build disjoint majorities out of 3 voters): first failing seed 4 (9 of 20).
+With membership changes, retention, clock skew, entries of 1-5 records and torn writes in the
+workload, the first failing seed and how many of seeds 0-19 fail, measured before commit
+notices (``broker.cluster.commits``) changed every run's messages: commit-unflushed 0 (20 of
+20), learners-count 0 (19), no-prev-term-check 0 (9), truncate-below-commit 0 (18),
+vote-before-persist 1 (4: it needs a crash inside the few milliseconds between a vote leaving
+and its hard state landing). The membership variant concurrent-changes runs on 5 nodes (3
+voters and 2 spare nodes: with 3 nodes two quick changes cannot build disjoint majorities out
+of 3 voters): first failing seed 4 (9 of 20). With commit notices: no-prev-term-check first
+fails at seed 4; commit-notice-unchecked at seed 3 (6 of 20: a lagging follower told a commit
+past its log). Bounding a notice by the follower's own last index instead of what it matched,
+the subtler bug, escaped 30 seeds; tests/unit/cluster/test_raft.py's notice tests hold it.
 """
 
 from __future__ import annotations
@@ -56,8 +60,8 @@ def test_a_seed_replays_exactly() -> None:
             sim.run()
         return sim.events, list(sim.trace)
 
-    first = trace(0)
-    assert first == trace(0)
+    first = trace(4)  # the first seed that catches the variant
+    assert first == trace(4)
     assert len(first[1]) == 30
 
 

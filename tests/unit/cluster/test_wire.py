@@ -7,7 +7,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from broker.cluster.frames import Ack, Beat, Frame
+from broker.cluster.frames import Ack, Beat, Frame, Notice
 from broker.cluster.membership import Configuration
 from broker.cluster.messages import (
     AppendEntries,
@@ -56,6 +56,7 @@ frames = st.builds(
     st.lists(st.builds(Beat, ids, u63, u63, u63, u63, st.booleans()), max_size=5),
     st.lists(st.builds(Ack, ids, u63, u63, u63), max_size=5),
     st.lists(st.tuples(ids, messages), max_size=6),
+    st.lists(st.builds(Notice, ids, u63, u63), max_size=5),
 )
 
 EVERY_TYPE = Frame(
@@ -74,6 +75,7 @@ EVERY_TYPE = Frame(
         (5, TimeoutNow(1, 2, 5)),
         (6, InstallSnapshot(1, 2, 5, 100, 4, Configuration.of([1, 2, 3], [4]))),
     ],
+    [Notice(10, 5, 99)],
 )
 
 
@@ -109,15 +111,18 @@ def test_the_golden_vector_pins_the_format() -> None:
             (9, AppendResp(2, 1, 3, False, 4, 4, 5, None)),
             (9, InstallSnapshot(1, 2, 3, 4, 2, Configuration.of([1, 2], [3]))),
         ],
+        [Notice(10, 3, 8)],
     )
     golden = bytes.fromhex(
-        # version, frm, to, 1 beat, 1 ack, 3 messages
-        "01" "00000001" "00000002" "00000001" "00000001" "00000003"
+        # version, frm, to, 1 beat, 1 ack, 1 notice, 3 messages
+        "02" "00000001" "00000002" "00000001" "00000001" "00000001" "00000003"
         # beat: group 7, term 3, commit 10, prev_index 9, prev_term 3, quiesce
         "00000007" "0000000000000003" "000000000000000a" "0000000000000009"
         "0000000000000003" "01"
         # ack: group 8, term 3, match 12, flushed 11
         "00000008" "0000000000000003" "000000000000000c" "000000000000000b"
+        # notice: group 10, term 3, commit 8
+        "0000000a" "0000000000000003" "0000000000000008"
         # group 9, AppendEntries: 1 -> 2, term 3, prev 10/3, commit 9, 1 entry
         "00000009" "05" "00000001" "00000002" "0000000000000003" "000000000000000a"
         "0000000000000003" "0000000000000009" "00000001"
@@ -146,7 +151,7 @@ def test_every_truncation_is_refused() -> None:
 @settings(max_examples=500)
 @given(st.binary(max_size=300))
 def test_garbage_raises_wire_error_only(data: bytes) -> None:
-    for candidate in (data, b"\x01" + data):  # also past the version byte
+    for candidate in (data, b"\x02" + data):  # also past the version byte
         try:
             frame = decode_frame(candidate)
         except WireError:
@@ -170,11 +175,12 @@ def test_a_corrupted_byte_is_refused_or_decodes_canonically(data: st.DataObject)
 @pytest.mark.parametrize(
     ("data", "error"),
     [
-        (b"\x02" + bytes(20), "version 2"),
-        (b"\x01" + bytes(8) + b"\xff\xff\xff\xff" + bytes(8), "beats need"),
-        (b"\x01" + bytes(12) + b"\x00\x00\xff\xff" + bytes(4), "acks need"),
-        (b"\x01" + bytes(16) + b"\x7f\xff\xff\xff", "messages cannot fit"),
-        (b"\x01" + bytes(16) + b"\x00\x00\x00\x01" + bytes(4) + b"\x09" + bytes(16), "type 9"),
+        (b"\x01" + bytes(24), "version 1, expected 2"),
+        (b"\x02" + bytes(8) + b"\xff\xff\xff\xff" + bytes(12), "beats need"),
+        (b"\x02" + bytes(12) + b"\x00\x00\xff\xff" + bytes(8), "acks need"),
+        (b"\x02" + bytes(16) + b"\x00\x00\xff\xff" + bytes(4), "notices need"),
+        (b"\x02" + bytes(20) + b"\x7f\xff\xff\xff", "messages cannot fit"),
+        (b"\x02" + bytes(20) + b"\x00\x00\x00\x01" + bytes(4) + b"\x09" + bytes(16), "type 9"),
     ],
 )
 def test_bad_headers_are_named(data: bytes, error: str) -> None:
@@ -184,7 +190,7 @@ def test_bad_headers_are_named(data: bytes, error: str) -> None:
 
 def test_a_huge_entry_count_is_refused_before_allocating() -> None:
     data = bytearray(encode_frame(Frame(1, 2, messages=[(1, EVERY_TYPE.messages[4][1])])))
-    count_at = 21 + 5 + 40  # frame header, message header, AppendEntries up to its count
+    count_at = 25 + 5 + 40  # frame header, message header, AppendEntries up to its count
     data[count_at : count_at + 4] = b"\xff\xff\xff\xff"
     with pytest.raises(WireError, match="4294967295 entries cannot fit"):
         decode_frame(data)
@@ -192,10 +198,10 @@ def test_a_huge_entry_count_is_refused_before_allocating() -> None:
 
 def test_a_set_top_bit_and_a_non_boolean_are_refused() -> None:
     beat = bytearray(encode_frame(Frame(1, 2, [Beat(1, 2, 3, 4, 5, False)])))
-    beat[21 + 4] |= 0x80
+    beat[25 + 4] |= 0x80
     with pytest.raises(WireError, match="2\\*\\*63"):
         decode_frame(beat)
-    beat[21 + 4] &= 0x7F
+    beat[25 + 4] &= 0x7F
     beat[-1] = 2
     with pytest.raises(WireError, match="quiesce"):
         decode_frame(beat)
@@ -213,6 +219,7 @@ def test_a_set_top_bit_and_a_non_boolean_are_refused() -> None:
         (Frame(1, 2, [Beat(2**32, 1, 1, 1, 1, False)]), "beat 0: group 4294967296"),
         (Frame(1, 2, [Beat(1, -1, 1, 1, 1, False)]), "beat 0: term -1 is not a term"),
         (Frame(1, 2, acks=[Ack(1, 1, 2**63, 1)]), "ack 0: match 9223372036854775808"),
+        (Frame(1, 2, notices=[Notice(1, 1, 2**63)]), "notice 0: commit 9223372036854775808"),
         (Frame(1, 2, messages=[(1, TimeoutNow(1, 2, 2**63))]), "TimeoutNow.*term 92233"),
         (Frame(1, 2, messages=[(1, PreVote(1, -2, 1, 1, 1))]), "PreVote.*to -2"),
         (Frame(1, 2, messages=[(2**32, VoteResp(1, 2, 1, True))]), "group 4294967296"),
