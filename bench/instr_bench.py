@@ -28,6 +28,12 @@ fleet2      fleet on two workers (the shipped default on two cores): two worker 
             (as SO_REUSEPORT spreads them), the subscriber to worker 0; so about half of
             each worker's PUBLISHes go to a partition the other owns (forwarded), and half
             of the deliveries are announced by the other
+fanin0      50 publishers, each QoS 0 to its own ``devices/<nnnnn>/telemetry`` in writes of
+            256 PUBLISHes (as bench.mqtt_bench's blast: many packets per read), one write
+            per publisher per round, the next round once the round is delivered; one QoS 0
+            subscriber on ``devices/+/telemetry``; N messages after one round (not counted)
+fanin1      50 publishers, each QoS 1 (100 in flight) to its own ``devices/<nnnnn>/telemetry``;
+            one QoS 1 subscriber on ``devices/+/telemetry``
 ==========  ==============================================================================
 
 The stored messages are written once, by a broker of this checkout, and copied for each
@@ -63,15 +69,17 @@ from typing import Any
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
-SCENARIOS = ("replay1", "replay0", "replay1s", "fanout1", "fleet", "fleet2")
+SCENARIOS = ("replay1", "replay0", "replay1s", "fanout1", "fleet", "fleet2", "fanin0", "fanin1")
 #: Scenarios that start from an empty data directory.
-FRESH = ("fanout1", "fleet", "fleet2")
+FRESH = ("fanout1", "fleet", "fleet2", "fanin0", "fanin1")
 FANOUT_SUBSCRIBERS = 50
 #: fleet: devices, and how many of them write per loop iteration.
 FLEET_DEVICES = 1000
 FLEET_PER_ITERATION = 20
 FLEET_TOPIC = "devices/{:05d}/telemetry"  # 23 bytes, as the Subscriber expects
 PUBLISHERS = 50
+#: fanin0: PUBLISHes per write (bench.loadgen's blast batch).
+FANIN_BATCH = 256
 #: replay1s: PUBACKs per write.
 ACK_CHUNK = 50
 TOPIC = "replay0/{:05d}/telemetry"
@@ -93,13 +101,11 @@ def subscribe_packet(topic_filter: str, qos: int) -> bytes:
 
 
 def publish_packet(topic: bytes, packet_id: int, seq: int) -> bytes:
+    """A QoS 1 PUBLISH of ``seq`` 's payload; QoS 0 where ``packet_id`` is 0."""
     payload = struct.pack("<Q", seq) + PAYLOAD_TAIL
-    return (
-        bytes([0x32, 2 + len(topic) + 2 + 64])
-        + _str(topic)
-        + struct.pack(">H", packet_id)
-        + payload
-    )
+    pid = struct.pack(">H", packet_id) if packet_id else b""
+    first = 0x32 if packet_id else 0x30
+    return bytes([first, 2 + len(topic) + len(pid) + 64]) + _str(topic) + pid + payload
 
 
 class Subscriber(asyncio.Protocol):
@@ -114,9 +120,20 @@ class Subscriber(asyncio.Protocol):
         self.buf = b""
         self.got = 0
         self.transport: Any = None
+        #: (count, future): set once ``got`` reaches count (:meth:`until`).
+        self.waiting: tuple[int, asyncio.Future[None]] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport
+
+    def until(self, count: int) -> asyncio.Future[None]:
+        """Done once ``count`` deliveries are in."""
+        future = asyncio.get_running_loop().create_future()
+        if self.got >= count:
+            future.set_result(None)
+        else:
+            self.waiting = (count, future)
+        return future
 
     def data_received(self, data: bytes) -> None:
         buf = self.buf + data if self.buf else data
@@ -148,6 +165,9 @@ class Subscriber(asyncio.Protocol):
             self._ack(b"".join(acks))
         if self.got >= self.expected and not self.done.done():
             self.done.set_result(None)
+        if self.waiting is not None and self.got >= self.waiting[0]:
+            self.waiting[1].set_result(None)
+            self.waiting = None
 
     def _ack(self, acks: bytes) -> None:
         if self.transport.is_closing():
@@ -279,6 +299,63 @@ async def _fleet(ports: list[int], count: int) -> int:
     return int(sub.got) - FLEET_DEVICES
 
 
+async def _fanin(port: int, qos: int, count: int) -> int:
+    """fanin0 / fanin1 (module docstring)."""
+    loop = asyncio.get_running_loop()
+    topics = [FLEET_TOPIC.format(i).encode() for i in range(PUBLISHERS)]
+    per_round = PUBLISHERS * FANIN_BATCH
+    rounds = max(1, count // per_round)
+    expected = per_round * (rounds + 1) if not qos else count // PUBLISHERS * PUBLISHERS
+    done = loop.create_future()
+    sub = await _connect(
+        port,
+        lambda: Subscriber(qos, expected, done),
+        connect_packet(f"fanin{qos}-sub") + subscribe_packet("devices/+/telemetry", qos),
+    )
+    if qos:
+        pubs = [
+            await _connect(
+                port, partial(Publisher, [topic], count // PUBLISHERS, 100), connect_packet(f"p{i}")
+            )
+            for i, topic in enumerate(topics)
+        ]
+        await asyncio.sleep(0.5)  # every CONNACK and SUBACK is in
+        _control("--instr=on")
+        _control("--zero")
+        for pub in pubs:
+            pub.send(pub.window)
+        await done
+        _control("--dump")
+        _control("--instr=off")
+        return int(sub.got)
+    blasters = [
+        await _connect(port, partial(Device, topic), connect_packet(f"p{i}"))
+        for i, topic in enumerate(topics)
+    ]
+    # Every round's writes made before the measurement (the client's work stays small).
+    chunks = [
+        [
+            b"".join(
+                publish_packet(topic, 0, seq)
+                for seq in range(r * FANIN_BATCH, (r + 1) * FANIN_BATCH)
+            )
+            for r in range(rounds + 1)
+        ]
+        for topic in topics
+    ]
+    await asyncio.sleep(0.5)
+    for r in range(rounds + 1):
+        if r == 1:  # the first round (not counted) set every publisher's plain topic
+            _control("--instr=on")
+            _control("--zero")
+        for blaster, writes in zip(blasters, chunks, strict=True):
+            blaster.transport.write(writes[r])
+        await sub.until((r + 1) * per_round)
+    _control("--dump")
+    _control("--instr=off")
+    return int(sub.got) - per_round
+
+
 # ============================================================== the measured process
 
 
@@ -339,6 +416,8 @@ async def _scenario(name: str, data: Path, count: int, port: int) -> int:
             return sum(p.acked for p in pubs)
         if name == "fleet":
             return await _fleet([port], count)
+        if name in ("fanin0", "fanin1"):
+            return await _fanin(port, int(name[5]), count)
         if name == "fanout1":
             topic = "fanouts/00000/telemetry"
             subs = []

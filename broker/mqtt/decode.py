@@ -170,6 +170,18 @@ class Decoder:
                 self._chunks.append(chunk)
             self._pending += len(chunk)
 
+    def take(self) -> bytes:
+        """Every buffered byte (the start of a packet, after :meth:`packets`), leaving none:
+        for a caller that parses them together with what follows (the compiled device path,
+        broker.net._devicelane); :meth:`feed` gives them back unchanged."""
+        if self._error is not None:
+            raise self._error
+        rest = self._buf[self._pos :]
+        if self._chunks is not None:
+            rest = _EMPTY.join([rest, *self._chunks])
+        self._buf, self._pos, self._chunks, self._pending = _EMPTY, 0, None, 0
+        return rest
+
     def next_packet(self) -> Packet | None:
         """The next complete packet, or ``None`` if more data is needed."""
         out: list[Packet | PubAckRun] = []

@@ -26,7 +26,8 @@ established by the full path (:meth:`~broker.router.router.Router.plain_route`),
 straight into the partition's batch (:meth:`~broker.router.router.Router.publish_plain`); its
 PUBACK is written from the packet id when the append returns (a fleet of devices, each
 publishing to its own topic, arrives that way). Compiled, the same path is a
-:class:`~broker.net._devicelane.DeviceLane` (:mod:`broker.net.devicepath`: which one serves).
+:class:`~broker.net._devicelane.DeviceLane` (:mod:`broker.net.devicepath`: which one serves),
+which also takes reads of several such PUBLISHes (a publisher's burst).
 Closing: :mod:`broker.net.closing`; the lifecycle log lines: :mod:`broker.net.connlog`.
 """
 

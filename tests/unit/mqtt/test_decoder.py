@@ -142,6 +142,23 @@ def test_feed_accepts_bytearray_and_memoryview_and_copies() -> None:
     assert dec.packets() == [Connect("c", 4, "MQTT", True, 60), PingReq()]
 
 
+@pytest.mark.parametrize("cuts", [(3,), (3, 7), (len(CONNECT_V4) - 2, len(CONNECT_V4) + 1)])
+def test_take_hands_over_what_is_buffered(cuts: tuple[int, ...]) -> None:
+    """take() returns every byte not yet a packet (joined from several reads) and leaves
+    the decoder empty; fed back, they decode as if never taken (the compiled device path)."""
+    data = CONNECT_V4 + b"\xc0\x00"
+    dec = Decoder()
+    decoded: list[Any] = []
+    for a, b in zip((0, *cuts), cuts, strict=False):
+        dec.feed(data[a:b])
+        decoded += dec.packets()
+    consumed = len(CONNECT_V4) if decoded else 0
+    assert dec.take() == data[consumed : cuts[-1]]
+    assert dec.buffered == 0 and dec.packets() == []
+    dec.feed(data[consumed:])
+    assert decoded + dec.packets() == [Connect("c", 4, "MQTT", True, 60), PingReq()]
+
+
 def test_large_packet_in_many_small_reads() -> None:
     payload = bytes(range(256)) * 4096  # 1 MiB
     data = CONNECT_V4 + encode(Publish("big", payload, 1, False, False, 9), 4) + b"\xc0\x00"

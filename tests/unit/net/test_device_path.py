@@ -202,13 +202,17 @@ def sessions(draw: st.DrawFn) -> tuple[int, list[bytes], list[int]]:
             props = b""
             topic = topic or TOPICS[0]
         stream += publish(version, topic, payload, qos, pid, dup, retain, props)
-        # Mostly one packet per read (a device); sometimes two together, or a split.
-        how = draw(st.sampled_from(["one"] * 6 + ["join", "split"]))
+        # Mostly one packet per read (a device); sometimes several together (a publisher's
+        # burst), or a cut within a packet (its start ends a read, its rest begins the next).
+        how = draw(st.sampled_from(["one"] * 6 + ["join"] * 3 + ["split", "cut"]))
         if how == "one":
             cuts.append(len(stream))
         elif how == "split":
             cuts.append(len(stream) - draw(st.integers(1, 3)))
             cuts.append(len(stream))
+        elif how == "cut":
+            size = len(publish(version, topic, payload, qos, pid, dup, retain, props))
+            cuts.append(len(stream) - draw(st.integers(1, size - 1)))
     cuts = sorted({c for c in cuts if 0 < c < len(stream)} | {len(stream)})
     reads = [stream[a:b] for a, b in zip([0, *cuts], cuts, strict=False)]
     ends = sorted(draw(st.sets(st.integers(0, len(reads) - 1))) | {len(reads) - 1})
@@ -350,6 +354,39 @@ def test_device_path_is_taken(tmp_path: Path, path: str) -> None:
     acks = b"".join(transport.written)[4:]  # after the CONNACK
     assert acks == b"".join(b"\x40\x02\x00" + bytes([pid]) for pid in (1, 2, 2, 3))
     server.streams.close()
+
+
+@pytest.mark.parametrize("path", DEVICE_PATHS)
+def test_reads_of_several_plain_publishes(tmp_path: Path, path: str) -> None:
+    """A publisher's burst: reads of several plain PUBLISHes, cut by the socket within a
+    fixed header, a topic, a payload. The compiled lane takes them, the start of a packet
+    at a read's end included (the decoder keeps it; the lane takes it back with the next
+    read); a read with another topic's PUBLISH is the decoder's. The Python device path
+    leaves every read of several to the decoder. Both answer as the full path does."""
+    decoded: list[bytes | None] = []
+
+    class Spy(DEVICE_PATHS[path]):  # type: ignore[misc,valid-type]
+        def _receive(self, data: bytes | None, packets: Any) -> None:
+            decoded.append(data)
+            super()._receive(data, packets)
+
+    burst = [publish(4, TOPICS[0], b"m%d" % i, i % 2, i, False, False, b"") for i in range(1, 11)]
+    stream = b"".join(burst)  # packets end at 27, 52, 79, 104, ..., 183, 208, ..., 261
+    reads = [
+        burst[0],  # the full path: it sets the plain topic
+        stream[27:53],  # one packet and the first byte of the next
+        stream[53:90],  # its rest, the next to within its topic
+        stream[90:207],  # its rest, three more, the next to within its payload
+        stream[207:],  # its rest, two more
+        publish(4, TOPICS[1], b"o", 1, 11, False, False, b""),  # the decoder's
+    ]
+    fast = serve(Spy, tmp_path / "fast", 4, reads, [len(reads) - 1])
+    full = serve(FullPathOnly, tmp_path / "full", 4, reads, [len(reads) - 1])
+    assert fast == full
+    assert sorted(r[3] for r in fast[2]) == sorted([b"m%d" % i for i in range(1, 11)] + [b"o"])
+    assert not fast[1]
+    compiled = path == "compiled" and devicepath.lane_class() is not None
+    assert decoded == [connect(4), reads[0], reads[-1]] if compiled else [connect(4), *reads]
 
 
 def _plain(pid: int, payload: bytes = b"p", version: int = 5) -> bytes:
