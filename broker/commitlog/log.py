@@ -283,8 +283,9 @@ class SegmentedLog(ReplicaOps, IntervalSync):
         ``append``), or the bytes of a checked batch of consecutive records encoded elsewhere
         (another worker's forward, broker.workers.partitions), given its place here (base
         offset and CRC rewritten, nothing decoded). Returns the first offset and the batches
-        written. One write per batch: on an error the batches before it stay (their
-        publishers get no acknowledgement: a QoS 1 resend is a duplicate, allowed)."""
+        written. One write for them all (a group commit of a fleet's iteration holds this
+        worker's records and a peer's batch: two writes cost a system call per commit
+        more), so on an error none of them stays."""
         with self._lock:
             self._check_open()
             first = base = self._segments[-1].next_offset
@@ -295,16 +296,17 @@ class SegmentedLog(ReplicaOps, IntervalSync):
                     batch, count = rebased(part, base), BATCH_HEADER.unpack_from(part)[7]
                 else:
                     batch, count = encode(base, part), len(part)
-                self._write_locked(batch, base + count)
                 written.append(batch)
                 base += count
+            if written:
+                self._write_locked(written[0] if len(written) == 1 else b"".join(written), base)
             return first, written
 
     def _write_locked(self, batch: bytes | bytearray, next_offset: int, sync: bool = True) -> None:
-        """Write one encoded batch that ends before ``next_offset`` to the active segment,
-        rolling first if it would make the segment too big, too old or span too many
-        offsets (``append`` and ``append_raw``); fsynced under ``fsync = "always"`` unless
-        ``sync`` is False (then the next :meth:`flush` does)."""
+        """Write one encoded batch (or consecutive ones) that ends before ``next_offset`` to
+        the active segment, rolling first if it would make the segment too big, too old or
+        span too many offsets (``append`` and ``append_raw``); fsynced under
+        ``fsync = "always"`` unless ``sync`` is False (then the next :meth:`flush` does)."""
         active = self._segments[-1]
         now_ms = self._now_ms()
         if active.size and (

@@ -24,12 +24,18 @@ from pathlib import Path
 from typing import Protocol
 
 from broker.commitlog import integrity
-from broker.commitlog.batch import BATCH_HEADER_SIZE, read_header
+from broker.commitlog.batch import (
+    BATCH_HEADER,
+    BATCH_HEADER_SIZE,
+    MIN_BATCH_SIZE,
+    read_header,
+    validate_batch,
+)
 from broker.commitlog.config import LogConfig
 from broker.commitlog.disk import fsync_data as _fsync_data
 from broker.commitlog.errors import CorruptIndex, CorruptRecordBatch
 from broker.commitlog.index import OffsetIndex, TimeIndex
-from broker.commitlog.integrity import DamagedRange, SegmentScan
+from broker.commitlog.integrity import SCAN_CHUNK, DamagedRange, SegmentScan
 
 logger = logging.getLogger("broker.commitlog")
 
@@ -53,9 +59,47 @@ class Segment(Protocol):
     _bytes_since_index: int
     _damage_scan: SegmentScan | None
 
-    def _scan(self, pos: int, min_base: int, *, build: bool) -> tuple[int, str | None]: ...
+    def _index_batch(self, base: int, last: int, max_ts: int, pos: int, length: int) -> None: ...
 
     def _drop_read_state(self) -> None: ...
+
+
+def scan(seg: Segment, pos: int, min_base: int, *, build: bool) -> tuple[int, str | None]:
+    """Validate the batches of ``seg`` from ``pos`` to its ``size``, updating its offsets
+    and timestamps (and, with ``build``, its indexes).
+
+    Returns the end of the last valid batch and, if scanning stopped early, why.
+    """
+    end = seg.size
+    buf = b""
+    buf_pos = pos
+    while pos < end:
+        avail = end - pos
+        if avail < BATCH_HEADER_SIZE:
+            return pos, f"torn batch header ({avail} bytes)"
+        rel = pos - buf_pos
+        if len(buf) - rel < BATCH_HEADER_SIZE:
+            buf = os.pread(seg._fd, min(avail, SCAN_CHUNK), pos)
+            buf_pos, rel = pos, 0
+        length = BATCH_HEADER.unpack_from(buf, rel)[1]
+        if length < MIN_BATCH_SIZE:
+            return pos, f"batch length {length} too small"
+        if length > avail:
+            return pos, f"torn batch: length {length}, {avail} bytes left in file"
+        if len(buf) - rel < length:
+            buf = os.pread(seg._fd, max(length, min(avail, SCAN_CHUNK)), pos)
+            buf_pos, rel = pos, 0
+        try:
+            h = validate_batch(buf, rel, min_base, path=seg.log_path, position=pos)
+        except CorruptRecordBatch as exc:
+            return pos, exc.reason
+        if build:
+            seg._index_batch(h.base_offset, h.last_offset, h.max_timestamp, pos, length)
+        elif h.max_timestamp > seg.max_timestamp:
+            seg.max_timestamp = h.max_timestamp
+        seg.next_offset = min_base = h.next_offset
+        pos += length
+    return pos, None
 
 
 def load_indexes(seg: Segment) -> None:
@@ -73,7 +117,7 @@ def load_indexes(seg: Segment) -> None:
             )
     seg.offset_index = offset_index
     seg.next_offset = seg.base_offset
-    end, reason = seg._scan(pos, last_offset, build=False)
+    end, reason = scan(seg, pos, last_offset, build=False)
     if reason is not None:
         raise CorruptRecordBatch(reason, end, seg.log_path)
     seg._bytes_since_index = seg.size - pos
@@ -106,7 +150,7 @@ def recover(seg: Segment, *, keep_damaged_tail: bool = False) -> int:
     seg._drop_read_state()
     seg._damage_scan = None
     seg.damaged = []
-    end, reason = seg._scan(0, seg.base_offset, build=True)
+    end, reason = scan(seg, 0, seg.base_offset, build=True)
     while reason is not None:
         after = integrity.resync(seg._fd, seg.log_path, end, seg.size, seg.next_offset)
         if after is None and not keep_damaged_tail:
@@ -121,7 +165,7 @@ def recover(seg: Segment, *, keep_damaged_tail: bool = False) -> int:
             return 0
         # Index the first batch after the damage, so reads past it start there.
         seg._bytes_since_index = seg.config.index_interval_bytes
-        end, reason = seg._scan(stop, base, build=True)
+        end, reason = scan(seg, stop, base, build=True)
     truncated = seg.size - end
     if truncated:
         logger.warning(

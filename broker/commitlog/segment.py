@@ -12,9 +12,9 @@ immutable once written. Invariants:
 * ``max_timestamp`` is the largest of its batches' (a placeholder's too; -1 when empty);
 * an index entry is added before a batch once more than ``index_interval_bytes`` were appended
   since the previous entry, so rebuilding an index from the ``.log`` yields the same entries;
-* only the log's active (last) segment is appended to; one ``append`` is one ``write()`` on a
-  file descriptor opened with ``O_APPEND``; a failed append truncates the file back to its
-  previous size before the error propagates.
+* only the log's active (last) segment is appended to; one ``append`` (of one batch or several
+  consecutive ones) is one ``write()`` on a file descriptor opened with ``O_APPEND``; a failed
+  append truncates the file back to its previous size before the error propagates.
 
 With fsync=interval, every ``WRITEBACK_BYTES`` appended start their disk write at once
 (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), so the interval's
@@ -224,45 +224,10 @@ class Segment:
         number of bytes truncated."""
         return recovery.recover(self, keep_damaged_tail=keep_damaged_tail)
 
-    def _scan(self, pos: int, min_base: int, *, build: bool) -> tuple[int, str | None]:
-        """Validate batches from ``pos`` to :attr:`size`, updating offsets and timestamps.
-
-        Returns the end of the last valid batch and, if scanning stopped early, why.
-        """
-        end = self.size
-        buf = b""
-        buf_pos = pos
-        while pos < end:
-            avail = end - pos
-            if avail < BATCH_HEADER_SIZE:
-                return pos, f"torn batch header ({avail} bytes)"
-            rel = pos - buf_pos
-            if len(buf) - rel < BATCH_HEADER_SIZE:
-                buf = os.pread(self._fd, min(avail, SCAN_CHUNK), pos)
-                buf_pos, rel = pos, 0
-            length = BATCH_HEADER.unpack_from(buf, rel)[1]
-            if length < MIN_BATCH_SIZE:
-                return pos, f"batch length {length} too small"
-            if length > avail:
-                return pos, f"torn batch: length {length}, {avail} bytes left in file"
-            if len(buf) - rel < length:
-                buf = os.pread(self._fd, max(length, min(avail, SCAN_CHUNK)), pos)
-                buf_pos, rel = pos, 0
-            try:
-                h = validate_batch(buf, rel, min_base, path=self.log_path, position=pos)
-            except CorruptRecordBatch as exc:
-                return pos, exc.reason
-            if build:
-                self._index_batch(h.base_offset, h.last_offset, h.max_timestamp, pos, length)
-            elif h.max_timestamp > self.max_timestamp:
-                self.max_timestamp = h.max_timestamp
-            self.next_offset = min_base = h.next_offset
-            pos += length
-        return pos, None
-
     # ----------------------------------------------------------------------- append
-    def append(self, batch: bytearray | bytes, *, fsync: bool) -> None:
-        """Append one encoded batch with one ``write()``; fdatasync it when ``fsync``.
+    def append(self, batches: bytearray | bytes, *, fsync: bool) -> None:
+        """Append one encoded batch, or several consecutive ones (each indexed as if
+        appended alone), with one ``write()``; fdatasync them when ``fsync``.
 
         On an OS error the file is truncated back to its previous size and
         :class:`LogIOError` is raised; the segment's state is unchanged.
@@ -274,16 +239,13 @@ class Segment:
                 "rolled back; reopen the log to recover)",
                 self._broken,
             )
-        (base, _len, _m, _a, _r, _e, lod, _c, _ft, max_ts, _crc) = BATCH_HEADER.unpack_from(
-            batch, 0
-        )
         pos = self.size
-        length = len(batch)
+        length = len(batches)
         fd = self._fd
         try:
-            written = os.write(fd, batch)
+            written = os.write(fd, batches)
             if written != length:
-                view = memoryview(batch)
+                view = memoryview(batches)
                 while written < length:
                     written += os.write(fd, view[written:])
             if fsync:
@@ -292,7 +254,13 @@ class Segment:
             self._roll_back(pos, exc)
             raise LogIOError(self.log_path, "append to segment", exc) from exc
         self.size = pos + length
-        self._index_batch(base, base + lod, max_ts, pos, length)
+        at = 0
+        while at < length:
+            (base, size, _m, _a, _r, _e, lod, _c, _ft, max_ts, _crc) = BATCH_HEADER.unpack_from(
+                batches, at
+            )
+            self._index_batch(base, base + lod, max_ts, pos + at, size)
+            at += size
         self.next_offset = base + lod + 1
         if not fsync:
             self._dirty = True

@@ -128,7 +128,8 @@ class GroupCommit:
                     continue
                 if key == RETAINED and end > first:
                     self.apply_retained(part.read(first, end - first))
-                self.wake(part)
+                if part.appends_here:  # else forwarded: its readers wake when it is appended
+                    self.wake(part)
             if self._persist_due:
                 # Written in this same flush (the loop goes round again for $sessions), so
                 # before the acknowledgements queued above leave at the end of the iteration.

@@ -493,11 +493,11 @@ class Partition(PartitionBase):
 
     def _commit_forwarded(self) -> tuple[int, int]:
         """:meth:`commit` with forwarded batches among the gathered: in the order gathered,
-        each run of this worker's records one batch, each forwarded batch as it came
-        (:meth:`~broker.commitlog.log.SegmentedLog.append_parts`); one acknowledgement per
-        forwarded batch. The forwarded records join the tail only when a reader here is
-        watching (decoded in one C call per batch, compiled); else the tail starts after the
-        commit and a later reader reads the log."""
+        each run of this worker's records one batch, each forwarded batch as it came, all
+        in one write (:meth:`~broker.commitlog.log.SegmentedLog.append_parts`); one
+        acknowledgement per forwarded batch. The forwarded records join the tail only when
+        a reader here is watching (decoded in one C call per batch, compiled); else the tail
+        starts after the commit and a later reader reads the log."""
         records, acks, forwarded = self.pending, self.acks, self.forwarded
         self.pending, self.acks, self.forwarded = [], [], []
         parts: list[Sequence[Record] | bytes] = []

@@ -23,6 +23,7 @@ from broker.commitlog import (
 )
 from broker.commitlog.batch import RECORD_FIXED_SIZE
 from broker.commitlog.log import CLEAN_SHUTDOWN_FILE
+from broker.commitlog.small_batch import encode
 
 
 class FakeClock:
@@ -321,6 +322,81 @@ def test_failed_append_rolls_back(tmp_path: Path, monkeypatch: pytest.MonkeyPatc
     log.close()
     log = open_log(tmp_path, segment_bytes=1 << 20)
     assert log.end_offset == 5
+    log.close()
+
+
+def _parts() -> list[list[Record] | bytes]:
+    """Runs of records and batches encoded elsewhere (base offset 0), as a group commit with
+    another worker's forwards gathers them."""
+    forwarded = [bytes(encode(0, recs(n, size=30 + n))) for n in (2, 1, 7)]
+    return [recs(3), forwarded[0], forwarded[1], recs(1), forwarded[2], recs(5)]
+
+
+def test_append_parts_writes_them_in_one_write_indexed_as_one_by_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parts of a group commit leave in one ``write`` (a fleet's commit joins this
+    worker's records and a peer's batch), and the log is the one appending them one by one
+    would have made: the same bytes, offset index, reads, and after a crash the same
+    rebuilt index."""
+    one_by_one = open_log(tmp_path / "single", segment_bytes=1 << 20, index_interval_bytes=100)
+    for part in _parts():
+        one_by_one.append_parts([part])
+    real_write = os.write
+    writes: list[int] = []
+
+    def counted(fd: int, data: bytes) -> int:
+        writes.append(len(data))
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", counted)
+    log = open_log(tmp_path / "joined", segment_bytes=1 << 20, index_interval_bytes=100)
+    first, written = log.append_parts(_parts())
+    monkeypatch.setattr(os, "write", real_write)
+    assert first == 0 and len(writes) == 1 and len(written) == 6
+    assert writes[0] == sum(map(len, written))
+    name = f"{0:020d}"
+    log_bytes = (tmp_path / "joined" / (name + ".log")).read_bytes()
+    assert log_bytes == (tmp_path / "single" / (name + ".log")).read_bytes()
+    assert log.end_offset == one_by_one.end_offset == 19
+    for offset in range(19):
+        assert log.read(offset, 2) == one_by_one.read(offset, 2)
+    entries = log._segments[-1].offset_index.entries()
+    assert entries == one_by_one._segments[-1].offset_index.entries()
+    assert len(entries) > 2  # the batches inside the write were indexed too
+    log.close()
+    (tmp_path / "joined" / (name + ".index")).write_bytes(b"")
+    (tmp_path / "joined" / CLEAN_SHUTDOWN_FILE).unlink()
+    reopened = open_log(tmp_path / "joined", segment_bytes=1 << 20, index_interval_bytes=100)
+    assert reopened._segments[-1].offset_index.entries() == entries
+    assert [r.offset for r in reopened.read(0, 100)] == list(range(19))
+    reopened.close()
+    one_by_one.close()
+
+
+def test_a_failed_append_parts_stores_none_of_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """One write, rolled back whole: no part of a failed group commit stays in the log (its
+    publishers all get an error; none was acknowledged)."""
+    log = open_log(tmp_path, segment_bytes=1 << 20)
+    log.append(recs(2))
+    real_write = os.write
+    first_part = len(encode(2, _parts()[0]))  # type: ignore[arg-type]
+    full_at = os.path.getsize(tmp_path / f"{0:020d}.log") + first_part + 10
+
+    def enospc_past_full_at(fd: int, data: bytes) -> int:
+        if os.fstat(fd).st_size + len(data) > full_at:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real_write(fd, data)
+
+    monkeypatch.setattr(os, "write", enospc_past_full_at)
+    with pytest.raises(LogIOError):
+        log.append_parts(_parts())
+    monkeypatch.undo()
+    assert log.end_offset == 2
+    assert log.append_parts(_parts())[0] == 2
+    assert offsets(log.read(0, 100)) == list(range(21))
     log.close()
 
 

@@ -21,6 +21,7 @@ from hypothesis import HealthCheck, given, settings
 
 import broker.router.partition as partition_module
 from broker.commitlog import LogConfig, LogIOError, OffsetOutOfRange, Record, SegmentedLog
+from broker.commitlog.config import StreamSpec
 from broker.commitlog.reader import LogReader
 from broker.router.partition import (
     READ_AHEAD_REST,
@@ -491,3 +492,52 @@ def test_read_batch_is_the_default_read_size(log: CountingLog) -> None:
     log.append([rec(i) for i in range(READ_BATCH + 5)])
     part = Partition(KEY, log)
     assert len(part.read(0)) == READ_BATCH
+
+
+# ============================================================ a partition another worker owns
+
+
+def test_a_forwarding_commit_wakes_none_of_its_readers(tmp_path: Path) -> None:
+    """The group commit wakes the readers of the partitions it appended to; a partition
+    another worker owns only forwarded what was gathered (nothing new to read there yet:
+    its readers wake with the owner's announcement, broker.workers.partitions), so they are
+    not pumped for nothing, once per iteration (issue 23)."""
+    from broker.router.commit import GroupCommit
+    from broker.workers.partitions import RemotePartition
+    from tests.unit.router.conftest import Harness
+
+    forwarded: list[int] = []
+    owner = open_log(tmp_path / "owner")
+
+    class TwoWorkers(Harness):
+        def open(self) -> None:
+            super().open()
+            state = self.router.state
+
+            def make(key: Any) -> Any:
+                if key != KEY:
+                    return Partition(key, self.streams.log(*key))
+                reader = LogReader(owner.directory, owner.config, 0)
+                return RemotePartition(key, reader, 1, lambda p, r, a: forwarded.append(len(r)))
+
+            state._make_partition = make
+
+    spec = StreamSpec("s", ("s/#",), 1, LogConfig(fsync="never"))
+    h = TwoWorkers(tmp_path / "data", specs=[spec])
+    woken: list[Any] = []
+    commit = h.router.flush.__self__
+    assert isinstance(commit, GroupCommit)
+    real_wake = commit.wake
+    commit.wake = lambda part: (woken.append(part.key), real_wake(part))[1]
+    _, sub = h.connect("sub")
+    h.subscribe(sub, "s/#", 1)
+    _, pub = h.connect("pub")
+    woken.clear()
+    h.publish(pub, "s/a", b"x", qos=1, packet_id=1)
+    h.run()
+    assert forwarded == [1]
+    assert woken == []  # before: [KEY], a pump that found nothing
+    h.publish(pub, "d/a", b"y", qos=1, packet_id=2)  # the default stream: appended here
+    h.run()
+    assert woken == [("default", 0)]
+    owner.close()
