@@ -213,7 +213,8 @@ class Delivery:
         client_id = session.client_id
         version = session.version
         quota = min(session.receive_maximum, self.config.max_inflight)
-        inflight = session.inflight
+        # Its own table, not the shared empty one: the sends below add to it.
+        inflight = session.own_inflight()
         annotate = consumer.annotate
         # A deny rule that only overlaps a subscription applies per topic (cached with it).
         state = self.state
@@ -403,7 +404,7 @@ class Delivery:
         # further than the room allows (the last runs of an iteration fill a small rest).
         stop = min(stop, start + room // 5 + 1)
         sub_qos, ids, no_local_all, rap = match
-        inflight = session.inflight
+        inflight = session.own_inflight()  # the run is added to it below
         qoses = cols.qos
         if sub_qos and qoses[start]:
             # A QoS 1 run takes at most the free send quota: look no further (a PUBACK
@@ -556,7 +557,7 @@ class Delivery:
         if qos:
             if packet_id is None:
                 packet_id = session.allocate_packet_id()
-                session.inflight[packet_id] = new_inflight(
+                session.own_inflight()[packet_id] = new_inflight(
                     Inflight, (key, rec.offset, qos, retain, False, group, consumer)
                 )
                 if qos == 2 and session.persistent:
