@@ -40,6 +40,7 @@ from broker.router.partition import (
 )
 from broker.router.session import (
     MAIN,
+    NO_ENTRIES,
     Consumer,
     Inflight,
     InflightRun,
@@ -213,8 +214,9 @@ class Delivery:
         client_id = session.client_id
         version = session.version
         quota = min(session.receive_maximum, self.config.max_inflight)
-        # Its own table, not the shared empty one: the sends below add to it.
-        inflight = session.own_inflight()
+        inflight = session.inflight
+        if inflight is NO_ENTRIES:  # its own table, not the shared one: the sends add to it
+            inflight = session.own_inflight()
         annotate = consumer.annotate
         # A deny rule that only overlaps a subscription applies per topic (cached with it).
         state = self.state
@@ -404,7 +406,9 @@ class Delivery:
         # further than the room allows (the last runs of an iteration fill a small rest).
         stop = min(stop, start + room // 5 + 1)
         sub_qos, ids, no_local_all, rap = match
-        inflight = session.own_inflight()  # the run is added to it below
+        inflight = session.inflight
+        if inflight is NO_ENTRIES:  # its own table, not the shared one: the run is added
+            inflight = session.own_inflight()
         qoses = cols.qos
         if sub_qos and qoses[start]:
             # A QoS 1 run takes at most the free send quota: look no further (a PUBACK
@@ -557,7 +561,10 @@ class Delivery:
         if qos:
             if packet_id is None:
                 packet_id = session.allocate_packet_id()
-                session.own_inflight()[packet_id] = new_inflight(
+                inflight = session.inflight
+                if inflight is NO_ENTRIES:  # a test, not a call, per message
+                    inflight = session.own_inflight()
+                inflight[packet_id] = new_inflight(
                     Inflight, (key, rec.offset, qos, retain, False, group, consumer)
                 )
                 if qos == 2 and session.persistent:
