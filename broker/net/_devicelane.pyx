@@ -22,7 +22,7 @@ only from the owning event loop's thread.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError
 from cpython.list cimport PyList_Append, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -42,8 +42,6 @@ from broker.router.partition import Partition, PartitionBase
 cdef extern from "Python.h":
     # A Record (a tuple subclass) of n items, all NULL until set; a new reference.
     object PyType_GenericAlloc(type cls, Py_ssize_t n)
-    # A dict lookup with the key's hash given (the key is a tuple: its hash is not cached).
-    PyObject* _PyDict_GetItem_KnownHash(object d, object key, Py_hash_t h) except? NULL
 
 cdef type _RECORD = Record
 
@@ -127,7 +125,6 @@ cdef class DeviceLane:
     cdef object topic
     cdef object client_id
     cdef readonly object key
-    cdef Py_hash_t key_hash
     cdef type inline_type
     cdef int inline_how
     cdef list messages_in
@@ -156,7 +153,6 @@ cdef class DeviceLane:
         self.topic = conn.plain_topic
         self.client_id = proto.client_id
         self.key = key
-        self.key_hash = hash(key)
         self.inline_type = None
         self.inline_how = THROUGH_ROUTER
         self.messages_in = proto.metrics.messages_in
@@ -243,7 +239,7 @@ cdef class DeviceLane:
             (<DeviceAck>ack).lane = self
             (<DeviceAck>ack).packet_id = packet_id
         key = self.key
-        found = _PyDict_GetItem_KnownHash(self.partitions, key, self.key_hash)
+        found = PyDict_GetItemWithError(self.partitions, key)
         if found is NULL or (
             type(<object>found) is not self.inline_type and not self._inline(<object>found)
         ):
@@ -261,7 +257,7 @@ cdef class DeviceLane:
             pending, _record(offset, timestamp, self.topic, payload, qos, self.client_id)
         )
         PyList_Append(part.acks, ack)
-        found = _PyDict_GetItem_KnownHash(self.dirty, key, self.key_hash)
+        found = PyDict_GetItemWithError(self.dirty, key)
         if found is NULL or <object>found is not part:
             self.dirty[key] = part
             self.flush_soon()
