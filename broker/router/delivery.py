@@ -40,7 +40,6 @@ from broker.router.partition import (
 )
 from broker.router.session import (
     MAIN,
-    NO_ENTRIES,
     Consumer,
     Inflight,
     InflightRun,
@@ -214,9 +213,7 @@ class Delivery:
         client_id = session.client_id
         version = session.version
         quota = min(session.receive_maximum, self.config.max_inflight)
-        inflight = session.inflight
-        if inflight is NO_ENTRIES:  # its own table, not the shared one: the sends add to it
-            inflight = session.own_inflight()
+        inflight = session.own_inflight()  # the sends below add to it
         annotate = consumer.annotate
         # A deny rule that only overlaps a subscription applies per topic (cached with it).
         state = self.state
@@ -406,9 +403,7 @@ class Delivery:
         # further than the room allows (the last runs of an iteration fill a small rest).
         stop = min(stop, start + room // 5 + 1)
         sub_qos, ids, no_local_all, rap = match
-        inflight = session.inflight
-        if inflight is NO_ENTRIES:  # its own table, not the shared one: the run is added
-            inflight = session.own_inflight()
+        inflight = session.own_inflight()  # the run is added to it below
         qoses = cols.qos
         if sub_qos and qoses[start]:
             # A QoS 1 run takes at most the free send quota: look no further (a PUBACK
@@ -561,8 +556,7 @@ class Delivery:
         if qos:
             if packet_id is None:
                 packet_id = session.allocate_packet_id()
-                inflight = session.inflight
-                if inflight is NO_ENTRIES:  # a test, not a call, per message
+                if type(inflight := session.inflight) is not dict:  # NO_ENTRIES: no call
                     inflight = session.own_inflight()
                 inflight[packet_id] = new_inflight(
                     Inflight, (key, rec.offset, qos, retain, False, group, consumer)
