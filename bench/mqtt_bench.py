@@ -156,6 +156,18 @@ class Broker:
                     return int(line.split()[1])
         return 0
 
+    def pss_kb(self) -> int:
+        """Proportional set size of the broker's processes: a page shared by several (a
+        forked worker shares its parent's imports until it writes them) is counted once
+        over them, not once in each as RSS summed over the processes counts it."""
+        total = 0
+        for pid in self.pids():
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                for line in f:
+                    if line.startswith("Pss:"):
+                        total += int(line.split()[1])
+        return total
+
     def settle(self) -> None:
         """Return once the broker is idle: the next scenario (on any broker) must not share
         the machine with this one's backlog. Here at once: a broker that delivers what it
@@ -478,6 +490,7 @@ def run_load(
         cpu = broker.cpu() - cpu0
         wall = time.monotonic() - t0
         rss = broker.rss_kb()
+        pss = broker.pss_kb()
         ctl.release.set()
     finally:
         ctl.release.set()
@@ -491,6 +504,7 @@ def run_load(
         "broker_cpu": cpu,
         "wall": wall,
         "rss_kb": rss,
+        "pss_kb": pss,
         "rss0_kb": rss0,
         "gen_cpu": sum(r["cpu"] for r in [*results, *sub_res]),
         "sent": sum(r["sent"] for r in pub_res),
@@ -818,7 +832,8 @@ ROWS: dict[str, tuple[str, str]] = {
     "fleet": ("fleet 5,000 dev x 1 msg/s QoS 1: broker CPU", "% CPU"),
     "fleet_p50": ("fleet: p50 latency", "ms"),
     "fleet_p99": ("fleet: p99 latency", "ms"),
-    "fleet_rss": ("fleet: broker RSS", "MiB"),
+    "fleet_rss": ("fleet: broker RSS (summed over its processes)", "MiB"),
+    "fleet_pss": ("fleet: broker PSS (shared pages once)", "MiB"),
     "fleet-contended": ("fleet, one core busy (spinner): broker CPU", "% CPU"),
     "fleet-contended_p50": ("fleet, one core busy: p50 latency", "ms"),
     "fleet-contended_p99": ("fleet, one core busy: p99 latency", "ms"),
@@ -859,6 +874,7 @@ def expand(scenario: str, broker: str, figs: list[Figure], run: int) -> dict[str
             }
     if scenario == "fleet":
         rows["fleet_rss"] = {**base, "value": m["rss_kb"] / 1024, "per_cpu": None}
+        rows["fleet_pss"] = {**base, "value": m["pss_kb"] / 1024, "per_cpu": None}
     if scenario == "storm":
         # Only a fresh broker's growth is its memory per connection: in later runs it reuses
         # what the first one grew (a few bytes or none per connection; None is left out of
@@ -998,6 +1014,7 @@ LOWER_BETTER = {
     "fleet_p50",
     "fleet_p99",
     "fleet_rss",
+    "fleet_pss",
     "fleet-contended",
     "fleet-contended_p50",
     "fleet-contended_p99",

@@ -80,17 +80,26 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import orjson
-from pysyncobj import FAIL_REASON, SyncObj, SyncObjConf
-from pysyncobj.syncobj import SyncObjException
 
 from broker.cluster.hardstate import write_atomically
 from broker.cluster.metadata import Conflict, LocalStreams
-from broker.cluster.metadata_replica import Replica
 from broker.config.cluster import MAX_REPLICATION_FACTOR, METADATA_PORT_OFFSET
 from broker.config.values import ConfigError
+
+if TYPE_CHECKING:
+    from pysyncobj import SyncObj
+
+    from broker.cluster.metadata_replica import Replica
+
+# pysyncobj (and the cryptography it loads, ~8 MB of every process's memory) is imported
+# where a group is made, not here: a broker without [cluster] imports this module but never
+# makes one.
+
+#: pysyncobj's FAIL_REASON.SUCCESS: a command committed.
+COMMITTED = 0
 
 logger = logging.getLogger("broker.cluster")
 
@@ -182,7 +191,9 @@ class MetadataGroup:
         self.ready = False
         self._caught_up = asyncio.Event()
         self._tasks: set[asyncio.Task[Any]] = set()
-        self.replica = Replica(self._notify)
+        from broker.cluster.metadata_replica import Replica
+
+        self.replica: Replica = Replica(self._notify)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name=f"metadata-{name}", daemon=True)
 
@@ -232,6 +243,9 @@ class MetadataGroup:
         heartbeat_interval: float,
         start: Iterable[str],
     ) -> SyncObj:
+        from pysyncobj import SyncObj, SyncObjConf
+        from pysyncobj.syncobj import SyncObjException
+
         longest = 2 * election_timeout
         self._timeouts = (election_timeout, longest)
         conf = self._conf = SyncObjConf(
@@ -342,7 +356,7 @@ class MetadataGroup:
 
             command(*args, callback=answer)
             result, error = await done
-            if error == FAIL_REASON.SUCCESS:
+            if error == COMMITTED:
                 return result
             await asyncio.sleep(self.retry_seconds)  # an election in progress: try again
 
@@ -475,7 +489,7 @@ class MetadataGroup:
 
     def _changed(self, kind: str, name: str, error: int) -> None:
         self.changing = None
-        if error == FAIL_REASON.SUCCESS:
+        if error == COMMITTED:
             logger.info("cluster: metadata: %s %s committed", _VERBS[kind], name)
         else:  # proposed again by the next pass if still wanted
             logger.info(

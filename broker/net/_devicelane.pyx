@@ -27,7 +27,7 @@ only from the owning event loop's thread.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.dict cimport PyDict_GetItem
+from cpython.dict cimport PyDict_GetItem, PyDict_GetItemWithError
 from cpython.list cimport PyList_Append, PyList_GET_SIZE
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -47,8 +47,6 @@ from broker.router.partition import Partition, PartitionBase
 cdef extern from "Python.h":
     # A Record (a tuple subclass) of n items, all NULL until set; a new reference.
     object PyType_GenericAlloc(type cls, Py_ssize_t n)
-    # A dict lookup with the key's hash given (the key is a tuple: its hash is not cached).
-    PyObject* _PyDict_GetItem_KnownHash(object d, object key, Py_hash_t h) except? NULL
 
 cdef type _RECORD = Record
 
@@ -136,7 +134,6 @@ cdef class DeviceLane:
     cdef object topic
     cdef object client_id
     cdef readonly object key
-    cdef Py_hash_t key_hash
     cdef type inline_type
     cdef int inline_how
     cdef list messages_in
@@ -165,7 +162,6 @@ cdef class DeviceLane:
         self.topic = conn.plain_topic
         self.client_id = proto.client_id
         self.key = key
-        self.key_hash = hash(key)
         self.inline_type = None
         self.inline_how = THROUGH_ROUTER
         self.messages_in = proto.metrics.messages_in
@@ -316,7 +312,7 @@ cdef class DeviceLane:
         cdef bint inline
         counts[0] = counts[1] = 0
         key = self.key
-        found = _PyDict_GetItem_KnownHash(self.partitions, key, self.key_hash)
+        found = PyDict_GetItemWithError(self.partitions, key)
         inline = found is not NULL and (
             type(<object>found) is self.inline_type or self._inline(<object>found)
         )
@@ -356,7 +352,7 @@ cdef class DeviceLane:
         if counts[1]:
             messages_in[1] += counts[1]
         if inline:
-            found = _PyDict_GetItem_KnownHash(self.dirty, key, self.key_hash)
+            found = PyDict_GetItemWithError(self.dirty, key)
             if found is NULL or <object>found is not part:
                 self.dirty[key] = part
                 self.flush_soon()

@@ -30,6 +30,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAIN",
+    "NO_ENTRIES",
     "Consumer",
     "Inflight",
     "InflightRun",
@@ -194,6 +195,31 @@ class RemoteMember:
     outstanding: set[tuple[PartitionKey, int]] = field(default_factory=set)
 
 
+class _NoEntries(dict[Any, Any]):
+    """The empty table an idle session shares (:data:`NO_ENTRIES`) until it holds an entry:
+    a publisher's session never does, and three empty dicts were 192 of its bytes.
+
+    Reads work as on any empty dict; an insert raises, so a write path that did not make
+    the table the session's own first (``Session.own_*``) fails loudly instead of filling
+    a table every session shares.
+    """
+
+    __slots__ = ()
+
+    def _shared(self, *_: object, **__: object) -> None:
+        raise TypeError("NO_ENTRIES is shared: take the session's own table (Session.own_*)")
+
+    __setitem__ = update = setdefault = __ior__ = _shared  # type: ignore[assignment]
+
+
+#: The one empty ``consumers`` / ``shared`` / ``inflight`` of every session that has none.
+NO_ENTRIES: dict[Any, Any] = _NoEntries()
+
+
+def _no_entries() -> dict[Any, Any]:
+    return NO_ENTRIES
+
+
 @dataclass(slots=True)
 class Session:
     """Everything the broker keeps for one client id, online or not."""
@@ -202,12 +228,15 @@ class Session:
     version: int = 4
     persistent: bool = False
     expiry_interval: int = 0  # seconds after disconnect; 0xFFFFFFFF never expires
-    consumers: dict[str, Consumer] = field(default_factory=dict)
+    #: Consumers by name. This and the next two tables are :data:`NO_ENTRIES` until their
+    #: first entry, put through :meth:`own_consumers` / :meth:`own_shared` /
+    #: :meth:`own_inflight` (reads, deletes and pops of present keys go to them directly).
+    consumers: dict[str, Consumer] = field(default_factory=_no_entries)
     #: Shared-subscription keys this session is a member of -> its subscription options.
-    shared: dict[str, Subscription] = field(default_factory=dict)
+    shared: dict[str, Subscription] = field(default_factory=_no_entries)
     #: Packet id -> its delivery: an :data:`Inflight`, or the :class:`InflightRun` it was
     #: sent in (read through :meth:`inflight_entry` / :meth:`inflight_entries`).
-    inflight: dict[int, Inflight | InflightRun] = field(default_factory=dict)
+    inflight: dict[int, Inflight | InflightRun] = field(default_factory=_no_entries)
     #: QoS 2 packet ids received and PUBREC'd, awaiting PUBREL (duplicate detection, s4.3.3).
     #: None until the first (an empty set is 216 bytes: most sessions never use QoS 2).
     incoming_qos2: set[int] | None = None
@@ -250,8 +279,26 @@ class Session:
     def main(self) -> Consumer:
         consumer = self.consumers.get(MAIN)
         if consumer is None:
-            consumer = self.consumers[MAIN] = Consumer(MAIN)
+            consumer = self.own_consumers()[MAIN] = Consumer(MAIN)
         return consumer
+
+    def own_consumers(self) -> dict[str, Consumer]:
+        """``consumers``, to put an entry in (made on the first)."""
+        if self.consumers is NO_ENTRIES:
+            self.consumers = {}
+        return self.consumers
+
+    def own_shared(self) -> dict[str, Subscription]:
+        """``shared``, to put an entry in (made on the first)."""
+        if self.shared is NO_ENTRIES:
+            self.shared = {}
+        return self.shared
+
+    def own_inflight(self) -> dict[int, Inflight | InflightRun]:
+        """``inflight``, to put an entry in (made on the first)."""
+        if self.inflight is NO_ENTRIES:
+            self.inflight = {}
+        return self.inflight
 
     def inflight_entry(self, packet_id: int) -> Inflight | None:
         entry = self.inflight.get(packet_id)
@@ -337,12 +384,13 @@ class Session:
                 consumer.subscriptions[sub["filter"]] = _sub_from_state(sub)
             for stream, part, off in c["cursors"]:
                 consumer.cursors[(stream, part)] = off
-            s.consumers[name] = consumer
-        s.shared = {key: _sub_from_state(sub) for key, sub in state.get("shared", {}).items()}
+            s.own_consumers()[name] = consumer
+        for key, sub in state.get("shared", {}).items():
+            s.own_shared()[key] = _sub_from_state(sub)
         for pid, stream, part, off, qos, retain, released, group, consumer_name in state[
             "inflight"
         ]:
-            s.inflight[pid] = Inflight(
+            s.own_inflight()[pid] = Inflight(
                 (stream, part), off, qos, retain, released, group, consumer_name
             )
         s.incoming_qos2 = set(state.get("incoming_qos2", ())) or None

@@ -100,7 +100,7 @@ class Subscriptions:
             consumer = Consumer(full, annotate=True, merge=start.merge)
             consumer.subscriptions[plain] = sub
             self._drop_consumer(session, full)
-            session.consumers[full] = consumer
+            session.own_consumers()[full] = consumer
             for key in self.state.keys_for_filter(plain):
                 consumer.cursors[key] = self._start_offset(key, start)
                 self.partition(key).watchers.add(SessionWatcher(session.client_id, full))
@@ -114,7 +114,7 @@ class Subscriptions:
             if req.no_local:
                 raise ProtocolError("no local on a shared subscription [MQTT-3.8.3-4]")
             sub.topic_filter = plain
-            session.shared[full] = sub
+            session.own_shared()[full] = sub
             if not self.shared.join_group(session, full):
                 joining.add(full)
             return req.qos  # no retained messages for shared subscriptions (s4.8.2)

@@ -16,6 +16,8 @@ stays 0), and does once it did.
 from __future__ import annotations
 
 import asyncio
+import subprocess
+import sys
 from collections.abc import Callable
 from pathlib import Path
 
@@ -23,7 +25,7 @@ import pytest
 
 from bench.ports import cluster_port
 from broker.cluster.metadata import LocalStreams, StreamDefinition
-from broker.cluster.metadata_group import MetadataConflict, MetadataGroup
+from broker.cluster.metadata_group import COMMITTED, MetadataConflict, MetadataGroup
 from broker.cluster.metadata_members import first_peers, next_change
 
 DEVICES = StreamDefinition("devices", ("devices/#",), 4, 3)
@@ -152,3 +154,23 @@ def _removed(leader: MetadataGroup, name: str) -> bool:
     if leader.changing is None and leader.leads():
         leader.change("remove", name)
     return False
+
+
+def test_a_broker_without_a_cluster_does_not_load_pysyncobj() -> None:
+    """pysyncobj, and the cryptography it loads (~8 MB of each worker's memory), load when
+    a metadata group is made, not with the modules a single node imports."""
+    loaded = "sorted(m for m in sys.modules if m.split('.')[0] in ('pysyncobj', 'cryptography'))"
+    out = subprocess.run(
+        [sys.executable, "-c", f"import sys, broker.cli, broker.server; print({loaded})"],
+        cwd=Path(__file__).resolve().parents[3],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "[]"
+
+
+def test_committed_is_pysyncobjs_success() -> None:
+    from pysyncobj import FAIL_REASON
+
+    assert COMMITTED == FAIL_REASON.SUCCESS

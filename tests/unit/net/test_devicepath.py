@@ -4,7 +4,9 @@ asks for Python, and Python, logged once, when the compiled module is not built.
 from __future__ import annotations
 
 import logging
+import re
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -43,3 +45,10 @@ def test_the_compiled_module_serves_by_default(fresh: pytest.MonkeyPatch) -> Non
     if cls is None:
         pytest.fail("broker.net._devicelane is not built (pip install -e . builds it)")
     assert cls.__module__ == "broker.net._devicelane"
+
+
+def test_the_compiled_lane_calls_only_the_public_c_api() -> None:
+    """A private function (``_PyDict_GetItem_KnownHash`` was one) may change or vanish in
+    the next CPython (3.13 made several internal): the lane builds on the public API."""
+    source = (Path(devicepath.__file__).parent / "_devicelane.pyx").read_text()
+    assert re.findall(r"\b_Py[A-Za-z_]+", source) == []

@@ -117,8 +117,8 @@ def test_qos0_is_not_bounded_by_the_quota(h: Harness) -> None:
 def test_packet_ids_skip_those_in_flight_and_wrap() -> None:
     s = Session("x")
     s.next_packet_id = 65534
-    s.inflight[65535] = Inflight(("default", 0), 0, 1, False, False, None, "")
-    s.inflight[1] = Inflight(("default", 0), 1, 1, False, False, None, "")
+    s.own_inflight()[65535] = Inflight(("default", 0), 0, 1, False, False, None, "")
+    s.own_inflight()[1] = Inflight(("default", 0), 1, 1, False, False, None, "")
     assert s.allocate_packet_id() == 65534
     assert s.allocate_packet_id() == 2  # 65535 and 1 are in use; 0 is never used
     assert s.allocate_packet_id() == 3

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import pytest
+
 from broker.mqtt.packets import ConnAck
+from broker.router.session import NO_ENTRIES, Inflight, Session, Subscription
 from tests.unit.router.conftest import Harness
 
 
@@ -57,3 +60,16 @@ def test_clean_start_discards_state(h: Harness) -> None:
     link, s = h.connect("a", 5, clean=True, expiry=100)
     assert link.of(ConnAck)[0].session_present is False  # [MQTT-3.1.2-4]
     assert not s.main.subscriptions
+
+
+def test_an_idle_session_shares_its_empty_tables_until_one_gets_an_entry() -> None:
+    a, b = Session("a"), Session("b")
+    assert a.consumers is b.consumers is a.shared is a.inflight is NO_ENTRIES
+    with pytest.raises(TypeError):
+        a.inflight[1] = Inflight(("default", 0), 0, 1, False, False, None, "")
+    assert a.main is a.consumers[""]  # made on first use: a's own table, not b's
+    a.own_shared()["$share/g/t"] = Subscription("t", 1)
+    a.own_inflight()[1] = Inflight(("default", 0), 0, 1, False, False, None, "")
+    assert a.consumers is not NO_ENTRIES and a.shared is not NO_ENTRIES
+    assert list(a.inflight) == [1] and len(NO_ENTRIES) == 0
+    assert b.consumers is b.shared is b.inflight is NO_ENTRIES
