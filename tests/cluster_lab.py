@@ -179,6 +179,16 @@ class MqlogCluster:
         c.wait_all_alive()
         return c
 
+    @classmethod
+    def founded(cls, lab: Lab, workdir: Path, founders: int, **kw: Any) -> MqlogCluster:
+        """A cluster of ``lab``'s nodes whose first ``founders`` formed it, started, each
+        seeing the others alive; the rest are left to join (``kw`` as the constructor's)."""
+        c = cls(lab, workdir, founders=founders, **kw)
+        first = c.members[:founders]
+        c.start(*first)
+        c.wait_all_alive(first)
+        return c
+
     def start(self, *members: Member, timeout: float = READY_TIMEOUT) -> None:
         """Start ``members`` (every member when none is named) and wait until each accepts
         TCP on its MQTT port. A member must not be running already."""

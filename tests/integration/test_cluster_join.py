@@ -55,18 +55,14 @@ RESHAPE_TIMEOUT = 120.0
 @pytest.fixture(params=[1, 2], ids=["1-worker", "2-workers"])
 def cluster(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[MqlogCluster]:
     with Lab(4) as lab:
-        c = MqlogCluster(
+        yield MqlogCluster.founded(
             lab,
             tmp_path,
+            3,
             extra=EXTRA,
-            founders=3,
             cluster_extra='join_from = ["10.77.0.0/16"]\n',
             workers=request.param,
         )
-        founders = c.members[:3]
-        c.start(*founders)
-        c.wait_all_alive(founders)
-        yield c
 
 
 class Publisher:

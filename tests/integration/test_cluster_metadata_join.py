@@ -48,17 +48,13 @@ FOLLOW_TIMEOUT = 60.0
 @pytest.fixture
 def cluster(tmp_path: Path) -> Iterator[MqlogCluster]:
     with Lab(4) as lab:
-        c = MqlogCluster(
+        yield MqlogCluster.founded(
             lab,
             tmp_path,
+            3,
             extra=EXTRA,
-            founders=3,
             cluster_extra='join_from = ["10.77.0.0/16"]\nreplace_after = "10s"\n',
         )
-        founders = c.members[:3]
-        c.start(*founders)
-        c.wait_all_alive(founders)
-        yield c
 
 
 def _metadata(cluster: MqlogCluster, m: Member) -> dict[str, Any]:
