@@ -400,17 +400,18 @@ class SharedGroups:
                 done[key] = offset
         return done
 
-    def rehome(self, held: dict[str, dict[str, Any]] | None) -> None:
+    def rehome(self, held: dict[str, dict[str, Any]] | None, frozen: bool = False) -> None:
         """Every group's home moved (a cluster's: broker.workers.cluster_groups): the groups
         held here are dropped; with ``held`` (group -> its persisted state) they are held
         here from now on, from the positions their last home persisted; then the members
-        here join wherever their groups now are."""
+        here join wherever their groups now are. ``frozen``: the groups held here hand out
+        nothing until :meth:`freeze` (False), so that the members elsewhere join first."""
         for full, group in self.groups.items():
             for key in group.consumer.cursors:
                 self.partition(key).watchers.discard(GroupWatcher(full))
         self.groups.clear()
         self.state.groups_dirty = False
-        self.frozen = False
+        self.frozen = frozen
         for full, state in (held or {}).items():
             self.restore_group(full, state, True)
         for session in list(self.sessions.values()):

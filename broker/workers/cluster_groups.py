@@ -20,7 +20,9 @@ committed before its first member's SUBACK leaves (broker.router.shared), so a r
 published after it is never before where a next home starts. When the leadership moves (a
 new term: the same node elected again is a new home too), the leader holds the groups from
 those positions, once an entry of its term committed (it
-applied every earlier one then), and the members on every node join it again. If the home
+applied every earlier one then), and the members on every node join it again; it hands out
+nothing for :data:`GATHER_SECONDS` first, so that the records spread over all of them, not
+over those that joined first (as a Kafka group's rebalance waits for its members). If the home
 died or was cut off, a record in flight there goes out again to some member: at least once,
 with duplicates, never lost. A planned hand-over (the balancer, an operator's transfer, a
 node leaving) waits first for what the home handed out to be done and commits the positions
@@ -67,6 +69,10 @@ CHECK_SECONDS = 0.25
 HANDOVER_SECONDS = 2.0
 #: Seconds between two looks at whether it is.
 DRAIN_SECONDS = 0.01
+#: Seconds a new home hands out nothing while the members on every node join it: each node
+#: notices the move at its next check, and its JOINs take a link's round trip; the first
+#: members to join would otherwise take every record up to their windows, the others none.
+GATHER_SECONDS = 2 * CHECK_SECONDS
 #: The admin action of a worker that tells it to join the groups' home again.
 REJOIN_ACTION = "rejoin_groups"
 
@@ -148,9 +154,11 @@ class ClusterGroupPeers(ClusterGroupFrames):
                 " (here)" if me else "",
             )
             self.frozen, self.handing_over = False, None  # the groups it froze are dropped
-            router.rehome_groups(self._persisted() if me else None)
+            router.rehome_groups(self._persisted() if me else None, me)
             self.rejoin_workers()  # the node's other workers' members join it too
             self.handle_early()
+            if me:
+                self.node.loop.call_later(GATHER_SECONDS, self._gathered, term)
         elif self.home_node == self.node.id:
             transferring = self.handing_over or self.node.core(g).transferee is not None
             if self.frozen and me and not transferring:
@@ -164,6 +172,13 @@ class ClusterGroupPeers(ClusterGroupFrames):
                 router.rejoin_groups(self.home_node)
                 self.rejoin_workers()
             self.home_up = up
+
+    def _gathered(self, term: int | None) -> None:
+        """The members of the groups held here since ``term`` had time to join: records go
+        out (unless a planned hand-over froze them meanwhile, or the office ended)."""
+        here = (self.home_node, self.home_term) == (self.node.id, term)
+        if here and not self.frozen and self.router is not None:
+            self.router.freeze_groups(False)
 
     def _sessions_leader(self, g: int, router: Router) -> tuple[int | None, int | None]:
         """``$sessions``' (group ``g``) leader and its term as this node knows them (None,

@@ -218,3 +218,28 @@ def test_a_frozen_group_hands_out_nothing_and_stores_its_drained_positions(h: Ha
     assert _persisted(h)["done"] == [["default", 0, 1]]  # the next home starts at "1"
     h.router.freeze_groups(False)
     assert [p.payload for p in link.take()] == [b"1"]
+
+
+def test_a_group_held_frozen_hands_out_to_every_member_joined_before_the_thaw(h: Harness) -> None:
+    """A new home holds its groups frozen while the members on other nodes join
+    (broker.workers.cluster_groups.GATHER_SECONDS): the records then go round robin to all of
+    them, not to the first member up to its window."""
+    first, a = h.connect("first", 4)
+    h.subscribe(a, GROUP, 1)
+    h.run()
+    state = _persisted(h)
+    h.router.freeze_groups(True)
+    _, pub = h.connect("pub", 4)
+    for i in range(6):
+        h.publish(pub, "t/x", b"%d" % i, 1, i + 1)
+    h.run()
+    h.router.rehome_groups({GROUP: state}, True)  # held anew, frozen; "first" joined again
+    h.run()
+    assert first.take() == []
+    later, b = h.connect("later", 4)
+    h.subscribe(b, GROUP, 1)  # joins before the thaw
+    h.run()
+    h.router.freeze_groups(False)
+    got = {"first": first.take(), "later": later.take()}
+    assert sorted(p.payload for sent in got.values() for p in sent) == [b"%d" % i for i in range(6)]
+    assert len(got["later"]) == 3  # round robin over both, not four to the first

@@ -13,7 +13,7 @@ from typing import Any
 from broker.commitlog import LogConfig
 from broker.router.state import SESSIONS
 from broker.workers.cluster_group_frames import SESSIONS_GROUP
-from broker.workers.cluster_groups import ClusterGroupPeers
+from broker.workers.cluster_groups import GATHER_SECONDS, ClusterGroupPeers
 from broker.workers.remote_partition import RemotePartition
 
 GROUP = "$share/g/t/#"
@@ -44,12 +44,17 @@ class _Node:
 
 
 class _Router:
-    def __init__(self, sessions: RemotePartition) -> None:
+    def __init__(self, sessions: RemotePartition | None = None) -> None:
         self.partitions = {SESSIONS: sessions}
         self.rehomed: list[Any] = []
+        self.frozen: list[bool] = []
 
-    def rehome_groups(self, held: Any) -> None:
+    def rehome_groups(self, held: Any, frozen: bool = False) -> None:
         self.rehomed.append(held)
+        self.frozen.append(frozen)
+
+    def freeze_groups(self, frozen: bool) -> None:
+        self.frozen.append(frozen)
 
 
 def test_a_node_without_a_sessions_replica_follows_the_leader_its_reads_name() -> None:
@@ -75,3 +80,50 @@ def test_a_node_without_a_sessions_replica_follows_the_leader_its_reads_name() -
     sessions.marks(3, 0, 10, term=4)
     peers.check()
     assert (peers.home(GROUP), len(router.rehomed)) == (3, 3)
+
+
+class _Leader(_Node):
+    """A node elected ``$sessions``' leader in term 2, an entry of which is committed."""
+
+    id = 2
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.storages = {SESSIONS_GROUP: object()}
+        self.later: list[tuple[float, Any, tuple[Any, ...]]] = []
+        self.loop = SimpleNamespace(
+            call_later=lambda delay, f, *args: self.later.append((delay, f, args)),
+            time=lambda: 0.0,
+        )
+        terms = SimpleNamespace(term_at=lambda index: 2)
+        self._core = SimpleNamespace(term=2, commit=5, terms=terms, transferee=None)
+
+    def leader(self, group: int) -> int | None:
+        return self.id
+
+    def is_leader(self, group: int) -> bool:
+        return True
+
+    def core(self, group: int) -> Any:
+        return self._core
+
+
+def test_a_new_home_hands_out_nothing_until_the_members_elsewhere_had_time_to_join() -> None:
+    """The members on the node that became the home join it at once, those elsewhere at
+    their nodes' next check: until then its groups are frozen, or the first to join would
+    take every record up to their windows (a joined node's member got none of 200)."""
+    node = _Leader()
+    router = _Router()
+    peers = ClusterGroupPeers(node, {GROUP: b'{"cursors": [], "done": []}'})  # type: ignore[arg-type]
+    peers.start(router)  # type: ignore[arg-type]
+    assert peers.home(GROUP) is None  # held here
+    assert router.rehomed == [{GROUP: {"cursors": [], "done": []}}]
+    assert router.frozen == [True]  # held from the persisted positions, handing out nothing
+    gathered = [(f, args) for delay, f, args in node.later if delay == GATHER_SECONDS]
+    assert len(gathered) == 1
+    f, args = gathered[0]
+    f(*args)
+    assert router.frozen == [True, False]  # then the records go out to all of them
+    peers.frozen = True  # a planned hand-over froze them meanwhile: they stay frozen
+    f(*args)
+    assert router.frozen == [True, False]
