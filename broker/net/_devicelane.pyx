@@ -56,8 +56,9 @@ cdef list _PUBACKS = [None] * 65536
 #: How the lane gathers into a partition, by its type (decided once per type): NUMBERED
 #: where ``add`` and ``next_offset`` are Partition's (this worker appends: the offset is the
 #: log's end plus what is pending), UNNUMBERED where they are PartitionBase's (another
-#: worker's partition, broker.workers.partitions: offset -1, the owner numbers them),
-#: else through ``Router.publish_plain`` (a type with its own: a replicated partition).
+#: worker's partition, broker.workers.partitions, or a cluster's replicated partition,
+#: broker.workers.replicated: offset -1, the owner or the Raft leader numbers them), else
+#: through ``Router.publish_plain`` (a type with its own).
 cdef dict _INLINE = {}
 cdef enum:
     THROUGH_ROUTER = 0

@@ -137,11 +137,11 @@ class ReplicatedPartition(Partition):
     def end_offset(self) -> int:
         return self.log.high_watermark
 
-    def next_offset(self) -> int:
-        return -1  # numbered when proposed (the leader may change before)
-
-    # Gathered as they are (numbered when proposed), not renumbered as Partition.add does;
-    # a forwarded batch as its records (a proposal is of records).
+    # Gathered as they are, unnumbered (numbered when proposed: the leader may change
+    # before), not renumbered as Partition.add does; a forwarded batch as its records (a
+    # proposal is of records). PartitionBase's own functions, so that the compiled device
+    # lane gathers into it as into another worker's partition (broker.net._devicelane).
+    next_offset = PartitionBase.next_offset
     add = PartitionBase.add
     add_batch = PartitionBase.add_batch
 
