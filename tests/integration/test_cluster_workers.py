@@ -28,13 +28,17 @@ from pathlib import Path
 
 import pytest
 
-from bench.ports import cluster_port, gossip_port
+from bench.ports import cluster_port
 from tests.integration.clients import Client
 from tests.integration.conftest import BrokerProcess
-from tests.integration.test_cluster import SECRET, _publish_all
+from tests.integration.test_cluster import Cluster, _publish_all
 
 WORKERS = 2
 PARTITIONS = 4
+#: The partition an operator hands to another node (test_transfer_leader_...): worker 1
+#: hosts it (``broker.workers.mesh.owner_of``). The balancers leave it where it was put
+#: for minutes (``OPERATOR_HOLD_SECONDS``): the tests after that one wait for the others.
+MOVED = ("devices", 1)
 
 
 def topic_for(partition: int, name: str = "k") -> str:
@@ -98,90 +102,6 @@ def read_back(b: BrokerProcess, topic: str, expect: list[bytes], timeout: float 
     assert firsts == expect, (b.data_dir, topic)
 
 
-class Cluster:
-    def __init__(self, tmp: Path, n: int = 3) -> None:
-        secret = tmp / "cluster.key"
-        secret.write_bytes(SECRET)
-        secret.chmod(0o600)
-        self.tmp = tmp
-        self.secret = secret
-        self.raft_ports = [cluster_port(WORKERS) for _ in range(n)]
-        self.gossip_ports = [gossip_port() for _ in range(n)]
-        self.nodes = [
-            self.node(
-                f"n{i + 1}",
-                self.raft_ports[i],
-                self.gossip_ports[:i] + self.gossip_ports[i + 1 :],
-                gossip=self.gossip_ports[i],
-            )
-            for i in range(n)
-        ]
-
-    def node(
-        self,
-        name: str,
-        raft_port: int,
-        seeds: list[int],
-        workers: int = WORKERS,
-        gossip: int | None = None,
-    ) -> BrokerProcess:
-        """``seeds``: the other nodes' gossip ports."""
-        listed = ", ".join(f'"127.0.0.1:{p}"' for p in seeds)
-        gossip = gossip or gossip_port()
-        extra = (
-            f'[[streams]]\nname = "devices"\ntopic_filter = ["devices/#"]\n'
-            f"partitions = {PARTITIONS}\n"
-            f'[cluster]\nnode_id = "{name}"\nbind = "127.0.0.1"\n'
-            f"raft_port = {raft_port}\ngossip_port = {gossip}\nseeds = [{listed}]\n"
-            f'secret_file = "{self.secret}"\nelection_timeout = "500ms"\n'
-            f'heartbeat_interval = "50ms"\n'
-        )
-        return BrokerProcess(self.tmp / name, extra, fsync="always", workers=workers)
-
-    def start(self, nodes: list[BrokerProcess] | None = None) -> None:
-        errors: list[BaseException] = []
-
-        def run(b: BrokerProcess) -> None:
-            try:
-                b.start(timeout=40)
-            except BaseException as e:
-                errors.append(e)
-
-        threads = [threading.Thread(target=run, args=(b,)) for b in nodes or self.nodes]
-        for t in threads:
-            t.start()
-        for t in threads:
-            t.join()
-        if errors:
-            raise errors[0]
-
-    def status(self, b: BrokerProcess) -> dict:
-        with urllib.request.urlopen(f"{b.http_url}/api/v1/cluster", timeout=5) as r:
-            return json.loads(r.read())
-
-    def wait_leaders(self, among: list[BrokerProcess], timeout: float = 20.0) -> dict:
-        names = {f"n{self.nodes.index(b) + 1}" for b in among}
-        deadline = time.monotonic() + timeout
-        while True:
-            views = [
-                {(p["stream"], p["partition"]): p["leader"] for p in self.status(b)["partitions"]}
-                for b in among
-            ]
-            first = views[0]
-            if all(v == first for v in views) and all(v in names for v in first.values()):
-                return first
-            if time.monotonic() > deadline:
-                raise AssertionError(f"no agreed leaders after {timeout}s: {views}")
-            time.sleep(0.05)
-
-    def stop(self) -> None:
-        for b in self.nodes:
-            try:
-                b.stop()
-            except RuntimeError:
-                b.kill()
-
-
 def kill_node(b: BrokerProcess) -> None:
     """kill -9 of the node: its supervisor and every worker at once (not one after the
     other, as PR_SET_PDEATHSIG would)."""
@@ -195,9 +115,10 @@ def kill_node(b: BrokerProcess) -> None:
 
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Cluster]:
-    c = Cluster(tmp_path_factory.mktemp("cluster-workers"))
+    c = Cluster(tmp_path_factory.mktemp("cluster-workers"), partitions=PARTITIONS, workers=WORKERS)
     try:
         c.start()
+        c.wait_balanced()
         yield c
     finally:
         c.stop()
@@ -238,7 +159,8 @@ def test_the_status_shows_every_partition_once_from_both_workers(cluster: Cluste
 
 
 def test_every_partition_through_every_node_reaches_every_node(cluster: Cluster) -> None:
-    cluster.wait_leaders(cluster.nodes)
+    # Its publishers do not resend: no balancer transfer may give one an unknown outcome.
+    cluster.wait_balanced()
     subs = []
     for i, b in enumerate(cluster.nodes):
         sub = Client(b.port, f"sub{i}")
@@ -266,7 +188,8 @@ def test_transfer_leader_of_a_partition_another_worker_hosts(cluster: Cluster) -
     b = cluster.nodes[0]
     # Partitions hosted by worker 1 of n1: n1's worker 0 answers the HTTP API.
     own = next(line for line in b.log().splitlines() if "worker 1 (pid" in line)
-    key = next(k for k in leaders if f"{k[0]}/{k[1]}" in own.split("owns", 1)[1])
+    key = MOVED
+    assert f"{key[0]}/{key[1]}" in own.split("owns", 1)[1].strip().split(", ")
     target = next(n for n in ("n1", "n2", "n3") if n != leaders[key])
     moved = f"cluster: {key[0]}/{key[1]}: leader {target} in term"
     before = b.log().count(moved)
@@ -315,7 +238,9 @@ def test_kill_9_of_a_node_fails_over_and_nothing_acknowledged_is_lost(cluster: C
 
 
 def test_a_node_with_another_worker_count_is_refused(cluster: Cluster) -> None:
-    cluster.wait_leaders(cluster.nodes)
+    # The node killed before is back: the balancers hand it its leaderships again, and its
+    # publisher does not resend.
+    cluster.wait_balanced(skip={MOVED})
     odd = cluster.node("n4", cluster_port(3), cluster.gossip_ports, workers=3)
     thread = threading.Thread(target=lambda: _start_quietly(odd))
     thread.start()
@@ -368,7 +293,7 @@ def _retained(b: BrokerProcess, pattern: str, want: list[tuple[str, bytes]]) -> 
 
 
 def test_retained_messages_reach_every_worker_of_every_node(cluster: Cluster) -> None:
-    cluster.wait_leaders(cluster.nodes)
+    cluster.wait_balanced(skip={MOVED})  # its publisher does not resend
     pub = Client(cluster.nodes[0].port, "retainer")
     assert pub.connect() == 0
     pub.publish("devices/ret/a", b"on", qos=1, retain=True)
