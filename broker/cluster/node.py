@@ -308,6 +308,10 @@ class ClusterNode:
     def is_leader(self, group: int) -> bool:
         return self.leader(group) == self.id
 
+    def takes_proposals(self, group: int) -> bool:
+        """This node leads ``group`` and is not handing it over (thesis s3.10)."""
+        return self.is_leader(group) and self.core(group).transferee is None
+
     # -- inputs ------------------------------------------------------------------------------
 
     def propose(self, group: int, payload: bytes, count: int) -> int:

@@ -32,7 +32,8 @@ Invariants the core keeps (the simulator, ``broker.cluster.sim``, checks them fr
   (dropped unanswered) and described in ``refused``, which a driver reports as a bug.
 
 Leadership transfer (thesis s3.10): ``transfer_leadership(peer)`` stops proposals, brings the
-peer up to date, then sends it TimeoutNow; abandoned after an election timeout.
+peer up to date, waits for the log to commit, then sends it TimeoutNow; abandoned after an
+election timeout.
 A leader that cannot read one of its own uncommitted entries back to send it (damaged on its
 disk) hands over the same way and holds its candidacy a while (``broker.cluster.election``).
 
@@ -252,15 +253,27 @@ class RaftNode(Elections, Snapshots, Commits):
         self.transferee = peer
         self._transfer_elapsed = 0
         if self._progress[peer].match == self.terms.last_index:
-            self._send(TimeoutNow(self.id, peer, self.term))
+            self._hand_over()
         else:
             self._send_append(peer)
         return self._take()
+
+    def _hand_over(self) -> None:
+        """TimeoutNow to the transferee once it holds the whole log (thesis s3.10) and the
+        whole log is committed. The second condition is ours: every entry proposed before
+        the transfer began is then acknowledged by this leader, so no publisher is left not
+        knowing whether its publish was stored (broker.workers.replicated closes such a
+        connection so that the client resends); no proposal is taken meanwhile, so the log
+        stops growing and its end commits within a round of fsyncs."""
+        peer = self.transferee
+        if peer is not None and self._progress[peer].match == self.terms.last_index == self.commit:
+            self._send(TimeoutNow(self.id, peer, self.term))
 
     def flushed(self, index: int) -> list[Effect]:
         self.durable_index = max(self.durable_index, min(index, self.terms.last_index))
         if self.role is Role.LEADER:
             self._maybe_commit()
+            self._hand_over()
         elif self.leader is not None and self._leader_match:
             self._send(self._ack(self.leader))
         return self._take()
@@ -534,8 +547,7 @@ class RaftNode(Elections, Snapshots, Commits):
             self._maybe_commit()
             if self.role is not Role.LEADER:
                 return  # it removed itself and the removal committed
-            if m.frm == self.transferee and pr.match == self.terms.last_index:
-                self._send(TimeoutNow(self.id, m.frm, self.term))
+            self._hand_over()
             if pr.next <= self.terms.last_index:
                 self._fill(m.frm)
             return

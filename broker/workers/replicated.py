@@ -61,7 +61,7 @@ import time
 from collections import deque
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 from broker.cluster.leadership import Leadership
 from broker.cluster.metadata import LocalStreams
@@ -79,6 +79,7 @@ from broker.config import Config
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
 from broker.router.state import RETAINED, SESSIONS
+from broker.workers.forwards import ANSWER_GRACE, Forward, Forwards, answer
 from broker.workers.remote_fetches import RemoteFetches
 from broker.workers.remote_partition import RemotePartition
 from broker.workers.replicated_sessions import ClusterHooks, ClusterSessions
@@ -93,8 +94,6 @@ Ack = Callable[[int | None], None]
 #: A forwarded batch for a group whose leader is here, and the answer.
 FORWARD = FIRST_APP_KIND
 FORWARDED = FIRST_APP_KIND + 1
-#: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
-FORWARD_TIMEOUT = 10.0
 #: Seconds a starting node waits for its groups to have a leader and to commit as far as it
 #: said, before it serves clients (a new subscription's "latest" is then the cluster's, not
 #: the stale mark of the restarted node; a node cut off from the majority serves after this).
@@ -196,7 +195,7 @@ class ReplicatedPartition(Partition):
         held, self.held = self.held, []
         for records, acks, deadline in held:
             if now > deadline:
-                _answer(acks, None)
+                answer(acks, None)
             else:
                 self.dispatch(records, acks, deadline)
 
@@ -214,7 +213,7 @@ class ReplicatedPartition(Partition):
             observe(now - proposed)
             first = index - len(records)
             if terms.term_at(index) != term:
-                _answer(acks, OUTCOME_UNKNOWN)  # overwritten: never acknowledged
+                answer(acks, OUTCOME_UNKNOWN)  # overwritten: never acknowledged
                 continue
             stored = [new(Record, (first + i, *r[1:])) for i, r in enumerate(records)]
             self.keep_tail(first, stored)
@@ -236,24 +235,7 @@ class ReplicatedPartition(Partition):
         while inflight and (
             not self.service.node.is_leader(self.group) or inflight[0][1] != core.term
         ):
-            _answer(inflight.popleft()[3], OUTCOME_UNKNOWN)
-
-
-class Forward(NamedTuple):
-    """A batch forwarded to a leader, awaiting its answer."""
-
-    sent: float  # monotonic
-    part: ReplicatedPartition | RemotePartition
-    records: list[Record]
-    acks: list[Ack | None]
-    deadline: float  # of holding it again if refused (ReplicatedPartition.dispatch)
-    leader: int  # the node it went to
-
-
-def _answer(acks: list[Ack | None], outcome: int | None) -> None:
-    for ack in acks:
-        if ack is not None:
-            ack(outcome)
+            answer(inflight.popleft()[3], OUTCOME_UNKNOWN)
 
 
 class ClusterService:
@@ -315,7 +297,7 @@ class ClusterService:
         self.observe_commit: Callable[[float], None] = lambda seconds: None
         self._next_request = 1
         #: Forwarded batches awaiting their answer, by request id.
-        self._waiting: dict[int, Forward] = {}
+        self._waiting = Forwards()
         #: How long a batch may wait for a leader (ReplicatedPartition.dispatch).
         self.hold_seconds = HOLD_SECONDS
         #: Partitions of this worker whose group this node does not host (remote reads).
@@ -373,11 +355,11 @@ class ClusterService:
         await self._drain_sessions()
         self.remote.close()
         for waiting in self._waiting.values():
-            _answer(waiting.acks, OUTCOME_UNKNOWN)
+            answer(waiting.acks, OUTCOME_UNKNOWN)
         self._waiting.clear()
         for part in self._replicated():
             for _records, acks, _deadline in part.held:
-                _answer(acks, None)
+                answer(acks, None)
             part.held.clear()
         await self.node.close()
 
@@ -404,9 +386,7 @@ class ClusterService:
         """Called by the server's timer: forwards unanswered for too long have an unknown
         outcome; held batches are dispatched again, or refused past their deadline."""
         now = time.monotonic()
-        late = [r for r, w in self._waiting.items() if now - w.sent > FORWARD_TIMEOUT]
-        for request in late:
-            _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
+        self._waiting.overdue(now)
         self.remote.tick(now)
         for part in self._replicated():
             if part.held:
@@ -478,9 +458,6 @@ class ClusterService:
         return max(offset, start)
 
     def _on_leader(self, g: int) -> None:
-        # Forwards to a node that no longer leads may or may not have committed there: their
-        # publishers are told at once (their connections closed, so they resend), not after
-        # FORWARD_TIMEOUT.
         self._forwards_lost(g, self.node.leader(g))
         part = self._partition(g)
         if part is not None:
@@ -489,10 +466,12 @@ class ClusterService:
                 part.release(time.monotonic())
 
     def _forwards_lost(self, g: int, leader: int | None) -> None:
-        """Forwards of group ``g`` to a node other than ``leader``: outcome unknown."""
-        gone = [r for r, w in self._waiting.items() if w.part.group == g and w.leader != leader]
-        for request in gone:
-            _answer(self._waiting.pop(request).acks, OUTCOME_UNKNOWN)
+        """Forwards of group ``g`` to a node other than ``leader``: answered by that node in
+        a moment, else their outcome is unknown (broker.workers.forwards)."""
+        names, connected = self.node.names, self.node.transport.connected
+        now = time.monotonic()
+        self._waiting.deposed(g, leader, now, lambda node: connected(names.get(node, "")))
+        self.node.loop.call_later(ANSWER_GRACE, self._waiting.overdue, now + ANSWER_GRACE)
 
     def remote_leader(self, part: RemotePartition) -> None:
         """A replica named another leader of ``part``'s group (as :meth:`_on_leader`)."""
@@ -535,19 +514,19 @@ class ClusterService:
         router = self.router
         key = self.groups.get(g)
 
-        def answer(offset: int | None) -> None:
+        def reply(offset: int | None) -> None:
             self.node.send(frm, FORWARDED, _ANSWER.pack(request, -1 if offset is None else offset))
 
-        if router is None or key is None or not self.node.is_leader(g):
-            answer(None)
+        if router is None or key is None or not self.node.takes_proposals(g):
+            reply(None)  # the asker holds it for the next leader (handing over: the transferee)
             return
         try:
             records = decode_batch(body[_FORWARD.size :])
         except Exception as e:  # a peer's bug: refuse this batch, keep serving
             log.warning("cluster: bad forwarded batch from node %d: %s", frm, e)
-            answer(None)
+            reply(None)
             return
-        router.append_forwarded(key, [r[1:] for r in records], answer)
+        router.append_forwarded(key, [r[1:] for r in records], reply)
 
     def _on_answer(self, frm: int, body: memoryview) -> None:
         request, first = _ANSWER.unpack_from(body)
@@ -568,7 +547,7 @@ class ClusterService:
             if part.leader() not in (None, frm):
                 part.release(time.monotonic())
         elif first == OUTCOME_UNKNOWN:
-            _answer(acks, OUTCOME_UNKNOWN)
+            answer(acks, OUTCOME_UNKNOWN)
         else:
             for i, ack in enumerate(acks):
                 if ack is not None:

@@ -489,20 +489,34 @@ def test_a_notice_from_the_leader_holds_off_an_election() -> None:
 def test_transfer_to_an_up_to_date_peer_sends_timeout_now() -> None:
     core, log = make()
     elect(core, log)  # term 1, noop at 1
+    log.apply(core.flushed(1))
     core.receive(AppendResp(2, 1, 1, True, 1, 1, 0, None))
+    assert core.commit == 1
     assert sends(core.transfer_leadership(2)) == [TimeoutNow(1, 2, 1)]
     with pytest.raises(NotLeader) as refused:
         core.propose(b"x")  # thesis s3.10: no proposals while handing over
     assert refused.value.leader == 2
 
 
+def test_a_transfer_waits_for_the_whole_log_to_commit() -> None:
+    """TimeoutNow once the transferee holds the whole log and it is committed: what was
+    proposed before is acknowledged by this leader (no outcome left unknown)."""
+    core, log = make()
+    elect(core, log)
+    core.receive(AppendResp(2, 1, 1, True, 1, 0, 0, None))  # n2 has the noop, not durably
+    assert sends(core.transfer_leadership(2)) == []  # up to date, nothing committed
+    assert sends(core.receive(AppendResp(2, 1, 1, True, 1, 1, 0, None))) == []
+    assert TimeoutNow(1, 2, 1) in sends(core.flushed(1))  # the leader's fsync commits it
+
+
 def test_transfer_catches_the_peer_up_first_then_gives_up_after_a_timeout() -> None:
     core, log = make()
     elect(core, log)
+    log.apply(core.flushed(1))
     out = log.apply(core.transfer_leadership(3))
     assert [type(m) for m in out] == [AppendEntries]
-    out = log.apply(core.receive(AppendResp(3, 1, 1, True, 1, 0, 0, None)))
-    assert out == [TimeoutNow(1, 3, 1)]
+    out = log.apply(core.receive(AppendResp(3, 1, 1, True, 1, 1, 0, None)))
+    assert TimeoutNow(1, 3, 1) in out
     for _ in range(CONFIG.election_ticks):
         core.receive(AppendResp(2, 1, 1, True, 1, 1, 0, None))  # keep CheckQuorum content
         core.tick()
