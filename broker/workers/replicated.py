@@ -18,19 +18,22 @@ A :class:`ReplicatedPartition` is a router partition whose log is one Raft group
   a ``broker.workers.remote_partition.RemotePartition``: forwarded like a follower's, read
   through the fetch protocol (``broker.workers.remote_fetches``).
 
-Outcomes. An entry is acknowledged only if the commit index reaches it while the term at
-its index is still the one it was proposed in (an index and a term name one entry, Raft's Log
-Matching property s5.3), so an entry a newer leader overwrote is never acknowledged. When this
-node stops leading the group (or its term changes) with entries in flight, their outcome is
-unknown (they may commit under the new leader, or be overwritten): the publishers get
-:data:`~broker.router.commit.OUTCOME_UNKNOWN`, no acknowledgement, and their connections are
-closed so that they publish again (QoS 1 duplicates are allowed; nothing acknowledged is lost).
-A forward whose answer does not come within :data:`FORWARD_TIMEOUT` (the link to the leader
-broke, the leader died) ends the same way. A batch that finds no leader taking proposals (an
-election or a leadership transfer in progress, a forward refused by a node that no longer
-leads) is held and dispatched again when a leader is known, so a publish in the middle of a
-failover is delayed, not refused; only after :data:`HOLD_SECONDS` without one do its
-publishers get ``None``: a negative acknowledgement (MQTT 5) or a closed connection (3.1.1).
+Outcomes. An entry is acknowledged only if the commit index reaches it while the term at its
+index is still the one it was proposed in (an index and a term name one entry, Raft's Log
+Matching property s5.3), so an entry a newer leader overwrote is never acknowledged. When
+this node stops leading the group (or its term changes) with entries in flight, their
+outcome is unknown (they may commit under the new leader, or be overwritten): the publishers
+get :data:`~broker.router.commit.OUTCOME_UNKNOWN`, no acknowledgement, and their connections
+are closed so that they publish again (QoS 1 duplicates are allowed; nothing acknowledged is
+lost). A forward whose answer does not come (the link to the leader broke, the leader died,
+or it stopped leading and says nothing for a moment: broker.workers.forwards) ends the same
+way; a planned transfer leaves none unknown (broker.cluster.raft hands over once all is
+committed, and the forwards reaching the old leader meanwhile are refused). A batch that
+finds no leader taking proposals (an election or a leadership transfer in progress, a
+forward refused by a node that no longer leads) is held and dispatched again when a leader
+is known, so a publish in the middle of a failover is delayed, not refused; only after
+:data:`HOLD_SECONDS` without one do its publishers get ``None``: a negative acknowledgement
+(MQTT 5) or a closed connection (3.1.1).
 
 The internal ``$retained`` and ``$sessions`` streams are Raft groups too, compacted with their
 batches' boundaries kept (:data:`CLUSTER_SPECS`); every node applies each commit of

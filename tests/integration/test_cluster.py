@@ -123,8 +123,8 @@ class Cluster:
     def wait_balanced(self, timeout: float = 20.0, skip: Collection[tuple[str, int]] = ()) -> None:
         """Until every partition but ``skip`` is led by its preferred replica, as node 1 sees
         it: the balancer's first transfers come a few seconds after the start (or after a
-        node's restart), and a transfer closes the connections of publishers whose outcome
-        it left unknown (by design). ``skip``: partitions an operator placed, which the
+        node's restart), and the tests' publishers, which do not resend, want no leader
+        change while they publish. ``skip``: partitions an operator placed, which the
         balancers leave alone for minutes."""
         deadline = time.monotonic() + timeout
         while True:
