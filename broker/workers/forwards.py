@@ -65,16 +65,20 @@ class Forwards(dict[int, Forward]):
 
     def deposed(
         self, g: int, leader: int | None, now: float, linked: Callable[[int], bool]
-    ) -> None:
+    ) -> bool:
         """Group ``g`` is led by ``leader`` (None: not known) from now on: forwards to any
-        other node wait :data:`ANSWER_GRACE` for its answer, unless the link to it is down."""
+        other node wait :data:`ANSWER_GRACE` for its answer, unless the link to it is down.
+        Whether any waits."""
+        waits = False
         for request, w in list(self.items()):
             if w.part.group != g or w.leader == leader or w.deposed is not None:
                 continue
             if linked(w.leader):
                 self[request] = w._replace(deposed=now)
+                waits = True
             else:
                 answer(self.pop(request).acks, OUTCOME_UNKNOWN)
+        return waits
 
     def overdue(self, now: float) -> None:
         """Forwards unanswered past :data:`FORWARD_TIMEOUT`, or past :data:`ANSWER_GRACE`

@@ -473,8 +473,8 @@ class ClusterService:
         a moment, else their outcome is unknown (broker.workers.forwards)."""
         names, connected = self.node.names, self.node.transport.connected
         now = time.monotonic()
-        self._waiting.deposed(g, leader, now, lambda node: connected(names.get(node, "")))
-        self.node.loop.call_later(ANSWER_GRACE, self._waiting.overdue, now + ANSWER_GRACE)
+        if self._waiting.deposed(g, leader, now, lambda node: connected(names.get(node, ""))):
+            self.node.loop.call_later(ANSWER_GRACE, self._waiting.overdue, now + ANSWER_GRACE)
 
     def remote_leader(self, part: RemotePartition) -> None:
         """A replica named another leader of ``part``'s group (as :meth:`_on_leader`)."""

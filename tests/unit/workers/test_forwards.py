@@ -24,7 +24,7 @@ def _forward(
 def test_a_forward_to_a_deposed_leader_waits_for_its_answer_a_moment() -> None:
     outcomes: list[Any] = []
     waiting = Forwards({1: _forward(outcomes), 2: _forward(outcomes, leader=NEW)})
-    waiting.deposed(7, NEW, 100.0, linked=lambda node: True)
+    assert waiting.deposed(7, NEW, 100.0, linked=lambda node: True)
     assert outcomes == [] and set(waiting) == {1, 2}  # its answer may come still
     waiting.deposed(7, NEW, 100.1, linked=lambda node: True)  # from the first change on
     waiting.overdue(100.0 + ANSWER_GRACE / 2)
@@ -36,7 +36,7 @@ def test_a_forward_to_a_deposed_leader_waits_for_its_answer_a_moment() -> None:
 def test_a_forward_to_a_leader_whose_link_is_down_is_unknown_at_once() -> None:
     outcomes: list[Any] = []
     waiting = Forwards({1: _forward(outcomes), 2: _forward(outcomes, group=8)})
-    waiting.deposed(7, NEW, 100.0, linked=lambda node: node != OLD)  # killed: link closed
+    assert not waiting.deposed(7, NEW, 100.0, linked=lambda node: node != OLD)  # link closed
     assert outcomes == [OUTCOME_UNKNOWN] and set(waiting) == {2}  # another group's waits on
 
 
