@@ -124,7 +124,8 @@ class PeerTransport:
         self.on_link_lost: Callable[[str], None] = lambda node: None
 
     async def start(self) -> None:
-        """Listen on ``bind`` and dial every seed (and, later, every member learned)."""
+        """Listen on ``bind`` and dial every seed and every member learned (so far, and
+        later)."""
         self._loop = asyncio.get_running_loop()
         host, port = self.bind
         self._server = await self._loop.create_server(lambda: Link(self, None), host or None, port)
@@ -133,6 +134,8 @@ class PeerTransport:
         for seed in self.seeds:
             if seed != self.address:
                 self._dial(seed, seed=True, node=None)
+        for node, address in self.members.items():  # learned before we listened
+            self._dial(address, seed=False, node=node)
 
     async def close(self) -> None:
         """Close the listener and every link and stop dialling; idempotent. When it returns
@@ -201,8 +204,10 @@ class PeerTransport:
 
     def learn(self, node: str, address: Address) -> None:
         """``node``'s address as learned elsewhere (gossip metadata, the persisted member
-        list): dial it there, unless linked to it at that address already. Call after
-        :meth:`start`."""
+        list, worker 0's view): dial it there, unless linked to it at that address already.
+        Before :meth:`start` the address is only noted and dialled once listening (a worker
+        restarting beside a running worker 0 hears its view before its transport starts:
+        ``broker.cluster.worker_view``)."""
         if node != self.node_id and not self._closing:
             self._learn(node, address)
 
@@ -316,8 +321,8 @@ class PeerTransport:
     # -- dialling
 
     def _dial(self, address: Address, *, seed: bool, node: str | None) -> None:
-        if self._closing or address == self.address:
-            return
+        if self._closing or self._server is None or address == self.address:
+            return  # closed, not listening yet (start dials what was learned), or ourselves
         existing = self._dialers.get(address)
         if existing is not None and not existing.retired:
             return

@@ -357,6 +357,32 @@ def test_a_peer_that_restarts_is_reconnected_to() -> None:
     run(test)
 
 
+def test_a_restarted_peer_told_of_a_member_before_it_listens_links_both_ways() -> None:
+    """A worker restarting beside a running worker 0 hears worker 0's view (the members,
+    ``broker.cluster.worker_view``) before its transport listens: the member is dialled once
+    it does. Before, ``learn`` left a dialer registered without its task, so the restarted
+    node never dialled that member again (not at formation's ``learn``, not when the member
+    dialled in) and sent it nothing: seen as a group that elected no leader once a third
+    node died."""
+
+    async def test(_: Warnings) -> None:
+        a = await Node("a", worker=(1, 2)).start()
+        b = await Node("b", [a.address], worker=(1, 2)).start()
+        await wait(b.t.wait_connected("a"))
+        await b.t.close()
+        b2 = Node("b", bind=b.address, worker=(1, 2))
+        b2.t.learn("a", a.address)  # worker 0's view, before the transport listens
+        await b2.start()
+        b2.t.learn("a", a.address)  # formation's member list, once started
+        await wait(b2.t.wait_connected("a"))
+        await wait(a.t.wait_connected("b"))
+        assert b2.t.send("a", 1, b"back") and await a.next() == ("b", 1, b"back")
+        assert a.t.send("b", 2, b"welcome") and await b2.next() == ("a", 2, b"welcome")
+        await close(a, b2)
+
+    run(test)
+
+
 def test_a_full_buffer_drops_while_the_reader_is_paused() -> None:
     async def test(_: Warnings) -> None:
         accepted: asyncio.Future[asyncio.StreamWriter] = asyncio.get_running_loop().create_future()
