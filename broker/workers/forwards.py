@@ -50,8 +50,9 @@ class Forward(NamedTuple):
     acks: list[Ack | None]
     deadline: float  # of holding it again if refused (ReplicatedPartition.dispatch)
     leader: int  # the node it went to
-    #: When that node stopped leading the group (monotonic), as this node learnt it.
-    deposed: float | None = None
+    #: When the answer of that node, which stopped leading the group, is given up on
+    #: (monotonic: :data:`ANSWER_GRACE` after this node learnt it).
+    answer_by: float | None = None
 
 
 def answer(acks: list[Ack | None], outcome: int | None) -> None:
@@ -71,10 +72,10 @@ class Forwards(dict[int, Forward]):
         Whether any waits."""
         waits = False
         for request, w in list(self.items()):
-            if w.part.group != g or w.leader == leader or w.deposed is not None:
+            if w.part.group != g or w.leader == leader or w.answer_by is not None:
                 continue
             if linked(w.leader):
-                self[request] = w._replace(deposed=now)
+                self[request] = w._replace(answer_by=now + ANSWER_GRACE)
                 waits = True
             else:
                 answer(self.pop(request).acks, OUTCOME_UNKNOWN)
@@ -86,8 +87,7 @@ class Forwards(dict[int, Forward]):
         late = [
             r
             for r, w in self.items()
-            if now - w.sent > FORWARD_TIMEOUT
-            or (w.deposed is not None and now - w.deposed >= ANSWER_GRACE)
+            if now - w.sent > FORWARD_TIMEOUT or (w.answer_by is not None and now >= w.answer_by)
         ]
         for request in late:
             answer(self.pop(request).acks, OUTCOME_UNKNOWN)
