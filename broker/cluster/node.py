@@ -10,8 +10,9 @@ Raft's safety needs (its ``Ready``):
    it, heartbeats coalesced (``broker.cluster.frames``, encoded by ``broker.cluster.wire``);
    the cores hold back any message a hard state not yet durable governs. They leave before
    the flushes: a leader's entries reach its followers while its own disk writes them (Raft
-   thesis s10.2.1), and a follower's acknowledgement says what it has flushed, apart from
-   what it holds, so nothing counts an entry before it is durable;
+   thesis s10.2.1), and a follower acknowledges new entries once it has flushed them (an
+   acknowledgement says what it has flushed, apart from what it holds), so nothing counts
+   an entry before it is durable;
 3. flushes: each group's log is fsynced once for every entry appended since its last flush
    (appends only write to the page cache, ``GroupStorage.append``) and the core told
    ``flushed``, so the commit index only ever counts what a majority has on disk; the

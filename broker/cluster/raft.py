@@ -512,7 +512,12 @@ class RaftNode(Elections, Snapshots, Commits):
             self._append_local(new)
         self._leader_match = max(self._leader_match, end)
         self._learn_commit(m.commit, self._leader_match)
-        self._send(self._ack(m.frm))
+        if not new:
+            # New entries are acknowledged once flushed (:meth:`flushed`), as etcd-io/raft
+            # answers MsgApp after persisting: the leader counts only what is durable
+            # (s5.4.2 with our Flush), so an earlier answer would cost it a frame and a step
+            # and let it commit nothing.
+            self._send(self._ack(m.frm))
 
     def _truncate(self, index: int) -> bool:
         if index <= self.commit and self.config.variant is not Variant.TRUNCATE_BELOW_COMMIT:

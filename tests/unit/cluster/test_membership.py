@@ -332,8 +332,8 @@ def test_a_snapshot_replaces_a_log_that_does_not_match() -> None:
     log.apply(core.hard_state_persisted(HardState(2, None)))
     assert core.commit == 5 and core.configuration == conf
     assert (core.terms.start, core.terms.last_index, core.durable_index) == (5, 5, 5)
-    out = log.apply(core.receive(AppendEntries(1, 2, 2, 5, 2, (Entry(2, b"f"),), 6)))
-    assert out[-1] == AppendResp(2, 1, 2, True, 6, 5, 0, None)
+    log.apply(core.receive(AppendEntries(1, 2, 2, 5, 2, (Entry(2, b"f"),), 6)))
+    assert log.apply(core.flushed(6))[-1] == AppendResp(2, 1, 2, True, 6, 6, 0, None)
 
 
 def test_a_snapshot_keeps_matching_entries_beyond_it() -> None:

@@ -286,15 +286,17 @@ def test_propose_refused_off_the_leader() -> None:
 # -- AppendEntries ---------------------------------------------------------------------------
 
 
-def test_append_accepted_acks_match_then_flushed() -> None:
+def test_new_entries_are_acknowledged_once_flushed_and_held_ones_at_once() -> None:
     core, _ = make()
     entries = (Entry(1, b"a"), Entry(1, b"b"))
     effects = core.receive(AppendEntries(2, 1, 1, 0, 0, entries, 0))
     assert PersistHardState(HardState(1, None)) in effects
     assert AppendLog(1, entries) in effects and Flush(2) in effects
-    assert sends(effects) == []  # the newer term is not durable yet
-    out = sends(core.hard_state_persisted(HardState(1, None)))
-    assert out == [AppendResp(1, 2, 1, True, 2, 0, 0, None)]
+    assert sends(effects) == []
+    assert sends(core.hard_state_persisted(HardState(1, None))) == []  # nothing durable yet
+    # A copy of what it holds, not flushed yet: an answer at once, with what is flushed.
+    effects = core.receive(AppendEntries(2, 1, 1, 0, 0, entries, 0))
+    assert sends(effects) == [AppendResp(1, 2, 1, True, 2, 0, 0, None)]
     assert sends(core.flushed(2)) == [AppendResp(1, 2, 1, True, 2, 2, 0, None)]
 
 
@@ -573,7 +575,7 @@ def test_a_follower_appends_skips_and_truncates_by_whole_entries() -> None:
     assert effects[:2] == [Truncate(3), AppendLog(3, (new,))]
     log.apply(effects)
     assert core.terms.runs() == [(1, 1), (3, 3)] and core.terms.last_index == 4
-    assert sends(effects)[-1] == AppendResp(1, 2, 3, True, 4, 2, 0, None)
+    assert sends(effects) == []  # acknowledged once flushed
     # A stale copy of what we hold: nothing cut, nothing written, the match is its end.
     effects = core.receive(AppendEntries(2, 1, 3, 0, 0, (ours[0],), 0))
     assert not any(isinstance(e, Truncate | AppendLog) for e in effects)
