@@ -97,12 +97,12 @@ from broker.commitlog import (
     Record,
     SegmentedLog,
     UnsupportedFormat,
+    small_batch,
 )
 from broker.commitlog.batch import (
     CONTROL_COMPACTED,
     CONTROL_FLAG,
     decode_control,
-    encode_batch,
     encode_control,
     read_header,
     validate_batch,
@@ -123,7 +123,7 @@ def encode_entry(records: Sequence[Record], last_index: int, term: int) -> tuple
     """The leader's DATA entry for ``records``: the batch at base offset ``last_index`` (the
     core's ``terms.last_index`` before ``propose``) with leader epoch ``term``, and its count;
     ``core.propose(*encode_entry(...))``."""
-    return bytes(encode_batch(last_index, records, leader_epoch=term)), len(records)
+    return bytes(small_batch.encode(last_index, records, leader_epoch=term)), len(records)
 
 
 class GroupStorage:

@@ -74,9 +74,9 @@ from broker.cluster.placement import group_ids
 from broker.cluster.raft import NotLeader, Role
 from broker.cluster.storage import GroupStorage, encode_entry
 from broker.commitlog import Record, SegmentedLog, Streams
-from broker.commitlog.batch import decode_batch, encode_batch
 from broker.commitlog.config import StreamSpec
 from broker.commitlog.keys import PartitionKey
+from broker.commitlog.small_batch import decode_records, encode
 from broker.commitlog.streams import INTERNAL_LOG, RETAINED_STREAM, SESSIONS_STREAM
 from broker.config import Config
 from broker.router.commit import OUTCOME_UNKNOWN
@@ -506,7 +506,7 @@ class ClusterService:
             return False
         request = self._next_request
         self._next_request += 1
-        body = _FORWARD.pack(request, part.group) + encode_batch(0, records)
+        body = _FORWARD.pack(request, part.group) + encode(0, records)
         if not self.node.send(leader, FORWARD, body):
             return False
         self._waiting[request] = Forward(time.monotonic(), part, records, acks, deadline, leader)
@@ -524,7 +524,7 @@ class ClusterService:
             reply(None)  # the asker holds it for the next leader (handing over: the transferee)
             return
         try:
-            records = decode_batch(body[_FORWARD.size :])
+            records = decode_records(bytes(body[_FORWARD.size :]))
         except Exception as e:  # a peer's bug: refuse this batch, keep serving
             log.warning("cluster: bad forwarded batch from node %d: %s", frm, e)
             reply(None)
