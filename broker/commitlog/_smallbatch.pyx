@@ -24,7 +24,7 @@ serve. Pure functions; thread-safe under the GIL.
 """
 
 from cpython.bytes cimport PyBytes_AS_STRING, PyBytes_FromStringAndSize, PyBytes_GET_SIZE
-from cpython.long cimport PyLong_AsLongLong, PyLong_FromLongLong
+from cpython.long cimport PyLong_AsLong, PyLong_AsLongLong, PyLong_FromLongLong
 from cpython.mem cimport PyMem_Free, PyMem_Malloc
 from cpython.object cimport PyObject
 from cpython.ref cimport Py_INCREF
@@ -174,7 +174,10 @@ cdef class _Columns:
             if type(stamp) is not int or type(payload) is not bytes or type(props) is not bytes:
                 return False
             try:
-                self.stamps[i] = PyLong_AsLongLong(stamp)
+                # A C long (64 bits here; 32 elsewhere, where a larger stamp is left to the
+                # Python encoder): PyLong_AsLongLong converts a two-digit int through a byte
+                # array (~200 instructions; a timestamp in ms has two 30-bit digits).
+                self.stamps[i] = PyLong_AsLong(stamp)
             except OverflowError:
                 return False
             if not _small_int(<object>PyTuple_GET_ITEM(record, 4), &q):
