@@ -41,6 +41,7 @@ from broker.commitlog.record import Record
 
 cdef extern from "Python.h":
     object PyType_GenericAlloc(type cls, Py_ssize_t n)
+    void PyObject_GC_UnTrack(object op)
     const char* PyUnicode_AsUTF8AndSize(object s, Py_ssize_t* size) except NULL
 
 
@@ -377,6 +378,7 @@ def decode_records(bytes buf, Py_ssize_t pos=0):
     out = []
     for i in range(n):
         record = PyType_GenericAlloc(_RECORD, 8)
+        PyObject_GC_UnTrack(record)  # ints, strs and bytes: in no cycle (as the lane's)
         _set(record, 0, PyLong_FromLongLong(base + i))
         _set(record, 1, PyLong_FromLongLong(<int64_t>_get64(p + 8 * i)))
         _set(record, 2, table[_get32(p + 12 * n + 4 * i)])

@@ -8,6 +8,8 @@ encode it or raise the format's error."""
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -66,6 +68,8 @@ def test_encoded_decoded_and_rebased_as_in_python(
     assert decoded == decode_batch(batch)
     assert [type(r) for r in decoded] == [Record] * len(records)
     assert [(type(r.retain), type(r.qos)) for r in decoded] == [(bool, int)] * len(records)
+    # Not tracked by the garbage collector (ints, strs and bytes: in no cycle).
+    assert not any(map(gc.is_tracked, decoded))
     moved = rebased(batch, base + 7)
     assert (
         moved

@@ -14,6 +14,7 @@ point, and leave the same records in the log.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import struct
 import time
 from pathlib import Path
@@ -347,8 +348,13 @@ def test_device_path_is_taken(tmp_path: Path, path: str) -> None:
     for read in (first, second, second.replace(b"b", b"B"), other):
         proto.data_received(read)
     compiled = proto._lane is not None
+    gathered = server.router.partition(server.streams.partition_for(TOPICS[0])).pending[:3]
     server.end_iteration()
     assert compiled == (path == "compiled" and devicepath.lane_class() is not None)
+    # The records the lane gathers are not tracked by the garbage collector (in no cycle:
+    # ints, strs, bytes), which a fan-in's collections traversed in the partitions' tails
+    # (the first went through Router.publish_plain: it made the partition).
+    assert [gc.is_tracked(r) for r in gathered[1:]] == [not compiled] * 2
     assert decoded == [connect(4), other] if compiled else [connect(4), first, other]
     assert sorted(r[3] for r in server.records()) == sorted([b"a", b"b", b"B", b"c"])
     acks = b"".join(transport.written)[4:]  # after the CONNACK
