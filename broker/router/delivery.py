@@ -149,17 +149,15 @@ class Delivery:
                 return
             pending.popleft()
             rec = self.read_exact(key, offset)
-            if rec is not None and rec.payload:
-                # [MQTT-3.3.1-8]
+            if rec is not None and rec.payload:  # [MQTT-3.3.1-8]
                 self.deliver(session, rec, key, qos, ids, MAIN, retain=True)
 
     def read(self, part: PartitionBase, offset: int) -> list[Record] | None:
         """Records from ``offset``; None if retention deleted it (caller skips forward).
 
-        ``[]`` (nothing to send yet) at a damaged range the stream holds
-        (``on_corruption = "stop"``): the consumer stays at ``offset``, its other
-        partitions and every other client go on; the log reported the range.
-        """
+        ``[]`` (nothing to send yet) at a damaged range the stream holds (``on_corruption =
+        "stop"``): the consumer stays at ``offset``, its other partitions and every other
+        client go on; the log reported the range."""
         try:
             return part.read(offset)
         except OffsetOutOfRange:
@@ -441,9 +439,11 @@ class Delivery:
         # rest..., a dozen runs per iteration over the whole read (measured). At most room //
         # overhead fit (summing the whole read for later runs: 4% of a QoS 0 fan-in).
         overhead = max(map(len, map(str.encode, distinct))) + 10
-        sizes = map(len, islice(payloads, room // overhead + 1))
-        bound = accumulate(map(add, sizes, repeat(overhead)), initial=0)
-        take = min(n, max(1, bisect_right(list(bound), room) - 1))
+        take = n  # where all of them fit (most often), one sum says so, not a list of bounds
+        if n > room // overhead or sum(map(len, payloads)) + n * overhead > room:
+            sizes = map(len, islice(payloads, room // overhead + 1))
+            bound = accumulate(map(add, sizes, repeat(overhead)), initial=0)
+            take = min(n, max(1, bisect_right(list(bound), room) - 1))
         first_pid: int | None = None
         if qos:
             # ... and the send quota, with consecutive packet ids that are free.
