@@ -95,10 +95,10 @@ cdef inline void _set(object t, Py_ssize_t i, object value):
 cdef object _record(offset, timestamp, topic, payload, qos, client_id):
     """``Record(offset, timestamp, topic, payload, qos, False, client_id, b"")`` in one
     allocation (``tuple.__new__(Record, ...)`` cost a method call and a copy), not tracked
-    by the garbage collector: it holds ints, strs and bytes only, so it is in no cycle, and
-    the collections that a fan-in's allocations set off traversed every record in the
-    partitions' tails (tracked, a tuple subclass stays so: 5% of a QoS 0 fan-in's
-    instructions, bench/instr_bench.py)."""
+    by the garbage collector: it holds ints, strs and bytes only, so it is in no cycle. The
+    collector untracks such a plain tuple itself, never an instance of a tuple subclass, so
+    the collections a fan-in's allocations set off traversed every record in the partitions'
+    tails (5% of a QoS 0 fan-in's instructions, bench/instr_bench.py)."""
     record = PyType_GenericAlloc(_RECORD, 8)
     PyObject_GC_UnTrack(record)
     _set(record, 0, offset)
