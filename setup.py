@@ -16,11 +16,7 @@ setup(
         [
             Extension("broker.net._devicelane", ["broker/net/_devicelane.pyx"]),
             Extension("broker.commitlog._crc", ["broker/commitlog/_crc.pyx"], libraries=["z"]),
-            Extension(
-                "broker.commitlog._smallbatch",
-                ["broker/commitlog/_smallbatch.pyx"],
-                libraries=["z"],
-            ),
+            Extension("broker.commitlog._smallbatch", ["broker/commitlog/_smallbatch.pyx"]),
         ],
         compiler_directives={"language_level": "3"},
     )

@@ -76,6 +76,13 @@ cdef uint32_t _computed(const unsigned char *data, Py_ssize_t size, Py_ssize_t p
     return _crc(_crc(0, batch, <size_t>_CRC_AT), batch + _HEADER, <size_t>(length - _HEADER))
 
 
+cdef uint32_t batch_crc_of(const unsigned char *batch, Py_ssize_t length) noexcept nogil:
+    """The CRC of the whole batch of ``length`` bytes (at least a header) at ``batch``, by
+    the same function as :func:`batch_crc`: for other compiled modules (_crc.pxd), which
+    write batches (broker.commitlog._smallbatch)."""
+    return _crc(_crc(0, batch, <size_t>_CRC_AT), batch + _HEADER, <size_t>(length - _HEADER))
+
+
 cdef inline uint32_t _stored(const unsigned char *data, Py_ssize_t pos) noexcept:
     cdef const unsigned char *s = data + pos + _CRC_AT
     return s[0] | (s[1] << 8) | (s[2] << 16) | (<uint32_t>s[3] << 24)

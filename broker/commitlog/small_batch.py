@@ -7,9 +7,9 @@ A fleet appends one to three records per partition and event-loop iteration, whe
 general encoder's per-call setup was most of the append. The two encoders are held to the
 same bytes by ``tests/unit/commitlog/test_batch.py``; the format itself is described in
 :mod:`broker.commitlog.batch`. Compiled (:mod:`broker.commitlog._smallbatch`, when built), the
-encoder, the rebase and the decoder are one C call each; the pure-Python forms here are the
-reference, and serve where it is not built (``tests/unit/commitlog/test_smallbatch.py``
-holds them to the same bytes and records).
+encoder (of a batch of any size: :func:`encode`), the rebase and the decoder are one C call
+each; the pure-Python forms here are the reference, and serve where it is not built
+(``tests/unit/commitlog/test_smallbatch.py`` holds them to the same bytes and records).
 """
 
 from __future__ import annotations
@@ -68,8 +68,13 @@ def _small_columns(n: int) -> struct.Struct:
 def encode(
     base_offset: int, records: Sequence[Record], *, leader_epoch: int = 0
 ) -> bytes | bytearray:
-    """``records`` as one batch from ``base_offset`` (consecutive offsets): the small-batch
-    encoder up to SMALL_BATCH records, else the general one (a bytearray, not copied)."""
+    """``records`` as one batch from ``base_offset`` (consecutive offsets): compiled when
+    built, whatever their number; else the small-batch encoder up to SMALL_BATCH records,
+    the general one above (a bytearray, not copied)."""
+    if _smallbatch is not None:
+        batch: bytes | None = _smallbatch.encode_records(base_offset, records, leader_epoch)
+        if batch is not None:
+            return batch
     if len(records) <= SMALL_BATCH:
         return encode_small(base_offset, records, leader_epoch=leader_epoch)
     return encode_batch(base_offset, records, leader_epoch=leader_epoch)

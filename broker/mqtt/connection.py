@@ -291,6 +291,36 @@ class ServerConnection:
                 unacked.add(packet_id)
         return self.plain_topic, data[pos:], first >> 1 & 1, packet_id
 
+    def burst_topic(self, data: bytes) -> str | None:
+        """The topic of the PUBLISH ``data`` starts with when :meth:`plain_publish` could
+        take it (QoS 0/1, no DUP or retain flag, a remaining length of one or two bytes,
+        within our maximum packet size) and :meth:`receive_data` would accept it as a topic
+        name (well-formed UTF-8 without U+0000 [MQTT-1.5.4-2], valid and within our limits,
+        s4.7): a topic the device path may be given (:meth:`expect_plain`) before the
+        PUBLISH is decoded, so that it takes a read of many (a publisher's first burst).
+        None: anything else, or part of a packet buffered before ``data``."""
+        n = len(data)
+        if n < 4 or (data[0] != 0x32 and data[0] != 0x30) or self._decoder.buffered:
+            return None
+        length = data[1]
+        pos = 2
+        if length & 0x80:
+            if data[2] & 0x80:
+                return None
+            length = (length & 0x7F) | (data[2] << 7)
+            pos = 3
+        stop = pos + 2 + ((data[pos] << 8) | data[pos + 1]) if pos + 2 <= n else n + 1
+        if pos + length > self._max_packet_size or stop > min(n, pos + length):
+            return None
+        try:
+            topic = data[pos + 2 : stop].decode("utf-8")
+            if "\x00" in topic:
+                return None
+            self._check_topic(topic)
+        except (UnicodeDecodeError, MQTTError):
+            return None
+        return topic
+
     def _on_connect(self, packet: Connect) -> None:
         self._head = b""
         self.connected = True

@@ -66,6 +66,35 @@ def new_lane(proto: Any, key: PartitionKey) -> DeviceLane | None:
     return None if cls is None else cls(proto, key)
 
 
+def burst_lane(self: Any, data: bytes) -> bool:
+    """A method of MQTTProtocol (``self``), for a read of PUBLISHes before the connection
+    has a plain topic: a publisher's first burst, which can be its whole stream in one read
+    (its socket filled while the loop served the others). The compiled lane is made for the
+    first PUBLISH's topic now, where the decoder would have taken every packet of the read
+    and left the lane to the next (``MQTTProtocol._publish``), and takes the read if it is
+    plain PUBLISHes to that topic. The topic is checked as the decoder and the router check
+    it (``ServerConnection.burst_topic``, ``Router.plain_route``), so it is the plain topic
+    the full path would give that PUBLISH. False: the decoder's (the plain topic stays)."""
+    if (
+        self.session is None
+        or self._admission is not None
+        or self.conn.plain_topic
+        or not self.compiled_device_path
+        or lane_class() is None
+    ):
+        return False
+    topic = self.conn.burst_topic(data)
+    if topic is None:
+        return False
+    key = self.router.plain_route(self.client_id, topic)
+    if key is None:
+        return False
+    self.conn.expect_plain(topic)
+    self._plain_key = key
+    self._lane = lane = new_lane(self, key)
+    return lane is not None and lane.receive(data)
+
+
 # The Python device path: methods of MQTTProtocol (``self``), kept here beside the choice.
 
 

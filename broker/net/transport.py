@@ -68,7 +68,7 @@ from broker.net.connlog import (
     log_connected,
     log_disconnected,
 )
-from broker.net.devicepath import new_lane, plain_acked, plain_publish
+from broker.net.devicepath import burst_lane, new_lane, plain_acked, plain_publish
 from broker.net.keepalive import keepalive_deadline
 from broker.router.router import TOPIC_ALIAS_MAXIMUM
 
@@ -174,6 +174,7 @@ class MQTTProtocol(asyncio.Protocol):
     #: The device path in Python (broker.net.devicepath): the reference, and the fallback.
     _plain_publish = plain_publish
     _plain_acked = plain_acked
+    _burst_lane = burst_lane
 
     @property
     def connect_timeout(self) -> float:
@@ -216,6 +217,8 @@ class MQTTProtocol(asyncio.Protocol):
             return  # the compiled device path (module docstring)
         if self._closing:
             return
+        if lane is None and data[0] | 2 == 0x32 and self._burst_lane(data):
+            return  # a first burst of PUBLISHes, through the compiled lane (devicepath.py)
         self.last_received = self.edge.monotonic()
         self.metrics.bytes_in += len(data)
         if self._admission is not None:

@@ -9,8 +9,7 @@ Pump, run-send and deliver stay together here, on one object: they are the per-m
 (a read of records goes out as one run, :meth:`Delivery.send_run`, when no per-message rule
 applies, else one by one, :meth:`Delivery.deliver`), and no call is added between them.
 
-Called only from the owning event loop's thread.
-"""
+Called only from the owning event loop's thread."""
 
 from __future__ import annotations
 
@@ -149,17 +148,15 @@ class Delivery:
                 return
             pending.popleft()
             rec = self.read_exact(key, offset)
-            if rec is not None and rec.payload:
-                # [MQTT-3.3.1-8]
+            if rec is not None and rec.payload:  # [MQTT-3.3.1-8]
                 self.deliver(session, rec, key, qos, ids, MAIN, retain=True)
 
     def read(self, part: PartitionBase, offset: int) -> list[Record] | None:
         """Records from ``offset``; None if retention deleted it (caller skips forward).
 
-        ``[]`` (nothing to send yet) at a damaged range the stream holds
-        (``on_corruption = "stop"``): the consumer stays at ``offset``, its other
-        partitions and every other client go on; the log reported the range.
-        """
+        ``[]`` (nothing to send yet) at a damaged range the stream holds (``on_corruption =
+        "stop"``): the consumer stays at ``offset``, its other partitions and every other
+        client go on; the log reported the range."""
         try:
             return part.read(offset)
         except OffsetOutOfRange:
@@ -373,18 +370,16 @@ class Delivery:
         (0: the caller goes message by message; QUOTA_FULL: the first record waits for a
         PUBACK, as the one-by-one path would find).
 
-        A run takes records that all match with the same options, carry no properties (so
-        no message expiry [MQTT-3.3.2-5] and nothing to forward), need no subscription
-        identifier or replay annotation (5.0), are not subject to no-local [MQTT-3.8.3-3],
-        and go out at one QoS, 0 or 1: the minimum of the record's and the subscription's
-        [MQTT-3.8.4-8]. QoS 1 takes consecutive free packet ids within the send quota
-        (receive maximum / max_inflight, s4.9). It stops at this iteration's output room;
-        the link refuses runs that need topic aliases or the maximum packet size check.
-        Measured on a 1,000,000-record replay: 40% of the broker's time went to the
-        per-message :meth:`deliver` and encode, which a run does in C loops; then 45% to
-        transposing the log's Record tuples back into columns, which reading the log's
-        columns (:meth:`PartitionBase.read_columns`) avoids.
-        """
+        A run takes records that all match with the same options, carry no properties (so no
+        message expiry [MQTT-3.3.2-5] and nothing to forward), need no subscription identifier
+        or replay annotation (5.0), are not subject to no-local [MQTT-3.8.3-3], and go out at
+        one QoS, 0 or 1: the minimum of the record's and the subscription's [MQTT-3.8.4-8].
+        QoS 1 takes consecutive free packet ids within the send quota (receive maximum /
+        max_inflight, s4.9). It stops at this iteration's output room; the link refuses runs
+        that need topic aliases or the maximum packet size check. On a 1,000,000-record
+        replay 40% of the broker's time went to the per-message :meth:`deliver` and encode,
+        which a run does in C loops; then 45% to transposing the log's Record tuples back into
+        columns, which reading the log's columns (:meth:`PartitionBase.read_columns`) avoids."""
         start, stop = cols.start, cols.stop
         match = self.match_cached(consumer, cols.topic_at(start), authz)
         if match is None:
@@ -436,14 +431,19 @@ class Delivery:
             return 0
         # As many records as fit the output room (at least one) ...
         payloads = cols.payloads[start:stop]
-        # Header (at most 5 bytes), topic length and bytes, packet id, 5.0 properties: a
-        # bound four times the topic's characters took ~55% of the room, then 55% of the
-        # rest..., a dozen runs per iteration over the whole read (measured). At most room //
-        # overhead fit (summing the whole read for later runs: 4% of a QoS 0 fan-in).
+        # Header (at most 5 bytes), topic length and bytes, packet id, 5.0 properties: a bound
+        # four times the topic's characters took ~55% of the room, then 55% of the rest..., a
+        # dozen runs per iteration over the whole read (measured). At most room // overhead fit
+        # (summing the whole read for later runs: 4% of a QoS 0 fan-in); all, most often.
         overhead = max(map(len, map(str.encode, distinct))) + 10
-        sizes = map(len, islice(payloads, room // overhead + 1))
-        bound = accumulate(map(add, sizes, repeat(overhead)), initial=0)
-        take = min(n, max(1, bisect_right(list(bound), room) - 1))
+        take = n
+        if n > room // overhead or sum(map(len, payloads)) + n * overhead > room:
+            sizes = list(map(len, islice(payloads, room // overhead + 1)))
+            if sizes.count(sizes[0]) == len(sizes):  # one size (telemetry): no running sum
+                take = min(n, max(1, room // (sizes[0] + overhead)))
+            else:
+                bound = accumulate(map(add, sizes, repeat(overhead)), initial=0)
+                take = min(n, max(1, bisect_right(list(bound), room) - 1))
         first_pid: int | None = None
         if qos:
             # ... and the send quota, with consecutive packet ids that are free.

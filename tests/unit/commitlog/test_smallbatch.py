@@ -1,11 +1,14 @@
 """The compiled small batch (broker.commitlog._smallbatch) gives the pure-Python forms' bytes
 and records: the encoder ``small_batch.encode_small_python`` (itself held to the general
-encoder by test_batch.py), the decoder ``batch.decode_batch``, and a batch rebased to another
+encoder by test_batch.py), the general encoder ``batch.encode_batch`` for a batch of any
+size, the decoder ``batch.decode_batch``, and a batch rebased to another
 offset is the batch encoded there. What the compiled forms do not take (odd types, values
 that do not fit, control batches, gaps) they leave to the Python forms (None), which then
 encode it or raise the format's error."""
 
 from __future__ import annotations
+
+import gc
 
 import pytest
 from hypothesis import given, settings
@@ -65,6 +68,8 @@ def test_encoded_decoded_and_rebased_as_in_python(
     assert decoded == decode_batch(batch)
     assert [type(r) for r in decoded] == [Record] * len(records)
     assert [(type(r.retain), type(r.qos)) for r in decoded] == [(bool, int)] * len(records)
+    # Not tracked by the garbage collector (ints, strs and bytes: in no cycle).
+    assert not any(map(gc.is_tracked, decoded))
     moved = rebased(batch, base + 7)
     assert (
         moved
@@ -78,12 +83,57 @@ def test_encoded_decoded_and_rebased_as_in_python(
 @given(records=st.lists(_records, min_size=SMALL_BATCH + 1, max_size=40))
 def test_a_large_batch_decodes_as_in_python(records: list[Record]) -> None:
     """The decoder takes any consecutive batch (a forward of many records)."""
-    written = encode(3, records)  # the general encoder's bytearray, not copied
-    assert isinstance(written, bytearray) and written == encode_batch(3, records)
-    batch = bytes(written)
+    batch = encode(3, records)
+    assert type(batch) is bytes and batch == encode_batch(3, records)
     assert compiled.decode_records(batch) == decode_batch(batch)
     assert decode_records(b"xx" + batch, 2) == decode_batch(batch)
-    assert decode_records(written) == decode_batch(batch)  # a bytearray: the Python form
+    assert decode_records(bytearray(batch)) == decode_batch(batch)  # the Python form
+
+
+#: Records of many publishers to many topics (a table past the scanned strings, MAX_SCANNED
+#: in _smallbatch.pyx: 16), in runs that share their string objects as the device path's do,
+#: or equal strings that are other objects.
+_many = st.builds(
+    lambda i, j, payload, props, qos, shared: Record(
+        -1,
+        1_700_000_000_000 + i,
+        f"devices/{i:05d}/telemetry" if shared else "".join(f"devices/{i:05d}/telemetry"),
+        payload,
+        qos,
+        bool(j & 1),
+        f"p{j}",
+        props,
+    ),
+    st.integers(0, 40),
+    st.integers(0, 40),
+    st.binary(max_size=70),
+    st.one_of(st.just(b""), st.binary(max_size=4)),
+    st.integers(0, 2),
+    st.booleans(),
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    records=st.one_of(
+        st.lists(_records, min_size=1, max_size=300),
+        st.lists(_many, min_size=1, max_size=300),
+        st.lists(_many, min_size=1, max_size=20).map(lambda rs: [r for r in rs for _ in range(30)]),
+    ),
+    base=st.integers(0, 2**62),
+    epoch=st.integers(0, 2**31 - 1),
+)
+def test_a_batch_of_any_size_encodes_as_in_python(
+    records: list[Record], base: int, epoch: int
+) -> None:
+    """The compiled encoder writes the general encoder's bytes whatever the batch's size and
+    string table (a fan-in's iteration appends thousands of records per partition)."""
+    batch = compiled.encode_records(base, records, epoch)
+    assert batch == encode_batch(base, records, leader_epoch=epoch)
+    assert encode(base, records, leader_epoch=epoch) == batch
+    assert compiled.encode_records(base, tuple(records), epoch) == batch
+    assert compiled.decode_records(batch) == decode_batch(batch)
+    validate_batch(batch, 0, base)
 
 
 def test_what_the_compiled_forms_leave_to_python() -> None:
@@ -94,11 +144,14 @@ def test_what_the_compiled_forms_leave_to_python() -> None:
         [good._replace(qos=256)],
         [good._replace(topic="x" * 70_000)],
         [good._replace(topic="\ud800")],  # a lone surrogate: no UTF-8
-        [good] * (SMALL_BATCH + 1),
     ]
     for records in odd:
         assert compiled.encode_small(0, records) is None
+        assert compiled.encode_records(0, records * 20) is None
+    assert compiled.encode_small(0, [good] * (SMALL_BATCH + 1)) is None
+    assert compiled.encode_records(0, []) is None
     assert compiled.encode_small(0, [good], 2**31) is None
+    assert compiled.encode_records(0, [good], 2**31) is None
     assert encode_small(0, [odd[0][0]]) == encode_small_python(0, [good])
     for records in odd[1:5]:
         with pytest.raises(InvalidRecord):

@@ -14,6 +14,7 @@ point, and leave the same records in the log.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import struct
 import time
 from pathlib import Path
@@ -323,7 +324,7 @@ def test_forwarded_batches_among_device_publishes(
 def test_device_path_is_taken(tmp_path: Path, path: str) -> None:
     """The second and later plain PUBLISHes to one topic skip the decoder (else the test
     above compares the full path with itself), and are stored and acknowledged; on the
-    compiled path by the compiled lane."""
+    compiled path by the compiled lane, the first one too (devicepath.burst_lane)."""
     decoded: list[bytes | None] = []
 
     class Spy(DEVICE_PATHS[path]):  # type: ignore[misc,valid-type]
@@ -347,9 +348,14 @@ def test_device_path_is_taken(tmp_path: Path, path: str) -> None:
     for read in (first, second, second.replace(b"b", b"B"), other):
         proto.data_received(read)
     compiled = proto._lane is not None
+    gathered = server.router.partition(server.streams.partition_for(TOPICS[0])).pending[:3]
     server.end_iteration()
-    assert decoded == [connect(4), first, other]
     assert compiled == (path == "compiled" and devicepath.lane_class() is not None)
+    # The records the lane gathers are not tracked by the garbage collector (in no cycle:
+    # ints, strs, bytes), which a fan-in's collections traversed in the partitions' tails
+    # (the first went through Router.publish_plain: it made the partition).
+    assert [gc.is_tracked(r) for r in gathered[1:]] == [not compiled] * 2
+    assert decoded == [connect(4), other] if compiled else [connect(4), first, other]
     assert sorted(r[3] for r in server.records()) == sorted([b"a", b"b", b"B", b"c"])
     acks = b"".join(transport.written)[4:]  # after the CONNACK
     assert acks == b"".join(b"\x40\x02\x00" + bytes([pid]) for pid in (1, 2, 2, 3))
@@ -359,10 +365,11 @@ def test_device_path_is_taken(tmp_path: Path, path: str) -> None:
 @pytest.mark.parametrize("path", DEVICE_PATHS)
 def test_reads_of_several_plain_publishes(tmp_path: Path, path: str) -> None:
     """A publisher's burst: reads of several plain PUBLISHes, cut by the socket within a
-    fixed header, a topic, a payload. The compiled lane takes them, the start of a packet
-    at a read's end included (the decoder keeps it; the lane takes it back with the next
-    read); a read with another topic's PUBLISH is the decoder's. The Python device path
-    leaves every read of several to the decoder. Both answer as the full path does."""
+    fixed header, a topic, a payload. The compiled lane takes them, the first read's
+    included (made for its topic: devicepath.burst_lane), the start of a packet at a read's
+    end too (the decoder keeps it; the lane takes it back with the next read); a read with
+    another topic's PUBLISH is the decoder's. The Python device path leaves the first read
+    and every read of several to the decoder. Both answer as the full path does."""
     decoded: list[bytes | None] = []
 
     class Spy(DEVICE_PATHS[path]):  # type: ignore[misc,valid-type]
@@ -373,7 +380,7 @@ def test_reads_of_several_plain_publishes(tmp_path: Path, path: str) -> None:
     burst = [publish(4, TOPICS[0], b"m%d" % i, i % 2, i, False, False, b"") for i in range(1, 11)]
     stream = b"".join(burst)  # packets end at 27, 52, 79, 104, ..., 183, 208, ..., 261
     reads = [
-        burst[0],  # the full path: it sets the plain topic
+        burst[0],  # the full path's on the Python device path: it sets the plain topic
         stream[27:53],  # one packet and the first byte of the next
         stream[53:90],  # its rest, the next to within its topic
         stream[90:207],  # its rest, three more, the next to within its payload
@@ -386,7 +393,39 @@ def test_reads_of_several_plain_publishes(tmp_path: Path, path: str) -> None:
     assert sorted(r[3] for r in fast[2]) == sorted([b"m%d" % i for i in range(1, 11)] + [b"o"])
     assert not fast[1]
     compiled = path == "compiled" and devicepath.lane_class() is not None
-    assert decoded == [connect(4), reads[0], reads[-1]] if compiled else [connect(4), *reads]
+    assert decoded == [connect(4), reads[-1]] if compiled else [connect(4), *reads]
+
+
+@pytest.mark.parametrize("version", [4, 5])
+def test_a_first_burst_takes_the_lane(tmp_path: Path, version: int) -> None:
+    """A publisher's first read holding its whole burst (its socket filled while the loop
+    served the others): the compiled lane is made for the first PUBLISH's topic and takes
+    the read, the start of the next packet at its end included; the decoder sees none of
+    them. As the full path answers."""
+    decoded: list[bytes | None] = []
+
+    class Spy(MQTTProtocol):
+        def _receive(self, data: bytes | None, packets: Any) -> None:
+            decoded.append(data)
+            super()._receive(data, packets)
+
+    pids = [1 + i % QUOTA for i in range(60)] if version == 5 else range(1, 61)
+    burst = [
+        publish(version, TOPICS[0], b"m%d" % i, i % 2, pid, False, False, b"")
+        for i, pid in enumerate(pids)
+    ]
+    stream = b"".join(burst)
+    cut = len(stream) - 5  # within the last packet
+    # 5.0: no more in flight than our Receive Maximum (every QoS 1 id is acknowledged
+    # after each iteration; the ids of one read differ).
+    reads = [stream[:cut], stream[cut:]] if version == 4 else burst[:5]
+    ends = [0, 1] if version == 4 else list(range(5))
+    fast = serve(Spy, tmp_path / "fast", version, reads, ends)
+    full = serve(FullPathOnly, tmp_path / "full", version, reads, ends)
+    assert fast == full
+    assert not fast[1] and len(fast[2]) == len(reads if version == 5 else burst)
+    if devicepath.lane_class() is not None:
+        assert decoded == [connect(version)]
 
 
 def _plain(pid: int, payload: bytes = b"p", version: int = 5) -> bytes:
@@ -420,6 +459,64 @@ SCENARIOS = {
         4,
         [_subscribe(TOPICS[0], 0), *(_plain(i, bytes([i]), version=4) for i in range(1, 6))],
         [0, 2, 3, 5],
+        False,
+    ),
+    # First reads of several PUBLISHes to one topic (a first burst, devicepath.burst_lane)
+    # that the decoder refuses: after plain ones, a QoS 0 PUBLISH with DUP [MQTT-3.3.1-2];
+    # over the Receive Maximum; a wildcard in the topic [MQTT-3.3.2-2]; a topic over the
+    # maximum levels; not UTF-8; with U+0000 [MQTT-1.5.4-2]. None of the read is stored.
+    "a first burst ending in a malformed packet": (
+        4,
+        [
+            _plain(1, version=4)
+            + _plain(2, version=4)
+            + publish(4, TOPICS[0], b"x", 0, 0, True, False, b"")
+        ],
+        [0],
+        True,
+    ),
+    "a first burst over the receive maximum": (
+        5,
+        [b"".join(_plain(i) for i in range(1, QUOTA + 2))],
+        [0],
+        True,
+    ),
+    "a first burst with a wildcard": (
+        4,
+        [publish(4, "devices/+/t", b"x", 0, 0, False, False, b"") * 3],
+        [0],
+        True,
+    ),
+    "a first burst to too many levels": (
+        4,
+        [publish(4, "devices" + "/x" * 40, b"x", 0, 0, False, False, b"") * 3],
+        [0],
+        True,
+    ),
+    "a first burst with a topic not UTF-8": (
+        4,
+        [publish(4, TOPICS[0], b"x", 0, 0, False, False, b"").replace(b"/1/", b"/\xff/") * 3],
+        [0],
+        True,
+    ),
+    "a first burst with U+0000 in the topic": (
+        4,
+        [publish(4, "devices/\x00/t", b"x", 0, 0, False, False, b"") * 3],
+        [0],
+        True,
+    ),
+    # ... and ones it takes, the router refusing or not the plain route: to $SYS (dropped),
+    # a 5.0 first PUBLISH with properties (the lane refuses the read: the decoder's).
+    "a first burst to $SYS": (
+        4,
+        [publish(4, "$SYS/x", b"x", 1, 1, False, False, b"") * 3],
+        [0],
+        False,
+    ),
+    "a first burst with properties first": (
+        5,
+        [publish(5, TOPICS[0], b"x", 0, 0, False, False, PROPERTIES[1]) + _plain(1) + _plain(2)],
+        [0],
         False,
     ),
     # A PUBLISH (to "t") whose payload is a plain PUBLISH, the payload in its own read: it
