@@ -513,10 +513,10 @@ class RaftNode(Elections, Snapshots, Commits):
         self._leader_match = max(self._leader_match, end)
         self._learn_commit(m.commit, self._leader_match)
         if not new:
-            # New entries are acknowledged once flushed (:meth:`flushed`), as etcd-io/raft
-            # answers MsgApp after persisting: the leader counts only what is durable
-            # (s5.4.2 with our Flush), so an earlier answer would cost it a frame and a step
-            # and let it commit nothing.
+            # New entries are acknowledged once flushed (:meth:`flushed`): Raft's figure 2
+            # persists them "before responding to RPCs", as etcd-io/raft answers MsgApp
+            # after persisting. The leader counts only flushed entries, so an answer on
+            # receipt would cost it a frame and a step and let it commit nothing.
             self._send(self._ack(m.frm))
 
     def _truncate(self, index: int) -> bool:
