@@ -47,6 +47,9 @@ cdef extern from "Python.h":
 
 cdef type _RECORD = Record
 cdef object _EMPTY = b""
+#: No string at all: what a column's first record is compared with (None is a field's value
+#: too, which the table refuses).
+cdef object _NO_STRING = object()
 #: The format's numbers (broker.commitlog.batch: MAGIC, BATCH_HEADER_SIZE, CRC_OFFSET,
 #: RECORD_FIXED_SIZE, CONTROL_FLAG); tests/unit/commitlog/test_smallbatch.py checks them.
 cdef enum:
@@ -160,9 +163,6 @@ cdef class _Columns:
         does not fit (the Python encoder then encodes it or raises)."""
         cdef Py_ssize_t i, n = self.n
         cdef int q = 0, f = 0
-        cdef object prev_topic = None, prev_client = None
-        cdef uint32_t topic_index = 0, client_index = 0
-        cdef long index
         self.records = records
         self.no_props = True
         for i in range(n):
@@ -190,24 +190,27 @@ cdef class _Columns:
             self.body += PyBytes_GET_SIZE(payload) + PyBytes_GET_SIZE(props)
             if PyBytes_GET_SIZE(props):
                 self.no_props = False
-        # The string table: topics, then client ids, each once, in order of first
-        # appearance (a run of one publisher's records shares its string objects).
-        for i in range(n):
-            topic = <object>PyTuple_GET_ITEM(records[i], 2)
-            if topic is not prev_topic:
-                index = self.find(topic)
+        # The string table: topics, then client ids, each once, in order of first appearance.
+        return self.index_column(records, 2, self.topic_at) and self.index_column(
+            records, 6, self.client_at
+        )
+
+    cdef bint index_column(self, records, int field, uint32_t* out) except -1:
+        """``out[i]``: the table index of record ``i``'s string ``field`` (2: the topic, 6:
+        the client id); False if one is not a string the table takes. A run of one
+        publisher's records shares its string objects: looked up once per run."""
+        cdef Py_ssize_t i
+        cdef object prev = _NO_STRING
+        cdef uint32_t at = 0
+        cdef long index
+        for i in range(self.n):
+            value = <object>PyTuple_GET_ITEM(records[i], field)
+            if value is not prev:
+                index = self.find(value)
                 if index < 0:
                     return False
-                prev_topic, topic_index = topic, <uint32_t>index
-            self.topic_at[i] = topic_index
-        for i in range(n):
-            client = <object>PyTuple_GET_ITEM(records[i], 6)
-            if client is not prev_client:
-                index = self.find(client)
-                if index < 0:
-                    return False
-                prev_client, client_index = client, <uint32_t>index
-            self.client_at[i] = client_index
+                prev, at = value, <uint32_t>index
+            out[i] = at
         return True
 
     cdef long find(self, value) except -2:

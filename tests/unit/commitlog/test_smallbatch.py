@@ -144,6 +144,8 @@ def test_what_the_compiled_forms_leave_to_python() -> None:
         [good._replace(qos=256)],
         [good._replace(topic="x" * 70_000)],
         [good._replace(topic="\ud800")],  # a lone surrogate: no UTF-8
+        [good._replace(topic=None)],  # not a string (was indexed as the table's first)
+        [good._replace(client_id=None)],
     ]
     for records in odd:
         assert compiled.encode_small(0, records) is None
