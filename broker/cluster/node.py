@@ -16,9 +16,8 @@ Raft's safety needs (its ``Ready``):
 3. flushes: each group's log is fsynced once for every entry appended since its last flush
    (appends only write to the page cache, ``GroupStorage.append``) and the core told
    ``flushed``, so the commit index only ever counts what a majority has on disk; the
-   acknowledgements this makes leave in the next pass of the round. The fsyncs run on a
-   thread while the loop goes on reading publishes and frames and appending
-   (``broker.cluster.logsync``: what each covers, what a failed one means);
+   acknowledgements this makes leave in the next pass of the round (``broker.cluster.logsync``:
+   why on the loop, what a failed fsync means);
 4. commits: each group's storage pins its high-water mark (readers never see past it) and
    :attr:`ClusterNode.on_commit` tells the broker, which acknowledges and delivers.
 
@@ -147,10 +146,7 @@ class ClusterNode:
         self.group_keys: dict[int, tuple[str, int]] = {}
         self._scheduled = False
         self.syncer = LogSyncer(
-            self.loop,
-            self.storages,
-            self._synced,
-            lambda g: "{}/{}".format(*self.group_keys.get(g, ("group", g))),
+            self.storages, lambda g: "{}/{}".format(*self.group_keys.get(g, ("group", g)))
         )
         self._ticks = 0
         #: Ticks between two retention passes (the log cleaner's 30 s).
@@ -452,16 +448,7 @@ class ClusterNode:
             for frame in ready.frames:
                 self._send_frame(frame)
             if ready.flushes:
-                done: list[tuple[int, int]] = []
-                for g, index in ready.flushes.items():
-                    storage = self.storages[g]
-                    if storage.flushed_index >= index:
-                        done.append((g, storage.flushed_index))
-                    else:
-                        self.syncer.add(g)
-                if done:
-                    self._step(host.flushed, done)
-                self.syncer.start()
+                self._step(host.flushed, self.syncer.flush(ready.flushes))
             for g, index in ready.commits.items():
                 self.storages[g].set_commit(index)
                 commits[g] = index
@@ -485,12 +472,6 @@ class ClusterNode:
                         core.term,
                     )
                 self.on_leader(g)
-
-    def _synced(self, done: list[tuple[int, int]]) -> None:
-        """Fsyncs of :attr:`syncer` made these ``(group, index)`` durable."""
-        if self.host is not None:
-            self._step(self.host.flushed, done)
-            self._schedule()
 
     def _send_frame(self, frame: Frame) -> None:
         name = self.names.get(frame.to)
@@ -574,7 +555,6 @@ class ClusterNode:
         if self._timer is not None:
             self._timer.cancel()
         self._round()  # what is durable and due goes out before the sockets close
-        await self.syncer.close()
         await self.transport.close()
         if self.membership is not None:
             self.membership.close()

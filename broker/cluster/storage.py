@@ -47,9 +47,7 @@ and the commit index is the log's high-water mark, which this storage pins
   moves only there. So the driver sends a round's messages before its one fsync (a leader
   writes its own disk in parallel with its followers, Raft thesis s10.2.1; a follower
   fsyncs a frame of many entries once), and the core counts an entry towards commit only
-  once reported flushed. The fsync may run on another thread (:meth:`sync_target`, then
-  :meth:`synced` on the owner's): it covers what was appended before it started, and a
-  truncation meanwhile voids it (the indexes it would vouch for may hold other entries).
+  once reported flushed.
 * The hard state (term, voted_for, commit hint) is written temp file + fsync + rename +
   directory fsync before the core is told ``hard_state_persisted``.
 * The log start and the configurations (``raft-log-start``, :mod:`broker.cluster.hardstate`):
@@ -154,8 +152,6 @@ class GroupStorage:
         self.commit = commit
         #: Entries up to this index are durable.
         self.flushed_index = terms.last_index
-        #: Counts truncations and resets: an fsync started before one vouches for nothing.
-        self.generation = 0
 
     @classmethod
     def open(
@@ -275,7 +271,6 @@ class GroupStorage:
         before = len(self.terms.runs())
         self.log.truncate(from_index - 1, floor=self.commit)
         self.terms.truncate_from(from_index)
-        self.generation += 1
         self.flushed_index = min(self.flushed_index, self.terms.last_index)
         if len(self.terms.runs()) < before:
             write_epoch_checkpoint(self.directory, _offset_runs(self.terms))
@@ -303,7 +298,6 @@ class GroupStorage:
         self.terms.reset(index, reset.last_term)
         self._write_log_start()
         self.log.reset(index)
-        self.generation += 1
         write_epoch_checkpoint(self.directory, [])
         self.flushed_index = index
         self.set_commit(index)
@@ -318,23 +312,6 @@ class GroupStorage:
         """``Flush``: fsync the log; return the index now durable (for ``core.flushed``)."""
         self.log.flush()
         self.flushed_index = self.terms.last_index
-        return self.flushed_index
-
-    def sync_target(self) -> tuple[int, int, int] | None:
-        """For an fsync on another thread: ``(fd, index, generation)``, where an fdatasync of
-        ``fd`` (the caller closes it) makes the entries up to ``index`` durable, to report with
-        :meth:`synced`; None when only :meth:`flush` can (``SegmentedLog.sync_target``)."""
-        fd = self.log.sync_target()
-        if fd is None:
-            return None
-        return fd, self.terms.last_index, self.generation
-
-    def synced(self, index: int, generation: int) -> int:
-        """The fdatasync of a :meth:`sync_target` returned: the entries up to ``index`` are
-        durable unless the log was truncated or reset since (``generation``). Returns
-        :attr:`flushed_index` (for ``core.flushed``)."""
-        if generation == self.generation:
-            self.flushed_index = max(self.flushed_index, min(index, self.terms.last_index))
         return self.flushed_index
 
     def persist_hard_state(self, state: HardState) -> None:

@@ -108,21 +108,6 @@ class ReplicaOps:
             self._write_locked(batch, h.next_offset, sync=not defer_fsync)
             return base
 
-    def sync_target(self) -> int | None:
-        """For an fsync off the owner's thread: a new descriptor of the active segment such
-        that an fdatasync of it makes every batch appended before this call durable (the
-        caller closes it); or None when unsynced data lies elsewhere too (a segment rolled
-        without its sync, fsync="interval"), and only :meth:`flush` makes it durable.
-
-        Why the active segment is enough otherwise: under fsync "always" a roll fsyncs the
-        old segment, its indexes and the directory before the new segment takes a batch."""
-        with self._lock:
-            self._check_open()
-            segments = self._segments
-            if self._rolled or any(s.dirty for s in segments[:-1]):
-                return None
-            return segments[-1].dup_fd()
-
     def read_batches(self, offset: int, end: int, max_batches: int, max_bytes: int) -> list[bytes]:
         """The stored batches, byte for byte, from the one holding ``offset`` through the last
         one starting below ``end``; at most ``max_batches``, and none that would take the total

@@ -139,7 +139,6 @@ IO_MODULES = {
     "formation.py",
     "peers.py",
     "peerlink.py",
-    "logsync.py",
     "repairer.py",
     "metadata_group.py",
     "metadata_members.py",

@@ -8,7 +8,6 @@ follower is cut and catches up, a follower behind the leader's log start install
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
 from collections import deque
@@ -28,6 +27,7 @@ from broker.cluster.hardstate import (
     write_hard_state,
     write_log_start,
 )
+from broker.cluster.logsync import LogSyncer
 from broker.cluster.membership import Configuration
 from broker.cluster.messages import (
     AppendLog,
@@ -50,7 +50,7 @@ from broker.cluster.terms import TermTable
 from broker.commitlog import CommitLogError, LogConfig, Record, SegmentedLog
 from broker.commitlog.batch import decode_control, encode_batch
 from broker.commitlog.disk import fsync_data
-from broker.commitlog.segment import LOG_SUFFIX, file_name
+from broker.commitlog.errors import LogIOError
 
 CONFIG = LogConfig(segment_bytes=2048, index_interval_bytes=200, fsync="interval")
 VOTERS = Configuration.of({0, 1, 2})
@@ -212,31 +212,48 @@ def test_truncation_never_reaches_the_commit_index(tmp_path: Path) -> None:
     storage.close()
 
 
-def test_appends_wait_for_a_flush_or_an_fsync_started_after_them(tmp_path: Path) -> None:
-    """Under fsync "always" too, an append is durable only at the next flush; an fsync of a
-    ``sync_target`` vouches for what was appended before it started, and for nothing once
-    the log was truncated meanwhile."""
+def test_appends_wait_for_a_flush(tmp_path: Path) -> None:
+    """Under fsync "always" too, an append is durable only at the next flush."""
     storage = GroupStorage.open(tmp_path, LogConfig(segment_bytes=1 << 20, fsync="always"))
     put(storage, 1, 2)
     assert (storage.flushed_index, storage.terms.last_index) == (0, 2)
+    assert storage.log.segments and storage.log._segments[-1].dirty
     assert storage.flush() == 2
+    assert not storage.log._segments[-1].dirty
+    storage.set_commit(2)
     put(storage, 1, 3)
-    target = storage.sync_target()
-    assert target is not None
-    fd, index, generation = target
-    put(storage, 1, 1)  # after the fsync started: not covered by it
-    active = tmp_path / file_name(storage.log.segments[-1], LOG_SUFFIX)
-    assert os.path.samestat(os.fstat(fd), os.stat(active))
-    os.fdatasync(fd)
-    os.close(fd)
-    assert (index, storage.synced(index, generation)) == (5, 5)
-    fd, index, generation = storage.sync_target() or (-1, 0, 0)
-    os.close(fd)
-    storage.set_commit(5)
-    storage.truncate(6)
-    put(storage, 2)
-    assert storage.synced(index, generation) == 5  # the truncation voided it
+    storage.truncate(3)  # the unflushed entry is gone: nothing past the log end counts
+    assert (storage.flushed_index, storage.terms.last_index) == (2, 2)
     storage.close()
+
+
+def test_a_group_whose_fsync_failed_never_reports_its_log_durable_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """After an fsync error the kernel may have dropped the dirty pages: a later fsync that
+    succeeds vouches for nothing, so the failed group's entries count on the other replicas
+    only (broker.cluster.logsync). The other groups flush as before."""
+    config = LogConfig(segment_bytes=1 << 20, fsync="always")
+    storages = {g: GroupStorage.open(tmp_path / str(g), config) for g in (1, 2)}
+    syncer = LogSyncer(storages, str)
+    for storage in storages.values():
+        put(storage, 1, 2)
+    failing = storages[1].log
+
+    def fail() -> None:
+        raise LogIOError(failing.directory, "fsync segment", OSError(5, "Input/output error"))
+
+    monkeypatch.setattr(failing, "flush", fail)
+    with caplog.at_level("CRITICAL", logger="broker.cluster"):
+        assert syncer.flush({1: 2, 2: 2}) == [(2, 2)]
+    assert "1: fsync failed" in caplog.text and syncer.failed == {1}
+    monkeypatch.undo()  # the disk answers again: the group stays out
+    put(storages[1], 1, 1)
+    put(storages[2], 1, 1)
+    assert syncer.flush({1: 3, 2: 3}) == [(2, 3)]
+    assert storages[1].flushed_index == 0
+    for storage in storages.values():
+        storage.close()
 
 
 # -- recovery --------------------------------------------------------------------------------

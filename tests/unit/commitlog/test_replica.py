@@ -5,7 +5,6 @@ reader and kept by compaction."""
 
 from __future__ import annotations
 
-import os
 import random
 from pathlib import Path
 
@@ -344,29 +343,14 @@ def test_a_single_node_log_is_one_run_of_epoch_zero(tmp_path: Path) -> None:
         assert BATCH_HEADER.unpack_from(log.read_batches(0, 5, 1, 0)[0])[5] == 0
 
 
-def test_a_deferred_append_waits_for_flush_or_an_fsync_of_the_sync_target(tmp_path: Path) -> None:
+def test_a_deferred_append_waits_for_flush(tmp_path: Path) -> None:
     """``append_raw(defer_fsync=True)`` leaves the segment unsynced even under fsync
-    "always"; ``sync_target`` hands out the active segment's file while it alone holds
-    unsynced data, and None when a roll left older data unsynced (fsync "never")."""
+    "always" (the replicated log flushes once per round); ``flush`` syncs it."""
     log = open_log(tmp_path / "always", fsync="always")
     log.append_raw(noop(log, 1))
     assert not log._segments[-1].dirty
     log.append_raw(noop(log, 1), defer_fsync=True)
     assert log._segments[-1].dirty
-    fd = log.sync_target()
-    assert fd is not None
-    assert os.path.samestat(os.fstat(fd), os.fstat(log._segments[-1]._fd))
-    os.close(fd)
     log.flush()
     assert not log._segments[-1].dirty
-    log.close()
-
-    log = open_log(tmp_path / "never", fsync="never", segment_bytes=200)
-    while len(log.segments) < 2:
-        log.append_raw(encode_batch(log.end_offset, recs(3), leader_epoch=1), defer_fsync=True)
-    assert log.sync_target() is None  # the rolled segment was never synced
-    log.flush()
-    fd = log.sync_target()
-    assert fd is not None
-    os.close(fd)
     log.close()
