@@ -16,6 +16,7 @@ from broker.config import Config, RouterConfig
 from broker.metrics.collector import Metrics
 from broker.mqtt.connection import keepalive_expired
 from broker.net.keepalive import KeepaliveWheel, keepalive_deadline, link_expired
+from broker.net.parking import ParkingLot
 from broker.net.transport import MQTTProtocol
 from broker.server import TICK_SECONDS, Server
 from tests.mqttbytes import connect311
@@ -49,6 +50,7 @@ class FakeServer:
         self.auth = AuthService(self.config.auth, clock)  # anonymous: no thread needed
         self.links: set[Any] = set()
         self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, clock())
+        self.parking = ParkingLot(None, 0, clock())  # never parks
         self.flushed: list[Any] = []
         self.session_claims = None  # one worker: no session claims
 
