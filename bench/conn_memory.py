@@ -111,6 +111,7 @@ async def _parked(server: object, conns: int) -> int:
     deadline = time.monotonic() + lot.after + 5
     while len(lot) < conns and time.monotonic() < deadline:
         await asyncio.sleep(0.25)
+    await asyncio.sleep(0.5)  # the closes of the last ones' transports (uv_close callbacks)
     return len(lot)
 
 
