@@ -249,3 +249,17 @@ def test_wheel_hands_each_item_out_once_and_skips_discarded_and_refiled() -> Non
     assert wheel.due(104.9) == []
     assert wheel.due(200.0) == ["b"]
     assert len(wheel) == 0
+
+
+def test_wheel_after_most_items_left_keeps_the_rest() -> None:
+    """Handing out more items than stay copies the rest into a dict of their size (a dict
+    keeps its table after deletions: the parking wheel empties as its connections park)."""
+    wheel: KeepaliveWheel[int] = KeepaliveWheel(0.5, 100.0)
+    for i in range(1000):
+        wheel.file(i, 101.0)
+    wheel.file(1000, 110.0)
+    assert wheel.due(101.0) == list(range(1000))
+    assert len(wheel) == 1
+    wheel.file(1000, 120.0)  # moved: the entry at 110 is stale
+    assert wheel.due(115.0) == []
+    assert wheel.due(120.0) == [1000]
