@@ -86,11 +86,10 @@ class ParkingLot:
         for link in self._wheel.due(now):
             if link.closing:
                 continue
-            if parkable(link, now, self.after):
-                park(link)
-            else:
-                link._wrote = False  # the next look asks whether anything left since this one
-                self._wheel.file(link, max(link.last_received + self.after, now + self.after / 2))
+            if parkable(link, now, self.after) and park(link):
+                continue
+            link._wrote = False  # the next look asks whether anything left since this one
+            self._wheel.file(link, max(link.last_received + self.after, now + self.after / 2))
 
     def hold(self, fd: int, link: MQTTProtocol) -> None:
         assert self._epoll is not None
@@ -173,13 +172,14 @@ def parkable(link: MQTTProtocol, now: float, after: float) -> bool:
     )
 
 
-def park(link: MQTTProtocol) -> None:
-    """Close ``link``'s transport, keeping its socket (a duplicate descriptor) in the lot."""
+def park(link: MQTTProtocol) -> bool:
+    """Close ``link``'s transport, keeping its socket (a duplicate descriptor) in the lot;
+    False where the transport shows no socket (it stays as it is)."""
     transport = link.transport
     assert transport is not None
     sock = transport.get_extra_info("socket")
     if sock is None:
-        return
+        return False
     fd = os.dup(sock.fileno())
     transport.set_protocol(_DETACHED)
     transport.abort()  # uv_close: the descriptor only; the duplicate keeps the connection
@@ -188,6 +188,7 @@ def park(link: MQTTProtocol) -> None:
     link._lane = None
     link._parked = fd
     link.edge.parking.hold(fd, link)
+    return True
 
 
 def unpark(link: MQTTProtocol) -> None:
