@@ -75,21 +75,27 @@ class ParkingLot:
         from now (it has just written: its CONNACK, or what waited while it was parked),
         which starts the watch on its output (:func:`parkable`)."""
         if self.after > 0:
-            self._wheel.file(link, now + self.after / 2)
+            self._wheel.file(link, now + self.after / 2 + self._spread(link))
+
+    def _spread(self, link: MQTTProtocol) -> float:
+        """Up to half ``after`` more, the same for a link every time: a fleet that connected
+        at once (5,000 looks took 4 ms in one timer run) is looked at over ten runs."""
+        return hash(link) % 61 / 122 * self.after
 
     def forget(self, link: MQTTProtocol) -> None:
         self._wheel.discard(link)
 
     def check(self, now: float) -> None:
         """Park the connections looked at now that were idle; look at the others again
-        ``after`` from their last input, and at least half ``after`` from now."""
+        ``after`` from their last input, at least half ``after`` from now (and spread)."""
         for link in self._wheel.due(now):
             if link.closing:
                 continue
             if parkable(link, now, self.after) and park(link):
                 continue
             link._wrote = False  # the next look asks whether anything left since this one
-            self._wheel.file(link, max(link.last_received + self.after, now + self.after / 2))
+            soonest = max(link.last_received + self.after, now + self.after / 2)
+            self._wheel.file(link, soonest + self._spread(link))
 
     def hold(self, fd: int, link: MQTTProtocol) -> None:
         assert self._epoll is not None
@@ -147,14 +153,14 @@ def parkable(link: MQTTProtocol, now: float, after: float) -> bool:
     transport = link.transport
     session = link.session
     if (
-        transport is None
+        link._wrote  # the common answers first: a device or a subscriber in use
+        or now - link.last_received < after
+        or transport is None
         or session is None
         or link._admission is not None
         or link._out is not None
         or link._held
         or link._paused
-        or link._wrote
-        or now - link.last_received < after
         or isinstance(transport, Carrier)
         or transport.is_closing()
         or transport.get_write_buffer_size()
