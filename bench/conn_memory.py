@@ -6,7 +6,8 @@ socket buffers are not in it either way).
 One worker (``mqlog serve`` with ``--workers 1``, the config/broker.toml defaults otherwise)
 runs in this process under tracemalloc; a client process opens ``--conns`` connections as the
 storm's generator does (MQTT 3.1.1, clean session, keepalive 0, a user name, no
-subscription), each CONNECTed and CONNACKed, then holds them idle. The figure: traced bytes
+subscription), each CONNECTed and CONNACKed, then holds them idle (parked, where the checkout
+parks idle connections: broker.net.parking, after ``[router] park_after``). The figure: traced bytes
 after minus before, over the connections; and the allocation sites that grew most, per
 connection.
 
@@ -21,6 +22,7 @@ import asyncio
 import gc
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -81,6 +83,7 @@ async def measure(conns: int, top: int) -> dict[str, object]:
     before = tracemalloc.take_snapshot()
     held = await asyncio.to_thread(_open, port, conns)
     await asyncio.sleep(0.5)  # the last CONNACKs' callbacks; then the connections are idle
+    parked = await _parked(server, conns)
     gc.collect()
     after = tracemalloc.take_snapshot()
     tracemalloc.stop()
@@ -97,7 +100,21 @@ async def measure(conns: int, top: int) -> dict[str, object]:
     held.stdin.close()
     held.wait(10)
     await server.stop()
-    return {"bytes_per_conn": grown / conns, "sites": sites}
+    shutil.rmtree(data, ignore_errors=True)
+    return {"bytes_per_conn": grown / conns, "sites": sites, "parked": parked}
+
+
+async def _parked(server: object, conns: int) -> int:
+    """Wait for the idle connections to park (broker.net.parking, after ``[router]
+    park_after``; a checkout without parking: none); how many did."""
+    lot = getattr(server, "parking", None)
+    if lot is None or not lot.after:
+        return 0
+    deadline = time.monotonic() + 2 * lot.after + 5  # looks are spread over half of it
+    while len(lot) < conns and time.monotonic() < deadline:
+        await asyncio.sleep(0.25)
+    await asyncio.sleep(0.5)  # the closes of the last ones' transports (uv_close callbacks)
+    return len(lot)
 
 
 #: Frames kept per allocation: enough to reach our code from uvloop's callbacks.
@@ -180,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
         doc = json.loads(out.stdout.strip().splitlines()[-1])
         print(
             f"{root}: {doc['bytes_per_conn']:,.0f} bytes per idle connection "
-            f"({args.conns} connections, tracemalloc)"
+            f"({args.conns} connections, tracemalloc; {doc.get('parked', 0)} parked)"
         )
         for where, size, count in doc["sites"]:
             print(f"  {size:8.1f} B/conn  {count:+7d} blocks  {where}")

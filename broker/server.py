@@ -42,6 +42,7 @@ from broker.mqtt.topics import topic_matches
 from broker.net.context import SessionClaims
 from broker.net.iteration import IterationEnd
 from broker.net.keepalive import KeepaliveWheel, keepalive_deadline, link_expired
+from broker.net.parking import ParkingLot
 from broker.net.tls import TLSConfigError, TLSProtocol, server_context
 from broker.net.transport import MQTTProtocol
 from broker.net.websocket import WebSocketListener
@@ -179,6 +180,8 @@ class Server:
         self.links: set[MQTTProtocol] = set()
         #: Every link by its keepalive (or CONNECT) deadline, looked at when that passes.
         self.keepalive: KeepaliveWheel[MQTTProtocol] = KeepaliveWheel(TICK_SECONDS, monotonic())
+        #: Idle links off the loop, their sockets in one epoll (broker.net.parking).
+        self.parking = ParkingLot(self.loop, config.router.park_after / 1000, monotonic())
         self._flush_pending: list[MQTTProtocol] = []
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
@@ -398,6 +401,7 @@ class Server:
             await asyncio.sleep(TICK_SECONDS)
             try:
                 self.check_keepalives(self.monotonic())
+                self.parking.check(self.monotonic())
                 self.router.tick()
                 if self.cluster is not None:
                     self.cluster.tick()
@@ -432,6 +436,7 @@ class Server:
         for link in list(self.links):
             link.close(ReasonCode.SERVER_SHUTTING_DOWN, "server shutting down")
         self._flush_links()
+        await self.parking.close()  # the parked links resumed to close
         if self.websocket is not None:
             # After the DISCONNECTs above were queued: each WebSocket sends its own and closes.
             await self.websocket.stop()

@@ -135,6 +135,9 @@ class Scraped(Protocol):
     def links(self) -> Sized: ...
 
     @property
+    def parking(self) -> Sized: ...
+
+    @property
     def runtime(self) -> WorkerShare | None: ...
 
 
@@ -155,6 +158,11 @@ class BrokerCollector(Collector):
         )
         yield _gauge(
             "mqlog_connections", "Open network connections (any listener)", len(server.links)
+        )
+        yield _gauge(
+            "mqlog_connections_parked",
+            "Idle connections parked off the event loop (broker.net.parking)",
+            len(server.parking),
         )
         yield _gauge(
             "mqlog_clients_connected", "Clients with an accepted CONNECT", router.connections

@@ -70,6 +70,18 @@ _shared_qos0: dict[tuple[str, bytes, bool, int], bytes] = {}
 #: (an empty set is 216 bytes; an idle 3.1.1 device needs none of its own).
 _NO_QUOTA: set[int] = set()
 
+
+class _NoDecoder(Decoder):
+    """The decoder of a parked connection (:meth:`ServerConnection.drop_decoder`): none."""
+
+    __slots__ = ()
+
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        raise RuntimeError("input to a parked connection before its decoder was made again")
+
+
+_NO_DECODER = _NoDecoder()
+
 #: Packets a client may send to a server (s2.1.2 "Direction of flow").
 _CLIENT_TO_SERVER = (
     Publish,
@@ -218,6 +230,16 @@ class ServerConnection:
     def buffered(self) -> int:
         """Bytes received and not yet returned as packets (part of a packet)."""
         return self._decoder.buffered
+
+    def drop_decoder(self) -> None:
+        """Free the decoder of a connected, idle connection (nothing buffered): a parked
+        one's (broker.net.parking) is made again by :meth:`new_decoder` before it reads."""
+        assert self.connected and not self._decoder.buffered
+        self._decoder = _NO_DECODER
+
+    def new_decoder(self) -> None:
+        """A decoder for a connection past its CONNECT (it never asks for one again)."""
+        self._decoder = Decoder(self._max_packet_size, self.version, puback_runs=True)
 
     @property
     def requested_level(self) -> int | None:

@@ -358,4 +358,7 @@ class Decoder:
                 append(decoded)
             pos = end
             limit -= 1
-        self._pos = pos
+        if pos == n:  # every byte parsed: the read is not kept (an idle connection's 60 bytes)
+            self._buf, self._pos = _EMPTY, 0
+        else:
+            self._pos = pos

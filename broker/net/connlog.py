@@ -11,6 +11,7 @@ it with a reason code. Logged at INFO unless ``[server] connection_messages = fa
 
 from __future__ import annotations
 
+import asyncio
 import logging
 
 from broker.mqtt.packets import Connect
@@ -52,3 +53,15 @@ def log_disconnected(client_id: str, ending: str) -> None:
         log.info("Client %s%s", client_id, ending)
     else:
         log.info("Client %s disconnected%s", client_id, ending)
+
+
+def peer_address(transport: asyncio.BaseTransport | None, host_only: bool = False) -> str:
+    """The client's ``host:port`` (or host), asked of the transport when a log line or a
+    login names it, not kept as two strings per connection (uvloop keeps it, also after the
+    close); "?" without a transport (a parked connection, broker.net.parking)."""
+    peer = transport.get_extra_info("peername") if transport is not None else None
+    if peer is None:
+        return "?"
+    if not isinstance(peer, tuple):
+        return str(peer)
+    return str(peer[0]) if host_only else f"{peer[0]}:{peer[1]}"

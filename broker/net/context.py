@@ -20,6 +20,7 @@ if TYPE_CHECKING:
     from broker.auth import AuthService
     from broker.config import Config
     from broker.net.keepalive import KeepaliveWheel
+    from broker.net.parking import ParkingLot
     from broker.router.router import Router
 
 T = TypeVar("T")
@@ -96,6 +97,11 @@ class EdgeContext(Protocol[L]):
     @property
     def keepalive(self) -> KeepaliveWheel[L]:
         """The keepalive wheel a link files its next deadline in."""
+        ...
+
+    @property
+    def parking(self) -> ParkingLot:
+        """Where idle links park (broker.net.parking)."""
         ...
 
     @property

@@ -72,6 +72,10 @@ class KeepaliveWheel(Generic[T]):
                     del slot_of[item]
                     out.append(item)
         self._cursor = max(self._cursor, last)
+        if len(out) > len(slot_of):
+            # A dict keeps its table after deletions: most items left (parked, closed), so
+            # the rest are copied into one of their size (linear in what was handed out).
+            self._slot_of = dict(slot_of)
         return out
 
 

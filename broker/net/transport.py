@@ -28,7 +28,7 @@ PUBACK is written from the packet id when the append returns (a fleet of devices
 publishing to its own topic, arrives that way). Compiled, the same path is a
 :class:`~broker.net._devicelane.DeviceLane` (:mod:`broker.net.devicepath`: which one serves),
 which also takes reads of several such PUBLISHes (a publisher's burst).
-Closing: :mod:`broker.net.closing`; the lifecycle log lines: :mod:`broker.net.connlog`.
+Closing, log lines, idle connections parked: :mod:`.closing`, :mod:`.connlog`, :mod:`.parking`.
 """
 
 from __future__ import annotations
@@ -67,9 +67,11 @@ from broker.net.connlog import (
     closed_by_broker,
     log_connected,
     log_disconnected,
+    peer_address,
 )
 from broker.net.devicepath import burst_lane, new_lane, plain_acked, plain_publish
 from broker.net.keepalive import keepalive_deadline
+from broker.net.parking import resumed, unpark
 from broker.router.router import TOPIC_ALIAS_MAXIMUM
 
 if TYPE_CHECKING:
@@ -108,8 +110,10 @@ class MQTTProtocol(asyncio.Protocol):
         "_lane",
         "_out",
         "_out_bytes",
+        "_parked",
         "_paused",
         "_plain_key",
+        "_wrote",
         "client_id",
         "conn",
         "connected_at",
@@ -129,8 +133,7 @@ class MQTTProtocol(asyncio.Protocol):
         self.edge = edge
         self.router = edge.router
         self.metrics = edge.metrics
-        #: Came in over the TLS listener (then ``tls_identity`` is the certificate's CN).
-        self.tls = tls
+        self.tls = tls  # came in over the TLS listener (tls_identity: the certificate's CN)
         self.tls_identity: str | None = None
         cfg = edge.config.router
         self.conn = ServerConnection(
@@ -154,8 +157,7 @@ class MQTTProtocol(asyncio.Protocol):
         #: Output queued this iteration; None while there is none (idle: no list).
         self._out: list[bytes] | None = None
         self._out_bytes = 0
-        #: Holds (:meth:`hold`) on the output: while any, nothing queued leaves.
-        self._held = 0
+        self._held = 0  # holds (:meth:`hold`) on the output: while any, nothing leaves
         self._paused = False
         self._acked = False
         self._closing = False
@@ -168,6 +170,8 @@ class MQTTProtocol(asyncio.Protocol):
         #: topic (``conn.plain_topic``), as the router answered; meaningless until there is one.
         self._plain_key: PartitionKey = ("", 0)
         self._lane: DeviceLane | None = None  # the same, compiled (devicepath.py)
+        self._parked = 0  # 0 live, >0 parked (its socket), -1 resuming (broker.net.parking)
+        self._wrote = False  # output left since the parking lot's last look
 
     #: False: the Python device path even where the compiled one is built (tests).
     compiled_device_path: ClassVar[bool] = True
@@ -181,24 +185,15 @@ class MQTTProtocol(asyncio.Protocol):
         """s3.1.4: a server may close a connection that sends no CONNECT in reasonable time."""
         return float(self.edge.config.router.connect_timeout)
 
-    # The peer's address is asked of the transport when a log line or a login names it, not
-    # kept as two strings per connection (uvloop keeps it, also after the close).
-
     @property
     def peer(self) -> str:
         """``host:port`` of the client, for log lines."""
-        peer = self.transport.get_extra_info("peername") if self.transport else None
-        if peer is None:
-            return "?"
-        return f"{peer[0]}:{peer[1]}" if isinstance(peer, tuple) else str(peer)
+        return peer_address(self.transport)
 
     @property
     def peer_host(self) -> str:
         """The client's address (the login's host, broker.auth)."""
-        peer = self.transport.get_extra_info("peername") if self.transport else None
-        if peer is None:
-            return "?"
-        return str(peer[0]) if isinstance(peer, tuple) else str(peer)
+        return peer_address(self.transport, host_only=True)
 
     # ---------------------------------------------------------------- asyncio callbacks
 
@@ -207,6 +202,9 @@ class MQTTProtocol(asyncio.Protocol):
         # TCP_NODELAY: uvloop (and asyncio) set it on every TCP transport they make.
         self.transport = stream = cast(asyncio.Transport, transport)
         stream.set_write_buffer_limits(high=self._high_water)
+        if self._parked:
+            resumed(self)  # a new transport for a parked connection (broker.net.parking)
+            return
         self.edge.links.add(self)
         self.edge.keepalive.file(self, self.connected_at + self.connect_timeout)
         self.metrics.connections_opened += 1
@@ -305,6 +303,7 @@ class MQTTProtocol(asyncio.Protocol):
             self._ending = None
         edge = self.edge
         edge.keepalive.discard(self)
+        edge.parking.forget(self)
         if self in edge.links:
             edge.links.discard(self)
             self.metrics.connections_closed += 1
@@ -425,6 +424,7 @@ class MQTTProtocol(asyncio.Protocol):
         if self.edge.config.server.connection_messages:
             log_connected(self.peer, self.client_id, packet, username)
             self._ending = PEER_CLOSED
+        self.edge.parking.watch(self, self.last_received)
         deadline = keepalive_deadline(self)
         if deadline is None:
             self.edge.keepalive.discard(self)
@@ -508,8 +508,8 @@ class MQTTProtocol(asyncio.Protocol):
         return max(0, self._budget - self._out_bytes)
 
     def close(self, reason_code: int | None = None, reason: str = "") -> None:
-        if self.transport is None or self.transport.is_closing() or self._closing:
-            return  # closed, or closing gracefully (broker.net.closing)
+        if self._closing or (self.transport is not None and self.transport.is_closing()):
+            return  # closed, or closing gracefully (broker.net.closing); parked: unparks
         if self._ending == PEER_CLOSED:
             self._ending = closed_by_broker(reason_code, reason)
         if self._held:  # what waited on a state that may never be stored never leaves
@@ -550,15 +550,19 @@ class MQTTProtocol(asyncio.Protocol):
         out = self._out
         if out is None or self._held:
             return
+        transport = self.transport
+        if transport is None:
+            unpark(self)  # parked: written when resumed (broker.net.parking)
+            return
         full = self._out_bytes >= self._budget
         self._out = None
         self._out_bytes = 0
-        transport = self.transport
-        if transport is None or transport.is_closing():
+        if transport.is_closing():
             return
         data = out[0] if len(out) == 1 else b"".join(out)
         self.metrics.bytes_out += len(data)
         transport.write(data)
+        self._wrote = True
         if full and not self._paused and self.session is not None and not self._closing:
             # The router stopped feeding this client because this iteration's output reached
             # its budget (can_write), not because the socket is full: nothing else would
@@ -568,6 +572,7 @@ class MQTTProtocol(asyncio.Protocol):
     def _flush_and_close(self) -> None:
         self.flush_output()
         if self.transport is None:
+            unpark(self)  # parked: closed when resumed (broker.net.parking)
             return
         if self._paused:
             # The peer is not reading (its window and our buffer are full): a graceful close

@@ -72,7 +72,7 @@ def test_values_are_read(tmp_path: Path) -> None:
             tmp_path,
             (
                 "[router]\nmax_connections = 3\nmax_packet_size = 2048\nkeepalive_max = 30\n"
-                'connect_timeout = 5\nmax_queued_bytes = "2MiB"\n'
+                'connect_timeout = 5\nmax_queued_bytes = "2MiB"\npark_after = "2s"\n'
                 '[commitlog]\nsegment_bytes = "1MiB"\nsegment_age = "2h"\nretention = "forever"\n'
                 'fsync_interval = "250ms"\n'
             ),
@@ -85,7 +85,8 @@ def test_values_are_read(tmp_path: Path) -> None:
         r.keepalive_max,
         r.connect_timeout,
         r.max_queued_bytes,
-    ) == (3, 2048, 30, 5, 2 * 1024 * 1024)
+        r.park_after,
+    ) == (3, 2048, 30, 5, 2 * 1024 * 1024, 2000)
     d = cfg.commitlog.defaults
     assert (d.segment_bytes, d.segment_ms, d.retention_ms, d.fsync_interval_ms) == (
         1024 * 1024,
@@ -110,6 +111,7 @@ def test_values_are_read(tmp_path: Path) -> None:
         pytest.param("[router]\nmax_inflight = 70000\n", "router.max_inflight", id="too-large"),
         pytest.param("[router]\nmax_connections = 0\n", "router.max_connections", id="zero"),
         pytest.param("[router]\nconnect_timeout = 0\n", "router.connect_timeout", id="timeout-0"),
+        pytest.param('[router]\npark_after = "soon"\n', "router.park_after", id="park-after"),
         pytest.param(
             '[router]\nslow_qos0_policy = "block"\n', "router.slow_qos0_policy", id="bad-choice"
         ),

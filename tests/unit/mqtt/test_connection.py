@@ -454,3 +454,36 @@ def test_the_connect_packet_is_not_kept() -> None:
     assert c.connected
     held = [getattr(c, name) for name in ServerConnection.__slots__ if hasattr(c, name)]
     assert not any(isinstance(v, Connect) or v == b"secret" for v in held)
+
+
+# ------------------------------------------------------------------ parking
+
+
+def test_decoder_dropped_and_made_again_reads_on() -> None:
+    """A parked connection's decoder (broker.net.parking) is dropped and made again: the
+    new one knows the connection's version, and a second CONNECT is still refused."""
+    c = conn5()
+    c.drop_decoder()
+    with pytest.raises(RuntimeError):
+        c.receive_data(publish("a/b"))  # input while it has none is a bug, not a packet
+    c.new_decoder()
+    (p,) = c.receive_data(publish("a/b", qos=1, pid=9))
+    assert isinstance(p, Publish) and (p.topic, p.packet_id) == ("a/b", 9)
+    assert code_of(c, CONNECT5) == 0x82  # [MQTT-3.1.0-2]
+
+
+def test_decoder_is_not_dropped_with_part_of_a_packet() -> None:
+    c = conn5()
+    c.receive_data(publish("a/b")[:3])
+    assert c.buffered == 3
+    with pytest.raises(AssertionError):
+        c.drop_decoder()
+
+
+def test_decoder_keeps_no_read_once_parsed() -> None:
+    """The bytes of a read parsed whole are not kept by the decoder (an idle connection held
+    its last read, ~60 bytes of an idle one's CONNECT)."""
+    d = Decoder(max_packet_size=1 << 20)
+    d.feed(CONNECT4 + bytes.fromhex("c000"))  # and a PINGREQ
+    assert len(d.packets()) == 2
+    assert d.buffered == 0 and d._buf == b""

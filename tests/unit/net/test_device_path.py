@@ -33,6 +33,7 @@ from broker.metrics.collector import Metrics
 from broker.mqtt.topics import topic_matches
 from broker.net import devicepath
 from broker.net.keepalive import KeepaliveWheel
+from broker.net.parking import ParkingLot
 from broker.net.transport import MQTTProtocol
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import Partition, PartitionBase, SessionWatcher
@@ -99,6 +100,7 @@ class Server:
         self.auth = AuthService(self.config.auth, self.monotonic)
         self.links: set[Any] = set()
         self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, 1000.0)
+        self.parking = ParkingLot(None, 0, 1000.0)  # never parks
         self.session_claims = None
         self.flush_due: list[MQTTProtocol] = []
         #: What the forwarded batches' acknowledgements got (their first offsets).

@@ -16,6 +16,7 @@ from broker.config import Config, RouterConfig
 from broker.metrics.collector import Metrics
 from broker.mqtt.connection import keepalive_expired
 from broker.net.keepalive import KeepaliveWheel, keepalive_deadline, link_expired
+from broker.net.parking import ParkingLot
 from broker.net.transport import MQTTProtocol
 from broker.server import TICK_SECONDS, Server
 from tests.mqttbytes import connect311
@@ -49,6 +50,7 @@ class FakeServer:
         self.auth = AuthService(self.config.auth, clock)  # anonymous: no thread needed
         self.links: set[Any] = set()
         self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, clock())
+        self.parking = ParkingLot(None, 0, clock())  # never parks
         self.flushed: list[Any] = []
         self.session_claims = None  # one worker: no session claims
 
@@ -247,3 +249,17 @@ def test_wheel_hands_each_item_out_once_and_skips_discarded_and_refiled() -> Non
     assert wheel.due(104.9) == []
     assert wheel.due(200.0) == ["b"]
     assert len(wheel) == 0
+
+
+def test_wheel_after_most_items_left_keeps_the_rest() -> None:
+    """Handing out more items than stay copies the rest into a dict of their size (a dict
+    keeps its table after deletions: the parking wheel empties as its connections park)."""
+    wheel: KeepaliveWheel[int] = KeepaliveWheel(0.5, 100.0)
+    for i in range(1000):
+        wheel.file(i, 101.0)
+    wheel.file(1000, 110.0)
+    assert wheel.due(101.0) == list(range(1000))
+    assert len(wheel) == 1
+    wheel.file(1000, 120.0)  # moved: the entry at 110 is stale
+    assert wheel.due(115.0) == []
+    assert wheel.due(120.0) == [1000]
