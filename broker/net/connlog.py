@@ -11,8 +11,9 @@ it with a reason code. Logged at INFO unless ``[server] connection_messages = fa
 
 from __future__ import annotations
 
-import asyncio
 import logging
+import socket
+from typing import Any
 
 from broker.mqtt.packets import Connect
 
@@ -55,13 +56,31 @@ def log_disconnected(client_id: str, ending: str) -> None:
         log.info("Client %s disconnected%s", client_id, ending)
 
 
-def peer_address(transport: asyncio.BaseTransport | None, host_only: bool = False) -> str:
-    """The client's ``host:port`` (or host), asked of the transport when a log line or a
-    login names it, not kept as two strings per connection (uvloop keeps it, also after the
-    close); "?" without a transport (a parked connection, broker.net.parking)."""
-    peer = transport.get_extra_info("peername") if transport is not None else None
+def peer_address(link: Any, host_only: bool = False) -> str:
+    """The client's ``host:port`` (or host) of ``link`` (a ``MQTTProtocol``), asked of its
+    transport when a log line or a login names it, not kept as two strings per connection
+    (uvloop keeps it, also after the close); of its socket while it is parked
+    (broker.net.parking); "?" when neither answers."""
+    transport = link.transport
+    if transport is not None:
+        peer = transport.get_extra_info("peername")
+    elif link._parked > 0:
+        peer = _socket_peer(link._parked)
+    else:
+        peer = None
     if peer is None:
         return "?"
     if not isinstance(peer, tuple):
         return str(peer)
     return str(peer[0]) if host_only else f"{peer[0]}:{peer[1]}"
+
+
+def _socket_peer(fd: int) -> Any:
+    """``getpeername`` of the socket ``fd`` (left open), or None if it has no peer now."""
+    sock = socket.socket(fileno=fd)
+    try:
+        return sock.getpeername()
+    except OSError:
+        return None
+    finally:
+        sock.detach()

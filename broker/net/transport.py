@@ -188,12 +188,12 @@ class MQTTProtocol(asyncio.Protocol):
     @property
     def peer(self) -> str:
         """``host:port`` of the client, for log lines."""
-        return peer_address(self.transport)
+        return peer_address(self)
 
     @property
     def peer_host(self) -> str:
         """The client's address (the login's host, broker.auth)."""
-        return peer_address(self.transport, host_only=True)
+        return peer_address(self, host_only=True)
 
     # ---------------------------------------------------------------- asyncio callbacks
 

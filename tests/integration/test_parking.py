@@ -8,6 +8,7 @@ fails where nothing parks; what follows fails where a parked connection does not
 
 from __future__ import annotations
 
+import re
 import time
 
 import pytest
@@ -85,6 +86,8 @@ def test_parked_keepalive_expires_and_will_goes_out(broker: BrokerProcess, versi
     (m,) = w.expect(1, timeout=10)
     assert (m.topic, m.payload) == ("will/dev1", b"dev1 gone")
     assert time.monotonic() - started >= 4.4
+    # Its address asked of the parked socket, not of a transport it no longer has.
+    assert re.search(r"dev1 \(127\.0\.0\.1:\d+\): keepalive expired", broker.log()), broker.log()
     disconnect = c.closed_by_broker()
     if version == 5:
         assert disconnect is not None and disconnect.body[0] == 0x8D  # keep alive timeout
