@@ -51,6 +51,7 @@ from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
 from broker.workers.cluster_groups import share_across_workers
 from broker.workers.cluster_status import merge_views
+from broker.workers.handoff import HandOff
 from broker.workers.leaving import Leaving
 from broker.workers.mesh import PeerDown, owner_of
 from broker.workers.remote_relay import RemoteRelay
@@ -182,6 +183,14 @@ class Server:
         self.keepalive: KeepaliveWheel[MQTTProtocol] = KeepaliveWheel(TICK_SECONDS, monotonic())
         #: Idle links off the loop, their sockets in one epoll (broker.net.parking).
         self.parking = ParkingLot(self.loop, config.router.park_after / 1000, monotonic())
+        #: Device connections moved to the worker owning their partition (several workers,
+        #: no cluster, ``[router] handoff``); ``handoff`` is what the edge tells of them.
+        self.handoffs = (
+            HandOff(self, self.runtime)
+            if self.runtime is not None and config.router.handoff and config.cluster is None
+            else None
+        )
+        self.handoff = self.handoffs.consider if self.handoffs is not None else None
         self._flush_pending: list[MQTTProtocol] = []
         self._listeners: list[asyncio.Server] = []
         self._timer: asyncio.Task[None] | None = None
@@ -452,6 +461,8 @@ class Server:
             # and peers may be sending theirs here: every worker finishes before any closes
             # (with its Raft groups still running: a forward's answer waits for its commit).
             await self.runtime.finish()
+        if self.handoffs is not None:
+            self.handoffs.close()
         if self.cluster is not None:
             await self.cluster.close()
         if self.xdp is not None:

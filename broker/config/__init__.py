@@ -127,6 +127,9 @@ class RouterConfig:
     # ms a connection with nothing in flight stays idle before it parks (broker.net.parking):
     # off the event loop, ~1.3 kB less; 0 = never. Longer than a fleet's publish interval.
     park_after: int = 10_000
+    #: Several workers: a device connection moves to the worker owning the partition it
+    #: publishes to (broker.workers.handoff); off in a cluster whatever this says.
+    handoff: bool = True
     session_expiry_max: int = 7 * 86_400  # seconds
     slow_qos0_policy: str = "drop"  # "drop" or "disconnect" when a QoS 0 reader lags
     max_lag_records: int = 100_000  # QoS 0 lag before the policy applies
@@ -372,6 +375,7 @@ def parse_config(
         keepalive_max=r.integer("keepalive_max", d.keepalive_max, lo=1, hi=65535),
         connect_timeout=r.integer("connect_timeout", d.connect_timeout, lo=1, hi=3600),
         park_after=r.duration("park_after", d.park_after) or 0,
+        handoff=r.boolean("handoff", d.handoff),
         session_expiry_max=r.integer("session_expiry_max", d.session_expiry_max),
         slow_qos0_policy=r.string("slow_qos0_policy", d.slow_qos0_policy, ("drop", "disconnect")),
         max_lag_records=r.integer("max_lag_records", d.max_lag_records, lo=1),

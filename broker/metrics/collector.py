@@ -113,6 +113,11 @@ class WorkerShare(Protocol):
     @property
     def partitions(self) -> PartitionShare: ...
 
+    @property
+    def handed_off(self) -> int:
+        """Connections handed to the worker owning their partition (broker.workers.handoff)."""
+        ...
+
     async def gather(self, name: str) -> list[bytes]:
         """View ``name`` of every worker, this one first."""
         ...
@@ -205,6 +210,11 @@ class BrokerCollector(Collector):
                 "Sessions handed from one worker to "
                 "another (their client reconnected to another worker)",
                 server.runtime.sessions.takeovers,
+            )
+            yield _counter(
+                "mqlog_connections_handed_off",
+                "Device connections handed to the worker owning the partition they publish to",
+                server.runtime.handed_off,
             )
             yield _counter(
                 "mqlog_records_forwarded",

@@ -237,9 +237,17 @@ class ServerConnection:
         assert self.connected and not self._decoder.buffered
         self._decoder = _NO_DECODER
 
-    def new_decoder(self) -> None:
-        """A decoder for a connection past its CONNECT (it never asks for one again)."""
+    def new_decoder(self, rest: bytes = b"") -> None:
+        """A decoder for a connection past its CONNECT (it never asks for one again), given
+        ``rest``: the start of a packet another decoder had buffered (:meth:`take_buffered`)."""
         self._decoder = Decoder(self._max_packet_size, self.version, puback_runs=True)
+        if rest:
+            self._decoder.feed(rest)
+
+    def take_buffered(self) -> bytes:
+        """The bytes buffered and not yet a packet (a connection that moves to another
+        worker takes them along, broker.net.handoff); the decoder is left empty."""
+        return self._decoder.take()
 
     @property
     def requested_level(self) -> int | None:

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
     import asyncio
 
     from broker.auth import AuthService
+    from broker.commitlog.keys import PartitionKey
     from broker.config import Config
     from broker.net.keepalive import KeepaliveWheel
     from broker.net.parking import ParkingLot
@@ -108,6 +109,13 @@ class EdgeContext(Protocol[L]):
     def session_claims(self) -> SessionClaims | None:
         """Where a CONNECT's session is claimed: the session directory when several workers
         share the clients, the cluster's owners on a cluster node, else None."""
+        ...
+
+    @property
+    def handoff(self) -> Callable[[L, PartitionKey], None] | None:
+        """Told that ``link`` publishes to partition ``key`` now (its new plain topic's):
+        the link may move to the worker owning it (broker.workers.handoff); None: never
+        (one worker, a cluster, or ``[router] handoff = false``)."""
         ...
 
     def monotonic(self) -> float:

@@ -92,7 +92,11 @@ def burst_lane(self: Any, data: bytes) -> bool:
     self.conn.expect_plain(topic)
     self._plain_key = key
     self._lane = lane = new_lane(self, key)
-    return lane is not None and lane.receive(data)
+    if lane is None or not lane.receive(data):
+        return False
+    if self.edge.handoff is not None:  # moved to the owner? (broker.net.handoff)
+        self.edge.handoff(self, key)
+    return True
 
 
 # The Python device path: methods of MQTTProtocol (``self``), kept here beside the choice.

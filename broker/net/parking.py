@@ -161,6 +161,7 @@ def parkable(link: MQTTProtocol, now: float, after: float) -> bool:
         or link._out is not None
         or link._held
         or link._paused
+        or link._handoff is not None
         or isinstance(transport, Carrier)
         or transport.is_closing()
         or transport.get_write_buffer_size()
@@ -208,7 +209,8 @@ def unpark(link: MQTTProtocol) -> None:
 def resumed(link: MQTTProtocol) -> None:
     """``connection_made`` of a resumed link (its new transport is set): write what waited."""
     link._parked = 0
-    link.conn.new_decoder()
+    rest, link._handoff = link._handoff, None  # a handed link's (broker.net.handoff)
+    link.conn.new_decoder(rest or b"")
     if link.conn.plain_topic and link.compiled_device_path:
         link._lane = new_lane(link, link._plain_key)
     edge = link.edge

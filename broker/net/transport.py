@@ -27,8 +27,9 @@ straight into the partition's batch (:meth:`~broker.router.router.Router.publish
 PUBACK is written from the packet id when the append returns (a fleet of devices, each
 publishing to its own topic, arrives that way). Compiled, the same path is a
 :class:`~broker.net._devicelane.DeviceLane` (:mod:`broker.net.devicepath`: which one serves),
-which also takes reads of several such PUBLISHes (a publisher's burst).
-Closing, log lines, idle connections parked: :mod:`.closing`, :mod:`.connlog`, :mod:`.parking`.
+which also takes reads of several such PUBLISHes (a publisher's burst). Closing, log lines,
+idle connections parked, moved to another worker: :mod:`.closing`, :mod:`.connlog`,
+:mod:`.parking`, :mod:`.handoff` (``edge.handoff`` is told of each new plain topic).
 """
 
 from __future__ import annotations
@@ -105,6 +106,7 @@ class MQTTProtocol(asyncio.Protocol):
         "_ending",
         "_fresh",
         "_graceful",
+        "_handoff",
         "_held",
         "_high_water",
         "_lane",
@@ -172,6 +174,7 @@ class MQTTProtocol(asyncio.Protocol):
         self._lane: DeviceLane | None = None  # the same, compiled (devicepath.py)
         self._parked = 0  # 0 live, >0 parked (its socket), -1 resuming (broker.net.parking)
         self._wrote = False  # output left since the parking lot's last look
+        self._handoff: Any = None  # moving: its token; moved here: the bytes it brought
 
     #: False: the Python device path even where the compiled one is built (tests).
     compiled_device_path: ClassVar[bool] = True
@@ -196,7 +199,6 @@ class MQTTProtocol(asyncio.Protocol):
         return peer_address(self, host_only=True)
 
     # ---------------------------------------------------------------- asyncio callbacks
-
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         # uvloop's stream transport, or a carrier (broker.net.carrier) with its surface.
         # TCP_NODELAY: uvloop (and asyncio) set it on every TCP transport they make.
@@ -326,7 +328,6 @@ class MQTTProtocol(asyncio.Protocol):
             self.router.pump_session(self.session)
 
     # ---------------------------------------------------------------- dispatch
-
     def _publish(self, session: Session, run: list[Publish]) -> None:
         """Consecutive PUBLISHes of one read: stored by the router in order, as a batch."""
         messages_in = self.metrics.messages_in
@@ -348,6 +349,8 @@ class MQTTProtocol(asyncio.Protocol):
                 self._plain_key = key
                 if self.compiled_device_path:
                     self._lane = new_lane(self, key)
+                if self.edge.handoff is not None:  # moved to the owner? (broker.net.handoff)
+                    self.edge.handoff(self, key)
 
     # One handler per packet type a client sends after CONNECT, PUBLISH aside (in _HANDLERS).
 
@@ -390,7 +393,6 @@ class MQTTProtocol(asyncio.Protocol):
         raise ProtocolError("AUTH without an authentication method")
 
     # ---------------------------------------------------------------- admission
-
     def _on_connect(self, packet: Connect) -> None:
         """The CONNECT: admit it (broker.net.admission); input waits while that is pending."""
         self.version = packet.protocol_level
@@ -443,7 +445,6 @@ class MQTTProtocol(asyncio.Protocol):
             self._receive(data, None)
 
     # ---------------------------------------------------------------- errors
-
     def _protocol_error(self, error: MQTTError) -> None:
         log.info(
             "%s (%s): %s (reason 0x%02X); closing",
@@ -462,7 +463,6 @@ class MQTTProtocol(asyncio.Protocol):
         self.close(error.reason_code, error.message)
 
     # ---------------------------------------------------------------- Link
-
     def send(self, packet: Packet) -> None:
         self._write(self.conn.send(packet))
 
@@ -526,7 +526,6 @@ class MQTTProtocol(asyncio.Protocol):
         return self.session is None or self.session.request_problem_information
 
     # ---------------------------------------------------------------- output
-
     def _write(self, data: bytes) -> None:
         if self._out is None:
             self._out = [data]

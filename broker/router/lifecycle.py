@@ -17,6 +17,8 @@ import sys
 import uuid
 from typing import Any
 
+import orjson
+
 from broker.auth.acl import Authorizer
 from broker.commitlog import Record
 from broker.mqtt.errors import ProtocolError
@@ -196,6 +198,53 @@ class Lifecycle:
         self.qos.resend_inflight(session)
         self.delivery.pump_session(session)
         return session, keepalive
+
+    def release_link(self, session: Session, link: Link) -> bytes | None:
+        """Hand-off (broker.workers.handoff), the worker giving the connection up: ``link``,
+        whose socket went to another worker, leaves ``session`` with no will and no close
+        (the connection goes on there), and the session leaves this router with its
+        authorisation state. Returns its state for the other worker; None, with nothing
+        changed, if ``link`` no longer holds it (taken over meanwhile)."""
+        state = self.state
+        if state.sessions.get(session.client_id) is not session or session.link is not link:
+            return None
+        session.link = None
+        state.connections -= 1
+        state.hooks.connections_changed(state.connections)
+        for key in list(session.shared):
+            self.shared.leave_group(session, key)
+        data = orjson.dumps(session.to_state(state.monotonic()))
+        self.store.forget(session)  # and its username and ACL decisions here
+        return data
+
+    def attach_handed(
+        self, link: Link, client_id: str, receive_maximum: int, problem_info: bool
+    ) -> Session | None:
+        """Hand-off, the worker taking the connection: ``link`` continues the session of
+        ``client_id`` just adopted (:meth:`SessionStore.adopt`) as its connection: no
+        CONNACK (the client saw it), its will stays pending [MQTT-3.1.2-8], its login's
+        ACL rules are restored (``owner``: the user it logged in as)."""
+        state = self.state
+        session = state.sessions.get(client_id)
+        if session is None:
+            return None
+        session.link = link
+        session.will_due = None  # adopted as if lost: the connection goes on
+        session.disconnected_at = None
+        session.persistent = session.expiry_interval > 0
+        session.receive_maximum = receive_maximum
+        session.request_problem_information = problem_info
+        link.client_id = client_id
+        state.connections += 1
+        state.hooks.connections_changed(state.connections)
+        if state.acl is not None:
+            state.authz[client_id] = Authorizer(state.acl.rules_for(session.owner, client_id))
+            state.usernames[client_id] = session.owner
+        for key in session.shared:
+            self.shared.join_group(session, key)
+        self.qos.resend_inflight(session)
+        self.delivery.pump_session(session)
+        return session
 
     def _refuse(self, link: Link, version: int, reason: int, text: str = "") -> None:
         """Answer CONNACK with ``reason`` (3.1.1: its return code; 5.0: with ``text`` as its

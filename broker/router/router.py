@@ -147,6 +147,8 @@ class Router:
         self.disconnect = lifecycle.disconnect
         self.connection_lost = lifecycle.connection_lost
         self.tick = lifecycle.tick
+        self.release_link = lifecycle.release_link
+        self.attach_handed = lifecycle.attach_handed
         self.send_will = lifecycle.send_will
         # Publishing.
         self.publish = ingest.publish

@@ -232,6 +232,10 @@ class PartitionService:
         #: server): :meth:`RemotePartition.committed_through`.
         self.peer_reads_committed = True
         self.forwarded = 0  # records sent to their owner
+        #: FORWARDs sent (numbered from 0) and those not answered yet: what a hand-off waits
+        #: for (broker.workers.handoff, :meth:`answered_before`).
+        self.forwards_sent = 0
+        self._unanswered: set[int] = set()
         self.received = 0  # records appended for a peer
         #: Batches gathered this iteration, by owner: sent in one FORWARD at its end.
         self._forwards: dict[int, list[tuple[PartitionBase, list[Record], list[Ack | None]]]]
@@ -361,7 +365,12 @@ class PartitionService:
         if not batches:
             return
 
+        number = self.forwards_sent
+        self.forwards_sent += 1
+        self._unanswered.add(number)
+
         def done(body: bytes | None) -> None:
+            self._unanswered.discard(number)
             if body is None:
                 firsts: list[int | None] = [self.lost_outcome] * len(batches)
                 for part, records, _ in batches:
@@ -384,9 +393,15 @@ class PartitionService:
         try:
             self.mesh.request(owner, FORWARD, body, done)
         except PeerDown as e:
+            self._unanswered.discard(number)
             for part, records, acks in batches:
                 log.warning("%s/%d: %s; %d records not stored", *part.key, e, len(records))
                 _settle(acks, None)
+
+    def answered_before(self, number: int) -> bool:
+        """Whether every FORWARD numbered below ``number`` was answered (its records'
+        acknowledgements called)."""
+        return not self._unanswered or min(self._unanswered) >= number
 
     def _framed(
         self, key: PartitionKey, records: list[Record]

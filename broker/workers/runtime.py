@@ -119,6 +119,9 @@ class WorkerRuntime:
         self._calls: set[asyncio.Future[Any]] = set()  # awaited actions running for peers
         #: Connected clients per peer, as each last said.
         self.peer_connections: dict[int, int] = {}
+        #: Connections this worker handed to the worker owning their partition
+        #: (broker.workers.handoff counts them).
+        self.handed_off = 0
         self._connections: int | None = None  # to announce at the end of this iteration
         #: Set by the server: a login refused by a peer counts here too.
         self.login_failed: Callable[[str], None] = lambda address: None
@@ -167,7 +170,11 @@ class WorkerRuntime:
     def session_ended(self, client_id: str) -> None:
         cluster = self.sessions.cluster
         if cluster is None:
-            self.sessions.ended(client_id)
+            # Told at the end of this iteration, if no session of that client id is here
+            # then: one taken over by a new connection on this worker ends inside the new
+            # one's CONNECT (a clean session), and its home must keep this worker as the
+            # holder (a hand-off's claim, any other claim, must find it here).
+            asyncio.get_running_loop().call_soon(self._ended, client_id)
             return
 
         def ended() -> None:
@@ -176,6 +183,10 @@ class WorkerRuntime:
 
         # Its home ends the claim once the will is out (broker.workers.will_fence).
         cluster.after_will(client_id, ended)
+
+    def _ended(self, client_id: str) -> None:
+        if self.router is None or client_id not in self.router.sessions:
+            self.sessions.ended(client_id)
 
     def will_now(self, client_id: str, will: Will) -> bool:
         cluster = self.sessions.cluster
@@ -337,6 +348,7 @@ class WorkerRuntime:
             "received": self.partitions.received,
             "claims": self.sessions.claims,
             "takeovers": self.sessions.takeovers,
+            "handed_off": self.handed_off,
         }
 
     async def close(self) -> None:

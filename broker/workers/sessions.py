@@ -15,6 +15,13 @@ session, and decides every claim on it, one claim per client id at a time:
 
 A session that ends (expiry, clean session) is dropped from the registry (``ENDED``).
 
+A connection handed from worker A to worker B (broker.workers.handoff: its socket moved)
+takes its session the same way, with a claim that holds only if A still holds it
+(``HANDED``): the home asks A to give up the session of that connection (``RELEASE_HANDED``,
+naming the hand-off's token), which A does without closing anything, or refuses when the
+session was taken over meanwhile (the claim fails and B closes the handed connection as
+taken over [MQTT-3.1.4-3]). One claim per client id at a time: exactly one holder.
+
 On a cluster node the home first claims the client id for the node (``cluster``:
 broker.workers.replicated_sessions): a session another node held comes with its final state
 (the claimant adopts it), and when another node claims one held here the home takes it from
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import struct
 import zlib
 from collections.abc import Awaitable, Callable
 from typing import Protocol, TypeVar
@@ -48,8 +56,11 @@ CLAIM = NEXT_KIND
 RELEASE = NEXT_KIND + 1
 ENDED = NEXT_KIND + 2
 HELD = NEXT_KIND + 3
+HANDED = NEXT_KIND + 4
+RELEASE_HANDED = NEXT_KIND + 5
 #: Kinds from here on are free for the other worker services.
-SESSIONS_NEXT_KIND = NEXT_KIND + 4
+SESSIONS_NEXT_KIND = NEXT_KIND + 6
+_HANDED = struct.Struct("<IQ")  # the worker handing the connection, the hand-off's token
 
 #: Seconds a claim keeps retrying while the home worker is down (being restarted).
 CLAIM_PATIENCE = 10.0
@@ -103,6 +114,10 @@ class SessionDirectory:
         self.hand_over: Callable[[str], bytes | None] = lambda client_id: None
         self.restore: Callable[[list[str]], list[str]] = lambda client_ids: []
         self.held_ids: Callable[[], list[str]] = list
+        #: ``release_handed(client_id, token) -> bytes | None``: the hand-off ``token`` of
+        #: ``client_id`` is over: its session leaves this worker (its state; None: not held
+        #: by that connection any more).
+        self.release_handed: Callable[[str, int], bytes | None] = lambda client_id, token: None
         self.claims = 0
         self.takeovers = 0  # sessions handed from one worker to another
         #: In a cluster: a claim is the node's first (the client id may be held by another
@@ -115,6 +130,8 @@ class SessionDirectory:
             RELEASE: self._on_release,
             ENDED: self._on_ended,
             HELD: self._on_held,
+            HANDED: self._on_handed,
+            RELEASE_HANDED: self._on_release_handed,
         }
 
     def home(self, client_id: str) -> int:
@@ -132,10 +149,23 @@ class SessionDirectory:
         session would end up on two workers. Raises :class:`PeerDown` if the home stays
         unreachable for :data:`CLAIM_PATIENCE` seconds.
         """
+        return await self._claim(client_id, adopt, None)
+
+    async def claim_handed(
+        self, client_id: str, sender: int, token: int, adopt: Callable[[bytes], T]
+    ) -> T:
+        """:meth:`claim` for a connection ``sender`` handed here (hand-off ``token``): it
+        holds only if ``sender`` still holds the session for that connection; else
+        ``adopt(REFUSED)``."""
+        return await self._claim(client_id, adopt, (sender, token))
+
+    async def _claim(
+        self, client_id: str, adopt: Callable[[bytes], T], handed: tuple[int, int] | None
+    ) -> T:
         self.claims += 1
         self._claiming[client_id] = self._claiming.get(client_id, 0) + 1
         try:
-            return adopt(await self._ask_home(client_id))
+            return adopt(await self._ask_home(client_id, handed))
         finally:
             left = self._claiming[client_id] - 1
             if left:
@@ -145,11 +175,14 @@ class SessionDirectory:
                 for release in self._deferred.pop(client_id, ()):
                     release()
 
-    async def _ask_home(self, client_id: str) -> bytes:
+    async def _ask_home(self, client_id: str, handed: tuple[int, int] | None = None) -> bytes:
         home = self.home(client_id)
         if home == self.worker:
-            return await self._decide(client_id, self.worker)
+            return await self._decide(client_id, self.worker, handed)
         assert self.mesh is not None
+        if handed is not None:  # no retry: the sender waits for this claim's end
+            body = _HANDED.pack(*handed) + client_id.encode()
+            return await self.mesh.call(home, HANDED, body)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CLAIM_PATIENCE
         while True:
@@ -174,7 +207,9 @@ class SessionDirectory:
 
     # ------------------------------------------------------------ the home
 
-    async def _decide(self, client_id: str, claimant: int) -> bytes:
+    async def _decide(
+        self, client_id: str, claimant: int, handed: tuple[int, int] | None = None
+    ) -> bytes:
         while (busy := self._busy.get(client_id)) is not None:
             await asyncio.shield(busy)  # one claim per client id at a time
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -185,6 +220,8 @@ class SessionDirectory:
                 if answer != HERE:  # new, or another node's final state: not held here
                     self.registry[client_id] = claimant
                     return answer
+            if handed is not None:
+                return await self._decide_handed(client_id, claimant, *handed)
             while True:
                 holder = self.registry.get(client_id)
                 if holder is None:
@@ -205,6 +242,24 @@ class SessionDirectory:
         finally:
             del self._busy[client_id]
             done.set_result(None)
+
+    async def _decide_handed(self, client_id: str, claimant: int, sender: int, token: int) -> bytes:
+        """A handed connection's claim (module docstring), inside :meth:`_decide`'s turn."""
+        if self.registry.get(client_id) != sender:
+            return REFUSED  # taken over meanwhile (or the session ended)
+        if sender == self.worker:
+            state = self.release_handed(client_id, token)
+        else:
+            assert self.mesh is not None
+            try:
+                body = token.to_bytes(8, "little") + client_id.encode()
+                state = await self.mesh.call(sender, RELEASE_HANDED, body) or None
+            except PeerDown:
+                return REFUSED
+        if state is None:
+            return REFUSED
+        self.registry[client_id] = claimant
+        return STATE + state
 
     async def _release_at(self, holder: int, client_id: str) -> bytes:
         if holder == self.worker:
@@ -267,6 +322,26 @@ class SessionDirectory:
             self._deferred.setdefault(client_id, []).append(release)  # see claim()
         else:
             release()
+
+    def _on_handed(self, peer: int, request: int, body: memoryview) -> None:
+        sender, token = _HANDED.unpack_from(body)
+        client_id = bytes(body[_HANDED.size :]).decode()
+        mesh = self.mesh
+        assert mesh is not None
+
+        def answer(task: asyncio.Task[bytes]) -> None:
+            if not task.cancelled():
+                mesh.reply(peer, request, REFUSED if task.exception() else task.result())
+
+        task = asyncio.get_running_loop().create_task(
+            self._decide(client_id, peer, (sender, token))
+        )
+        task.add_done_callback(answer)
+
+    def _on_release_handed(self, peer: int, request: int, body: memoryview) -> None:
+        token = int.from_bytes(body[:8], "little")
+        assert self.mesh is not None
+        self.mesh.reply(peer, request, self.release_handed(bytes(body[8:]).decode(), token) or b"")
 
     def _on_ended(self, peer: int, request: int, body: memoryview) -> None:
         self._forget(bytes(body).decode(), peer)

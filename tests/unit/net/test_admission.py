@@ -99,6 +99,7 @@ class Context:
         self.auth = Auth()
         self.loop = loop if loop is not None else Loop()
         self.session_claims = session_claims
+        self.handoff = None  # one worker: no hand-off
         self.router = Router()
 
 

@@ -102,6 +102,7 @@ class Server:
         self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, 1000.0)
         self.parking = ParkingLot(None, 0, 1000.0)  # never parks
         self.session_claims = None
+        self.handoff = None  # one worker: no hand-off
         self.flush_due: list[MQTTProtocol] = []
         #: What the forwarded batches' acknowledgements got (their first offsets).
         self.forward_answers: list[int | None] = []

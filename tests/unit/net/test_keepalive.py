@@ -53,6 +53,7 @@ class FakeServer:
         self.parking = ParkingLot(None, 0, clock())  # never parks
         self.flushed: list[Any] = []
         self.session_claims = None  # one worker: no session claims
+        self.handoff = None  # one worker: no hand-off
 
     def want_flush(self, link: Any) -> None:
         self.flushed.append(link)

@@ -1,0 +1,248 @@
+"""Hand-off (broker.workers.handoff): a device connection moves to the worker owning the
+partition it publishes to, with two real workers.
+
+SO_REUSEPORT spreads connections by their addresses, so of a dozen devices, each publishing
+to its own topic, some land on the worker that does not own their partition: those move
+(``mqlog_connections_handed_off_total``), after which their publishes are no longer
+forwarded (``mqlog_records_forwarded_total`` stays put). Nothing acknowledged is lost, and
+each device's messages arrive in order, across the move.
+"""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+import urllib.request
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from broker.config import ConfigError, load_config
+from broker.workers.mesh import owner_of
+from tests.integration.clients import V5, V311, Client
+from tests.integration.conftest import BrokerProcess
+from tests.integration.test_durability import replay_all
+
+STREAMS = '[[streams]]\nname = "telemetry"\ntopic_filter = ["devices/#"]\npartitions = 4\n'
+DEVICES = 12
+
+
+def start(tmp_path: Path, extra: str = "") -> BrokerProcess:
+    b = BrokerProcess(tmp_path / "b", STREAMS + extra, fsync="interval", workers=2)
+    b.start()
+    return b
+
+
+@pytest.fixture
+def broker(tmp_path: Path) -> Iterator[BrokerProcess]:
+    b = start(tmp_path)
+    yield b
+    b.stop()
+
+
+def metric(broker: BrokerProcess, name: str) -> float:
+    with urllib.request.urlopen(f"{broker.http_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    m = re.search(rf"^{name} (\S+)$", text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
+
+
+def topic_owned_by(worker: int, i: int) -> str:
+    """A topic of device ``i`` whose partition worker ``worker`` owns (of two)."""
+    n = i
+    while True:
+        topic = f"devices/d{n}/t"
+        if owner_of(("telemetry", zlib.crc32(topic.encode()) % 4), 2) == worker:
+            return topic
+        n += 1000
+
+
+def devices(broker: BrokerProcess, protocol: int, **kw: object) -> list[tuple[Client, str]]:
+    out = []
+    for i in range(DEVICES):
+        c = Client(broker.port, f"dev{i}", protocol, **kw)  # type: ignore[arg-type]
+        assert c.connect() == 0
+        out.append((c, topic_owned_by(i % 2, i)))
+    return out
+
+
+def wait_handed(broker: BrokerProcess, at_least: float = 1, timeout: float = 10.0) -> float:
+    deadline = time.monotonic() + timeout
+    while True:
+        handed = metric(broker, "mqlog_connections_handed_off_total")
+        if handed >= at_least or time.monotonic() > deadline:
+            return handed
+        time.sleep(0.05)
+
+
+@pytest.mark.parametrize("protocol", [pytest.param(V311, id="v311"), pytest.param(V5, id="v5")])
+def test_devices_move_to_the_owner_and_nothing_is_lost_or_reordered(
+    broker: BrokerProcess, protocol: int
+) -> None:
+    sub = Client(broker.port, "sub", V5)
+    assert sub.connect() == 0
+    sub.subscribe("devices/#", 1)
+    devs = devices(broker, protocol)
+    # QoS 1, pipelined (the move happens while some are in flight), then QoS 0.
+    mids = [
+        [c.publish(t, f"{i}:q1:{n}", 1, wait=False) for n in range(40)]
+        for i, (c, t) in enumerate(devs)
+    ]
+    for (c, t), dev_mids in zip(devs, mids, strict=True):
+        deadline = time.monotonic() + 10
+        while not set(dev_mids) <= c.published and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert set(dev_mids) <= c.published, f"{t}: not every QoS 1 publish was acknowledged"
+    handed = wait_handed(broker)
+    assert handed >= 1, "no device was handed to its partition's owner"
+    for i, (c, t) in enumerate(devs):
+        for n in range(40):
+            c.publish(t, f"{i}:q0:{n}", 0)
+    for i, (c, t) in enumerate(devs):
+        c.publish(t, f"{i}:end", 1)
+    got = sub.expect(DEVICES * 81, timeout=30)
+    for i, (_, t) in enumerate(devs):
+        mine = [m.payload.decode() for m in got if m.topic == t]
+        expected = [f"{i}:q1:{n}" for n in range(40)] + [f"{i}:q0:{n}" for n in range(40)]
+        assert mine == [*expected, f"{i}:end"], f"device {i}: lost or out of order"
+    # Moved: their publishes are appended where they are, no longer forwarded.
+    forwarded = metric(broker, "mqlog_records_forwarded_total")
+    for i, (c, t) in enumerate(devs):
+        for n in range(20):
+            c.publish(t, f"{i}:after:{n}", 1)
+    sub.expect(DEVICES * 20, timeout=20)
+    assert metric(broker, "mqlog_records_forwarded_total") == forwarded
+    assert replay_all(broker.port, devs[0][1])[:81] == [
+        f"0:{k}".encode()
+        for k in [*(f"q1:{n}" for n in range(40)), *(f"q0:{n}" for n in range(40)), "end"]
+    ]
+    for c, _ in devs:
+        c.disconnect()
+    sub.disconnect()
+
+
+def test_handoff_false_keeps_forwarding(tmp_path: Path) -> None:
+    broker = start(tmp_path, "[router]\nhandoff = false\n")
+    try:
+        devs = devices(broker, V311)
+        for c, t in devs:
+            for n in range(10):
+                c.publish(t, f"{n}", 1)
+        assert metric(broker, "mqlog_connections_handed_off_total") == 0
+        forwarded = metric(broker, "mqlog_records_forwarded_total")
+        assert forwarded > 0
+        for c, t in devs:
+            c.publish(t, "again", 1)
+        assert metric(broker, "mqlog_records_forwarded_total") > forwarded
+        for c, _ in devs:
+            c.disconnect()
+    finally:
+        broker.stop()
+
+
+def test_a_bad_handoff_value_is_refused_naming_the_key(tmp_path: Path) -> None:
+    path = tmp_path / "broker.toml"
+    path.write_text('[router]\nhandoff = "yes"\n')
+    with pytest.raises(ConfigError, match=r"router\.handoff = 'yes' must be true or false") as e:
+        load_config(path)
+    assert str(path) in str(e.value)
+    path.write_text("[router]\nhandoff = false\n")
+    assert load_config(path).router.handoff is False
+
+
+def test_will_keepalive_and_disconnect_after_handoff(broker: BrokerProcess) -> None:
+    watcher = Client(broker.port, "watcher", V311)
+    assert watcher.connect() == 0
+    watcher.subscribe("wills/#", 1)
+    devs = []
+    for i in range(DEVICES):
+        c = Client(broker.port, f"w{i}", V311, will=(f"wills/w{i}", b"gone", 1, False), keepalive=2)
+        assert c.connect() == 0
+        topic = topic_owned_by(i % 2, i)
+        for n in range(5):
+            c.publish(topic, f"{n}", 1)
+        devs.append(c)
+    assert wait_handed(broker) >= 1
+    # A clean DISCONNECT: no will. A dropped connection: its will. One that goes silent:
+    # closed by its keepalive (1.5 x 2 s), its will too.
+    clean, dropped, silent = devs[0:4], devs[4:8], devs[8:12]
+    for c in clean:
+        c.disconnect()
+    for c in dropped:
+        c.drop()
+    for c in silent:
+        c.paho.loop_stop()  # no more PINGREQ; the socket stays open
+    got = watcher.expect(8, timeout=15)
+    assert sorted(m.topic for m in got) == sorted(
+        f"wills/w{i}" for i in [*range(4, 8), *range(8, 12)]
+    )
+    watcher.expect_none(1.0)
+    watcher.disconnect()
+
+
+def test_persistent_session_keeps_what_it_gets_after_handoff(broker: BrokerProcess) -> None:
+    devs = devices(broker, V311, clean=False)
+    for c, t in devs:
+        for n in range(5):
+            c.publish(t, f"{n}", 1)
+    assert wait_handed(broker) >= 1
+    # Each device subscribes where it is now (moved or not), goes away, and gets what was
+    # published meanwhile when it comes back, wherever it lands.
+    for i, (c, _) in enumerate(devs):
+        assert c.subscribe(f"cmd/{i}", 1) == [1]
+        c.disconnect()
+    pub = Client(broker.port, "commander", V311)
+    assert pub.connect() == 0
+    for i in range(DEVICES):
+        pub.publish(f"cmd/{i}", f"do{i}", 1)
+    pub.disconnect()
+    for i in range(DEVICES):
+        c = Client(broker.port, f"dev{i}", V311, clean=False)
+        assert c.connect() == 0
+        assert c.session_present
+        (m,) = c.expect(1)
+        assert m.payload == f"do{i}".encode()
+        c.disconnect()
+
+
+def test_a_takeover_racing_a_handoff_leaves_one_holder(broker: BrokerProcess) -> None:
+    """A device's second connection (same client id) arrives while the first one is being
+    handed: the first is closed [MQTT-3.1.4-3], the second serves, the session is held once."""
+    sub = Client(broker.port, "racesub", V311)
+    assert sub.connect() == 0
+    sub.subscribe("devices/#", 1)
+    for round_ in range(DEVICES):
+        topic = topic_owned_by(round_ % 2, round_)
+        first = Client(broker.port, f"race{round_}", V311)
+        assert first.connect() == 0
+        first.publish(topic, "first", 1)  # a hand-off starts now, if it landed elsewhere
+        second = Client(broker.port, f"race{round_}", V311)
+        racer = threading.Thread(target=lambda s=second: s.connect())
+        racer.start()
+        for n in range(5):
+            first.publish(topic, f"f{n}", 1, wait=False)
+        racer.join(10)
+        assert second.session_present is False
+        first.disconnects.get(timeout=10)  # the first was closed
+        for n in range(5):
+            second.publish(topic, f"s{n}", 1)  # acknowledged: the second serves
+        second.disconnect()
+        first.paho.loop_stop()
+    marker = Client(broker.port, "marker", V311)
+    assert marker.connect() == 0
+    marker.publish("devices/end", "end", 1)
+    marker.disconnect()
+    got: list[str] = []
+    while not got or got[-1] != "end":
+        got.append(sub.expect(1, timeout=20)[0].payload.decode())
+    # Acknowledged: stored once. The first connection's others may be lost with it (it
+    # was closed before their PUBACK), never stored twice.
+    assert got.count("first") == DEVICES
+    for n in range(5):
+        assert got.count(f"s{n}") == DEVICES
+        assert got.count(f"f{n}") <= DEVICES
+    sub.disconnect()
