@@ -61,6 +61,8 @@ log = logging.getLogger("broker.workers.handoff")
 HANDOFF = CALL + 8
 #: Seconds a connection's publishes may take to be answered before a hand-off gives up.
 QUIESCE_SECONDS = 2.0
+#: Seconds a descriptor may wait for room in the receiving worker's channel.
+SEND_SECONDS = 1.0
 #: Seconds a connection handed to a worker stays there before it may move again.
 COOLDOWN = 10.0
 
@@ -145,7 +147,7 @@ class HandOff:
         rest = conn.take_buffered()
         fd = detach(link)  # step 2
         try:
-            self.channel.send(owner, token, fd)
+            await self._send(owner, token, fd)
         except OSError as e:
             log.warning("%s: hand-off to worker %d failed: %s", link.client_id, owner, e)
             link._handoff = rest  # it stays here, on a new transport, the bytes first
@@ -186,6 +188,21 @@ class HandOff:
             self.runtime.handed_off += 1
         else:
             self._lost(link, session)
+
+    async def _send(self, owner: int, token: int, fd: int) -> None:
+        """Send ``fd`` to ``owner``; its channel holds few messages at once (the kernel's
+        ``net.unix.max_dgram_qlen``, 10 by default): a full one is tried again for up to
+        :data:`SEND_SECONDS` (a fleet's devices arrive together)."""
+        loop = self.server.loop
+        deadline = loop.time() + SEND_SECONDS
+        while True:
+            try:
+                self.channel.send(owner, token, fd)
+                return
+            except BlockingIOError:
+                if loop.time() > deadline:
+                    raise
+                await asyncio.sleep(0.001)
 
     async def _quiesce(self, link: MQTTProtocol) -> bool:
         """Step 1: wait until every publish of ``link`` accepted so far is answered and its

@@ -245,8 +245,10 @@ class SessionDirectory:
 
     async def _decide_handed(self, client_id: str, claimant: int, sender: int, token: int) -> bytes:
         """A handed connection's claim (module docstring), inside :meth:`_decide`'s turn."""
-        if self.registry.get(client_id) != sender:
-            return REFUSED  # taken over meanwhile (or the session ended)
+        if self.registry.get(client_id, sender) != sender:
+            return REFUSED  # taken over meanwhile
+        # (None: unregistered, as a client id the broker assigned, which is never claimed:
+        # the sender's answer decides, naming the connection in flight.)
         if sender == self.worker:
             state = self.release_handed(client_id, token)
         else:

@@ -79,10 +79,21 @@ def wait_handed(broker: BrokerProcess, at_least: float = 1, timeout: float = 10.
         time.sleep(0.05)
 
 
+@pytest.mark.parametrize("path", ["compiled", "python"])
 @pytest.mark.parametrize("protocol", [pytest.param(V311, id="v311"), pytest.param(V5, id="v5")])
 def test_devices_move_to_the_owner_and_nothing_is_lost_or_reordered(
-    broker: BrokerProcess, protocol: int
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, protocol: int, path: str
 ) -> None:
+    """On either device path (broker.net.devicepath: the compiled lane, or Python)."""
+    monkeypatch.setenv("MQLOG_DEVICE_PATH", path)
+    broker = start(tmp_path)
+    try:
+        moved_without_loss(broker, protocol)
+    finally:
+        broker.stop()
+
+
+def moved_without_loss(broker: BrokerProcess, protocol: int) -> None:
     sub = Client(broker.port, "sub", V5)
     assert sub.connect() == 0
     sub.subscribe("devices/#", 1)
