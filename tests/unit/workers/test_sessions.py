@@ -210,3 +210,62 @@ def test_on_a_cluster_node_the_home_claims_for_the_node_first(tmp_path: Path) ->
             await x.mesh.close()
 
     run(main)
+
+
+def test_a_handed_connections_claim_holds_only_while_its_sender_holds_the_session(
+    tmp_path: Path,
+) -> None:
+    """broker.workers.handoff: worker 0 hands a connection to worker 1, which claims the
+    session on the condition that worker 0 still holds it for that hand-off (its token)."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        released: list[tuple[int, str, int]] = []
+        in_flight: dict[int, dict[str, int]] = {0: {}, 1: {}, 2: {}}
+
+        def releaser(i: int) -> Callable[[str, int], bytes | None]:
+            def release(client_id: str, token: int) -> bytes | None:
+                released.append((i, client_id, token))
+                if in_flight[i].get(client_id) != token or client_id not in w[i].held:
+                    return None  # not that connection's session (taken over meanwhile)
+                return w[i].held.pop(client_id)
+
+            return release
+
+        for i, x in enumerate(w):
+            x.dir.release_handed = releaser(i)
+
+        def adopt_at(i: int, cid: str) -> Callable[[bytes], bytes]:
+            def adopt(answer: bytes) -> bytes:
+                if answer.startswith(STATE):
+                    w[i].held[cid] = answer[1:]
+                return answer
+
+            return adopt
+
+        for home in range(3):  # the home: the sender, the taker, or a third worker
+            cid = ids_homed_at(home, 3, 1)[0]
+            assert await w[0].connect(cid, b'{"s":1}') == NEW
+            in_flight[0][cid] = 5
+            answer = await w[1].dir.claim_handed(cid, 0, 5, adopt_at(1, cid))
+            assert answer == STATE + b'{"s":1}'
+            assert w[home].dir.registry[cid] == 1 and w[1].held[cid] == b'{"s":1}'
+            assert cid not in w[0].held and w[0].closed == []  # nothing closed: it moved
+            # Taken over (a new connection at worker 2) before a hand-off from worker 1
+            # to worker 0 claims: that claim is refused, the sender not even asked.
+            assert await w[2].connect(cid) == STATE + b'{"s":1}'
+            in_flight[1][cid] = 6
+            asked = len(released)
+            refused = await w[0].dir.claim_handed(cid, 1, 6, adopt_at(0, cid))
+            assert refused == b"X" and len(released) == asked
+            assert w[home].dir.registry[cid] == 2
+            # The sender no longer holds it for that hand-off (its token is another's):
+            # refused, and the registry stays.
+            in_flight[2][cid] = 7
+            assert await w[0].dir.claim_handed(cid, 2, 8, adopt_at(0, cid)) == b"X"
+            assert w[home].dir.registry[cid] == 2 and cid in w[2].held
+        for x in w:
+            await x.mesh.close()
+
+    run(main)
