@@ -24,6 +24,7 @@ from broker.config import ConfigError, load_config
 from broker.workers.mesh import owner_of
 from tests.integration.clients import V5, V311, Client
 from tests.integration.conftest import BrokerProcess
+from tests.integration.test_auth import make_password_file
 from tests.integration.test_durability import replay_all
 
 STREAMS = '[[streams]]\nname = "telemetry"\ntopic_filter = ["devices/#"]\npartitions = 4\n'
@@ -257,3 +258,47 @@ def test_a_takeover_racing_a_handoff_leaves_one_holder(broker: BrokerProcess) ->
         assert got.count(f"s{n}") == DEVICES
         assert got.count(f"f{n}") <= DEVICES
     sub.disconnect()
+
+
+def test_the_login_and_its_acl_move_with_the_connection(tmp_path: Path) -> None:
+    """The worker taking a connection restores its login's ACL rules (anonymous ones would
+    refuse these devices' topics), and refuses what they refuse."""
+    pw = make_password_file(tmp_path / "passwd", {"alice": "a-pw"})
+    acl = tmp_path / "acl"
+    acl.write_text("topic read #\nuser alice\ntopic write devices/#\n")
+    broker = start(tmp_path, f'[auth]\npassword_file = "{pw}"\nacl_file = "{acl}"\n')
+    try:
+        sub = Client(broker.port, "reader", V311)
+        assert sub.connect() == 0
+        sub.subscribe("#", 1)
+        devs = []
+        for i in range(DEVICES):
+            c = Client(broker.port, f"alice{i}", V311)
+            c.paho.username_pw_set("alice", "a-pw")
+            assert c.connect() == 0
+            devs.append((c, topic_owned_by(i % 2, i)))
+        for c, t in devs:
+            c.publish(t, "before", 1)
+        assert wait_handed(broker) >= 1
+        denied = metric_labelled(broker, "mqlog_messages_dropped_total", "not_authorized")
+        for c, t in devs:
+            c.publish(f"other/{t}", "denied", 1)  # not alice's to write
+            c.publish(t, "after", 1)
+        got = [m.payload for m in sub.expect(DEVICES * 2, timeout=20)]
+        assert sorted(got) == sorted([b"before", b"after"] * DEVICES)
+        sub.expect_none(0.5)
+        after = metric_labelled(broker, "mqlog_messages_dropped_total", "not_authorized")
+        assert after - denied == DEVICES
+        for c, _ in devs:
+            c.disconnect()
+        sub.disconnect()
+    finally:
+        broker.stop()
+
+
+def metric_labelled(broker: BrokerProcess, name: str, reason: str) -> float:
+    with urllib.request.urlopen(f"{broker.http_url}/metrics", timeout=10) as resp:
+        text = resp.read().decode()
+    m = re.search(rf'^{name}{{reason="{reason}"}} (\S+)$', text, re.M)
+    assert m, f"{name} not in /metrics"
+    return float(m.group(1))
