@@ -63,6 +63,9 @@ HANDOFF = CALL + 8
 QUIESCE_SECONDS = 2.0
 #: Seconds a descriptor may wait for room in the receiving worker's channel.
 SEND_SECONDS = 1.0
+#: Times a hand-off that could not be done is tried again, and the seconds between tries.
+RETRIES = 3
+RETRY_SECONDS = 1.0
 #: Seconds a connection handed to a worker stays there before it may move again.
 COOLDOWN = 10.0
 
@@ -92,9 +95,11 @@ class HandOff:
 
     # ------------------------------------------------------------ the worker handing
 
-    def consider(self, link: MQTTProtocol, key: PartitionKey) -> None:
+    def consider(self, link: MQTTProtocol, key: PartitionKey, attempt: int = 0) -> None:
         """``link`` publishes to ``key`` now: hand it to the owner if that is another
-        worker and the link is cheap to move (module docstring)."""
+        worker and the link is cheap to move (module docstring). A hand-off that could
+        not be done (its publishes slow to be answered, the owner's channel full) is tried
+        again :data:`RETRY_SECONDS` later, :data:`RETRIES` times."""
         owner = getattr(self.router.partitions.get(key), "owner", None)
         session = link.session
         if (
@@ -116,11 +121,13 @@ class HandOff:
             return
         token = next(self._tokens)
         link._handoff = token
-        task = self.server.loop.create_task(self._hand(link, owner, token))
+        task = self.server.loop.create_task(self._hand(link, owner, token, key, attempt))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _hand(self, link: MQTTProtocol, owner: int, token: int) -> None:
+    async def _hand(
+        self, link: MQTTProtocol, owner: int, token: int, key: PartitionKey, attempt: int
+    ) -> None:
         transport = link.transport
         assert transport is not None
         transport.pause_reading()  # step 1
@@ -142,6 +149,7 @@ class HandOff:
             link._handoff = None  # stays here
             if link.transport is not None and not link.transport.is_closing():
                 link.transport.resume_reading()
+                self._again(link, key, attempt)
             return
         conn = link.conn
         rest = conn.take_buffered()
@@ -153,6 +161,7 @@ class HandOff:
             link._handoff = rest  # it stays here, on a new transport, the bytes first
             link._parked = -1
             resume(self.server.loop, link, fd).add_done_callback(lambda t: _resumed(link, t))
+            self._again(link, key, attempt)
             return
         os.close(fd)
         edge = self.server
@@ -188,6 +197,14 @@ class HandOff:
             self.runtime.handed_off += 1
         else:
             self._lost(link, session)
+
+    def _again(self, link: MQTTProtocol, key: PartitionKey, attempt: int) -> None:
+        if attempt < RETRIES:
+            self.server.loop.call_later(RETRY_SECONDS, self._retry, link, key, attempt + 1)
+
+    def _retry(self, link: MQTTProtocol, key: PartitionKey, attempt: int) -> None:
+        if not link.closing and link.conn.plain_topic and link._plain_key == key:
+            self.consider(link, key, attempt)  # still publishing there
 
     async def _send(self, owner: int, token: int, fd: int) -> None:
         """Send ``fd`` to ``owner``; its channel holds few messages at once (the kernel's
