@@ -218,12 +218,14 @@ class Lifecycle:
         return data
 
     def attach_handed(
-        self, link: Link, client_id: str, receive_maximum: int, problem_info: bool
+        self, link: Link, client_id: str, receive_maximum: int, problem_info: bool, stored: bool
     ) -> Session | None:
         """Hand-off, the worker taking the connection: ``link`` continues the session of
         ``client_id`` just adopted (:meth:`SessionStore.adopt`) as its connection: no
         CONNACK (the client saw it), its will stays pending [MQTT-3.1.2-8], its login's
-        ACL rules are restored (``owner``: the user it logged in as)."""
+        ACL rules are restored (``owner``: the user it logged in as). ``stored``: whether
+        its state is in ``$sessions`` (a clean session's is not, unless it has a will: its
+        end then writes no tombstone)."""
         state = self.state
         session = state.sessions.get(client_id)
         if session is None:
@@ -234,6 +236,8 @@ class Lifecycle:
         session.persistent = session.expiry_interval > 0
         session.receive_maximum = receive_maximum
         session.request_problem_information = problem_info
+        session.stored = stored
+        session.dirty = session.persistent  # written here once (this worker's tick)
         link.client_id = client_id
         state.connections += 1
         state.hooks.connections_changed(state.connections)

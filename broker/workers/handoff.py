@@ -185,6 +185,7 @@ class HandOff:
             rest,
             session.receive_maximum,
             session.request_problem_information,
+            session.stored,
         )
         try:
             answer = await self.runtime.mesh.call(owner, HANDOFF, marshal.dumps(state))
@@ -293,6 +294,7 @@ class HandOff:
             rest,
             receive_maximum,
             problem_info,
+            stored,
         ) = state
         fd = await self.channel.take(token)
         if fd is None:
@@ -317,7 +319,7 @@ class HandOff:
             if answer[:1] != STATE:
                 return None
             self.router.adopt(client_id, answer[1:])
-            return self.router.attach_handed(link, client_id, receive_maximum, problem_info)
+            return self.router.attach_handed(link, client_id, receive_maximum, problem_info, stored)
 
         try:
             session = await self.runtime.sessions.claim_handed(client_id, sender, token, adopt)
