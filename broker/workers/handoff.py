@@ -4,9 +4,9 @@ With several workers, a device publishing to a partition another worker owns has
 publish forwarded over the mesh and its PUBACK wait for the owner's answer (issue 23,
 item 2). When such a connection takes that partition as its plain topic's (the device
 path's, ``edge.handoff`` is told: :meth:`HandOff.consider`), and moving it costs little (a
-plain TCP connection whose session has no subscription, nothing in flight either way and no
-QoS 2 exchange open), worker A hands it to the owner B, whose publishes are then appended
-locally, with no forward:
+plain TCP connection whose session has nothing in flight either way, no QoS 2 exchange open
+and no shared subscription: :func:`movable`; its subscriptions move with it), worker A
+hands it to the owner B, whose publishes are then appended locally, with no forward:
 
 1. A stops reading the socket and waits until every publish of it A accepted is answered:
    each FORWARD sent up to then answered (:meth:`PartitionService.answered_before`), this
@@ -112,9 +112,11 @@ class HandOff:
             or link._admission is not None
             or link.transport is None
             or link.transport.get_extra_info("socket") is None  # a carrier: TLS, WebSocket
-            or not movable(session)
             or link.conn.outbound_aliases
         ):
+            return
+        if not movable(session):
+            self._again(link, key, attempt)  # a delivery in flight to it, say: later
             return
         now = self.server.monotonic()
         if self._recent.get(link.client_id, -COOLDOWN) > now - COOLDOWN:
@@ -154,10 +156,14 @@ class HandOff:
         conn = link.conn
         rest = conn.take_buffered()
         fd = detach(link)  # step 2
+        # Nothing more is written here from now on: a delivery to its subscriptions waits
+        # at its cursor (can_write), which goes with the session; a close waits too.
+        link._closing = True
         try:
             await self._send(owner, token, fd)
         except OSError as e:
             log.warning("%s: hand-off to worker %d failed: %s", link.client_id, owner, e)
+            link._closing = False
             link._handoff = rest  # it stays here, on a new transport, the bytes first
             link._parked = -1
             resume(self.server.loop, link, fd).add_done_callback(lambda t: _resumed(link, t))
@@ -168,7 +174,6 @@ class HandOff:
         edge.keepalive.discard(link)
         edge.parking.forget(link)
         edge.links.discard(link)
-        link._closing = True  # in flight: nothing more is written here
         link._lane = None
         link._ending = None
         self._inflight[token] = link
@@ -360,12 +365,13 @@ class HandOff:
 
 
 def movable(session: Session) -> bool:
-    """Whether ``session`` is cheap to move with its connection: no subscription (its
-    consumers' positions would be read elsewhere), nothing in flight either way, no QoS 2
-    exchange, nothing queued for it."""
+    """Whether ``session`` is cheap to move with its connection: nothing in flight either
+    way, no QoS 2 exchange, nothing queued for it, no shared subscription (its group's
+    members are counted where they are). Its subscriptions move (a device listening on its
+    command topic): each consumer's cursor is the next record not sent, which the taking
+    worker sends from (``Session.to_state``, ``SessionStore.adopt``)."""
     return not (
-        session.consumers
-        or session.shared
+        session.shared
         or session.inflight
         or session.incoming_qos2
         or session.pending_qos2

@@ -302,3 +302,86 @@ def metric_labelled(broker: BrokerProcess, name: str, reason: str) -> float:
     m = re.search(rf'^{name}{{reason="{reason}"}} (\S+)$', text, re.M)
     assert m, f"{name} not in /metrics"
     return float(m.group(1))
+
+
+def all_moved(broker: BrokerProcess, devs: list[tuple[Client, str]], timeout: float = 15.0) -> None:
+    """Wait until a round of publishes by every device is forwarded no more: each is on its
+    partition's owner (a move refused while a delivery was in flight is tried again)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        before = metric(broker, "mqlog_records_forwarded_total")
+        for c, t in devs:
+            c.publish(t, "probe", 1)
+        if metric(broker, "mqlog_records_forwarded_total") == before:
+            return
+        assert time.monotonic() < deadline, "some devices never moved to their owner"
+        time.sleep(0.3)
+
+
+@pytest.mark.parametrize("protocol", [pytest.param(V311, id="v311"), pytest.param(V5, id="v5")])
+def test_a_subscribed_device_moves_with_its_subscription(
+    broker: BrokerProcess, protocol: int
+) -> None:
+    """A device listening on its command topic moves too: its subscription's cursor goes with
+    the session, so commands published before, during and after its move arrive once each,
+    in order."""
+    devs = []
+    for i in range(DEVICES):
+        c = Client(broker.port, f"dev{i}", protocol)
+        assert c.connect() == 0
+        assert c.subscribe(f"cmd/{i}", 1) == [1]
+        devs.append((c, topic_owned_by(i % 2, i)))
+    commander = Client(broker.port, "commander", V311)
+    assert commander.connect() == 0
+
+    def command(first: int, end: int) -> None:
+        for n in range(first, end):
+            for i in range(DEVICES):
+                commander.publish(f"cmd/{i}", f"c{n}", 1, wait=False)
+            time.sleep(0.01)
+
+    command(0, 5)
+    sender = threading.Thread(target=command, args=(5, 60))
+    sender.start()
+    for c, t in devs:  # the moves start here, commands on their way
+        for n in range(5):
+            c.publish(t, f"{n}", 1, wait=False)
+    sender.join(30)
+    all_moved(broker, devs)
+    assert wait_handed(broker) >= 1
+    command(60, 65)
+    for i, (c, _) in enumerate(devs):
+        got = c.expect(65, timeout=20)
+        assert [m.payload.decode() for m in got] == [f"c{n}" for n in range(65)], f"dev{i}"
+        assert not any(m.dup for m in got)
+        c.expect_none(0.1)
+        c.disconnect()
+    commander.disconnect()
+
+
+def test_a_persistent_subscribed_session_moves_and_comes_back(broker: BrokerProcess) -> None:
+    """Moved with its subscription, a persistent session is held by its new worker: what is
+    published while its client is away is there when it comes back, wherever it lands."""
+    devs = []
+    for i in range(DEVICES):
+        c = Client(broker.port, f"pdev{i}", V311, clean=False)
+        assert c.connect() == 0
+        assert c.subscribe(f"cmd/{i}", 1) == [1]
+        devs.append((c, topic_owned_by(i % 2, i)))
+    all_moved(broker, devs)
+    assert wait_handed(broker) >= 1
+    for c, _ in devs:
+        c.disconnect()
+    commander = Client(broker.port, "commander", V311)
+    assert commander.connect() == 0
+    for i in range(DEVICES):
+        commander.publish(f"cmd/{i}", f"do{i}", 1)
+    commander.disconnect()
+    for i in range(DEVICES):
+        c = Client(broker.port, f"pdev{i}", V311, clean=False)
+        assert c.connect() == 0
+        assert c.session_present
+        (m,) = c.expect(1)
+        assert m.payload == f"do{i}".encode()
+        c.expect_none(0.1)
+        c.disconnect()
