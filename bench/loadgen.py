@@ -468,7 +468,13 @@ async def _pub_role(spec: dict[str, Any], ctl: Any) -> dict[str, Any]:
     first = spec["first"]
     count = spec["count"]
     batch = spec.get("batch", 256)
-    conns = await open_conns(spec["port"], lambda i: Conn(f"{spec['id']}-{first + i}"), count)
+    commands = spec.get("commands", False)  # each device subscribed to its command topic
+
+    def make(i: int) -> Conn:
+        sub = f"cmd/{first + i}" if commands else None
+        return Conn(f"{spec['id']}-{first + i}", sub=sub, sub_qos=1)
+
+    conns = await open_conns(spec["port"], make, count)
     pubs = [
         Publisher(c, first + i, spec["prefix"], first + i, qos, batch) for i, c in enumerate(conns)
     ]

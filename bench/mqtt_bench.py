@@ -24,6 +24,9 @@ fleet          5,000 devices, each one QoS 1 PUBLISH per second (one packet per 
 fleet-         the fleet while a competing load shares the machine: one process pinned to
 contended      one core (``CONTEND_CPU``) spinning for the whole measurement, for every
                broker in turn (issue 23: a test suite on the machine stretched the tail)
+fleet-cmd      the fleet with each device subscribed (QoS 1) to its own command topic, as
+               devices that take commands are (no command is sent): optional, not in the
+               default set (``--scenario fleet-cmd``)
 storm          5,000 CONNECTs (2 processes, 200 in progress each): connects/s, broker RSS
                growth per idle connection
 latency        one publisher paced at 5,000 msg/s QoS 1, one QoS 1 subscriber: p50/p99
@@ -96,6 +99,9 @@ ALL = [
     "latency",
     "replay",
 ]
+#: Scenarios run only when named (``--scenario``).
+OPTIONAL = ["fleet-cmd"]
+KNOWN = ALL + OPTIONAL
 MP = mp.get_context("fork")
 
 
@@ -118,7 +124,7 @@ class Broker:
     #: broker is given; their figures are rates, so they stay comparable.
     scale = 1.0
     #: The scenarios this broker is measured in (``run_scenario`` skips the others).
-    scenarios = frozenset(ALL)
+    scenarios = frozenset(KNOWN)
 
     def __init__(self, tmp: Path) -> None:
         self.tmp = tmp
@@ -305,7 +311,7 @@ class Amqtt(Broker):
     scale = 0.1
     # Its offline queue delivered 4-5% of the stored messages to the reconnected session,
     # then nothing more (10,000 stored, --quick, two runs): replay is not measured.
-    scenarios = frozenset(ALL) - {"replay"}
+    scenarios = frozenset(KNOWN) - {"replay"}
     CONFIG = (
         "listeners:\n  default:\n    type: tcp\n    bind: 127.0.0.1:{port}\n"
         "    max_connections: 0\nplugins:\n"
@@ -678,7 +684,12 @@ def fleet_contended(broker: Broker, quick: bool, tag: str) -> Figure:
     return fig
 
 
-def fleet(broker: Broker, quick: bool, tag: str) -> Figure:
+def fleet_cmd(broker: Broker, quick: bool, tag: str) -> Figure:
+    """The fleet, each device subscribed to its command topic."""
+    return fleet(broker, quick, tag, commands=True)
+
+
+def fleet(broker: Broker, quick: bool, tag: str, commands: bool = False) -> Figure:
     devices = 5000
     warmup, duration = (2.0, 5.0) if quick else (3.0, 10.0)
     subs = [
@@ -705,6 +716,7 @@ def fleet(broker: Broker, quick: bool, tag: str) -> Figure:
             "mode": "paced",
             "rate": count,
             "duration": warmup + duration + 0.5,
+            "commands": commands,
         }
         for i, (first, count) in enumerate(split(devices, 2))
     ]
@@ -837,6 +849,9 @@ ROWS: dict[str, tuple[str, str]] = {
     "fleet-contended": ("fleet, one core busy (spinner): broker CPU", "% CPU"),
     "fleet-contended_p50": ("fleet, one core busy: p50 latency", "ms"),
     "fleet-contended_p99": ("fleet, one core busy: p99 latency", "ms"),
+    "fleet-cmd": ("fleet, devices subscribed to commands: broker CPU", "% CPU"),
+    "fleet-cmd_p50": ("fleet, devices subscribed: p50 latency", "ms"),
+    "fleet-cmd_p99": ("fleet, devices subscribed: p99 latency", "ms"),
     "storm": ("connection storm 5,000 CONNECTs", "connects/s"),
     "storm_mem": ("storm: broker memory per idle connection", "bytes"),
     "latency": ("latency 5,000 msg/s QoS 1: p50", "ms"),
@@ -865,7 +880,7 @@ def expand(scenario: str, broker: str, figs: list[Figure], run: int) -> dict[str
             "per_cpu": f.per_cpu,
         }
     }
-    if scenario in ("fleet", "fleet-contended"):
+    if scenario in ("fleet", "fleet-contended", "fleet-cmd"):
         for q in ("p50", "p99"):
             rows[f"{scenario}_{q}"] = {
                 **base,
@@ -1018,6 +1033,9 @@ LOWER_BETTER = {
     "fleet-contended",
     "fleet-contended_p50",
     "fleet-contended_p99",
+    "fleet-cmd",
+    "fleet-cmd_p50",
+    "fleet-cmd_p99",
     "storm_mem",
     "latency",
     "latency_p99",
@@ -1036,6 +1054,7 @@ def run_scenario(name: str, broker: Broker, quick: bool, run: int) -> list[Figur
     fn: dict[str, Callable[[Broker, bool, str], Figure]] = {
         "fleet": fleet,
         "fleet-contended": fleet_contended,
+        "fleet-cmd": fleet_cmd,
         "storm": storm,
         "latency": latency,
     }
@@ -1067,7 +1086,7 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="mqlog bench", description=__doc__.split("\n")[0])
     ap.add_argument("--quick", action="store_true", help="smaller counts and durations")
     ap.add_argument(
-        "--scenario", default=",".join(ALL), help=f"comma-separated subset of {','.join(ALL)}"
+        "--scenario", default=",".join(ALL), help=f"comma-separated subset of {','.join(KNOWN)}"
     )
     ap.add_argument("--runs", type=int, default=1, help="repeat; the table shows medians")
     ap.add_argument(
@@ -1094,8 +1113,8 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     scenarios = [s for s in args.scenario.split(",") if s]
     for s in scenarios:
-        if s not in ALL:
-            ap.error(f"unknown scenario {s!r}; choose from {','.join(ALL)}")
+        if s not in KNOWN:
+            ap.error(f"unknown scenario {s!r}; choose from {','.join(KNOWN)}")
     loadgen.raise_nofile()
     results: Path = args.results
     results.mkdir(parents=True, exist_ok=True)
