@@ -19,6 +19,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from paho.mqtt.packettypes import PacketTypes
+from paho.mqtt.properties import Properties
 
 from broker.config import ConfigError, load_config
 from broker.workers.mesh import owner_of
@@ -385,3 +387,35 @@ def test_a_persistent_subscribed_session_moves_and_comes_back(broker: BrokerProc
         assert m.payload == f"do{i}".encode()
         c.expect_none(0.1)
         c.disconnect()
+
+
+def test_subscription_options_move_with_the_session(broker: BrokerProcess) -> None:
+    """5.0 options travel with a moved subscription: its identifier [MQTT-3.3.4-3], no local
+    [MQTT-3.8.3-3] (the device's own publishes to a topic it subscribes to do not come back),
+    retain as published [MQTT-3.3.1-12]."""
+    devs = []
+    for i in range(DEVICES):
+        c = Client(broker.port, f"opt{i}", V5)
+        assert c.connect() == 0
+        topic = topic_owned_by(i % 2, i)
+        props = Properties(PacketTypes.SUBSCRIBE)
+        props.SubscriptionIdentifier = 100 + i
+        assert c.subscribe(f"cmd/{i}", 1, properties=props, retainAsPublished=True) == [1]
+        assert c.subscribe(topic, 1, noLocal=True) == [1]
+        devs.append((c, topic))
+    all_moved(broker, devs)
+    assert wait_handed(broker) >= 1
+    commander = Client(broker.port, "commander", V5)
+    assert commander.connect() == 0
+    for i, (_, topic) in enumerate(devs):
+        commander.publish(f"cmd/{i}", "kept", 1, retain=True)
+        commander.publish(topic, "from-elsewhere", 1)
+    for i, (c, _) in enumerate(devs):
+        got = sorted(c.expect(2), key=lambda m: m.payload)
+        assert [m.payload for m in got] == [b"from-elsewhere", b"kept"], f"opt{i}"
+        assert got[1].properties["SubscriptionIdentifier"] == [100 + i]
+        assert got[1].retain  # retain as published
+        assert "SubscriptionIdentifier" not in got[0].properties
+        c.expect_none(0.1)  # none of its own probes came back
+        c.disconnect()
+    commander.disconnect()

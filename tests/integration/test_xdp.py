@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -329,9 +330,16 @@ def test_broker_without_bpf_filters_in_user_space_and_says_why(tmp_path: Path) -
         off = XDP_ON.replace("enabled = true", "enabled = false")
         cluster = MqlogCluster(lab, tmp_path, extra=off)
         m = cluster.members[0]
-        cluster.start()
+        cluster.start()  # waits for the MQTT port; the HTTP API may open a moment later
         assert not xdp_attached(lab, m.node)
-        status = cluster.status(m)["xdp"]
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                status = cluster.status(m)["xdp"]
+                break
+            except urllib.error.URLError:
+                assert time.monotonic() < deadline, "the HTTP API never answered"
+                time.sleep(0.1)
         assert status["enabled"] is False and status["filter"] == "user space"
         assert status["reason"] == "[xdp] enabled = false"
         assert "mqlog_xdp_enabled 0.0" in scrape(m.addr)
