@@ -209,17 +209,24 @@ def test_persistent_session_keeps_what_it_gets_after_handoff(broker: BrokerProce
     for i, (c, _) in enumerate(devs):
         assert c.subscribe(f"cmd/{i}", 1) == [1]
         c.disconnect()
-    pub = Client(broker.port, "commander", V311)
-    assert pub.connect() == 0
+    commands_wait_for(broker, "dev")
+
+
+def commands_wait_for(broker: BrokerProcess, prefix: str) -> None:
+    """A command for each device away (persistent session ``<prefix><i>``, subscribed to
+    ``cmd/<i>``) is there, once, when it comes back, wherever it lands."""
+    commander = Client(broker.port, "commander", V311)
+    assert commander.connect() == 0
     for i in range(DEVICES):
-        pub.publish(f"cmd/{i}", f"do{i}", 1)
-    pub.disconnect()
+        commander.publish(f"cmd/{i}", f"do{i}", 1)
+    commander.disconnect()
     for i in range(DEVICES):
-        c = Client(broker.port, f"dev{i}", V311, clean=False)
+        c = Client(broker.port, f"{prefix}{i}", V311, clean=False)
         assert c.connect() == 0
         assert c.session_present
         (m,) = c.expect(1)
         assert m.payload == f"do{i}".encode()
+        c.expect_none(0.1)
         c.disconnect()
 
 
@@ -374,19 +381,7 @@ def test_a_persistent_subscribed_session_moves_and_comes_back(broker: BrokerProc
     assert wait_handed(broker) >= 1
     for c, _ in devs:
         c.disconnect()
-    commander = Client(broker.port, "commander", V311)
-    assert commander.connect() == 0
-    for i in range(DEVICES):
-        commander.publish(f"cmd/{i}", f"do{i}", 1)
-    commander.disconnect()
-    for i in range(DEVICES):
-        c = Client(broker.port, f"pdev{i}", V311, clean=False)
-        assert c.connect() == 0
-        assert c.session_present
-        (m,) = c.expect(1)
-        assert m.payload == f"do{i}".encode()
-        c.expect_none(0.1)
-        c.disconnect()
+    commands_wait_for(broker, "pdev")
 
 
 def test_subscription_options_move_with_the_session(broker: BrokerProcess) -> None:
