@@ -1097,7 +1097,10 @@ def main(argv: list[str] | None = None) -> int:
         "floor (optional: bench/floor_server.py, not a broker), "
         "mqlog1 (optional: mqlog with one worker process)",
     )
-    ap.add_argument("--profile", help="run mqlog under py-spy, raw samples to this file")
+    ap.add_argument(
+        "--profile",
+        help="run mqlog (or mqlog1 without mqlog) under py-spy, raw samples to this file",
+    )
     ap.add_argument(
         "--results",
         type=Path,
@@ -1121,8 +1124,9 @@ def main(argv: list[str] | None = None) -> int:
     tmp = Path(tempfile.mkdtemp(prefix="mqtt-bench-"))
     brokers: list[Broker] = []
     names = args.brokers.split(",")
+    profile = Path(args.profile).resolve() if args.profile else None
     if "mqlog" in names:
-        brokers.append(Mqlog(tmp, Path(args.profile).resolve() if args.profile else None))
+        brokers.append(Mqlog(tmp, profile))
     if "mosquitto" in names:
         brokers.append(Mosquitto(tmp))
     if "nats" in names:
@@ -1132,7 +1136,9 @@ def main(argv: list[str] | None = None) -> int:
     if "floor" in names:
         brokers.append(Floor(tmp))
     if "mqlog1" in names:
-        brokers.append(Mqlog(tmp, name="mqlog1", workers=1))
+        # --profile goes to mqlog1 when mqlog itself is not run
+        spied = profile if "mqlog" not in names else None
+        brokers.append(Mqlog(tmp, spied, name="mqlog1", workers=1))
     if args.baseline:
         brokers.append(Mqlog(tmp, src=Path(args.baseline).resolve(), name="mqlog-base"))
     started = time.strftime("%Y-%m-%dT%H:%M:%S")
