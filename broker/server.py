@@ -434,6 +434,8 @@ class Server:
     async def stop(self) -> None:
         """Stop accepting, close connections, persist sessions, flush and fsync the logs."""
         self.ready = False
+        if self.handoffs is not None:
+            self.handoffs.stopping = True  # none starts or is taken from now on
         for server in self._listeners:
             server.close()
         if self.sys is not None:
@@ -454,6 +456,10 @@ class Server:
         self._syncer.close()
         if self._scrubber is not None:
             self._scrubber.stop()
+        if self.handoffs is not None:
+            # The hand-offs under way end first: each one's session is then here or at its
+            # sender when the router writes the sessions (broker.workers.handoff, "Stopping").
+            await self.handoffs.settle()
         self.router.close()
         self._flush_links()
         if self.runtime is not None:

@@ -166,12 +166,13 @@ def resume(loop: asyncio.AbstractEventLoop, link: Any, fd: int) -> asyncio.Task[
     return loop.create_task(loop.connect_accepted_socket(lambda: link, sock))
 
 
-def refuse(fd: int, version: int) -> None:
-    """Close a handed connection whose session was taken over meanwhile [MQTT-3.1.4-3]:
-    5.0 is told so first (DISCONNECT 0x8E, "session taken over")."""
+def refuse(fd: int, version: int, reason: int) -> None:
+    """Close a handed connection that is not resumed: its session was taken over meanwhile
+    [MQTT-3.1.4-3], or the worker stops. 5.0 is told why first (DISCONNECT with ``reason``:
+    0x8E "session taken over", 0x8B "server shutting down")."""
     try:
         if version == 5:
-            os.write(fd, bytes((0xE0, 1, 0x8E)))
+            os.write(fd, bytes((0xE0, 1, reason)))
     except OSError:
         pass
     finally:

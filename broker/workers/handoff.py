@@ -24,6 +24,14 @@ hands it to the owner B, whose publishes are then appended locally, with no forw
    close the handed connection as taken over [MQTT-3.1.4-3]; one that never happens (B
    died) makes A count the connection lost (its will goes out).
 
+Stopping (:meth:`HandOff.settle`): a worker that has begun to stop starts no hand-off and
+takes none (A keeps the session and counts the connection lost, as its stop does with every
+other connection), and it waits for the hand-offs under way before it persists its
+sessions: each one's session is then in A's router or in B's when that worker writes them
+(B, taking one while it stops, closes the connection as its stop closes the others). A
+session that left A after A wrote its sessions and reached B after B wrote its own was lost
+on SIGTERM.
+
 Order: a QoS 0/1 publish of the connection accepted by A was appended before the hand-off
 (step 1), and the FORWARDs precede ``HANDOFF`` on the mesh; B reads the socket only after.
 A connection handed to a worker stays there for :data:`COOLDOWN` seconds at least.
@@ -41,9 +49,10 @@ import marshal
 import os
 from typing import TYPE_CHECKING, Any
 
+from broker.mqtt.reason_codes import ReasonCode
 from broker.net.connlog import PEER_CLOSED
 from broker.net.context import STATE
-from broker.net.handoff import FdChannel, detach, refuse, resume
+from broker.net.handoff import WAIT_SECONDS, FdChannel, detach, refuse, resume
 from broker.net.keepalive import keepalive_deadline
 from broker.net.transport import MQTTProtocol
 from broker.workers.mesh import PeerDown
@@ -57,6 +66,9 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("broker.workers.handoff")
 
+SESSION_TAKEN_OVER = ReasonCode.SESSION_TAKEN_OVER
+SERVER_SHUTTING_DOWN = ReasonCode.SERVER_SHUTTING_DOWN
+
 #: Request A -> B: take this connection (its state; the descriptor follows on the channel).
 HANDOFF = CALL + 8
 #: Seconds a connection's publishes may take to be answered before a hand-off gives up.
@@ -68,6 +80,9 @@ RETRIES = 3
 RETRY_SECONDS = 1.0
 #: Seconds a connection handed to a worker stays there before it may move again.
 COOLDOWN = 10.0
+#: Seconds a stopping worker waits for the hand-offs under way (each is bounded by its own
+#: limits: the quiesce, the send, the descriptor's wait on the channel).
+SETTLE_SECONDS = QUIESCE_SECONDS + SEND_SECONDS + WAIT_SECONDS
 
 
 class HandOff:
@@ -85,6 +100,8 @@ class HandOff:
         self._recent: dict[str, float] = {}
         self._tasks: set[asyncio.Task[Any]] = set()
         self.handed_in = 0
+        #: This worker stops: no hand-off starts or is taken (module docstring, "Stopping").
+        self.stopping = False
         runtime.mesh.handlers[HANDOFF] = self._on_handoff
         runtime.sessions.release_handed = self._release_handed
 
@@ -103,7 +120,8 @@ class HandOff:
         owner = getattr(self.router.partitions.get(key), "owner", None)
         session = link.session
         if (
-            owner is None
+            self.stopping
+            or owner is None
             or owner == self.runtime.index
             or owner not in self.runtime.mesh.peers
             or session is None
@@ -272,6 +290,11 @@ class HandOff:
     # ------------------------------------------------------------ the worker taking
 
     def _on_handoff(self, peer: int, request: int, body: memoryview) -> None:
+        if self.stopping:
+            # Not taken: its session stays with the sender (the descriptor, when it comes,
+            # is closed with the channel).
+            self.runtime.mesh.reply(peer, request, b"0")
+            return
         state = marshal.loads(body)
         task = self.server.loop.create_task(self._take(peer, state))
         self._tasks.add(task)
@@ -305,6 +328,9 @@ class HandOff:
         if fd is None:
             log.warning("%s: handed by worker %d, its socket never came", client_id, sender)
             return False
+        if self.stopping:
+            refuse(fd, version, SERVER_SHUTTING_DOWN)  # its session stays with the sender
+            return False
         server = self.server
         link = MQTTProtocol(server)
         link.client_id = client_id
@@ -333,8 +359,14 @@ class HandOff:
             session = None
         log.debug("%s: from worker %d (%x): %s", client_id, sender, token, session is not None)
         if session is None:
-            refuse(fd, version)  # taken over meanwhile [MQTT-3.1.4-3]
+            refuse(fd, version, SESSION_TAKEN_OVER)  # taken over meanwhile [MQTT-3.1.4-3]
             return False
+        if self.stopping:
+            # Taken while this worker stops: closed as its stop closes every connection (the
+            # will, the session written before the router closes).
+            refuse(fd, version, SERVER_SHUTTING_DOWN)
+            self.router.connection_lost(session, link, graceful=False)
+            return True
         link.session = session
         if plain_topic:
             key = self.router.plain_route(client_id, plain_topic)
@@ -359,6 +391,14 @@ class HandOff:
 
     def _prune(self, now: float) -> None:
         self._recent = {c: t for c, t in self._recent.items() if t > now - COOLDOWN}
+
+    async def settle(self) -> None:
+        """The worker stops: no hand-off starts or is taken from now on, and the ones under
+        way end (each within its own time limits) before the worker writes its sessions
+        (module docstring, "Stopping")."""
+        self.stopping = True
+        if self._tasks:
+            await asyncio.wait(set(self._tasks), timeout=SETTLE_SECONDS)
 
     def close(self) -> None:
         self.channel.close()
