@@ -481,6 +481,11 @@ class Server:
             os.close(self._lock_fd)
         self.stopped.set()
 
+    @property
+    def handoff_rejected(self) -> int:
+        """Strangers' messages on this worker's hand-off channel (broker.net.handoff)."""
+        return self.handoffs.rejected if self.handoffs is not None else 0
+
     def counts(self) -> dict[str, int]:
         """This worker's connections and sessions (GET /healthz adds up every worker's)."""
         return {"connections": len(self.links), "sessions": len(self.router.sessions)}

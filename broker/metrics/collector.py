@@ -145,6 +145,11 @@ class Scraped(Protocol):
     @property
     def runtime(self) -> WorkerShare | None: ...
 
+    @property
+    def handoff_rejected(self) -> int:
+        """Messages on the hand-off channel from anyone but a sibling worker, dropped."""
+        ...
+
 
 class BrokerCollector(Collector):
     """Reads the broker's state at scrape time."""
@@ -215,6 +220,11 @@ class BrokerCollector(Collector):
                 "mqlog_connections_handed_off",
                 "Device connections handed to the worker owning the partition they publish to",
                 server.runtime.handed_off,
+            )
+            yield _counter(
+                "mqlog_handoff_rejected",
+                "Messages on a worker's hand-off channel from anyone but a sibling worker, dropped",
+                server.handoff_rejected,
             )
             yield _counter(
                 "mqlog_records_forwarded",

@@ -39,6 +39,12 @@ _TOKEN = struct.Struct("<Q")
 WAIT_SECONDS = 5.0
 
 
+def _power_of_ten(n: int) -> bool:
+    while n % 10 == 0:
+        n //= 10
+    return n == 1
+
+
 def channel_name(supervisor_pid: int, worker: int) -> bytes:
     """The abstract socket of ``worker`` of the broker whose supervisor is ``supervisor_pid``."""
     return f"\0mqlog-handoff-{supervisor_pid}-{worker}".encode()
@@ -115,7 +121,12 @@ class FdChannel:
                     cred = _UCRED.unpack_from(body)
             if not self._sibling(cred) or len(fds) != 1 or len(data) != _TOKEN.size:
                 self.rejected += 1
-                log.warning("hand-off channel: a message from %r dropped (not a worker)", cred)
+                if _power_of_ten(self.rejected):  # a flood costs no line per message
+                    log.warning(
+                        "hand-off channel: a message from %r dropped (not a worker; %d so far)",
+                        cred,
+                        self.rejected,
+                    )
                 for fd in fds:
                     os.close(fd)
                 continue

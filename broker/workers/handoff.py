@@ -181,6 +181,10 @@ class HandOff:
             await self._send(owner, token, fd)
         except OSError as e:
             log.warning("%s: hand-off to worker %d failed: %s", link.client_id, owner, e)
+            if session.link is not link or self.router.sessions.get(link.client_id) is not session:
+                # Taken over while its descriptor waited [MQTT-3.1.4-3]: not resumed here.
+                refuse(fd, link.version, SESSION_TAKEN_OVER)
+                return
             link._closing = False
             link._handoff = rest  # it stays here, on a new transport, the bytes first
             link._parked = -1
