@@ -66,9 +66,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("broker.workers.handoff")
 
-SESSION_TAKEN_OVER = ReasonCode.SESSION_TAKEN_OVER
-SERVER_SHUTTING_DOWN = ReasonCode.SERVER_SHUTTING_DOWN
-
 #: Request A -> B: take this connection (its state; the descriptor follows on the channel).
 HANDOFF = CALL + 8
 #: Seconds a connection's publishes may take to be answered before a hand-off gives up.
@@ -183,7 +180,7 @@ class HandOff:
             log.warning("%s: hand-off to worker %d failed: %s", link.client_id, owner, e)
             if session.link is not link or self.router.sessions.get(link.client_id) is not session:
                 # Taken over while its descriptor waited [MQTT-3.1.4-3]: not resumed here.
-                refuse(fd, link.version, SESSION_TAKEN_OVER)
+                refuse(fd, link.version, ReasonCode.SESSION_TAKEN_OVER)
                 return
             link._closing = False
             link._handoff = rest  # it stays here, on a new transport, the bytes first
@@ -333,7 +330,8 @@ class HandOff:
             log.warning("%s: handed by worker %d, its socket never came", client_id, sender)
             return False
         if self.stopping:
-            refuse(fd, version, SERVER_SHUTTING_DOWN)  # its session stays with the sender
+            # Its session stays with the sender.
+            refuse(fd, version, ReasonCode.SERVER_SHUTTING_DOWN)
             return False
         server = self.server
         link = MQTTProtocol(server)
@@ -363,12 +361,13 @@ class HandOff:
             session = None
         log.debug("%s: from worker %d (%x): %s", client_id, sender, token, session is not None)
         if session is None:
-            refuse(fd, version, SESSION_TAKEN_OVER)  # taken over meanwhile [MQTT-3.1.4-3]
+            # Taken over meanwhile [MQTT-3.1.4-3].
+            refuse(fd, version, ReasonCode.SESSION_TAKEN_OVER)
             return False
         if self.stopping:
             # Taken while this worker stops: closed as its stop closes every connection (the
             # will, the session written before the router closes).
-            refuse(fd, version, SERVER_SHUTTING_DOWN)
+            refuse(fd, version, ReasonCode.SERVER_SHUTTING_DOWN)
             self.router.connection_lost(session, link, graceful=False)
             return True
         link.session = session
