@@ -364,6 +364,11 @@ class HandOff:
             # Taken over meanwhile [MQTT-3.1.4-3].
             refuse(fd, version, ReasonCode.SESSION_TAKEN_OVER)
             return False
+        if link.closing:
+            # Taken over right after it came (a release the home asked behind its answer
+            # ran as the claim ended, broker.workers.sessions): closed, never resumed.
+            refuse(fd, version, ReasonCode.SESSION_TAKEN_OVER)
+            return True
         if self.stopping:
             # Taken while this worker stops: closed as its stop closes every connection (the
             # will, the session written before the router closes).

@@ -108,8 +108,10 @@ class SessionDirectory:
         #: For client ids whose home is this worker: the worker that holds the session.
         self.registry: dict[str, int] = {}
         self._busy: dict[str, asyncio.Future[None]] = {}
-        #: Claims of this worker waiting for their answer, and releases waiting for them.
-        self._claiming: dict[str, int] = {}
+        #: Claims of this worker answered by a home on another worker and not adopted yet
+        #: (the answer read, the claimant's turn to run not come), and the releases of the
+        #: same client ids waiting for them (see :meth:`claim`).
+        self._answered: dict[str, set[object]] = {}
         self._deferred: dict[str, list[Callable[[], None]]] = {}
         self.hand_over: Callable[[str], bytes | None] = lambda client_id: None
         self.restore: Callable[[list[str]], list[str]] = lambda client_ids: []
@@ -144,10 +146,13 @@ class SessionDirectory:
         ``adopt(answer)`` returns; ``answer`` is :data:`NEW`, :data:`HERE` or :data:`STATE`
         + the state, and ``adopt`` creates or takes over the session in the router.
 
-        A release asked of this worker meanwhile waits until ``adopt`` ran: the home may
-        send it right behind its answer, and it must find the session adopted, or the
-        session would end up on two workers. Raises :class:`PeerDown` if the home stays
-        unreachable for :data:`CLAIM_PATIENCE` seconds.
+        A release asked of this worker between the answer and ``adopt`` waits until
+        ``adopt`` ran: the home may send it right behind its answer (deciding another
+        worker's claim, or a hand-off's), and it must find the session adopted, or the
+        session would end up on two workers. A release asked before the answer is not
+        kept waiting: this claim is then queued at the home behind the decision that asks
+        it, which would wait for the release forever. Raises :class:`PeerDown` if the
+        home stays unreachable for :data:`CLAIM_PATIENCE` seconds.
         """
         return await self._claim(client_id, adopt, None)
 
@@ -163,31 +168,33 @@ class SessionDirectory:
         self, client_id: str, adopt: Callable[[bytes], T], handed: tuple[int, int] | None
     ) -> T:
         self.claims += 1
-        self._claiming[client_id] = self._claiming.get(client_id, 0) + 1
+        claim = object()
         try:
-            return adopt(await self._ask_home(client_id, handed))
+            return adopt(await self._ask_home(client_id, claim, handed))
         finally:
-            left = self._claiming[client_id] - 1
-            if left:
-                self._claiming[client_id] = left
-            else:
-                del self._claiming[client_id]
-                for release in self._deferred.pop(client_id, ()):
-                    release()
+            answered = self._answered.get(client_id)
+            if answered is not None:
+                answered.discard(claim)
+                if not answered:
+                    del self._answered[client_id]
+                    for release in self._deferred.pop(client_id, ()):
+                        release()
 
-    async def _ask_home(self, client_id: str, handed: tuple[int, int] | None = None) -> bytes:
+    async def _ask_home(
+        self, client_id: str, claim: object, handed: tuple[int, int] | None = None
+    ) -> bytes:
         home = self.home(client_id)
         if home == self.worker:
+            # Decided and adopted in one turn of this task: no release comes between.
             return await self._decide(client_id, self.worker, handed)
-        assert self.mesh is not None
         if handed is not None:  # no retry: the sender waits for this claim's end
             body = _HANDED.pack(*handed) + client_id.encode()
-            return await self.mesh.call(home, HANDED, body)
+            return await self._call(home, HANDED, body, client_id, claim)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + CLAIM_PATIENCE
         while True:
             try:
-                answer = await self.mesh.call(home, CLAIM, client_id.encode())
+                answer = await self._call(home, CLAIM, client_id.encode(), client_id, claim)
             except PeerDown:
                 if loop.time() > deadline:
                     raise
@@ -196,6 +203,26 @@ class SessionDirectory:
             if answer == REFUSED:
                 raise ClaimRefused(f"worker {home} could not decide the claim of {client_id!r}")
             return answer
+
+    def _call(
+        self, home: int, kind: int, body: bytes, client_id: str, claim: object
+    ) -> asyncio.Future[bytes]:
+        """Ask ``home``; the answer marks ``claim`` answered as it is read (before any
+        message behind it: a future's callbacks would run after those)."""
+        assert self.mesh is not None
+        future: asyncio.Future[bytes] = asyncio.get_running_loop().create_future()
+
+        def on_reply(answer: bytes | None) -> None:
+            if future.done():
+                return  # the claimant went away
+            if answer is None:
+                future.set_exception(PeerDown(f"worker {home} went away"))
+                return
+            self._answered.setdefault(client_id, set()).add(claim)
+            future.set_result(answer)
+
+        self.mesh.request(home, kind, body, on_reply)
+        return future
 
     def ended(self, client_id: str) -> None:
         """The session of ``client_id`` held here ended: tell its home."""
@@ -208,43 +235,72 @@ class SessionDirectory:
     # ------------------------------------------------------------ the home
 
     async def _decide(
-        self, client_id: str, claimant: int, handed: tuple[int, int] | None = None
+        self,
+        client_id: str,
+        claimant: int,
+        handed: tuple[int, int] | None = None,
+        reply: Callable[[bytes], None] | None = None,
     ) -> bytes:
+        """Decide a claim of ``client_id`` by ``claimant`` and return the answer; for
+        another worker's claim, ``reply`` sends it (:data:`REFUSED` if deciding failed)
+        before the next claim of the client id is decided: a release that decision asks
+        of the claimant then follows this answer on the mesh (see :meth:`claim`)."""
         while (busy := self._busy.get(client_id)) is not None:
             await asyncio.shield(busy)  # one claim per client id at a time
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._busy[client_id] = done
         try:
-            if self.cluster is not None:
-                answer = await self.cluster.claim(client_id, _same)
-                if answer != HERE:  # new, or another node's final state: not held here
-                    self.registry[client_id] = claimant
-                    return answer
-            if handed is not None:
-                return await self._decide_handed(client_id, claimant, *handed)
-            while True:
-                holder = self.registry.get(client_id)
-                if holder is None:
-                    self.registry[client_id] = claimant
-                    return NEW
-                if holder == claimant:
-                    return HERE
-                try:
-                    state = await self._release_at(holder, client_id)
-                except PeerDown:
-                    # The holder died: peer_down() took its sessions back here; ask again.
-                    continue
-                self.registry[client_id] = claimant
-                if not state:
-                    return NEW
-                self.takeovers += 1
-                return STATE + state
+            try:
+                answer = await self._decide_turn(client_id, claimant, handed)
+            except Exception as e:
+                if reply is None:
+                    raise
+                log.error(
+                    "worker %d: claim of %r for worker %d failed: %r",
+                    self.worker,
+                    client_id,
+                    claimant,
+                    e,
+                )
+                answer = REFUSED
+            if reply is not None:
+                reply(answer)
+            return answer
         finally:
             del self._busy[client_id]
             done.set_result(None)
 
+    async def _decide_turn(
+        self, client_id: str, claimant: int, handed: tuple[int, int] | None
+    ) -> bytes:
+        """:meth:`_decide`, in the claim's turn."""
+        if self.cluster is not None:
+            answer = await self.cluster.claim(client_id, _same)
+            if answer != HERE:  # new, or another node's final state: not held here
+                self.registry[client_id] = claimant
+                return answer
+        if handed is not None:
+            return await self._decide_handed(client_id, claimant, *handed)
+        while True:
+            holder = self.registry.get(client_id)
+            if holder is None:
+                self.registry[client_id] = claimant
+                return NEW
+            if holder == claimant:
+                return HERE
+            try:
+                state = await self._release_at(holder, client_id)
+            except PeerDown:
+                # The holder died: peer_down() took its sessions back here; ask again.
+                continue
+            self.registry[client_id] = claimant
+            if not state:
+                return NEW
+            self.takeovers += 1
+            return STATE + state
+
     async def _decide_handed(self, client_id: str, claimant: int, sender: int, token: int) -> bytes:
-        """A handed connection's claim (module docstring), inside :meth:`_decide`'s turn."""
+        """A handed connection's claim (module docstring), in the claim's turn."""
         if self.registry.get(client_id, sender) != sender:
             return REFUSED  # taken over meanwhile
         # (None: unregistered, as a client id the broker assigned, which is never claimed:
@@ -292,25 +348,10 @@ class SessionDirectory:
         mesh = self.mesh
         assert mesh is not None
 
-        def answer(task: asyncio.Task[bytes]) -> None:
-            if task.cancelled():
-                return
-            error = task.exception()
-            if error is not None:
-                log.error(
-                    "worker %d: claim of %r for worker %d failed: %r",
-                    self.worker,
-                    client_id,
-                    peer,
-                    error,
-                )
-                mesh.reply(peer, request, REFUSED)
-                return
-            mesh.reply(peer, request, task.result())
+        def reply(answer: bytes) -> None:
+            mesh.reply(peer, request, answer)
 
-        asyncio.get_running_loop().create_task(self._decide(client_id, peer)).add_done_callback(
-            answer
-        )
+        asyncio.get_running_loop().create_task(self._decide(client_id, peer, reply=reply))
 
     def _on_release(self, peer: int, request: int, body: memoryview) -> None:
         client_id = bytes(body).decode()
@@ -320,7 +361,7 @@ class SessionDirectory:
         def release() -> None:
             mesh.reply(peer, request, self.hand_over(client_id) or b"")
 
-        if client_id in self._claiming:
+        if client_id in self._answered:
             self._deferred.setdefault(client_id, []).append(release)  # see claim()
         else:
             release()
@@ -331,19 +372,29 @@ class SessionDirectory:
         mesh = self.mesh
         assert mesh is not None
 
-        def answer(task: asyncio.Task[bytes]) -> None:
-            if not task.cancelled():
-                mesh.reply(peer, request, REFUSED if task.exception() else task.result())
+        def reply(answer: bytes) -> None:
+            mesh.reply(peer, request, answer)
 
-        task = asyncio.get_running_loop().create_task(
-            self._decide(client_id, peer, (sender, token))
+        asyncio.get_running_loop().create_task(
+            self._decide(client_id, peer, (sender, token), reply)
         )
-        task.add_done_callback(answer)
 
     def _on_release_handed(self, peer: int, request: int, body: memoryview) -> None:
         token = int.from_bytes(body[:8], "little")
-        assert self.mesh is not None
-        self.mesh.reply(peer, request, self.release_handed(bytes(body[8:]).decode(), token) or b"")
+        client_id = bytes(body[8:]).decode()
+        mesh = self.mesh
+        assert mesh is not None
+
+        def release() -> None:
+            mesh.reply(peer, request, self.release_handed(client_id, token) or b"")
+
+        if client_id in self._answered:
+            # A new connection of this client here claimed it: the home answered that claim
+            # and asks this release right behind. The new connection takes the session
+            # first; the hand-off then finds it taken over and is refused (see claim()).
+            self._deferred.setdefault(client_id, []).append(release)
+        else:
+            release()
 
     def _on_ended(self, peer: int, request: int, body: memoryview) -> None:
         self._forget(bytes(body).decode(), peer)

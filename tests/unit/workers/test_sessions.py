@@ -269,3 +269,81 @@ def test_a_handed_connections_claim_holds_only_while_its_sender_holds_the_sessio
             await x.mesh.close()
 
     run(main)
+
+
+def test_a_takeover_at_the_sender_racing_its_hand_off_leaves_one_holder(tmp_path: Path) -> None:
+    """A new connection of the client reaches the worker handing its old one (0 -> 1) while
+    that hand-off claims: the home answers the new connection's claim ("here") and, right
+    behind it, asks the sender to release the session for the hand-off. The release waits
+    until the new connection has the session (as a takeover's release does): the hand-off
+    is refused and the session held once [MQTT-3.1.4-3]. Released first, the session went
+    to worker 1 with the old connection while worker 0 served the new one."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        in_flight: dict[str, int] = {}  # worker 0's connection in flight, by client id
+
+        def release(client_id: str, token: int) -> bytes | None:
+            if in_flight.get(client_id) != token or client_id not in w[0].held:
+                return None  # the session has another connection now
+            return w[0].held.pop(client_id)
+
+        w[0].dir.release_handed = release
+
+        async def new_connection(cid: str) -> bytes:
+            def adopt(answer: bytes) -> bytes:
+                in_flight.pop(cid, None)  # the new connection takes the session here
+                if answer.startswith(STATE):
+                    w[0].held[cid] = answer[1:]
+                else:  # "new", or "here": the session held here, or a new one if none is
+                    w[0].held.setdefault(cid, b"new")
+                return answer
+
+            return await w[0].dir.claim(cid, adopt)
+
+        def handed(cid: str) -> Callable[[bytes], bytes]:
+            def adopt(answer: bytes) -> bytes:
+                if answer.startswith(STATE):
+                    w[1].held[cid] = answer[1:]
+                return answer
+
+            return adopt
+
+        for cid in ids_homed_at(2, 3, 20):
+            assert await w[0].connect(cid, b"s") == NEW
+            in_flight[cid] = 5
+            answers = await asyncio.gather(
+                new_connection(cid), w[1].dir.claim_handed(cid, 0, 5, handed(cid))
+            )
+            holders = [i for i in range(3) if cid in w[i].held]
+            assert len(holders) == 1, (cid, answers, holders)
+            assert w[2].dir.registry[cid] == holders[0]
+        for x in w:
+            await x.mesh.close()
+
+    run(main)
+
+
+def test_a_holder_claiming_again_while_another_claim_takes_it_does_not_wait_forever(
+    tmp_path: Path,
+) -> None:
+    """The client reconnects at the worker holding its session (0) and at another (1) at
+    once. When 1's claim is decided first, the home asks 0 to release while 0's own claim
+    waits at the home behind that decision: 0 releases at once (its claim is not
+    answered yet), then its claim takes the session back. Held once, no claim stuck."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        for n, cid in enumerate(ids_homed_at(2, 3, 20)):
+            assert await w[0].connect(cid, b"s") == NEW
+            first, second = (w[1], w[0]) if n % 2 else (w[0], w[1])
+            await asyncio.wait_for(asyncio.gather(first.connect(cid), second.connect(cid)), 3)
+            holders = [i for i in range(3) if cid in w[i].held]
+            assert len(holders) == 1 and w[2].dir.registry[cid] == holders[0]
+            assert log[cid] == b"s"  # the state went along each time
+        for x in w:
+            await x.mesh.close()
+
+    run(main)
