@@ -36,7 +36,7 @@ from broker.config import Config
 from broker.http.api import HttpApi, sessions_view
 from broker.metrics.cluster import ClusterMetrics
 from broker.metrics.collector import BrokerCollector, Metrics
-from broker.metrics.sys_topics import SYS_SPEC, SysPublisher, sys_values
+from broker.metrics.sys_topics import SYS_SPEC, SysPublisher, sys_values, traffic_values
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import topic_matches
 from broker.net.context import SessionClaims
@@ -268,6 +268,7 @@ class Server:
         runtime.views["sessions"] = lambda: orjson.dumps(sessions_view(self))
         runtime.views["metrics"] = self.metrics.exposition
         runtime.views["sys"] = lambda: orjson.dumps(sys_values(self))
+        runtime.views["traffic"] = lambda: orjson.dumps(traffic_values(self))
         runtime.views["health"] = lambda: orjson.dumps(self.counts())
         runtime.views["cluster"] = lambda: orjson.dumps(self.cluster_view())
         runtime.actions["transfer_leader"] = self._transfer_action

@@ -52,7 +52,7 @@ from broker.commitlog import SegmentedLog, Streams
 from broker.commitlog.reader import LogReader
 from broker.commitlog.segment import LOG_SUFFIX
 from broker.metrics.collector import Metrics, WorkerShare, merge_expositions
-from broker.metrics.sys_topics import SysSource, sys_values
+from broker.metrics.sys_topics import SysSource, traffic_values
 
 log = logging.getLogger("broker.http.console")
 
@@ -141,9 +141,9 @@ class Sampler:
         server = self.server
         runtime = server.runtime
         if runtime is None:
-            parts = [sys_values(server)]
+            parts = [traffic_values(server)]
         else:
-            parts = [orjson.loads(part) for part in await runtime.gather("sys")]
+            parts = [orjson.loads(part) for part in await runtime.gather("traffic")]
         counters = {
             name: sum(int(part.get(key, 0)) for part in parts) for name, key in COUNTERS.items()
         }

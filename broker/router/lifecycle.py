@@ -145,8 +145,11 @@ class Lifecycle:
             self.end_session(existing)  # [MQTT-3.1.2-4]
             existing = None
         session_present = existing is not None  # [MQTT-3.2.2-2], [MQTT-3.2.2-3]
-        session = existing or Session(client_id)
-        state.sessions[client_id] = session
+        if existing is None:
+            session = state.sessions[client_id] = Session(client_id)
+            session.join_timers(state.timed)
+        else:
+            session = existing
         session.version = version
         session.persistent = expiry > 0
         session.expiry_interval = expiry
@@ -343,23 +346,43 @@ class Lifecycle:
         self.state.hooks.session_ended(session.client_id)
 
     def tick(self) -> None:
-        """Run timers: delayed wills, session expiry, persisting positions. Call every ~1 s."""
+        """Run timers: delayed wills, session expiry, persisting positions. Call every ~1 s.
+
+        It looks only at ``state.timed`` (dirty sessions, offline ones waiting for a will
+        or their expiry), and drops from it those with nothing left to wait for."""
         state = self.state
         mono = state.monotonic()
         now = state.clock()
-        for session in list(state.sessions.values()):
+        timed = state.timed
+        sessions = state.sessions
+        for key, session in list(timed.items()):
+            if sessions.get(session.client_id) is not session:
+                timed.pop(key, None)  # ended, or moved to another worker
+                continue
+            waits = False
             if session.link is None:
-                if session.will_due is not None and session.will_due <= mono:
-                    self.publish_will(session)
-                if (
-                    session.expiry_interval != EXPIRY_NEVER
-                    and session.disconnected_at is not None
-                    and session.disconnected_at + session.expiry_interval <= now
-                ):
-                    self.end_session(session)
-                    continue
+                if session.will_due is not None:
+                    if session.will_due <= mono:
+                        self.publish_will(session)
+                    else:
+                        waits = True
+                if session.expiry_interval != EXPIRY_NEVER and session.disconnected_at is not None:
+                    if session.disconnected_at + session.expiry_interval <= now:
+                        self.end_session(session)
+                        timed.pop(key, None)
+                        continue
+                    waits = True
             if session.dirty and session.persistent:
                 self.store.persist(session)
+            if not waits and not (session.dirty and session.persistent):
+                del timed[key]
+        if sys.getsizeof(timed) > 200 * len(timed) + 100_000:
+            # A dict keeps the table its largest size needed (~50 bytes an entry), and a
+            # pass walks all of it: one a burst left mostly empty is made small again (the
+            # same object, which the sessions refer to).
+            rest = list(timed.items())
+            timed.clear()
+            timed.update(rest)
         if state.groups_dirty:
             self.store.persist_groups()
 

@@ -264,7 +264,11 @@ class Session:
     owner: str | None = None
     owner_known: bool = True
     next_packet_id: int = 1
-    dirty: bool = False  # persisted state changed since last written
+    #: Persisted state changed since last written: read and set as ``dirty``.
+    _dirty: bool = False
+    #: The router's sessions its timer looks at (``RouterState.timed``, by ``id()``): set
+    #: when the session is registered there; ``dirty = True`` puts the session in it.
+    _timed: dict[int, Session] | None = None
     #: Its state is in ``$sessions``: its end writes a tombstone (broker.router.lifecycle).
     stored: bool = False
     #: A consumer stopped at the send quota: the next PUBACK pumps (Delivery.pump_acked).
@@ -274,6 +278,22 @@ class Session:
     #: joining again is the same membership and a session moved here a new one
     #: (broker.router.shared).
     group_token: int = 0
+
+    @property
+    def dirty(self) -> bool:
+        return self._dirty
+
+    @dirty.setter
+    def dirty(self, value: bool) -> None:
+        self._dirty = value
+        if value and self._timed is not None:
+            self._timed[id(self)] = self  # written at the timer's next pass
+
+    def join_timers(self, timed: dict[int, Session]) -> None:
+        """Registered in a router whose timer looks at ``timed``: put there now (and
+        whenever it becomes dirty)."""
+        self._timed = timed
+        timed[id(self)] = self
 
     @property
     def main(self) -> Consumer:

@@ -82,6 +82,12 @@ class RouterState:
         self.dirty: dict[PartitionKey, PartitionBase] = {}
         #: A shared group's position moved since the groups were last persisted.
         self.groups_dirty = False
+        #: The sessions the timer looks at (broker.router.lifecycle's ``tick``), by
+        #: ``id()`` (an ended session made dirty late never stands for its successor):
+        #: dirty ones, and offline ones with a will or an expiry to wait for. A pass costs
+        #: what they are, not every session (a fleet's connected, clean sessions are never
+        #: in it). May hold a session since ended or moved: the pass drops it.
+        self.timed: dict[int, Session] = {}
         #: Per client id: its resolved ACL, from CONNECT until its session ends.
         self.authz: dict[str, Authorizer] = {}
         #: Per client id: the user name it logged in with (a shared group held by another
