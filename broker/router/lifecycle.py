@@ -12,6 +12,7 @@ Called only from the owning event loop's thread.
 
 from __future__ import annotations
 
+import heapq
 import logging
 import sys
 import uuid
@@ -30,15 +31,13 @@ from broker.router.delivery import Delivery
 from broker.router.ingest import Ingest
 from broker.router.link import Link
 from broker.router.qos import QosFlows
-from broker.router.session import Session
+from broker.router.session import EXPIRY_NEVER, Session
 from broker.router.shared import SharedGroups
-from broker.router.state import SESSIONS, RouterState
+from broker.router.state import MIN_WAIT, SESSIONS, RouterState
 from broker.router.store import SessionStore
 
 log = logging.getLogger("broker.router")
 
-#: Session expiry of 0xFFFFFFFF means "never" (s3.1.2.11.2).
-EXPIRY_NEVER = 0xFFFFFFFF
 #: Topic aliases a client may use towards us (announced in CONNACK, s3.2.2.3.8).
 TOPIC_ALIAS_MAXIMUM = 64
 
@@ -298,6 +297,7 @@ class Lifecycle:
         else:
             session.dirty = True
             self.store.persist(session)
+            state.wait_offline(session)
 
     def publish_will(self, session: Session) -> None:
         """The will of ``session`` is due: it goes out now, or, in a cluster, once the
@@ -348,41 +348,40 @@ class Lifecycle:
     def tick(self) -> None:
         """Run timers: delayed wills, session expiry, persisting positions. Call every ~1 s.
 
-        It looks only at ``state.timed`` (dirty sessions, offline ones waiting for a will
-        or their expiry), and drops from it those with nothing left to wait for."""
+        It looks only at the sessions that may have work for it: the dirty ones
+        (``state.timed``, each dropped once written), and the offline ones whose time came
+        (``state.offline_due``, a heap: one waiting days for its expiry costs no pass).
+        """
         state = self.state
         mono = state.monotonic()
-        now = state.clock()
-        timed = state.timed
         sessions = state.sessions
-        for key, session in list(timed.items()):
-            if sessions.get(session.client_id) is not session:
-                timed.pop(key, None)  # ended, or moved to another worker
-                continue
-            waits = False
-            if session.link is None:
-                if session.will_due is not None:
-                    if session.will_due <= mono:
-                        self.publish_will(session)
-                    else:
-                        waits = True
-                if session.expiry_interval != EXPIRY_NEVER and session.disconnected_at is not None:
-                    if session.disconnected_at + session.expiry_interval <= now:
-                        self.end_session(session)
-                        timed.pop(key, None)
-                        continue
-                    waits = True
-            if session.dirty and session.persistent:
+        due = state.offline_due
+        if due and due[0][0] <= mono:
+            now = state.clock()
+            while due and due[0][0] <= mono:
+                at, _, client_id = heapq.heappop(due)
+                session = sessions.get(client_id)
+                if session is None or session._due != at:
+                    continue  # ended, moved, or its time changed since (another entry)
+                session._due = None
+                if session.link is not None:
+                    continue  # back online
+                if session.will_due is not None and session.will_due <= mono:
+                    self.publish_will(session)
+                if (
+                    session.expiry_interval != EXPIRY_NEVER
+                    and session.disconnected_at is not None
+                    and session.disconnected_at + session.expiry_interval <= now
+                ):
+                    self.end_session(session)
+                    continue
+                state.wait_offline(session, mono + MIN_WAIT)
+        timed = state.timed
+        dirty = list(timed.values())
+        timed.clear()  # (its table too: a burst's is not walked again) what gets dirty now
+        for session in dirty:  # comes back for the next pass
+            if session.dirty and session.persistent and sessions.get(session.client_id) is session:
                 self.store.persist(session)
-            if not waits and not (session.dirty and session.persistent):
-                del timed[key]
-        if sys.getsizeof(timed) > 200 * len(timed) + 100_000:
-            # A dict keeps the table its largest size needed (~50 bytes an entry), and a
-            # pass walks all of it: one a burst left mostly empty is made small again (the
-            # same object, which the sessions refer to).
-            rest = list(timed.items())
-            timed.clear()
-            timed.update(rest)
         if state.groups_dirty:
             self.store.persist_groups()
 

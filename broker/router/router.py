@@ -52,9 +52,10 @@ from broker.router.commit import GroupCommit
 from broker.router.delivery import Delivery
 from broker.router.hooks import SingleWorker, WorkerHooks
 from broker.router.ingest import Ingest
-from broker.router.lifecycle import EXPIRY_NEVER, TOPIC_ALIAS_MAXIMUM, Lifecycle
+from broker.router.lifecycle import TOPIC_ALIAS_MAXIMUM, Lifecycle
 from broker.router.partition import PartitionBase
 from broker.router.qos import QosFlows
+from broker.router.session import EXPIRY_NEVER
 from broker.router.shared import SharedGroups
 from broker.router.state import RouterState
 from broker.router.store import SessionStore

@@ -24,6 +24,9 @@ from broker.commitlog.keys import PartitionKey
 from broker.mqtt.packets import Will
 from broker.mqtt.properties import decode_properties, encode_properties
 
+#: A session expiry interval that never ends (s3.1.2.11.2; 3.1.1's persistent sessions).
+EXPIRY_NEVER = 0xFFFFFFFF
+
 if TYPE_CHECKING:
     from broker.auth.acl import Authorizer
     from broker.router.link import Link
@@ -269,6 +272,9 @@ class Session:
     #: The router's sessions its timer looks at (``RouterState.timed``, by ``id()``): set
     #: when the session is registered there; ``dirty = True`` puts the session in it.
     _timed: dict[int, Session] | None = None
+    #: Offline: when the timer looks at it next (monotonic; its entry in
+    #: ``RouterState.offline_due``), None if it has no entry there.
+    _due: float | None = None
     #: Its state is in ``$sessions``: its end writes a tombstone (broker.router.lifecycle).
     stored: bool = False
     #: A consumer stopped at the send quota: the next PUBACK pumps (Delivery.pump_acked).
@@ -290,10 +296,9 @@ class Session:
             self._timed[id(self)] = self  # written at the timer's next pass
 
     def join_timers(self, timed: dict[int, Session]) -> None:
-        """Registered in a router whose timer looks at ``timed``: put there now (and
-        whenever it becomes dirty)."""
+        """Registered in a router whose timer looks at ``timed``: put there whenever it
+        becomes dirty."""
         self._timed = timed
-        timed[id(self)] = self
 
     @property
     def main(self) -> Consumer:

@@ -19,6 +19,8 @@ Called only from the owning event loop's thread.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -30,13 +32,17 @@ from broker.config import RouterConfig
 from broker.mqtt.topics import filters_overlap, is_wildcard
 from broker.router.hooks import WorkerHooks
 from broker.router.partition import Partition, PartitionBase
-from broker.router.session import Session, SharedGroup
+from broker.router.session import EXPIRY_NEVER, Session, SharedGroup
 
 #: The compacted stream of retained messages: one record per topic, the latest wins.
 RETAINED: PartitionKey = (RETAINED_STREAM, 0)
 #: The compacted stream of session and shared-group state: one record per client id or
 #: ``$share/...`` filter, the latest wins; an empty payload deletes.
 SESSIONS: PartitionKey = (SESSIONS_STREAM, 0)
+#: Seconds the timer waits at least before it looks at an offline session again, and at
+#: most (its expiry is reckoned on the wall clock, which may jump).
+MIN_WAIT = 0.5
+MAX_WAIT = 3600.0
 
 
 class RouterState:
@@ -82,12 +88,16 @@ class RouterState:
         self.dirty: dict[PartitionKey, PartitionBase] = {}
         #: A shared group's position moved since the groups were last persisted.
         self.groups_dirty = False
-        #: The sessions the timer looks at (broker.router.lifecycle's ``tick``), by
-        #: ``id()`` (an ended session made dirty late never stands for its successor):
-        #: dirty ones, and offline ones with a will or an expiry to wait for. A pass costs
-        #: what they are, not every session (a fleet's connected, clean sessions are never
-        #: in it). May hold a session since ended or moved: the pass drops it.
+        #: The sessions the timer writes at its next pass (broker.router.lifecycle's
+        #: ``tick``): the ones made dirty since its last, by ``id()`` (an ended session made
+        #: dirty late never stands for its successor). A pass costs what they are, not
+        #: every session (a fleet's connected, clean sessions are never in it).
         self.timed: dict[int, Session] = {}
+        #: Offline sessions by when the timer looks at them next (monotonic), a heap of
+        #: (when, order, client id): their wills and expiry (:meth:`wait_offline`). An
+        #: entry whose session ended, moved or came back is dropped when it comes up.
+        self.offline_due: list[tuple[float, int, str]] = []
+        self._due_order = itertools.count()
         #: Per client id: its resolved ACL, from CONNECT until its session ends.
         self.authz: dict[str, Authorizer] = {}
         #: Per client id: the user name it logged in with (a shared group held by another
@@ -112,6 +122,24 @@ class RouterState:
                 part = Partition(key, self.streams.log(*key))
             self.partitions[key] = part
         return part
+
+    def wait_offline(self, session: Session, not_before: float = 0.0) -> None:
+        """``session`` is offline: the timer looks at it when its will is due or when it
+        expires, and hourly at least (:data:`MAX_WAIT`), not before ``not_before``."""
+        mono = self.monotonic()
+        at = mono + MAX_WAIT
+        if session.will_due is not None:
+            at = min(at, session.will_due)
+        if session.expiry_interval != EXPIRY_NEVER and session.disconnected_at is not None:
+            left = session.disconnected_at + session.expiry_interval - self.clock()
+            at = min(at, mono + left)
+        elif session.will_due is None:
+            return  # nothing to wait for
+        at = max(at, not_before)
+        if session._due is not None and session._due <= at:
+            return  # it is looked at sooner already
+        session._due = at
+        heapq.heappush(self.offline_due, (at, next(self._due_order), session.client_id))
 
     def now_ms(self) -> int:
         """The wall clock in milliseconds (record timestamps)."""

@@ -218,7 +218,8 @@ class SessionStore:
                 left = max(0.0, min(delay, session.expiry_interval) - since)
             session.will_due = self.state.monotonic() + left
         self.sessions[client_id] = session
-        session.join_timers(self.state.timed)  # offline: its will and expiry to wait for
+        session.join_timers(self.state.timed)
+        self.state.wait_offline(session)  # its will and its expiry
         for consumer in session.consumers.values():
             for key in consumer.cursors:
                 self.partition(key).watchers.add(SessionWatcher(client_id, consumer.name))
