@@ -271,10 +271,10 @@ class Session:
     _dirty: bool = False
     #: The router's sessions its timer looks at (``RouterState.timed``, by ``id()``): set
     #: when the session is registered there; ``dirty = True`` puts the session in it.
-    _timed: dict[int, Session] | None = None
+    _timed: dict[int, Session] | None = field(default=None, repr=False, compare=False)
     #: Offline: when the timer looks at it next (monotonic; its entry in
     #: ``RouterState.offline_due``), None if it has no entry there.
-    _due: float | None = None
+    _due: float | None = field(default=None, repr=False, compare=False)
     #: Its state is in ``$sessions``: its end writes a tombstone (broker.router.lifecycle).
     stored: bool = False
     #: A consumer stopped at the send quota: the next PUBACK pumps (Delivery.pump_acked).
