@@ -207,6 +207,11 @@ class Router:
         return self.state.connections
 
     @property
+    def subscriptions(self) -> int:
+        """Subscriptions over the sessions held here (shared memberships included)."""
+        return self.state.subscriptions
+
+    @property
     def dropped(self) -> int:
         """QoS 0 records skipped by the slow-subscriber policy."""
         return self.state.dropped

@@ -275,6 +275,8 @@ class Session:
     #: Offline: when the timer looks at it next (monotonic; its entry in
     #: ``RouterState.offline_due``), None if it has no entry there.
     _due: float | None = field(default=None, repr=False, compare=False)
+    #: Its subscriptions as last added to its router's count (``RouterState.count``).
+    _counted: int = field(default=0, repr=False, compare=False)
     #: Its state is in ``$sessions``: its end writes a tombstone (broker.router.lifecycle).
     stored: bool = False
     #: A consumer stopped at the send quota: the next PUBACK pumps (Delivery.pump_acked).
@@ -306,6 +308,10 @@ class Session:
         if consumer is None:
             consumer = self.own_consumers()[MAIN] = Consumer(MAIN)
         return consumer
+
+    def subscription_count(self) -> int:
+        """Its subscriptions: each consumer's filters and its shared memberships."""
+        return sum(len(c.subscriptions) for c in self.consumers.values()) + len(self.shared)
 
     def own_consumers(self) -> dict[str, Consumer]:
         """``consumers``, to put an entry in (made on the first)."""

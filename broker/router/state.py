@@ -110,6 +110,8 @@ class RouterState:
         self.acl_denied = 0  # PUBLISHes dropped and subscriptions refused by the ACL
         self.log_appends = 0  # batches appended (one write each)
         self.records_appended = 0
+        #: Subscriptions over the sessions held here, as last counted (:meth:`count`).
+        self.subscriptions = 0
 
     def partition(self, key: PartitionKey) -> PartitionBase:
         """The partition ``key``, made on first use: this worker's own, or (several
@@ -122,6 +124,19 @@ class RouterState:
                 part = Partition(key, self.streams.log(*key))
             self.partitions[key] = part
         return part
+
+    def count(self, session: Session) -> None:
+        """``session`` is held here and its subscriptions may have changed: count them
+        again (``subscriptions`` stays the sum over the sessions held: one that leaves
+        takes away what it added, :meth:`uncount`)."""
+        n = session.subscription_count()
+        self.subscriptions += n - session._counted
+        session._counted = n
+
+    def uncount(self, session: Session) -> None:
+        """``session`` leaves this router."""
+        self.subscriptions -= session._counted
+        session._counted = 0
 
     def wait_offline(self, session: Session, not_before: float = 0.0) -> None:
         """``session`` is offline: the timer looks at it when its will is due or when it

@@ -78,6 +78,7 @@ class SessionStore:
                     part.watchers.discard(SessionWatcher(session.client_id, consumer.name))
         if self.sessions.get(session.client_id) is session:
             del self.sessions[session.client_id]
+            self.state.uncount(session)
             self.state.authz.pop(session.client_id, None)
             self.state.usernames.pop(session.client_id, None)
 
@@ -220,6 +221,7 @@ class SessionStore:
         self.sessions[client_id] = session
         session.join_timers(self.state.timed)
         self.state.wait_offline(session)  # its will and its expiry
+        self.state.count(session)
         for consumer in session.consumers.values():
             for key in consumer.cursors:
                 self.partition(key).watchers.add(SessionWatcher(client_id, consumer.name))

@@ -68,6 +68,7 @@ class Subscriptions:
                 if code >= 0x80:
                     refusals.append(f"{req.topic_filter!r}: not authorized by the ACL")
             codes.append(code)
+        self.state.count(session)
         session.dirty = session.persistent
         props: dict[int, Any] = {}
         if refusals and session.version == 5 and session.request_problem_information:
@@ -200,6 +201,7 @@ class Subscriptions:
                     consumer.match_cache.clear()
                     self._retarget(session, consumer)
             codes.append(ReasonCode.SUCCESS if found else ReasonCode.NO_SUBSCRIPTION_EXISTED)
+        self.state.count(session)
         session.dirty = session.persistent
         link.send(UnsubAck(packet.packet_id, codes if session.version == 5 else []))
         self.store.persist(session)
