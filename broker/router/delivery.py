@@ -181,9 +181,7 @@ class Delivery:
             recs = part.read(offset, 1)
         except (OffsetOutOfRange, CorruptRecordBatch):
             return None
-        if recs and recs[0].offset == offset:
-            return recs[0]
-        return None
+        return recs[0] if recs and recs[0].offset == offset else None
 
     def pump(self, session: Session, consumer: Consumer, key: PartitionKey) -> None:
         if consumer.merge:
@@ -272,7 +270,8 @@ class Delivery:
             if session.link is not link:
                 break
         consumer.cursors[key] = cursor
-        session.dirty = session.persistent
+        if session.persistent and not session.dirty:
+            self.state.mark_dirty(session)
 
     def pump_merged(self, session: Session, consumer: Consumer) -> None:
         """A ``$replay/<from>;merge/...`` consumer: the records of all its partitions, in
@@ -338,7 +337,7 @@ class Delivery:
                     )
             heads[best].popleft()
             cursors[best] = rec.offset + 1
-        session.dirty = session.persistent
+        self.state.changed(session)
 
     def match_cached(
         self, consumer: Consumer, topic: str, authz: Authorizer | None
@@ -536,7 +535,7 @@ class Delivery:
                     # (mosquitto does the same).
                     if packet_id is not None and packet_id in session.inflight:
                         del session.inflight[packet_id]
-                        session.dirty = session.persistent
+                        self.state.changed(session)
                     if group is not None:
                         self.group_done(session, group, key, rec.offset)
                     return

@@ -81,7 +81,7 @@ class Ingest:
                 session.pending_qos2 = {}
             session.incoming_qos2.add(pid)  # type: ignore[arg-type]
             session.pending_qos2[pid] = 0  # type: ignore[index]
-            session.dirty = session.persistent
+            self.state.changed(session)
             ack = Ack(self.commit, session, link, PubRec, pid)  # type: ignore[arg-type]
         self.store_publish(
             session.client_id,

@@ -144,11 +144,8 @@ class Lifecycle:
             self.end_session(existing)  # [MQTT-3.1.2-4]
             existing = None
         session_present = existing is not None  # [MQTT-3.2.2-2], [MQTT-3.2.2-3]
-        if existing is None:
-            session = state.sessions[client_id] = Session(client_id)
-            session.join_timers(state.timed)
-        else:
-            session = existing
+        session = existing or Session(client_id)
+        state.sessions[client_id] = session
         session.version = version
         session.persistent = expiry > 0
         session.expiry_interval = expiry
@@ -163,7 +160,10 @@ class Lifecycle:
         session.request_problem_information = bool(
             props.get(PropertyId.REQUEST_PROBLEM_INFORMATION, 1)
         )
-        session.dirty = session.persistent
+        if session.persistent:
+            state.mark_dirty(session)
+        else:
+            session.dirty = False
         if session.will is not None and not session.persistent:
             # A clean session's will is written too, so that it survives this node: in a
             # cluster another node publishes it when this one dies (broker.workers.orphans),
@@ -239,7 +239,10 @@ class Lifecycle:
         session.receive_maximum = receive_maximum
         session.request_problem_information = problem_info
         session.stored = stored
-        session.dirty = session.persistent  # written here once (this worker's tick)
+        if session.persistent:
+            state.mark_dirty(session)  # written here once (this worker's tick)
+        else:
+            session.dirty = False
         link.client_id = client_id
         state.connections += 1
         state.hooks.connections_changed(state.connections)
@@ -295,7 +298,7 @@ class Lifecycle:
         if session.expiry_interval == 0:
             self.end_session(session)
         else:
-            session.dirty = True
+            state.mark_dirty(session)
             self.store.persist(session)
             state.wait_offline(session)
 
@@ -310,7 +313,7 @@ class Lifecycle:
         # Its state is written again without it (the timer persists a dirty session): one
         # that still held it would have the will published again after a restart here, or
         # by the next node to hold the session in a cluster.
-        session.dirty = True
+        self.state.mark_dirty(session)
         if self.state.hooks.will_now(session.client_id, will):
             self.send_will(session.client_id, will)
 

@@ -57,7 +57,8 @@ class QosFlows:
         entry = session.inflight_entry(packet_id)
         if entry is not None and entry.qos == 1:
             del session.inflight[packet_id]
-            session.dirty = session.persistent
+            if session.persistent and not session.dirty:
+                self.state.mark_dirty(session)
             if entry.group is not None:
                 self.group_done(session, entry.group, entry.key, entry.offset)
             if pump:
@@ -79,7 +80,8 @@ class QosFlows:
             and not any(map(_GROUP_OF, singles))
         ):
             deque(map(inflight.pop, packet_ids, repeat(None)), 0)  # a repeated id: no-op
-            session.dirty = session.persistent
+            if session.persistent and not session.dirty:
+                self.state.mark_dirty(session)
             return
         for packet_id in packet_ids:
             self.puback(session, packet_id, pump=False)
@@ -106,7 +108,7 @@ class QosFlows:
         # Once PUBREL has left, the receiver may forget the id [MQTT-4.3.3-12] and take a
         # resent PUBLISH as a new message: the released step is in the log before it leaves,
         # so that a crash in between resends the PUBREL, never the PUBLISH [MQTT-4.3.3-6].
-        session.dirty = True
+        self.state.mark_dirty(session)
         self.commit.persist_before_acks(session, lambda offset: _released(link, packet_id, offset))
 
     def pubrel(self, session: Session, packet_id: int) -> None:
@@ -132,7 +134,7 @@ class QosFlows:
         entry = session.inflight_entry(packet_id)
         if entry is not None and entry.qos == 2 and entry.released:
             del session.inflight[packet_id]
-            session.dirty = session.persistent
+            self.state.changed(session)
             if entry.group is not None:
                 self.group_done(session, entry.group, entry.key, entry.offset)
             self.pump_session(session)

@@ -135,6 +135,8 @@ class Router:
         # The front door: each component's methods, bound (no call added per message).
         # Partitions and the group commit.
         self.partition = state.partition
+        #: A session's persisted state changed: written at the timer's next pass.
+        self.mark_dirty = state.mark_dirty
         self.flush = commit.flush
         self.flush_soon = commit.flush_soon
         self.append_forwarded = commit.append_forwarded

@@ -267,11 +267,9 @@ class Session:
     owner: str | None = None
     owner_known: bool = True
     next_packet_id: int = 1
-    #: Persisted state changed since last written: read and set as ``dirty``.
-    _dirty: bool = False
-    #: The router's sessions its timer looks at (``RouterState.timed``, by ``id()``): set
-    #: when the session is registered there; ``dirty = True`` puts the session in it.
-    _timed: dict[int, Session] | None = field(default=None, repr=False, compare=False)
+    #: Persisted state changed since last written: set through ``RouterState.mark_dirty``
+    #: (the timer writes what it marked), cleared when written.
+    dirty: bool = False
     #: Offline: when the timer looks at it next (monotonic; its entry in
     #: ``RouterState.offline_due``), None if it has no entry there.
     _due: float | None = field(default=None, repr=False, compare=False)
@@ -286,21 +284,6 @@ class Session:
     #: joining again is the same membership and a session moved here a new one
     #: (broker.router.shared).
     group_token: int = 0
-
-    @property
-    def dirty(self) -> bool:
-        return self._dirty
-
-    @dirty.setter
-    def dirty(self, value: bool) -> None:
-        self._dirty = value
-        if value and self._timed is not None:
-            self._timed[id(self)] = self  # written at the timer's next pass
-
-    def join_timers(self, timed: dict[int, Session]) -> None:
-        """Registered in a router whose timer looks at ``timed``: put there whenever it
-        becomes dirty."""
-        self._timed = timed
 
     @property
     def main(self) -> Consumer:

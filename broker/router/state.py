@@ -125,6 +125,19 @@ class RouterState:
             self.partitions[key] = part
         return part
 
+    def mark_dirty(self, session: Session) -> None:
+        """``session``'s persisted state changed: the timer writes it at its next pass
+        (if it is persistent). The per-message paths call this only for a persistent
+        session not dirty yet (``if session.persistent and not session.dirty``): once per
+        session and pass, and two attribute reads otherwise."""
+        session.dirty = True
+        self.timed[id(session)] = session
+
+    def changed(self, session: Session) -> None:
+        """:meth:`mark_dirty` if ``session`` is persistent and not marked yet."""
+        if session.persistent and not session.dirty:
+            self.mark_dirty(session)
+
     def count(self, session: Session) -> None:
         """``session`` is held here and its subscriptions may have changed: count them
         again (``subscriptions`` stays the sum over the sessions held: one that leaves

@@ -219,7 +219,6 @@ class SessionStore:
                 left = max(0.0, min(delay, session.expiry_interval) - since)
             session.will_due = self.state.monotonic() + left
         self.sessions[client_id] = session
-        session.join_timers(self.state.timed)
         self.state.wait_offline(session)  # its will and its expiry
         self.state.count(session)
         for consumer in session.consumers.values():

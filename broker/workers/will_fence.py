@@ -253,7 +253,7 @@ class WillFence:
         if session is not None and session.will and will_state(session.will) == fenced.will:
             # Loaded at a restart from a state written before the will record: the same will.
             session.will = session.will_due = None
-            session.dirty = True
+            router.mark_dirty(session)
 
         def published(offset: int | None) -> None:
             if offset is None or offset == OUTCOME_UNKNOWN:  # again: at least once

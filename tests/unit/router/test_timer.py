@@ -111,7 +111,7 @@ def test_an_ended_session_made_dirty_late_does_not_stand_for_its_successor(h: Ha
     h.tick(1)
     _, new = h.connect("c", expiry=60)  # takes over: clean start ends the old session
     assert new is not old
-    old.dirty = True  # something of the old session's, late
+    h.router.mark_dirty(old)  # something of the old session's, late
     h.tick(1)
     assert timed(h) == []  # both passed: the old one dropped, the new one written
     assert new.dirty is False
@@ -124,5 +124,5 @@ def test_a_burst_leaves_the_timer_small(h: Harness) -> None:
     h.tick(1)
     assert timed(h) == []
     assert sys.getsizeof(h.router.state.timed) < big // 10
-    sessions[7].dirty = True
+    h.router.mark_dirty(sessions[7])
     assert timed(h) == [sessions[7]]
