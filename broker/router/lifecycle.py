@@ -380,11 +380,12 @@ class Lifecycle:
                     continue
                 state.wait_offline(session, mono + MIN_WAIT)
         timed = state.timed
-        dirty = list(timed.values())
-        timed.clear()  # (its table too: a burst's is not walked again) what gets dirty now
-        for session in dirty:  # comes back for the next pass
+        for key, session in list(timed.items()):
             if session.dirty and session.persistent and sessions.get(session.client_id) is session:
-                self.store.persist(session)
+                self.store.persist(session)  # (raising, it and the rest stay for the next)
+            del timed[key]  # marked again when it changes again
+        if not timed:
+            timed.clear()  # its table too: a burst's is not walked again
         if state.groups_dirty:
             self.store.persist_groups()
 

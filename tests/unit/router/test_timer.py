@@ -9,6 +9,8 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from broker.config import RouterConfig
 from broker.mqtt.packets import Will
 from broker.mqtt.properties import PropertyId
@@ -126,3 +128,28 @@ def test_a_burst_leaves_the_timer_small(h: Harness) -> None:
     assert sys.getsizeof(h.router.state.timed) < big // 10
     h.router.mark_dirty(sessions[7])
     assert timed(h) == [sessions[7]]
+
+
+def test_a_write_that_fails_leaves_the_rest_for_the_next_pass(h: Harness) -> None:
+    _, a = h.connect("a", expiry=60)
+    _, b = h.connect("b", expiry=60)
+    h.tick(1)
+    h.router.mark_dirty(a)
+    h.router.mark_dirty(b)
+    store = h.router.tick.__self__.store  # type: ignore[attr-defined]
+    persist = store.persist
+
+    def broken(session: Session, ack: object = None) -> None:
+        raise RuntimeError("a bug while writing")
+
+    store.persist = broken
+    with pytest.raises(RuntimeError):
+        h.router.tick()
+    assert a.dirty and b.dirty and ids_timed(h) == ["a", "b"]
+    store.persist = persist
+    h.tick(1)
+    assert not a.dirty and not b.dirty and timed(h) == []
+
+
+def ids_timed(h: Harness) -> list[str]:
+    return sorted(s.client_id for s in timed(h))
