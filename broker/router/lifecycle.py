@@ -160,10 +160,8 @@ class Lifecycle:
         session.request_problem_information = bool(
             props.get(PropertyId.REQUEST_PROBLEM_INFORMATION, 1)
         )
-        if session.persistent:
-            state.mark_dirty(session)
-        else:
-            session.dirty = False
+        session.dirty = False
+        state.changed(session)
         if session.will is not None and not session.persistent:
             # A clean session's will is written too, so that it survives this node: in a
             # cluster another node publishes it when this one dies (broker.workers.orphans),
@@ -239,10 +237,8 @@ class Lifecycle:
         session.receive_maximum = receive_maximum
         session.request_problem_information = problem_info
         session.stored = stored
-        if session.persistent:
-            state.mark_dirty(session)  # written here once (this worker's tick)
-        else:
-            session.dirty = False
+        session.dirty = False
+        state.changed(session)  # written here once (this worker's tick)
         link.client_id = client_id
         state.connections += 1
         state.hooks.connections_changed(state.connections)

@@ -69,8 +69,6 @@ class Subscriptions:
                     refusals.append(f"{req.topic_filter!r}: not authorized by the ACL")
             codes.append(code)
         self.state.count(session)
-        if session.persistent:
-            self.state.mark_dirty(session)
         props: dict[int, Any] = {}
         if refusals and session.version == 5 and session.request_problem_information:
             props[PropertyId.REASON_STRING] = "; ".join(refusals)  # [MQTT-3.1.2-29]
@@ -203,8 +201,6 @@ class Subscriptions:
                     self._retarget(session, consumer)
             codes.append(ReasonCode.SUCCESS if found else ReasonCode.NO_SUBSCRIPTION_EXISTED)
         self.state.count(session)
-        if session.persistent:
-            self.state.mark_dirty(session)
         link.send(UnsubAck(packet.packet_id, codes if session.version == 5 else []))
         self.store.persist(session)
 
