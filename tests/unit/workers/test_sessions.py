@@ -28,12 +28,33 @@ class FakeWorker:
         self.dir.held_ids = lambda: list(self.held)
         self.mesh = Mesh(tmp, index, count, self.dir.handlers(), on_peer_down=self.dir.peer_down)
         self.dir.mesh = self.mesh
+        #: Connections being handed from here (broker.workers.handoff): client id -> token;
+        #: and the hand-offs' releases asked of this worker.
+        self.in_flight: dict[str, int] = {}
+        self.released: list[tuple[str, int]] = []
+        self.dir.release_handed = self.release_handed
 
     def hand_over(self, client_id: str) -> bytes | None:
         if client_id not in self.held:
             return None
         self.closed.append(client_id)
         return self.held.pop(client_id)
+
+    def release_handed(self, client_id: str, token: int) -> bytes | None:
+        self.released.append((client_id, token))
+        if self.in_flight.get(client_id) != token or client_id not in self.held:
+            return None  # not that connection's session (taken over meanwhile)
+        return self.held.pop(client_id)
+
+    def adopt_handed(self, client_id: str) -> Callable[[bytes], bytes]:
+        """``adopt`` of a connection handed here: the session comes with its state."""
+
+        def adopt(answer: bytes) -> bytes:
+            if answer.startswith(STATE):
+                self.held[client_id] = answer[1:]
+            return answer
+
+        return adopt
 
     def restore(self, client_ids: list[str]) -> list[str]:
         found = [c for c in client_ids if c in self.log]
@@ -221,49 +242,27 @@ def test_a_handed_connections_claim_holds_only_while_its_sender_holds_the_sessio
     async def main() -> None:
         log: dict[str, bytes] = {}
         w = await cluster(tmp_path, 3, log)
-        released: list[tuple[int, str, int]] = []
-        in_flight: dict[int, dict[str, int]] = {0: {}, 1: {}, 2: {}}
-
-        def releaser(i: int) -> Callable[[str, int], bytes | None]:
-            def release(client_id: str, token: int) -> bytes | None:
-                released.append((i, client_id, token))
-                if in_flight[i].get(client_id) != token or client_id not in w[i].held:
-                    return None  # not that connection's session (taken over meanwhile)
-                return w[i].held.pop(client_id)
-
-            return release
-
-        for i, x in enumerate(w):
-            x.dir.release_handed = releaser(i)
-
-        def adopt_at(i: int, cid: str) -> Callable[[bytes], bytes]:
-            def adopt(answer: bytes) -> bytes:
-                if answer.startswith(STATE):
-                    w[i].held[cid] = answer[1:]
-                return answer
-
-            return adopt
 
         for home in range(3):  # the home: the sender, the taker, or a third worker
             cid = ids_homed_at(home, 3, 1)[0]
             assert await w[0].connect(cid, b'{"s":1}') == NEW
-            in_flight[0][cid] = 5
-            answer = await w[1].dir.claim_handed(cid, 0, 5, adopt_at(1, cid))
+            w[0].in_flight[cid] = 5
+            answer = await w[1].dir.claim_handed(cid, 0, 5, w[1].adopt_handed(cid))
             assert answer == STATE + b'{"s":1}'
             assert w[home].dir.registry[cid] == 1 and w[1].held[cid] == b'{"s":1}'
             assert cid not in w[0].held and w[0].closed == []  # nothing closed: it moved
             # Taken over (a new connection at worker 2) before a hand-off from worker 1
             # to worker 0 claims: that claim is refused, the sender not even asked.
             assert await w[2].connect(cid) == STATE + b'{"s":1}'
-            in_flight[1][cid] = 6
-            asked = len(released)
-            refused = await w[0].dir.claim_handed(cid, 1, 6, adopt_at(0, cid))
-            assert refused == b"X" and len(released) == asked
+            w[1].in_flight[cid] = 6
+            asked = sum(len(x.released) for x in w)
+            refused = await w[0].dir.claim_handed(cid, 1, 6, w[0].adopt_handed(cid))
+            assert refused == b"X" and sum(len(x.released) for x in w) == asked
             assert w[home].dir.registry[cid] == 2
             # The sender no longer holds it for that hand-off (its token is another's):
             # refused, and the registry stays.
-            in_flight[2][cid] = 7
-            assert await w[0].dir.claim_handed(cid, 2, 8, adopt_at(0, cid)) == b"X"
+            w[2].in_flight[cid] = 7
+            assert await w[0].dir.claim_handed(cid, 2, 8, w[0].adopt_handed(cid)) == b"X"
             assert w[home].dir.registry[cid] == 2 and cid in w[2].held
         for x in w:
             await x.mesh.close()
@@ -282,18 +281,10 @@ def test_a_takeover_at_the_sender_racing_its_hand_off_leaves_one_holder(tmp_path
     async def main() -> None:
         log: dict[str, bytes] = {}
         w = await cluster(tmp_path, 3, log)
-        in_flight: dict[str, int] = {}  # worker 0's connection in flight, by client id
-
-        def release(client_id: str, token: int) -> bytes | None:
-            if in_flight.get(client_id) != token or client_id not in w[0].held:
-                return None  # the session has another connection now
-            return w[0].held.pop(client_id)
-
-        w[0].dir.release_handed = release
 
         async def new_connection(cid: str) -> bytes:
             def adopt(answer: bytes) -> bytes:
-                in_flight.pop(cid, None)  # the new connection takes the session here
+                w[0].in_flight.pop(cid, None)  # the new connection takes the session here
                 if answer.startswith(STATE):
                     w[0].held[cid] = answer[1:]
                 else:  # "new", or "here": the session held here, or a new one if none is
@@ -302,19 +293,11 @@ def test_a_takeover_at_the_sender_racing_its_hand_off_leaves_one_holder(tmp_path
 
             return await w[0].dir.claim(cid, adopt)
 
-        def handed(cid: str) -> Callable[[bytes], bytes]:
-            def adopt(answer: bytes) -> bytes:
-                if answer.startswith(STATE):
-                    w[1].held[cid] = answer[1:]
-                return answer
-
-            return adopt
-
         for cid in ids_homed_at(2, 3, 20):
             assert await w[0].connect(cid, b"s") == NEW
-            in_flight[cid] = 5
+            w[0].in_flight[cid] = 5
             answers = await asyncio.gather(
-                new_connection(cid), w[1].dir.claim_handed(cid, 0, 5, handed(cid))
+                new_connection(cid), w[1].dir.claim_handed(cid, 0, 5, w[1].adopt_handed(cid))
             )
             holders = [i for i in range(3) if cid in w[i].held]
             assert len(holders) == 1, (cid, answers, holders)
