@@ -249,6 +249,8 @@ class RunResult:
     workdir: str
     #: ``Target.check_replicas()`` after the drain (None: the target cannot compare).
     replicas: dict[str, Any] | None = None
+    #: Worker processes per node (None: not an mqlog target).
+    workers: int | None = None
 
     @property
     def ok(self) -> bool:
@@ -261,6 +263,7 @@ class RunResult:
             "bench": "chaos",
             "target": self.target,
             "seed": self.seed,
+            "workers": self.workers,
             "faults": r.faults,
             "acked": r.acked,
             "lost": r.lost,
@@ -337,6 +340,7 @@ async def run_chaos(
         hist.reconnects,
         str(target.workdir),
         replicas,
+        getattr(target, "workers", None),
     )
 
 
@@ -369,15 +373,17 @@ def run(
     seed: int,
     *,
     workdir: Path | None = None,
+    workers: int | None = None,
     log: Callable[[str], None] = print,
     **kw: Any,
 ) -> RunResult:
-    """Build the lab, run, tear the lab down (always)."""
+    """Build the lab, run, tear the lab down (always). ``workers``: worker processes per
+    mqlog node (None: the target's default, one)."""
     cls = TARGETS[target_name]
     base = workdir or Path(tempfile.mkdtemp(prefix=f"chaos-{target_name}-"))
     base.mkdir(parents=True, exist_ok=True)
     with Lab(cls.size) as lab:
-        target = cls(lab, base)
+        target = cls(lab, base) if workers is None else cls(lab, base, workers=workers)
         steps = schedule(seed, faults, cls.size)
         return asyncio.run(run_chaos(lab, target, steps, seed=seed, log=log, **kw))
 
@@ -410,8 +416,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--rate", type=float, default=100.0, help="msg/s per publisher")
     ap.add_argument("--ack-timeout", type=float, default=2.0, help="s before a resend")
     ap.add_argument("--workdir", type=Path, help="logs and data (default: a new temp dir)")
+    ap.add_argument(
+        "--workers",
+        type=int,
+        help="worker processes per mqlog node (default 1; 2 is the shipped default on two "
+        "cores: publishes forwarded between workers, device connections handed over)",
+    )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
     args = ap.parse_args(argv)
+    if args.workers is not None and (args.target == "nats" or args.workers < 1):
+        ap.error("--workers takes a count of 1 or more, for the mqlog targets")
     results = []
     for i in range(args.runs):
         seed = args.seed + i
@@ -421,6 +435,7 @@ def main(argv: list[str] | None = None) -> int:
             args.faults,
             seed,
             workdir=wd,
+            workers=args.workers,
             publishers=args.publishers,
             topics=args.topics,
             rate=args.rate,

@@ -301,9 +301,10 @@ class MqlogClusterTarget(Target):
         f'[[streams]]\nname = "{STREAM}"\ntopic_filter = ["{TOPIC_PREFIX}/#"]\npartitions = 1\n'
     )
 
-    def __init__(self, lab: Lab, workdir: Path, extra: str = "") -> None:
+    def __init__(self, lab: Lab, workdir: Path, extra: str = "", workers: int = 1) -> None:
         super().__init__(lab, workdir)
-        self.cluster = MqlogCluster(lab, workdir, extra=self.STREAM_TOML + extra)
+        self.workers = workers
+        self.cluster = MqlogCluster(lab, workdir, workers=workers, extra=self.STREAM_TOML + extra)
 
     def member(self, node: Node) -> Member:
         return self.cluster.members[node.index]
