@@ -54,7 +54,7 @@ from pathlib import Path
 from typing import Any
 
 from bench.mqttclient import MqttClient
-from bench.targets import TARGETS, TOPIC_PREFIX, Target
+from bench.targets import TARGETS, TOPIC_PREFIX, MqlogClusterTarget, MqlogTarget, Target
 from tests.checker import Fault, Publish, Read, Report, check, dumps
 from tests.netlab import Lab, Node
 
@@ -383,7 +383,13 @@ def run(
     base = workdir or Path(tempfile.mkdtemp(prefix=f"chaos-{target_name}-"))
     base.mkdir(parents=True, exist_ok=True)
     with Lab(cls.size) as lab:
-        target = cls(lab, base) if workers is None else cls(lab, base, workers=workers)
+        target: Target
+        if workers is None:
+            target = cls(lab, base)
+        elif issubclass(cls, (MqlogTarget, MqlogClusterTarget)):
+            target = cls(lab, base, workers=workers)
+        else:
+            raise ValueError(f"{target_name}: no worker count to set")
         steps = schedule(seed, faults, cls.size)
         return asyncio.run(run_chaos(lab, target, steps, seed=seed, log=log, **kw))
 
