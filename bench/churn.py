@@ -1,0 +1,314 @@
+"""Churn: devices connecting, taken over, cut off and coming back while a broker of several
+workers hands their connections between workers (broker/workers/handoff.py), judged on two
+properties a session must keep whatever races its moves.
+
+Each device (client id ``dev<i>``) publishes QoS 1 runs of unique ids to its own topic
+``churn/dev<i>/telemetry`` and, between runs, at random: connects again with the same
+client id while its old connection still has publishes in flight (a takeover), aborts its
+connection (no DISCONNECT), or disconnects. The even devices keep a persistent session
+(clean session off) subscribed at QoS 1 to ``churn/cmd/dev<i>``, to which a commander
+publishes commands throughout; the odd ones start clean each time. Afterwards every
+persistent device connects once more to collect what was queued for it.
+
+Checked:
+
+- **no acknowledged publish lost**: every id whose PUBACK a device read is in the log
+  (a ``$replay/earliest/churn/+/telemetry`` subscriber reads them all back);
+- **one holder per client id** [MQTT-3.1.4-3]: a connection taken over is closed by the
+  broker within :data:`CLOSE_SECONDS`;
+- **no acknowledged command lost for a persistent session** [MQTT-3.1.2-4]: every command
+  whose PUBACK the commander read reached a connection of its device (at least once),
+  wherever the session was when the command was published.
+
+Run (starts a broker of this checkout on the shipped config, two workers)::
+
+    python -m bench.churn --seconds 40 --devices 100 --seed 1 [--runs 3]
+
+The function :func:`churn` runs the workload against any broker (tests/integration/
+test_churn.py runs a short one in the suite).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import random
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from bench.mqttclient import MqttClient
+from bench.ports import free_port
+
+ROOT = Path(__file__).resolve().parent.parent
+#: Seconds the broker has to close a connection taken over by a new one.
+CLOSE_SECONDS = 5.0
+#: Seconds a PUBACK may take before the publish counts as not acknowledged.
+ACK_SECONDS = 5.0
+
+
+@dataclass
+class ChurnReport:
+    seconds: float
+    devices: int
+    seed: int
+    connects: int = 0
+    takeovers: int = 0
+    aborts: int = 0
+    acked: int = 0
+    #: Publishes left unanswered by a connection that was taken over or cut (not lost).
+    unanswered: int = 0
+    #: Acknowledged publishes missing from the log (must be 0).
+    lost: list[str] = field(default_factory=list)
+    #: Client ids whose taken-over connection stayed open (must be empty).
+    not_closed: list[str] = field(default_factory=list)
+    commands_acked: int = 0
+    #: Acknowledged commands a persistent device never received (must be 0).
+    commands_lost: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.lost or self.not_closed or self.commands_lost)
+
+    def summary(self) -> dict[str, object]:
+        out = asdict(self)
+        for key in ("lost", "not_closed", "commands_lost"):
+            out[key] = len(out[key])  # the counts; the first few are in the table
+        return {"bench": "churn", **out, "ok": self.ok}
+
+
+class _Device:
+    def __init__(self, i: int, host: str, port: int, seed: int, report: ChurnReport) -> None:
+        self.i = i
+        self.cid = f"dev{i}"
+        self.persistent = i % 2 == 0
+        self.host, self.port = host, port
+        self.rng = random.Random(seed * 100_003 + i)
+        self.report = report
+        self.acked: set[str] = set()
+        self.commands: set[str] = set()
+        self.subscribed = False
+        self.seq = 0
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        self.commands.add(payload.decode())
+
+    async def connect(self) -> MqttClient:
+        client = await MqttClient.connect(
+            self.host,
+            self.port,
+            self.cid,
+            clean=not self.persistent,
+            timeout=ACK_SECONDS,
+            on_message=self._on_message,
+        )
+        self.report.connects += 1
+        if self.persistent and not self.subscribed:
+            await client.subscribe(f"churn/cmd/{self.cid}")
+            self.subscribed = True  # the session keeps it from now on
+        return client
+
+    async def run(self, deadline: float) -> None:
+        rng, report = self.rng, self.report
+        client: MqttClient | None = None
+        while time.monotonic() < deadline:
+            try:
+                if client is None or client.is_closed:
+                    client = await self.connect()
+                sent = []
+                for _ in range(rng.randint(1, 15)):
+                    self.seq += 1
+                    uid = f"{self.cid}-{self.seq}"
+                    sent.append((uid, client.publish(f"churn/{self.cid}/telemetry", uid.encode())))
+                    if rng.random() < 0.3:
+                        await asyncio.sleep(rng.random() * 0.01)
+                x = rng.random()
+                if x < 0.15:  # a second connection while publishes are in flight
+                    old, client = client, await self.connect()
+                    report.takeovers += 1
+                    try:
+                        await asyncio.wait_for(asyncio.shield(old.closed), CLOSE_SECONDS)
+                    except TimeoutError:
+                        report.not_closed.append(self.cid)
+                        old.close()
+                elif x < 0.25 and client.transport is not None:
+                    client.transport.abort()
+                    report.aborts += 1
+                for uid, fut in sent:
+                    try:
+                        await asyncio.wait_for(asyncio.shield(fut), ACK_SECONDS)
+                        self.acked.add(uid)
+                    except (ConnectionError, TimeoutError):
+                        report.unanswered += 1
+                if x > 0.9 and not client.is_closed:
+                    client.close()
+                await asyncio.sleep(rng.random() * 0.2)
+            except (ConnectionError, OSError, TimeoutError):
+                await asyncio.sleep(0.05)
+        if client is not None:
+            client.close()
+
+    async def collect(self, quiet: float = 1.0) -> None:
+        """A persistent device's last connection: what its session queued comes out."""
+        client = await self.connect()
+        seen = -1
+        while len(self.commands) != seen:
+            seen = len(self.commands)
+            await asyncio.sleep(quiet)
+        client.close()
+
+
+async def _commander(
+    host: str, port: int, devices: list[_Device], deadline: float, acked: dict[str, str]
+) -> None:
+    """Commands to the persistent devices, round robin, one in flight at a time."""
+    targets = [d for d in devices if d.persistent]
+    n = 0
+    client: MqttClient | None = None
+    while time.monotonic() < deadline:
+        try:
+            if client is None or client.is_closed:
+                client = await MqttClient.connect(host, port, "commander", timeout=ACK_SECONDS)
+            device = targets[n % len(targets)]
+            n += 1
+            if not device.subscribed:
+                await asyncio.sleep(0.001)
+                continue
+            uid = f"cmd-{n}"
+            await asyncio.wait_for(
+                client.publish(f"churn/cmd/{device.cid}", uid.encode()), ACK_SECONDS
+            )
+            acked[uid] = device.cid
+            await asyncio.sleep(0.005)
+        except (ConnectionError, OSError, TimeoutError):
+            await asyncio.sleep(0.05)
+    if client is not None:
+        client.close()
+
+
+async def _read_back(host: str, port: int, expected: int) -> set[str]:
+    """Every telemetry id in the log, from a ``$replay/earliest`` subscription."""
+    got: set[str] = set()
+    last = [time.monotonic()]
+
+    def on_message(topic: str, payload: bytes) -> None:
+        got.add(payload.decode())
+        last[0] = time.monotonic()
+
+    client = await MqttClient.connect(
+        host, port, "churn-reader", timeout=ACK_SECONDS, on_message=on_message
+    )
+    await client.subscribe("$replay/earliest/churn/+/telemetry")
+    while time.monotonic() - last[0] < 3.0 and len(got) < expected:
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(0.5)  # duplicates (acknowledged twice) may still come
+    client.close()
+    return got
+
+
+async def churn(
+    host: str, port: int, *, seconds: float = 30.0, devices: int = 60, seed: int = 1
+) -> ChurnReport:
+    """Run the workload (module docstring) against the broker at ``host:port``."""
+    report = ChurnReport(seconds, devices, seed)
+    fleet = [_Device(i, host, port, seed, report) for i in range(devices)]
+    commands: dict[str, str] = {}
+    deadline = time.monotonic() + seconds
+    await asyncio.gather(
+        _commander(host, port, fleet, deadline, commands), *(d.run(deadline) for d in fleet)
+    )
+    await asyncio.gather(*(d.collect() for d in fleet if d.persistent))
+    acked = set().union(*(d.acked for d in fleet))
+    report.acked = len(acked)
+    report.lost = sorted(acked - await _read_back(host, port, len(acked)))
+    received = {d.cid: d.commands for d in fleet}
+    report.commands_acked = len(commands)
+    report.commands_lost = sorted(u for u, cid in commands.items() if u not in received[cid])
+    return report
+
+
+def _metric(http_port: int, name: str) -> float | None:
+    url = f"http://127.0.0.1:{http_port}/metrics"
+    with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith(name + " "):
+                return float(line.split()[1])
+    return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="bench.churn", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--devices", type=int, default=60)
+    ap.add_argument("--seed", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=1, help="seeds seed, seed+1, ...")
+    ap.add_argument("--workers", type=int, default=2, help="the broker's worker processes")
+    ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
+    args = ap.parse_args(argv)
+    failed = 0
+    for seed in range(args.seed, args.seed + args.runs):
+        work = Path(tempfile.mkdtemp(prefix="churn-"))
+        port, http_port = free_port(), free_port()
+        with open(work / "broker.log", "wb") as log:
+            broker = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "broker.cli",
+                    "serve",
+                    "-c",
+                    str(ROOT / "config" / "broker.toml"),
+                    "--port",
+                    str(port),
+                    "--http-port",
+                    str(http_port),
+                    "--data-dir",
+                    str(work / "data"),
+                    "--workers",
+                    str(args.workers),
+                ],
+                cwd=ROOT,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+            )
+        try:
+            deadline = time.monotonic() + 30
+            while _metric(http_port, "mqlog_connections_handed_off_total") is None:
+                if broker.poll() is not None or time.monotonic() > deadline:
+                    raise SystemExit(f"the broker did not start: see {work / 'broker.log'}")
+                time.sleep(0.2)
+            time.sleep(1.0)  # every worker listening, not just the one that answered
+            report = asyncio.run(
+                churn("127.0.0.1", port, seconds=args.seconds, devices=args.devices, seed=seed)
+            )
+            handed = _metric(http_port, "mqlog_connections_handed_off_total")
+        finally:
+            broker.send_signal(signal.SIGTERM)
+            broker.wait(30)
+        line = {**report.summary(), "workers": args.workers, "handed_off": handed}
+        print(json.dumps(line))
+        for key in ("lost", "not_closed", "commands_lost"):
+            if getattr(report, key):
+                print(f"  {key}: {getattr(report, key)[:10]}")
+        if args.json:
+            with open(args.json, "a") as f:
+                f.write(json.dumps(line) + "\n")
+        if report.ok:
+            shutil.rmtree(work)
+        else:
+            failed += 1
+            print(f"  kept: {work}")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
