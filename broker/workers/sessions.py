@@ -30,7 +30,10 @@ the worker holding it (:meth:`SessionDirectory.surrender`).
 When a worker dies, each home takes back the sessions that worker held (their last state is
 in the ``$sessions`` stream) and holds them itself, offline, until their clients reconnect
 (so their wills and expiry still run). A worker that starts asks its peers which of its home
-sessions they hold (``HELD``) and loads the others from ``$sessions``.
+sessions they hold (``HELD``) and loads the others from ``$sessions``; it decides no claim
+before that (:meth:`SessionDirectory.loaded`): its registry is empty until then, and a claim
+decided on it would be answered "new" for a session whose state is in the log, which the
+claimant would then start afresh (a peer's clients reconnect to it while it restarts).
 
 Called only from the worker's event loop.
 """
@@ -125,6 +128,9 @@ class SessionDirectory:
         #: In a cluster: a claim is the node's first (the client id may be held by another
         #: node: it must release it), then this worker's (set by the server).
         self.cluster: NodeClaims | None = None
+        #: Set once the registry holds every session homed here (:meth:`loaded`): claims
+        #: wait for it.
+        self._ready = asyncio.Event()
 
     def handlers(self) -> dict[int, Callable[[int, int, memoryview], None]]:
         return {
@@ -244,7 +250,10 @@ class SessionDirectory:
         """Decide a claim of ``client_id`` by ``claimant`` and return the answer; for
         another worker's claim, ``reply`` sends it (:data:`REFUSED` if deciding failed)
         before the next claim of the client id is decided: a release that decision asks
-        of the claimant then follows this answer on the mesh (see :meth:`claim`)."""
+        of the claimant then follows this answer on the mesh (see :meth:`claim`). Not
+        before the sessions homed here are known (:meth:`loaded`)."""
+        if not self._ready.is_set():
+            await self._ready.wait()
         while (busy := self._busy.get(client_id)) is not None:
             await asyncio.shield(busy)  # one claim per client id at a time
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
@@ -446,9 +455,12 @@ class SessionDirectory:
         self.mesh.reply(peer, request, "\0".join(ids).encode())
 
     def loaded(self, client_ids: list[str]) -> None:
-        """At start: these sessions homed here were loaded from the log and are held here."""
+        """At start, after :meth:`held_elsewhere`: these sessions homed here were loaded
+        from the log and are held here; the registry is complete, claims are decided from
+        now on."""
         for cid in client_ids:
             self.registry.setdefault(cid, self.worker)
+        self._ready.set()
 
 
 def _same(answer: bytes) -> bytes:

@@ -56,6 +56,20 @@ class FakeWorker:
 
         return adopt
 
+    def load(self) -> list[str]:
+        """What a starting worker does after ``held_elsewhere``: the sessions homed here that
+        no peer holds come from the log, held here (``Router.load``), and claims are
+        decided from then on."""
+        ids = [
+            c
+            for c in self.log
+            if home_of(c, self.dir.count) == self.dir.worker and c not in self.dir.registry
+        ]
+        for c in ids:
+            self.held[c] = self.log[c]
+        self.dir.loaded(ids)
+        return ids
+
     def restore(self, client_ids: list[str]) -> list[str]:
         found = [c for c in client_ids if c in self.log]
         for c in found:
@@ -84,6 +98,9 @@ async def cluster(tmp: Path, count: int, log: dict[str, bytes]) -> list[FakeWork
         await w.mesh.start()
     for w in workers:
         await w.mesh.wait_connected(5)
+    for w in workers:
+        await w.dir.held_elsewhere()
+        w.load()
     return workers
 
 
@@ -150,6 +167,7 @@ def test_a_dead_workers_sessions_are_restored_by_their_homes(tmp_path: Path) -> 
         await again.mesh.start()
         await again.mesh.wait_connected(5)
         assert await again.dir.held_elsewhere() == {}
+        again.load()
         # A client homed at 0 reconnecting through the new worker 1 gets its state back.
         assert await again.connect(homed_at_0[0]) == STATE + homed_at_0[0].encode()
         await again.mesh.close()
@@ -171,9 +189,42 @@ def test_a_restarted_worker_learns_which_of_its_sessions_live_elsewhere(tmp_path
         await again.mesh.wait_connected(5)
         held = await again.dir.held_elsewhere()
         assert held == dict.fromkeys(homed_at_1, 0)
+        assert again.load() == []  # all of them live elsewhere
         # So a reconnect through worker 1 takes them over from worker 0, state and all.
         assert await again.connect(homed_at_1[0]) == STATE + homed_at_1[0].encode()
         assert w[0].closed == [homed_at_1[0]]
+        await again.mesh.close()
+        await w[0].mesh.close()
+
+    run(main)
+
+
+def test_a_claim_reaching_a_restarting_home_waits_for_its_sessions_from_the_log(
+    tmp_path: Path,
+) -> None:
+    """Worker 1, home and holder of some sessions, dies; their clients reconnect through
+    worker 0, whose claims reach the new worker 1 as soon as its mesh is up, before it has
+    loaded its sessions from the log: they wait for them and take them over, state and
+    all. Deciding them on the empty registry answered "new": the sessions were lost."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 2, log)
+        homed_at_1 = ids_homed_at(1, 2)
+        for cid in homed_at_1:
+            await w[1].connect(cid, cid.encode())
+        await w[1].mesh.close()  # dies holding them
+        again = FakeWorker(tmp_path, 1, 2, log)
+        await again.mesh.start()
+        await again.mesh.wait_connected(5)
+        claims = [asyncio.ensure_future(w[0].connect(cid)) for cid in homed_at_1]
+        await asyncio.sleep(0.2)
+        assert not any(c.done() for c in claims), "decided before the home knew its sessions"
+        assert await again.dir.held_elsewhere() == {}
+        assert sorted(again.load()) == sorted(homed_at_1)
+        answers = await asyncio.gather(*claims)
+        assert answers == [STATE + cid.encode() for cid in homed_at_1]
+        assert sorted(w[0].held) == sorted(homed_at_1) and not again.held
         await again.mesh.close()
         await w[0].mesh.close()
 
