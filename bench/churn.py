@@ -34,6 +34,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import os
 import random
 import shutil
 import signal
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -53,6 +55,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CLOSE_SECONDS = 5.0
 #: Seconds a PUBACK may take before the publish counts as not acknowledged.
 ACK_SECONDS = 5.0
+#: Seconds before the end after which the nemesis kills nothing more.
+SETTLE_SECONDS = 3.0
 
 
 @dataclass
@@ -73,14 +77,19 @@ class ChurnReport:
     commands_acked: int = 0
     #: Acknowledged commands a persistent device never received (must be 0).
     commands_lost: list[str] = field(default_factory=list)
+    #: Persistent sessions the broker no longer had when their device came back
+    #: (``client id@seconds into the run``; must be empty).
+    sessions_lost: list[str] = field(default_factory=list)
+    #: What the nemesis killed, in order (``--kill-every``).
+    kills: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.not_closed or self.commands_lost)
+        return not (self.lost or self.not_closed or self.commands_lost or self.sessions_lost)
 
     def summary(self) -> dict[str, object]:
         out = asdict(self)
-        for key in ("lost", "not_closed", "commands_lost"):
+        for key in ("lost", "not_closed", "commands_lost", "sessions_lost", "kills"):
             out[key] = len(out[key])  # the counts; the first few are in the table
         return {"bench": "churn", **out, "ok": self.ok}
 
@@ -97,6 +106,7 @@ class _Device:
         self.commands: set[str] = set()
         self.subscribed = False
         self.seq = 0
+        self.t0 = time.monotonic()
 
     def _on_message(self, topic: str, payload: bytes) -> None:
         self.commands.add(payload.decode())
@@ -111,6 +121,11 @@ class _Device:
             on_message=self._on_message,
         )
         self.report.connects += 1
+        if self.persistent and self.subscribed and not client.session_present:
+            # The broker had this session (and its subscription): it must say so
+            # [MQTT-3.2.2-2]. Subscribed again so that the run goes on.
+            self.report.sessions_lost.append(f"{self.cid}@{time.monotonic() - self.t0:.1f}s")
+            self.subscribed = False
         if self.persistent and not self.subscribed:
             await client.subscribe(f"churn/cmd/{self.cid}")
             self.subscribed = True  # the session keeps it from now on
@@ -158,7 +173,14 @@ class _Device:
 
     async def collect(self, quiet: float = 1.0) -> None:
         """A persistent device's last connection: what its session queued comes out."""
-        client = await self.connect()
+        for attempt in range(20):
+            try:
+                client = await self.connect()
+                break
+            except (ConnectionError, OSError, TimeoutError):
+                if attempt == 19:
+                    raise
+                await asyncio.sleep(0.5)  # a worker killed last may be starting again
         seen = -1
         while len(self.commands) != seen:
             seen = len(self.commands)
@@ -214,17 +236,39 @@ async def _read_back(host: str, port: int, expected: int) -> set[str]:
     return got
 
 
+async def _nemesis(
+    kill: Callable[[], str], every: float, deadline: float, rng: random.Random, done: list[str]
+) -> None:
+    """``kill()`` every ``every`` seconds or so, until :data:`SETTLE_SECONDS` before the end."""
+    while True:
+        await asyncio.sleep(every * (0.5 + rng.random()))
+        if time.monotonic() > deadline - SETTLE_SECONDS:
+            return
+        done.append(await asyncio.to_thread(kill))
+
+
 async def churn(
-    host: str, port: int, *, seconds: float = 30.0, devices: int = 60, seed: int = 1
+    host: str,
+    port: int,
+    *,
+    seconds: float = 30.0,
+    devices: int = 60,
+    seed: int = 1,
+    kill: Callable[[], str] | None = None,
+    kill_every: float = 5.0,
 ) -> ChurnReport:
-    """Run the workload (module docstring) against the broker at ``host:port``."""
+    """Run the workload (module docstring) against the broker at ``host:port``; with
+    ``kill``, also call it every ``kill_every`` seconds or so (it kills a part of the broker
+    and says which)."""
     report = ChurnReport(seconds, devices, seed)
     fleet = [_Device(i, host, port, seed, report) for i in range(devices)]
     commands: dict[str, str] = {}
     deadline = time.monotonic() + seconds
-    await asyncio.gather(
-        _commander(host, port, fleet, deadline, commands), *(d.run(deadline) for d in fleet)
-    )
+    tasks = [_commander(host, port, fleet, deadline, commands), *(d.run(deadline) for d in fleet)]
+    if kill is not None:
+        rng = random.Random(seed)
+        tasks.append(_nemesis(kill, kill_every, deadline, rng, report.kills))
+    await asyncio.gather(*tasks)
     await asyncio.gather(*(d.collect() for d in fleet if d.persistent))
     acked = set().union(*(d.acked for d in fleet))
     report.acked = len(acked)
@@ -233,6 +277,20 @@ async def churn(
     report.commands_acked = len(commands)
     report.commands_lost = sorted(u for u, cid in commands.items() if u not in received[cid])
     return report
+
+
+def _worker_killer(supervisor: int, seed: int) -> Callable[[], str]:
+    """A function that SIGKILLs one of ``supervisor``'s workers, chosen at random, and
+    names it (its supervisor starts it again)."""
+    rng = random.Random(seed)
+
+    def kill() -> str:
+        children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
+        pid = rng.choice([int(c) for c in children])
+        os.kill(pid, signal.SIGKILL)
+        return f"worker pid {pid}"
+
+    return kill
 
 
 def _metric(http_port: int, name: str) -> float | None:
@@ -251,8 +309,17 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--runs", type=int, default=1, help="seeds seed, seed+1, ...")
     ap.add_argument("--workers", type=int, default=2, help="the broker's worker processes")
+    ap.add_argument(
+        "--kill-every",
+        type=float,
+        default=0.0,
+        help="SIGKILL one worker, chosen at random, every S seconds or so (0: never); the "
+        "supervisor starts it again",
+    )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
     args = ap.parse_args(argv)
+    if args.kill_every and args.workers < 2:
+        ap.error("--kill-every kills workers: one worker is the broker itself (--workers 2+)")
     failed = 0
     for seed in range(args.seed, args.seed + args.runs):
         work = Path(tempfile.mkdtemp(prefix="churn-"))
@@ -288,7 +355,15 @@ def main(argv: list[str] | None = None) -> int:
                 time.sleep(0.2)
             time.sleep(1.0)  # every worker listening, not just the one that answered
             report = asyncio.run(
-                churn("127.0.0.1", port, seconds=args.seconds, devices=args.devices, seed=seed)
+                churn(
+                    "127.0.0.1",
+                    port,
+                    seconds=args.seconds,
+                    devices=args.devices,
+                    seed=seed,
+                    kill=_worker_killer(broker.pid, seed) if args.kill_every else None,
+                    kill_every=args.kill_every,
+                )
             )
             handed = _metric(http_port, "mqlog_connections_handed_off_total")
         finally:
@@ -296,7 +371,7 @@ def main(argv: list[str] | None = None) -> int:
             broker.wait(30)
         line = {**report.summary(), "workers": args.workers, "handed_off": handed}
         print(json.dumps(line))
-        for key in ("lost", "not_closed", "commands_lost"):
+        for key in ("lost", "not_closed", "commands_lost", "sessions_lost", "kills"):
             if getattr(report, key):
                 print(f"  {key}: {getattr(report, key)[:10]}")
         if args.json:

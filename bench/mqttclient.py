@@ -32,6 +32,8 @@ class MqttClient(asyncio.Protocol):
         self.subacks: dict[int, asyncio.Future[int]] = {}
         self.next_pid = 0
         self.hello = b""
+        #: The CONNACK's session present flag (s3.2.2.2), once it came.
+        self.session_present: bool | None = None
 
     @classmethod
     async def connect(
@@ -99,6 +101,7 @@ class MqttClient(asyncio.Protocol):
     def _packet(self, kind: int, flags: int, body: bytes) -> None:
         if kind == 2:  # CONNACK
             if not self.connack.done():
+                self.session_present = bool(body[0] & 1)
                 self.connack.set_result(body[1])
         elif kind == 4:  # PUBACK
             fut = self.pending.pop(struct.unpack_from(">H", body)[0], None)
