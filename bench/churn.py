@@ -279,7 +279,7 @@ async def churn(
     return report
 
 
-def _worker_killer(supervisor: int, seed: int) -> Callable[[], str]:
+def worker_killer(supervisor: int, seed: int) -> Callable[[], str]:
     """A function that SIGKILLs one of ``supervisor``'s workers, chosen at random, and
     names it (its supervisor starts it again)."""
     rng = random.Random(seed)
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
                     seconds=args.seconds,
                     devices=args.devices,
                     seed=seed,
-                    kill=_worker_killer(broker.pid, seed) if args.kill_every else None,
+                    kill=worker_killer(broker.pid, seed) if args.kill_every else None,
                     kill_every=args.kill_every,
                 )
             )
