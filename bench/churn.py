@@ -38,6 +38,7 @@ import os
 import random
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -135,10 +136,10 @@ class _Device:
         rng, report = self.rng, self.report
         client: MqttClient | None = None
         while time.monotonic() < deadline:
+            sent: list[tuple[str, asyncio.Future[float]]] = []
             try:
                 if client is None or client.is_closed:
                     client = await self.connect()
-                sent = []
                 for _ in range(rng.randint(1, 15)):
                     self.seq += 1
                     uid = f"{self.cid}-{self.seq}"
@@ -167,6 +168,12 @@ class _Device:
                     client.close()
                 await asyncio.sleep(rng.random() * 0.2)
             except (ConnectionError, OSError, TimeoutError):
+                for _, fut in sent:  # not answered: the next connect failed first
+                    if fut.done():
+                        fut.exception()  # retrieved: no "never retrieved" warning
+                    else:
+                        fut.cancel()
+                report.unanswered += sum(uid not in self.acked for uid, _ in sent)
                 await asyncio.sleep(0.05)
         if client is not None:
             client.close()
@@ -302,6 +309,67 @@ def _metric(http_port: int, name: str) -> float | None:
     return None
 
 
+class _Broker:
+    """A broker of this checkout on the shipped config, in its own process group (so a kill
+    reaches the supervisor and every worker); restartable on its port and data."""
+
+    def __init__(self, work: Path, workers: int) -> None:
+        self.work = work
+        self.port, self.http_port = free_port(), free_port()
+        self.argv = [
+            sys.executable,
+            "-m",
+            "broker.cli",
+            "serve",
+            "-c",
+            str(ROOT / "config" / "broker.toml"),
+            "--port",
+            str(self.port),
+            "--http-port",
+            str(self.http_port),
+            "--data-dir",
+            str(work / "data"),
+            "--workers",
+            str(workers),
+        ]
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with open(self.work / "broker.log", "ab") as log:
+            self.proc = subprocess.Popen(
+                self.argv, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + 30
+        while True:
+            with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", self.port)):
+                break
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"the broker did not start: see {self.work / 'broker.log'}")
+            time.sleep(0.1)
+        time.sleep(0.5)  # every worker listening, not just the one that answered
+
+    def restart(self) -> str:
+        """kill -9 of the whole broker, then start it again once every process is gone
+        (they hold the data directory)."""
+        assert self.proc is not None
+        os.killpg(self.proc.pid, signal.SIGKILL)
+        self.proc.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                os.killpg(self.proc.pid, 0)
+            except ProcessLookupError:
+                break
+            time.sleep(0.01)
+        self.start()
+        return "the broker, restarted"
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            self.proc.wait(30)
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="bench.churn", description=__doc__.split("\n\n")[0])
     ap.add_argument("--seconds", type=float, default=30.0)
@@ -313,65 +381,46 @@ def main(argv: list[str] | None = None) -> int:
         "--kill-every",
         type=float,
         default=0.0,
-        help="SIGKILL one worker, chosen at random, every S seconds or so (0: never); the "
-        "supervisor starts it again",
+        help="a fault every S seconds or so (0: none): --kill decides which",
+    )
+    ap.add_argument(
+        "--kill",
+        choices=("worker", "broker"),
+        default="worker",
+        help="worker: SIGKILL one worker, chosen at random (its supervisor starts it again); "
+        "broker: SIGKILL the whole broker and start it again (clients reconnect)",
     )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
     args = ap.parse_args(argv)
-    if args.kill_every and args.workers < 2:
-        ap.error("--kill-every kills workers: one worker is the broker itself (--workers 2+)")
+    if args.kill_every and args.kill == "worker" and args.workers < 2:
+        ap.error("--kill worker: one worker is the broker itself (--workers 2+, or --kill broker)")
     failed = 0
     for seed in range(args.seed, args.seed + args.runs):
         work = Path(tempfile.mkdtemp(prefix="churn-"))
-        port, http_port = free_port(), free_port()
-        with open(work / "broker.log", "wb") as log:
-            broker = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "broker.cli",
-                    "serve",
-                    "-c",
-                    str(ROOT / "config" / "broker.toml"),
-                    "--port",
-                    str(port),
-                    "--http-port",
-                    str(http_port),
-                    "--data-dir",
-                    str(work / "data"),
-                    "--workers",
-                    str(args.workers),
-                ],
-                cwd=ROOT,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        broker = _Broker(work, args.workers)
+        broker.start()
+        assert broker.proc is not None
+        kill: Callable[[], str] | None = None
+        if args.kill_every:
+            kill = worker_killer(broker.proc.pid, seed) if args.kill == "worker" else broker.restart
         try:
-            deadline = time.monotonic() + 30
-            while _metric(http_port, "mqlog_connections_handed_off_total") is None:
-                if broker.poll() is not None or time.monotonic() > deadline:
-                    raise SystemExit(f"the broker did not start: see {work / 'broker.log'}")
-                time.sleep(0.2)
-            time.sleep(1.0)  # every worker listening, not just the one that answered
             report = asyncio.run(
                 churn(
                     "127.0.0.1",
-                    port,
+                    broker.port,
                     seconds=args.seconds,
                     devices=args.devices,
                     seed=seed,
-                    kill=worker_killer(broker.pid, seed) if args.kill_every else None,
+                    kill=kill,
                     kill_every=args.kill_every,
                 )
             )
-            handed = _metric(http_port, "mqlog_connections_handed_off_total")
+            handed = _metric(broker.http_port, "mqlog_connections_handed_off_total")
         finally:
-            broker.send_signal(signal.SIGTERM)
-            broker.wait(30)
+            broker.stop()
         line = {**report.summary(), "workers": args.workers, "handed_off": handed}
         print(json.dumps(line))
-        for key in ("lost", "not_closed", "commands_lost", "sessions_lost", "kills"):
+        for key in ("lost", "not_closed", "commands_lost", "sessions_lost"):
             if getattr(report, key):
                 print(f"  {key}: {getattr(report, key)[:10]}")
         if args.json:
