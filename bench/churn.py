@@ -292,12 +292,34 @@ def worker_killer(supervisor: int, seed: int) -> Callable[[], str]:
     rng = random.Random(seed)
 
     def kill() -> str:
-        children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text().split()
-        pid = rng.choice([int(c) for c in children])
+        pid = rng.choice(_workers(supervisor))
         os.kill(pid, signal.SIGKILL)
         return f"worker pid {pid}"
 
     return kill
+
+
+def worker_pauser(supervisor: int, seed: int) -> Callable[[], str]:
+    """A function that stops one of ``supervisor``'s workers (SIGSTOP), chosen at random,
+    for 0.5-3 s, then lets it go on (SIGCONT): its peers and clients wait for it meanwhile."""
+    rng = random.Random(seed)
+
+    def pause() -> str:
+        pid = rng.choice(_workers(supervisor))
+        seconds = 0.5 + 2.5 * rng.random()
+        os.kill(pid, signal.SIGSTOP)
+        try:
+            time.sleep(seconds)
+        finally:
+            os.kill(pid, signal.SIGCONT)
+        return f"worker pid {pid} paused {seconds:.1f} s"
+
+    return pause
+
+
+def _workers(supervisor: int) -> list[int]:
+    children = Path(f"/proc/{supervisor}/task/{supervisor}/children").read_text()
+    return [int(c) for c in children.split()]
 
 
 def _metric(http_port: int, name: str) -> float | None:
@@ -385,15 +407,16 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--kill",
-        choices=("worker", "broker"),
+        choices=("worker", "broker", "pause"),
         default="worker",
         help="worker: SIGKILL one worker, chosen at random (its supervisor starts it again); "
-        "broker: SIGKILL the whole broker and start it again (clients reconnect)",
+        "broker: SIGKILL the whole broker and start it again (clients reconnect); pause: "
+        "SIGSTOP one worker for 0.5-3 s, then SIGCONT",
     )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
     args = ap.parse_args(argv)
-    if args.kill_every and args.kill == "worker" and args.workers < 2:
-        ap.error("--kill worker: one worker is the broker itself (--workers 2+, or --kill broker)")
+    if args.kill_every and args.kill != "broker" and args.workers < 2:
+        ap.error(f"--kill {args.kill}: one worker is the broker itself (--workers 2+)")
     failed = 0
     for seed in range(args.seed, args.seed + args.runs):
         work = Path(tempfile.mkdtemp(prefix="churn-"))
@@ -402,7 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         assert broker.proc is not None
         kill: Callable[[], str] | None = None
         if args.kill_every:
-            kill = worker_killer(broker.proc.pid, seed) if args.kill == "worker" else broker.restart
+            faults = {"worker": worker_killer, "pause": worker_pauser}
+            fault = faults.get(args.kill)
+            kill = fault(broker.proc.pid, seed) if fault is not None else broker.restart
         try:
             report = asyncio.run(
                 churn(
