@@ -398,7 +398,18 @@ class Server:
     def _flush_links(self) -> None:
         """Each pending link's output. A failure on one link is logged and does not stop the
         others: a link left out here keeps its output (it is not pending again until that
-        output is written) and its client waits for it forever."""
+        output is written) and its client waits for it forever.
+
+        With several workers, this iteration's frames to the other workers leave first: the
+        announcement of a commit (broker.workers.partitions) is then in each peer's socket
+        before a client can read its PUBACK or SUBACK, and a worker killed right after has
+        still told its peers. What a peer knows of a dead worker's partitions is what it
+        announced: the sessions it held are restored from ``$sessions`` up to there (a
+        SUBACK written first, the kill falling between the two writes, had the session
+        restored without that subscription), and its subscribers here would have waited
+        for the restarted worker's next commit to that partition for the records."""
+        if self.runtime is not None:
+            self.runtime.mesh.flush_now()
         pending, self._flush_pending = self._flush_pending, []
         for link in pending:
             try:

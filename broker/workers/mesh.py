@@ -307,6 +307,12 @@ class Mesh:
             else:
                 self._loop.call_soon(self._flush)
 
+    def flush_now(self) -> None:
+        """Write this iteration's frames now, not at their turn at the end of the iteration:
+        what the caller writes next (a client's acknowledgement) then follows them."""
+        if self._flush_scheduled:
+            self._flush()
+
     def _flush(self) -> None:
         builders, self._builders = self._builders, []
         for build in builders:  # their frames leave in this same flush

@@ -203,3 +203,42 @@ def test_request_callbacks_get_the_reply_or_none_when_the_peer_goes(tmp_path: Pa
         await w1.mesh.close()
 
     run(main)
+
+
+@pytest.mark.parametrize("now", [True, False], ids=["flushed-now", "at-the-end"])
+def test_frames_flushed_now_reach_a_peer_that_dies_right_after(tmp_path: Path, now: bool) -> None:
+    """``flush_now`` writes the iteration's frames (the sends and what ``before_flush``
+    builders queue) at once: a worker killed right after (its sockets aborted, as a kill
+    leaves them) has still told its peer. Left to the end of the iteration, they die with it
+    (what the server's links flush, after ``flush_now``, must not overtake)."""
+
+    async def main() -> None:
+        w0, w1 = await started(tmp_path, 2)
+        w1.mesh.send(0, NOTE, b"sent")
+        w1.mesh.before_flush(lambda: w1.mesh.send(0, NOTE, b"built"))
+        if now:
+            w1.mesh.flush_now()
+        for proto in list(w1.mesh.peers.values()):
+            assert proto.transport is not None
+            proto.transport.abort()  # the kill: nothing more leaves
+        await until(lambda: 1 in w0.downs)
+        assert w0.notes == ([(1, b"sent"), (1, b"built")] if now else [])
+        await w0.mesh.close()
+        await w1.mesh.close()
+
+    run(main)
+
+
+def test_a_servers_links_are_written_after_its_frames_to_the_other_workers() -> None:
+    """broker.server.Server._flush_links: the mesh's frames of the iteration first (see its
+    docstring), then each pending link's output."""
+    from types import SimpleNamespace
+
+    from broker.server import Server
+
+    order: list[str] = []
+    mesh = SimpleNamespace(flush_now=lambda: order.append("mesh"))
+    links = [SimpleNamespace(flush_output=lambda i=i: order.append(f"link{i}")) for i in range(2)]
+    server = SimpleNamespace(runtime=SimpleNamespace(mesh=mesh), _flush_pending=links)
+    Server._flush_links(server)  # type: ignore[arg-type]
+    assert order == ["mesh", "link0", "link1"]
