@@ -56,6 +56,8 @@ ROOT = Path(__file__).resolve().parent.parent
 CLOSE_SECONDS = 5.0
 #: Seconds a PUBACK may take before the publish counts as not acknowledged.
 ACK_SECONDS = 5.0
+#: The shared subscription of the group members (``shared``): every device's telemetry.
+SHARED = "$share/churn/churn/+/telemetry"
 #: Seconds before the end after which the nemesis kills nothing more.
 SETTLE_SECONDS = 3.0
 
@@ -78,6 +80,8 @@ class ChurnReport:
     commands_acked: int = 0
     #: Acknowledged commands a persistent device never received (must be 0).
     commands_lost: list[str] = field(default_factory=list)
+    #: Acknowledged publishes no member of the shared subscription got (must be 0).
+    shared_lost: list[str] = field(default_factory=list)
     #: Persistent sessions the broker no longer had when their device came back
     #: (``client id@seconds into the run``; must be empty).
     sessions_lost: list[str] = field(default_factory=list)
@@ -86,11 +90,17 @@ class ChurnReport:
 
     @property
     def ok(self) -> bool:
-        return not (self.lost or self.not_closed or self.commands_lost or self.sessions_lost)
+        return not (
+            self.lost
+            or self.not_closed
+            or self.commands_lost
+            or self.sessions_lost
+            or self.shared_lost
+        )
 
     def summary(self) -> dict[str, object]:
         out = asdict(self)
-        for key in ("lost", "not_closed", "commands_lost", "sessions_lost", "kills"):
+        for key in ("lost", "not_closed", "commands_lost", "sessions_lost", "shared_lost", "kills"):
             out[key] = len(out[key])  # the counts; the first few are in the table
         return {"bench": "churn", **out, "ok": self.ok}
 
@@ -195,6 +205,64 @@ class _Device:
         client.close()
 
 
+class _Member:
+    """A member of the shared subscription ``$share/churn/churn/+/telemetry`` with a
+    persistent session (``member<k>``): it comes and goes (aborts, then connects again a
+    moment later) and records every telemetry id it is given."""
+
+    def __init__(self, k: int, host: str, port: int, seed: int) -> None:
+        self.cid = f"member{k}"
+        self.host, self.port = host, port
+        self.rng = random.Random(seed * 7919 + k)
+        self.got: set[str] = set()
+        self.subscribed = False
+        self.client: MqttClient | None = None
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        self.got.add(payload.decode())
+
+    async def connect(self) -> None:
+        client = await MqttClient.connect(
+            self.host,
+            self.port,
+            self.cid,
+            clean=False,
+            timeout=ACK_SECONDS,
+            on_message=self._on_message,
+        )
+        if not self.subscribed:
+            await client.subscribe(SHARED)
+            self.subscribed = True
+        self.client = client
+
+    async def run(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            try:
+                if self.client is None or self.client.is_closed:
+                    await self.connect()
+                await asyncio.sleep(1.0 + 3.0 * self.rng.random())
+                if self.client is not None and self.client.transport is not None:
+                    self.client.transport.abort()  # in-flight deliveries go unacknowledged
+                await asyncio.sleep(0.5 * self.rng.random())
+            except (ConnectionError, OSError, TimeoutError):
+                await asyncio.sleep(0.1)
+
+    async def collect(self, quiet: float = 2.0) -> None:
+        """Connect once more and take what the group still has for this member."""
+        for attempt in range(20):
+            try:
+                await self.connect()
+                break
+            except (ConnectionError, OSError, TimeoutError):
+                if attempt == 19:
+                    raise
+                await asyncio.sleep(0.5)
+        seen = -1
+        while len(self.got) != seen:
+            seen = len(self.got)
+            await asyncio.sleep(quiet)
+
+
 async def _commander(
     host: str, port: int, devices: list[_Device], deadline: float, acked: dict[str, str]
 ) -> None:
@@ -263,15 +331,21 @@ async def churn(
     seed: int = 1,
     kill: Callable[[], str] | None = None,
     kill_every: float = 5.0,
+    shared: int = 0,
 ) -> ChurnReport:
     """Run the workload (module docstring) against the broker at ``host:port``; with
     ``kill``, also call it every ``kill_every`` seconds or so (it kills a part of the broker
-    and says which)."""
+    and says which); with ``shared`` members, every acknowledged publish must also reach the
+    shared subscription's group (some member, at least once)."""
     report = ChurnReport(seconds, devices, seed)
     fleet = [_Device(i, host, port, seed, report) for i in range(devices)]
+    members = [_Member(k, host, port, seed) for k in range(shared)]
+    for m in members:
+        await m.connect()  # subscribed before the first publish
     commands: dict[str, str] = {}
     deadline = time.monotonic() + seconds
     tasks = [_commander(host, port, fleet, deadline, commands), *(d.run(deadline) for d in fleet)]
+    tasks += [m.run(deadline) for m in members]
     if kill is not None:
         rng = random.Random(seed)
         tasks.append(_nemesis(kill, kill_every, deadline, rng, report.kills))
@@ -283,6 +357,9 @@ async def churn(
     received = {d.cid: d.commands for d in fleet}
     report.commands_acked = len(commands)
     report.commands_lost = sorted(u for u, cid in commands.items() if u not in received[cid])
+    if members:
+        await asyncio.gather(*(m.collect() for m in members))
+        report.shared_lost = sorted(acked - set().union(*(m.got for m in members)))
     return report
 
 
@@ -413,6 +490,13 @@ def main(argv: list[str] | None = None) -> int:
         "broker: SIGKILL the whole broker and start it again (clients reconnect); pause: "
         "SIGSTOP one worker for 0.5-3 s, then SIGCONT",
     )
+    ap.add_argument(
+        "--shared",
+        type=int,
+        default=0,
+        help="members of a shared subscription to every device's telemetry, coming and going "
+        "(0: none); every acknowledged publish must reach one of them",
+    )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
     args = ap.parse_args(argv)
     if args.kill_every and args.kill != "broker" and args.workers < 2:
@@ -438,6 +522,7 @@ def main(argv: list[str] | None = None) -> int:
                     seed=seed,
                     kill=kill,
                     kill_every=args.kill_every,
+                    shared=args.shared,
                 )
             )
             handed = _metric(broker.http_port, "mqlog_connections_handed_off_total")
@@ -445,7 +530,7 @@ def main(argv: list[str] | None = None) -> int:
             broker.stop()
         line = {**report.summary(), "workers": args.workers, "handed_off": handed}
         print(json.dumps(line))
-        for key in ("lost", "not_closed", "commands_lost", "sessions_lost"):
+        for key in ("lost", "not_closed", "commands_lost", "sessions_lost", "shared_lost"):
             if getattr(report, key):
                 print(f"  {key}: {getattr(report, key)[:10]}")
         if args.json:

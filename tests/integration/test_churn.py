@@ -1,7 +1,8 @@
 """Churn on two workers (bench/churn.py): devices taken over, cut off and reconnecting while
 their connections are handed between workers, and a worker killed (-9) now and then, lose no
-acknowledged publish or command and no persistent session, and a connection taken over is
-always closed [MQTT-3.1.4-3].
+acknowledged publish or command and no persistent session, a shared subscription's members
+(coming and going) get every acknowledged publish between them, and a connection taken over
+is always closed [MQTT-3.1.4-3].
 
 A short run of the benchmark's workload (``python -m bench.churn --runs N`` runs longer
 ones). Two races of broker/workers/sessions.py, both fixed on 2026-11-29, showed here on the
@@ -30,7 +31,16 @@ def test_churn_and_worker_kills_lose_nothing_and_leave_one_holder(tmp_path: Path
         assert broker.proc is not None
         kill = worker_killer(broker.proc.pid, seed=7)
         report = asyncio.run(
-            churn(broker.host, broker.port, seconds=15, devices=40, seed=7, kill=kill, kill_every=3)
+            churn(
+                broker.host,
+                broker.port,
+                seconds=15,
+                devices=40,
+                seed=7,
+                kill=kill,
+                kill_every=3,
+                shared=2,
+            )
         )
         with urllib.request.urlopen(f"{broker.http_url}/metrics", timeout=10) as resp:
             metrics = resp.read().decode()
@@ -41,6 +51,7 @@ def test_churn_and_worker_kills_lose_nothing_and_leave_one_holder(tmp_path: Path
     assert not report.not_closed, f"taken over, still open: {report.not_closed}"
     assert not report.lost, f"acknowledged, not in the log: {report.lost[:10]}"
     assert not report.sessions_lost, f"persistent sessions lost: {report.sessions_lost}"
+    assert not report.shared_lost, f"not given to the group: {report.shared_lost[:10]}"
     assert not report.commands_lost, f"acknowledged, not delivered: {report.commands_lost[:10]}"
     handed = re.search(r"^mqlog_connections_handed_off_total (\S+)$", metrics, re.M)
     assert handed and float(handed.group(1)) > 20, "the devices were not handed between workers"
