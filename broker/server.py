@@ -389,6 +389,10 @@ class Server:
         self.ready = True
         return ready
 
+    def flush_peers(self) -> None:
+        if self.runtime is not None:
+            self.runtime.mesh.flush_now()
+
     def want_flush(self, link: MQTTProtocol) -> None:
         """``link`` queued output: flush it at the end of this iteration."""
         if not self._flush_pending:
@@ -408,8 +412,7 @@ class Server:
         SUBACK written first, the kill falling between the two writes, had the session
         restored without that subscription), and its subscribers here would have waited
         for the restarted worker's next commit to that partition for the records."""
-        if self.runtime is not None:
-            self.runtime.mesh.flush_now()
+        self.flush_peers()
         pending, self._flush_pending = self._flush_pending, []
         for link in pending:
             try:

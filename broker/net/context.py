@@ -125,3 +125,8 @@ class EdgeContext(Protocol[L]):
     def want_flush(self, link: L) -> None:
         """``link`` queued output: call its ``flush_output`` at the end of this iteration."""
         ...
+
+    def flush_peers(self) -> None:
+        """Write this iteration's frames to the other workers now, before a link's output
+        (broker.server.Server._flush_links says why); nothing with one worker."""
+        ...

@@ -569,6 +569,7 @@ class MQTTProtocol(asyncio.Protocol):
             self.router.pump_session(self.session)
 
     def _flush_and_close(self) -> None:
+        self.edge.flush_peers()  # at once, not at the end of the iteration: after its frames
         self.flush_output()
         if self.transport is None:
             unpark(self)  # parked: closed when resumed (broker.net.parking)

@@ -110,6 +110,9 @@ class Server:
     def want_flush(self, link: MQTTProtocol) -> None:
         self.flush_due.append(link)
 
+    def flush_peers(self) -> None:
+        pass  # one worker: no peers
+
     def end_iteration(self) -> None:
         """The end of an event-loop iteration: group commit, then the links' output."""
         while self.scheduled:

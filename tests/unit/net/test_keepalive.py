@@ -15,6 +15,7 @@ from broker.auth import AuthService
 from broker.config import Config, RouterConfig
 from broker.metrics.collector import Metrics
 from broker.mqtt.connection import keepalive_expired
+from broker.mqtt.reason_codes import ReasonCode
 from broker.net.keepalive import KeepaliveWheel, keepalive_deadline, link_expired
 from broker.net.parking import ParkingLot
 from broker.net.transport import MQTTProtocol
@@ -52,11 +53,15 @@ class FakeServer:
         self.keepalive: KeepaliveWheel[Any] = KeepaliveWheel(TICK_SECONDS, clock())
         self.parking = ParkingLot(None, 0, clock())  # never parks
         self.flushed: list[Any] = []
+        self.peer_flushes = 0  # flush_peers() calls
         self.session_claims = None  # one worker: no session claims
         self.handoff = None  # one worker: no hand-off
 
     def want_flush(self, link: Any) -> None:
         self.flushed.append(link)
+
+    def flush_peers(self) -> None:
+        self.peer_flushes += 1
 
 
 def connected(keepalive: int) -> tuple[MQTTProtocol, FakeClock]:
@@ -264,3 +269,14 @@ def test_wheel_after_most_items_left_keeps_the_rest() -> None:
     wheel.file(1000, 120.0)  # moved: the entry at 110 is stale
     assert wheel.due(115.0) == []
     assert wheel.due(120.0) == [1000]
+
+
+def test_a_link_closed_writes_the_workers_frames_before_its_last_output() -> None:
+    """A close writes the link's output at once (not at the end of the iteration): the
+    frames to the other workers go first, as ``Server._flush_links`` sends them (its
+    docstring: a commit's announcement before its PUBACK)."""
+    proto, _ = connected(10)
+    server = proto.edge
+    assert server.peer_flushes == 0
+    proto.close(ReasonCode.SERVER_SHUTTING_DOWN, "stopping")
+    assert server.peer_flushes == 1

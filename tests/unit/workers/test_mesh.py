@@ -240,5 +240,6 @@ def test_a_servers_links_are_written_after_its_frames_to_the_other_workers() -> 
     mesh = SimpleNamespace(flush_now=lambda: order.append("mesh"))
     links = [SimpleNamespace(flush_output=lambda i=i: order.append(f"link{i}")) for i in range(2)]
     server = SimpleNamespace(runtime=SimpleNamespace(mesh=mesh), _flush_pending=links)
+    server.flush_peers = lambda: Server.flush_peers(server)  # type: ignore[arg-type]
     Server._flush_links(server)  # type: ignore[arg-type]
     assert order == ["mesh", "link0", "link1"]
