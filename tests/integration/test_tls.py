@@ -140,7 +140,13 @@ def tls_broker(
         f"require_certificate = {'true' if require else 'false'}\n"
     )
     broker = factory(server=server, config=config)
-    assert f"listening on mqtts://127.0.0.1:{port}" in broker.log()
+    # Ready is the "listening on mqtt://" line; with several workers the supervisor logs the
+    # TLS listener on the line after it, which a read right after may not find yet.
+    line = f"listening on mqtts://127.0.0.1:{port}"
+    deadline = time.monotonic() + 5
+    while line not in broker.log() and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert line in broker.log()
     return broker, port
 
 
