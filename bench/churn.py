@@ -44,7 +44,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -188,21 +188,9 @@ class _Device:
         if client is not None:
             client.close()
 
-    async def collect(self, quiet: float = 1.0) -> None:
+    async def collect(self) -> None:
         """A persistent device's last connection: what its session queued comes out."""
-        for attempt in range(20):
-            try:
-                client = await self.connect()
-                break
-            except (ConnectionError, OSError, TimeoutError):
-                if attempt == 19:
-                    raise
-                await asyncio.sleep(0.5)  # a worker killed last may be starting again
-        seen = -1
-        while len(self.commands) != seen:
-            seen = len(self.commands)
-            await asyncio.sleep(quiet)
-        client.close()
+        await _last_visit(self.connect, self.commands, quiet=1.0)
 
 
 class _Member:
@@ -221,7 +209,7 @@ class _Member:
     def _on_message(self, topic: str, payload: bytes) -> None:
         self.got.add(payload.decode())
 
-    async def connect(self) -> None:
+    async def connect(self) -> MqttClient:
         client = await MqttClient.connect(
             self.host,
             self.port,
@@ -234,6 +222,7 @@ class _Member:
             await client.subscribe(SHARED)
             self.subscribed = True
         self.client = client
+        return client
 
     async def run(self, deadline: float) -> None:
         while time.monotonic() < deadline:
@@ -247,20 +236,29 @@ class _Member:
             except (ConnectionError, OSError, TimeoutError):
                 await asyncio.sleep(0.1)
 
-    async def collect(self, quiet: float = 2.0) -> None:
+    async def collect(self) -> None:
         """Connect once more and take what the group still has for this member."""
-        for attempt in range(20):
-            try:
-                await self.connect()
-                break
-            except (ConnectionError, OSError, TimeoutError):
-                if attempt == 19:
-                    raise
-                await asyncio.sleep(0.5)
-        seen = -1
-        while len(self.got) != seen:
-            seen = len(self.got)
-            await asyncio.sleep(quiet)
+        await _last_visit(self.connect, self.got, quiet=2.0)
+
+
+async def _last_visit(
+    connect: Callable[[], Awaitable[MqttClient]], received: set[str], quiet: float
+) -> None:
+    """Connect once more (up to 20 tries 0.5 s apart: a worker killed last may be starting
+    again) and stay until ``received`` has not grown for ``quiet`` seconds."""
+    for attempt in range(20):
+        try:
+            client = await connect()
+            break
+        except (ConnectionError, OSError, TimeoutError):
+            if attempt == 19:
+                raise
+            await asyncio.sleep(0.5)
+    seen = -1
+    while len(received) != seen:
+        seen = len(received)
+        await asyncio.sleep(quiet)
+    client.close()
 
 
 async def _commander(
