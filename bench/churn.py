@@ -497,6 +497,8 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
     args = ap.parse_args(argv)
+    if args.devices < 1 or args.seconds <= 0 or args.shared < 0:
+        ap.error("--devices 1 or more, --seconds above 0, --shared 0 or more")
     if args.kill_every and args.kill != "broker" and args.workers < 2:
         ap.error(f"--kill {args.kill}: one worker is the broker itself (--workers 2+)")
     failed = 0
