@@ -24,10 +24,10 @@ fleet       1,000 devices, each publishing QoS 1 to its own ``devices/<nnnnn>/te
             after one each (not counted) has set every device's plain topic
 fleet2      fleet on two workers (the shipped default on two cores): two worker servers of
             one broker (each a ``Server`` with its worker spec, a mesh between them) in the
-            one process, each on its own port; device ``i`` connects to worker ``i % 2``
-            (as SO_REUSEPORT spreads them), the subscriber to worker 0; so about half of
-            each worker's PUBLISHes go to a partition the other owns (forwarded), and half
-            of the deliveries are announced by the other
+            one process, each on its own port; each device connects to the worker owning its
+            topic's partition, where the hand-off (broker.workers.handoff, off here: it
+            moves a descriptor between processes) puts it, the subscriber to worker 0; so
+            half of the deliveries are announced by the other worker
 fanin0      50 publishers, each QoS 0 to its own ``devices/<nnnnn>/telemetry`` in writes of
             256 PUBLISHes (as bench.mqtt_bench's blast: many packets per read), one write
             per publisher per round, the next round once the round is delivered; one QoS 0
@@ -43,8 +43,8 @@ scenarios run against that checkout's ``broker`` package in the same run; with
 device path instead of the compiled one, broker.net.devicepath).
 
 Run: ``.venv/bin/python -m bench.instr_bench [--baseline DIR] [--messages 200000]
-[--scenario replay1,fanout1] [--runs 2] [--python-path]`` (valgrind on the PATH; about a minute per
-scenario and run for 200,000 messages).
+[--scenario replay1,fanout1] [--runs 2] [--python-path] [--per-iteration 20]`` (valgrind on
+the PATH; about a minute per scenario and run for 200,000 messages).
 """
 
 from __future__ import annotations
@@ -61,6 +61,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import zlib
 from collections.abc import Callable
 from functools import partial
 from pathlib import Path
@@ -76,6 +77,8 @@ FANOUT_SUBSCRIBERS = 50
 #: fleet: devices, and how many of them write per loop iteration.
 FLEET_DEVICES = 1000
 FLEET_PER_ITERATION = 20
+#: How ``--per-iteration`` reaches the measured process.
+PER_ITERATION_ENV = "INSTR_BENCH_PER_ITERATION"
 FLEET_TOPIC = "devices/{:05d}/telemetry"  # 23 bytes, as the Subscriber expects
 PUBLISHERS = 50
 #: fanin0: PUBLISHes per write (bench.loadgen's blast batch).
@@ -255,11 +258,21 @@ class Device(asyncio.Protocol):
 
 
 async def _fleet_round(devices: list[Device]) -> None:
-    """One PUBLISH from every device, FLEET_PER_ITERATION writes per loop iteration."""
-    for i in range(0, len(devices), FLEET_PER_ITERATION):
-        for device in devices[i : i + FLEET_PER_ITERATION]:
+    """One PUBLISH from every device, FLEET_PER_ITERATION writes per loop iteration (or
+    ``--per-iteration``)."""
+    step = int(os.environ.get(PER_ITERATION_ENV, FLEET_PER_ITERATION))
+    for i in range(0, len(devices), step):
+        for device in devices[i : i + step]:
             device.send()
         await asyncio.sleep(0)
+
+
+def _fleet_worker(i: int, workers: int) -> int:
+    """The worker device ``i`` is connected to: the one owning its topic's partition (of
+    the shipped config's four), where the hand-off puts a device (broker.workers.handoff;
+    off here: both workers are in this one process)."""
+    partition = zlib.crc32(FLEET_TOPIC.format(i).encode()) % 4
+    return (zlib.crc32(b"telemetry") + partition) % workers  # broker.workers.mesh.owner_of
 
 
 async def _fleet(ports: list[int], count: int) -> int:
@@ -275,7 +288,7 @@ async def _fleet(ports: list[int], count: int) -> int:
     for i in range(FLEET_DEVICES):
         devices.append(
             await _connect(
-                ports[i % len(ports)],
+                ports[_fleet_worker(i, len(ports))],
                 partial(Device, FLEET_TOPIC.format(i).encode()),
                 connect_packet(f"dev{i}"),
             )
@@ -474,7 +487,7 @@ async def _two_workers(cfg: Any, count: int) -> int:
         worker_cfg = dataclasses.replace(
             cfg,
             server=dataclasses.replace(cfg.server, port=port),
-            router=dataclasses.replace(cfg.router, workers=2),
+            router=dataclasses.replace(cfg.router, workers=2, handoff=False),
         )
         servers.append(Server(worker_cfg, worker=WorkerSpec(index, 2, ready)))
     await asyncio.gather(*(s.start() for s in servers))  # each waits for the other's mesh
@@ -548,7 +561,17 @@ def main() -> None:
         action="store_true",
         help="also run this checkout with the pure-Python device path (MQLOG_DEVICE_PATH)",
     )
+    ap.add_argument(
+        "--per-iteration",
+        type=int,
+        default=FLEET_PER_ITERATION,
+        help="fleet, fleet2: devices' writes per loop iteration (bench.mqtt_bench's fleet of "
+        "5,000 devices at 1 msg/s each gives a worker one to three PUBLISHes per iteration)",
+    )
     args = ap.parse_args()
+    if args.per_iteration < 1:
+        ap.error("--per-iteration: at least 1")
+    os.environ[PER_ITERATION_ENV] = str(args.per_iteration)
     names = args.scenario.split(",")
     for name in names:
         if name not in SCENARIOS:
