@@ -18,7 +18,14 @@ Checked:
   broker within :data:`CLOSE_SECONDS`;
 - **no acknowledged command lost for a persistent session** [MQTT-3.1.2-4]: every command
   whose PUBACK the commander read reached a connection of its device (at least once),
-  wherever the session was when the command was published.
+  wherever the session was when the command was published;
+- with ``--wills``, **no will lost** [MQTT-3.1.2-8]: each connection carries a will (QoS 1,
+  ``churn/will/dev<i>``, its message naming the connection), and every connection that ended
+  other than by the device's DISCONNECT (aborted, taken over, or closed by the broker: its
+  worker killed, the broker restarted) has its will published, which a watcher subscribed to
+  ``churn/will/#`` with a persistent session must get. Reported, not failed on: a will of a
+  connection the device ended with DISCONNECT (the broker may have died before reading it)
+  and wills that came twice.
 
 Run (starts a broker of this checkout on the shipped config, two workers)::
 
@@ -60,6 +67,10 @@ ACK_SECONDS = 5.0
 SHARED = "$share/churn/churn/+/telemetry"
 #: Seconds before the end after which the nemesis kills nothing more.
 SETTLE_SECONDS = 3.0
+#: The report's lists that must be empty.
+FAILURES = ("lost", "not_closed", "commands_lost", "sessions_lost", "shared_lost", "wills_lost")
+#: The topics of the devices' wills (``--wills``).
+WILLS = "churn/will/{}"
 
 
 @dataclass
@@ -87,6 +98,14 @@ class ChurnReport:
     sessions_lost: list[str] = field(default_factory=list)
     #: What the nemesis killed, in order (``--kill-every``).
     kills: list[str] = field(default_factory=list)
+    #: ``--wills``: connections that ended without the device's DISCONNECT (each owes a will).
+    wills_expected: int = 0
+    #: Their wills never published (``dev<i>#<connection>``; must be empty).
+    wills_lost: list[str] = field(default_factory=list)
+    #: Wills of connections the device ended with DISCONNECT (not a failure: see above).
+    wills_after_disconnect: int = 0
+    #: Wills that came more than once.
+    wills_twice: int = 0
 
     @property
     def ok(self) -> bool:
@@ -96,17 +115,20 @@ class ChurnReport:
             or self.commands_lost
             or self.sessions_lost
             or self.shared_lost
+            or self.wills_lost
         )
 
     def summary(self) -> dict[str, object]:
         out = asdict(self)
-        for key in ("lost", "not_closed", "commands_lost", "sessions_lost", "shared_lost", "kills"):
+        for key in (*FAILURES, "kills"):
             out[key] = len(out[key])  # the counts; the first few are in the table
         return {"bench": "churn", **out, "ok": self.ok}
 
 
 class _Device:
-    def __init__(self, i: int, host: str, port: int, seed: int, report: ChurnReport) -> None:
+    def __init__(
+        self, i: int, host: str, port: int, seed: int, report: ChurnReport, wills: bool = False
+    ) -> None:
         self.i = i
         self.cid = f"dev{i}"
         self.persistent = i % 2 == 0
@@ -118,11 +140,22 @@ class _Device:
         self.subscribed = False
         self.seq = 0
         self.t0 = time.monotonic()
+        self.wills = wills
+        self.attempts = 0
+        #: The will of each connection that got its CONNACK and has not been judged yet.
+        self.will_of: dict[MqttClient, str] = {}
+        #: Wills owed (the connection ended without DISCONNECT) and wills not owed.
+        self.wills_owed: set[str] = set()
+        self.wills_not_owed: set[str] = set()
 
     def _on_message(self, topic: str, payload: bytes) -> None:
         self.commands.add(payload.decode())
 
     async def connect(self) -> MqttClient:
+        will = None
+        self.attempts += 1
+        if self.wills:  # named after the connection (a CONNECT without its CONNACK: unjudged)
+            will = (WILLS.format(self.cid), f"{self.cid}#{self.attempts}".encode())
         client = await MqttClient.connect(
             self.host,
             self.port,
@@ -130,8 +163,11 @@ class _Device:
             clean=not self.persistent,
             timeout=ACK_SECONDS,
             on_message=self._on_message,
+            will=will,
         )
         self.report.connects += 1
+        if will is not None:
+            self.will_of[client] = will[1].decode()
         if self.persistent and self.subscribed and not client.session_present:
             # The broker had this session (and its subscription): it must say so
             # [MQTT-3.2.2-2]. Subscribed again so that the run goes on.
@@ -142,6 +178,12 @@ class _Device:
             self.subscribed = True  # the session keeps it from now on
         return client
 
+    def ended(self, client: MqttClient, owed: bool) -> None:
+        """``client`` 's connection ended: with its will owed (no DISCONNECT), or not."""
+        will = self.will_of.pop(client, None)
+        if will is not None:
+            (self.wills_owed if owed else self.wills_not_owed).add(will)
+
     async def run(self, deadline: float) -> None:
         rng, report = self.rng, self.report
         client: MqttClient | None = None
@@ -149,6 +191,8 @@ class _Device:
             sent: list[tuple[str, asyncio.Future[float]]] = []
             try:
                 if client is None or client.is_closed:
+                    if client is not None:
+                        self.ended(client, True)  # closed by the broker (if not judged)
                     client = await self.connect()
                 for _ in range(rng.randint(1, 15)):
                     self.seq += 1
@@ -160,6 +204,7 @@ class _Device:
                 if x < 0.15:  # a second connection while publishes are in flight
                     old, client = client, await self.connect()
                     report.takeovers += 1
+                    self.ended(old, True)  # closed by the broker [MQTT-3.1.4-3]
                     try:
                         await asyncio.wait_for(asyncio.shield(old.closed), CLOSE_SECONDS)
                     except TimeoutError:
@@ -168,6 +213,7 @@ class _Device:
                 elif x < 0.25 and client.transport is not None:
                     client.transport.abort()
                     report.aborts += 1
+                    self.ended(client, True)
                 for uid, fut in sent:
                     try:
                         await asyncio.wait_for(asyncio.shield(fut), ACK_SECONDS)
@@ -175,6 +221,7 @@ class _Device:
                     except (ConnectionError, TimeoutError):
                         report.unanswered += 1
                 if x > 0.9 and not client.is_closed:
+                    self.ended(client, False)
                     client.close()
                 await asyncio.sleep(rng.random() * 0.2)
             except (ConnectionError, OSError, TimeoutError):
@@ -186,11 +233,61 @@ class _Device:
                 report.unanswered += sum(uid not in self.acked for uid, _ in sent)
                 await asyncio.sleep(0.05)
         if client is not None:
+            self.ended(client, client.is_closed)
             client.close()
 
     async def collect(self) -> None:
         """A persistent device's last connection: what its session queued comes out."""
         await _last_visit(self.connect, self.commands, quiet=1.0)
+        for client in list(self.will_of):
+            self.ended(client, False)  # closed with DISCONNECT
+
+
+class _WillWatcher:
+    """``--wills``: a persistent session subscribed to every device's will, there from the
+    start and connected again whenever its connection is lost (what was published meanwhile
+    is kept for it); ``got`` counts each will's arrivals."""
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.got: dict[str, int] = {}
+        self.seen: set[str] = set()
+        self.subscribed = False
+        self.client: MqttClient | None = None
+
+    def _on_message(self, topic: str, payload: bytes) -> None:
+        will = payload.decode()
+        self.got[will] = self.got.get(will, 0) + 1
+        self.seen.add(will)
+
+    async def connect(self) -> MqttClient:
+        client = await MqttClient.connect(
+            self.host,
+            self.port,
+            "will-watcher",
+            clean=False,
+            timeout=ACK_SECONDS,
+            on_message=self._on_message,
+        )
+        if not self.subscribed:
+            await client.subscribe(WILLS.format("#"))
+            self.subscribed = True
+        self.client = client
+        return client
+
+    async def run(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            try:
+                if self.client is None or self.client.is_closed:
+                    await self.connect()
+            except (ConnectionError, OSError, TimeoutError):
+                pass
+            await asyncio.sleep(0.1)
+        if self.client is not None:
+            self.client.close()
+
+    async def collect(self) -> None:
+        await _last_visit(self.connect, self.seen, quiet=2.0)
 
 
 class _Member:
@@ -330,20 +427,27 @@ async def churn(
     kill: Callable[[], str] | None = None,
     kill_every: float = 5.0,
     shared: int = 0,
+    wills: bool = False,
 ) -> ChurnReport:
     """Run the workload (module docstring) against the broker at ``host:port``; with
     ``kill``, also call it every ``kill_every`` seconds or so (it kills a part of the broker
     and says which); with ``shared`` members, every acknowledged publish must also reach the
-    shared subscription's group (some member, at least once)."""
+    shared subscription's group (some member, at least once); with ``wills``, every
+    connection that ended without DISCONNECT must have its will published."""
     report = ChurnReport(seconds, devices, seed)
-    fleet = [_Device(i, host, port, seed, report) for i in range(devices)]
+    fleet = [_Device(i, host, port, seed, report, wills) for i in range(devices)]
     members = [_Member(k, host, port, seed) for k in range(shared)]
     for m in members:
         await m.connect()  # subscribed before the first publish
+    watcher = _WillWatcher(host, port) if wills else None
+    if watcher is not None:
+        await watcher.connect()
     commands: dict[str, str] = {}
     deadline = time.monotonic() + seconds
     tasks = [_commander(host, port, fleet, deadline, commands), *(d.run(deadline) for d in fleet)]
     tasks += [m.run(deadline) for m in members]
+    if watcher is not None:
+        tasks.append(watcher.run(deadline))
     if kill is not None:
         rng = random.Random(seed)
         tasks.append(_nemesis(kill, kill_every, deadline, rng, report.kills))
@@ -358,6 +462,14 @@ async def churn(
     if members:
         await asyncio.gather(*(m.collect() for m in members))
         report.shared_lost = sorted(acked - set().union(*(m.got for m in members)))
+    if watcher is not None:
+        await watcher.collect()
+        owed = set().union(*(d.wills_owed for d in fleet))
+        not_owed = set().union(*(d.wills_not_owed for d in fleet))
+        report.wills_expected = len(owed)
+        report.wills_lost = sorted(owed - watcher.seen)
+        report.wills_after_disconnect = len(not_owed & watcher.seen)
+        report.wills_twice = sum(n > 1 for n in watcher.got.values())
     return report
 
 
@@ -495,6 +607,12 @@ def main(argv: list[str] | None = None) -> int:
         help="members of a shared subscription to every device's telemetry, coming and going "
         "(0: none); every acknowledged publish must reach one of them",
     )
+    ap.add_argument(
+        "--wills",
+        action="store_true",
+        help="each connection carries a will; every connection that ended without DISCONNECT "
+        "must have it published",
+    )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
     args = ap.parse_args(argv)
     if args.devices < 1 or args.seconds <= 0 or args.shared < 0:
@@ -523,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
                     kill=kill,
                     kill_every=args.kill_every,
                     shared=args.shared,
+                    wills=args.wills,
                 )
             )
             handed = _metric(broker.http_port, "mqlog_connections_handed_off_total")
@@ -530,7 +649,7 @@ def main(argv: list[str] | None = None) -> int:
             broker.stop()
         line = {**report.summary(), "workers": args.workers, "handed_off": handed}
         print(json.dumps(line))
-        for key in ("lost", "not_closed", "commands_lost", "sessions_lost", "shared_lost"):
+        for key in FAILURES:
             if getattr(report, key):
                 print(f"  {key}: {getattr(report, key)[:10]}")
         if args.json:

@@ -76,11 +76,21 @@ USER = "bench"
 
 
 def connect_packet(
-    client_id: str, clean: bool = True, keepalive: int = 0, username: str | None = None
+    client_id: str,
+    clean: bool = True,
+    keepalive: int = 0,
+    username: str | None = None,
+    will: tuple[str, bytes] | None = None,
 ) -> bytes:
+    """A 3.1.1 CONNECT; ``will``: its topic and message, published at QoS 1, not retained
+    (s3.1.2.5-3.1.2.7)."""
     flags = (0x02 if clean else 0x00) | (0x80 if username is not None else 0x00)
+    if will is not None:
+        flags |= 0x04 | (1 << 3)  # the will flag, will QoS 1
     body = _str("MQTT") + bytes([4, flags]) + struct.pack(">H", keepalive)
     body += _str(client_id)
+    if will is not None:
+        body += _str(will[0]) + struct.pack(">H", len(will[1])) + will[1]
     if username is not None:
         body += _str(username)
     return b"\x10" + varint(len(body)) + body

@@ -45,11 +45,13 @@ class MqttClient(asyncio.Protocol):
         clean: bool = True,
         timeout: float = 2.0,
         on_message: Callable[[str, bytes], None] | None = None,
+        will: tuple[str, bytes] | None = None,
     ) -> MqttClient:
-        """Connected up to a successful CONNACK, or ConnectionError/OSError/TimeoutError."""
+        """Connected up to a successful CONNACK, or ConnectionError/OSError/TimeoutError;
+        ``will``: the connection's will (topic, message), QoS 1."""
         loop = asyncio.get_running_loop()
         client = cls(on_message)
-        client.hello = connect_packet(client_id, clean, keepalive=0, username="chaos")
+        client.hello = connect_packet(client_id, clean, keepalive=0, username="chaos", will=will)
         try:
             await asyncio.wait_for(loop.create_connection(lambda: client, host, port), timeout)
             code = await asyncio.wait_for(asyncio.shield(client.connack), timeout)
