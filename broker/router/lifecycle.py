@@ -5,7 +5,10 @@ A session outlives its connection while its expiry interval runs (s3.1.2.11.2); 
 start ends the old one [MQTT-3.1.2-4]; a second connection with the same client id takes
 the session over and closes the first [MQTT-3.1.4-3]. The will goes out when the
 connection is lost without DISCONNECT, after its delay if any, or when the session ends
-first [MQTT-3.1.2-8], [MQTT-3.1.3-9].
+first [MQTT-3.1.2-8], [MQTT-3.1.3-9]. A will's publish is a record the broker appends for a
+client that is gone, which no client sends again: an append that fails (the partition's
+owning worker died, its forward refused) is tried again at each tick, for up to
+:data:`WILL_RETRY_SECONDS`; one of unknown outcome too (at least once).
 
 Called only from the owning event loop's thread.
 """
@@ -26,7 +29,7 @@ from broker.mqtt.errors import ProtocolError
 from broker.mqtt.packets import ConnAck, Connect, Disconnect, Will
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ReasonCode
-from broker.router.commit import AckCallback, GroupCommit
+from broker.router.commit import OUTCOME_UNKNOWN, AckCallback, GroupCommit
 from broker.router.delivery import Delivery
 from broker.router.ingest import Ingest
 from broker.router.link import Link
@@ -40,6 +43,8 @@ log = logging.getLogger("broker.router")
 
 #: Topic aliases a client may use towards us (announced in CONNACK, s3.2.2.3.8).
 TOPIC_ALIAS_MAXIMUM = 64
+#: Seconds a will whose append failed is tried again (module docstring).
+WILL_RETRY_SECONDS = 60.0
 
 
 class Lifecycle:
@@ -62,6 +67,9 @@ class Lifecycle:
         self.shared = shared
         self.delivery = delivery
         self.qos = qos
+        #: Wills whose append failed, tried again at the next tick: (client id, will, the
+        #: monotonic time of the first try).
+        self._wills_again: list[tuple[str, Will, float]] = []
 
     def connect(
         self, link: Link, packet: Connect, username: str | None = None
@@ -149,6 +157,12 @@ class Lifecycle:
         session.version = version
         session.persistent = expiry > 0
         session.expiry_interval = expiry
+        if session.will_due is not None and session.will_due <= state.monotonic():
+            # Its will fell due while no connection held the session and the timer has not
+            # published it yet (a session restored after its worker died is due at once): it
+            # goes out now, before the new connection's replaces it [MQTT-3.1.2-8]. Only a
+            # will whose delay is still running is cancelled [MQTT-3.1.3-9].
+            self.publish_will(session)
         session.will = packet.will
         session.will_due = None  # a new connection cancels a delayed will [MQTT-3.1.3-9]
         # Interned: a fleet's devices often share a user name, kept once, not per session.
@@ -162,10 +176,13 @@ class Lifecycle:
         )
         session.dirty = False
         state.changed(session)
-        if session.will is not None and not session.persistent:
-            # A clean session's will is written too, so that it survives this node: in a
-            # cluster another node publishes it when this one dies (broker.workers.orphans),
-            # and one node defers it to its next start (s3.1.2.5) [MQTT-3.1.2-8].
+        if session.will is not None:
+            # The state with its will is written now (a clean session's too), so that the will
+            # survives this worker or node: in a cluster another node publishes it when this
+            # one dies (broker.workers.orphans), with several workers the session's home
+            # worker does (broker.workers.sessions), and one node defers it to its next start
+            # (s3.1.2.5) [MQTT-3.1.2-8]. A persistent session's, written at the next tick,
+            # left the previous connection's state to whoever restored it meanwhile.
             self.store.write(session)
         link.client_id = client_id
         state.connections += 1
@@ -311,7 +328,27 @@ class Lifecycle:
         # by the next node to hold the session in a cluster.
         self.state.mark_dirty(session)
         if self.state.hooks.will_now(session.client_id, will):
-            self.send_will(session.client_id, will)
+            self._send_will_until_stored(session.client_id, will, self.state.monotonic())
+
+    def _send_will_until_stored(self, client_id: str, will: Will, first: float) -> None:
+        """:meth:`send_will`, tried again at the next tick while its append fails (module
+        docstring): with several workers, the wills of the sessions a dead worker held go
+        out from their home worker at once, to partitions the dead worker may own."""
+
+        def stored(offset: int | None) -> None:
+            if offset is not None and offset != OUTCOME_UNKNOWN:
+                return
+            if self.state.monotonic() - first < WILL_RETRY_SECONDS:
+                self._wills_again.append((client_id, will, first))
+            else:
+                log.error(
+                    "%s: will to %r not stored in %.0f s; dropped",
+                    client_id,
+                    will.topic,
+                    WILL_RETRY_SECONDS,
+                )
+
+        self.send_will(client_id, will, stored)
 
     def send_will(self, client_id: str, will: Will, ack: AckCallback | None = None) -> bool:
         """Publish ``will`` of ``client_id``; ``ack`` once it is in the log. False if it is
@@ -354,6 +391,10 @@ class Lifecycle:
         state = self.state
         mono = state.monotonic()
         sessions = state.sessions
+        if self._wills_again:
+            again, self._wills_again = self._wills_again, []
+            for client_id, will, first in again:
+                self._send_will_until_stored(client_id, will, first)
         due = state.offline_due
         if due and due[0][0] <= mono:
             now = state.clock()

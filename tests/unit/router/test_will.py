@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
-import orjson
+import errno
+from typing import Any
 
+import orjson
+import pytest
+
+from broker.commitlog.errors import LogIOError
 from broker.mqtt.packets import Will
 from broker.mqtt.properties import PropertyId, decode_properties
+from broker.router.lifecycle import WILL_RETRY_SECONDS
 from broker.router.session import Session
 from tests.unit.router.conftest import Harness
 
@@ -203,3 +209,83 @@ def test_a_delayed_will_published_is_not_published_again_after_a_crash(h: Harnes
     h.open()
     h.tick(5)
     assert h.log_payloads("will/x") == [b"once"]
+
+
+def test_a_persistent_sessions_will_is_written_at_connect_and_survives_a_crash(
+    h: Harness,
+) -> None:
+    """The state with the will is in ``$sessions`` from the CONNECT on, as a clean
+    session's is: left to the next tick's persist, a worker killed before it left whoever
+    restored the session (its home worker, or itself restarted) without this will."""
+    h.connect("a", 4, clean=False, will=Will("will/x", b"persistent gone", 1))
+    h.streams.close()  # the broker dies before any tick: no persist, no router.close()
+    h.open()
+    h.tick(0.5)
+    assert h.log_payloads("will/x") == [b"persistent gone"]  # s3.1.2.5: deferred to here
+    assert "a" in h.router.sessions  # the session lives on
+
+
+def test_a_due_will_goes_out_when_its_client_is_back_before_the_timer(h: Harness) -> None:
+    """Restored after a crash, the will of a client that was connected is due at once, and
+    the timer publishes it; a client back before that tick must not cancel it: only a will
+    whose delay still runs is cancelled by a new connection [MQTT-3.1.3-9], a due one is
+    published [MQTT-3.1.2-8]. (With several workers, a device whose worker was killed
+    reconnects to another one within milliseconds, before its home worker's next tick.)"""
+    h.connect("a", 4, clean=False, will=Will("will/x", b"first", 1))
+    h.tick(0.5)  # (the state is written at the CONNECT, and by the tick's persist)
+    h.streams.close()
+    h.open()  # restored, offline, its will due now
+    link, s = h.connect("a", 4, clean=False, will=Will("will/x", b"second", 1))
+    assert h.log_payloads("will/x") == [b"first"]
+    h.tick(1)
+    assert h.log_payloads("will/x") == [b"first"]  # once
+    h.drop(s, link)
+    assert h.log_payloads("will/x") == [b"first", b"second"]
+
+
+def _failing_appends(h: Harness, monkeypatch: pytest.MonkeyPatch, failures: int) -> list[int]:
+    """The next ``failures`` appends to the will's partition fail; returns [appends tried]."""
+    log = h.streams.log(*h.streams.partition_for("will/x"))
+    real = log.append
+    tried = [0]
+
+    def append(records: Any, **kw: Any) -> int:
+        tried[0] += 1
+        if tried[0] <= failures:
+            raise LogIOError(log.directory, "append to segment", OSError(errno.EIO, "I/O error"))
+        return real(records, **kw)
+
+    monkeypatch.setattr(log, "append", append)
+    return tried
+
+
+def test_a_will_whose_append_fails_is_tried_again_at_each_tick(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A will is the broker's publish for a client that is gone: no client sends it again.
+    With several workers its partition's owner may be a worker that just died (the forward
+    is refused): the append fails, and the will is tried again at each tick until it is
+    stored [MQTT-3.1.2-8]. (bench.churn --wills with worker kills lost hundreds.)"""
+    link, s = h.connect("a", 4, will=Will("will/x", b"gone", 1))
+    tried = _failing_appends(h, monkeypatch, 2)
+    h.drop(s, link)
+    assert h.log_payloads("will/x") == [] and tried == [1]
+    h.tick(0.5)
+    assert h.log_payloads("will/x") == [] and tried == [2]
+    h.tick(0.5)
+    assert h.log_payloads("will/x") == [b"gone"] and tried == [3]
+    h.tick(5)
+    assert h.log_payloads("will/x") == [b"gone"] and tried == [3]  # once
+
+
+def test_a_will_not_stored_for_a_minute_is_dropped(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    link, s = h.connect("a", 4, will=Will("will/x", b"gone", 1))
+    tried = _failing_appends(h, monkeypatch, 1000)
+    h.drop(s, link)
+    for _ in range(3):
+        h.tick(WILL_RETRY_SECONDS / 2)
+    assert tried == [3]  # the first try, then one at each tick up to the limit
+    h.tick(5)
+    assert tried == [3] and h.log_payloads("will/x") == []
