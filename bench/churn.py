@@ -25,7 +25,14 @@ Checked:
   worker killed, the broker restarted) has its will published, which a watcher subscribed to
   ``churn/will/#`` with a persistent session must get. Reported, not failed on: a will of a
   connection the device ended with DISCONNECT (the broker may have died before reading it)
-  and wills that came twice.
+  and wills that came twice;
+- with ``--retained``, **no acknowledged retained message lost** [MQTT-3.3.1-5]: each
+  device also publishes a retained QoS 1 message (a counter) to ``churn/state/dev<i>`` once
+  per run of publishes, until a moment of the run it picks at random (so that the last one,
+  the one checked, falls anywhere, near a fault too); afterwards a new subscriber to
+  ``churn/state/+`` must be given, for each device, its last acknowledged one or one it
+  published after it (not acknowledged: it may have been stored), never none and never an
+  earlier one.
 
 Run (starts a broker of this checkout on the shipped config, two workers)::
 
@@ -68,9 +75,19 @@ SHARED = "$share/churn/churn/+/telemetry"
 #: Seconds before the end after which the nemesis kills nothing more.
 SETTLE_SECONDS = 3.0
 #: The report's lists that must be empty.
-FAILURES = ("lost", "not_closed", "commands_lost", "sessions_lost", "shared_lost", "wills_lost")
+FAILURES = (
+    "lost",
+    "not_closed",
+    "commands_lost",
+    "sessions_lost",
+    "shared_lost",
+    "wills_lost",
+    "retained_lost",
+)
 #: The topics of the devices' wills (``--wills``).
 WILLS = "churn/will/{}"
+#: The topics of the devices' retained messages (``--retained``).
+STATES = "churn/state/{}"
 
 
 @dataclass
@@ -106,6 +123,11 @@ class ChurnReport:
     wills_after_disconnect: int = 0
     #: Wills that came more than once.
     wills_twice: int = 0
+    #: ``--retained``: devices with an acknowledged retained message.
+    retained_expected: int = 0
+    #: Devices whose retained message was none, or older than their last acknowledged one
+    #: (``dev<i>: got <n>, acked <m>``; must be empty).
+    retained_lost: list[str] = field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -116,6 +138,7 @@ class ChurnReport:
             or self.sessions_lost
             or self.shared_lost
             or self.wills_lost
+            or self.retained_lost
         )
 
     def summary(self) -> dict[str, object]:
@@ -127,7 +150,14 @@ class ChurnReport:
 
 class _Device:
     def __init__(
-        self, i: int, host: str, port: int, seed: int, report: ChurnReport, wills: bool = False
+        self,
+        i: int,
+        host: str,
+        port: int,
+        seed: int,
+        report: ChurnReport,
+        wills: bool = False,
+        retained: bool = False,
     ) -> None:
         self.i = i
         self.cid = f"dev{i}"
@@ -142,6 +172,10 @@ class _Device:
         self.t0 = time.monotonic()
         self.wills = wills
         self.attempts = 0
+        self.retained = retained
+        #: The retained counter: the last sent, the last acknowledged (0: none).
+        self.state_sent = 0
+        self.state_acked = 0
         #: The will of each connection that got its CONNACK and has not been judged yet.
         self.will_of: dict[MqttClient, str] = {}
         #: Wills owed (the connection ended without DISCONNECT) and wills not owed.
@@ -178,6 +212,10 @@ class _Device:
             self.subscribed = True  # the session keeps it from now on
         return client
 
+    def _state_acked(self, fut: asyncio.Future[float], n: int) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            self.state_acked = max(self.state_acked, n)
+
     def ended(self, client: MqttClient, owed: bool) -> None:
         """``client`` 's connection ended: with its will owed (no DISCONNECT), or not."""
         will = self.will_of.pop(client, None)
@@ -187,6 +225,9 @@ class _Device:
     async def run(self, deadline: float) -> None:
         rng, report = self.rng, self.report
         client: MqttClient | None = None
+        states_until = time.monotonic() + random.Random(self.i).random() * (
+            deadline - time.monotonic()
+        )
         while time.monotonic() < deadline:
             sent: list[tuple[str, asyncio.Future[float]]] = []
             try:
@@ -194,6 +235,12 @@ class _Device:
                     if client is not None:
                         self.ended(client, True)  # closed by the broker (if not judged)
                     client = await self.connect()
+                if self.retained and time.monotonic() < states_until:
+                    self.state_sent += 1
+                    n = self.state_sent
+                    topic = STATES.format(self.cid)
+                    state = client.publish(topic, str(n).encode(), retain=True)
+                    state.add_done_callback(lambda f, n=n: self._state_acked(f, n))
                 for _ in range(rng.randint(1, 15)):
                     self.seq += 1
                     uid = f"{self.cid}-{self.seq}"
@@ -428,6 +475,7 @@ async def churn(
     kill_every: float = 5.0,
     shared: int = 0,
     wills: bool = False,
+    retained: bool = False,
 ) -> ChurnReport:
     """Run the workload (module docstring) against the broker at ``host:port``; with
     ``kill``, also call it every ``kill_every`` seconds or so (it kills a part of the broker
@@ -435,7 +483,7 @@ async def churn(
     shared subscription's group (some member, at least once); with ``wills``, every
     connection that ended without DISCONNECT must have its will published."""
     report = ChurnReport(seconds, devices, seed)
-    fleet = [_Device(i, host, port, seed, report, wills) for i in range(devices)]
+    fleet = [_Device(i, host, port, seed, report, wills, retained) for i in range(devices)]
     members = [_Member(k, host, port, seed) for k in range(shared)]
     for m in members:
         await m.connect()  # subscribed before the first publish
@@ -470,7 +518,35 @@ async def churn(
         report.wills_lost = sorted(owed - watcher.seen)
         report.wills_after_disconnect = len(not_owed & watcher.seen)
         report.wills_twice = sum(n > 1 for n in watcher.got.values())
+    if retained:
+        stored = await _retained(host, port)
+        acked = {d.cid: d.state_acked for d in fleet if d.state_acked}
+        report.retained_expected = len(acked)
+        report.retained_lost = sorted(
+            f"{cid}: got {stored.get(cid)}, acked {n}"
+            for cid, n in acked.items()
+            if stored.get(cid, 0) < n
+        )
     return report
+
+
+async def _retained(host: str, port: int) -> dict[str, int]:
+    """The retained counter of each device, as a new subscriber to them all is given."""
+    got: dict[str, int] = {}
+
+    def on_message(topic: str, payload: bytes) -> None:
+        got[topic.rsplit("/", 1)[1]] = int(payload)
+
+    client = await MqttClient.connect(
+        host, port, "churn-states", timeout=ACK_SECONDS, on_message=on_message
+    )
+    await client.subscribe(STATES.format("+"))
+    seen = -1
+    while len(got) != seen:
+        seen = len(got)
+        await asyncio.sleep(1.0)
+    client.close()
+    return got
 
 
 def worker_killer(supervisor: int, seed: int) -> Callable[[], str]:
@@ -613,6 +689,12 @@ def main(argv: list[str] | None = None) -> int:
         help="each connection carries a will; every connection that ended without DISCONNECT "
         "must have it published",
     )
+    ap.add_argument(
+        "--retained",
+        action="store_true",
+        help="each device also publishes a retained counter; a new subscriber must be given "
+        "the last acknowledged one (or a later one) of each",
+    )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
     args = ap.parse_args(argv)
     if args.devices < 1 or args.seconds <= 0 or args.shared < 0:
@@ -642,6 +724,7 @@ def main(argv: list[str] | None = None) -> int:
                     kill_every=args.kill_every,
                     shared=args.shared,
                     wills=args.wills,
+                    retained=args.retained,
                 )
             )
             handed = _metric(broker.http_port, "mqlog_connections_handed_off_total")

@@ -132,7 +132,9 @@ class MqttClient(asyncio.Protocol):
                 return self.next_pid
         raise RuntimeError("65535 packet ids in flight")
 
-    def publish(self, topic: str, payload: bytes, *, dup: bool = False) -> asyncio.Future[float]:
+    def publish(
+        self, topic: str, payload: bytes, *, dup: bool = False, retain: bool = False
+    ) -> asyncio.Future[float]:
         """Send one QoS 1 PUBLISH; the future resolves to the PUBACK's monotonic time."""
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
         if self.transport is None or self.transport.is_closing():
@@ -142,7 +144,8 @@ class MqttClient(asyncio.Protocol):
         t = topic.encode()
         body = struct.pack(">H", len(t)) + t + struct.pack(">H", pid) + payload
         self.pending[pid] = fut
-        self.transport.write(bytes([0x32 | (0x08 if dup else 0)]) + varint(len(body)) + body)
+        first = 0x32 | (0x08 if dup else 0) | (0x01 if retain else 0)
+        self.transport.write(bytes([first]) + varint(len(body)) + body)
         return fut
 
     async def subscribe(self, topic_filter: str, timeout: float = 10.0) -> int:
