@@ -244,3 +244,37 @@ def _forget_qos2(session: Session, packet_id: int) -> None:
         session.pending_qos2.pop(packet_id, None)
     if session.incoming_qos2 is not None:
         session.incoming_qos2.discard(packet_id)
+
+
+class Both:
+    """One acknowledgement for the two appends of a retained message: its record in its
+    topic's partition and its copy in ``$retained`` (broker.router.ingest). ``ack`` is
+    called once both answered: with the record's offset when both are stored (only then is
+    the message retained for future subscribers [MQTT-3.3.1-5]), None when neither is, and
+    :data:`OUTCOME_UNKNOWN` otherwise, so that the publisher sends it again (a QoS 1
+    duplicate is allowed; an acknowledged retained message lost is not). With several
+    workers ``$retained`` may be another worker's, whose forward can be refused (that worker
+    died) while the record's own append succeeds."""
+
+    __slots__ = ("_answered", "_offset", "ack")
+
+    def __init__(self, ack: AckCallback) -> None:
+        self.ack = ack
+        self._offset: int | None = None
+        self._answered: list[bool] = []  # per append answered: stored?
+
+    def record(self, offset: int | None) -> None:
+        self._offset = offset
+        self._answer(offset)
+
+    def retained(self, offset: int | None) -> None:
+        self._answer(offset)
+
+    def _answer(self, offset: int | None) -> None:
+        self._answered.append(offset is not None and offset != OUTCOME_UNKNOWN)
+        if len(self._answered) < 2:
+            return
+        if all(self._answered):
+            self.ack(self._offset)
+        else:
+            self.ack(None if not any(self._answered) else OUTCOME_UNKNOWN)

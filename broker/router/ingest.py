@@ -25,7 +25,7 @@ from broker.commitlog.keys import PartitionKey
 from broker.mqtt.packets import PubAck, Publish, PubRec
 from broker.mqtt.properties import PropertyId, encode_properties
 from broker.mqtt.reason_codes import ReasonCode
-from broker.router.commit import Ack, AckCallback, GroupCommit
+from broker.router.commit import Ack, AckCallback, Both, GroupCommit
 from broker.router.link import Link
 from broker.router.session import Session
 from broker.router.state import RETAINED, RouterState
@@ -266,8 +266,16 @@ class Ingest:
         if timestamp is None:
             timestamp = self.state.now_ms()
         record = Record(-1, timestamp, topic, payload, qos, retain, client_id, blob)
-        self.commit.enqueue(record, ack, self.topic_key(topic))
-        if retain:
-            # [MQTT-3.3.1-5] store it; an empty payload removes it [MQTT-3.3.1-10]. The
-            # retained index follows the commit (flush, or the owning worker's announcement).
+        if not retain:
+            self.commit.enqueue(record, ack, self.topic_key(topic))
+            return
+        # [MQTT-3.3.1-5] store it; an empty payload removes it [MQTT-3.3.1-10]. The retained
+        # index follows the commit (flush, or the owning worker's announcement). Acknowledged
+        # once both appends are (broker.router.commit.Both).
+        if ack is None:
+            self.commit.enqueue(record, None, self.topic_key(topic))
             self.commit.enqueue(record, None, RETAINED)
+            return
+        both = Both(ack)
+        self.commit.enqueue(record, both.record, self.topic_key(topic))
+        self.commit.enqueue(record, both.retained, RETAINED)

@@ -179,3 +179,65 @@ def test_sessions_move_between_workers_without_loss_or_duplicates(broker: Broker
     assert received == expected
     assert replay_all(broker.port, "devices/roam/t")[:24] == expected
     assert metric(broker, "mqlog_session_handovers_total") > 0  # both workers were used
+
+
+@pytest.mark.slow  # kills the worker that owns $retained, up to seven times
+def test_a_retained_message_acknowledged_while_its_retained_owner_is_dead_is_retained(
+    broker: BrokerProcess,
+) -> None:
+    """A retained QoS 1 PUBLISH whose own partition is on the live worker, sent right after
+    the worker owning ``$retained`` was killed: its record is stored, its copy's forward is
+    refused (that worker is dead). It must not be acknowledged then (the client sends it
+    again), or, acknowledged, be retained for a new subscriber once the worker is back
+    [MQTT-3.3.1-5]. Before 2026-11-29 (evening) it was acknowledged and lost."""
+    owner = next(w for w, (_, parts) in workers(broker).items() if "$retained/0" in parts)
+    live = 1 - owner
+    topic = "state/x" if "default/0" in workers(broker)[live][1] else None
+    specs = [StreamSpec("telemetry", ("devices/#",), 4)]
+    with Streams(broker.data_dir, specs, matches=topic_matches) as streams:
+        n = 0
+        while topic is None:  # a topic of a partition the live worker owns
+            if owner_of(streams.partition_for(f"devices/{n}/state"), 2) == live:
+                topic = f"devices/{n}/state"
+            n += 1
+    refused = 0
+    for attempt in range(7):  # the supervisor's delay before a restart grows: 0.1 s, 0.2...
+        pid = workers(broker)[owner][0]
+        os.kill(pid, signal.SIGKILL)
+        acked = False
+        for _ in range(100):  # the dead worker's listener may take a connection, reset
+            try:
+                c = RawClient(broker.port)
+                assert c.connect(f"retainer{attempt}")[1] == 0
+            except (ConnectionError, OSError):
+                time.sleep(0.001)
+                continue
+            try:
+                c.publish(topic, f"v{attempt}".encode(), 1, 1, retain=True)
+                acked = c.expect(4, timeout=5).packet_id == 1  # PUBACK
+            except (ConnectionError, OSError):
+                pass  # closed without PUBACK: the client would send it again
+            finally:
+                c.close()
+            break
+        deadline = time.monotonic() + 20
+        while workers(broker).get(owner, (pid,))[0] == pid:
+            assert time.monotonic() < deadline, broker.log()
+            time.sleep(0.05)
+        time.sleep(0.5)  # its mesh and retained index up
+        refused = len(
+            re.findall(
+                rf"\$retained/0: worker {owner} (?:is not reachable|went away); \d+ records",
+                broker.log(),
+            )
+        )
+        if acked:
+            sub = RawClient(broker.port)
+            sub.connect(f"reader{attempt}")
+            sub.subscribe(topic, 1)
+            got = sub.deliveries(1)[0]
+            sub.close()
+            assert (got.payload, got.retain) == (f"v{attempt}".encode(), True), attempt
+        if refused:
+            break
+    assert refused, "the publish never fell while the $retained owner was down"
