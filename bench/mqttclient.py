@@ -137,7 +137,7 @@ class MqttClient(asyncio.Protocol):
     ) -> asyncio.Future[float]:
         """Send one QoS 1 PUBLISH; the future resolves to the PUBACK's monotonic time."""
         fut: asyncio.Future[float] = asyncio.get_running_loop().create_future()
-        if self.transport is None or self.transport.is_closing():
+        if self.transport is None or self.transport.is_closing() or self.closed.done():
             fut.set_exception(ConnectionError("not connected"))
             return fut
         pid = self._pid()
