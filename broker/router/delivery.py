@@ -568,7 +568,7 @@ class Delivery:
                     # the state is in the log: in a cluster, committed by a majority of
                     # $sessions' replicas, so a kill -9 of this node cannot lose it.
                     link.hold()
-                    self.persist_before_acks(session, partial(_state_stored, session, link))
+                    self.persist_before_acks(session, partial(release_once_stored, session, link))
         else:
             packet_id = None
         sent = link.send_publish(rec.topic, rec.payload, qos, retain, dup, packet_id, props)
@@ -578,10 +578,12 @@ class Delivery:
                 self.group_done(session, group, key, rec.offset)
 
 
-def _state_stored(session: Session, link: Link, offset: int | None) -> None:
-    """The state of a QoS 2 delivery to ``link`` is in the log: its PUBLISH may leave. Not
-    stored (no leader of ``$sessions``, its leadership lost): the connection is closed with
-    the PUBLISH unsent, and the client's next session resumes from the committed state."""
+def release_once_stored(session: Session, link: Link, offset: int | None) -> None:
+    """The state of ``session`` that output held on ``link`` waited for is in the log (a
+    QoS 2 delivery's, or the will of a CONNECT, broker.router.lifecycle): that output may
+    leave. Not stored (no leader of ``$sessions``, its leadership lost, its owner worker
+    dead): the connection is closed with the output unsent, and the client's next session
+    resumes from the committed state."""
     if offset is None or offset == OUTCOME_UNKNOWN:
         if session.link is link:
             link.close(ReasonCode.UNSPECIFIED_ERROR, "session state not stored")

@@ -19,6 +19,7 @@ import heapq
 import logging
 import sys
 import uuid
+from functools import partial
 from typing import Any
 
 import orjson
@@ -30,7 +31,7 @@ from broker.mqtt.packets import ConnAck, Connect, Disconnect, Will
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ReasonCode
 from broker.router.commit import OUTCOME_UNKNOWN, AckCallback, GroupCommit
-from broker.router.delivery import Delivery
+from broker.router.delivery import Delivery, release_once_stored
 from broker.router.ingest import Ingest
 from broker.router.link import Link
 from broker.router.qos import QosFlows
@@ -182,8 +183,12 @@ class Lifecycle:
             # one dies (broker.workers.orphans), with several workers the session's home
             # worker does (broker.workers.sessions), and one node defers it to its next start
             # (s3.1.2.5) [MQTT-3.1.2-8]. A persistent session's, written at the next tick,
-            # left the previous connection's state to whoever restored it meanwhile.
-            self.store.write(session)
+            # left the previous connection's state to whoever restored it meanwhile. The
+            # CONNACK (and what follows it) leaves once the state is in the log: a broker
+            # killed right after (every worker at once: the state forwarded to $sessions'
+            # owner, not yet appended) owed a will it had not stored.
+            link.hold()
+            self.store.write(session, partial(release_once_stored, session, link))
         link.client_id = client_id
         state.connections += 1
         state.hooks.connections_changed(state.connections)

@@ -289,3 +289,26 @@ def test_a_will_not_stored_for_a_minute_is_dropped(
     assert tried == [3]  # the first try, then one at each tick up to the limit
     h.tick(5)
     assert tried == [3] and h.log_payloads("will/x") == []
+
+
+def test_the_connack_of_a_connect_with_a_will_waits_for_its_state_in_the_log(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The CONNACK leaves once the state with the will is stored: a broker killed right
+    after it (every worker at once, the state forwarded to ``$sessions`` ' owner and not yet
+    appended) owed a will it had not stored. Not stored: the connection is closed."""
+    link, _ = h.connect("a", 4, will=Will("will/x", b"gone", 1))
+    assert (link.holds, link.releases, link.closed) == (1, 1, False)
+    link, _ = h.connect("b", 4)  # no will: nothing waits
+    assert (link.holds, link.releases) == (0, 0)
+    sessions = h.streams.log("$sessions", 0)
+    real = sessions.append
+
+    def refused(records: Any, **kw: Any) -> int:
+        raise LogIOError(sessions.directory, "append", OSError(errno.EIO, "I/O error"))
+
+    monkeypatch.setattr(sessions, "append", refused)
+    link, _ = h.connect("c", 4, will=Will("will/x", b"gone", 1))
+    assert (link.holds, link.releases) == (1, 0)
+    assert link.closed is not False  # its CONNACK never leaves
+    monkeypatch.setattr(sessions, "append", real)
