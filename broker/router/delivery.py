@@ -579,11 +579,10 @@ class Delivery:
 
 
 def release_once_stored(session: Session, link: Link, offset: int | None) -> None:
-    """The state of ``session`` that output held on ``link`` waited for is in the log (a
-    QoS 2 delivery's, or the will of a CONNECT, broker.router.lifecycle): that output may
-    leave. Not stored (no leader of ``$sessions``, its leadership lost, its owner worker
-    dead): the connection is closed with the output unsent, and the client's next session
-    resumes from the committed state."""
+    """The state of ``session`` that output held on ``link`` waited for (a QoS 2 delivery's,
+    a CONNECT's will) is in the log: that output may leave. Not stored (no leader of
+    ``$sessions``, its owner worker dead): the connection is closed with the output unsent,
+    and the client's next session resumes from the committed state."""
     if offset is None or offset == OUTCOME_UNKNOWN:
         if session.link is link:
             link.close(ReasonCode.UNSPECIFIED_ERROR, "session state not stored")
