@@ -14,6 +14,7 @@ Called only from the owning event loop's thread.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import Any
 
 import orjson
@@ -95,7 +96,8 @@ class SessionStore:
         session.stored = True
         state = self.state
         payload = orjson.dumps(session.to_state(state.monotonic()))
-        self.commit.enqueue(Record(-1, state.now_ms(), session.client_id, payload), ack, SESSIONS)
+        record = Record(-1, state.now_ms(), session.client_id, payload)
+        self.commit.enqueue(record, partial(_written, state, session, ack), SESSIONS)
 
     def persist_groups(self) -> None:
         """Each group's positions: ``cursors``, the next record to hand out (where one node
@@ -261,3 +263,18 @@ class SessionStore:
                 break
             yield from recs
             offset = recs[-1].offset + 1
+
+
+def _written(
+    state: RouterState, session: Session, ack: AckCallback | None, offset: int | None
+) -> None:
+    """The append of ``session`` 's state answered. Not stored (``$sessions`` ' owner worker
+    dead, its forward refused; a failed append), a persistent session still held here is
+    written again at the timer's next pass, as if it had changed: nothing else would write it
+    before its next change, and a worker dying meanwhile left whoever restored the session
+    an older state (a subscription acknowledged since missing). Then ``ack``."""
+    stored = offset is not None and offset != OUTCOME_UNKNOWN
+    if not stored and session.persistent and state.sessions.get(session.client_id) is session:
+        state.changed(session)
+    if ack is not None:
+        ack(offset)

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import errno
+from typing import Any
+
 import pytest
 
+from broker.commitlog.errors import LogIOError
 from broker.mqtt.packets import ConnAck
 from broker.router.session import NO_ENTRIES, Inflight, Session, Subscription
 from tests.unit.router.conftest import Harness
@@ -73,3 +77,32 @@ def test_an_idle_session_shares_its_empty_tables_until_one_gets_an_entry() -> No
     assert a.consumers is not NO_ENTRIES and a.shared is not NO_ENTRIES
     assert list(a.inflight) == [1] and len(NO_ENTRIES) == 0
     assert b.consumers is b.shared is b.inflight is NO_ENTRIES
+
+
+def test_a_session_state_not_stored_is_written_again_at_the_next_tick(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A persistent session's state whose append failed (with several workers: the worker
+    owning ``$sessions`` dead, the forward refused) is written again by the timer: nothing
+    else would write it before the session changes again, and a restart (or the death of
+    the worker holding it) meanwhile restored it without the subscription."""
+    _link, s = h.connect("a", 5, expiry=600)
+    sessions = h.streams.log("$sessions", 0)
+    real = sessions.append
+    calls = [0]
+
+    def append(records: Any, **kw: Any) -> int:
+        calls[0] += 1
+        if calls[0] == 1:
+            raise LogIOError(sessions.directory, "append", OSError(errno.EIO, "I/O error"))
+        return real(records, **kw)
+
+    monkeypatch.setattr(sessions, "append", append)
+    h.subscribe(s, "t/#", 1)  # its state's append fails
+    assert calls == [1]
+    h.tick(0.5)
+    assert calls == [2]  # written again
+    monkeypatch.setattr(sessions, "append", real)
+    h.streams.close()  # a crash: no router.close()
+    h.open()
+    assert "t/#" in h.router.sessions["a"].main.subscriptions
