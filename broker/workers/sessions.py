@@ -428,12 +428,14 @@ class SessionDirectory:
                 self.registry[cid] = self.worker
             else:
                 del self.registry[cid]
+        missing = [cid for cid in lost if cid not in found]
         log.warning(
-            "worker %d: worker %d died holding %d sessions homed here; %d restored from the log",
+            "worker %d: worker %d died holding %d sessions homed here; %d restored from the log%s",
             self.worker,
             peer,
             len(lost),
             len(found),
+            f" (not in it: {', '.join(missing[:10])})" if missing else "",
         )
 
     async def held_elsewhere(self) -> dict[str, int]:
