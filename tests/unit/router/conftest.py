@@ -7,6 +7,7 @@ calls :meth:`Harness.run`.
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -16,6 +17,7 @@ import pytest
 
 from broker.commitlog import Streams
 from broker.commitlog.config import LogConfig, StreamSpec
+from broker.commitlog.errors import LogIOError
 from broker.config import RouterConfig
 from broker.mqtt.packets import (
     Connect,
@@ -241,3 +243,22 @@ def h(tmp_path: Path) -> Iterator[Harness]:
     harness = Harness(tmp_path / "data")
     yield harness
     harness.streams.close()
+
+
+def fail_appends(
+    h: Harness, monkeypatch: pytest.MonkeyPatch, key: tuple[str, int], failures: int
+) -> list[int]:
+    """The next ``failures`` appends to partition ``key`` fail (an I/O error, as a refused
+    forward fails them with several workers); returns [appends tried], counting on."""
+    log = h.streams.log(*key)
+    real = log.append
+    tried = [0]
+
+    def append(records: Any, **kw: Any) -> int:
+        tried[0] += 1
+        if tried[0] <= failures:
+            raise LogIOError(log.directory, "append to segment", OSError(errno.EIO, "I/O error"))
+        return real(records, **kw)
+
+    monkeypatch.setattr(log, "append", append)
+    return tried

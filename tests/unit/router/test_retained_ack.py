@@ -7,31 +7,12 @@ would get it (bench.churn, found by a kill of the worker owning ``$retained``)."
 
 from __future__ import annotations
 
-import errno
-from typing import Any
-
 import pytest
 
-from broker.commitlog.errors import LogIOError
 from broker.mqtt.packets import PubAck
 from broker.mqtt.reason_codes import ReasonCode
 from broker.router.commit import OUTCOME_UNKNOWN, Both
-from tests.unit.router.conftest import Harness
-
-
-def failing(h: Harness, monkeypatch: pytest.MonkeyPatch, key: tuple[str, int], n: int) -> None:
-    """The next ``n`` appends to partition ``key`` fail."""
-    log = h.streams.log(*key)
-    real = log.append
-    left = [n]
-
-    def append(records: Any, **kw: Any) -> int:
-        if left[0]:
-            left[0] -= 1
-            raise LogIOError(log.directory, "append to segment", OSError(errno.EIO, "I/O error"))
-        return real(records, **kw)
-
-    monkeypatch.setattr(log, "append", append)
+from tests.unit.router.conftest import Harness, fail_appends
 
 
 def test_a_retained_publish_is_acknowledged_once_both_appends_are(h: Harness) -> None:
@@ -50,7 +31,7 @@ def test_a_retained_publish_not_retained_is_not_acknowledged(
     """Its record is stored, its copy in ``$retained`` is not: no PUBACK, the connection is
     closed so that the client sends it again (a duplicate of a QoS 1 message is allowed)."""
     link, s = h.connect("p", version)
-    failing(h, monkeypatch, ("$retained", 0), 1)
+    fail_appends(h, monkeypatch, ("$retained", 0), 1)
     h.publish(s, "state/a", b"on", 1, 5, retain=True)
     h.run()
     assert link.of(PubAck) == []
@@ -67,8 +48,8 @@ def test_a_retained_publish_stored_nowhere_gets_the_failure(
     h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     link, s = h.connect("p", 5)
-    failing(h, monkeypatch, h.streams.partition_for("state/a"), 1)
-    failing(h, monkeypatch, ("$retained", 0), 1)
+    fail_appends(h, monkeypatch, h.streams.partition_for("state/a"), 1)
+    fail_appends(h, monkeypatch, ("$retained", 0), 1)
     h.publish(s, "state/a", b"on", 1, 5, retain=True)
     h.run()
     assert [(p.packet_id, p.reason_code) for p in link.of(PubAck)] == [

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import errno
-from typing import Any
-
 import pytest
 
-from broker.commitlog.errors import LogIOError
 from broker.mqtt.packets import ConnAck
 from broker.router.session import NO_ENTRIES, Inflight, Session, Subscription
-from tests.unit.router.conftest import Harness
+from tests.unit.router.conftest import Harness, fail_appends
 
 
 def test_session_expires_after_its_interval(h: Harness) -> None:
@@ -87,22 +83,11 @@ def test_a_session_state_not_stored_is_written_again_at_the_next_tick(
     else would write it before the session changes again, and a restart (or the death of
     the worker holding it) meanwhile restored it without the subscription."""
     _link, s = h.connect("a", 5, expiry=600)
-    sessions = h.streams.log("$sessions", 0)
-    real = sessions.append
-    calls = [0]
-
-    def append(records: Any, **kw: Any) -> int:
-        calls[0] += 1
-        if calls[0] == 1:
-            raise LogIOError(sessions.directory, "append", OSError(errno.EIO, "I/O error"))
-        return real(records, **kw)
-
-    monkeypatch.setattr(sessions, "append", append)
+    calls = fail_appends(h, monkeypatch, ("$sessions", 0), 1)
     h.subscribe(s, "t/#", 1)  # its state's append fails
     assert calls == [1]
     h.tick(0.5)
     assert calls == [2]  # written again
-    monkeypatch.setattr(sessions, "append", real)
     h.streams.close()  # a crash: no router.close()
     h.open()
     assert "t/#" in h.router.sessions["a"].main.subscriptions

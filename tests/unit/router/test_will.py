@@ -2,18 +2,14 @@
 
 from __future__ import annotations
 
-import errno
-from typing import Any
-
 import orjson
 import pytest
 
-from broker.commitlog.errors import LogIOError
 from broker.mqtt.packets import Will
 from broker.mqtt.properties import PropertyId, decode_properties
 from broker.router.lifecycle import WILL_RETRY_SECONDS
 from broker.router.session import Session
-from tests.unit.router.conftest import Harness
+from tests.unit.router.conftest import Harness, fail_appends
 
 
 def delayed_will(delay: int, payload: bytes = b"gone") -> Will:
@@ -243,22 +239,6 @@ def test_a_due_will_goes_out_when_its_client_is_back_before_the_timer(h: Harness
     assert h.log_payloads("will/x") == [b"first", b"second"]
 
 
-def _failing_appends(h: Harness, monkeypatch: pytest.MonkeyPatch, failures: int) -> list[int]:
-    """The next ``failures`` appends to the will's partition fail; returns [appends tried]."""
-    log = h.streams.log(*h.streams.partition_for("will/x"))
-    real = log.append
-    tried = [0]
-
-    def append(records: Any, **kw: Any) -> int:
-        tried[0] += 1
-        if tried[0] <= failures:
-            raise LogIOError(log.directory, "append to segment", OSError(errno.EIO, "I/O error"))
-        return real(records, **kw)
-
-    monkeypatch.setattr(log, "append", append)
-    return tried
-
-
 def test_a_will_whose_append_fails_is_tried_again_at_each_tick(
     h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -267,7 +247,7 @@ def test_a_will_whose_append_fails_is_tried_again_at_each_tick(
     is refused): the append fails, and the will is tried again at each tick until it is
     stored [MQTT-3.1.2-8]. (bench.churn --wills with worker kills lost hundreds.)"""
     link, s = h.connect("a", 4, will=Will("will/x", b"gone", 1))
-    tried = _failing_appends(h, monkeypatch, 2)
+    tried = fail_appends(h, monkeypatch, h.streams.partition_for("will/x"), 2)
     h.drop(s, link)
     assert h.log_payloads("will/x") == [] and tried == [1]
     h.tick(0.5)
@@ -282,7 +262,7 @@ def test_a_will_not_stored_for_a_minute_is_dropped(
     h: Harness, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     link, s = h.connect("a", 4, will=Will("will/x", b"gone", 1))
-    tried = _failing_appends(h, monkeypatch, 1000)
+    tried = fail_appends(h, monkeypatch, h.streams.partition_for("will/x"), 1000)
     h.drop(s, link)
     for _ in range(3):
         h.tick(WILL_RETRY_SECONDS / 2)
@@ -301,14 +281,7 @@ def test_the_connack_of_a_connect_with_a_will_waits_for_its_state_in_the_log(
     assert (link.holds, link.releases, link.closed) == (1, 1, False)
     link, _ = h.connect("b", 4)  # no will: nothing waits
     assert (link.holds, link.releases) == (0, 0)
-    sessions = h.streams.log("$sessions", 0)
-    real = sessions.append
-
-    def refused(records: Any, **kw: Any) -> int:
-        raise LogIOError(sessions.directory, "append", OSError(errno.EIO, "I/O error"))
-
-    monkeypatch.setattr(sessions, "append", refused)
+    fail_appends(h, monkeypatch, ("$sessions", 0), 1)
     link, _ = h.connect("c", 4, will=Will("will/x", b"gone", 1))
     assert (link.holds, link.releases) == (1, 0)
     assert link.closed is not False  # its CONNACK never leaves
-    monkeypatch.setattr(sessions, "append", real)
