@@ -42,6 +42,11 @@ AckCallback = Callable[[int | None], None]
 OUTCOME_UNKNOWN = -2
 
 
+def stored(offset: int | None) -> bool:
+    """Whether an append's answer (an :data:`AckCallback` 's argument) says it is stored."""
+    return offset is not None and offset != OUTCOME_UNKNOWN
+
+
 class GroupCommit:
     """The group commit of one router. See the module docstring."""
 
@@ -201,7 +206,7 @@ class Ack:
         PUBREC; the connection is closed so that the client resends the PUBLISH, which this
         session (its packet id received) answers without storing it again. With a
         replicated ``$sessions`` the state may fail to commit (no leader, leadership lost)."""
-        if state_offset is None or state_offset == OUTCOME_UNKNOWN:
+        if not stored(state_offset):
             if self.session.link is self.link:
                 self.link.close(ReasonCode.UNSPECIFIED_ERROR, "session state not stored")
             return
@@ -271,7 +276,7 @@ class Both:
         self._answer(offset)
 
     def _answer(self, offset: int | None) -> None:
-        self._answered.append(offset is not None and offset != OUTCOME_UNKNOWN)
+        self._answered.append(stored(offset))
         if len(self._answered) < 2:
             return
         if all(self._answered):

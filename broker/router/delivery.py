@@ -28,7 +28,7 @@ from broker.commitlog.keys import PartitionKey
 from broker.mqtt.properties import PropertyId, decode_properties
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import topic_matches
-from broker.router.commit import OUTCOME_UNKNOWN, GroupCommit
+from broker.router.commit import GroupCommit, stored
 from broker.router.link import Link
 from broker.router.partition import (
     Columns,
@@ -583,7 +583,7 @@ def release_once_stored(session: Session, link: Link, offset: int | None) -> Non
     a CONNECT's will) is in the log: that output may leave. Not stored (no leader of
     ``$sessions``, its owner worker dead): the connection is closed with the output unsent,
     and the client's next session resumes from the committed state."""
-    if offset is None or offset == OUTCOME_UNKNOWN:
+    if not stored(offset):
         if session.link is link:
             link.close(ReasonCode.UNSPECIFIED_ERROR, "session state not stored")
         return

@@ -25,19 +25,18 @@ from typing import Any
 import orjson
 
 from broker.auth.acl import Authorizer
-from broker.commitlog import Record
 from broker.mqtt.errors import ProtocolError
 from broker.mqtt.packets import ConnAck, Connect, Disconnect, Will
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import CONNACK_311_FOR_REASON, ReasonCode
-from broker.router.commit import OUTCOME_UNKNOWN, AckCallback, GroupCommit
+from broker.router.commit import AckCallback, GroupCommit, stored
 from broker.router.delivery import Delivery, release_once_stored
 from broker.router.ingest import Ingest
 from broker.router.link import Link
 from broker.router.qos import QosFlows
 from broker.router.session import EXPIRY_NEVER, Session
 from broker.router.shared import SharedGroups
-from broker.router.state import MIN_WAIT, SESSIONS, RouterState
+from broker.router.state import MIN_WAIT, RouterState
 from broker.router.store import SessionStore
 
 log = logging.getLogger("broker.router")
@@ -340,8 +339,8 @@ class Lifecycle:
         docstring): with several workers, the wills of the sessions a dead worker held go
         out from their home worker at once, to partitions the dead worker may own."""
 
-        def stored(offset: int | None) -> None:
-            if offset is not None and offset != OUTCOME_UNKNOWN:
+        def answered(offset: int | None) -> None:
+            if stored(offset):
                 return
             if self.state.monotonic() - first < WILL_RETRY_SECONDS:
                 self._wills_again.append((client_id, will, first))
@@ -353,7 +352,7 @@ class Lifecycle:
                     WILL_RETRY_SECONDS,
                 )
 
-        self.send_will(client_id, will, stored)
+        self.send_will(client_id, will, answered)
 
     def send_will(self, client_id: str, will: Will, ack: AckCallback | None = None) -> bool:
         """Publish ``will`` of ``client_id``; ``ack`` once it is in the log. False if it is
@@ -382,8 +381,7 @@ class Lifecycle:
             del session.shared[full]
         self.store.forget(session)
         if session.persistent or session.dirty or session.stored:
-            tombstone = Record(-1, self.state.now_ms(), session.client_id, b"")
-            self.commit.enqueue(tombstone, None, SESSIONS)
+            self.store.delete(session.client_id)
         self.state.hooks.session_ended(session.client_id)
 
     def tick(self) -> None:

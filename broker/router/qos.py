@@ -19,7 +19,7 @@ from typing import cast
 
 from broker.mqtt.packets import PubComp, PubRel
 from broker.mqtt.reason_codes import ReasonCode
-from broker.router.commit import OUTCOME_UNKNOWN, Ack, GroupCommit
+from broker.router.commit import Ack, GroupCommit, stored
 from broker.router.delivery import Delivery
 from broker.router.link import Link
 from broker.router.session import Inflight, Session
@@ -170,7 +170,7 @@ def _released(link: Link, packet_id: int, state_offset: int | None) -> None:
     """PUBREL once the released step is stored; if it could not be (a replicated
     ``$sessions`` without a leader), the connection is closed instead: the client resends
     PUBREC on its next connection [MQTT-4.4.0-1]."""
-    if state_offset is None or state_offset == OUTCOME_UNKNOWN:
+    if not stored(state_offset):
         link.close(ReasonCode.UNSPECIFIED_ERROR, "session state not stored")
     else:
         link.send(PubRel(packet_id))

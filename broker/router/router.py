@@ -189,6 +189,7 @@ class Router:
         self.restore_sessions = store.restore_sessions
         self.adopt = store.adopt
         self.hand_over = store.hand_over
+        self.after_written = store.after_written
         if load:
             self.load()
 

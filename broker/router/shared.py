@@ -27,7 +27,7 @@ from broker.commitlog import Record
 from broker.commitlog.keys import PartitionKey
 from broker.mqtt.packets import SubAck
 from broker.mqtt.topics import parse_shared, topic_matches
-from broker.router.commit import OUTCOME_UNKNOWN, AckCallback
+from broker.router.commit import AckCallback, stored
 from broker.router.delivery import Delivery
 from broker.router.link import Link
 from broker.router.partition import GroupWatcher, QueueWatcher
@@ -92,7 +92,7 @@ class SharedGroups:
         def ack(offset: int | None) -> None:
             if self.groups.get(full) is not group or group.stored:
                 return  # dropped meanwhile (its home moved): its members join the next
-            if offset is None or offset == OUTCOME_UNKNOWN:
+            if not stored(offset):
                 self.state.groups_dirty = True  # written again at the next tick
                 return
             group.stored = True

@@ -24,7 +24,7 @@ from broker.commitlog.keys import PartitionKey
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import parse_shared
-from broker.router.commit import OUTCOME_UNKNOWN, AckCallback, GroupCommit
+from broker.router.commit import AckCallback, GroupCommit, stored
 from broker.router.partition import GroupWatcher, SessionWatcher
 from broker.router.session import Consumer, Session, SharedGroup, Subscription
 from broker.router.state import RETAINED, SESSIONS, RouterState
@@ -53,6 +53,10 @@ class SessionStore:
         self.sessions = state.sessions
         self.partitions = state.partitions
         self.partition = state.partition
+        #: Per client id: the ``$sessions`` records written here whose append has not
+        #: answered yet, and what waits for them (:meth:`after_written`).
+        self._unanswered: dict[str, int] = {}
+        self._waiting: dict[str, list[Callable[[], None]]] = {}
 
     def load(self, skip: Iterable[str] = ()) -> list[str]:
         """Load retained messages and the sessions this worker is home to, except those in
@@ -97,7 +101,57 @@ class SessionStore:
         state = self.state
         payload = orjson.dumps(session.to_state(state.monotonic()))
         record = Record(-1, state.now_ms(), session.client_id, payload)
-        self.commit.enqueue(record, partial(_written, state, session, ack), SESSIONS)
+        self._unanswered[session.client_id] = self._unanswered.get(session.client_id, 0) + 1
+        self.commit.enqueue(record, partial(self._written, session, ack), SESSIONS)
+
+    def delete(self, client_id: str) -> None:
+        """Delete the state of ``client_id`` 's session (a tombstone: it ended)."""
+        self._unanswered[client_id] = self._unanswered.get(client_id, 0) + 1
+        tombstone = Record(-1, self.state.now_ms(), client_id, b"")
+        self.commit.enqueue(tombstone, partial(self._answered, client_id), SESSIONS)
+
+    def after_written(self, client_id: str, then: Callable[[], None]) -> None:
+        """Call ``then`` once every ``$sessions`` record of ``client_id`` written here has
+        been answered (stored or not); now if none is in flight.
+
+        With several workers, two workers' records of one client id reach ``$sessions`` ' owner
+        on two sockets, in no order between them: the record of a connection that ended
+        here (its tombstone, its state with the will sent) could be appended after the state
+        the client's next connection wrote on another worker, and would undo it (its will,
+        its subscriptions lost at that worker's death). So a session leaves this worker, and
+        its end is told to its home, only once its records are answered
+        (broker.workers.sessions)."""
+        if client_id in self._unanswered:
+            self._waiting.setdefault(client_id, []).append(then)
+        else:
+            then()
+
+    def _answered(self, client_id: str, offset: int | None = None) -> None:
+        left = self._unanswered[client_id] - 1
+        if left:
+            self._unanswered[client_id] = left
+            return
+        del self._unanswered[client_id]
+        for then in self._waiting.pop(client_id, ()):
+            then()
+
+    def _written(self, session: Session, ack: AckCallback | None, offset: int | None) -> None:
+        """The append of ``session`` 's state answered. Not stored (``$sessions`` ' owner
+        worker dead, its forward refused; a failed append), a persistent session still held
+        here is written again at the timer's next pass, as if it had changed: nothing else
+        would write it before its next change, and a worker dying meanwhile left whoever
+        restored the session an older state (a subscription acknowledged since missing).
+        Then ``ack``."""
+        state = self.state
+        if (
+            not stored(offset)
+            and session.persistent
+            and state.sessions.get(session.client_id) is session
+        ):
+            state.changed(session)
+        if ack is not None:
+            ack(offset)
+        self._answered(session.client_id)
 
     def persist_groups(self) -> None:
         """Each group's positions: ``cursors``, the next record to hand out (where one node
@@ -116,12 +170,12 @@ class SessionStore:
             then(True)
 
         def ack_of(full: str, group: SharedGroup) -> AckCallback:
-            stored = self.stored_ack(full, group)
+            stored_ack = self.stored_ack(full, group)
 
             def ack(offset: int | None) -> None:
-                if stored is not None:
-                    stored(offset)
-                outcomes.append(offset is not None and offset != OUTCOME_UNKNOWN)
+                if stored_ack is not None:
+                    stored_ack(offset)
+                outcomes.append(stored(offset))
                 if len(outcomes) == len(groups):
                     then(all(outcomes))
 
@@ -263,18 +317,3 @@ class SessionStore:
                 break
             yield from recs
             offset = recs[-1].offset + 1
-
-
-def _written(
-    state: RouterState, session: Session, ack: AckCallback | None, offset: int | None
-) -> None:
-    """The append of ``session`` 's state answered. Not stored (``$sessions`` ' owner worker
-    dead, its forward refused; a failed append), a persistent session still held here is
-    written again at the timer's next pass, as if it had changed: nothing else would write it
-    before its next change, and a worker dying meanwhile left whoever restored the session
-    an older state (a subscription acknowledged since missing). Then ``ack``."""
-    stored = offset is not None and offset != OUTCOME_UNKNOWN
-    if not stored and session.persistent and state.sessions.get(session.client_id) is session:
-        state.changed(session)
-    if ack is not None:
-        ack(offset)

@@ -146,6 +146,7 @@ class WorkerRuntime:
         sessions.hand_over = router.hand_over
         sessions.restore = router.restore_sessions
         sessions.held_ids = lambda: list(router.sessions)
+        sessions.after_written = router.after_written
         self.partitions.enqueue = router.append_forwarded
         self.partitions.enqueue_batch = router.append_forwarded_batch
         self.partitions.wake = router.wake
@@ -173,8 +174,15 @@ class WorkerRuntime:
             # Told at the end of this iteration, if no session of that client id is here
             # then: one taken over by a new connection on this worker ends inside the new
             # one's CONNECT (a clean session), and its home must keep this worker as the
-            # holder (a hand-off's claim, any other claim, must find it here).
-            asyncio.get_running_loop().call_soon(self._ended, client_id)
+            # holder (a hand-off's claim, any other claim, must find it here). And not
+            # before its tombstone is answered (broker.router.store.after_written): a claim
+            # the home answers "new" must not race it to $sessions.
+            loop = asyncio.get_running_loop()
+
+            def answered() -> None:
+                loop.call_soon(self._ended, client_id)
+
+            self.sessions.after_written(client_id, answered)
             return
 
         def ended() -> None:

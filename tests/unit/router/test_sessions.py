@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from broker.mqtt.packets import ConnAck
+from broker.mqtt.packets import ConnAck, Disconnect, Will
 from broker.router.session import NO_ENTRIES, Inflight, Session, Subscription
 from tests.unit.router.conftest import Harness, fail_appends
 
@@ -91,3 +91,32 @@ def test_a_session_state_not_stored_is_written_again_at_the_next_tick(
     h.streams.close()  # a crash: no router.close()
     h.open()
     assert "t/#" in h.router.sessions["a"].main.subscriptions
+
+
+def test_after_written_waits_for_every_sessions_record_of_the_client_id(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What waits on ``after_written`` runs once every ``$sessions`` record of that client
+    id written here has answered, stored or not (with several workers a session leaves
+    this worker only then: broker.workers.sessions)."""
+    called: list[str] = []
+    h.router.after_written("a", lambda: called.append("idle"))
+    assert called == ["idle"]  # nothing in flight: at once
+    link, s = h.connect("a", 5, expiry=600)
+    h.subscribe(s, "t/#", 1)
+    h.router.connection_lost(s, link, graceful=False)  # its state written: in flight
+    h.router.after_written("a", lambda: called.append("state"))
+    h.router.after_written("b", lambda: called.append("b"))  # another client id: at once
+    assert called == ["idle", "b"]
+    h.run()  # the group commit appends it
+    assert called == ["idle", "b", "state"]
+
+    # A clean session with a will: its state is written at CONNECT, a tombstone at its end.
+    link, s = h.connect("a", 5, clean=True, will=Will("w/a", b"gone", 1, False))
+    h.router.disconnect(s, Disconnect(0))
+    h.router.connection_lost(s, link, graceful=True)
+    h.router.after_written("a", lambda: called.append("tombstone"))
+    calls = fail_appends(h, monkeypatch, ("$sessions", 0), 1)
+    assert called[-1] == "state"
+    h.run()  # the append fails: answered all the same
+    assert calls == [1] and called[-1] == "tombstone"

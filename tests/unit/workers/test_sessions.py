@@ -33,6 +33,21 @@ class FakeWorker:
         self.in_flight: dict[str, int] = {}
         self.released: list[tuple[str, int]] = []
         self.dir.release_handed = self.release_handed
+        #: Client ids with a ``$sessions`` record written here not answered yet, and what
+        #: waits for it (the router's ``after_written``).
+        self.writing: dict[str, list[Callable[[], None]]] = {}
+        self.dir.after_written = self.after_written
+
+    def after_written(self, client_id: str, then: Callable[[], None]) -> None:
+        if client_id in self.writing:
+            self.writing[client_id].append(then)
+        else:
+            then()
+
+    def answered(self, client_id: str) -> None:
+        """The records of ``client_id`` written here are answered."""
+        for then in self.writing.pop(client_id):
+            then()
 
     def hand_over(self, client_id: str) -> bytes | None:
         if client_id not in self.held:
@@ -123,6 +138,39 @@ def test_a_session_follows_its_client_from_worker_to_worker(tmp_path: Path) -> N
             assert list(w[2].held) == [cid] and w[1].closed == [cid]
             assert w[home].dir.registry[cid] == 2
             w[0].closed.clear()
+            w[1].closed.clear()
+            w[2].held.clear()
+            w[2].dir.ended(cid)
+            await until(lambda cid=cid, home=home: cid not in w[home].dir.registry)
+        for x in w:
+            await x.mesh.close()
+
+    run(main)
+
+
+def test_a_session_leaves_its_holder_once_its_records_there_are_answered(
+    tmp_path: Path,
+) -> None:
+    """The holder's ``$sessions`` records of a client id (the state its lost connection
+    left, a clean session's tombstone) travel to the stream's owner on the holder's socket,
+    the next holder's on its own: the release is answered only once the holder's are
+    answered, or the older record could be appended last and undo the newer (a will lost
+    at the next holder's death). Whether the holder is the home or not."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        for home in range(3):
+            cid = ids_homed_at(home, 3, 1)[0]
+            assert await w[1].connect(cid, b'{"will":1}') == NEW
+            w[1].writing[cid] = []  # its connection lost: its state written, not answered
+            claim = asyncio.ensure_future(w[2].connect(cid))
+            await until(lambda cid=cid: w[1].closed == [cid])  # released at once...
+            await asyncio.sleep(0.05)
+            assert not claim.done()  # ...but not answered
+            w[1].answered(cid)
+            assert await claim == STATE + b'{"will":1}'
+            assert w[home].dir.registry[cid] == 2
             w[1].closed.clear()
             w[2].held.clear()
             w[2].dir.ended(cid)
@@ -378,6 +426,58 @@ def test_a_holder_claiming_again_while_another_claim_takes_it_does_not_wait_fore
             assert len(holders) == 1 and w[2].dir.registry[cid] == holders[0]
             assert log[cid] == b"s"  # the state went along each time
         for x in w:
+            await x.mesh.close()
+
+    run(main)
+
+
+@pytest.mark.timeout(30)
+def test_a_claimant_dying_while_its_claim_is_decided_leaves_the_session_at_its_home(
+    tmp_path: Path,
+) -> None:
+    """The claimant dies while the home waits for the holder's release: the registry must
+    not name the dead worker (every later claim would ask it, fail at once and ask again,
+    without the home's loop ever yielding: the worker hung); the session comes back to its
+    home from the log, as the sessions a dead worker held do."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        cid = ids_homed_at(0, 3, 1)[0]
+        assert await w[1].connect(cid, b'{"subs":1}') == NEW
+        w[1].writing[cid] = []  # the release's answer waits for its records
+        claim = asyncio.ensure_future(w[2].connect(cid))
+        await until(lambda: w[1].closed == [cid])
+        await w[2].mesh.close()  # the claimant dies
+        await until(lambda: 2 not in w[0].mesh.peers)
+        w[1].answered(cid)
+        await until(lambda: cid in w[0].held)
+        assert w[0].dir.registry[cid] == 0
+        claim.cancel()  # (its worker is dead: it would retry until its patience ran out)
+        # A later claim is decided at once, with the state from the log.
+        assert await asyncio.wait_for(w[1].connect(cid), 5) == STATE + b'{"subs":1}'
+        for x in w[:2]:
+            await x.mesh.close()
+
+    run(main)
+
+
+@pytest.mark.timeout(30)
+def test_a_registry_entry_naming_a_dead_worker_is_taken_back_not_asked_forever(
+    tmp_path: Path,
+) -> None:
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        cid = ids_homed_at(0, 3, 1)[0]
+        assert await w[1].connect(cid, b'{"subs":1}') == NEW
+        await w[2].mesh.close()
+        await until(lambda: 2 not in w[0].mesh.peers)
+        w[1].held.clear()
+        w[0].dir.registry[cid] = 2  # named after its death was seen
+        assert await asyncio.wait_for(w[1].connect(cid), 5) == STATE + b'{"subs":1}'
+        assert w[0].dir.registry[cid] == 1
+        for x in w[:2]:
             await x.mesh.close()
 
     run(main)
