@@ -128,6 +128,8 @@ class SessionDirectory:
         #: same client ids waiting for them (see :meth:`claim`).
         self._answered: dict[str, set[object]] = {}
         self._deferred: dict[str, list[Callable[[], None]]] = {}
+        #: Claims of this worker under way, per client id (see :meth:`ended`).
+        self._claiming: dict[str, int] = {}
         self.hand_over: Callable[[str], bytes | None] = lambda client_id: None
         self.restore: Callable[[list[str]], list[str]] = lambda client_ids: []
         self.held_ids: Callable[[], list[str]] = list
@@ -192,9 +194,14 @@ class SessionDirectory:
     ) -> T:
         self.claims += 1
         claim = object()
+        self._claiming[client_id] = self._claiming.get(client_id, 0) + 1
         try:
             return adopt(await self._ask_home(client_id, claim, handed))
         finally:
+            if self._claiming[client_id] == 1:
+                del self._claiming[client_id]
+            else:
+                self._claiming[client_id] -= 1
             answered = self._answered.get(client_id)
             if answered is not None:
                 answered.discard(claim)
@@ -260,7 +267,12 @@ class SessionDirectory:
 
     def ended(self, client_id: str) -> None:
         """The session of ``client_id`` held here ended (and its tombstone is answered,
-        :attr:`after_written`): tell its home."""
+        :attr:`after_written`): tell its home. Not while a claim of the client id from here
+        is under way: its answer makes this worker the holder anew ("here", as the home
+        still has it), and an end told behind it would take that entry away, leaving the
+        next claim to start a second session while this one's connection goes on."""
+        if client_id in self._claiming:
+            return
         home = self.home(client_id)
         if home == self.worker:
             self._forget(client_id, self.worker)

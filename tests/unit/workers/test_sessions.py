@@ -481,3 +481,35 @@ def test_a_registry_entry_naming_a_dead_worker_is_taken_back_not_asked_forever(
             await x.mesh.close()
 
     run(main)
+
+
+def test_an_end_told_while_a_new_claim_from_the_same_worker_is_under_way_is_not_sent(
+    tmp_path: Path,
+) -> None:
+    """A session ends on worker 1 and its end is told to the home late (once its tombstone
+    is answered), while a new connection there already claims the client id: the home
+    answered that claim "here", and an end read after it took the entry away, so that the
+    next claim, on another worker, started a second session while the first connection
+    went on (two holders [MQTT-3.1.4-3], its will never published)."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        cid = ids_homed_at(0, 3, 1)[0]
+        assert await w[1].connect(cid, b"a") == NEW
+        del w[1].held[cid]  # its session ended with its connection (a clean session)
+
+        def adopt(answer: bytes) -> bytes:
+            w[1].dir.ended(cid)  # the end, told between the claim's answer and its adoption
+            w[1].held[cid] = b"b"
+            return answer
+
+        assert await w[1].dir.claim(cid, adopt) == HERE
+        await asyncio.sleep(0.1)  # (an ENDED sent would have been read by now)
+        assert w[0].dir.registry.get(cid) == 1
+        assert await w[2].connect(cid) == STATE + b"b"
+        assert w[1].closed == [cid]  # the connection on worker 1 closed as taken over
+        for x in w:
+            await x.mesh.close()
+
+    run(main)
