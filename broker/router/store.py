@@ -154,9 +154,9 @@ class SessionStore:
         self._answered(session.client_id)
 
     def persist_groups(self) -> None:
-        """Each group's positions: ``cursors``, the next record to hand out (where one node
-        continues after a restart: what was handed out is in its members' sessions), and
-        ``done``, the first record not yet done (where a cluster's new home continues)."""
+        """Each group's positions: ``cursors``, the next record to hand out, and ``done``,
+        the first record not yet done, where the group continues when it is held again
+        (:meth:`load`; a cluster's new home too)."""
         self.state.groups_dirty = False
         for full, group in self.state.groups.items():
             self.persist_group(full, group, self.stored_ack(full, group))
@@ -221,7 +221,13 @@ class SessionStore:
         for name, payload in self._session_states().items():
             if payload and name not in skip and is_home(name) and name[:1] != OWNERSHIP:
                 if name.startswith("$share/"):
-                    self.restore_group(name, orjson.loads(payload))
+                    # From the first record not done, at least once [MQTT-4.8.2]: from where
+                    # it had handed out to (its cursors), what its members had then and did
+                    # not keep (a clean session's deliveries; records given back to a home
+                    # killed since, which drops them; those its stop's ended sessions gave
+                    # back) was never delivered again. A persistent member may get again a
+                    # record it still had in flight.
+                    self.restore_group(name, orjson.loads(payload), True)
                 else:
                     self._restore_session(name, orjson.loads(payload))
                     loaded.append(name)

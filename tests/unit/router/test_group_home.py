@@ -8,6 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 import orjson
+import pytest
 
 from broker.commitlog import Record
 from broker.mqtt.packets import SubAck, Subscribe, Subscription
@@ -243,3 +244,33 @@ def test_a_group_held_frozen_hands_out_to_every_member_joined_before_the_thaw(h:
     got = {"first": first.take(), "later": later.take()}
     assert sorted(p.payload for sent in got.values() for p in sent) == [b"%d" % i for i in range(6)]
     assert len(got["later"]) == 3  # round robin over both, not four to the first
+
+
+
+@pytest.mark.parametrize("crash", [True, False])
+def test_a_group_held_again_continues_from_its_first_record_not_done(
+    h: Harness, crash: bool
+) -> None:
+    """A clean session had records of the group, unacknowledged, when the broker (or the
+    group's home worker) was killed, or stopped (its sessions ended, the records given
+    back): a group continuing from where it had handed out to (its cursors, past them)
+    never delivered them again. It continues from its ``done`` positions (at least once
+    [MQTT-4.8.2])."""
+    member, m = h.connect("m", 4)
+    h.subscribe(m, GROUP, 1)
+    _, pub = h.connect("pub", 4)
+    for i in range(3):
+        h.publish(pub, "t/x", b"%d" % i, 1, i + 1)
+    h.run()
+    assert [p.payload for p in member.take()] == [b"0", b"1", b"2"]  # none acknowledged
+    if crash:
+        h.tick(1)  # the group's positions written
+        h.streams.close()  # killed: no router.close()
+        h.open()
+    else:
+        h.drop(m, member)  # a stop closes its connection: the session ends
+        h.restart()
+    again, a = h.connect("another", 4)
+    h.subscribe(a, GROUP, 1)
+    h.run()
+    assert [p.payload for p in again.take()] == [b"0", b"1", b"2"]
