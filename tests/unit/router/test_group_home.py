@@ -246,7 +246,6 @@ def test_a_group_held_frozen_hands_out_to_every_member_joined_before_the_thaw(h:
     assert len(got["later"]) == 3  # round robin over both, not four to the first
 
 
-
 @pytest.mark.parametrize("crash", [True, False])
 def test_a_group_held_again_continues_from_its_first_record_not_done(
     h: Harness, crash: bool
