@@ -331,6 +331,7 @@ class Server:
             )
             loaded = self.router.load(skip=runtime.sessions.registry)
             runtime.sessions.loaded(loaded)
+            runtime.groups.loaded()
         if self.config.cluster is not None and (self.worker is None or self.worker.index == 0):
             # Before the cluster's sockets open; seconds of compilation, off the loop.
             self.xdp = await asyncio.to_thread(open_filter, self.config)

@@ -93,6 +93,7 @@ class WorkerRuntime:
         )
         self.sessions = SessionDirectory(index, count)
         self.groups = MeshGroupPeers(index, lambda group: home_of(group, count), GROUP_KINDS)
+        self.groups.hold()  # until the router has loaded its groups (the server's start)
         self.mesh = Mesh(
             streams.data_dir,
             index,
