@@ -177,7 +177,16 @@ class HandOff:
         try:
             await self._send(owner, token, fd)
         except OSError as e:
-            log.warning("%s: hand-off to worker %d failed: %s", link.client_id, owner, e)
+            # Expected now and then, and harmless (the connection stays here, tried again
+            # later): the owner's channel full for a second (a busy owner), the owner dead.
+            expected = isinstance(e, (BlockingIOError, ConnectionRefusedError))
+            log.log(
+                logging.DEBUG if expected else logging.WARNING,
+                "%s: hand-off to worker %d failed: %s",
+                link.client_id,
+                owner,
+                e,
+            )
             if session.link is not link or self.router.sessions.get(link.client_id) is not session:
                 # Taken over while its descriptor waited [MQTT-3.1.4-3]: not resumed here.
                 refuse(fd, link.version, ReasonCode.SESSION_TAKEN_OVER)
