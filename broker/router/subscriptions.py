@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from functools import partial
 from typing import Any
 
 from broker.commitlog.keys import PartitionKey
@@ -22,7 +23,7 @@ from broker.mqtt.packets import Subscription as SubscriptionRequest
 from broker.mqtt.properties import PropertyId
 from broker.mqtt.reason_codes import ReasonCode
 from broker.mqtt.topics import parse_shared, topic_matches, validate_topic_filter
-from broker.router.delivery import Delivery
+from broker.router.delivery import Delivery, release_once_stored
 from broker.router.partition import SessionWatcher
 from broker.router.replay import ReplayStart, is_replay, parse_replay
 from broker.router.session import MAIN, Consumer, Session, Subscription
@@ -77,7 +78,13 @@ class Subscriptions:
             self.shared.hold_suback(session, suback, joining)  # after those held before
         else:
             link.send(suback)
-        self.store.persist(session)
+        if session.persistent:
+            # The SUBACK (and what follows it) leaves once the state with the subscription
+            # is in the log: with several workers (or nodes) another one appends it, and a
+            # kill of every worker between the two lost a subscription already acknowledged.
+            # Not stored: the connection closes, the SUBACK unsent (release_once_stored).
+            link.hold()
+            self.store.write(session, partial(release_once_stored, session, link))
         self.pump_session(session)
 
     def _subscribe_one(

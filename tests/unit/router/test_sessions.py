@@ -120,3 +120,21 @@ def test_after_written_waits_for_every_sessions_record_of_the_client_id(
     assert called[-1] == "state"
     h.run()  # the append fails: answered all the same
     assert calls == [1] and called[-1] == "tombstone"
+
+
+def test_a_persistent_sessions_suback_waits_for_its_state_in_the_log(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The SUBACK of a persistent session leaves once the state with the subscription is
+    stored (with several workers another one appends it: every worker killed between the
+    two lost a subscription already acknowledged); not stored, the connection closes with
+    the SUBACK unsent and the client subscribes again."""
+    link, s = h.connect("a", 5, expiry=600)
+    h.subscribe(s, "t/#", 1)
+    assert (link.holds, link.releases, link.closed) == (1, 1, False)
+    fail_appends(h, monkeypatch, ("$sessions", 0), 1)
+    h.subscribe(s, "u/#", 1)
+    assert (link.holds, link.releases) == (2, 1) and link.closed is not False
+    clean, c = h.connect("c", 5)  # a clean session's state is not written: nothing held
+    h.subscribe(c, "t/#", 1)
+    assert clean.holds == 0
