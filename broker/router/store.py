@@ -143,15 +143,19 @@ class SessionStore:
         restored the session an older state (a subscription acknowledged since missing).
         Then ``ack``."""
         state = self.state
-        if (
-            not stored(offset)
-            and session.persistent
-            and state.sessions.get(session.client_id) is session
-        ):
-            state.changed(session)
-        if ack is not None:
-            ack(offset)
-        self._answered(session.client_id)
+        try:
+            if (
+                not stored(offset)
+                and session.persistent
+                and state.sessions.get(session.client_id) is session
+            ):
+                state.changed(session)
+            if ack is not None:
+                ack(offset)
+        finally:
+            # Whatever the ack did: a count left behind would keep every later release of
+            # the session waiting (broker.workers.sessions).
+            self._answered(session.client_id)
 
     def persist_groups(self) -> None:
         """Each group's positions: ``cursors``, the next record to hand out, and ``done``,
