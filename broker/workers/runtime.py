@@ -50,6 +50,9 @@ PEER_WAIT_SECONDS = 30.0
 #: Seconds a stopping worker waits for its forwards to be appended and for its peers to
 #: finish theirs.
 FINISH_SECONDS = 10.0
+#: Seconds a session leaving this worker waits at most for its last forwarded records to be
+#: answered (:meth:`WorkerRuntime.settled`; an owner paused that long is slow, not dead).
+SETTLE_SECONDS = 2.0
 #: Notification: "I have sent all I will send and everything I sent was answered".
 FINISHED = SESSIONS_NEXT_KIND
 #: Request: one of this worker's admin views (its name is the body), for worker 0's HTTP API.
@@ -92,6 +95,8 @@ class WorkerRuntime:
             index, count, owner_of, self._directory, self._log_config
         )
         self.sessions = SessionDirectory(index, count)
+        #: Ends of sessions waiting for their last records to be answered (session_ended).
+        self._tasks: set[asyncio.Task[None]] = set()
         self.groups = MeshGroupPeers(index, lambda group: home_of(group, count), GROUP_KINDS)
         self.groups.hold()  # until the router has loaded its groups (the server's start)
         self.mesh = Mesh(
@@ -148,6 +153,7 @@ class WorkerRuntime:
         sessions.restore = router.restore_sessions
         sessions.held_ids = lambda: list(router.sessions)
         sessions.after_written = router.after_written
+        sessions.settled = self.settled
         self.partitions.enqueue = router.append_forwarded
         self.partitions.enqueue_batch = router.append_forwarded_batch
         self.partitions.wake = router.wake
@@ -180,8 +186,14 @@ class WorkerRuntime:
             # the home answers "new" must not race it to $sessions.
             loop = asyncio.get_running_loop()
 
+            async def settled() -> None:
+                await self.settled()  # its connection's last publishes too
+                self._ended(client_id)
+
             def answered() -> None:
-                loop.call_soon(self._ended, client_id)
+                task = loop.create_task(settled())
+                self._tasks.add(task)
+                task.add_done_callback(self._tasks.discard)
 
             self.sessions.after_written(client_id, answered)
             return
@@ -192,6 +204,17 @@ class WorkerRuntime:
 
         # Its home ends the claim once the will is out (broker.workers.will_fence).
         cluster.after_will(client_id, ended)
+
+    async def settled(self) -> None:
+        """Until every FORWARD this worker sent up to the end of this iteration is answered
+        (their records appended or refused), for at most :data:`SETTLE_SECONDS`
+        (broker.workers.sessions: a session leaving this worker)."""
+        loop = asyncio.get_running_loop()
+        await asyncio.sleep(0.001)  # this iteration ended: its FORWARDs left
+        mark = self.partitions.forwards_sent
+        deadline = loop.time() + SETTLE_SECONDS
+        while not self.partitions.answered_before(mark) and loop.time() < deadline:
+            await asyncio.sleep(0.001)
 
     def _ended(self, client_id: str) -> None:
         if self.router is None or client_id not in self.router.sessions:

@@ -128,6 +128,9 @@ class SessionDirectory:
         #: same client ids waiting for them (see :meth:`claim`).
         self._answered: dict[str, set[object]] = {}
         self._deferred: dict[str, list[Callable[[], None]]] = {}
+        #: Releases waiting for this worker's records to be answered (kept: a task
+        #: nothing references may be collected).
+        self._replies: set[asyncio.Task[None]] = set()
         #: Claims of this worker under way, per client id (see :meth:`ended`).
         self._claiming: dict[str, int] = {}
         self.hand_over: Callable[[str], bytes | None] = lambda client_id: None
@@ -142,6 +145,13 @@ class SessionDirectory:
         #: that leaves here is answered for, and its end told to its home, only then, so
         #: that no record of it from here is appended after its next holder's.
         self.after_written: Callable[[str, Callable[[], None]], None] = _now
+        #: ``settled()``: until the records this worker forwarded so far (a connection's
+        #: publishes, a retained copy among them) are answered by their owners, bounded
+        #: (broker.workers.runtime). A session taken over from here is answered for only
+        #: then: its next connection's records, forwarded by another worker on another
+        #: socket, must not overtake its last ones (a retained message acknowledged on the
+        #: new connection was replaced by an older one of the old).
+        self.settled: Callable[[], Awaitable[None]] | None = None
         self.claims = 0
         self.takeovers = 0  # sessions handed from one worker to another
         #: In a cluster: a claim is the node's first (the client id may be held by another
@@ -255,7 +265,10 @@ class SessionDirectory:
         return future
 
     async def _written(self, client_id: str) -> None:
-        """Until this worker's ``$sessions`` records of ``client_id`` are answered."""
+        """Until this worker's records of ``client_id`` are answered: those it forwarded
+        (:attr:`settled`) and its ``$sessions`` records (:attr:`after_written`)."""
+        if self.settled is not None:
+            await self.settled()
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
 
         def answered() -> None:
@@ -426,7 +439,7 @@ class SessionDirectory:
 
         def release() -> None:
             state = self.hand_over(client_id) or b""
-            self.after_written(client_id, lambda: mesh.reply(peer, request, state))
+            self._reply_when_written(peer, request, client_id, state)
 
         if client_id in self._answered:
             self._deferred.setdefault(client_id, []).append(release)  # see claim()
@@ -454,7 +467,7 @@ class SessionDirectory:
 
         def release() -> None:
             state = self.release_handed(client_id, token) or b""
-            self.after_written(client_id, lambda: mesh.reply(peer, request, state))
+            self._reply_when_written(peer, request, client_id, state)
 
         if client_id in self._answered:
             # A new connection of this client here claimed it: the home answered that claim
@@ -463,6 +476,20 @@ class SessionDirectory:
             self._deferred.setdefault(client_id, []).append(release)
         else:
             release()
+
+    def _reply_when_written(self, peer: int, request: int, client_id: str, state: bytes) -> None:
+        """Answer a release with ``state`` once this worker's records of the session are
+        answered (:meth:`_written`)."""
+        mesh = self.mesh
+        assert mesh is not None
+
+        async def reply() -> None:
+            await self._written(client_id)
+            mesh.reply(peer, request, state)
+
+        task = asyncio.get_running_loop().create_task(reply())
+        self._replies.add(task)
+        task.add_done_callback(self._replies.discard)
 
     def _on_ended(self, peer: int, request: int, body: memoryview) -> None:
         self._forget(bytes(body).decode(), peer)

@@ -513,3 +513,29 @@ def test_an_end_told_while_a_new_claim_from_the_same_worker_is_under_way_is_not_
             await x.mesh.close()
 
     run(main)
+
+
+def test_a_release_waits_for_the_records_the_holder_forwarded(tmp_path: Path) -> None:
+    """The old connection's last publishes, forwarded by the holder to their partitions'
+    owners, are answered before the session is handed to the next connection's worker: the
+    new connection's records, forwarded on another socket, could overtake them (a retained
+    message acknowledged on the new connection replaced by an older one of the old: one
+    churn run with paused workers)."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 3, log)
+        cid = ids_homed_at(0, 3, 1)[0]
+        assert await w[1].connect(cid, b"s") == NEW
+        answered = asyncio.Event()
+        w[1].dir.settled = answered.wait  # its forwards not answered yet
+        claim = asyncio.ensure_future(w[2].connect(cid))
+        await until(lambda: w[1].closed == [cid])
+        await asyncio.sleep(0.05)
+        assert not claim.done()
+        answered.set()
+        assert await claim == STATE + b"s"
+        for x in w:
+            await x.mesh.close()
+
+    run(main)
