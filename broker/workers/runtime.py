@@ -26,6 +26,7 @@ import os
 import struct
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 import orjson
@@ -95,8 +96,6 @@ class WorkerRuntime:
             index, count, owner_of, self._directory, self._log_config
         )
         self.sessions = SessionDirectory(index, count)
-        #: Ends of sessions waiting for their last records to be answered (session_ended).
-        self._tasks: set[asyncio.Task[None]] = set()
         self.groups = MeshGroupPeers(index, lambda group: home_of(group, count), GROUP_KINDS)
         self.groups.hold()  # until the router has loaded its groups (the server's start)
         self.mesh = Mesh(
@@ -182,20 +181,10 @@ class WorkerRuntime:
             # then: one taken over by a new connection on this worker ends inside the new
             # one's CONNECT (a clean session), and its home must keep this worker as the
             # holder (a hand-off's claim, any other claim, must find it here). And not
-            # before its tombstone is answered (broker.router.store.after_written): a claim
-            # the home answers "new" must not race it to $sessions.
-            loop = asyncio.get_running_loop()
-
-            async def settled() -> None:
-                await self.settled()  # its connection's last publishes too
-                self._ended(client_id)
-
-            def answered() -> None:
-                task = loop.create_task(settled())
-                self._tasks.add(task)
-                task.add_done_callback(self._tasks.discard)
-
-            self.sessions.after_written(client_id, answered)
+            # before its tombstone and its connection's last publishes are answered
+            # (SessionDirectory.when_written): a claim the home answers "new" must not race
+            # them to their partitions.
+            self.sessions.when_written(client_id, partial(self._ended, client_id))
             return
 
         def ended() -> None:

@@ -128,9 +128,9 @@ class SessionDirectory:
         #: same client ids waiting for them (see :meth:`claim`).
         self._answered: dict[str, set[object]] = {}
         self._deferred: dict[str, list[Callable[[], None]]] = {}
-        #: Releases waiting for this worker's records to be answered (kept: a task
-        #: nothing references may be collected).
-        self._replies: set[asyncio.Task[None]] = set()
+        #: What waits for this worker's records to be answered (:meth:`when_written`; kept:
+        #: a task nothing references may be collected).
+        self._waiting: set[asyncio.Task[None]] = set()
         #: Claims of this worker under way, per client id (see :meth:`ended`).
         self._claiming: dict[str, int] = {}
         self.hand_over: Callable[[str], bytes | None] = lambda client_id: None
@@ -263,6 +263,18 @@ class SessionDirectory:
 
         self.mesh.request(home, kind, body, on_reply)
         return future
+
+    def when_written(self, client_id: str, then: Callable[[], None]) -> None:
+        """Call ``then`` once this worker's records of ``client_id`` are answered
+        (:meth:`_written`)."""
+
+        async def wait() -> None:
+            await self._written(client_id)
+            then()
+
+        task = asyncio.get_running_loop().create_task(wait())
+        self._waiting.add(task)
+        task.add_done_callback(self._waiting.discard)
 
     async def _written(self, client_id: str) -> None:
         """Until this worker's records of ``client_id`` are answered: those it forwarded
@@ -439,7 +451,7 @@ class SessionDirectory:
 
         def release() -> None:
             state = self.hand_over(client_id) or b""
-            self._reply_when_written(peer, request, client_id, state)
+            self.when_written(client_id, lambda: mesh.reply(peer, request, state))
 
         if client_id in self._answered:
             self._deferred.setdefault(client_id, []).append(release)  # see claim()
@@ -467,7 +479,7 @@ class SessionDirectory:
 
         def release() -> None:
             state = self.release_handed(client_id, token) or b""
-            self._reply_when_written(peer, request, client_id, state)
+            self.when_written(client_id, lambda: mesh.reply(peer, request, state))
 
         if client_id in self._answered:
             # A new connection of this client here claimed it: the home answered that claim
@@ -476,20 +488,6 @@ class SessionDirectory:
             self._deferred.setdefault(client_id, []).append(release)
         else:
             release()
-
-    def _reply_when_written(self, peer: int, request: int, client_id: str, state: bytes) -> None:
-        """Answer a release with ``state`` once this worker's records of the session are
-        answered (:meth:`_written`)."""
-        mesh = self.mesh
-        assert mesh is not None
-
-        async def reply() -> None:
-            await self._written(client_id)
-            mesh.reply(peer, request, state)
-
-        task = asyncio.get_running_loop().create_task(reply())
-        self._replies.add(task)
-        task.add_done_callback(self._replies.discard)
 
     def _on_ended(self, peer: int, request: int, body: memoryview) -> None:
         self._forget(bytes(body).decode(), peer)
