@@ -119,6 +119,15 @@ async def cluster(tmp: Path, count: int, log: dict[str, bytes]) -> list[FakeWork
     return workers
 
 
+async def held_by_worker_1(tmp_path: Path, state: bytes) -> tuple[list[FakeWorker], str]:
+    """Three workers; a client id homed at worker 0 whose session (``state``) worker 1
+    holds."""
+    w = await cluster(tmp_path, 3, {})
+    cid = ids_homed_at(0, 3, 1)[0]
+    assert await w[1].connect(cid, state) == NEW
+    return w, cid
+
+
 def ids_homed_at(home: int, count: int, n: int = 3) -> list[str]:
     return [c for c in (f"client-{i}" for i in range(100)) if home_of(c, count) == home][:n]
 
@@ -441,10 +450,7 @@ def test_a_claimant_dying_while_its_claim_is_decided_leaves_the_session_at_its_h
     home from the log, as the sessions a dead worker held do."""
 
     async def main() -> None:
-        log: dict[str, bytes] = {}
-        w = await cluster(tmp_path, 3, log)
-        cid = ids_homed_at(0, 3, 1)[0]
-        assert await w[1].connect(cid, b'{"subs":1}') == NEW
+        w, cid = await held_by_worker_1(tmp_path, b'{"subs":1}')
         w[1].writing[cid] = []  # the release's answer waits for its records
         claim = asyncio.ensure_future(w[2].connect(cid))
         await until(lambda: w[1].closed == [cid])
@@ -467,10 +473,7 @@ def test_a_registry_entry_naming_a_dead_worker_is_taken_back_not_asked_forever(
     tmp_path: Path,
 ) -> None:
     async def main() -> None:
-        log: dict[str, bytes] = {}
-        w = await cluster(tmp_path, 3, log)
-        cid = ids_homed_at(0, 3, 1)[0]
-        assert await w[1].connect(cid, b'{"subs":1}') == NEW
+        w, cid = await held_by_worker_1(tmp_path, b'{"subs":1}')
         await w[2].mesh.close()
         await until(lambda: 2 not in w[0].mesh.peers)
         w[1].held.clear()
@@ -493,10 +496,7 @@ def test_an_end_told_while_a_new_claim_from_the_same_worker_is_under_way_is_not_
     went on (two holders [MQTT-3.1.4-3], its will never published)."""
 
     async def main() -> None:
-        log: dict[str, bytes] = {}
-        w = await cluster(tmp_path, 3, log)
-        cid = ids_homed_at(0, 3, 1)[0]
-        assert await w[1].connect(cid, b"a") == NEW
+        w, cid = await held_by_worker_1(tmp_path, b"a")
         del w[1].held[cid]  # its session ended with its connection (a clean session)
 
         def adopt(answer: bytes) -> bytes:
@@ -523,10 +523,7 @@ def test_a_release_waits_for_the_records_the_holder_forwarded(tmp_path: Path) ->
     churn run with paused workers)."""
 
     async def main() -> None:
-        log: dict[str, bytes] = {}
-        w = await cluster(tmp_path, 3, log)
-        cid = ids_homed_at(0, 3, 1)[0]
-        assert await w[1].connect(cid, b"s") == NEW
+        w, cid = await held_by_worker_1(tmp_path, b"s")
         answered = asyncio.Event()
         w[1].dir.settled = answered.wait  # its forwards not answered yet
         claim = asyncio.ensure_future(w[2].connect(cid))
