@@ -331,7 +331,11 @@ class Mesh:
         assert proto.peer is not None
         old = self.peers.get(proto.peer)
         if old is not None and old is not proto:
-            old.close()  # a replacement of that worker: the old channel is dead anyway
+            # A replacement of that worker (the old one died, its end not read yet: a paused
+            # worker reads both in one pass). Its death is handled first, as if read before:
+            # what it held is taken back and its requests fail, before the new one counts.
+            old.close()
+            self._detach(old)
         self.peers[proto.peer] = proto
         log.debug("worker %d: peer %d up", self.worker, proto.peer)
         if self.on_peer_up is not None:

@@ -133,6 +133,9 @@ class SessionDirectory:
         self._waiting: set[asyncio.Task[None]] = set()
         #: Claims of this worker under way, per client id (see :meth:`ended`).
         self._claiming: dict[str, int] = {}
+        #: How many times each peer was seen to die (:meth:`peer_down`): a claim decided
+        #: for a worker that died since its claim was read is taken back (see _decide).
+        self._deaths: dict[int, int] = {}
         self.hand_over: Callable[[str], bytes | None] = lambda client_id: None
         self.restore: Callable[[list[str]], list[str]] = lambda client_ids: []
         self.held_ids: Callable[[], list[str]] = list
@@ -312,12 +315,14 @@ class SessionDirectory:
         claimant: int,
         handed: tuple[int, int] | None = None,
         reply: Callable[[bytes], None] | None = None,
+        deaths: int = 0,
     ) -> bytes:
         """Decide a claim of ``client_id`` by ``claimant`` and return the answer; for
         another worker's claim, ``reply`` sends it (:data:`REFUSED` if deciding failed)
         before the next claim of the client id is decided: a release that decision asks
         of the claimant then follows this answer on the mesh (see :meth:`claim`). Not
-        before the sessions homed here are known (:meth:`loaded`)."""
+        before the sessions homed here are known (:meth:`loaded`). ``deaths``: the
+        claimant's count in :attr:`_deaths` when its claim was read."""
         if not self._ready.is_set():
             await self._ready.wait()
         while (busy := self._busy.get(client_id)) is not None:
@@ -327,12 +332,15 @@ class SessionDirectory:
         try:
             try:
                 answer = await self._decide_turn(client_id, claimant, handed)
-                if self.registry.get(client_id) == claimant and self._gone(claimant):
-                    # The claimant died while its claim was decided, after peer_down() took
-                    # back what it held: the session it was given comes back here the same
-                    # way (its last holder's records are in the log, :attr:`after_written`).
-                    # Left to the dead worker, the entry would send every later claim of the
-                    # client id to it.
+                if self.registry.get(client_id) == claimant and (
+                    self._gone(claimant) or self._deaths.get(claimant, 0) != deaths
+                ):
+                    # The claimant died after its claim was read (after peer_down() took back
+                    # what it held; it may be back already, restarted, holding nothing): the
+                    # session it was given comes back here the same way (its last holder's
+                    # records are in the log, :attr:`after_written`). Left to it, the entry
+                    # would send every later claim of the client id to the dead worker, or to
+                    # its replacement, which would answer "new": the session lost.
                     self._take_back(claimant, [client_id])
             except Exception as e:
                 if reply is None:
@@ -442,7 +450,10 @@ class SessionDirectory:
         def reply(answer: bytes) -> None:
             mesh.reply(peer, request, answer)
 
-        asyncio.get_running_loop().create_task(self._decide(client_id, peer, reply=reply))
+        deaths = self._deaths.get(peer, 0)
+        asyncio.get_running_loop().create_task(
+            self._decide(client_id, peer, reply=reply, deaths=deaths)
+        )
 
     def _on_release(self, peer: int, request: int, body: memoryview) -> None:
         client_id = bytes(body).decode()
@@ -467,8 +478,9 @@ class SessionDirectory:
         def reply(answer: bytes) -> None:
             mesh.reply(peer, request, answer)
 
+        deaths = self._deaths.get(peer, 0)
         asyncio.get_running_loop().create_task(
-            self._decide(client_id, peer, (sender, token), reply)
+            self._decide(client_id, peer, (sender, token), reply, deaths)
         )
 
     def _on_release_handed(self, peer: int, request: int, body: memoryview) -> None:
@@ -503,6 +515,7 @@ class SessionDirectory:
 
     def peer_down(self, peer: int) -> None:
         """``peer`` died: the sessions homed here that it held are restored here."""
+        self._deaths[peer] = self._deaths.get(peer, 0) + 1
         self._take_back(peer, [cid for cid, holder in self.registry.items() if holder == peer])
 
     def _take_back(self, peer: int, lost: list[str]) -> None:

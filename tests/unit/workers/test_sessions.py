@@ -468,6 +468,63 @@ def test_a_claimant_dying_while_its_claim_is_decided_leaves_the_session_at_its_h
     run(main)
 
 
+def test_a_claimant_dead_and_restarted_while_its_claim_is_decided_does_not_keep_the_session(
+    tmp_path: Path,
+) -> None:
+    """As above, but the claimant's replacement is up before the decision ends: the entry
+    must not name it (it holds nothing, and would answer the next claim "new": the session
+    lost); the session comes back to its home from the log."""
+
+    async def main() -> None:
+        w, cid = await held_by_worker_1(tmp_path, b'{"subs":1}')
+        w[1].writing[cid] = []  # the release's answer waits for its records
+        claim = asyncio.ensure_future(w[2].connect(cid))
+        await until(lambda: w[1].closed == [cid])
+        await w[2].mesh.close()  # the claimant dies
+        await until(lambda: 2 not in w[0].mesh.peers)
+        claim.cancel()
+        again = FakeWorker(tmp_path, 2, 3, w[0].log)  # and is restarted
+        await again.mesh.start()
+        await again.mesh.wait_connected(5)
+        await until(lambda: 2 in w[0].mesh.peers)
+        w[1].answered(cid)
+        await until(lambda: cid in w[0].held)
+        assert w[0].dir.registry[cid] == 0
+        assert await asyncio.wait_for(again.connect(cid), 5) == STATE + b'{"subs":1}'
+        for x in (w[0], w[1], again):
+            await x.mesh.close()
+
+    run(main)
+
+
+def test_a_worker_replaced_before_its_end_was_read_is_handled_as_dead_first(
+    tmp_path: Path,
+) -> None:
+    """A restarted worker's channel can reach a peer before the old channel's end is read
+    (a paused peer reads both in one pass): the old worker's death is handled first (its
+    sessions taken back from the log), or the registry would name the replacement for
+    sessions it never held."""
+
+    async def main() -> None:
+        log: dict[str, bytes] = {}
+        w = await cluster(tmp_path, 2, log)
+        cid = ids_homed_at(0, 2, 1)[0]
+        assert await w[1].connect(cid, b'{"subs":1}') == NEW
+        old = w[0].mesh.peers[1]
+        old.transport.pause_reading()  # its end is not read before the replacement's HELLO
+        await w[1].mesh.close()
+        again = FakeWorker(tmp_path, 1, 2, log)
+        await again.mesh.start()
+        await again.mesh.wait_connected(5)
+        await until(lambda: w[0].mesh.peers.get(1) not in (None, old))
+        assert w[0].dir.registry[cid] == 0 and w[0].held[cid] == b'{"subs":1}'
+        assert await asyncio.wait_for(again.connect(cid), 5) == STATE + b'{"subs":1}'
+        await again.mesh.close()
+        await w[0].mesh.close()
+
+    run(main)
+
+
 @pytest.mark.timeout(30)
 def test_a_registry_entry_naming_a_dead_worker_is_taken_back_not_asked_forever(
     tmp_path: Path,
