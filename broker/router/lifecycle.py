@@ -398,6 +398,7 @@ class Lifecycle:
             again, self._wills_again = self._wills_again, []
             for client_id, will, first in again:
                 self._send_will_until_stored(client_id, will, first)
+        self.store.delete_again()
         due = state.offline_due
         if due and due[0][0] <= mono:
             now = state.clock()

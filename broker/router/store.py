@@ -13,6 +13,7 @@ Called only from the owning event loop's thread.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from functools import partial
 from typing import Any
@@ -33,6 +34,11 @@ from broker.router.state import RETAINED, SESSIONS, RouterState
 #: cluster's ownership records (broker.workers.replicated_sessions). An MQTT string never
 #: contains U+0000 [MQTT-1.5.4-2].
 OWNERSHIP = "\0"
+#: How many times a tombstone is appended before it is given up (one attempt per pass of
+#: the timer, about a second apart: a dead worker owning ``$sessions`` is back in less).
+TOMBSTONE_ATTEMPTS = 10
+
+log = logging.getLogger("broker.router")
 
 
 class SessionStore:
@@ -57,6 +63,12 @@ class SessionStore:
         #: answered yet, and what waits for them (:meth:`after_written`).
         self._unanswered: dict[str, int] = {}
         self._waiting: dict[str, list[Callable[[], None]]] = {}
+        #: Per client id with records in flight: how many it had written here (a tombstone
+        #: not stored is written again only while it is the last, :meth:`_deleted`).
+        self._written_count: dict[str, int] = {}
+        #: Tombstones not stored, to write again at the timer's next pass: client id, the
+        #: number of the record, attempts left.
+        self._deletes_again: list[tuple[str, int, int]] = []
 
     def load(self, skip: Iterable[str] = ()) -> list[str]:
         """Load retained messages and the sessions this worker is home to, except those in
@@ -101,14 +113,55 @@ class SessionStore:
         state = self.state
         payload = orjson.dumps(session.to_state(state.monotonic()))
         record = Record(-1, state.now_ms(), session.client_id, payload)
-        self._unanswered[session.client_id] = self._unanswered.get(session.client_id, 0) + 1
+        self._count(session.client_id)
         self.commit.enqueue(record, partial(self._written, session, ack), SESSIONS)
+
+    def _count(self, client_id: str) -> int:
+        """One more record of ``client_id`` in flight from here; returns its number."""
+        self._unanswered[client_id] = self._unanswered.get(client_id, 0) + 1
+        number = self._written_count[client_id] = self._written_count.get(client_id, 0) + 1
+        return number
 
     def delete(self, client_id: str) -> None:
         """Delete the state of ``client_id`` 's session (a tombstone: it ended)."""
-        self._unanswered[client_id] = self._unanswered.get(client_id, 0) + 1
+        self._append_tombstone(client_id, self._count(client_id), TOMBSTONE_ATTEMPTS)
+
+    def _append_tombstone(self, client_id: str, number: int, attempts: int) -> None:
         tombstone = Record(-1, self.state.now_ms(), client_id, b"")
-        self.commit.enqueue(tombstone, partial(self._answered, client_id), SESSIONS)
+        answer = partial(self._deleted, client_id, number, attempts - 1)
+        self.commit.enqueue(tombstone, answer, SESSIONS)
+
+    def _deleted(self, client_id: str, number: int, attempts: int, offset: int | None) -> None:
+        """A tombstone's append answered. Not stored (``$sessions`` ' owner worker dead, its
+        forward refused; no leader in a cluster; or not known to be: a second one deletes
+        nothing more) while it is still the last record of the
+        client id written here, it is written again at the timer's next pass, and counts as
+        unanswered until then: the state it deletes would otherwise stay in the log, and a
+        restart or a worker's death would bring back a session that ended (a clean start's
+        [MQTT-3.1.2-4]). Not blindly: a session that leaves this worker (or whose end is told
+        to its home) waits for its records here to be answered (:meth:`after_written`), so
+        no other worker has written a newer state of the client id meanwhile; a newer
+        record written here replaces the tombstone."""
+        if not stored(offset) and self._written_count.get(client_id) == number:
+            if attempts > 0:
+                self._deletes_again.append((client_id, number, attempts))
+                return
+            log.error(
+                "%s: its session's tombstone was not stored after %d attempts; "
+                "its last state stays in $sessions",
+                client_id,
+                TOMBSTONE_ATTEMPTS,
+            )
+        self._answered(client_id)
+
+    def delete_again(self) -> None:
+        """Write again the tombstones not stored (:meth:`_deleted`; the timer's pass)."""
+        again, self._deletes_again = self._deletes_again, []
+        for client_id, number, attempts in again:
+            if self._written_count.get(client_id) == number:
+                self._append_tombstone(client_id, number, attempts)
+            else:
+                self._answered(client_id)
 
     def after_written(self, client_id: str, then: Callable[[], None]) -> None:
         """Call ``then`` once every ``$sessions`` record of ``client_id`` written here has
@@ -132,6 +185,7 @@ class SessionStore:
             self._unanswered[client_id] = left
             return
         del self._unanswered[client_id]
+        del self._written_count[client_id]
         for then in self._waiting.pop(client_id, ()):
             then()
 

@@ -118,8 +118,58 @@ def test_after_written_waits_for_every_sessions_record_of_the_client_id(
     h.router.after_written("a", lambda: called.append("tombstone"))
     calls = fail_appends(h, monkeypatch, ("$sessions", 0), 1)
     assert called[-1] == "state"
-    h.run()  # the append fails: answered all the same
-    assert calls == [1] and called[-1] == "tombstone"
+    h.run()  # the append fails: the tombstone is written again at the timer's next pass
+    assert calls == [1] and called[-1] == "state"
+    h.tick(1)
+    assert calls == [2] and called[-1] == "tombstone"
+
+
+def test_a_tombstone_not_stored_is_written_again_until_it_is(
+    h: Harness, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A session that ended keeps its state in the log if its tombstone's append fails
+    (with several workers: ``$sessions`` ' owner worker dead, the forward refused); a
+    restart would bring the session back (after a clean start [MQTT-3.1.2-4]). The
+    tombstone is written again at each pass of the timer until stored, unless a newer
+    record of the client id was written here since."""
+
+    def stored(client_id: str) -> list[bytes]:
+        log = h.streams.log("$sessions", 0)
+        return [r.payload for r in log.read(0, 10_000) if r.topic == client_id]
+
+    link, s = h.connect("a", 5, expiry=600)
+    h.subscribe(s, "t/#", 1)
+    h.disconnect(s, link)
+    assert stored("a") and stored("a")[-1]  # its state is in the log
+    calls = fail_appends(h, monkeypatch, ("$sessions", 0), 3)
+    link, s = h.connect("a", 5, clean=True)  # a clean start ends the stored session
+    h.run()
+    assert calls == [1] and stored("a")[-1] != b""
+    h.tick(1)
+    h.tick(1)
+    assert calls == [3] and stored("a")[-1] != b""
+    h.tick(1)
+    assert calls == [4] and stored("a")[-1] == b""
+    h.tick(1)
+    assert calls == [4]  # stored: not again
+
+    # Not stored, then replaced by a newer record of the client id: not written again.
+    h.disconnect(s, link)
+    link, s = h.connect("b", 5, expiry=600)
+    h.subscribe(s, "t/#", 1)
+    h.disconnect(s, link)
+    calls = fail_appends(h, monkeypatch, ("$sessions", 0), 1)
+    link, s = h.connect("b", 5, clean=True)
+    h.run()  # the tombstone failed
+    assert calls == [1] and stored("b")[-1] != b""
+    h.disconnect(s, link)
+    link, s = h.connect("b", 5, expiry=600)  # back, persistent: its state is written
+    h.subscribe(s, "u/#", 1)
+    assert calls == [2] and b"u/#" in stored("b")[-1]
+    h.tick(1)
+    assert b"u/#" in stored("b")[-1]  # no tombstone after it
+    h.tick(1)
+    assert b"u/#" in stored("b")[-1]  # no tombstone after it
 
 
 def test_a_persistent_sessions_suback_waits_for_its_state_in_the_log(
