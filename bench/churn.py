@@ -47,6 +47,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import functools
 import json
 import os
 import random
@@ -61,6 +62,7 @@ import urllib.request
 from collections.abc import Awaitable, Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from bench.mqttclient import MqttClient
 from bench.ports import free_port
@@ -84,10 +86,30 @@ FAILURES = (
     "wills_lost",
     "retained_lost",
 )
+#: A stream of its own for the workload (every topic under ``churn/``), as the suite's test.
+STREAMS = '[[streams]]\nname = "churn"\ntopic_filter = ["churn/#"]\npartitions = 4\n'
 #: The topics of the devices' wills (``--wills``).
 WILLS = "churn/will/{}"
 #: The topics of the devices' retained messages (``--retained``).
 STATES = "churn/state/{}"
+
+
+class Nodes:
+    """Where clients connect: one broker, or the nodes of a cluster, one picked at random
+    (its own generator: the workload's draws stay those of a single broker) for each
+    connection, so that a client id's next connection is often on another node (a takeover
+    across nodes) and a client whose node is down finds another."""
+
+    def __init__(self, addrs: list[tuple[str, int]], seed: int) -> None:
+        self.addrs = addrs
+        self.rng = random.Random(seed)
+
+    def pick(self) -> tuple[str, int]:
+        return self.addrs[0] if len(self.addrs) == 1 else self.rng.choice(self.addrs)
+
+    async def connect(self, client_id: str, **kw: Any) -> MqttClient:
+        host, port = self.pick()
+        return await MqttClient.connect(host, port, client_id, timeout=ACK_SECONDS, **kw)
 
 
 @dataclass
@@ -152,8 +174,7 @@ class _Device:
     def __init__(
         self,
         i: int,
-        host: str,
-        port: int,
+        nodes: Nodes,
         seed: int,
         report: ChurnReport,
         wills: bool = False,
@@ -162,7 +183,7 @@ class _Device:
         self.i = i
         self.cid = f"dev{i}"
         self.persistent = i % 2 == 0
-        self.host, self.port = host, port
+        self.nodes = nodes
         self.rng = random.Random(seed * 100_003 + i)
         self.report = report
         self.acked: set[str] = set()
@@ -190,14 +211,8 @@ class _Device:
         self.attempts += 1
         if self.wills:  # named after the connection (a CONNECT without its CONNACK: unjudged)
             will = (WILLS.format(self.cid), f"{self.cid}#{self.attempts}".encode())
-        client = await MqttClient.connect(
-            self.host,
-            self.port,
-            self.cid,
-            clean=not self.persistent,
-            timeout=ACK_SECONDS,
-            on_message=self._on_message,
-            will=will,
+        client = await self.nodes.connect(
+            self.cid, clean=not self.persistent, on_message=self._on_message, will=will
         )
         self.report.connects += 1
         if will is not None:
@@ -212,7 +227,7 @@ class _Device:
             self.subscribed = True  # the session keeps it from now on
         return client
 
-    def _state_acked(self, fut: asyncio.Future[float], n: int) -> None:
+    def _state_acked(self, n: int, fut: asyncio.Future[float]) -> None:
         if not fut.cancelled() and fut.exception() is None:
             self.state_acked = max(self.state_acked, n)
 
@@ -240,7 +255,7 @@ class _Device:
                     n = self.state_sent
                     topic = STATES.format(self.cid)
                     state = client.publish(topic, str(n).encode(), retain=True)
-                    state.add_done_callback(lambda f, n=n: self._state_acked(f, n))
+                    state.add_done_callback(functools.partial(self._state_acked, n))
                 for _ in range(rng.randint(1, 15)):
                     self.seq += 1
                     uid = f"{self.cid}-{self.seq}"
@@ -295,8 +310,8 @@ class _WillWatcher:
     start and connected again whenever its connection is lost (what was published meanwhile
     is kept for it); ``got`` counts each will's arrivals."""
 
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
+    def __init__(self, nodes: Nodes) -> None:
+        self.nodes = nodes
         self.got: dict[str, int] = {}
         self.seen: set[str] = set()
         self.subscribed = False
@@ -308,14 +323,7 @@ class _WillWatcher:
         self.seen.add(will)
 
     async def connect(self) -> MqttClient:
-        client = await MqttClient.connect(
-            self.host,
-            self.port,
-            "will-watcher",
-            clean=False,
-            timeout=ACK_SECONDS,
-            on_message=self._on_message,
-        )
+        client = await self.nodes.connect("will-watcher", clean=False, on_message=self._on_message)
         if not self.subscribed:
             await client.subscribe(WILLS.format("#"))
             self.subscribed = True
@@ -342,9 +350,9 @@ class _Member:
     persistent session (``member<k>``): it comes and goes (aborts, then connects again a
     moment later) and records every telemetry id it is given."""
 
-    def __init__(self, k: int, host: str, port: int, seed: int) -> None:
+    def __init__(self, k: int, nodes: Nodes, seed: int) -> None:
         self.cid = f"member{k}"
-        self.host, self.port = host, port
+        self.nodes = nodes
         self.rng = random.Random(seed * 7919 + k)
         self.got: set[str] = set()
         self.subscribed = False
@@ -354,14 +362,7 @@ class _Member:
         self.got.add(payload.decode())
 
     async def connect(self) -> MqttClient:
-        client = await MqttClient.connect(
-            self.host,
-            self.port,
-            self.cid,
-            clean=False,
-            timeout=ACK_SECONDS,
-            on_message=self._on_message,
-        )
+        client = await self.nodes.connect(self.cid, clean=False, on_message=self._on_message)
         if not self.subscribed:
             await client.subscribe(SHARED)
             self.subscribed = True
@@ -406,7 +407,7 @@ async def _last_visit(
 
 
 async def _commander(
-    host: str, port: int, devices: list[_Device], deadline: float, acked: dict[str, str]
+    nodes: Nodes, devices: list[_Device], deadline: float, acked: dict[str, str]
 ) -> None:
     """Commands to the persistent devices, round robin, one in flight at a time."""
     targets = [d for d in devices if d.persistent]
@@ -415,7 +416,7 @@ async def _commander(
     while time.monotonic() < deadline:
         try:
             if client is None or client.is_closed:
-                client = await MqttClient.connect(host, port, "commander", timeout=ACK_SECONDS)
+                client = await nodes.connect("commander")
             device = targets[n % len(targets)]
             n += 1
             if not device.subscribed:
@@ -433,7 +434,7 @@ async def _commander(
         client.close()
 
 
-async def _read_back(host: str, port: int, expected: int) -> set[str]:
+async def _read_back(nodes: Nodes, expected: int) -> set[str]:
     """Every telemetry id in the log, from a ``$replay/earliest`` subscription."""
     got: set[str] = set()
     last = [time.monotonic()]
@@ -442,9 +443,7 @@ async def _read_back(host: str, port: int, expected: int) -> set[str]:
         got.add(payload.decode())
         last[0] = time.monotonic()
 
-    client = await MqttClient.connect(
-        host, port, "churn-reader", timeout=ACK_SECONDS, on_message=on_message
-    )
+    client = await nodes.connect("churn-reader", on_message=on_message)
     await client.subscribe("$replay/earliest/churn/+/telemetry")
     while time.monotonic() - last[0] < 3.0 and len(got) < expected:
         await asyncio.sleep(0.1)
@@ -476,23 +475,31 @@ async def churn(
     shared: int = 0,
     wills: bool = False,
     retained: bool = False,
+    cluster: list[tuple[str, int]] | None = None,
 ) -> ChurnReport:
     """Run the workload (module docstring) against the broker at ``host:port``; with
     ``kill``, also call it every ``kill_every`` seconds or so (it kills a part of the broker
     and says which); with ``shared`` members, every acknowledged publish must also reach the
     shared subscription's group (some member, at least once); with ``wills``, every
-    connection that ended without DISCONNECT must have its will published."""
+    connection that ended without DISCONNECT must have its will published. ``cluster``: the
+    nodes' addresses (``host``, ``port`` is one of them); each connection goes to one at
+    random."""
     report = ChurnReport(seconds, devices, seed)
-    fleet = [_Device(i, host, port, seed, report, wills, retained) for i in range(devices)]
-    members = [_Member(k, host, port, seed) for k in range(shared)]
+    addrs = cluster or [(host, port)]
+    fleet = [
+        _Device(i, Nodes(addrs, seed * 7 + i), seed, report, wills, retained)
+        for i in range(devices)
+    ]
+    members = [_Member(k, Nodes(addrs, seed * 11 + k), seed) for k in range(shared)]
+    anywhere = Nodes(addrs, seed)
     for m in members:
         await m.connect()  # subscribed before the first publish
-    watcher = _WillWatcher(host, port) if wills else None
+    watcher = _WillWatcher(anywhere) if wills else None
     if watcher is not None:
         await watcher.connect()
     commands: dict[str, str] = {}
     deadline = time.monotonic() + seconds
-    tasks = [_commander(host, port, fleet, deadline, commands), *(d.run(deadline) for d in fleet)]
+    tasks = [_commander(anywhere, fleet, deadline, commands), *(d.run(deadline) for d in fleet)]
     tasks += [m.run(deadline) for m in members]
     if watcher is not None:
         tasks.append(watcher.run(deadline))
@@ -503,7 +510,7 @@ async def churn(
     await asyncio.gather(*(d.collect() for d in fleet if d.persistent))
     acked = set().union(*(d.acked for d in fleet))
     report.acked = len(acked)
-    report.lost = sorted(acked - await _read_back(host, port, len(acked)))
+    report.lost = sorted(acked - await _read_back(anywhere, len(acked)))
     received = {d.cid: d.commands for d in fleet}
     report.commands_acked = len(commands)
     report.commands_lost = sorted(u for u, cid in commands.items() if u not in received[cid])
@@ -519,27 +526,25 @@ async def churn(
         report.wills_after_disconnect = len(not_owed & watcher.seen)
         report.wills_twice = sum(n > 1 for n in watcher.got.values())
     if retained:
-        stored = await _retained(host, port)
-        acked = {d.cid: d.state_acked for d in fleet if d.state_acked}
-        report.retained_expected = len(acked)
+        stored = await _retained(anywhere)
+        last = {d.cid: d.state_acked for d in fleet if d.state_acked}
+        report.retained_expected = len(last)
         report.retained_lost = sorted(
             f"{cid}: got {stored.get(cid)}, acked {n}"
-            for cid, n in acked.items()
+            for cid, n in last.items()
             if stored.get(cid, 0) < n
         )
     return report
 
 
-async def _retained(host: str, port: int) -> dict[str, int]:
+async def _retained(nodes: Nodes) -> dict[str, int]:
     """The retained counter of each device, as a new subscriber to them all is given."""
     got: dict[str, int] = {}
 
     def on_message(topic: str, payload: bytes) -> None:
         got[topic.rsplit("/", 1)[1]] = int(payload)
 
-    client = await MqttClient.connect(
-        host, port, "churn-states", timeout=ACK_SECONDS, on_message=on_message
-    )
+    client = await nodes.connect("churn-states", on_message=on_message)
     await client.subscribe(STATES.format("+"))
     seen = -1
     while len(got) != seen:
@@ -670,11 +675,21 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument(
         "--kill",
-        choices=("worker", "broker", "pause"),
-        default="worker",
-        help="worker: SIGKILL one worker, chosen at random (its supervisor starts it again); "
-        "broker: SIGKILL the whole broker and start it again (clients reconnect); pause: "
-        "SIGSTOP one worker for 0.5-3 s, then SIGCONT",
+        choices=("worker", "broker", "pause", "node"),
+        default=None,
+        help="worker (the default): SIGKILL one worker, chosen at random (its supervisor "
+        "starts it again); broker: SIGKILL the whole broker and start it again (clients "
+        "reconnect); pause: SIGSTOP one worker (with --cluster: one node) for 0.5-3 s, then "
+        "SIGCONT; node (with --cluster, its default): SIGKILL one node, start it again "
+        "0.5-3 s later",
+    )
+    ap.add_argument(
+        "--cluster",
+        type=int,
+        default=0,
+        help="run a cluster of this many nodes, each in its own network namespace (root; "
+        "tests/netlab.py), every partition a Raft group of them, fsync always; each "
+        "connection goes to a node picked at random (0: one broker)",
     )
     ap.add_argument(
         "--shared",
@@ -699,8 +714,16 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.devices < 1 or args.seconds <= 0 or args.shared < 0:
         ap.error("--devices 1 or more, --seconds above 0, --shared 0 or more")
-    if args.kill_every and args.kill != "broker" and args.workers < 2:
+    if args.kill is None:
+        args.kill = "node" if args.cluster else "worker"
+    if args.cluster and args.kill not in ("node", "pause"):
+        ap.error(f"--kill {args.kill}: with --cluster, node or pause")
+    if not args.cluster and args.kill == "node":
+        ap.error("--kill node: with --cluster only")
+    if args.kill_every and not args.cluster and args.kill != "broker" and args.workers < 2:
         ap.error(f"--kill {args.kill}: one worker is the broker itself (--workers 2+)")
+    if args.cluster:
+        return _cluster_runs(args)
     failed = 0
     for seed in range(args.seed, args.seed + args.runs):
         work = Path(tempfile.mkdtemp(prefix="churn-"))
@@ -731,18 +754,85 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             broker.stop()
         line = {**report.summary(), "workers": args.workers, "handed_off": handed}
-        print(json.dumps(line))
-        for key in FAILURES:
-            if getattr(report, key):
-                print(f"  {key}: {getattr(report, key)[:10]}")
-        if args.json:
-            with open(args.json, "a") as f:
-                f.write(json.dumps(line) + "\n")
-        if report.ok:
-            shutil.rmtree(work)
-        else:
-            failed += 1
-            print(f"  kept: {work}")
+        failed += not _print(report, line, work, args.json)
+    return 1 if failed else 0
+
+
+def _print(
+    report: ChurnReport, line: dict[str, object], work: Path, json_path: Path | None
+) -> bool:
+    """Print a run's JSON line and its failures; keep its files if it failed. Whether ok."""
+    print(json.dumps(line), flush=True)
+    for key in FAILURES:
+        if getattr(report, key):
+            print(f"  {key}: {getattr(report, key)[:10]}")
+    if json_path:
+        with open(json_path, "a") as f:
+            f.write(json.dumps(line) + "\n")
+    if report.ok:
+        shutil.rmtree(work, ignore_errors=True)
+    else:
+        print(f"  kept: {work}")
+    return report.ok
+
+
+def node_faults(cluster: Any, kind: str, seed: int) -> Callable[[], str]:
+    """A function that kills (``node``: SIGKILL, started again 0.5-3 s later) or stops
+    (``pause``: SIGSTOP for 0.5-3 s, then SIGCONT) one node of ``cluster``
+    (tests/cluster_lab.py's MqlogCluster), chosen at random, and names it."""
+    rng = random.Random(seed)
+
+    def fault() -> str:
+        member = rng.choice(cluster.members)
+        seconds = 0.5 + 2.5 * rng.random()
+        if kind == "pause":
+            cluster.pause(member)
+            try:
+                time.sleep(seconds)
+            finally:
+                cluster.resume(member)
+            return f"node {member.node_id} paused {seconds:.1f} s"
+        cluster.kill(member)
+        time.sleep(seconds)
+        cluster.start(member)
+        return f"node {member.node_id} killed, started {seconds:.1f} s later"
+
+    return fault
+
+
+def _cluster_runs(args: argparse.Namespace) -> int:
+    """``--cluster N``: each run on a new cluster of N nodes in the network lab."""
+    from tests.cluster_lab import MQTT_PORT, MqlogCluster
+    from tests.netlab import Lab
+
+    failed = 0
+    for seed in range(args.seed, args.seed + args.runs):
+        work = Path(tempfile.mkdtemp(prefix="churn-cluster-"))
+        with Lab(args.cluster) as lab:
+            cluster = MqlogCluster(lab, work, workers=args.workers, extra=STREAMS)
+            try:
+                cluster.start()
+                cluster.wait_all_alive()
+                kill = node_faults(cluster, args.kill, seed) if args.kill_every else None
+                addrs = [(m.addr, MQTT_PORT) for m in cluster.members]
+                report = asyncio.run(
+                    churn(
+                        *addrs[0],
+                        seconds=args.seconds,
+                        devices=args.devices,
+                        seed=seed,
+                        kill=kill,
+                        kill_every=args.kill_every,
+                        shared=args.shared,
+                        wills=args.wills,
+                        retained=args.retained,
+                        cluster=addrs,
+                    )
+                )
+            finally:
+                cluster.stop()
+        line = {**report.summary(), "nodes": args.cluster, "workers": args.workers}
+        failed += not _print(report, line, work, args.json)
     return 1 if failed else 0
 
 
