@@ -353,6 +353,35 @@ def test_a_connection_taken_over_by_a_connect_elsewhere_publishes_its_will_where
     asyncio.run(run())
 
 
+def test_a_will_being_fenced_when_a_connect_elsewhere_takes_the_session_still_goes_out(
+    tmp_path: Path,
+) -> None:
+    """The connection drops without DISCONNECT and its will is being fenced (its record
+    proposed, not applied) when the client connects again on another node, whose claim is
+    committed first: the will record loses, and the will must still go out once, from the
+    node where the connection dropped (the state the claimant adopts no longer has it). It
+    was dropped ("the session moved on"): 52 wills of 889 in a 20-second churn run."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await owned_by(a, log, "dev")
+        link, session = a.harness.connect("dev", clean=False, expiry=300, will=WILL)
+        a.harness.tick(0)  # its state written
+        log.commit()
+        a.harness.drop(session, link)  # the will is due: its record is proposed
+        claim = loop.create_task(b.sessions.claim("dev", lambda x: x))
+        await turns()
+        log.commit(b, a)  # b's claim first, then a's will record: it loses
+        await log.settle()
+        await claim
+        assert wills(a) == [WILL.payload] and wills(b) == []
+        assert a.sessions.fence.dropped == 0
+
+    asyncio.run(run())
+
+
 def test_a_clean_sessions_claim_ends_after_its_will_is_out(tmp_path: Path) -> None:
     async def run() -> None:
         loop = asyncio.get_running_loop()
