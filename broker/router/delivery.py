@@ -69,6 +69,7 @@ class Delivery:
     pump_group: Callable[[SharedGroup], None]
     #: Deliver what groups held elsewhere sent for a session (broker.router.shared).
     send_group_queue: Callable[[Session], None]
+    resend_when_readable: Callable[[Session], None]  # what it waits to resend (router.qos)
     #: A delivery of a shared group is complete (broker.router.shared).
     group_done: Callable[[Session, str, PartitionKey, int], None]
     #: The link of a session closed (broker.router.lifecycle).
@@ -98,8 +99,9 @@ class Delivery:
                     self.pump_group(group)
             elif type(watcher) is QueueWatcher:
                 part.watchers.discard(watcher)  # woken once
-                session = sessions.get(watcher.client_id)
-                if session is not None:
+                if (session := sessions.get(watcher.client_id)) is not None:
+                    if session.resend_due:
+                        self.resend_when_readable(session)
                     self.send_group_queue(session)
 
     def can_send(self, session: Session, qos: int) -> bool:
@@ -176,9 +178,8 @@ class Delivery:
             return Columns([], [], None)
 
     def read_exact(self, key: PartitionKey, offset: int) -> Record | None:
-        part = self.partition(key)
         try:
-            recs = part.read(offset, 1)
+            recs = self.partition(key).read(offset, 1)
         except (OffsetOutOfRange, CorruptRecordBatch):
             return None
         return recs[0] if recs and recs[0].offset == offset else None
@@ -592,9 +593,7 @@ def release_once_stored(session: Session, link: Link, offset: int | None) -> Non
 
 def _deleted(part: PartitionBase, offset: int) -> None:
     """Log that a consumer's ``offset`` was deleted by retention (it skips to the start)."""
+    start = part.log.log_start_offset
     log.warning(
-        "%s/%d: offset %d was deleted by retention; skipping to %d",
-        *part.key,
-        offset,
-        part.log.log_start_offset,
+        "%s/%d: offset %d was deleted by retention; skipping to %d", *part.key, offset, start
     )

@@ -55,9 +55,10 @@ class GroupWatcher(NamedTuple):
 
 
 class QueueWatcher(NamedTuple):
-    """A session whose next record from a group held elsewhere (its ``group_queue``) is not
-    committed here yet: the group's home saw the commit first (a cluster's follower learns
-    it a round later)."""
+    """A session whose next record from a group held elsewhere (its ``group_queue``), or an
+    in-flight delivery to resend (its ``resend_due``), is not readable here yet: the
+    group's home saw the commit first (a cluster's follower learns it a round later), or
+    the session resumed on a replica behind the commit."""
 
     client_id: str
     #: Told apart from a :class:`GroupWatcher` of the same string by its length.

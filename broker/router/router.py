@@ -112,6 +112,7 @@ class Router:
         commit.persist = store.persist
         delivery.pump_group = shared.pump_group
         delivery.send_group_queue = shared.send_group_queue
+        delivery.resend_when_readable = qos.resend_when_readable
         delivery.group_done = shared.group_done
         delivery.connection_lost = lifecycle.connection_lost
         store.connection_lost = lifecycle.connection_lost

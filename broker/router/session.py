@@ -255,6 +255,10 @@ class Session:
     #: delivered yet (its quota was full): (group, partition, offset, qos). None until
     #: there is one.
     group_queue: deque[tuple[str, PartitionKey, int, int]] | None = None
+    #: Packet ids of in-flight deliveries not resent on this connection yet: their records
+    #: are not readable here yet (a cluster's replica behind the commit, a remote
+    #: partition's cache), resent once they are (broker.router.qos). None until there is one.
+    resend_due: list[int] | None = None
     will: Will | None = None
     will_due: float | None = None  # monotonic seconds at which to publish the will
     link: Link | None = None

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 from broker.config import RouterConfig
 from broker.mqtt.packets import PubAck, PubComp, Publish, PubRec, PubRel
@@ -262,3 +263,38 @@ def test_a_qos2_delivery_to_a_clean_session_is_not_held(h: Harness) -> None:
     h.publish(p, "t/1", b"x", 2, 1)
     h.run()
     assert len(link.take()) == 1 and link.holds == 0
+
+
+def test_an_inflight_delivery_not_readable_here_yet_is_resent_once_it_is(tmp_path: Path) -> None:
+    """A session resumes where its records are not readable yet (a cluster's node whose
+    replica is behind the commit: restarted, or its group without a leader for a moment):
+    its unacknowledged deliveries are resent once the records arrive, not dropped as if
+    retention had deleted them (its cursor is past them: they were lost for good; found
+    by bench.churn --cluster 3, two acknowledged publishes a shared group never gave)."""
+    a, b = Harness(tmp_path / "a"), Harness(tmp_path / "b")
+    link, s = a.connect("sub", 4, clean=False)
+    a.subscribe(s, "t/#", 1)
+    _, p = a.connect("pub", 4)
+    for i in range(3):
+        a.publish(p, "t/1", b"m%d" % i, 1, i + 1)
+    a.run()
+    sent = link.take()
+    a.router.puback(s, sent[0].packet_id)  # type: ignore[arg-type]
+    state = a.router.hand_over("sub")  # the session moves to b, whose log is empty so far
+    assert state is not None
+    b.router.adopt("sub", state)
+    link, s = b.connect("sub", 4, clean=False)
+    assert link.take() == [] and sorted(s.inflight) == [x.packet_id for x in sent[1:]]
+    _, q = b.connect("pub", 4)
+    b.publish(q, "t/1", b"m0", 1, 1)  # the records reach b's log: offset 0, not yet 1
+    b.run()
+    assert link.take() == []  # (its cursor, adopted, is past them all)
+    for i in (1, 2):
+        b.publish(q, "t/1", b"m%d" % i, 1, i + 1)
+    b.run()
+    assert [(x.payload, x.packet_id, x.dup) for x in link.take()] == [
+        (x.payload, x.packet_id, True) for x in sent[1:]
+    ]  # [MQTT-4.4.0-1]
+    for x in sent[1:]:
+        b.router.puback(s, x.packet_id)  # type: ignore[arg-type]
+    assert s.inflight == {} and not s.resend_due
