@@ -394,8 +394,15 @@ class ClusterSessions:
 
     async def _surrender(self, client_id: str, to: int, epoch: int) -> None:
         """:meth:`_release` with several workers: the worker holding the session gives it
-        up (broker.workers.sessions), then the release is written."""
+        up (broker.workers.sessions), then the release is written. Only while that claim
+        is still the owner's: a node catching up at start applies claims the log has long
+        since superseded, and this task, run once it served again, took the session from the
+        connection that held it now (at its later epoch) and wrote stale releases of it
+        (bench.churn --cluster 3 with node kills: a persistent session lost, its command
+        never delivered). A newer claim from elsewhere makes its own surrender."""
         assert self.directory is not None
+        if not self.serving or self.owners.get(client_id) != (to, epoch):
+            return
         held = self.holds(client_id)
         state = await self.directory.surrender(client_id)
         self._write_release(client_id, state, held, to, epoch)

@@ -468,3 +468,49 @@ def test_a_release_committed_after_the_end_ends_the_claim_again(tmp_path: Path) 
         assert not [r for r in compacted(log.committed) if "dev" in r.topic]
 
     asyncio.run(run())
+
+
+class Directory:
+    """What ClusterSessions asks of a node's session directory (several workers): who holds
+    each client id here, and the surrenders it asked for."""
+
+    def __init__(self, held: dict[str, int]) -> None:
+        self.registry = held
+        self.surrendered: list[str] = []
+
+    async def surrender(self, client_id: str) -> bytes | None:
+        self.surrendered.append(client_id)
+        self.registry.pop(client_id, None)
+        return b"{}"
+
+
+def test_claims_applied_while_catching_up_take_nothing_from_the_session_held_now(
+    tmp_path: Path,
+) -> None:
+    """A node of several workers catching up at start applies its client id's old claims,
+    among them others' claims that took the session from it back then. The surrenders they
+    asked for ran once the node served again, took the session from the connection holding
+    it now, at its later epoch (a persistent session lost), and wrote stale releases."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = Member(tmp_path, "a", ["a", "b"], loop)
+        s = a.sessions
+        s.serving = False  # catching up
+        s.directory = Directory({"dev": 0})  # type: ignore[assignment]
+        s.apply([claim_record("a", 1, "dev"), claim_record("b", 2, "dev")])
+        s.apply([claim_record("b", 2, "dev", released_by="a"), claim_record("a", 3, "dev")])
+        s.serving = True  # caught up: it holds dev at epoch 3
+        await turns()
+        assert s.directory.surrendered == []  # type: ignore[union-attr]
+        assert s.directory.registry == {"dev": 0}
+        assert not [r for r in a.appended() if b"released_by" in r.payload]
+
+        # While serving, a claim from elsewhere is surrendered to.
+        s.apply([claim_record("b", 4, "dev")])
+        await turns()
+        assert s.directory.surrendered == ["dev"]  # type: ignore[union-attr]
+        released = [orjson.loads(r.payload) for r in a.appended() if b"released_by" in r.payload]
+        assert released == [{"node": "b", "epoch": 4, "released_by": "a"}]
+
+    asyncio.run(run())
