@@ -399,9 +399,11 @@ class ClusterSessions:
         since superseded, and this task, run once it served again, took the session from the
         connection that held it now (at its later epoch) and wrote stale releases of it
         (bench.churn --cluster 3 with node kills: a persistent session lost, its command
-        never delivered). A newer claim from elsewhere makes its own surrender."""
+        never delivered). A newer claim from elsewhere makes its own surrender; a current
+        one is surrendered to even while catching up (a connection this node took meanwhile
+        is closed; the release is written only once it serves, :meth:`_write_release`)."""
         assert self.directory is not None
-        if not self.serving or self.owners.get(client_id) != (to, epoch):
+        if self.owners.get(client_id) != (to, epoch):
             return
         held = self.holds(client_id)
         state = await self.directory.surrender(client_id)

@@ -506,7 +506,8 @@ def test_claims_applied_while_catching_up_take_nothing_from_the_session_held_now
         assert s.directory.registry == {"dev": 0}
         assert not [r for r in a.appended() if b"released_by" in r.payload]
 
-        # While serving, a claim from elsewhere is surrendered to.
+        # A current claim from elsewhere is surrendered to (also while catching up: a
+        # connection the node took meanwhile must close [MQTT-3.1.4-3]).
         s.apply([claim_record("b", 4, "dev")])
         await turns()
         assert s.directory.surrendered == ["dev"]  # type: ignore[union-attr]
