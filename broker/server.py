@@ -49,6 +49,7 @@ from broker.net.websocket import WebSocketListener
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import Partition, PartitionBase
 from broker.router.router import Router
+from broker.router.state import SESSIONS
 from broker.workers.cluster_groups import share_across_workers
 from broker.workers.cluster_status import merge_views
 from broker.workers.handoff import HandOff
@@ -286,6 +287,10 @@ class Server:
         share_across_workers(runtime, sessions.group_peers)
         runtime.sessions.cluster = sessions
         runtime.actions["orphans"] = sessions.orphans.told
+        runtime.actions["sessions_resumed"] = sessions.resumed
+        owner = owner_of(SESSIONS, runtime.count)
+        if owner != runtime.index:
+            cluster.sessions_owner = lambda: runtime.call(owner, "sessions_resumed", None)
         sessions.orphans.tell = lambda message: runtime.tell_all("orphans", message)
         moved = runtime.partitions.on_moved
 

@@ -83,6 +83,7 @@ from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
 from broker.router.state import RETAINED, SESSIONS
 from broker.workers.forwards import ANSWER_GRACE, Forward, Forwards, answer
+from broker.workers.mesh import PeerDown
 from broker.workers.remote_fetches import RemoteFetches
 from broker.workers.remote_partition import RemotePartition
 from broker.workers.replicated_sessions import ClusterHooks, ClusterSessions
@@ -312,6 +313,8 @@ class ClusterService:
         self.hosting_changed: Callable[[PartitionKey], None] = lambda key: None
         self.relay_forward: Callable[[RemotePartition, list[Record], list[Ack | None]], None]
         self.placed: Callable[[], Awaitable[None]] | None = None
+        #: Several workers, not hosting ``$sessions``: :meth:`_sessions_caught_up` (server).
+        self.sessions_owner: Callable[[], Awaitable[int]] | None = None
 
     def attach(self, router: Router) -> None:
         self.router = router
@@ -335,6 +338,7 @@ class ClusterService:
         if self.placed is not None:
             await self.placed()
         behind = await self.node.caught_up(CATCH_UP_SECONDS)
+        await self._sessions_caught_up()
         behind += await self.remote.caught_up(CATCH_UP_SECONDS)
         if behind:
             log.warning(
@@ -353,6 +357,25 @@ class ClusterService:
             len(members),
         )
         self.sessions.resume()  # its sessions as committed; claims are answered from now on
+
+    async def _sessions_caught_up(self) -> None:
+        """A worker not hosting ``$sessions`` resumes once the one hosting it caught up
+        (:attr:`sessions_owner`) and its announcements reached this one (at most
+        :data:`CATCH_UP_SECONDS`). It resumed on what the files held at its start, applying
+        the history while serving: claims at stale epochs, surrenders and wills of records
+        superseded (bench.churn --cluster 3, nodes of two workers killed)."""
+        owner = self.sessions_owner
+        if owner is None or self.sessions.applied is not None or self.router is None:
+            return
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + CATCH_UP_SECONDS
+        try:
+            mark = await asyncio.wait_for(owner(), CATCH_UP_SECONDS)
+        except (TimeoutError, PeerDown) as e:
+            return log.warning("cluster: serving before $sessions' worker caught up (%r)", e)
+        part = self.router.partition(SESSIONS)
+        while part.end_offset < mark and loop.time() < deadline:
+            await asyncio.sleep(0.01)
 
     async def close(self) -> None:
         await self._drain_sessions()
@@ -533,15 +556,10 @@ class ClusterService:
 
     def _on_answer(self, frm: int, body: memoryview) -> None:
         request, first = _ANSWER.unpack_from(body)
-        waiting = self._waiting.pop(request, None)
-        if waiting is None:
+        w = self._waiting.pop(request, None)
+        if w is None:
             return  # timed out meanwhile: its publishers were told
-        part, records, acks, deadline = (
-            waiting.part,
-            waiting.records,
-            waiting.acks,
-            waiting.deadline,
-        )
+        part, records, acks, deadline = w.part, w.records, w.acks, w.deadline
         if first == -1:
             # Refused (that node no longer leads, or had no leader): wait for the next one.
             part.held.append((records, acks, deadline))

@@ -176,6 +176,7 @@ class ClusterSessions:
         #: ``$sessions`` offsets below this are applied (None: not read yet, a worker that
         #: does not own ``$sessions`` reads it once the owner announced its mark).
         self.applied: int | None = None
+        self._resumed = asyncio.Event()
         if sessions_log is not None:
             # What this node's log holds (up to its pinned high-water mark) is known at once.
             self._read(
@@ -245,11 +246,18 @@ class ClusterSessions:
                 if registry is not None:
                     registry[client_id] = self.worker[0]
         self.serving = True
+        self._resumed.set()
         self.fence.resume()
         if SESSIONS in self.node.group_keys.values():
             # The worker hosting $sessions speaks for its node's shared groups (with
             # several workers, for the others too: broker.workers.cluster_group_frames).
             self.group_peers.start(router)
+
+    async def resumed(self, _: object = None) -> int:
+        """Once this worker has caught up and serves (:meth:`resume`): the ``$sessions``
+        offset it applied up to (the other workers of the node wait for it at start)."""
+        await self._resumed.wait()
+        return self.applied or 0
 
     # -- applying commits (every node) ----------------------------------------------------
 
