@@ -108,8 +108,10 @@ class WillFence:
         self.sessions = sessions
         #: Client id -> its will fenced in ``$sessions`` and not out yet (every node).
         self.pending: dict[str, Fenced] = {}
-        #: Client id -> the id of the will this worker proposed and that is not out yet.
-        self.mine: dict[str, str] = {}
+        #: Client id -> the ids of the wills this worker proposed that are not out yet
+        #: (several: a new connection's may go out while an older one's record waits for a
+        #: leader; keeping only the last lost the older one when its record lost, in churn).
+        self.mine: dict[str, set[str]] = {}
         #: Client ids whose session a CONNECT on another node took from this node.
         self.taken: set[str] = set()
         #: Client id -> what waits for this worker's will of it to be out (or lost).
@@ -134,11 +136,18 @@ class WillFence:
 
     def _done(self, client_id: str, wid: str) -> None:
         """This worker's will ``wid`` of ``client_id`` is out, or lost."""
-        if self.mine.get(client_id) != wid:
+        ids = self.mine.get(client_id)
+        if ids is None or wid not in ids:
+            return
+        ids.discard(wid)
+        if ids:
             return
         del self.mine[client_id]
         for then in self._after.pop(client_id, ()):
             then()
+
+    def _is_mine(self, client_id: str, wid: str) -> bool:
+        return wid in self.mine.get(client_id, ())
 
     # -- a will is due here (the router) ----------------------------------------------------
 
@@ -171,11 +180,11 @@ class WillFence:
     def _propose(self, client_id: str, epoch: int, state: list[Any]) -> None:
         s = self.sessions
         wid = next(self._ids)
-        self.mine[client_id] = wid
+        self.mine.setdefault(client_id, set()).add(wid)
         body = {"node": s.node.name, "epoch": epoch, "will": state, "id": wid, "w": s.worker[0]}
 
         def again() -> bool:  # while this node holds the session at that epoch, as applied
-            if self.mine.get(client_id) == wid and s.owners.get(client_id) == (s.node.id, epoch):
+            if self._is_mine(client_id, wid) and s.owners.get(client_id) == (s.node.id, epoch):
                 return True
             self._done(client_id, wid)
             return False
@@ -216,7 +225,7 @@ class WillFence:
         wid = body["id"]
         current = s.owners.get(client_id)
         if current != (node, epoch):
-            if self.mine.get(client_id) == wid:
+            if self._is_mine(client_id, wid):
                 self._done(client_id, wid)
                 if client_id in self.taken:
                     # A CONNECT on another node took the session from here before this
@@ -259,7 +268,7 @@ class WillFence:
         router = s.router
         if router is None or fenced.worker != s.worker[0]:
             return
-        self.mine[client_id] = fenced.id
+        self.mine.setdefault(client_id, set()).add(fenced.id)
         session = router.sessions.get(client_id)
         if session is not None and session.will and will_state(session.will) == fenced.will:
             # Loaded at a restart from a state written before the will record: the same will.

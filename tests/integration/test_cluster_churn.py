@@ -1,19 +1,16 @@
 """Churn across the nodes of a cluster (bench/churn.py's workload, ``cluster``): three real
-nodes (one worker each, as a cluster node runs by default), in network namespaces, every partition a Raft group of the
-three; each connection goes to a node picked at random, so a device's next connection (a
-takeover while its publishes are in flight, or a reconnection after an abort) is usually on
-another node, and one node is killed (-9) and started again meanwhile. Nothing acknowledged
-may be lost (publishes, commands to persistent sessions, shared-group deliveries, retained
-messages), a persistent session must be there when its device comes back [MQTT-3.2.2-2], a
-connection taken over must be closed [MQTT-3.1.4-3], and every connection that ended without
-DISCONNECT must have its will published [MQTT-3.1.2-8].
+nodes (one worker each, as a cluster node runs by default), in network namespaces, every
+partition a Raft group of the three; each connection goes to a node picked at random, so a
+device's next connection (a takeover while its publishes are in flight, or a reconnection
+after an abort) is usually on another node, and one node is killed (-9) and started again
+meanwhile. Nothing acknowledged may be lost (publishes, commands to persistent sessions,
+shared-group deliveries, retained messages), a persistent session must be there when its
+device comes back [MQTT-3.2.2-2], a connection taken over must be closed [MQTT-3.1.4-3], and
+every connection that ended without DISCONNECT must have its will published [MQTT-3.1.2-8].
 
-The longer runs are ``python -m bench.churn --cluster 3 --kill-every 6``. On the code before
-the fixes of 2026-11-29 (late) this lost wills without any fault (a will being fenced when
-its client connected again on another node: 52 of 889 in 20 s) and, with node kills,
-shared-group deliveries (a session resumed on a replica behind the commit dropped its
-in-flight deliveries). Nodes of several workers still lose some under node kills (docs/bench,
-"The cluster under churn"); the unit tests hold what was fixed there.
+The longer runs are ``python -m bench.churn --cluster 3 --kill-every 6`` (docs/bench, "The
+cluster under churn"). On the code before the fixes of 2026-11-29 (late) this test lost
+wills: a will being fenced when its client connected again on another node was dropped.
 
 Needs root, ``ip`` and ``nft``; skipped with the reason otherwise.
 """

@@ -382,6 +382,40 @@ def test_a_will_being_fenced_when_a_connect_elsewhere_takes_the_session_still_go
     asyncio.run(run())
 
 
+def test_a_will_whose_record_is_committed_late_goes_out_after_a_newer_one(
+    tmp_path: Path,
+) -> None:
+    """A connection taken over on its own node has its will fenced, and the record waits
+    (its leader lost, the outcome unknown); the next connection drops too and its will's
+    record commits first; then another node takes the session, and the first record is
+    committed at last, lost to that claim. Both wills must go out: the worker kept only
+    the last will it proposed per client id, and the first was lost without a word."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await owned_by(a, log, "dev")
+        first, second = Will("wills/dev", b"first", 1), Will("wills/dev", b"second", 1)
+        a.harness.connect("dev", clean=False, expiry=300, will=first)
+        a.harness.tick(0)
+        log.commit()
+        link, session = a.harness.connect("dev", clean=False, expiry=300, will=second)
+        key = CLAIM_PREFIX + "dev"
+        late = [r for r in a.appended() if r.topic == key]  # the first's record, delayed
+        assert [orjson.loads(r.payload)["will"][1] for r in late] == [will_state(first)[1]]
+        a.harness.drop(session, link)  # the second's record is committed
+        await log.settle()
+        assert wills(a) == [b"second"]
+        await owned_by(b, log, "dev")  # a CONNECT on b takes the session
+        for m in (a, b):
+            m.sessions.apply(late)
+        await log.settle()
+        assert sorted(wills(a)) == [b"first", b"second"] and wills(b) == []
+
+    asyncio.run(run())
+
+
 def test_a_clean_sessions_claim_ends_after_its_will_is_out(tmp_path: Path) -> None:
     async def run() -> None:
         loop = asyncio.get_running_loop()
