@@ -481,7 +481,8 @@ class ClusterSessions:
                 return adopt(HERE)
             state = self.states.get(client_id)
             if self.released.get(client_id) != epoch:
-                state = self.fence.claimed_here(client_id, epoch, state)
+                taken_from = previous if only_from is None else None  # (an orphan's: its will_due)
+                state = self.fence.claimed_here(client_id, epoch, state, taken_from)
             return adopt(STATE + state if state else NEW)
         raise ClaimError(f"{client_id}: {CLAIM_ATTEMPTS} claims lost to connections elsewhere")
 

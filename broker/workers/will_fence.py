@@ -67,6 +67,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 import orjson
 
 from broker.mqtt.packets import Will
+from broker.mqtt.properties import PropertyId
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.session import will_of, will_state
 from broker.router.state import SESSIONS
@@ -314,13 +315,31 @@ class WillFence:
 
     # -- a claim that found a will pending ------------------------------------------------
 
-    def claimed_here(self, client_id: str, epoch: int, state: bytes | None) -> bytes | None:
+    def claimed_here(
+        self, client_id: str, epoch: int, state: bytes | None, taken_from: int | None = None
+    ) -> bytes | None:
         """This node's claim won without the previous owner's release: a will that owner
         fenced and did not see out is published again from here (module docstring), and
-        leaves the state adopted (which may still hold it). Returns that state."""
+        leaves the state adopted (which may still hold it). Returns that state.
+
+        With none pending, on a CONNECT's claim (``taken_from``: the previous owner; an
+        orphan's adopter runs the will from the state it adopted, as due), the will of the
+        connection the state names (no delay) goes out from here too: that connection ended
+        with its node (killed; or cut off, and that node closes it once it applies this
+        claim and publishes it too: at least once), and the new connection would have
+        replaced it unpublished [MQTT-3.1.2-8] (bench.churn --cluster 3, node kills: a will
+        lost). A delayed one is cancelled by the new connection [MQTT-3.1.3-9]."""
         pending = self.pending.get(client_id)
         if pending is None or pending.epoch >= epoch:
-            return state
+            if taken_from in (None, self.sessions.node.id) or not state or pending is not None:
+                return state
+            body = orjson.loads(state)
+            will = body.get("will")
+            if not will or will_of(will).properties.get(PropertyId.WILL_DELAY_INTERVAL):
+                return state
+            self._propose(client_id, epoch, will)
+            body["will"] = body["will_left"] = None
+            return orjson.dumps(body)
         del self.pending[client_id]
         self._propose(client_id, epoch, pending.will)
         if state:

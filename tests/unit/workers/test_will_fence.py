@@ -16,6 +16,7 @@ import pytest
 
 from broker.commitlog import Record
 from broker.mqtt.packets import Will
+from broker.mqtt.properties import PropertyId
 from broker.net.context import STATE
 from broker.router.session import Session, will_state
 from broker.router.state import SESSIONS
@@ -412,6 +413,37 @@ def test_a_will_whose_record_is_committed_late_goes_out_after_a_newer_one(
             m.sessions.apply(late)
         await log.settle()
         assert sorted(wills(a)) == [b"first", b"second"] and wills(b) == []
+
+    asyncio.run(run())
+
+
+def test_a_connect_that_takes_a_dead_nodes_session_publishes_its_connections_will(
+    tmp_path: Path,
+) -> None:
+    """Node a dies with the session's connection (its will in the committed state, no
+    delay); the client connects to b, whose claim goes on without a's release: the will
+    of the connection that died must go out (from b); the new connection replaced it
+    unpublished. A delayed will is cancelled by the new connection [MQTT-3.1.3-9]."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        for cid, delay in (("dev", 0), ("slow", 60)):
+            await owned_by(a, log, cid)
+            props = {PropertyId.WILL_DELAY_INTERVAL: delay} if delay else {}
+            will = Will(f"wills/{cid}", b"gone " + cid.encode(), 1, False, props)
+            a.harness.connect(cid, 5, clean=False, expiry=300, will=will)
+            a.harness.tick(0)  # its state, with the will, committed
+            log.commit()
+        log.members = [b]  # a is dead: it applies and proposes nothing more
+        b.node.transport.down.add("a")
+        for cid in ("dev", "slow"):
+            await owned_by(b, log, cid)
+        await log.settle()
+        b.harness.run()
+        assert b.harness.log_payloads("wills/dev") == [b"gone dev"]
+        assert b.harness.log_payloads("wills/slow") == []
 
     asyncio.run(run())
 
