@@ -736,26 +736,36 @@ def main(argv: list[str] | None = None) -> int:
             fault = faults.get(args.kill)
             kill = fault(broker.proc.pid, seed) if fault is not None else broker.restart
         try:
-            report = asyncio.run(
-                churn(
-                    "127.0.0.1",
-                    broker.port,
-                    seconds=args.seconds,
-                    devices=args.devices,
-                    seed=seed,
-                    kill=kill,
-                    kill_every=args.kill_every,
-                    shared=args.shared,
-                    wills=args.wills,
-                    retained=args.retained,
-                )
-            )
+            report = _run(args, seed, kill, [("127.0.0.1", broker.port)])
             handed = _metric(broker.http_port, "mqlog_connections_handed_off_total")
         finally:
             broker.stop()
         line = {**report.summary(), "workers": args.workers, "handed_off": handed}
         failed += not _print(report, line, work, args.json)
     return 1 if failed else 0
+
+
+def _run(
+    args: argparse.Namespace,
+    seed: int,
+    kill: Callable[[], str] | None,
+    addrs: list[tuple[str, int]],
+) -> ChurnReport:
+    """One run of the workload with the command line's options against ``addrs``."""
+    return asyncio.run(
+        churn(
+            *addrs[0],
+            seconds=args.seconds,
+            devices=args.devices,
+            seed=seed,
+            kill=kill,
+            kill_every=args.kill_every,
+            shared=args.shared,
+            wills=args.wills,
+            retained=args.retained,
+            cluster=addrs if len(addrs) > 1 else None,
+        )
+    )
 
 
 def _print(
@@ -814,21 +824,7 @@ def _cluster_runs(args: argparse.Namespace) -> int:
                 cluster.start()
                 cluster.wait_all_alive()
                 kill = node_faults(cluster, args.kill, seed) if args.kill_every else None
-                addrs = [(m.addr, MQTT_PORT) for m in cluster.members]
-                report = asyncio.run(
-                    churn(
-                        *addrs[0],
-                        seconds=args.seconds,
-                        devices=args.devices,
-                        seed=seed,
-                        kill=kill,
-                        kill_every=args.kill_every,
-                        shared=args.shared,
-                        wills=args.wills,
-                        retained=args.retained,
-                        cluster=addrs,
-                    )
-                )
+                report = _run(args, seed, kill, [(m.addr, MQTT_PORT) for m in cluster.members])
             finally:
                 cluster.stop()
         line = {**report.summary(), "nodes": args.cluster, "workers": args.workers}

@@ -128,6 +128,21 @@ async def held_by_worker_1(tmp_path: Path, state: bytes) -> tuple[list[FakeWorke
     return w, cid
 
 
+async def claimant_dying_in_its_claim(
+    tmp_path: Path,
+) -> tuple[list[FakeWorker], str, asyncio.Future[bytes]]:
+    """Worker 1 holds a session homed at worker 0; worker 2 claims it and dies while the
+    home waits for worker 1's release (its records not answered yet: ``answered`` lets it
+    go on). Returns the workers, the client id and the dead claimant's claim."""
+    w, cid = await held_by_worker_1(tmp_path, b'{"subs":1}')
+    w[1].writing[cid] = []  # the release's answer waits for its records
+    claim = asyncio.ensure_future(w[2].connect(cid))
+    await until(lambda: w[1].closed == [cid])
+    await w[2].mesh.close()  # the claimant dies
+    await until(lambda: 2 not in w[0].mesh.peers)
+    return w, cid, claim
+
+
 def ids_homed_at(home: int, count: int, n: int = 3) -> list[str]:
     return [c for c in (f"client-{i}" for i in range(100)) if home_of(c, count) == home][:n]
 
@@ -450,12 +465,7 @@ def test_a_claimant_dying_while_its_claim_is_decided_leaves_the_session_at_its_h
     home from the log, as the sessions a dead worker held do."""
 
     async def main() -> None:
-        w, cid = await held_by_worker_1(tmp_path, b'{"subs":1}')
-        w[1].writing[cid] = []  # the release's answer waits for its records
-        claim = asyncio.ensure_future(w[2].connect(cid))
-        await until(lambda: w[1].closed == [cid])
-        await w[2].mesh.close()  # the claimant dies
-        await until(lambda: 2 not in w[0].mesh.peers)
+        w, cid, claim = await claimant_dying_in_its_claim(tmp_path)
         w[1].answered(cid)
         await until(lambda: cid in w[0].held)
         assert w[0].dir.registry[cid] == 0
@@ -476,12 +486,7 @@ def test_a_claimant_dead_and_restarted_while_its_claim_is_decided_does_not_keep_
     lost); the session comes back to its home from the log."""
 
     async def main() -> None:
-        w, cid = await held_by_worker_1(tmp_path, b'{"subs":1}')
-        w[1].writing[cid] = []  # the release's answer waits for its records
-        claim = asyncio.ensure_future(w[2].connect(cid))
-        await until(lambda: w[1].closed == [cid])
-        await w[2].mesh.close()  # the claimant dies
-        await until(lambda: 2 not in w[0].mesh.peers)
+        w, cid, claim = await claimant_dying_in_its_claim(tmp_path)
         claim.cancel()
         again = FakeWorker(tmp_path, 2, 3, w[0].log)  # and is restarted
         await again.mesh.start()

@@ -81,6 +81,16 @@ async def owned_by(m: Member, log: Log, client_id: str) -> None:
     await claim
 
 
+async def connected_with_will(m: Member, log: Log) -> tuple[Any, Session]:
+    """``dev`` owned by ``m``, connected there (persistent) with :data:`WILL`, its state
+    committed."""
+    await owned_by(m, log, "dev")
+    link, session = m.harness.connect("dev", clean=False, expiry=300, will=WILL)
+    m.harness.tick(0)  # its state written
+    log.commit()
+    return link, session
+
+
 async def adopt_orphan(m: Member, log: Log, client_id: str, dead: Member) -> None:
     """``m`` adopts the session of ``dead`` as broker.workers.orphans does."""
     died = m.harness.clock.now
@@ -106,10 +116,7 @@ def test_a_cut_off_owners_will_loses_to_the_adopters_which_goes_out_once(tmp_pat
         loop = asyncio.get_running_loop()
         a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
         log = CutLog([a, b])
-        await owned_by(a, log, "dev")
-        link, session = a.harness.connect("dev", clean=False, expiry=300, will=WILL)
-        a.harness.tick(0)  # its state written
-        log.commit()
+        link, session = await connected_with_will(a, log)
         log.cut.add(a)
         await adopt_orphan(b, log, "dev", a)
         assert b.sessions.owners["dev"] == Owner(b.node.id, 2)
@@ -367,10 +374,7 @@ def test_a_will_being_fenced_when_a_connect_elsewhere_takes_the_session_still_go
         loop = asyncio.get_running_loop()
         a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
         log = Log([a, b])
-        await owned_by(a, log, "dev")
-        link, session = a.harness.connect("dev", clean=False, expiry=300, will=WILL)
-        a.harness.tick(0)  # its state written
-        log.commit()
+        link, session = await connected_with_will(a, log)
         a.harness.drop(session, link)  # the will is due: its record is proposed
         claim = loop.create_task(b.sessions.claim("dev", lambda x: x))
         await turns()
