@@ -168,6 +168,8 @@ class ClusterSessions:
         #: Client id -> the epoch of this node's ownership whose end it wrote.
         self._ending: dict[str, int] = {}
         self._releases: dict[tuple[str, int], asyncio.Future[None]] = {}
+        #: Client ids whose CONNECT here waits for this node's end of their ownership.
+        self._end_waiters: dict[str, asyncio.Future[bool]] = {}
         #: Shared group (full filter) -> its latest positions record's payload.
         self.groups: dict[str, bytes] = {}
         #: Shared groups across the nodes: held by the ``$sessions`` leader (used by the
@@ -287,8 +289,13 @@ class ClusterSessions:
             self.released.pop(client_id, None)
             self.fence.ended(client_id)
             ended = self._ending.pop(client_id, None)
+            waiting = self._end_waiters.pop(client_id, None)
+            if waiting is not None and not waiting.done():
+                waiting.set_result(True)
             if current is None or current.node != me:
                 return
+            if waiting is not None and not self.holds(client_id):
+                return  # its client's CONNECT here waited for this end: it claims anew
             if ended != current.epoch or self._holds(client_id):
                 # An earlier owner's end committed after this node's claim, or this node's
                 # own while its client came back: it still holds the session.
@@ -376,7 +383,15 @@ class ClusterSessions:
             return  # claimed by another node meanwhile
         self._ending[client_id] = epoch
         row = (router.state.now_ms(), CLAIM_PREFIX + client_id, b"", 0, False, "", b"")
-        router.append_forwarded(SESSIONS, [row], _ignore)
+
+        def answered(offset: int | None) -> None:
+            if offset is None and self._ending.get(client_id) == epoch:  # refused: not ending
+                del self._ending[client_id]
+                if (waiting := self._end_waiters.pop(client_id, None)) and not waiting.done():
+                    waiting.set_result(False)
+            _ignore(offset)
+
+        router.append_forwarded(SESSIONS, [row], answered)
 
     def _resolve(self, client_id: str, epoch: int, outcome: int | None) -> None:
         waiter = self._claims.pop((client_id, epoch), None)
@@ -402,14 +417,10 @@ class ClusterSessions:
 
     async def _surrender(self, client_id: str, to: int, epoch: int) -> None:
         """:meth:`_release` with several workers: the worker holding the session gives it
-        up (broker.workers.sessions), then the release is written. Only while that claim
-        is still the owner's: a node catching up at start applies claims the log has long
-        since superseded, and this task, run once it served again, took the session from the
-        connection that held it now (at its later epoch) and wrote stale releases of it
-        (bench.churn --cluster 3 with node kills: a persistent session lost, its command
-        never delivered). A newer claim from elsewhere makes its own surrender; a current
-        one is surrendered to even while catching up (a connection this node took meanwhile
-        is closed; the release is written only once it serves, :meth:`_write_release`)."""
+        up (broker.workers.sessions), then the release is written; only while that claim is
+        the owner's (a newer one makes its own surrender): a node catching up applies long
+        superseded claims, whose surrenders took the session from the connection holding it
+        at a later epoch (bench.churn --cluster 3, node kills: a persistent session lost)."""
         assert self.directory is not None
         if self.owners.get(client_id) != (to, epoch):
             return
@@ -468,6 +479,8 @@ class ClusterSessions:
             if only_from is not None and (current is None or current.node != only_from):
                 raise ClaimError(f"{client_id}: claimed by another node meanwhile")
             if current is not None and current.node == me:
+                if client_id in self._ending and await self._end_applied(client_id):
+                    continue
                 return adopt(HERE)
             epoch = (current.epoch if current is not None else 0) + 1
             previous = await self._propose(client_id, epoch, orphan=only_from is not None)
@@ -485,6 +498,20 @@ class ClusterSessions:
                 state = self.fence.claimed_here(client_id, epoch, state, taken_from)
             return adopt(STATE + state if state else NEW)
         raise ClaimError(f"{client_id}: {CLAIM_ATTEMPTS} claims lost to connections elsewhere")
+
+    async def _end_applied(self, client_id: str) -> bool:
+        """This node's end of ``client_id`` 's ownership is in flight as its client connects
+        here again: whether it applied within :data:`TAKEOVER_TIMEOUT` (then the claim is
+        made anew). Taken as held here, the ownership was asserted once the end applied, at
+        the epoch another node's claim had just taken after the end, and taken back from it:
+        a will lost (bench.churn --cluster 3, a clean session back on two nodes at once)."""
+        waiting = self._end_waiters.get(client_id)
+        if waiting is None:
+            waiting = self._end_waiters[client_id] = self.node.loop.create_future()
+        try:
+            return await asyncio.wait_for(asyncio.shield(waiting), TAKEOVER_TIMEOUT)
+        except TimeoutError:
+            return False  # (no leader): taken as held here, as before
 
     async def _propose(self, client_id: str, epoch: int, orphan: bool) -> int | None:
         """Propose the claim (``orphan``: of a dead node's session) and wait until it is
@@ -524,27 +551,21 @@ class ClusterSessions:
         if self.released.get(client_id) == epoch:
             return
         if not self.node.transport.connected(name):
-            log.warning(
-                "cluster: %s: node %s, which held the session, is unreachable: the session "
-                "continues here from its last committed state",
-                client_id,
-                name,
-            )
-            return
+            why = "is unreachable"
+            return log.warning("cluster: %s: node %s %s: %s", client_id, name, why, _GOES_ON)
         waiter: asyncio.Future[None] = self.node.loop.create_future()
         self._releases[(client_id, epoch)] = waiter
         try:
             await asyncio.wait_for(waiter, TAKEOVER_TIMEOUT)
         except TimeoutError:
-            log.warning(
-                "cluster: %s: node %s did not release the session within %g s: the session "
-                "continues here from its last committed state",
-                client_id,
-                name,
-                TAKEOVER_TIMEOUT,
-            )
+            why = f"did not release the session within {TAKEOVER_TIMEOUT:g} s"
+            log.warning("cluster: %s: node %s %s: %s", client_id, name, why, _GOES_ON)
         finally:
             self._releases.pop((client_id, epoch), None)
+
+
+#: What a claimant does when the session's previous owner does not release it.
+_GOES_ON = "the session continues here from its last committed state"
 
 
 def _ignore(offset: int | None) -> None:

@@ -515,3 +515,38 @@ def test_claims_applied_while_catching_up_take_nothing_from_the_session_held_now
         assert released == [{"node": "b", "epoch": 4, "released_by": "a"}]
 
     asyncio.run(run())
+
+
+def test_a_client_back_here_while_this_nodes_end_of_its_ownership_is_in_flight_claims_anew(
+    tmp_path: Path,
+) -> None:
+    """A clean session ends on a (its ownership's tombstone proposed) and its client is
+    back on a at once, and on b too. a took the connection as still held ("here") and,
+    once its end applied, asserted the ownership at the epoch b's claim had taken right
+    after the end: the assertion took the ownership back from b, both connections went on
+    and a will was lost. a now waits for its end and claims anew: the log decides."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (Member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        claim = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
+        await log.settle()
+        assert await claim == NEW
+        a.sessions.session_ended("dev")
+        await turns()
+        at_a = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
+        await turns()
+        assert not at_a.done(), "taken as held here while its end was in flight"
+        log.commit(a)  # the end applies: a's claim is made anew
+        await turns()
+        at_b = loop.create_task(b.sessions.claim("dev", lambda answer: answer))
+        await turns()
+        log.commit(b, a)  # b's claim first (epoch 1), a's of the same epoch loses
+        await log.settle()
+        assert await at_b == NEW and await at_a == NEW  # a took it from b (epoch 2)
+        assert {m.sessions.owners["dev"] for m in (a, b)} == {Owner(a.node.id, 2)}
+        asserted = [orjson.loads(r.payload) for r in log.committed if b"asserted" in r.payload]
+        assert [x for x in asserted if x["node"] == "a"] == []  # (b answered a's lost claim)
+
+    asyncio.run(run())
