@@ -505,13 +505,13 @@ class ClusterSessions:
         made anew). Taken as held here, the ownership was asserted once the end applied, at
         the epoch another node's claim had just taken after the end, and taken back from it:
         a will lost (bench.churn --cluster 3, a clean session back on two nodes at once)."""
-        waiting = self._end_waiters.get(client_id)
-        if waiting is None:
-            waiting = self._end_waiters[client_id] = self.node.loop.create_future()
+        waiting = self._end_waiters.setdefault(client_id, self.node.loop.create_future())
         try:
             return await asyncio.wait_for(asyncio.shield(waiting), TAKEOVER_TIMEOUT)
-        except TimeoutError:
-            return False  # (no leader): taken as held here, as before
+        except TimeoutError:  # (no leader): taken as held here, as before; not waited for again
+            self._ending.pop(client_id, None)
+            self._end_waiters.pop(client_id, None)
+            return False
 
     async def _propose(self, client_id: str, epoch: int, orphan: bool) -> int | None:
         """Propose the claim (``orphan``: of a dead node's session) and wait until it is

@@ -550,3 +550,26 @@ def test_a_client_back_here_while_this_nodes_end_of_its_ownership_is_in_flight_c
         assert [x for x in asserted if x["node"] == "a"] == []  # (b answered a's lost claim)
 
     asyncio.run(run())
+
+
+def test_a_client_back_while_its_end_never_applies_is_taken_as_held_here(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """No ``$sessions`` leader: the end of the ownership is not applied within the wait,
+    and the connection is taken as held here, as before; the next one does not wait."""
+    monkeypatch.setattr(replicated_sessions, "TAKEOVER_TIMEOUT", 0.05)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a = Member(tmp_path, "a", ["a", "b"], loop)
+        log = Log([a])
+        claim = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
+        await log.settle()
+        assert await claim == NEW
+        a.sessions.session_ended("dev")
+        await turns()
+        assert await asyncio.wait_for(a.sessions.claim("dev", lambda x: x), 2) == HERE
+        assert "dev" not in a.sessions._ending
+        assert await asyncio.wait_for(a.sessions.claim("dev", lambda x: x), 0.04) == HERE
+
+    asyncio.run(run())
