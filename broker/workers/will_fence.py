@@ -62,6 +62,7 @@ import itertools
 import logging
 import uuid
 from collections.abc import Callable
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, Protocol
 
 import orjson
@@ -234,7 +235,7 @@ class WillFence:
                     # connection taken over (will_now), nobody else has this will (the state
                     # left here without it), so it goes out from here, unfenced [MQTT-3.1.2-8].
                     # Dropped, 52 wills of 889 were lost in a 20 s churn run of three nodes.
-                    self._send_unfenced(client_id, body["will"])
+                    self._send(client_id, body["will"])
                 else:
                     self.dropped += 1
                     log.info("cluster: %s: will not published: the session moved on", client_id)
@@ -276,22 +277,14 @@ class WillFence:
             session.will = session.will_due = None
             router.mark_dirty(session)
 
-        def published(offset: int | None) -> None:
-            if offset is None or offset == OUTCOME_UNKNOWN:  # again: at least once
-                s.node.loop.call_later(RETRY, send)
-            else:
-                self._write_out(client_id, fenced)
+        self._send(client_id, fenced.will, partial(self._write_out, client_id, fenced))
 
-        def send() -> None:
-            if not router.send_will(client_id, will_of(fenced.will), published):
-                self._write_out(client_id, fenced)  # not authorized: dropped, done
-
-        self.published += 1
-        send()
-
-    def _send_unfenced(self, client_id: str, state: list[Any]) -> None:
-        """Publish the will ``state`` of ``client_id`` from here without a will record,
-        again after :data:`RETRY` while its append fails (at least once)."""
+    def _send(
+        self, client_id: str, state: list[Any], done: Callable[[], None] | None = None
+    ) -> None:
+        """Publish the will ``state`` of ``client_id`` from here, again after :data:`RETRY`
+        while its append fails (at least once); then ``done()`` (also when it is dropped,
+        not authorized). Without ``done``: unfenced, no out record follows."""
         s = self.sessions
         router = s.router
         if router is None:
@@ -300,9 +293,12 @@ class WillFence:
         def published(offset: int | None) -> None:
             if offset is None or offset == OUTCOME_UNKNOWN:
                 s.node.loop.call_later(RETRY, send)
+            elif done is not None:
+                done()
 
         def send() -> None:
-            router.send_will(client_id, will_of(state), published)
+            if not router.send_will(client_id, will_of(state), published) and done is not None:
+                done()  # not authorized: dropped, done
 
         self.published += 1
         send()
@@ -330,21 +326,21 @@ class WillFence:
         replaced it unpublished [MQTT-3.1.2-8] (bench.churn --cluster 3, node kills: a will
         lost). A delayed one is cancelled by the new connection [MQTT-3.1.3-9]."""
         pending = self.pending.get(client_id)
-        if pending is None or pending.epoch >= epoch:
-            if taken_from in (None, self.sessions.node.id) or not state or pending is not None:
+        if pending is not None:
+            if pending.epoch >= epoch:
                 return state
-            body = orjson.loads(state)
-            will = body.get("will")
+            del self.pending[client_id]
+            will = pending.will
+        elif taken_from in (None, self.sessions.node.id) or not state:
+            return state
+        else:
+            will = orjson.loads(state).get("will")
             if not will or will_of(will).properties.get(PropertyId.WILL_DELAY_INTERVAL):
                 return state
-            self._propose(client_id, epoch, will)
-            body["will"] = body["will_left"] = None
-            return orjson.dumps(body)
-        del self.pending[client_id]
-        self._propose(client_id, epoch, pending.will)
+        self._propose(client_id, epoch, will)
         if state:
             body = orjson.loads(state)
-            if body.get("will") == pending.will:
+            if body.get("will") == will:
                 body["will"] = body["will_left"] = None
                 state = orjson.dumps(body)
         return state
