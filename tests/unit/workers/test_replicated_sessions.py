@@ -122,6 +122,13 @@ async def turns(n: int = 5) -> None:
         await asyncio.sleep(0)
 
 
+async def claimed(m: Member, log: Log, client_id: str) -> bytes:
+    """``m`` claims ``client_id`` (its connection's answer), the log committing meanwhile."""
+    claim = asyncio.get_running_loop().create_task(m.sessions.claim(client_id, lambda x: x))
+    await log.settle()
+    return await claim
+
+
 def claim_record(node: str, epoch: int, client_id: str, **extra: Any) -> Record:
     body = orjson.dumps({"node": node, "epoch": epoch, **extra})
     return Record(0, 0, CLAIM_PREFIX + client_id, body)
@@ -530,9 +537,7 @@ def test_a_client_back_here_while_this_nodes_end_of_its_ownership_is_in_flight_c
         loop = asyncio.get_running_loop()
         a, b = (Member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
         log = Log([a, b])
-        claim = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
-        await log.settle()
-        assert await claim == NEW
+        assert await claimed(a, log, "dev") == NEW
         a.sessions.session_ended("dev")
         await turns()
         at_a = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
@@ -563,9 +568,7 @@ def test_a_client_back_while_its_end_never_applies_is_taken_as_held_here(
         loop = asyncio.get_running_loop()
         a = Member(tmp_path, "a", ["a", "b"], loop)
         log = Log([a])
-        claim = loop.create_task(a.sessions.claim("dev", lambda answer: answer))
-        await log.settle()
-        assert await claim == NEW
+        assert await claimed(a, log, "dev") == NEW
         a.sessions.session_ended("dev")
         await turns()
         assert await asyncio.wait_for(a.sessions.claim("dev", lambda x: x), 2) == HERE
