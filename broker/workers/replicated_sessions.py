@@ -93,6 +93,7 @@ from broker.router.hooks import SingleWorker
 from broker.router.state import SESSIONS
 from broker.router.store import OWNERSHIP
 from broker.workers.cluster_groups import ClusterGroupPeers
+from broker.workers.forwards import refuse_held
 from broker.workers.orphans import Orphans
 from broker.workers.sessions import SessionDirectory, home_of
 from broker.workers.will_fence import WillFence
@@ -336,6 +337,7 @@ class ClusterSessions:
         if node == me:
             self._resolve(client_id, epoch, previous)
         else:
+            refuse_held(self.router.partitions.values() if self.router else (), client_id)
             self._release(client_id, previous, node, epoch)
 
     def _holds(self, client_id: str) -> bool:

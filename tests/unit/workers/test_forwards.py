@@ -8,8 +8,15 @@ from __future__ import annotations
 from types import SimpleNamespace
 from typing import Any
 
+from broker.commitlog import Record
 from broker.router.commit import OUTCOME_UNKNOWN
-from broker.workers.forwards import ANSWER_GRACE, FORWARD_TIMEOUT, Forward, Forwards
+from broker.workers.forwards import (
+    ANSWER_GRACE,
+    FORWARD_TIMEOUT,
+    Forward,
+    Forwards,
+    refuse_held,
+)
 
 OLD, NEW = 1, 2
 
@@ -47,3 +54,37 @@ def test_an_unanswered_forward_is_unknown_past_the_timeout() -> None:
     assert outcomes == []
     waiting.overdue(100.0 + FORWARD_TIMEOUT + 0.1)
     assert outcomes == [OUTCOME_UNKNOWN] and not waiting
+
+
+def _record(client_id: str, n: int) -> Record:
+    return Record(-1, 0, "t", b"%d" % n, 1, False, client_id)
+
+
+def test_a_claimed_clients_held_records_are_refused_with_what_their_acks_answer() -> None:
+    """Another node claimed "x": its held records are refused, each with the records its
+    acknowledgement answers (another worker's batch is answered by its first record's), so
+    that none is dispatched after what its client publishes on the other node; the rest stay
+    held, in order."""
+    outcomes: list[tuple[str, Any]] = []
+
+    def ack(name: str) -> Any:
+        return lambda offset: outcomes.append((name, offset))
+
+    batch1 = [_record("x", 1), _record("y", 2), _record("", 3), _record("z", 4), _record("z", 5)]
+    acks1 = [ack("x1"), ack("y2"), None, ack("z4"), None]  # y2 answers 3 too (a worker's batch)
+    batch2 = [_record("w", 6), _record("x", 7), _record("v", 8), _record("x", 9)]
+    acks2 = [ack("w6"), None, None, None]  # w6 answers all four
+    batch3 = [_record("x", 10), _record("u", 11)]
+    acks3 = [None, None]  # QoS 0, answered by nobody: one by one
+    part = SimpleNamespace(held=[(batch1, acks1, 5.0), (batch2, acks2, 6.0), (batch3, acks3, 7.0)])
+    other = SimpleNamespace(held=[([_record("y", 12)], [ack("y12")], 8.0)])
+    plain = SimpleNamespace()  # a partition of one node: nothing held
+
+    assert refuse_held([plain, part, other], "x") == 6
+    assert outcomes == [("x1", None), ("w6", None)]
+    assert part.held == [
+        (batch1[1:], acks1[1:], 5.0),
+        ([batch3[1]], [None], 7.0),
+    ]
+    assert len(other.held) == 1
+    assert refuse_held([part, other], "nobody") == 0 and len(part.held) == 2

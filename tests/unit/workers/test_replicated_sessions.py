@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import orjson
@@ -574,5 +575,33 @@ def test_a_client_back_while_its_end_never_applies_is_taken_as_held_here(
         assert await asyncio.wait_for(a.sessions.claim("dev", lambda x: x), 2) == HERE
         assert "dev" not in a.sessions._ending
         assert await asyncio.wait_for(a.sessions.claim("dev", lambda x: x), 0.04) == HERE
+
+    asyncio.run(run())
+
+
+def test_another_nodes_claim_refuses_what_this_node_holds_of_the_clients_records(
+    tmp_path: Path,
+) -> None:
+    """A's held records of "dev" (a leader election under way) would go out after what its
+    client publishes on b once b's claim won: every worker of a refuses them as it applies the
+    claim (broker.workers.forwards.refuse_held); b, the claimant, refuses nothing."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b"]
+        a, b = (Member(tmp_path, n, names, loop) for n in names)
+        outcomes: list[int | None] = []
+        held = {}
+        for m in (a, b):
+            record = Record(-1, 0, "t", b"1", 1, False, "dev")
+            held[m] = SimpleNamespace(held=[([record], [outcomes.append], 9.0)])
+            m.harness.router.partitions[("held here", 0)] = held[m]  # type: ignore[index]
+        log = Log([a, b])
+        assert await claimed(a, log, "dev") == NEW
+        assert held[b].held == [] and outcomes == [None]  # b applied a's claim
+        assert len(held[a].held) == 1
+        a.harness.connect("dev", clean=False, expiry=300)
+        assert (await claimed(b, log, "dev"))[:1] == STATE
+        assert held[a].held == [] and outcomes == [None, None]
 
     asyncio.run(run())
