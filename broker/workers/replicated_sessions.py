@@ -333,7 +333,7 @@ class ClusterSessions:
         self.released.pop(client_id, None)
         self._ending.pop(client_id, None)
         previous = current.node if current is not None else None
-        self.fence.claimed(client_id, previous, "orphan" in body)
+        self.fence.claimed(client_id, node, previous, "orphan" in body)
         if node == me:
             self._resolve(client_id, epoch, previous)
         else:
@@ -494,10 +494,8 @@ class ClusterSessions:
                 raise ClaimError(f"{client_id}: a connection on another node took the session")
             if self.holds(client_id):
                 return adopt(HERE)
-            state = self.states.get(client_id)
-            if self.released.get(client_id) != epoch:
-                taken_from = previous if only_from is None else None  # (an orphan's: its will_due)
-                state = self.fence.claimed_here(client_id, epoch, state, taken_from)
+            released = self.released.get(client_id) == epoch
+            state = self.fence.claimed_here(client_id, epoch, self.states.get(client_id), released)
             return adopt(STATE + state if state else NEW)
         raise ClaimError(f"{client_id}: {CLAIM_ATTEMPTS} claims lost to connections elsewhere")
 

@@ -35,13 +35,19 @@ records, a compaction of the range between a record and that answer (one commit)
 the record alone: a node reading that copy learns the owner from the answer that follows (a
 will record is never taken as the owner by itself: it would let the stale one win).
 
-**A connection taken over by a CONNECT on another node** publishes its will (no delay) on
-the node that held it, unfenced: the claimant's new connection replaces the will, so nobody
-else has it. So does a will whose record lost to such a claim (the connection dropped, its
-will being fenced, and the client connected again on another node at once): the session's
-state left without it. An orphan's claim (``"orphan"`` in the claim) is not such: the
-adopter runs the will from the state it adopted, and the node it was taken from drops its
-own.
+**A connection taken over by a CONNECT on another node**: its will (no delay) goes out from
+the claimant, fenced at the claimant's epoch, as found in the session's state committed
+before the claim (written with the will at the connection's CONNECT), whether the previous
+owner's release came or not; the node it was taken from drops it. It used to go out from
+that node, unfenced, and a node killed after its final state (without the will) and before
+the will's append was committed lost it (bench.churn --cluster 3, node kills): nothing left
+in the log had it. Every node applies the claim after the same state, so all agree on that
+will (:meth:`WillFence.claimed`). A will whose record lost to such a claim (the connection
+dropped, its will being fenced, and the client connected again on another node at once) is
+that will if the state before the claim still had it; if not (the state was written without
+it first), it goes out unfenced from the node where the connection dropped.
+An orphan's claim (``"orphan"`` in the claim) is not such: the adopter runs the will from the
+state it adopted, and the node it was taken from drops its own.
 
 **Cost.** A will waits for one ``$sessions`` commit, applied on the node that proposed it:
 on a node that does not lead ``$sessions``, one message after the commit (the leader tells
@@ -101,6 +107,7 @@ class Holder(Protocol):
     router: Router | None
     serving: bool
     owners: dict[str, Any]  # client id -> its Owner (node id, epoch)
+    states: dict[str, bytes]  # client id -> its latest state record's payload
 
 
 class WillFence:
@@ -114,8 +121,11 @@ class WillFence:
         #: (several: a new connection's may go out while an older one's record waits for a
         #: leader; keeping only the last lost the older one when its record lost, in churn).
         self.mine: dict[str, set[str]] = {}
-        #: Client ids whose session a CONNECT on another node took from this node.
-        self.taken: set[str] = set()
+        #: Client ids whose session a CONNECT on another node took from this node -> the will
+        #: that node publishes (:meth:`claimed`; None: none).
+        self.taken: dict[str, list[Any] | None] = {}
+        #: Client ids this node's CONNECT took from another node -> the will it publishes.
+        self.handed: dict[str, list[Any]] = {}
         #: Client id -> what waits for this worker's will of it to be out (or lost).
         self._after: dict[str, list[Callable[[], None]]] = {}
         self._out: dict[str, str] = {}
@@ -155,21 +165,23 @@ class WillFence:
 
     def will_now(self, client_id: str, will: Will) -> bool:
         """The router's will of ``client_id`` is due: False, it is fenced first (or dropped:
-        another node holds the session); True only where the log names no owner (a session
-        written before the cluster) or a CONNECT elsewhere took the connection over."""
+        another node holds the session, and publishes it if a CONNECT there took the
+        connection over); True only where the log names no owner (a session written before
+        the cluster)."""
         s = self.sessions
         owner = s.owners.get(client_id)
         if owner is None or s.router is None:
             return True
         if owner.node != s.node.id:
-            if client_id in self.taken:
-                return True
-            self.dropped += 1
+            self.dropped += client_id not in self.taken
             log.info(
-                "cluster: %s: will not published here: node %s holds the session (epoch %d)",
+                "cluster: %s: will not published here: node %s holds the session (epoch %d)%s",
                 client_id,
                 s.node.names.get(owner.node, owner.node),
                 owner.epoch,
+                "; a CONNECT there took it over, and publishes it"
+                if client_id in self.taken
+                else "",
             )
             return False
         state = will_state(will)
@@ -231,11 +243,13 @@ class WillFence:
                 self._done(client_id, wid)
                 if client_id in self.taken:
                     # A CONNECT on another node took the session from here before this
-                    # record was applied (the client back at once elsewhere): as for a
-                    # connection taken over (will_now), nobody else has this will (the state
-                    # left here without it), so it goes out from here, unfenced [MQTT-3.1.2-8].
-                    # Dropped, 52 wills of 889 were lost in a 20 s churn run of three nodes.
-                    self._send(client_id, body["will"])
+                    # record was applied (the client back at once elsewhere): the claimant
+                    # publishes the will the state before its claim had; if that was not
+                    # this one (that state was written without it), nobody else has it, so
+                    # it goes out from here, unfenced [MQTT-3.1.2-8]. Dropped, 52 wills of
+                    # 889 were lost in a 20 s churn run of three nodes.
+                    if self.taken[client_id] != body["will"]:
+                        self._send(client_id, body["will"])
                 else:
                     self.dropped += 1
                     log.info("cluster: %s: will not published: the session moved on", client_id)
@@ -250,18 +264,36 @@ class WillFence:
             self._publish(client_id, fenced)
         return True
 
-    def claimed(self, client_id: str, previous: int | None, orphan: bool) -> None:
-        """A claim of ``client_id`` won: by a CONNECT that takes it from this node, or not."""
-        if previous == self.sessions.node.id and not orphan:
-            self.taken.add(client_id)
-        else:
-            self.taken.discard(client_id)
+    def claimed(self, client_id: str, node: int, previous: int | None, orphan: bool) -> None:
+        """A claim of ``client_id`` by ``node`` won (every node applies it, in log order, with
+        the state committed before it): if a CONNECT's claim takes the session from another
+        node, the will of the connection that state names (no delay), unless that node fenced
+        it (pending: it publishes it), goes out from the claimant (module docstring): the same
+        will on every node. A delayed one is cancelled by the new connection [MQTT-3.1.3-9]."""
+        me = self.sessions.node.id
+        self.taken.pop(client_id, None)
+        self.handed.pop(client_id, None)
+        if orphan or previous in (None, node):
+            return
+        state = self.sessions.states.get(client_id)
+        will = orjson.loads(state).get("will") if state else None
+        pending = self.pending.get(client_id)
+        if will and (
+            will_of(will).properties.get(PropertyId.WILL_DELAY_INTERVAL)
+            or (pending is not None and pending.will == will)
+        ):
+            will = None
+        if previous == me:
+            self.taken[client_id] = will
+        if node == me and will:
+            self.handed[client_id] = will
 
     def ended(self, client_id: str) -> None:
         """The ownership of ``client_id`` ended (a tombstone): nothing of it is pending."""
         self.pending.pop(client_id, None)
         self._out.pop(client_id, None)
-        self.taken.discard(client_id)
+        self.taken.pop(client_id, None)
+        self.handed.pop(client_id, None)
 
     def _publish(self, client_id: str, fenced: Fenced) -> None:
         """The fenced will goes out from the worker that proposed it (after a restart: the
@@ -312,31 +344,22 @@ class WillFence:
     # -- a claim that found a will pending ------------------------------------------------
 
     def claimed_here(
-        self, client_id: str, epoch: int, state: bytes | None, taken_from: int | None = None
+        self, client_id: str, epoch: int, state: bytes | None, released: bool
     ) -> bytes | None:
-        """This node's claim won without the previous owner's release: a will that owner
-        fenced and did not see out is published again from here (module docstring), and
-        leaves the state adopted (which may still hold it). Returns that state.
-
-        With none pending, on a CONNECT's claim (``taken_from``: the previous owner; an
-        orphan's adopter runs the will from the state it adopted, as due), the will of the
-        connection the state names (no delay) goes out from here too: that connection ended
-        with its node (killed; or cut off, and that node closes it once it applies this
-        claim and publishes it too: at least once), and the new connection would have
-        replaced it unpublished [MQTT-3.1.2-8] (bench.churn --cluster 3, node kills: a will
-        lost). A delayed one is cancelled by the new connection [MQTT-3.1.3-9]."""
+        """This node's claim of ``client_id`` won and resumes; ``state`` is what it adopts
+        (the previous owner's final state if ``released``). Returns it, without a will that
+        goes out from here: the will the claim took over (:meth:`claimed`), or, without the
+        previous owner's release, a will that owner fenced and did not see out (module
+        docstring)."""
+        will = self.handed.pop(client_id, None)
         pending = self.pending.get(client_id)
-        if pending is not None:
+        if pending is not None and not released:
             if pending.epoch >= epoch:
                 return state
             del self.pending[client_id]
             will = pending.will
-        elif taken_from in (None, self.sessions.node.id) or not state:
+        if will is None:
             return state
-        else:
-            will = orjson.loads(state).get("will")
-            if not will or will_of(will).properties.get(PropertyId.WILL_DELAY_INTERVAL):
-                return state
         self._propose(client_id, epoch, will)
         if state:
             body = orjson.loads(state)

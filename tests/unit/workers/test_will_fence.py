@@ -343,20 +343,50 @@ def test_a_will_out_leaves_the_state_of_the_session(tmp_path: Path) -> None:
     asyncio.run(run())
 
 
-def test_a_connection_taken_over_by_a_connect_elsewhere_publishes_its_will_where_it_was(
+def test_a_connection_taken_over_by_a_connect_elsewhere_has_its_will_published_by_the_claimant(
     tmp_path: Path,
 ) -> None:
     async def run() -> None:
         loop = asyncio.get_running_loop()
         a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
         log = Log([a, b])
-        await owned_by(a, log, "dev")
-        a.harness.connect("dev", clean=False, expiry=300, will=WILL)
-        a.harness.tick(0)  # its state written
-        log.commit()
+        await connected_with_will(a, log)
         await owned_by(b, log, "dev")  # dev connects on b: a closes its connection
         await log.settle()
-        assert wills(a) == [WILL.payload] and wills(b) == []
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert a.sessions.fence.dropped == b.sessions.fence.dropped == 0
+
+    asyncio.run(run())
+
+
+def test_a_taken_over_connections_will_survives_its_node_killed_after_its_final_state(
+    tmp_path: Path,
+) -> None:
+    """A CONNECT on b takes the session from a, which closes its connection, writes the
+    session's final state (without the will) and is killed before its release: the state
+    was committed, a's append of the will was not (it went out unfenced from a), and b, going
+    on without the release, found no will in the state it adopted: the will was lost
+    (bench.churn --cluster 3, seed 61). The will is the claimant's to publish, as the state
+    before its claim names it."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await connected_with_will(a, log)
+        claim = loop.create_task(b.sessions.claim("dev", lambda x: x))
+        await turns()
+        log.commit(b)  # b's claim: a closes its connection
+        await turns()
+        final = [r for r in a.appended() if r.topic == "dev"]
+        assert final and b"gone" not in final[0].payload  # the state without the will
+        log.members = [b]  # a is killed: its final state committed, nothing after it
+        b.sessions.apply(final)
+        b.node.transport.down.add("a")
+        await log.settle()
+        assert (await claim)[:1] == STATE
+        await log.settle()
+        assert wills(b) == [WILL.payload]
 
     asyncio.run(run())
 
@@ -366,25 +396,39 @@ def test_a_will_being_fenced_when_a_connect_elsewhere_takes_the_session_still_go
 ) -> None:
     """The connection drops without DISCONNECT and its will is being fenced (its record
     proposed, not applied) when the client connects again on another node, whose claim is
-    committed first: the will record loses, and the will must still go out once, from the
-    node where the connection dropped (the state the claimant adopts no longer has it). It
-    was dropped ("the session moved on"): 52 wills of 889 in a 20-second churn run."""
+    committed first: the will record loses, and the will must still go out once. It was
+    dropped ("the session moved on"): 52 wills of 889 in a 20-second churn run. If the state
+    before the claim still had the will, the claimant publishes it (and the node where the
+    connection dropped drops it); if that state was already written without it, that node
+    publishes it, unfenced (nobody else has it)."""
 
-    async def run() -> None:
+    async def run(state_first: bool) -> None:
         loop = asyncio.get_running_loop()
-        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        a, b = (
+            cluster_member(tmp_path / str(state_first), n, ["a", "b"], loop) for n in ("a", "b")
+        )
         log = Log([a, b])
         link, session = await connected_with_will(a, log)
         a.harness.drop(session, link)  # the will is due: its record is proposed
         claim = loop.create_task(b.sessions.claim("dev", lambda x: x))
         await turns()
-        log.commit(b, a)  # b's claim first, then a's will record: it loses
+        if state_first:  # a's state without the will, then b's claim, then a's will record
+            records = a.appended()
+            for m in (a, b):
+                m.sessions.apply([r for r in records if r.topic == "dev"])
+            log.commit(b)
+            for m in (a, b):
+                m.sessions.apply([r for r in records if r.topic != "dev"])
+        else:
+            log.commit(b, a)  # b's claim first, then a's state and will record
         await log.settle()
         await claim
-        assert wills(a) == [WILL.payload] and wills(b) == []
+        assert wills(a) + wills(b) == [WILL.payload]
+        assert wills(a if state_first else b) == [WILL.payload]
         assert a.sessions.fence.dropped == 0
 
-    asyncio.run(run())
+    asyncio.run(run(state_first=False))
+    asyncio.run(run(state_first=True))
 
 
 def test_a_will_whose_record_is_committed_late_goes_out_after_a_newer_one(
