@@ -44,10 +44,7 @@ the session), releases (the worker holding the session gives it up), assertions 
 The sessions of a node gossip declares dead are claimed by one survivor (an *orphan* claim),
 which runs their wills and expiry (broker.workers.orphans); a will goes out only from the node
 whose *will record*, on the ownership key, is applied while its epoch is the owner's
-(broker.workers.will_fence). A QoS 2 PUBLISH to
-a subscriber leaves only once its state (packet id, cursor) is committed here
-(broker.router.delivery holds the link until then), so a kill -9 of this node cannot send it
-again under a new packet id.
+(broker.workers.will_fence).
 
 **Ownership records and compaction.** ``$sessions`` is compacted (each node its own copy, at
 its own time; a follower may be sent a compacted copy), which keeps only the last record of
@@ -80,6 +77,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Callable, Iterable
+from functools import partial
 from typing import TYPE_CHECKING, Any, NamedTuple, TypeVar
 
 import orjson
@@ -110,8 +108,7 @@ T = TypeVar("T")
 CLAIM_PREFIX = OWNERSHIP
 #: Seconds a claim waits to be committed and applied here.
 CLAIM_TIMEOUT = 10.0
-#: Seconds a claimant waits for the previous owner's release before it continues from the
-#: last committed state of the session.
+#: Seconds a claimant waits for the previous owner's release (then goes on without it).
 TAKEOVER_TIMEOUT = 3.0
 #: Claims one CONNECT makes before it is refused (each lost to a connect on another node).
 CLAIM_ATTEMPTS = 3
@@ -368,6 +365,10 @@ class ClusterSessions:
         """``then()`` once this worker's will of ``client_id`` is out (will_fence)."""
         self.fence.after_will(client_id, then)
 
+    def before_release(self, client_id: str, then: Callable[[], None]) -> None:
+        """:meth:`after_will`, at most :data:`TAKEOVER_TIMEOUT` (:meth:`_release`)."""
+        self.fence.after_will(client_id, then, TAKEOVER_TIMEOUT)
+
     def session_ended(self, client_id: str) -> None:
         """The router ended ``client_id``'s session (clean start, expiry, a clean session's
         disconnection): unless its client is connecting here again, the ownership ends too,
@@ -403,7 +404,9 @@ class ClusterSessions:
     def _release(self, client_id: str, previous: int | None, to: int, epoch: int) -> None:
         """Node ``to`` owns ``client_id`` from ``epoch`` on: if the session was this node's,
         its connection here is closed as taken over [MQTT-3.1.4-3] and, while serving, its
-        final state and the release go in the log for the claimant."""
+        final state and the release go in the log for the claimant, after this node's wills
+        of it are out (at most :data:`TAKEOVER_TIMEOUT`): released, the claimant publishes
+        none of them (a node killed before leaves no release, and the claimant does)."""
         if not self.home(client_id):
             return  # the worker this client id is homed at acts
         if self.directory is not None:
@@ -415,14 +418,14 @@ class ClusterSessions:
         if previous != self.node.id and not held:
             return
         state = router.hand_over(client_id) if router is not None and held else None
-        self._write_release(client_id, state, held, to, epoch)
+        release = partial(self._write_release, client_id, state, held, to, epoch)
+        self.before_release(client_id, release)
 
     async def _surrender(self, client_id: str, to: int, epoch: int) -> None:
-        """:meth:`_release` with several workers: the worker holding the session gives it
-        up (broker.workers.sessions), then the release is written; only while that claim is
-        the owner's (a newer one makes its own surrender): a node catching up applies long
-        superseded claims, whose surrenders took the session from the connection holding it
-        at a later epoch (bench.churn --cluster 3, node kills: a persistent session lost)."""
+        """:meth:`_release` with several workers: the worker holding the session gives it up
+        (broker.workers.sessions; its wills out first), then the release is written; only
+        while that claim is the owner's: a node catching up applies superseded claims, whose
+        surrenders took the session from the connection holding it at a later epoch."""
         assert self.directory is not None
         if self.owners.get(client_id) != (to, epoch):
             return

@@ -151,7 +151,7 @@ class WorkerRuntime:
         sessions.hand_over = router.hand_over
         sessions.restore = router.restore_sessions
         sessions.held_ids = lambda: list(router.sessions)
-        sessions.after_written = router.after_written
+        sessions.after_written = partial(self._after_written, router)
         sessions.settled = self.settled
         self.partitions.enqueue = router.append_forwarded
         self.partitions.enqueue_batch = router.append_forwarded_batch
@@ -173,6 +173,15 @@ class WorkerRuntime:
         if not self.groups_here and name.startswith("$share/"):
             return False
         return home_of(name, self.count) == self.index
+
+    def _after_written(self, router: Router, client_id: str, then: Callable[[], None]) -> None:
+        """``router.after_written``; in a cluster also after this worker's wills of the
+        client id are out, at most a takeover's wait (a session released to another node:
+        ``ClusterSessions.before_release``)."""
+        cluster = self.sessions.cluster
+        if cluster is not None:
+            then = partial(cluster.before_release, client_id, then)
+        router.after_written(client_id, then)
 
     def session_ended(self, client_id: str) -> None:
         cluster = self.sessions.cluster

@@ -103,6 +103,8 @@ class NodeClaims(Protocol):
 
     def after_will(self, client_id: str, then: Callable[[], None]) -> None: ...
 
+    def before_release(self, client_id: str, then: Callable[[], None]) -> None: ...
+
 
 class SessionDirectory:
     """This worker's part of the session registry (see the module docstring).

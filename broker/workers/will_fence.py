@@ -137,14 +137,25 @@ class WillFence:
         """Whether this worker fences or publishes a will of ``client_id`` (its end waits)."""
         return client_id in self.mine
 
-    def after_will(self, client_id: str, then: Callable[[], None]) -> None:
-        """``then()`` once this worker's will of ``client_id`` is out or lost (at once if
-        none is going out): with several workers, the end of a session held by a worker
-        other than its home, so that its tombstone follows the will record."""
-        if client_id in self.mine:
-            self._after.setdefault(client_id, []).append(then)
-        else:
-            then()
+    def after_will(
+        self, client_id: str, then: Callable[[], None], within: float | None = None
+    ) -> None:
+        """``then()`` once this worker's wills of ``client_id`` are out or lost (at once if
+        none is going out), or after ``within`` seconds: with several workers, the end of a
+        session held by a worker other than its home, so that its tombstone follows the will
+        record; a release of the session (broker.workers.replicated_sessions)."""
+        if client_id not in self.mine:
+            return then()
+        waiting = self._after.setdefault(client_id, [])
+        waiting.append(then)
+        if within is not None:
+
+            def late() -> None:
+                if then in waiting:
+                    waiting.remove(then)
+                    then()
+
+            self.sessions.node.loop.call_later(within, late)
 
     def _done(self, client_id: str, wid: str) -> None:
         """This worker's will ``wid`` of ``client_id`` is out, or lost."""
@@ -155,7 +166,9 @@ class WillFence:
         if ids:
             return
         del self.mine[client_id]
-        for then in self._after.pop(client_id, ()):
+        waiting = self._after.pop(client_id, [])
+        ready, waiting[:] = list(waiting), []  # (none left for a late() to call)
+        for then in ready:
             then()
 
     def _is_mine(self, client_id: str, wid: str) -> bool:
@@ -240,19 +253,21 @@ class WillFence:
         current = s.owners.get(client_id)
         if current != (node, epoch):
             if self._is_mine(client_id, wid):
-                self._done(client_id, wid)
                 if client_id in self.taken:
                     # A CONNECT on another node took the session from here before this
                     # record was applied (the client back at once elsewhere): the claimant
                     # publishes the will the state before its claim had; if that was not
                     # this one (that state was written without it), nobody else has it, so
-                    # it goes out from here, unfenced [MQTT-3.1.2-8]. Dropped, 52 wills of
-                    # 889 were lost in a 20 s churn run of three nodes.
+                    # it goes out from here, unfenced [MQTT-3.1.2-8], and this node's
+                    # release waits for it (after_will). Dropped, 52 wills of 889 were lost
+                    # in a 20 s churn run of three nodes.
                     if self.taken[client_id] != body["will"]:
-                        self._send(client_id, body["will"])
+                        self._send(client_id, body["will"], partial(self._done, client_id, wid))
+                        return True
                 else:
                     self.dropped += 1
                     log.info("cluster: %s: will not published: the session moved on", client_id)
+                self._done(client_id, wid)
             return True
         if wid == self._out.get(client_id) or (
             client_id in self.pending and self.pending[client_id].id == wid
@@ -316,10 +331,12 @@ class WillFence:
     ) -> None:
         """Publish the will ``state`` of ``client_id`` from here, again after :data:`RETRY`
         while its append fails (at least once); then ``done()`` (also when it is dropped,
-        not authorized). Without ``done``: unfenced, no out record follows."""
+        not authorized): a fenced will's writes its out record."""
         s = self.sessions
         router = s.router
         if router is None:
+            if done is not None:
+                done()
             return
 
         def published(offset: int | None) -> None:

@@ -522,3 +522,58 @@ def test_one_node_publishes_a_will_at_once(tmp_path: Path) -> None:
     h.drop(session, link)
     assert h.log_payloads(WILL.topic) == [WILL.payload]
     assert not [r for r in h.streams.log(*SESSIONS).read(0, 100) if r.topic[:1] == "\0"]
+
+
+def test_a_release_waits_for_the_wills_its_node_still_sends(tmp_path: Path) -> None:
+    """A will of the session goes out from a (its record lost to b's claim, the state before
+    the claim without it) as b's claim takes the session: a's release, after which b trusts
+    a for it, is written only once that will is stored; killed before, a leaves no release,
+    and b goes on from the last state."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        link, session = await connected_with_will(a, log)
+        a.harness.drop(session, link)  # its will record proposed, its state without the will
+        claim = loop.create_task(b.sessions.claim("dev", lambda x: x))
+        await turns()
+        records = a.appended()
+        for m in (a, b):
+            m.sessions.apply([r for r in records if r.topic == "dev"])
+        log.commit(b)  # b's claim
+        await turns()
+
+        def released() -> bool:
+            return any(b"released_by" in r.payload for r in log.commit(a))
+
+        assert not released() and "dev" in a.sessions.fence.mine
+        for m in (a, b):
+            m.sessions.apply([r for r in records if r.topic != "dev"])  # a's record: lost
+        await turns()
+        assert not released() or wills(a) == [WILL.payload]
+        await log.settle()
+        await claim
+        assert wills(a) == [WILL.payload] and wills(b) == []
+        assert any(r.payload and b"released_by" in r.payload for r in log.committed)
+
+    asyncio.run(run())
+
+
+def test_a_wait_for_wills_bounded_in_time_ends_once(tmp_path: Path) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        fence = cluster_member(tmp_path, "a", ["a"], loop).sessions.fence
+        calls: list[str] = []
+        fence.mine["dev"] = {"w1"}
+        fence.after_will("dev", lambda: calls.append("bounded"), 0.01)
+        fence.after_will("dev", lambda: calls.append("unbounded"))
+        await asyncio.sleep(0.05)
+        assert calls == ["bounded"]  # the will not out in time: goes on without it
+        fence._done("dev", "w1")
+        assert calls == ["bounded", "unbounded"]
+        fence.after_will("dev", lambda: calls.append("none going out"), 0.01)
+        await asyncio.sleep(0.05)
+        assert calls == ["bounded", "unbounded", "none going out"]
+
+    asyncio.run(run())
