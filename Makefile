@@ -38,9 +38,12 @@ lint: $(STAMP)-test
 	$(VENV)/bin/lint-imports
 	$(VENV)/bin/mypy
 
-# --durations=25: CI's log names the slowest tests (the suite must stay well under 25 min).
+# --durations: CI's log names the slowest tests (the suite must stay well under 25 min). The
+# unit tests run on two processes (pytest-xdist, one per core here: they share nothing), the
+# integration tests one at a time (brokers of two workers, network namespaces, timings).
 test: $(STAMP)-test lint
-	$(PY) -m pytest -q --durations=25
+	$(PY) -m pytest -q -n 2 tests/unit --durations=10
+	$(PY) -m pytest -q tests/integration --durations=25
 
 # Faster tiers while working (README, "The two commands"): the unit tests without the slow
 # ones, on two processes (pytest-xdist, one per core here); then with the integration tests
