@@ -42,7 +42,9 @@ owner's release came or not; the node it was taken from drops it. It used to go 
 that node, unfenced, and a node killed after its final state (without the will) and before
 the will's append was committed lost it (bench.churn --cluster 3, node kills): nothing left
 in the log had it. Every node applies the claim after the same state, so all agree on that
-will (:meth:`WillFence.claimed`). A will whose record lost to such a claim (the connection
+will (:meth:`WillFence.claimed`); it stays owed, whoever owns the session next, until a will
+record fences it (a claim overtaken by another before it resumed publishes nothing: the next
+owner publishes what it owed). A will whose record lost to such a claim (the connection
 dropped, its will being fenced, and the client connected again on another node at once) is
 that will if the state before the claim still had it; if not (the state was written without
 it first), it goes out unfenced from the node where the connection dropped.
@@ -121,11 +123,11 @@ class WillFence:
         #: (several: a new connection's may go out while an older one's record waits for a
         #: leader; keeping only the last lost the older one when its record lost, in churn).
         self.mine: dict[str, set[str]] = {}
-        #: Client ids whose session a CONNECT on another node took from this node -> the will
-        #: that node publishes (:meth:`claimed`; None: none).
-        self.taken: dict[str, list[Any] | None] = {}
-        #: Client ids this node's CONNECT took from another node -> the will it publishes.
-        self.handed: dict[str, list[Any]] = {}
+        #: Client ids whose session a CONNECT on another node took from this node.
+        self.taken: set[str] = set()
+        #: Client id -> the wills its owner (the last claim's node) owes, that no will record
+        #: has fenced yet (:meth:`claimed`; every node).
+        self.owed: dict[str, list[list[Any]]] = {}
         #: Client id -> what waits for this worker's will of it to be out (or lost).
         self._after: dict[str, list[Callable[[], None]]] = {}
         self._out: dict[str, str] = {}
@@ -256,12 +258,12 @@ class WillFence:
                 if client_id in self.taken:
                     # A CONNECT on another node took the session from here before this
                     # record was applied (the client back at once elsewhere): the claimant
-                    # publishes the will the state before its claim had; if that was not
-                    # this one (that state was written without it), nobody else has it, so
-                    # it goes out from here, unfenced [MQTT-3.1.2-8], and this node's
-                    # release waits for it (after_will). Dropped, 52 wills of 889 were lost
-                    # in a 20 s churn run of three nodes.
-                    if self.taken[client_id] != body["will"]:
+                    # publishes the wills it owes (:meth:`claimed`); if this one is not
+                    # among them (the state before the claim was written without it),
+                    # nobody else has it, so it goes out from here, unfenced [MQTT-3.1.2-8],
+                    # and this node's release waits for it (after_will). Dropped, 52 wills
+                    # of 889 were lost in a 20 s churn run of three nodes.
+                    if body["will"] not in self.owed.get(client_id, ()):
                         self._send(client_id, body["will"], partial(self._done, client_id, wid))
                         return True
                 else:
@@ -275,40 +277,48 @@ class WillFence:
             return True  # proposed again after an unknown outcome: the same will
         fenced = Fenced(epoch, wid, body["will"], body.get("w", 0))
         self.pending[client_id] = fenced
+        owed = self.owed.get(client_id)
+        if owed is not None and body["will"] in owed:
+            owed.remove(body["will"])  # fenced: pending until out
+            if not owed:
+                del self.owed[client_id]
         if node == s.node.id and s.serving:
             self._publish(client_id, fenced)
         return True
 
     def claimed(self, client_id: str, node: int, previous: int | None, orphan: bool) -> None:
-        """A claim of ``client_id`` by ``node`` won (every node applies it, in log order, with
-        the state committed before it): if a CONNECT's claim takes the session from another
-        node, the will of the connection that state names (no delay), unless that node fenced
-        it (pending: it publishes it), goes out from the claimant (module docstring): the same
-        will on every node. A delayed one is cancelled by the new connection [MQTT-3.1.3-9]."""
+        """A claim of ``client_id`` by ``node`` won. Every node applies it in log order, after
+        the same state, and agrees on what the new owner owes: the wills the previous owner
+        owed and did not fence (its claim overtaken before it resumed: bench.churn --cluster
+        3, a will lost), and, if a CONNECT's claim takes the session from another node, the
+        will of the connection that state names (no delay), unless fenced already (pending:
+        its node publishes it). A delayed one is cancelled by the new connection
+        [MQTT-3.1.3-9]."""
         me = self.sessions.node.id
-        self.taken.pop(client_id, None)
-        self.handed.pop(client_id, None)
-        if orphan or previous in (None, node):
-            return
-        state = self.sessions.states.get(client_id)
-        will = orjson.loads(state).get("will") if state else None
-        pending = self.pending.get(client_id)
-        if will and (
-            will_of(will).properties.get(PropertyId.WILL_DELAY_INTERVAL)
-            or (pending is not None and pending.will == will)
-        ):
-            will = None
-        if previous == me:
-            self.taken[client_id] = will
-        if node == me and will:
-            self.handed[client_id] = will
+        self.taken.discard(client_id)
+        owed = self.owed.pop(client_id, [])
+        if not orphan and previous not in (None, node):
+            state = self.sessions.states.get(client_id)
+            will = orjson.loads(state).get("will") if state else None
+            pending = self.pending.get(client_id)
+            if (
+                will
+                and will not in owed
+                and not will_of(will).properties.get(PropertyId.WILL_DELAY_INTERVAL)
+                and (pending is None or pending.will != will)
+            ):
+                owed.append(will)
+            if previous == me:
+                self.taken.add(client_id)
+        if owed:
+            self.owed[client_id] = owed
 
     def ended(self, client_id: str) -> None:
-        """The ownership of ``client_id`` ended (a tombstone): nothing of it is pending."""
+        """The ownership of ``client_id`` ended (a tombstone): nothing of it is pending. (A
+        will owed stays owed: the next claim's node publishes it.)"""
         self.pending.pop(client_id, None)
         self._out.pop(client_id, None)
-        self.taken.pop(client_id, None)
-        self.handed.pop(client_id, None)
+        self.taken.discard(client_id)
 
     def _publish(self, client_id: str, fenced: Fenced) -> None:
         """The fenced will goes out from the worker that proposed it (after a restart: the
@@ -365,22 +375,20 @@ class WillFence:
     ) -> bytes | None:
         """This node's claim of ``client_id`` won and resumes; ``state`` is what it adopts
         (the previous owner's final state if ``released``). Returns it, without a will that
-        goes out from here: the will the claim took over (:meth:`claimed`), or, without the
+        goes out from here: the wills the owner owes (:meth:`claimed`), and, without the
         previous owner's release, a will that owner fenced and did not see out (module
         docstring)."""
-        will = self.handed.pop(client_id, None)
+        wills = list(self.owed.get(client_id, ()))  # (owed until their records are applied)
         pending = self.pending.get(client_id)
-        if pending is not None and not released:
-            if pending.epoch >= epoch:
-                return state
+        if pending is not None and not released and pending.epoch < epoch:
             del self.pending[client_id]
-            will = pending.will
-        if will is None:
-            return state
-        self._propose(client_id, epoch, will)
-        if state:
+            if pending.will not in wills:
+                wills.append(pending.will)
+        for will in wills:
+            self._propose(client_id, epoch, will)
+        if state and wills:
             body = orjson.loads(state)
-            if body.get("will") == will:
+            if body.get("will") in wills:
                 body["will"] = body["will_left"] = None
                 state = orjson.dumps(body)
         return state

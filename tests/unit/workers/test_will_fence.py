@@ -21,7 +21,7 @@ from broker.net.context import STATE
 from broker.router.session import Session, will_state
 from broker.router.state import SESSIONS
 from broker.workers import will_fence
-from broker.workers.replicated_sessions import CLAIM_PREFIX, Owner
+from broker.workers.replicated_sessions import CLAIM_PREFIX, ClaimError, Owner
 from tests.unit.router.conftest import Harness
 from tests.unit.workers.test_replicated_sessions import (
     Log,
@@ -575,5 +575,34 @@ def test_a_wait_for_wills_bounded_in_time_ends_once(tmp_path: Path) -> None:
         fence.after_will("dev", lambda: calls.append("none going out"), 0.01)
         await asyncio.sleep(0.05)
         assert calls == ["bounded", "unbounded", "none going out"]
+
+    asyncio.run(run())
+
+
+def test_a_will_owed_by_a_claim_overtaken_before_it_resumed_goes_out_from_the_next(
+    tmp_path: Path,
+) -> None:
+    """b's CONNECT takes the session from a (whose connection's will b owes: a drops it),
+    and a third CONNECT, on c, takes it from b before b's claim resumed: b's claim fails, and
+    the state before c's claim (a's final one) has no will. The will b owed is c's to publish
+    (bench.churn --cluster 3, seed 62: nobody published it)."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b", "c"]
+        a, b, c = (cluster_member(tmp_path, n, names, loop) for n in names)
+        log = Log([a, b, c])
+        await connected_with_will(a, log)
+        claims = [loop.create_task(m.sessions.claim("dev", lambda x: x)) for m in (b, c)]
+        await turns()
+        log.commit(b, c)  # b's claim of epoch 2 wins, c's loses: c claims epoch 3
+        await turns()
+        log.commit(a)  # a's final state (without the will) and its release
+        log.commit(c)  # c's claim, before b's resumed
+        await log.settle()
+        outcomes = await asyncio.gather(*claims, return_exceptions=True)
+        assert isinstance(outcomes[0], ClaimError) and outcomes[1][:1] == STATE
+        await log.settle()
+        assert wills(c) == [WILL.payload] and wills(a) == wills(b) == []
 
     asyncio.run(run())
