@@ -111,6 +111,8 @@ class Holder(Protocol):
     owners: dict[str, Any]  # client id -> its Owner (node id, epoch)
     states: dict[str, bytes]  # client id -> its latest state record's payload
 
+    def home(self, client_id: str) -> bool: ...
+
 
 class WillFence:
     """This worker's part in publishing wills once across the cluster (module docstring)."""
@@ -394,8 +396,15 @@ class WillFence:
         return state
 
     def resume(self) -> None:
-        """The node serves again: the wills it fenced before a restart and did not see out."""
+        """The node serves again: the wills it fenced before a restart and did not see out,
+        and those it owes (its claim's CONNECT ended with the restart), from each client
+        id's home worker."""
         s = self.sessions
         for client_id, fenced in list(self.pending.items()):
             if s.owners.get(client_id) == (s.node.id, fenced.epoch):
                 self._publish(client_id, fenced)
+        for client_id, wills in list(self.owed.items()):
+            owner = s.owners.get(client_id)
+            if owner is not None and owner.node == s.node.id and s.home(client_id):
+                for will in wills:
+                    self._propose(client_id, owner.epoch, will)

@@ -606,3 +606,30 @@ def test_a_will_owed_by_a_claim_overtaken_before_it_resumed_goes_out_from_the_ne
         assert wills(c) == [WILL.payload] and wills(a) == wills(b) == []
 
     asyncio.run(run())
+
+
+def test_a_node_restarted_before_its_claim_resumed_publishes_what_it_owes(
+    tmp_path: Path,
+) -> None:
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await connected_with_will(a, log)
+        claim = loop.create_task(b.sessions.claim("dev", lambda x: x))
+        await turns()
+        log.commit(b)  # b's claim: b owes a's connection's will; a drops it
+        log.members = [a]  # b restarts before its claim resumed: nothing more of it commits
+        await log.settle()
+        claim.cancel()
+        b2 = cluster_member(tmp_path / "again", "b", ["a", "b"], loop)
+        b2.sessions.serving = False
+        b2.sessions.apply(log.committed)
+        assert b2.sessions.fence.owed["dev"] == [will_state(WILL)]
+        b2.sessions.resume()
+        log.members = [a, b2]
+        await log.settle()
+        assert wills(b2) == [WILL.payload] and wills(a) == []
+        assert "dev" not in b2.sessions.fence.owed and "dev" not in a.sessions.fence.owed
+
+    asyncio.run(run())
