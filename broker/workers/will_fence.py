@@ -44,10 +44,12 @@ the will's append was committed lost it (bench.churn --cluster 3, node kills): n
 in the log had it. Every node applies the claim after the same state, so all agree on that
 will (:meth:`WillFence.claimed`); it stays owed, whoever owns the session next, until a will
 record fences it (a claim overtaken by another before it resumed publishes nothing: the next
-owner publishes what it owed). A will whose record lost to such a claim (the connection
-dropped, its will being fenced, and the client connected again on another node at once) is
-that will if the state before the claim still had it; if not (the state was written without
-it first), it goes out unfenced from the node where the connection dropped.
+owner publishes what it owed). A taken-over connection's will that the claimant does not
+owe (the state before the claim did not name it: an older connection's state record
+committed late, after a pause) goes out unfenced from its own node, as does a will whose
+record lost to such a claim (the connection dropped, its will being fenced, and the client
+connected again on another node at once) if that state no longer had it; that node's release
+waits for them.
 An orphan's claim (``"orphan"`` in the claim) is not such: the adopter runs the will from the
 state it adopted, and the node it was taken from drops its own.
 
@@ -189,7 +191,17 @@ class WillFence:
         owner = s.owners.get(client_id)
         if owner is None or s.router is None:
             return True
+        state = will_state(will)
         if owner.node != s.node.id:
+            if client_id in self.taken and state not in self.owed.get(client_id, ()):
+                # A CONNECT there took the connection over, and the state before its claim
+                # did not name this will (a state record of an older connection committed
+                # late, after a pause: bench.churn --cluster 3 --kill pause, 2 wills lost):
+                # nobody else has it. Out from here, unfenced; the release waits for it.
+                wid = next(self._ids)
+                self.mine.setdefault(client_id, set()).add(wid)
+                self._send(client_id, state, partial(self._done, client_id, wid))
+                return False
             self.dropped += client_id not in self.taken
             log.info(
                 "cluster: %s: will not published here: node %s holds the session (epoch %d)%s",
@@ -201,7 +213,6 @@ class WillFence:
                 else "",
             )
             return False
-        state = will_state(will)
         pending = self.pending.get(client_id)
         if pending is not None and pending.will == state:
             return False  # already fenced (the state adopted still had it)

@@ -633,3 +633,27 @@ def test_a_node_restarted_before_its_claim_resumed_publishes_what_it_owes(
         assert "dev" not in b2.sessions.fence.owed and "dev" not in a.sessions.fence.owed
 
     asyncio.run(run())
+
+
+def test_a_taken_over_connections_will_not_named_by_a_late_state_goes_out_from_its_node(
+    tmp_path: Path,
+) -> None:
+    """An older connection's state record (without a will) is committed late, after the
+    state of the connection a CONNECT on b now takes over (a worker's batch held through a
+    pause): the state before b's claim names no will, so b owes none, and a, dropping its
+    connection's will as b's, lost it (bench.churn --cluster 3 --kill pause, seed 42). A
+    will that the claimant does not owe goes out from a."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        await connected_with_will(a, log)
+        late = dict(orjson.loads(a.sessions.states["dev"]), will=None)
+        for m in (a, b):
+            m.sessions.apply([Record(0, 0, "dev", orjson.dumps(late))])
+        await owned_by(b, log, "dev")
+        await log.settle()
+        assert wills(a) == [WILL.payload] and wills(b) == []
+
+    asyncio.run(run())
