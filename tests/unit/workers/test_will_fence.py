@@ -91,6 +91,15 @@ async def connected_with_will(m: Member, log: Log) -> tuple[Any, Session]:
     return link, session
 
 
+async def dev_on_a_with_will(tmp: Path) -> tuple[Member, Member, Log]:
+    """Members a and b; ``dev`` connected on a with :data:`WILL` (:func:`connected_with_will`)."""
+    loop = asyncio.get_running_loop()
+    a, b = (cluster_member(tmp, n, ["a", "b"], loop) for n in ("a", "b"))
+    log = Log([a, b])
+    await connected_with_will(a, log)
+    return a, b, log
+
+
 async def adopt_orphan(m: Member, log: Log, client_id: str, dead: Member) -> None:
     """``m`` adopts the session of ``dead`` as broker.workers.orphans does."""
     died = m.harness.clock.now
@@ -347,10 +356,7 @@ def test_a_connection_taken_over_by_a_connect_elsewhere_has_its_will_published_b
     tmp_path: Path,
 ) -> None:
     async def run() -> None:
-        loop = asyncio.get_running_loop()
-        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
-        log = Log([a, b])
-        await connected_with_will(a, log)
+        a, b, log = await dev_on_a_with_will(tmp_path)
         await owned_by(b, log, "dev")  # dev connects on b: a closes its connection
         await log.settle()
         assert wills(a) == [] and wills(b) == [WILL.payload]
@@ -371,9 +377,7 @@ def test_a_taken_over_connections_will_survives_its_node_killed_after_its_final_
 
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
-        log = Log([a, b])
-        await connected_with_will(a, log)
+        a, b, log = await dev_on_a_with_will(tmp_path)
         claim = loop.create_task(b.sessions.claim("dev", lambda x: x))
         await turns()
         log.commit(b)  # b's claim: a closes its connection
@@ -613,9 +617,7 @@ def test_a_node_restarted_before_its_claim_resumed_publishes_what_it_owes(
 ) -> None:
     async def run() -> None:
         loop = asyncio.get_running_loop()
-        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
-        log = Log([a, b])
-        await connected_with_will(a, log)
+        a, b, log = await dev_on_a_with_will(tmp_path)
         claim = loop.create_task(b.sessions.claim("dev", lambda x: x))
         await turns()
         log.commit(b)  # b's claim: b owes a's connection's will; a drops it
@@ -645,10 +647,7 @@ def test_a_taken_over_connections_will_not_named_by_a_late_state_goes_out_from_i
     will that the claimant does not owe goes out from a."""
 
     async def run() -> None:
-        loop = asyncio.get_running_loop()
-        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
-        log = Log([a, b])
-        await connected_with_will(a, log)
+        a, b, log = await dev_on_a_with_will(tmp_path)
         late = dict(orjson.loads(a.sessions.states["dev"]), will=None)
         for m in (a, b):
             m.sessions.apply([Record(0, 0, "dev", orjson.dumps(late))])
