@@ -495,10 +495,11 @@ class ClusterSessions:
                 await self._wait_release(client_id, epoch, previous)
             if self.owners.get(client_id) != (me, epoch):
                 raise ClaimError(f"{client_id}: a connection on another node took the session")
-            held, released = self.holds(client_id), self.released.get(client_id) == epoch
-            state = None if held else self.states.get(client_id)
-            state = self.fence.claimed_here(client_id, epoch, state, released)
-            return adopt(HERE if held else STATE + state if state else NEW)
+            if self.holds(client_id):
+                return adopt(HERE)
+            released = self.released.get(client_id) == epoch
+            state = self.fence.claimed_here(client_id, epoch, self.states.get(client_id), released)
+            return adopt(STATE + state if state else NEW)
         raise ClaimError(f"{client_id}: {CLAIM_ATTEMPTS} claims lost to connections elsewhere")
 
     async def _end_applied(self, client_id: str) -> bool:

@@ -35,23 +35,19 @@ records, a compaction of the range between a record and that answer (one commit)
 the record alone: a node reading that copy learns the owner from the answer that follows (a
 will record is never taken as the owner by itself: it would let the stale one win).
 
-**A connection taken over by a CONNECT on another node**: its will (no delay) goes out from
-the claimant, fenced at the claimant's epoch, as found in the session's state committed
-before the claim (written with the will at the connection's CONNECT), whether the previous
-owner's release came or not; the node it was taken from drops it. It used to go out from
-that node, unfenced, and a node killed after its final state (without the will) and before
-the will's append was committed lost it (bench.churn --cluster 3, node kills): nothing left
-in the log had it. Every node applies the claim after the same state, so all agree on that
-will (:meth:`WillFence.claimed`); it stays owed, whoever owns the session next, until a will
-record fences it (a claim overtaken by another before it resumed publishes nothing: the next
-owner publishes what it owed). A taken-over connection's will that the claimant does not
-owe (the state before the claim did not name it: an older connection's state record
-committed late, after a pause) goes out unfenced from its own node, as does a will whose
-record lost to such a claim (the connection dropped, its will being fenced, and the client
-connected again on another node at once) if that state no longer had it; that node's release
-waits for them.
-An orphan's claim (``"orphan"`` in the claim) is not such: the adopter runs the will from the
-state it adopted, and the node it was taken from drops its own.
+**A connection taken over by a CONNECT on another node** publishes its will (no delay) on
+the node that held it, unfenced: the claimant's new connection replaces the will, so nobody
+else has it. So does a will whose record lost to such a claim (the connection dropped, its
+will being fenced, and the client connected again on another node at once): the session's
+state left without it. That node's release of the session waits for them (at most the
+claimant's wait), since the claimant, released, trusts it for them. A claimant that goes on
+without the release (the old node killed, or cut off) publishes the will of the connection
+that the state committed *before its claim* names (written with the will at that
+connection's CONNECT; every node applies the claim after that same state): the old node may
+have written the state without the will, and been killed before the will's append (the
+claimant found no will: bench.churn --cluster 3, node kills). A duplicate is possible then
+(at least once). An orphan's claim (``"orphan"`` in the claim) is not such: the adopter runs
+the will from the state it adopted, and the node it was taken from drops its own.
 
 **Cost.** A will waits for one ``$sessions`` commit, applied on the node that proposed it:
 on a node that does not lead ``$sessions``, one message after the commit (the leader tells
@@ -113,8 +109,6 @@ class Holder(Protocol):
     owners: dict[str, Any]  # client id -> its Owner (node id, epoch)
     states: dict[str, bytes]  # client id -> its latest state record's payload
 
-    def home(self, client_id: str) -> bool: ...
-
 
 class WillFence:
     """This worker's part in publishing wills once across the cluster (module docstring)."""
@@ -129,9 +123,9 @@ class WillFence:
         self.mine: dict[str, set[str]] = {}
         #: Client ids whose session a CONNECT on another node took from this node.
         self.taken: set[str] = set()
-        #: Client id -> the wills its owner (the last claim's node) owes, that no will record
-        #: has fenced yet (:meth:`claimed`; every node).
-        self.owed: dict[str, list[list[Any]]] = {}
+        #: Client id -> the will of the connection the state before this node's CONNECT's
+        #: claim of it names (:meth:`claimed`), published if the claim goes on unreleased.
+        self.handed: dict[str, list[Any]] = {}
         #: Client id -> what waits for this worker's will of it to be out (or lost).
         self._after: dict[str, list[Callable[[], None]]] = {}
         self._out: dict[str, str] = {}
@@ -183,34 +177,30 @@ class WillFence:
     # -- a will is due here (the router) ----------------------------------------------------
 
     def will_now(self, client_id: str, will: Will) -> bool:
-        """The router's will of ``client_id`` is due: False, it is fenced first (or dropped:
-        another node holds the session, and publishes it if a CONNECT there took the
-        connection over); True only where the log names no owner (a session written before
-        the cluster)."""
+        """The router's will of ``client_id`` is due: False, it is fenced first, or goes out
+        unfenced if a CONNECT elsewhere took the connection over, or is dropped (another
+        node holds the session); True only where the log names no owner (a session written
+        before the cluster)."""
         s = self.sessions
         owner = s.owners.get(client_id)
         if owner is None or s.router is None:
             return True
         state = will_state(will)
         if owner.node != s.node.id:
-            if client_id in self.taken and state not in self.owed.get(client_id, ()):
-                # A CONNECT there took the connection over, and the state before its claim
-                # did not name this will (a state record of an older connection committed
-                # late, after a pause: bench.churn --cluster 3 --kill pause, 2 wills lost):
-                # nobody else has it. Out from here, unfenced; the release waits for it.
+            if client_id in self.taken:
+                # A CONNECT there took the connection over: nobody else has this will (the
+                # claimant's connection replaces it). Out from here, unfenced; the release
+                # waits for it (module docstring).
                 wid = next(self._ids)
                 self.mine.setdefault(client_id, set()).add(wid)
                 self._send(client_id, state, partial(self._done, client_id, wid))
                 return False
-            self.dropped += client_id not in self.taken
+            self.dropped += 1
             log.info(
-                "cluster: %s: will not published here: node %s holds the session (epoch %d)%s",
+                "cluster: %s: will not published here: node %s holds the session (epoch %d)",
                 client_id,
                 s.node.names.get(owner.node, owner.node),
                 owner.epoch,
-                "; a CONNECT there took it over, and publishes it"
-                if client_id in self.taken
-                else "",
             )
             return False
         pending = self.pending.get(client_id)
@@ -270,15 +260,13 @@ class WillFence:
             if self._is_mine(client_id, wid):
                 if client_id in self.taken:
                     # A CONNECT on another node took the session from here before this
-                    # record was applied (the client back at once elsewhere): the claimant
-                    # publishes the wills it owes (:meth:`claimed`); if this one is not
-                    # among them (the state before the claim was written without it),
-                    # nobody else has it, so it goes out from here, unfenced [MQTT-3.1.2-8],
+                    # record was applied (the client back at once elsewhere): as for a
+                    # connection taken over (will_now), nobody else has this will (the state
+                    # left here without it), so it goes out from here, unfenced [MQTT-3.1.2-8],
                     # and this node's release waits for it (after_will). Dropped, 52 wills
                     # of 889 were lost in a 20 s churn run of three nodes.
-                    if body["will"] not in self.owed.get(client_id, ()):
-                        self._send(client_id, body["will"], partial(self._done, client_id, wid))
-                        return True
+                    self._send(client_id, body["will"], partial(self._done, client_id, wid))
+                    return True
                 else:
                     self.dropped += 1
                     log.info("cluster: %s: will not published: the session moved on", client_id)
@@ -290,45 +278,36 @@ class WillFence:
             return True  # proposed again after an unknown outcome: the same will
         fenced = Fenced(epoch, wid, body["will"], body.get("w", 0))
         self.pending[client_id] = fenced
-        owed = self.owed.get(client_id)
-        if owed is not None and body["will"] in owed:
-            owed.remove(body["will"])  # fenced: pending until out
-            if not owed:
-                del self.owed[client_id]
         if node == s.node.id and s.serving:
             self._publish(client_id, fenced)
         return True
 
     def claimed(self, client_id: str, node: int, previous: int | None, orphan: bool) -> None:
-        """A claim of ``client_id`` by ``node`` won. Every node applies it in log order, after
-        the same state, and agrees on what the new owner owes: the wills the previous owner
-        owed and did not fence (its claim overtaken before it resumed: bench.churn --cluster
-        3, a will lost), and, if a CONNECT's claim takes the session from another node, the
-        will of the connection that state names (no delay), unless fenced already (pending:
-        its node publishes it). A delayed one is cancelled by the new connection
-        [MQTT-3.1.3-9]."""
+        """A claim of ``client_id`` by ``node`` won (every node applies it in log order, after
+        the same state): by a CONNECT that takes it from this node, or not. On the claimant
+        of a CONNECT's claim from another node, the will of the connection the state before
+        it names (no delay; not fenced already) is kept for :meth:`claimed_here`. A delayed
+        one is cancelled by the new connection [MQTT-3.1.3-9]."""
         me = self.sessions.node.id
-        self.taken.discard(client_id)
-        owed = self.owed.pop(client_id, [])
-        if not orphan and previous not in (None, node):
-            state = self.sessions.states.get(client_id)
-            will = orjson.loads(state).get("will") if state else None
-            pending = self.pending.get(client_id)
-            if (
-                will
-                and will not in owed
-                and not will_of(will).properties.get(PropertyId.WILL_DELAY_INTERVAL)
-                and (pending is None or pending.will != will)
-            ):
-                owed.append(will)
-            if previous == me:
-                self.taken.add(client_id)
-        if owed:
-            self.owed[client_id] = owed
+        self.handed.pop(client_id, None)
+        if previous == me and not orphan:
+            self.taken.add(client_id)
+        else:
+            self.taken.discard(client_id)
+        if orphan or node != me or previous in (None, me):
+            return
+        state = self.sessions.states.get(client_id)
+        will = orjson.loads(state).get("will") if state else None
+        pending = self.pending.get(client_id)
+        if (
+            will
+            and not will_of(will).properties.get(PropertyId.WILL_DELAY_INTERVAL)
+            and (pending is None or pending.will != will)
+        ):
+            self.handed[client_id] = will
 
     def ended(self, client_id: str) -> None:
-        """The ownership of ``client_id`` ended (a tombstone): nothing of it is pending. (A
-        will owed stays owed: the next claim's node publishes it.)"""
+        """The ownership of ``client_id`` ended (a tombstone): nothing of it is pending."""
         self.pending.pop(client_id, None)
         self._out.pop(client_id, None)
         self.taken.discard(client_id)
@@ -386,36 +365,36 @@ class WillFence:
     def claimed_here(
         self, client_id: str, epoch: int, state: bytes | None, released: bool
     ) -> bytes | None:
-        """This node's claim of ``client_id`` won and resumes; ``state`` is what it adopts
-        (the previous owner's final state if ``released``). Returns it, without a will that
-        goes out from here: the wills the owner owes (:meth:`claimed`), and, without the
-        previous owner's release, a will that owner fenced and did not see out (module
-        docstring)."""
-        wills = list(self.owed.get(client_id, ()))  # (owed until their records are applied)
+        """This node's claim of ``client_id`` won and resumes; ``state`` is what it adopts.
+        Without the previous owner's release: a will that owner fenced and did not see out
+        is published again from here, or else the will of the connection the state before
+        the claim names (:meth:`claimed`; that connection ended with its node, or that node
+        is cut off and publishes it too once it applies the claim: at least once) (module
+        docstring). Returns the state, without that will."""
+        handed = self.handed.pop(client_id, None)
+        if released:
+            return state  # the previous owner published its wills before its release
         pending = self.pending.get(client_id)
-        if pending is not None and not released and pending.epoch < epoch:
+        if pending is not None:
+            if pending.epoch >= epoch:
+                return state
             del self.pending[client_id]
-            if pending.will not in wills:
-                wills.append(pending.will)
-        for will in wills:
-            self._propose(client_id, epoch, will)
-        if state and wills:
+            will = pending.will
+        elif handed is None:
+            return state
+        else:
+            will = handed
+        self._propose(client_id, epoch, will)
+        if state:
             body = orjson.loads(state)
-            if body.get("will") in wills:
+            if body.get("will") == will:
                 body["will"] = body["will_left"] = None
                 state = orjson.dumps(body)
         return state
 
     def resume(self) -> None:
-        """The node serves again: the wills it fenced before a restart and did not see out,
-        and those it owes (its claim's CONNECT ended with the restart), from each client
-        id's home worker."""
+        """The node serves again: the wills it fenced before a restart and did not see out."""
         s = self.sessions
         for client_id, fenced in list(self.pending.items()):
             if s.owners.get(client_id) == (s.node.id, fenced.epoch):
                 self._publish(client_id, fenced)
-        for client_id, wills in list(self.owed.items()):
-            owner = s.owners.get(client_id)
-            if owner is not None and owner.node == s.node.id and s.home(client_id):
-                for will in wills:
-                    self._propose(client_id, owner.epoch, will)
