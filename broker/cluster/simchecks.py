@@ -74,7 +74,6 @@ class SafetyChecks(MembershipEvents):
                 if owner == node and life == self.life[node] and at <= index:
                     del record.pending[value]
                     if core.terms.term_at(at) == term:
-                        record.acked[value] = at
                         # The record only grows and at <= index <= its last index now: one
                         # look when acknowledged holds for every event after.
                         there = record.entry_ending_at(at)

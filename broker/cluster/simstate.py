@@ -181,7 +181,6 @@ class GroupRecord(EntryLog):
     votes: dict[tuple[int, int], int] = field(default_factory=dict)
     #: Pending proposals: value -> (node, life, last index, term).
     pending: dict[bytes, tuple[int, int, int, int]] = field(default_factory=dict)
-    acked: dict[bytes, int] = field(default_factory=dict)
     #: Values proposed after healing, and every value committed so far.
     healed: set[bytes] = field(default_factory=set)
     values: set[bytes] = field(default_factory=set)
