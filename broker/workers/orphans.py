@@ -52,7 +52,9 @@ A node declared dead that is in fact alive but cut off keeps its connections unt
 the claim (then closes them, 5.0: DISCONNECT 0x8E). A will that falls due there meanwhile (its
 client's connection drops) is not published at once: its will record names the epoch the
 adopter's claim superseded, so it loses where it is applied, and the adopter alone publishes
-that will (broker.workers.will_fence). The adoption counts the will delay from when the dead
+that will: from the state it adopted, or, if it waited for this node's release, from the
+release, which carries that will and those of the connections the claim closes
+(broker.workers.will_fence). The adoption counts the will delay from when the dead
 node lost the connection if its state says so, else from the death gossip declared.
 
 Called only from the worker's event loop.

@@ -94,7 +94,7 @@ from broker.workers.cluster_groups import ClusterGroupPeers
 from broker.workers.forwards import refuse_held
 from broker.workers.orphans import Orphans
 from broker.workers.sessions import SessionDirectory, home_of
-from broker.workers.will_fence import WillFence
+from broker.workers.will_fence import LEFT, WillFence
 
 if TYPE_CHECKING:
     from broker.cluster.node import ClusterNode
@@ -179,9 +179,8 @@ class ClusterSessions:
         self._resumed = asyncio.Event()
         if sessions_log is not None:
             # What this node's log holds (up to its pinned high-water mark) is known at once.
-            self._read(
-                sessions_log.read, sessions_log.log_start_offset, sessions_log.high_watermark
-            )
+            log_ = sessions_log
+            self._read(log_.read, log_.log_start_offset, log_.high_watermark)
 
     def _read(self, read: Callable[..., list[Record]], offset: int, end: int) -> None:
         while offset < end:
@@ -315,7 +314,7 @@ class ClusterSessions:
                     self.session_ended(client_id)  # an old release after the end: end again
             if current == (node, epoch):
                 if "released_by" in body:
-                    self._released(client_id, epoch)
+                    self._released(client_id, epoch, body.get(LEFT))
             elif current.node == me:
                 self._assert(client_id, current.epoch)  # not left the last word
             return
@@ -340,8 +339,9 @@ class ClusterSessions:
     def _holds(self, client_id: str) -> bool:
         return client_id in self._claiming or self.holds(client_id)
 
-    def _released(self, client_id: str, epoch: int) -> None:
+    def _released(self, client_id: str, epoch: int, will: list[Any] | None) -> None:
         self.released[client_id] = epoch
+        self.fence.released(client_id, epoch, will, waiting=client_id in self._claiming)
         waiter = self._releases.pop((client_id, epoch), None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -440,12 +440,14 @@ class ClusterSessions:
         if not self.serving or router is None:
             return  # catching up at start: that claimant did not wait for this node
         now = router.state.now_ms()
-        rows: list[tuple[object, ...]] = []
-        if state is not None:
-            rows.append((now, client_id, state, 0, False, "", b""))
+        state, will = self.fence.left_in(self.fence.hand_left(client_id, state))
         release = {"node": self.node.names.get(to, str(to)), "epoch": epoch}
         release["released_by"] = self.node.name
-        rows.append((now, CLAIM_PREFIX + client_id, orjson.dumps(release), 0, False, "", b""))
+        if will is not None:
+            release[LEFT] = will
+        rows = [(now, CLAIM_PREFIX + client_id, orjson.dumps(release), 0, False, "", b"")]
+        if state is not None:
+            rows.insert(0, (now, client_id, state, 0, False, "", b""))
         router.append_forwarded(SESSIONS, rows, _ignore)
         self.takeovers += 1
         log.info(
@@ -592,9 +594,7 @@ class ClusterHooks(SingleWorker):
         return self.sessions.will_now(client_id, will)
 
     def is_home(self, name: str) -> bool:
-        if name.startswith(CLAIM_PREFIX):
-            return False  # an ownership record, not a session
-        if name.startswith("$share/"):
-            return False  # held by the $sessions leader once it serves (cluster_groups)
+        if name.startswith((CLAIM_PREFIX, "$share/")):
+            return False  # an ownership record; a group, held by the $sessions leader
         owner = self.sessions.owners.get(name)
         return owner is None or owner.node == self.sessions.node.id

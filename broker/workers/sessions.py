@@ -53,12 +53,15 @@ import logging
 import struct
 import zlib
 from collections.abc import Awaitable, Callable
-from typing import Protocol, TypeVar
+from typing import TYPE_CHECKING, Protocol, TypeVar
 
 from broker.mqtt.packets import Will
 from broker.net.context import HERE, NEW, STATE
 from broker.workers.mesh import Mesh, PeerDown
 from broker.workers.partitions import NEXT_KIND
+
+if TYPE_CHECKING:
+    from broker.workers.will_fence import WillFence
 
 log = logging.getLogger("broker.workers")
 T = TypeVar("T")
@@ -104,6 +107,9 @@ class NodeClaims(Protocol):
     def after_will(self, client_id: str, then: Callable[[], None]) -> None: ...
 
     def before_release(self, client_id: str, then: Callable[[], None]) -> None: ...
+
+    @property
+    def fence(self) -> WillFence: ...
 
 
 class SessionDirectory:
@@ -464,7 +470,11 @@ class SessionDirectory:
 
         def release() -> None:
             state = self.hand_over(client_id) or b""
-            self.when_written(client_id, lambda: mesh.reply(peer, request, state))
+            self.when_written(client_id, lambda: mesh.reply(peer, request, handed(state)))
+
+        def handed(state: bytes) -> bytes:  # with a will left to an orphan's adopter
+            cluster = self.cluster
+            return state if cluster is None else cluster.fence.hand_left(client_id, state) or b""
 
         if client_id in self._answered:
             self._deferred.setdefault(client_id, []).append(release)  # see claim()

@@ -47,7 +47,14 @@ connection's CONNECT; every node applies the claim after that same state): the o
 have written the state without the will, and been killed before the will's append (the
 claimant found no will: bench.churn --cluster 3, node kills). A duplicate is possible then
 (at least once). An orphan's claim (``"orphan"`` in the claim) is not such: the adopter runs
-the will from the state it adopted, and the node it was taken from drops its own.
+the will, and the node it was taken from (paused or cut off past its death) never does. A
+will that falls due there once the claim is applied (the live connection it closes) or whose
+record lost to it is *left* to the adopter: it goes in that node's release (:data:`LEFT`),
+and an adopter that waited for the release publishes it, fenced at its own epoch; one that
+went on without (the node still away after its wait) ran the will of the state it adopted,
+written at the connection's CONNECT, and ignores the late release's. Dropped instead, as
+before, the will was lost whenever the node came back within the adopter's wait: its release
+carried a state without the will (bench.churn --cluster 3 --kill pause, seed 43: 4-6 wills).
 
 **Cost.** A will waits for one ``$sessions`` commit, applied on the node that proposed it:
 on a node that does not lead ``$sessions``, one message after the commit (the leader tells
@@ -89,6 +96,9 @@ log = logging.getLogger("broker.cluster")
 #: Seconds between proposals of a will record not committed (no ``$sessions`` leader).
 RETRY = 1.0
 
+#: The key of a handed state that carries a will left to an orphan's adopter.
+LEFT = "left_will"
+
 
 class Fenced(NamedTuple):
     """A will record that won: the owner's epoch, the will's id, the will (its state)."""
@@ -126,6 +136,14 @@ class WillFence:
         #: Client id -> the will of the connection the state before this node's CONNECT's
         #: claim of it names (:meth:`claimed`), published if the claim goes on unreleased.
         self.handed: dict[str, list[Any]] = {}
+        #: Client ids an orphan's claim took from this node (:meth:`claimed`), and their
+        #: wills that fell due here since: the adopter's, handed to it with the release.
+        self.orphaned: set[str] = set()
+        self.left: dict[str, list[Any]] = {}
+        #: Client id -> the will the release this node's claim waits for handed it; the
+        #: epoch of a claim that went on without the release and found no will.
+        self.given: dict[str, list[Any] | None] = {}
+        self.late: dict[str, int] = {}
         #: Client id -> what waits for this worker's will of it to be out (or lost).
         self._after: dict[str, list[Callable[[], None]]] = {}
         self._out: dict[str, str] = {}
@@ -194,6 +212,9 @@ class WillFence:
                 wid = next(self._ids)
                 self.mine.setdefault(client_id, set()).add(wid)
                 self._send(client_id, state, partial(self._done, client_id, wid))
+                return False
+            if client_id in self.orphaned:
+                self.left[client_id] = state  # the adopter's (module docstring)
                 return False
             self.dropped += 1
             log.info(
@@ -267,6 +288,8 @@ class WillFence:
                     # of 889 were lost in a 20 s churn run of three nodes.
                     self._send(client_id, body["will"], partial(self._done, client_id, wid))
                     return True
+                elif client_id in self.orphaned:
+                    self.left[client_id] = body["will"]  # the adopter's, as in will_now
                 else:
                     self.dropped += 1
                     log.info("cluster: %s: will not published: the session moved on", client_id)
@@ -290,10 +313,16 @@ class WillFence:
         one is cancelled by the new connection [MQTT-3.1.3-9]."""
         me = self.sessions.node.id
         self.handed.pop(client_id, None)
+        self.given.pop(client_id, None)
+        self.late.pop(client_id, None)
         if previous == me and not orphan:
             self.taken.add(client_id)
         else:
             self.taken.discard(client_id)
+        if previous == me and orphan:
+            self.orphaned.add(client_id)
+        else:
+            self.orphaned.discard(client_id)
         if orphan or node != me or previous in (None, me):
             return
         state = self.sessions.states.get(client_id)
@@ -311,6 +340,8 @@ class WillFence:
         self.pending.pop(client_id, None)
         self._out.pop(client_id, None)
         self.taken.discard(client_id)
+        self.orphaned.discard(client_id)
+        self.late.pop(client_id, None)
 
     def _publish(self, client_id: str, fenced: Fenced) -> None:
         """The fenced will goes out from the worker that proposed it (after a restart: the
@@ -372,8 +403,13 @@ class WillFence:
         is cut off and publishes it too once it applies the claim: at least once) (module
         docstring). Returns the state, without that will."""
         handed = self.handed.pop(client_id, None)
+        given = self.given.pop(client_id, None)
         if released:
-            return state  # the previous owner published its wills before its release
+            # The previous owner published its wills before its release, but the one it
+            # left to this node, an orphan's adopter (module docstring).
+            if given is not None:
+                self._propose(client_id, epoch, given)
+            return state
         pending = self.pending.get(client_id)
         if pending is not None:
             if pending.epoch >= epoch:
@@ -381,6 +417,8 @@ class WillFence:
             del self.pending[client_id]
             will = pending.will
         elif handed is None:
+            if not state or not orjson.loads(state).get("will"):
+                self.late[client_id] = epoch  # the old node's release may yet hand one over
             return state
         else:
             will = handed
@@ -391,6 +429,38 @@ class WillFence:
                 body["will"] = body["will_left"] = None
                 state = orjson.dumps(body)
         return state
+
+    # -- a will left to an orphan's adopter, handed with the release -----------------------
+
+    def released(self, client_id: str, epoch: int, will: list[Any] | None, waiting: bool) -> None:
+        """The release of ``client_id`` to this node's claim of ``epoch`` is applied, with
+        the will the old node left to it (:data:`LEFT`; an orphan's adopter) or None: kept
+        for :meth:`claimed_here` while the claim waits for it (``waiting``); published if
+        the claim went on without the release and found no will (the state it adopted was
+        written after that connection's will fell due, and its will record lost)."""
+        if waiting:
+            self.given[client_id] = will
+        elif will is not None and self.late.pop(client_id, None) == epoch:
+            self._propose(client_id, epoch, will)
+
+    def hand_left(self, client_id: str, state: bytes | None) -> bytes | None:
+        """The state the holder of ``client_id``'s session hands over for its release, with
+        the will it left to an orphan's adopter (under :data:`LEFT`), if any."""
+        will = self.left.pop(client_id, None)
+        if will is None:
+            return state
+        body = orjson.loads(state) if state else {}
+        body[LEFT] = will
+        return orjson.dumps(body)
+
+    @staticmethod
+    def left_in(state: bytes | None) -> tuple[bytes | None, list[Any] | None]:
+        """:meth:`hand_left` undone: the state (None if the session ended) and the will."""
+        if not state or LEFT.encode() not in state:
+            return state, None
+        body = orjson.loads(state)
+        will = body.pop(LEFT, None)
+        return (orjson.dumps(body) if body else None), will
 
     def resume(self) -> None:
         """The node serves again: the wills it fenced before a restart and did not see out."""

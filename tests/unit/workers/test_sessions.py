@@ -311,6 +311,7 @@ class NodeClaims:
         self.answers: dict[str, bytes | Exception] = {}
         self.claimed: list[str] = []
         self.ended: list[str] = []
+        self.left: dict[str, bytes] = {}
 
     async def claim(self, client_id: str, adopt: Callable[[bytes], bytes]) -> bytes:
         self.claimed.append(client_id)
@@ -321,6 +322,15 @@ class NodeClaims:
 
     def session_ended(self, client_id: str) -> None:
         self.ended.append(client_id)
+
+    @property
+    def fence(self) -> NodeClaims:
+        return self
+
+    def hand_left(self, client_id: str, state: bytes) -> bytes:
+        """broker.workers.will_fence: a will left to an orphan's adopter goes with the state."""
+        will = self.left.pop(client_id, None)
+        return state if will is None else state + will
 
 
 def test_on_a_cluster_node_the_home_claims_for_the_node_first(tmp_path: Path) -> None:
@@ -345,6 +355,11 @@ def test_on_a_cluster_node_the_home_claims_for_the_node_first(tmp_path: Path) ->
         node.answers[cid] = RuntimeError("no leader")
         with pytest.raises(ClaimRefused):
             await w[1].connect(cid)
+        # Taken from another worker than its home: the will that worker left to an
+        # orphan's adopter comes with its state.
+        assert await w[1].connect(cid) == NEW
+        node.left[cid] = b"+will"
+        assert await w[0].dir.surrender(cid) == b"{}+will" and not node.left
         # A session that ends ends the node's claim.
         assert await w[1].connect(cid) == NEW
         w[1].held.clear()

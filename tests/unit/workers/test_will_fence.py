@@ -144,7 +144,11 @@ def test_a_cut_off_owners_will_loses_to_the_adopters_which_goes_out_once(tmp_pat
         records = ownership(log, "dev")
         stale = [r for r in records if "will" in r and r["node"] == "a"]
         assert stale and stale[0]["epoch"] == 1  # a's will record, committed after the heal
-        assert a.sessions.fence.dropped == 1
+        # a left it to b, in its release, which b, gone on without it, does not wait for.
+        release = [r for r in records if "released_by" in r]
+        assert (
+            release[0][will_fence.LEFT] == will_state(WILL) and "dev" not in a.sessions.fence.left
+        )
         assert a.sessions.owners["dev"] == b.sessions.owners["dev"] == Owner(b.node.id, 2)
         # What compaction leaves names b as the owner, with no will pending.
         last = [r for r in compacted(log.committed) if r.topic == CLAIM_PREFIX + "dev"]
@@ -651,5 +655,144 @@ def test_a_taken_over_connections_will_not_named_by_a_late_state_goes_out_from_i
         await owned_by(b, log, "dev")
         await log.settle()
         assert wills(a) == [WILL.payload] and wills(b) == []
+
+    asyncio.run(run())
+
+
+async def adopt_waiting(m: Member, log: Log, client_id: str, gone: Member) -> None:
+    """:func:`adopt_orphan`, with ``gone`` reachable again as the claim commits: ``m``
+    waits for its release (a node paused past its death, resumed within the wait)."""
+    died = m.harness.clock.now
+
+    def take(answer: bytes) -> None:
+        if answer[:1] == STATE:
+            m.harness.router.adopt(client_id, answer[1:], died)
+
+    claim = asyncio.get_running_loop().create_task(
+        m.sessions.claim(client_id, take, only_from=gone.node.id)
+    )
+    await log.settle()
+    await claim
+
+
+def test_a_live_connection_an_orphans_claim_closes_has_its_will_go_out_from_the_adopter(
+    tmp_path: Path,
+) -> None:
+    """a, paused long enough for gossip to declare it dead, resumes while b's orphan claim
+    of dev waits for a's release: a applies the claim, closes dev's live connection and
+    leaves its will to b; its release hands it over, and b publishes it, once. Before, a
+    dropped the will as the adopter's and released a state without it: b published none
+    (bench.churn --cluster 3 --kill pause, seed 43)."""
+
+    async def run() -> None:
+        a, b, log = await dev_on_a_with_will(tmp_path)
+        await adopt_waiting(b, log, "dev", a)
+        assert b.sessions.owners["dev"] == Owner(b.node.id, 2)
+        release = [r for r in ownership(log, "dev") if "released_by" in r]
+        assert release and release[0][will_fence.LEFT] == will_state(WILL)
+        b.harness.tick(1)
+        await log.settle()
+        a.harness.tick(1)
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert "dev" not in a.sessions.fence.left and "dev" not in b.sessions.fence.given
+        assert "dev" not in b.harness.router.sessions or not b.harness.router.sessions["dev"].will
+
+    asyncio.run(run())
+
+
+def test_a_will_whose_record_loses_to_an_orphans_claim_goes_out_from_the_adopter(
+    tmp_path: Path,
+) -> None:
+    """dev's connection on a drops just before a's pause: its will record, proposed at a's
+    epoch, is committed after b's orphan claim and loses. a leaves that will to b with its
+    release (which waits for the record), and b publishes it once."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = Log([a, b])
+        link, session = await connected_with_will(a, log)
+        a.harness.drop(session, link)  # its will record proposed, not committed yet
+        held = a.appended()
+        claim = loop.create_task(b.sessions.claim("dev", lambda x: x, only_from=a.node.id))
+        await turns()
+        log.commit(b)  # b's orphan claim, before a's will record
+        await turns()
+        for m in (a, b):
+            m.sessions.apply(held)  # a's will record: lost
+        await log.settle()
+        await claim
+        release = [r for r in ownership(log, "dev") if "released_by" in r]
+        assert release and release[0][will_fence.LEFT] == will_state(WILL)
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert a.sessions.fence.dropped == 0
+
+    asyncio.run(run())
+
+
+def test_a_will_left_to_an_adopter_that_went_on_without_the_release_goes_out_once(
+    tmp_path: Path,
+) -> None:
+    """As above, but b went on without a's release (a still paused after b's wait) and ran
+    dev's will from the state it adopted; a's late release hands the will over again: b,
+    no longer waiting for it, does not publish it twice."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = CutLog([a, b])
+        await connected_with_will(a, log)
+        log.cut.add(a)
+        await adopt_orphan(b, log, "dev", a)
+        b.harness.tick(1)
+        await log.settle()
+        assert wills(b) == [WILL.payload]
+        log.heal()  # a applies b's claim: closes dev's connection, leaves the will to b
+        await log.settle()
+        release = [r for r in ownership(log, "dev") if "released_by" in r]
+        assert release and release[0][will_fence.LEFT] == will_state(WILL)
+        a.harness.tick(1)
+        b.harness.tick(1)
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert "dev" not in b.sessions.fence.given
+
+    asyncio.run(run())
+
+
+def test_a_will_left_to_an_adopter_that_went_on_without_one_goes_out_from_it_late(
+    tmp_path: Path,
+) -> None:
+    """dev's connection on a dropped just before a was cut off: a's state without the will
+    was committed, its will record not. b adopts that state (no will) without a's release;
+    healed, a's will record loses to b's claim and a's release hands the will over late:
+    b, which found none, publishes it, once."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b = (cluster_member(tmp_path, n, ["a", "b"], loop) for n in ("a", "b"))
+        log = CutLog([a, b])
+        link, session = await connected_with_will(a, log)
+        a.harness.drop(session, link)
+        records = a.appended()
+        for m in (a, b):
+            m.sessions.apply([r for r in records if r.topic == "dev"])  # committed
+        log.cut.add(a)
+        await adopt_orphan(b, log, "dev", a)
+        b.harness.tick(1)
+        await log.settle()
+        assert wills(b) == [] and b.sessions.fence.late == {"dev": 2}
+        log.heal()
+        for m in (a, b):
+            m.sessions.apply([r for r in records if r.topic != "dev"])  # the record: lost
+        await log.settle()
+        release = [r for r in ownership(log, "dev") if "released_by" in r]
+        assert release and release[0][will_fence.LEFT] == will_state(WILL)
+        b.harness.tick(1)
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert b.sessions.fence.late == {}
 
     asyncio.run(run())
