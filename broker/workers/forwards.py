@@ -1,7 +1,7 @@
 """Batches a node forwarded to their group's leader (broker.workers.replicated), awaiting the
 answer: the first offset once committed there, a refusal (that node does not take proposals:
-the batch is held for the next leader), or an unknown outcome (it stopped leading with the
-entry in flight).
+the batch is held for the next leader), an unknown outcome (it stopped leading with the
+entry in flight), or a fence (records of clients another node claimed since: :func:`zombies`).
 
 When the group's leader changes, a forward to the node that led it has an answer coming
 still, if that node is alive: it refuses what reaches it while it hands over or after it
@@ -15,7 +15,8 @@ outcome is unknown (its publishers' connections are closed so that they resend),
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple, Protocol
 
 from broker.commitlog import Record
@@ -29,6 +30,9 @@ log = logging.getLogger("broker.cluster")
 FORWARD_TIMEOUT = 10.0
 #: Seconds a forward to a node that stopped leading waits for that node's answer.
 ANSWER_GRACE = 0.25
+#: A forward's answer: refused for records of clients another node claimed since
+#: (:func:`zombies`; their client ids follow).
+FENCED = -3
 
 
 class Dispatching(Protocol):
@@ -42,6 +46,14 @@ class Dispatching(Protocol):
     def leader(self) -> int | None: ...
 
     def release(self, now: float) -> None: ...
+
+
+class Claim(NamedTuple):
+    """The latest claim of a client id applied (broker.workers.replicated_sessions): the
+    claimant (a Raft node id) and the claim record's timestamp (ms)."""
+
+    node: int
+    at: int
 
 
 class Forward(NamedTuple):
@@ -136,6 +148,43 @@ def refuse_held(parts: Iterable[object], client_id: str) -> int:
             refused,
         )
     return refused
+
+
+def zombies(records: Iterable[Record], sender: int, claims: Mapping[str, Claim]) -> bytes:
+    """At a group's leader: the clients of ``records`` (forwarded by node ``sender``) whose
+    session another node claimed after the record was accepted, as the claims applied here
+    say: *zombie* records, of a connection taken over, that reach the leader late (their
+    node paused: accepted before, sent as it resumed, before it applied the claim). They
+    are refused, as Kafka fences a producer of an older epoch: let through, one landed
+    after what the client published since on the other node (bench.churn --cluster 3 --kill
+    pause, seed 41: a retained message replaced by an older one). Their client ids,
+    NUL-separated (an MQTT string has no U+0000 [MQTT-1.5.4-2]); empty: none.
+
+    Compared by time: the record's (its node's clock, when accepted) against the claim
+    record's (the claimant's, when proposed). What its node sends once it applied the claim
+    (the will of the connection taken over) is newer than the claim, unless the clocks
+    differ by more than the time between them: such a will is refused and sent again (a
+    second later, until it passes). A record accepted on a node cut off, after a claim it did
+    not know of, passes; it is held there and refused as the claim is applied (refuse_held),
+    unless it leaves before, as the node heals."""
+    ids = {
+        r.client_id
+        for r in records
+        if (claim := claims.get(r.client_id)) is not None
+        and claim.node != sender
+        and r.timestamp < claim.at
+    }
+    return b"\0".join(client_id.encode() for client_id in ids)
+
+
+def refuse_zombies(part: Dispatching, batch: Forward, client_ids: bytes) -> None:
+    """The leader refused ``batch`` for the records of ``client_ids`` (:func:`zombies`):
+    they are refused (with the records their acknowledgements answer), the rest is sent
+    again."""
+    part.held.append((batch.records, batch.acks, batch.deadline))
+    for client_id in client_ids.decode().split("\0"):
+        refuse_held([part], client_id)
+    part.release(time.monotonic())
 
 
 def _answered_together(acks: list[Ack | None]) -> Iterator[tuple[int, int]]:

@@ -33,7 +33,9 @@ finds no leader taking proposals (an election or a leadership transfer in progre
 forward refused by a node that no longer leads) is held and dispatched again when a leader
 is known, so a publish in the middle of a failover is delayed, not refused; only after
 :data:`HOLD_SECONDS` without one do its publishers get ``None``: a negative acknowledgement
-(MQTT 5) or a closed connection (3.1.1).
+(MQTT 5) or a closed connection (3.1.1). The leader refuses the records of a forward that
+another node's claim of their client superseded (accepted on a node before it was paused,
+sent as it resumed: broker.workers.forwards.zombies); the rest is forwarded again.
 
 The internal ``$retained`` and ``$sessions`` streams are Raft groups too, compacted with their
 batches' boundaries kept (:data:`CLUSTER_SPECS`); every node applies each commit of
@@ -82,11 +84,13 @@ from broker.config import Config
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.partition import READ_BATCH, Columns, Partition, PartitionBase
 from broker.router.state import RETAINED, SESSIONS
+from broker.workers import forwards
+from broker.workers.cluster_hooks import ClusterHooks
 from broker.workers.forwards import ANSWER_GRACE, Forward, Forwards, answer
 from broker.workers.mesh import PeerDown
 from broker.workers.remote_fetches import RemoteFetches
 from broker.workers.remote_partition import RemotePartition
-from broker.workers.replicated_sessions import ClusterHooks, ClusterSessions
+from broker.workers.replicated_sessions import ClusterSessions
 
 if TYPE_CHECKING:
     from broker.router.router import Router
@@ -108,6 +112,9 @@ CATCH_UP_SECONDS = 10.0
 HOLD_SECONDS = 5.0
 #: Seconds a stopping node waits for the session states it persisted last to commit.
 DRAIN_SECONDS = 2.0
+
+_BEHIND = "cluster: serving with %d partitions not caught up after %g s (no leader?): %s"
+_SERVES = "cluster: node %s%s holds %d partitions, reads %d remotely (%d nodes)"
 
 _FORWARD = struct.Struct("<QI")  # request id, group; the batch follows
 _ANSWER = struct.Struct("<Qq")  # request id, first offset (-1 refused, OUTCOME_UNKNOWN)
@@ -341,21 +348,11 @@ class ClusterService:
         await self._sessions_caught_up()
         behind += await self.remote.caught_up(CATCH_UP_SECONDS)
         if behind:
-            log.warning(
-                "cluster: serving with %d partitions not caught up after %g s (no leader, or "
-                "still catching up): %s",
-                len(behind),
-                CATCH_UP_SECONDS,
-                ", ".join(f"{s}/{p}" for s, p in (self.groups[g] for g in behind)),
-            )
-        log.info(
-            "cluster: node %s%s holds %d partitions, reads %d remotely (%d nodes)",
-            self.node.name,
-            f" worker {index} of {count}" if count > 1 else "",
-            len(self.node.storages),
-            len(self.remote_parts),
-            len(members),
-        )
+            names = ", ".join(f"{s}/{p}" for s, p in (self.groups[g] for g in behind))
+            log.warning(_BEHIND, len(behind), CATCH_UP_SECONDS, names)
+        worker = f" worker {index} of {count}" if count > 1 else ""
+        held, remote = len(self.node.storages), len(self.remote_parts)
+        log.info(_SERVES, self.node.name, worker, held, remote, len(members))
         self.sessions.resume()  # its sessions as committed; claims are answered from now on
 
     async def _sessions_caught_up(self) -> None:
@@ -384,8 +381,7 @@ class ClusterService:
             answer(waiting.acks, OUTCOME_UNKNOWN)
         self._waiting.clear()
         for part in self._replicated():
-            for _records, acks, _deadline in part.held:
-                answer(acks, None)
+            answer([ack for _records, acks, _deadline in part.held for ack in acks], None)
             part.held.clear()
         await self.node.close()
 
@@ -552,6 +548,9 @@ class ClusterService:
             log.warning("cluster: bad forwarded batch from node %d: %s", frm, e)
             reply(None)
             return
+        if fenced := forwards.zombies(records, frm, self.sessions.claims):  # (node paused)
+            self.node.send(frm, FORWARDED, _ANSWER.pack(request, forwards.FENCED) + fenced)
+            return
         router.append_forwarded(key, [r[1:] for r in records], reply)
 
     def _on_answer(self, frm: int, body: memoryview) -> None:
@@ -569,6 +568,8 @@ class ClusterService:
                 part.release(time.monotonic())
         elif first == OUTCOME_UNKNOWN:
             answer(acks, OUTCOME_UNKNOWN)
+        elif first == forwards.FENCED:
+            forwards.refuse_zombies(part, w, bytes(body[_ANSWER.size :]))
         else:
             for i, ack in enumerate(acks):
                 if ack is not None:

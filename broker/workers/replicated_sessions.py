@@ -30,7 +30,7 @@ an epoch. Every CONNECT with a client id on a node that does not own it:
 
 A node that owns the client id connects it at once (the previous connection, if any, is
 closed by the router as on one node); a claim committed meanwhile elsewhere takes it away
-right after. At start a node loads only the sessions it owns (:class:`ClusterHooks`); claims
+right after. At start a node loads only the sessions it owns (broker.workers.cluster_hooks); claims
 applied while it catches up, before it serves, move sessions away without a release (their
 claimants did not wait for this dead node), and once caught up it reloads the sessions it
 owns from what it applied (:meth:`ClusterSessions.resume`).
@@ -87,11 +87,10 @@ from broker.commitlog import Record, SegmentedLog
 from broker.mqtt.packets import Will
 from broker.net.context import HERE, NEW, STATE
 from broker.router.commit import OUTCOME_UNKNOWN
-from broker.router.hooks import SingleWorker
 from broker.router.state import SESSIONS
 from broker.router.store import OWNERSHIP
 from broker.workers.cluster_groups import ClusterGroupPeers
-from broker.workers.forwards import refuse_held
+from broker.workers.forwards import Claim, refuse_held
 from broker.workers.orphans import Orphans
 from broker.workers.sessions import SessionDirectory, home_of
 from broker.workers.will_fence import LEFT, WillFence
@@ -152,6 +151,9 @@ class ClusterSessions:
         self.owners: dict[str, Owner] = {}
         #: Client id -> its latest state record's payload (the router's ``to_state`` JSON).
         self.states: dict[str, bytes] = {}
+        #: Client id -> its latest claim applied (a leader refuses the records a node
+        #: accepted before another's claim: broker.workers.forwards.zombies).
+        self.claims: dict[str, Claim] = {}
         #: Client id -> the epoch of the latest release applied since its last claim.
         self.released: dict[str, int] = {}
         self.takeovers = 0
@@ -265,7 +267,7 @@ class ClusterSessions:
         for rec in records:
             key = rec.topic
             if key.startswith(CLAIM_PREFIX):
-                self._apply_claim(key[len(CLAIM_PREFIX) :], rec.payload)
+                self._apply_claim(key[len(CLAIM_PREFIX) :], rec.payload, rec.timestamp)
             elif key.startswith("$share/"):
                 if rec.payload:  # a shared group's positions (broker.workers.cluster_groups)
                     self.groups[key] = rec.payload
@@ -276,13 +278,14 @@ class ClusterSessions:
             else:
                 self.states.pop(key, None)  # the session ended [MQTT-3.1.2-4]
 
-    def _apply_claim(self, client_id: str, payload: bytes) -> None:
+    def _apply_claim(self, client_id: str, payload: bytes, at: int) -> None:
         """A claim, release, assertion or end of ``client_id``'s ownership (module
         docstring, "Ownership records and compaction")."""
         me = self.node.id
         current = self.owners.get(client_id)
         if not payload:  # the session ended: nobody holds it
             self.owners.pop(client_id, None)
+            self.claims.pop(client_id, None)
             self.released.pop(client_id, None)
             self.fence.ended(client_id)
             ended = self._ending.pop(client_id, None)
@@ -326,6 +329,7 @@ class ClusterSessions:
                 self._assert(client_id, current.epoch)  # not left the last word
             return
         self.owners[client_id] = Owner(node, epoch)
+        self.claims[client_id] = Claim(node, at)
         self.released.pop(client_id, None)
         self._ending.pop(client_id, None)
         previous = current.node if current is not None else None
@@ -576,25 +580,3 @@ _GOES_ON = "the session continues here from its last committed state"
 def _ignore(offset: int | None) -> None:
     if offset is None or offset == OUTCOME_UNKNOWN:
         log.warning("cluster: a session release was not committed (no leader for $sessions)")
-
-
-class ClusterHooks(SingleWorker):
-    """The router's hooks on a cluster node (one worker): at start it loads only the
-    sessions this node owns (or that no claim names: state written before the cluster);
-    shared groups are held by one node (broker.workers.cluster_groups)."""
-
-    def __init__(self, sessions: ClusterSessions) -> None:
-        self.sessions = sessions
-        self.group_peers = sessions.group_peers
-
-    def session_ended(self, client_id: str) -> None:
-        self.sessions.session_ended(client_id)
-
-    def will_now(self, client_id: str, will: Will) -> bool:
-        return self.sessions.will_now(client_id, will)
-
-    def is_home(self, name: str) -> bool:
-        if name.startswith((CLAIM_PREFIX, "$share/")):
-            return False  # an ownership record; a group, held by the $sessions leader
-        owner = self.sessions.owners.get(name)
-        return owner is None or owner.node == self.sessions.node.id

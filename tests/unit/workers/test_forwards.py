@@ -13,9 +13,12 @@ from broker.router.commit import OUTCOME_UNKNOWN
 from broker.workers.forwards import (
     ANSWER_GRACE,
     FORWARD_TIMEOUT,
+    Claim,
     Forward,
     Forwards,
     refuse_held,
+    refuse_zombies,
+    zombies,
 )
 
 OLD, NEW = 1, 2
@@ -56,8 +59,8 @@ def test_an_unanswered_forward_is_unknown_past_the_timeout() -> None:
     assert outcomes == [OUTCOME_UNKNOWN] and not waiting
 
 
-def _record(client_id: str, n: int) -> Record:
-    return Record(-1, 0, "t", b"%d" % n, 1, False, client_id)
+def _record(client_id: str, n: int, at: int = 0) -> Record:
+    return Record(-1, at, "t", b"%d" % n, 1, False, client_id)
 
 
 def test_a_claimed_clients_held_records_are_refused_with_what_their_acks_answer() -> None:
@@ -88,3 +91,44 @@ def test_a_claimed_clients_held_records_are_refused_with_what_their_acks_answer(
     ]
     assert len(other.held) == 1
     assert refuse_held([part, other], "nobody") == 0 and len(part.held) == 2
+
+
+def test_a_leader_fences_the_records_a_node_accepted_before_another_nodes_claim() -> None:
+    """Node 1 forwards records it accepted at 900 ms for "dev", which node 2 claimed at
+    1,000 ms (node 1 paused meanwhile): zombies. Not: what node 1 sent after the claim (the
+    will of the connection taken over), records of clients it claimed last, of clients no
+    claim names."""
+    claims = {"dev": Claim(2, 1000), "own": Claim(1, 1000), "both": Claim(2, 1000)}
+    records = [
+        _record("dev", 1, at=900),
+        _record("dev", 2, at=1100),  # sent after node 1 applied the claim
+        _record("own", 3, at=900),
+        _record("free", 4, at=900),
+        _record("", 5, at=900),
+        _record("both", 6, at=999),
+    ]
+    assert set(zombies(records, 1, claims).split(b"\0")) == {b"dev", b"both"}
+    assert zombies(records, 2, claims) == b"own"  # the claimant's own pass, node 1's do not
+    assert zombies(records[1:5], 1, claims) == b""
+
+
+def test_a_fenced_forward_refuses_its_zombies_and_sends_the_rest_again() -> None:
+    """The leader's answer names "dev": its records are refused with what their
+    acknowledgements answer, the rest of the batch is dispatched again at once."""
+    outcomes: list[tuple[str, Any]] = []
+    sent: list[list[Record]] = []
+
+    def ack(name: str) -> Any:
+        return lambda offset: outcomes.append((name, offset))
+
+    def release(now: float) -> None:
+        sent.extend(records for records, _acks, _deadline in part.held)
+        part.held.clear()
+
+    records = [_record("dev", 1), _record("x", 2), _record("dev", 3), _record("y", 4)]
+    acks = [ack("dev1"), ack("x2"), ack("dev3"), ack("y4")]
+    part = SimpleNamespace(group=7, held=[], release=release)
+    batch = Forward(100.0, part, records, acks, 105.0, OLD)  # type: ignore[arg-type]
+    refuse_zombies(part, batch, b"dev")  # type: ignore[arg-type]
+    assert outcomes == [("dev1", None), ("dev3", None)]
+    assert sent == [[records[1], records[3]]]

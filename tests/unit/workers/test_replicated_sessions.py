@@ -27,10 +27,11 @@ from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.session import Session
 from broker.router.state import SESSIONS
 from broker.workers import replicated_sessions
+from broker.workers.cluster_hooks import ClusterHooks
+from broker.workers.forwards import Claim
 from broker.workers.replicated_sessions import (
     CLAIM_PREFIX,
     ClaimError,
-    ClusterHooks,
     ClusterSessions,
     Owner,
 )
@@ -192,6 +193,11 @@ def test_a_takeover_closes_the_old_connection_and_moves_the_state(tmp_path: Path
         assert new_link.of(ConnAck)[0].session_present  # [MQTT-3.2.2-2]
         # Ownership, as every node applied it, and as a restarted node loads it.
         assert a.sessions.owners["dev"] == b.sessions.owners["dev"] == Owner(b.node.id, 2)
+        # The latest claim, with its time: a leader fences what a took before it
+        # (broker.workers.forwards.zombies).
+        claim = [r for r in log.committed if r.topic == CLAIM_PREFIX + "dev"][-2]
+        assert orjson.loads(claim.payload) == {"node": "b", "epoch": 2}
+        assert a.sessions.claims["dev"] == Claim(b.node.id, claim.timestamp)
         assert not ClusterHooks(a.sessions).is_home("dev")
         assert ClusterHooks(b.sessions).is_home("dev")
         assert not ClusterHooks(b.sessions).is_home(CLAIM_PREFIX + "dev")
@@ -392,6 +398,7 @@ def test_sessions_that_end_leave_no_claim_after_compaction(tmp_path: Path) -> No
         keys = {r.topic for r in compacted(log.committed)}
         assert not {k for k in keys if "short-" in k}, sorted(keys)
         assert all(not m.sessions.owners for m in (a, b))
+        assert all(not m.sessions.claims for m in (a, b))  # nor their latest claims
 
     asyncio.run(run())
 
