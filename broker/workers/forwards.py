@@ -174,6 +174,8 @@ def zombies(records: Iterable[Record], sender: int, claims: Mapping[str, Claim])
         and claim.node != sender
         and r.timestamp < claim.at
     }
+    if ids:
+        log.info("cluster: records of %s from node %d refused: claimed since", sorted(ids), sender)
     return b"\0".join(client_id.encode() for client_id in ids)
 
 

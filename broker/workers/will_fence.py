@@ -37,24 +37,26 @@ will record is never taken as the owner by itself: it would let the stale one wi
 
 **A connection taken over by a CONNECT on another node** publishes its will (no delay) on
 the node that held it, unfenced: the claimant's new connection replaces the will, so nobody
-else has it. So does a will whose record lost to such a claim (the connection dropped, its
-will being fenced, and the client connected again on another node at once): the session's
-state left without it. That node's release of the session waits for them (at most the
-claimant's wait), since the claimant, released, trusts it for them. A claimant that goes on
-without the release (the old node killed, or cut off) publishes the will of the connection
-that the state committed *before its claim* names (written with the will at that
-connection's CONNECT; every node applies the claim after that same state): the old node may
-have written the state without the will, and been killed before the will's append (the
-claimant found no will: bench.churn --cluster 3, node kills). A duplicate is possible then
-(at least once). An orphan's claim (``"orphan"`` in the claim) is not such: the adopter runs
-the will, and the node it was taken from (paused or cut off past its death) never does. A
-will that falls due there once the claim is applied (the live connection it closes) or whose
-record lost to it is *left* to the adopter: it goes in that node's release (:data:`LEFT`),
-and an adopter that waited for the release publishes it, fenced at its own epoch; one that
-went on without (the node still away after its wait) ran the will of the state it adopted,
-written at the connection's CONNECT, and ignores the late release's. Dropped instead, as
-before, the will was lost whenever the node came back within the adopter's wait: its release
-carried a state without the will (bench.churn --cluster 3 --kill pause, seed 43: 4-6 wills).
+else has it. So does a will whose record lost to such a claim, or to a claim after it by a
+third node (the connection dropped, its will being fenced, and the client connected again on
+another node at once): the session's state left without it. That node's release of the
+session waits for them (at most the claimant's wait), since the claimant, released, trusts
+it for them. A claimant that goes on without the release (the old node killed, or cut off)
+publishes the will of the connection that the state committed *before its claim* names
+(written with the will at that connection's CONNECT; every node applies the claim after that
+same state): the old node may have written the state without the will, and been killed
+before the will's append (the claimant found no will: bench.churn --cluster 3, node kills).
+A duplicate is possible then (at least once). An orphan's claim (``"orphan"`` in the claim)
+is not such: the adopter runs the will, and the node it was taken from (paused or cut off
+past its death) never does. A will that falls due there once the claim is applied (the live
+connection it closes) or whose record lost to it is *left* to the adopter: it goes in that
+node's release (:data:`LEFT`), and an adopter that waited for the release publishes it,
+fenced at its own epoch; one that went on without (the node still away after its wait) ran
+the will of the state it adopted, written at the connection's CONNECT, and ignores the late
+release's, unless that state had none (written once the will fell due, the will record
+losing): then it publishes the late release's. Dropped instead, as before, the will was lost
+whenever the node came back within the adopter's wait: its release carried a state without
+the will (bench.churn --cluster 3 --kill pause, seed 43: 4-6 wills).
 
 **Cost.** A will waits for one ``$sessions`` commit, applied on the node that proposed it:
 on a node that does not lead ``$sessions``, one message after the commit (the leader tells
@@ -317,7 +319,10 @@ class WillFence:
         self.late.pop(client_id, None)
         if previous == me and not orphan:
             self.taken.add(client_id)
-        else:
+        elif node == me or previous == me:
+            # (Kept through a claim by a third node: a will of this node's connection whose
+            # record is still to be applied is this node's to send; dropped there, it was
+            # lost: bench.churn --cluster 3 --kill pause, seed 44.)
             self.taken.discard(client_id)
         if previous == me and orphan:
             self.orphaned.add(client_id)

@@ -20,7 +20,7 @@ from broker.mqtt.properties import PropertyId
 from broker.net.context import STATE
 from broker.router.session import Session, will_state
 from broker.router.state import SESSIONS
-from broker.workers import will_fence
+from broker.workers import replicated_sessions, will_fence
 from broker.workers.replicated_sessions import CLAIM_PREFIX, ClaimError, Owner
 from tests.unit.router.conftest import Harness
 from tests.unit.workers.test_replicated_sessions import (
@@ -794,5 +794,46 @@ def test_a_will_left_to_an_adopter_that_went_on_without_one_goes_out_from_it_lat
         await log.settle()
         assert wills(a) == [] and wills(b) == [WILL.payload]
         assert b.sessions.fence.late == {}
+
+    asyncio.run(run())
+
+
+def test_a_will_whose_record_loses_to_a_third_nodes_claim_goes_out_from_its_node(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dev's connection on a drops, and its will record waits for a leader (a paused): b's
+    CONNECT claims the session, then c's takes it from b, before a's record is applied. The
+    will is a's connection's (the state left without it): a sends it, unfenced, once. Before,
+    a third node's claim made a forget that the session was taken from it, and the will was
+    dropped (bench.churn --cluster 3 --kill pause, seed 44)."""
+    monkeypatch.setattr(replicated_sessions, "TAKEOVER_TIMEOUT", 0.05)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        names = ["a", "b", "c"]
+        a, b, c = (cluster_member(tmp_path, n, names, loop) for n in names)
+        log = Log([a, b, c])
+        link, session = await connected_with_will(a, log)
+        a.harness.drop(session, link)  # its will record proposed, its state without the will
+        records = a.appended()
+        for m in (a, b, c):
+            m.sessions.apply([r for r in records if r.topic == "dev"])
+        claim_b = loop.create_task(b.sessions.claim("dev", lambda x: x))
+        await turns()
+        log.commit(b)  # b's claim (epoch 2)
+        await turns()
+        claim_c = loop.create_task(c.sessions.claim("dev", lambda x: x))
+        await turns()
+        log.commit(c)  # c's claim (epoch 3), before a's will record
+        await turns()
+        assert {m.sessions.owners["dev"] for m in (a, b, c)} == {Owner(c.node.id, 3)}
+        for m in (a, b, c):
+            m.sessions.apply([r for r in records if r.topic != "dev"])  # a's record: lost
+        await log.settle()
+        await asyncio.gather(claim_b, claim_c, return_exceptions=True)
+        await asyncio.sleep(0.1)
+        await log.settle()
+        assert wills(a) == [WILL.payload] and wills(b) == wills(c) == []
+        assert a.sessions.fence.dropped == 0
 
     asyncio.run(run())
