@@ -711,6 +711,7 @@ def main(argv: list[str] | None = None) -> int:
         "the last acknowledged one (or a later one) of each",
     )
     ap.add_argument("--json", type=Path, help="append each run's JSON line to this file")
+    ap.add_argument("--keep", action="store_true", help="keep each run's files (logs, data)")
     args = ap.parse_args(argv)
     if args.devices < 1 or args.seconds <= 0 or args.shared < 0:
         ap.error("--devices 1 or more, --seconds above 0, --shared 0 or more")
@@ -741,7 +742,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             broker.stop()
         line = {**report.summary(), "workers": args.workers, "handed_off": handed}
-        failed += not _print(report, line, work, args.json)
+        failed += not _print(report, line, work, args.json, args.keep)
     return 1 if failed else 0
 
 
@@ -769,7 +770,11 @@ def _run(
 
 
 def _print(
-    report: ChurnReport, line: dict[str, object], work: Path, json_path: Path | None
+    report: ChurnReport,
+    line: dict[str, object],
+    work: Path,
+    json_path: Path | None,
+    keep: bool = False,
 ) -> bool:
     """Print a run's JSON line and its failures; keep its files if it failed. Whether ok."""
     print(json.dumps(line), flush=True)
@@ -779,7 +784,7 @@ def _print(
     if json_path:
         with open(json_path, "a") as f:
             f.write(json.dumps(line) + "\n")
-    if report.ok:
+    if report.ok and not keep:
         shutil.rmtree(work, ignore_errors=True)
     else:
         print(f"  kept: {work}")
@@ -828,7 +833,7 @@ def _cluster_runs(args: argparse.Namespace) -> int:
             finally:
                 cluster.stop()
         line = {**report.summary(), "nodes": args.cluster, "workers": args.workers}
-        failed += not _print(report, line, work, args.json)
+        failed += not _print(report, line, work, args.json, args.keep)
     return 1 if failed else 0
 
 
