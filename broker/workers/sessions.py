@@ -68,6 +68,8 @@ T = TypeVar("T")
 
 CLAIM = NEXT_KIND
 RELEASE = NEXT_KIND + 1
+#: Before the client id of a ``RELEASE``: to another node (:meth:`SessionDirectory.surrender`).
+_SURRENDER = b"\0"
 ENDED = NEXT_KIND + 2
 HELD = NEXT_KIND + 3
 HANDED = NEXT_KIND + 4
@@ -424,13 +426,14 @@ class SessionDirectory:
         self.registry[client_id] = claimant
         return STATE + state
 
-    async def _release_at(self, holder: int, client_id: str) -> bytes:
+    async def _release_at(self, holder: int, client_id: str, surrender: bool = False) -> bytes:
         if holder == self.worker:
             state = self.hand_over(client_id) or b""
             await self._written(client_id)
             return state
         assert self.mesh is not None
-        return await self.mesh.call(holder, RELEASE, client_id.encode())
+        body = (_SURRENDER if surrender else b"") + client_id.encode()
+        return await self.mesh.call(holder, RELEASE, body)
 
     async def surrender(self, client_id: str) -> bytes | None:
         """Another node took ``client_id`` over: the worker holding its session here gives
@@ -443,7 +446,7 @@ class SessionDirectory:
         done: asyncio.Future[None] = asyncio.get_running_loop().create_future()
         self._busy[client_id] = done  # and a claim here waits for this one
         try:
-            return await self._release_at(holder, client_id) or None
+            return await self._release_at(holder, client_id, surrender=True) or None
         except PeerDown:
             return None  # that worker died: its last state is what the log holds
         finally:
@@ -464,7 +467,8 @@ class SessionDirectory:
         )
 
     def _on_release(self, peer: int, request: int, body: memoryview) -> None:
-        client_id = bytes(body).decode()
+        surrender = body[:1] == _SURRENDER
+        client_id = bytes(body[1:] if surrender else body).decode()
         mesh = self.mesh
         assert mesh is not None
 
@@ -472,9 +476,11 @@ class SessionDirectory:
             state = self.hand_over(client_id) or b""
             self.when_written(client_id, lambda: mesh.reply(peer, request, handed(state)))
 
-        def handed(state: bytes) -> bytes:  # with a will left to an orphan's adopter
+        def handed(state: bytes) -> bytes:  # to another node: with a will left to an adopter
             cluster = self.cluster
-            return state if cluster is None else cluster.fence.hand_left(client_id, state) or b""
+            if cluster is None or not surrender:
+                return state
+            return cluster.fence.hand_left(client_id, state) or b""
 
         if client_id in self._answered:
             self._deferred.setdefault(client_id, []).append(release)  # see claim()

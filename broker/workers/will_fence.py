@@ -239,9 +239,15 @@ class WillFence:
         body = {"node": s.node.name, "epoch": epoch, "will": state, "id": wid, "w": s.worker[0]}
 
         def again() -> bool:  # while this node holds the session at that epoch, as applied
-            if self._is_mine(client_id, wid) and s.owners.get(client_id) == (s.node.id, epoch):
+            if not self._is_mine(client_id, wid):
+                return False
+            if s.owners.get(client_id) == (s.node.id, epoch):
                 return True
-            self._done(client_id, wid)
+            pending = self.pending.get(client_id)
+            if pending is not None and pending.id == wid:
+                self._done(client_id, wid)  # it won: out from here, or from the next holder
+            else:
+                self._lost(client_id, wid, state)  # not committed, or lost: as applied
             return False
 
         self._append(client_id, body, again)
@@ -281,21 +287,7 @@ class WillFence:
         current = s.owners.get(client_id)
         if current != (node, epoch):
             if self._is_mine(client_id, wid):
-                if client_id in self.taken:
-                    # A CONNECT on another node took the session from here before this
-                    # record was applied (the client back at once elsewhere): as for a
-                    # connection taken over (will_now), nobody else has this will (the state
-                    # left here without it), so it goes out from here, unfenced [MQTT-3.1.2-8],
-                    # and this node's release waits for it (after_will). Dropped, 52 wills
-                    # of 889 were lost in a 20 s churn run of three nodes.
-                    self._send(client_id, body["will"], partial(self._done, client_id, wid))
-                    return True
-                elif client_id in self.orphaned:
-                    self.left[client_id] = body["will"]  # the adopter's, as in will_now
-                else:
-                    self.dropped += 1
-                    log.info("cluster: %s: will not published: the session moved on", client_id)
-                self._done(client_id, wid)
+                self._lost(client_id, wid, body["will"])
             return True
         if wid == self._out.get(client_id) or (
             client_id in self.pending and self.pending[client_id].id == wid
@@ -306,6 +298,24 @@ class WillFence:
         if node == s.node.id and s.serving:
             self._publish(client_id, fenced)
         return True
+
+    def _lost(self, client_id: str, wid: str, will: list[Any]) -> None:
+        """This worker's will record ``wid`` lost: applied after a claim that superseded its
+        epoch, or given up on once that claim was applied (not committed, or not known to
+        be). If a CONNECT on another node took the session from here, as for a connection
+        taken over (:meth:`will_now`), nobody else has this will (the state left here
+        without it): it goes out from here, unfenced [MQTT-3.1.2-8], and this node's release
+        waits for it (:meth:`after_will`; dropped, 52 wills of 889 were lost in a 20 s churn
+        run of three nodes). If an orphan's claim did, it is left to the adopter."""
+        if client_id in self.taken:
+            self._send(client_id, will, partial(self._done, client_id, wid))
+            return
+        if client_id in self.orphaned:
+            self.left[client_id] = will
+        else:
+            self.dropped += 1
+            log.info("cluster: %s: will not published: the session moved on", client_id)
+        self._done(client_id, wid)
 
     def claimed(self, client_id: str, node: int, previous: int | None, orphan: bool) -> None:
         """A claim of ``client_id`` by ``node`` won (every node applies it in log order, after
@@ -328,6 +338,8 @@ class WillFence:
             self.orphaned.add(client_id)
         else:
             self.orphaned.discard(client_id)
+        if node == me and (left := self.left.pop(client_id, None)) is not None:
+            self._send(client_id, left)  # back before the adopter's release took it: here
         if orphan or node != me or previous in (None, me):
             return
         state = self.sessions.states.get(client_id)

@@ -360,6 +360,12 @@ def test_on_a_cluster_node_the_home_claims_for_the_node_first(tmp_path: Path) ->
         assert await w[1].connect(cid) == NEW
         node.left[cid] = b"+will"
         assert await w[0].dir.surrender(cid) == b"{}+will" and not node.left
+        # Not to a CONNECT on another worker of this node (it claims it back first).
+        assert await w[1].connect(cid) == NEW
+        node.left[cid] = b"+will"
+        assert await w[0].connect(cid) == STATE + b"{}" and node.left == {cid: b"+will"}
+        node.left.clear()
+        assert await w[0].dir.surrender(cid) == b"{}"
         # A session that ends ends the node's claim.
         assert await w[1].connect(cid) == NEW
         w[1].held.clear()

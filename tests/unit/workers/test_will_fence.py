@@ -837,3 +837,43 @@ def test_a_will_whose_record_loses_to_a_third_nodes_claim_goes_out_from_its_node
         assert a.sessions.fence.dropped == 0
 
     asyncio.run(run())
+
+
+def test_a_will_record_given_up_on_once_an_orphans_claim_applied_is_left_to_the_adopter(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dev's connection on a drops as a resumes from a pause: its will record finds no
+    leader (refused), and b's orphan claim is applied before it is proposed again. a gives
+    the record up (the session moved on) and leaves the will to b, in its release. Before,
+    giving up dropped the will, silently (bench.churn --cluster 3 --kill pause, seed 43,
+    nodes of two workers: the will's record proposed by a worker that had not yet applied
+    the claim, 3 wills)."""
+    monkeypatch.setattr(will_fence, "RETRY", 0.01)
+
+    async def run() -> None:
+        a, b, log = await dev_on_a_with_will(tmp_path)
+        router = a.harness.router
+        forward = router.append_forwarded
+        refused: list[bytes] = []
+
+        def no_leader_for_wills(key: Any, rows: list[Any], ack: Any) -> None:
+            if b'"will":[' in rows[0][2]:
+                refused.append(rows[0][2])
+                return ack(None)
+            forward(key, rows, ack)
+
+        router.append_forwarded = no_leader_for_wills  # type: ignore[method-assign]
+        session = router.sessions["dev"]
+        a.harness.drop(session, session.link)  # type: ignore[arg-type]
+        assert refused and "dev" in a.sessions.fence.mine
+        await adopt_waiting(b, log, "dev", a)
+        await asyncio.sleep(0.05)
+        await log.settle()
+        release = [r for r in ownership(log, "dev") if "released_by" in r]
+        assert release and release[0].get(will_fence.LEFT) == will_state(WILL)
+        b.harness.tick(1)
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert a.sessions.fence.dropped == 0 and "dev" not in a.sessions.fence.mine
+
+    asyncio.run(run())
