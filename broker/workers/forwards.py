@@ -150,7 +150,12 @@ def refuse_held(parts: Iterable[object], client_id: str) -> int:
     return refused
 
 
-def zombies(records: Iterable[Record], sender: int, claims: Mapping[str, Claim]) -> bytes:
+def zombies(
+    records: Iterable[Record],
+    sender: int,
+    claims: Mapping[str, Claim],
+    names: Mapping[int, str] | None = None,
+) -> bytes:
     """At a group's leader: the clients of ``records`` (forwarded by node ``sender``) whose
     session another node claimed after the record was accepted, as the claims applied here
     say: *zombie* records, of a connection taken over, that reach the leader late (their
@@ -175,7 +180,8 @@ def zombies(records: Iterable[Record], sender: int, claims: Mapping[str, Claim])
         and r.timestamp < claim.at
     }
     if ids:
-        log.info("cluster: records of %s from node %d refused: claimed since", sorted(ids), sender)
+        node = (names or {}).get(sender, sender)
+        log.info("cluster: records of %s from node %s refused: claimed since", sorted(ids), node)
     return b"\0".join(client_id.encode() for client_id in ids)
 
 

@@ -548,7 +548,7 @@ class ClusterService:
             log.warning("cluster: bad forwarded batch from node %d: %s", frm, e)
             reply(None)
             return
-        if fenced := forwards.zombies(records, frm, self.sessions.claims):  # (node paused)
+        if fenced := forwards.zombies(records, frm, self.sessions.claims, self.node.names):
             self.node.send(frm, FORWARDED, _ANSWER.pack(request, forwards.FENCED) + fenced)
             return
         router.append_forwarded(key, [r[1:] for r in records], reply)
