@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import NamedTuple, Protocol
 
@@ -30,6 +31,8 @@ log = logging.getLogger("broker.cluster")
 FORWARD_TIMEOUT = 10.0
 #: Seconds a forward to a node that stopped leading waits for that node's answer.
 ANSWER_GRACE = 0.25
+#: Milliseconds (of claim time) the claims of a session that ended are kept (:class:`Claims`).
+ENDED_KEPT_MS = 600_000
 #: A forward's answer: refused for records of clients another node claimed since
 #: (:func:`zombies`; their client ids follow).
 FENCED = -3
@@ -50,10 +53,55 @@ class Dispatching(Protocol):
 
 class Claim(NamedTuple):
     """The latest claim of a client id applied (broker.workers.replicated_sessions): the
-    claimant (a Raft node id) and the claim record's timestamp (ms)."""
+    claimant (a Raft node id), the claim record's timestamp (ms), and the timestamp of the
+    latest claim by any other node before it (0: none)."""
 
     node: int
     at: int
+    other: int = 0
+
+    def since(self, sender: int) -> int:
+        """The time of the latest claim by a node other than ``sender``: a record that node
+        accepted before it is a zombie."""
+        return self.at if self.node != sender else self.other
+
+
+class Claims:
+    """The claims of each client id applied, for :func:`zombies`; those of sessions that
+    ended are kept for :data:`ENDED_KEPT_MS` of claim time (a zombie of a session that
+    ended since, its client back elsewhere meanwhile, landed after that client's newer
+    retained message: bench.churn --cluster 3 --kill pause, seed 44)."""
+
+    def __init__(self) -> None:
+        self.live: dict[str, Claim] = {}
+        self.over: OrderedDict[str, Claim] = OrderedDict()
+
+    def get(self, client_id: str) -> Claim | None:
+        return self.live.get(client_id) or self.over.get(client_id)
+
+    def claimed(self, client_id: str, node: int, at: int) -> None:
+        last = self.live.get(client_id) or self.over.pop(client_id, None)
+        if last is None:
+            self.live[client_id] = Claim(node, at)
+        else:
+            other = last.other if last.node == node else last.at
+            self.live[client_id] = Claim(node, at, other)
+
+    def ended(self, client_id: str) -> None:
+        claim = self.live.pop(client_id, None)
+        if claim is None:
+            return
+        over = self.over
+        over[client_id] = claim
+        over.move_to_end(client_id)
+        while over:
+            first = next(iter(over.values()))
+            if first.at >= claim.at - ENDED_KEPT_MS:
+                break
+            over.popitem(last=False)
+
+    def __len__(self) -> int:
+        return len(self.live) + len(self.over)
 
 
 class Forward(NamedTuple):
@@ -153,15 +201,16 @@ def refuse_held(parts: Iterable[object], client_id: str) -> int:
 def zombies(
     records: Iterable[Record],
     sender: int,
-    claims: Mapping[str, Claim],
+    claims: Claims,
     names: Mapping[int, str] | None = None,
 ) -> bytes:
     """At a group's leader: the clients of ``records`` (forwarded by node ``sender``) whose
-    session another node claimed after the record was accepted, as the claims applied here
-    say: *zombie* records, of a connection taken over, that reach the leader late (their
-    node paused: accepted before, sent as it resumed, before it applied the claim). They
-    are refused, as Kafka fences a producer of an older epoch: let through, one landed
-    after what the client published since on the other node (bench.churn --cluster 3 --kill
+    session another node claimed after the record was accepted (:meth:`Claim.since`; the
+    claims of a session that ended since count too), as the claims applied here say:
+    *zombie* records, of a connection taken over, that reach the leader late (their node
+    paused: accepted before, sent as it resumed, before it applied the claim). They are
+    refused, as Kafka fences a producer of an older epoch: let through, one landed after
+    what the client published since on the other node (bench.churn --cluster 3 --kill
     pause, seed 41: a retained message replaced by an older one). Their client ids,
     NUL-separated (an MQTT string has no U+0000 [MQTT-1.5.4-2]); empty: none.
 
@@ -175,9 +224,7 @@ def zombies(
     ids = {
         r.client_id
         for r in records
-        if (claim := claims.get(r.client_id)) is not None
-        and claim.node != sender
-        and r.timestamp < claim.at
+        if (claim := claims.get(r.client_id)) is not None and r.timestamp < claim.since(sender)
     }
     if ids:
         node = (names or {}).get(sender, sender)

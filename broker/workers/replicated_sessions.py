@@ -90,7 +90,7 @@ from broker.router.commit import OUTCOME_UNKNOWN
 from broker.router.state import SESSIONS
 from broker.router.store import OWNERSHIP
 from broker.workers.cluster_groups import ClusterGroupPeers
-from broker.workers.forwards import Claim, refuse_held
+from broker.workers.forwards import Claims, refuse_held
 from broker.workers.orphans import Orphans
 from broker.workers.sessions import SessionDirectory, home_of
 from broker.workers.will_fence import LEFT, WillFence
@@ -153,7 +153,7 @@ class ClusterSessions:
         self.states: dict[str, bytes] = {}
         #: Client id -> its latest claim applied (a leader refuses the records a node
         #: accepted before another's claim: broker.workers.forwards.zombies).
-        self.claims: dict[str, Claim] = {}
+        self.claims = Claims()
         #: Client id -> the epoch of the latest release applied since its last claim.
         self.released: dict[str, int] = {}
         self.takeovers = 0
@@ -285,7 +285,7 @@ class ClusterSessions:
         current = self.owners.get(client_id)
         if not payload:  # the session ended: nobody holds it
             self.owners.pop(client_id, None)
-            self.claims.pop(client_id, None)
+            self.claims.ended(client_id)
             self.released.pop(client_id, None)
             self.fence.ended(client_id)
             ended = self._ending.pop(client_id, None)
@@ -329,7 +329,7 @@ class ClusterSessions:
                 self._assert(client_id, current.epoch)  # not left the last word
             return
         self.owners[client_id] = Owner(node, epoch)
-        self.claims[client_id] = Claim(node, at)
+        self.claims.claimed(client_id, node, at)
         self.released.pop(client_id, None)
         self._ending.pop(client_id, None)
         previous = current.node if current is not None else None

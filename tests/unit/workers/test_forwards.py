@@ -12,8 +12,10 @@ from broker.commitlog import Record
 from broker.router.commit import OUTCOME_UNKNOWN
 from broker.workers.forwards import (
     ANSWER_GRACE,
+    ENDED_KEPT_MS,
     FORWARD_TIMEOUT,
     Claim,
+    Claims,
     Forward,
     Forwards,
     refuse_held,
@@ -98,7 +100,9 @@ def test_a_leader_fences_the_records_a_node_accepted_before_another_nodes_claim(
     1,000 ms (node 1 paused meanwhile): zombies. Not: what node 1 sent after the claim (the
     will of the connection taken over), records of clients it claimed last, of clients no
     claim names."""
-    claims = {"dev": Claim(2, 1000), "own": Claim(1, 1000), "both": Claim(2, 1000)}
+    claims = Claims()
+    for client_id, node in (("dev", 2), ("own", 1), ("both", 2)):
+        claims.claimed(client_id, node, 1000)
     records = [
         _record("dev", 1, at=900),
         _record("dev", 2, at=1100),  # sent after node 1 applied the claim
@@ -132,3 +136,28 @@ def test_a_fenced_forward_refuses_its_zombies_and_sends_the_rest_again() -> None
     refuse_zombies(part, batch, b"dev")  # type: ignore[arg-type]
     assert outcomes == [("dev1", None), ("dev3", None)]
     assert sent == [[records[1], records[3]]]
+
+
+def test_a_zombie_is_fenced_by_any_later_claim_of_another_node_even_of_an_ended_session() -> None:
+    """Node 1 accepted dev's record at 900 ms and was paused; dev connected on node 2 (claim
+    at 1,000), then back on node 1 (1,100), or its session ended meanwhile (a clean
+    session): the record is still a zombie. Before, only the latest claim counted and an
+    ended session's none (bench.churn --cluster 3 --kill pause, seed 44: `dev17: got 88,
+    acked 91`)."""
+    claims = Claims()
+    claims.claimed("dev", 1, 500)
+    claims.claimed("dev", 2, 1000)
+    claims.claimed("dev", 1, 1100)
+    assert claims.get("dev") == Claim(1, 1100, 1000)
+    old, new = _record("dev", 1, at=900), _record("dev", 2, at=1150)
+    assert zombies([old, new], 1, claims) == b"dev"
+    assert zombies([new], 1, claims) == b""
+    claims.ended("dev")  # its clean session ended
+    assert zombies([old], 1, claims) == b"dev" and not claims.live
+    claims.claimed("dev", 1, 1200)  # back on node 1: the history goes on
+    assert claims.get("dev") == Claim(1, 1200, 1000) and zombies([old], 1, claims) == b"dev"
+    # An ended session's claims are kept for ENDED_KEPT_MS of claim time, then forgotten.
+    claims.ended("dev")
+    claims.claimed("other", 3, 1200 + ENDED_KEPT_MS + 1)
+    claims.ended("other")
+    assert claims.get("dev") is None and len(claims) == 1
