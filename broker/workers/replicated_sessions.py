@@ -308,6 +308,8 @@ class ClusterSessions:
                 self._assert(client_id, current.epoch)  # a stale will: not left the last word
             return
         if "released_by" in body or "asserted" in body:
+            if "released_by" in body and node == me:  # a will it hands over (will_fence)
+                self.fence.released(client_id, epoch, body.get(LEFT), client_id in self._claiming)
             if current is None or current.epoch <= epoch:
                 # The record names the owner its claim of this epoch made: that is the
                 # owner, also alone in a compacted log, or after a stale claim of the same
@@ -317,7 +319,7 @@ class ClusterSessions:
                     self.session_ended(client_id)  # an old release after the end: end again
             if current == (node, epoch):
                 if "released_by" in body:
-                    self._released(client_id, epoch, body.get(LEFT))
+                    self._released(client_id, epoch)
             elif current.node == me:
                 self._assert(client_id, current.epoch)  # not left the last word
             return
@@ -333,7 +335,7 @@ class ClusterSessions:
         self.released.pop(client_id, None)
         self._ending.pop(client_id, None)
         previous = current.node if current is not None else None
-        self.fence.claimed(client_id, node, previous, "orphan" in body)
+        self.fence.claimed(client_id, node, previous, "orphan" in body, epoch)
         if node == me:
             self._resolve(client_id, epoch, previous)
         else:
@@ -343,9 +345,8 @@ class ClusterSessions:
     def _holds(self, client_id: str) -> bool:
         return client_id in self._claiming or self.holds(client_id)
 
-    def _released(self, client_id: str, epoch: int, will: list[Any] | None) -> None:
+    def _released(self, client_id: str, epoch: int) -> None:
         self.released[client_id] = epoch
-        self.fence.released(client_id, epoch, will, waiting=client_id in self._claiming)
         waiter = self._releases.pop((client_id, epoch), None)
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
@@ -500,6 +501,7 @@ class ClusterSessions:
             if previous is not None and previous != me:
                 await self._wait_release(client_id, epoch, previous)
             if self.owners.get(client_id) != (me, epoch):
+                self.fence.claim_failed(client_id)
                 raise ClaimError(f"{client_id}: a connection on another node took the session")
             if self.holds(client_id):
                 return adopt(HERE)

@@ -54,9 +54,11 @@ node's release (:data:`LEFT`), and an adopter that waited for the release publis
 fenced at its own epoch; one that went on without (the node still away after its wait) ran
 the will of the state it adopted, written at the connection's CONNECT, and ignores the late
 release's, unless that state had none (written once the will fell due, the will record
-losing): then it publishes the late release's. Dropped instead, as before, the will was lost
-whenever the node came back within the adopter's wait: its release carried a state without
-the will (bench.churn --cluster 3 --kill pause, seed 43: 4-6 wills).
+losing): then it publishes the late release's; so does an adopter whose claim a later one
+superseded before it resumed (the client back on the old node at once), unfenced. Dropped
+instead, as before, the will was lost whenever the node came back within the adopter's wait:
+its release carried a state without the will (bench.churn --cluster 3 --kill pause, seed 43:
+4-6 wills).
 
 **Cost.** A will waits for one ``$sessions`` commit, applied on the node that proposed it:
 on a node that does not lead ``$sessions``, one message after the commit (the leader tells
@@ -121,6 +123,8 @@ class Holder(Protocol):
     owners: dict[str, Any]  # client id -> its Owner (node id, epoch)
     states: dict[str, bytes]  # client id -> its latest state record's payload
 
+    def home(self, client_id: str) -> bool: ...  # this worker acts for ``client_id``
+
 
 class WillFence:
     """This worker's part in publishing wills once across the cluster (module docstring)."""
@@ -142,10 +146,10 @@ class WillFence:
         #: wills that fell due here since: the adopter's, handed to it with the release.
         self.orphaned: set[str] = set()
         self.left: dict[str, list[Any]] = {}
-        #: Client id -> the will the release this node's claim waits for handed it; the
-        #: epoch of a claim that went on without the release and found no will.
+        #: Client id -> the epoch of this node's orphan claim of it whose release may hand
+        #: it a will (:meth:`released`); the will a release handed a claim not resumed yet.
+        self.adopting: dict[str, int] = {}
         self.given: dict[str, list[Any] | None] = {}
-        self.late: dict[str, int] = {}
         #: Client id -> what waits for this worker's will of it to be out (or lost).
         self._after: dict[str, list[Callable[[], None]]] = {}
         self._out: dict[str, str] = {}
@@ -317,7 +321,9 @@ class WillFence:
             log.info("cluster: %s: will not published: the session moved on", client_id)
         self._done(client_id, wid)
 
-    def claimed(self, client_id: str, node: int, previous: int | None, orphan: bool) -> None:
+    def claimed(
+        self, client_id: str, node: int, previous: int | None, orphan: bool, epoch: int
+    ) -> None:
         """A claim of ``client_id`` by ``node`` won (every node applies it in log order, after
         the same state): by a CONNECT that takes it from this node, or not. On the claimant
         of a CONNECT's claim from another node, the will of the connection the state before
@@ -325,8 +331,8 @@ class WillFence:
         one is cancelled by the new connection [MQTT-3.1.3-9]."""
         me = self.sessions.node.id
         self.handed.pop(client_id, None)
-        self.given.pop(client_id, None)
-        self.late.pop(client_id, None)
+        if node == me and orphan and self.sessions.home(client_id):  # (the claim's worker)
+            self.adopting[client_id] = epoch
         if previous == me and not orphan:
             self.taken.add(client_id)
         elif node == me or previous == me:
@@ -358,7 +364,6 @@ class WillFence:
         self._out.pop(client_id, None)
         self.taken.discard(client_id)
         self.orphaned.discard(client_id)
-        self.late.pop(client_id, None)
 
     def _publish(self, client_id: str, fenced: Fenced) -> None:
         """The fenced will goes out from the worker that proposed it (after a restart: the
@@ -424,6 +429,7 @@ class WillFence:
         if released:
             # The previous owner published its wills before its release, but the one it
             # left to this node, an orphan's adopter (module docstring).
+            self.adopting.pop(client_id, None)
             if given is not None:
                 self._propose(client_id, epoch, given)
             return state
@@ -434,8 +440,8 @@ class WillFence:
             del self.pending[client_id]
             will = pending.will
         elif handed is None:
-            if not state or not orjson.loads(state).get("will"):
-                self.late[client_id] = epoch  # the old node's release may yet hand one over
+            if state and orjson.loads(state).get("will"):
+                self.adopting.pop(client_id, None)  # it goes out here (the old node's: left)
             return state
         else:
             will = handed
@@ -450,15 +456,36 @@ class WillFence:
     # -- a will left to an orphan's adopter, handed with the release -----------------------
 
     def released(self, client_id: str, epoch: int, will: list[Any] | None, waiting: bool) -> None:
-        """The release of ``client_id`` to this node's claim of ``epoch`` is applied, with
-        the will the old node left to it (:data:`LEFT`; an orphan's adopter) or None: kept
-        for :meth:`claimed_here` while the claim waits for it (``waiting``); published if
-        the claim went on without the release and found no will (the state it adopted was
-        written after that connection's will fell due, and its will record lost)."""
+        """A release of ``client_id`` to this node's claim of ``epoch`` is applied, with the
+        will the old node left to it (:data:`LEFT`; this node an orphan's adopter) or None.
+        Kept for the claim while it has not resumed (``waiting``: :meth:`claimed_here`, or
+        :meth:`claim_failed`); else published here: the claim went on without the release
+        and found no will (the state it adopted was written after that connection's will
+        fell due, its will record losing), or a later claim superseded it (the client back
+        on the old node at once: bench.churn --cluster 3 --kill pause, seed 43)."""
+        if self.adopting.get(client_id) != epoch:
+            return  # not an orphan's claim, or its will went out otherwise
         if waiting:
             self.given[client_id] = will
-        elif will is not None and self.late.pop(client_id, None) == epoch:
+            return
+        del self.adopting[client_id]
+        if will is not None:
+            self._publish_given(client_id, epoch, will)
+
+    def claim_failed(self, client_id: str) -> None:
+        """This node's claim of ``client_id`` was superseded before it resumed: a will its
+        release handed it goes out from here, unfenced (nobody else has it)."""
+        if client_id in self.given:
+            self.adopting.pop(client_id, None)
+            if (will := self.given.pop(client_id)) is not None:
+                self._send(client_id, will)
+
+    def _publish_given(self, client_id: str, epoch: int, will: list[Any]) -> None:
+        s = self.sessions
+        if s.owners.get(client_id) == (s.node.id, epoch):
             self._propose(client_id, epoch, will)
+        else:
+            self._send(client_id, will)
 
     def hand_left(self, client_id: str, state: bytes | None) -> bytes | None:
         """The state the holder of ``client_id``'s session hands over for its release, with

@@ -783,7 +783,7 @@ def test_a_will_left_to_an_adopter_that_went_on_without_one_goes_out_from_it_lat
         await adopt_orphan(b, log, "dev", a)
         b.harness.tick(1)
         await log.settle()
-        assert wills(b) == [] and b.sessions.fence.late == {"dev": 2}
+        assert wills(b) == [] and b.sessions.fence.adopting == {"dev": 2}
         log.heal()
         for m in (a, b):
             m.sessions.apply([r for r in records if r.topic != "dev"])  # the record: lost
@@ -793,7 +793,7 @@ def test_a_will_left_to_an_adopter_that_went_on_without_one_goes_out_from_it_lat
         b.harness.tick(1)
         await log.settle()
         assert wills(a) == [] and wills(b) == [WILL.payload]
-        assert b.sessions.fence.late == {}
+        assert b.sessions.fence.adopting == {}
 
     asyncio.run(run())
 
@@ -875,5 +875,49 @@ def test_a_will_record_given_up_on_once_an_orphans_claim_applied_is_left_to_the_
         await log.settle()
         assert wills(a) == [] and wills(b) == [WILL.payload]
         assert a.sessions.fence.dropped == 0 and "dev" not in a.sessions.fence.mine
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize("release_first", [True, False])
+def test_a_will_left_to_an_adopter_whose_claim_a_connect_supersedes_goes_out_from_it(
+    tmp_path: Path, release_first: bool
+) -> None:
+    """a resumes from a pause: it applies b's orphan claim, closes dev's live connection and
+    leaves its will to b in its release; dev connects to a again at once, and a's claim is
+    applied before b's claim resumed (after a's release, or before it). b's claim fails (or
+    adopts, then loses the session to a), and b, which alone has that will, publishes it,
+    once. Before, it went nowhere
+    (bench.churn --cluster 3 --kill pause, seed 43: 2 wills)."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b, log = await dev_on_a_with_will(tmp_path)
+        adopting = loop.create_task(b.sessions.claim("dev", lambda x: x, only_from=a.node.id))
+        await turns()
+        log.commit(b)  # b's orphan claim (epoch 2): a leaves the will in its release
+        await turns()
+        back = loop.create_task(a.sessions.claim("dev", lambda x: x))  # dev back on a
+        await turns()
+        records = a.appended()
+        release = [r for r in records if b"released_by" in r.payload]
+        claim = [r for r in records if orjson.loads(r.payload or b"{}").get("epoch") == 3]
+        assert release and orjson.loads(release[0].payload)[will_fence.LEFT] == will_state(WILL)
+        assert claim and "released_by" not in orjson.loads(claim[0].payload)
+        rest = [r for r in records if r not in release and r not in claim]
+        for batch in (release, claim) if release_first else (claim, release):
+            for m in (a, b):
+                m.sessions.apply(batch + rest)
+            log.committed += batch + rest
+            rest = []
+            await turns()
+        await log.settle()
+        outcomes = await asyncio.gather(adopting, back, return_exceptions=True)
+        # (b's claim may resume between the two, adopt, and lose the session to a's claim.)
+        assert release_first or isinstance(outcomes[0], ClaimError)
+        assert not isinstance(outcomes[1], Exception)
+        await log.settle()
+        assert wills(a) == [] and wills(b) == [WILL.payload]
+        assert not b.sessions.fence.adopting and not b.sessions.fence.given
 
     asyncio.run(run())
