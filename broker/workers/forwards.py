@@ -17,7 +17,8 @@ from __future__ import annotations
 import logging
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from operator import itemgetter
 from typing import NamedTuple, Protocol
 
 from broker.commitlog import Record
@@ -26,6 +27,8 @@ from broker.router.commit import OUTCOME_UNKNOWN
 Ack = Callable[[int | None], None]
 
 log = logging.getLogger("broker.cluster")
+
+_TIMESTAMP = itemgetter(1)  # a Record's timestamp
 
 #: Seconds a forwarded batch waits for its answer before its outcome is called unknown.
 FORWARD_TIMEOUT = 10.0
@@ -75,11 +78,14 @@ class Claims:
     def __init__(self) -> None:
         self.live: dict[str, Claim] = {}
         self.over: OrderedDict[str, Claim] = OrderedDict()
+        #: The latest claim time of all: records all accepted after it are no zombies.
+        self.newest = 0
 
     def get(self, client_id: str) -> Claim | None:
         return self.live.get(client_id) or self.over.get(client_id)
 
     def claimed(self, client_id: str, node: int, at: int) -> None:
+        self.newest = max(self.newest, at)
         last = self.live.get(client_id) or self.over.pop(client_id, None)
         if last is None:
             self.live[client_id] = Claim(node, at)
@@ -199,7 +205,7 @@ def refuse_held(parts: Iterable[object], client_id: str) -> int:
 
 
 def zombies(
-    records: Iterable[Record],
+    records: Sequence[Record],
     sender: int,
     claims: Claims,
     names: Mapping[int, str] | None = None,
@@ -221,6 +227,8 @@ def zombies(
     second later, until it passes). A record accepted on a node cut off, after a claim it did
     not know of, passes; it is held there and refused as the claim is applied (refuse_held),
     unless it leaves before, as the node heals."""
+    if not records or min(map(_TIMESTAMP, records)) >= claims.newest:
+        return b""  # (the fleet's case: no claim since the oldest record)
     ids = {
         r.client_id
         for r in records

@@ -114,6 +114,7 @@ def test_a_leader_fences_the_records_a_node_accepted_before_another_nodes_claim(
     assert set(zombies(records, 1, claims).split(b"\0")) == {b"dev", b"both"}
     assert zombies(records, 2, claims) == b"own"  # the claimant's own pass, node 1's do not
     assert zombies(records[1:5], 1, claims) == b""
+    assert claims.newest == 1000 and zombies([records[1]], 1, claims) == b""  # all newer
 
 
 def test_a_fenced_forward_refuses_its_zombies_and_sends_the_rest_again() -> None:
