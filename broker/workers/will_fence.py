@@ -310,8 +310,12 @@ class WillFence:
         taken over (:meth:`will_now`), nobody else has this will (the state left here
         without it): it goes out from here, unfenced [MQTT-3.1.2-8], and this node's release
         waits for it (:meth:`after_will`; dropped, 52 wills of 889 were lost in a 20 s churn
-        run of three nodes). If an orphan's claim did, it is left to the adopter."""
-        if client_id in self.taken:
+        run of three nodes). So too if this node holds the session again (its client back
+        here at once): the will of its connection before. If an orphan's claim took the
+        session, it is left to the adopter."""
+        s = self.sessions
+        owner = s.owners.get(client_id)
+        if client_id in self.taken or (owner is not None and owner.node == s.node.id):
             self._send(client_id, will, partial(self._done, client_id, wid))
             return
         if client_id in self.orphaned:

@@ -921,3 +921,40 @@ def test_a_will_left_to_an_adopter_whose_claim_a_connect_supersedes_goes_out_fro
         assert not b.sessions.fence.adopting and not b.sessions.fence.given
 
     asyncio.run(run())
+
+
+def test_a_will_whose_record_loses_to_an_orphans_claim_goes_out_once_its_node_claims_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """dev's connection on a drops as a is paused (its will record in flight); b's orphan
+    claim, then a's own claim (dev back on a at once) are applied before a's record, which
+    loses to both: nobody else has that will (b's claim failed, a's release carried none),
+    so a publishes it."""
+    monkeypatch.setattr(replicated_sessions, "TAKEOVER_TIMEOUT", 0.05)
+    monkeypatch.setattr(will_fence, "RETRY", 0.01)
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        a, b, log = await dev_on_a_with_will(tmp_path)
+        session = a.harness.router.sessions["dev"]
+        a.harness.drop(session, session.link)  # type: ignore[arg-type]
+        held = a.appended()  # the will record and the state, not committed yet
+        adopting = loop.create_task(b.sessions.claim("dev", lambda x: x, only_from=a.node.id))
+        await turns()
+        log.commit(b)  # b's orphan claim (epoch 2)
+        await turns()
+        back = loop.create_task(a.sessions.claim("dev", lambda x: x))
+        await turns()
+        log.commit(a)  # a's claim (epoch 3); a's release waits for its will record
+        await turns()
+        assert {m.sessions.owners["dev"].epoch for m in (a, b)} == {3}
+        for m in (a, b):
+            m.sessions.apply(held)  # a's will record: lost
+        log.committed += held
+        await log.settle()
+        await asyncio.gather(adopting, back, return_exceptions=True)
+        await log.settle()
+        assert wills(a) + wills(b) == [WILL.payload]
+        assert a.sessions.fence.dropped == 0
+
+    asyncio.run(run())
