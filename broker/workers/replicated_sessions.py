@@ -445,7 +445,7 @@ class ClusterSessions:
         if not self.serving or router is None:
             return  # catching up at start: that claimant did not wait for this node
         now = router.state.now_ms()
-        state, will = self.fence.left_in(self.fence.hand_left(client_id, state))
+        state, will = self.fence.take_left(client_id, state)
         release = {"node": self.node.names.get(to, str(to)), "epoch": epoch}
         release["released_by"] = self.node.name
         if will is not None:

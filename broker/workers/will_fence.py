@@ -501,11 +501,14 @@ class WillFence:
         body[LEFT] = will
         return orjson.dumps(body)
 
-    @staticmethod
-    def left_in(state: bytes | None) -> tuple[bytes | None, list[Any] | None]:
-        """:meth:`hand_left` undone: the state (None if the session ended) and the will."""
+    def take_left(
+        self, client_id: str, state: bytes | None
+    ) -> tuple[bytes | None, list[Any] | None]:
+        """For the release of ``client_id``: the state (None if the session ended) and the
+        will left to an orphan's adopter, from the state another worker handed over
+        (:meth:`hand_left`), or this worker's own."""
         if not state or LEFT.encode() not in state:
-            return state, None
+            return state, self.left.pop(client_id, None)
         body = orjson.loads(state)
         will = body.pop(LEFT, None)
         return (orjson.dumps(body) if body else None), will
